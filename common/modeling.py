@@ -1,0 +1,88 @@
+"""Offline tokenizer and tiny Llama construction (no hub access anywhere).
+
+`build_char_tokenizer()` makes a character-level fast tokenizer over printable ASCII with
+`<pad>`, `<s>`, `</s>`, `<unk>`; `init_tiny_llama(...)` makes a randomly initialised Llama of
+any small size; `save_model_folder(...)` writes a normal Hugging Face folder (config.json,
+model.safetensors, tokenizer files) that `transformers` and vLLM load. Tests build their models
+with these; `common.toy_model` trains the built-in model on top of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+SPECIALS = [PAD, BOS, EOS, UNK]
+CHARS = [chr(c) for c in range(32, 127)]  # printable ASCII, one token each
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: every printable ASCII character is one token."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, padding_side="left"
+    )
+    fast.model_max_length = 4096
+    return fast
+
+
+def init_tiny_llama(
+    vocab_size: int,
+    *,
+    hidden_size: int = 96,
+    num_layers: int = 3,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_positions: int = 512,
+    seed: int = 0,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+    pad_token_id: int = 0,
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama (float32) of the given size, deterministic in `seed`."""
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 3 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def save_model_folder(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: str | Path) -> Path:
+    """Write config, safetensors weights, tokenizer and generation config to `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_tiny_model_folder(path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2,
+                           seed: int = 0) -> Path:
+    """An untrained tiny model folder for tests (char tokenizer + Llama).
+
+    vLLM's CPU attention supports only some head sizes (32 works, 16 and 24 do not): keep
+    hidden_size / num_heads = 32 or 64.
+    """
+    tok = build_char_tokenizer()
+    model = init_tiny_llama(len(tok), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, seed=seed,
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id)
+    return save_model_folder(model, tok, path)
