@@ -1,0 +1,57 @@
+"""Shared fixtures: one real local Ray cluster per test module, tiny model folders, quiet vLLM."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# vLLM inside Ray actors on a shared 2-core machine: no engine subprocess, one thread, small KV cache.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A private local Ray cluster for this module (never attaches to another cluster)."""
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="exgrpo-ray-", dir="/tmp")
+    ray.init(
+        address="local",
+        num_cpus=4,
+        _temp_dir=tmp,
+        include_dashboard=False,
+        namespace="exgrpo-test",
+        log_to_driver=False,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                  "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """An untrained tiny Llama + char tokenizer folder (vLLM-compatible head size)."""
+    from common.modeling import make_tiny_model_folder
+
+    return make_tiny_model_folder(tmp_path_factory.mktemp("tiny-model") / "model")
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm is not importable on this machine")
