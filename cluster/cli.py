@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--run", required=True, help="run name (as printed by `exgrpo train`)")
     s.add_argument("--address", default="auto", help="Ray address of the running job")
     s.add_argument("--namespace", default="exgrpo", help="Ray namespace of the run")
+    s.add_argument("--runs-root", default="runs", help="parent of run folders (to find the run's Ray address)")
     return p
 
 

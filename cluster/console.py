@@ -1,0 +1,70 @@
+"""What the user sees: a progress bar on a terminal, concise lines otherwise, full logs in files."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+NOISY_LOGGERS = ("ray", "vllm", "transformers", "mlflow", "alembic", "urllib3", "filelock", "torch")
+
+
+def setup_logging(log_dir: Path, level: int = logging.INFO) -> None:
+    """Our INFO lines to the console; everything (ours and libraries') at DEBUG to logs/driver.log."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    fh = logging.FileHandler(log_dir / "driver.log")
+    fh.setLevel(logging.DEBUG)
+    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(fh)
+    ch = logging.StreamHandler(sys.stderr)
+    ch.setLevel(level)
+    ch.setFormatter(logging.Formatter("[exgrpo] %(message)s"))
+    ch.addFilter(lambda r: r.name.startswith("exgrpo") or r.levelno >= logging.ERROR)
+    root.addHandler(ch)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class Progress:
+    """step | reward | accuracy | rollouts/s | buffer size | staleness — a bar on a TTY, lines elsewhere."""
+
+    def __init__(self, total: int, start: int = 0, every_s: float = 10.0):
+        self.total, self.every_s = total, every_s
+        self._last = 0.0
+        self._bar = None
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("{task.fields[info]}"), transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=total, completed=start, info="waiting for the first batch")
+
+    @staticmethod
+    def describe(m: dict[str, float]) -> str:
+        return (f"reward {m.get('train/reward_mean', 0):.2f}  acc {m.get('train/accuracy_fresh', 0):.2f}  "
+                f"{m.get('generator/rollouts_per_s', 0):.0f} rollouts/s  "
+                f"buffer {int(m.get('buffer/stored_trajectories', 0))}  "
+                f"lag {m.get('staleness/mean', 0):.1f}  replay {m.get('train/replay_fraction', 0):.2f}")
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        info = self.describe(metrics)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, info=info)
+            return
+        now = time.monotonic()
+        if now - self._last >= self.every_s or step == self.total:
+            self._last = now
+            print(f"[exgrpo] step {step}/{self.total}  {info}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,359 @@
+"""The driver: builds every component from one config and runs the training loop.
+
+    batch    = buffer.get_batch(version)        # fixed fresh/mixed ratio, staleness <= max_lag
+    result   = learner.step(batch)              # mixed-policy loss, optimizer step(s), version + 1
+    publish  = learner.publish()                # weights to the store; generators pick them up
+    buffer.feedback(result.feedback)            # entropy ranking refresh
+    log, checkpoint, scale
+
+Generators never wait for the driver: they lease from the buffer and read the weight store on their
+own. A learner-rank or buffer-shard death restarts the run from its last checkpoint (bounded);
+generator deaths are absorbed by Ray restarts and lease expiry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.config import RunConfig, flatten, to_yaml
+from common.messages import TrainingBatch
+
+log = logging.getLogger("exgrpo")
+
+BATCH_WAIT_S = 2.0
+"""How long one get_batch call waits before the driver checks signals, generators and scaling."""
+
+
+@dataclass
+class DriverState:
+    """What the driver itself must carry across a checkpoint."""
+
+    step: int = 0
+    mlflow_run_id: str | None = None
+    generators: int = 1
+    rng: dict[str, Any] = field(default_factory=dict)
+    wait_s: float = 0.0
+    train_s: float = 0.0
+
+
+class RunFailed(RuntimeError):
+    """A learner rank or buffer shard died; the run may restart from its last checkpoint."""
+
+
+class Trainer:
+    """Owns the components of one attempt of a run (rebuilt from the checkpoint on restart)."""
+
+    def __init__(self, cfg: RunConfig, run_dir, state: DriverState, model_path: Path, tracker):
+        self.cfg, self.run_dir, self.state, self.model_path, self.tracker = cfg, run_dir, state, model_path, tracker
+        self.stop_flag = False
+        self.staleness: Counter[int] = Counter()
+        self.components_built = False
+
+    # ------------------------------------------------------------------------------------- build
+
+    def build(self, checkpoint: Path | None) -> None:
+        from actors.pool import GeneratorPool
+        from buffer.client import BufferClient
+        from cluster.runtime import create_control
+        from common.data import load_questions
+        from learner.pool import LearnerPool
+        from learner.weights import ObjectStoreWeightSource
+        from transformers import AutoTokenizer
+
+        cfg, name, ns = self.cfg, self.run_dir.name, self.cfg.cluster.namespace
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        questions, report = load_questions(cfg.data, tokenizer, "train")
+        if report.skipped:
+            log.warning("data: skipped %d of %d rows: %s", report.skipped, report.total, "; ".join(report.problems[:5]))
+        self.buffer = BufferClient.create(cfg.buffer, questions, run=name, namespace=ns,
+                                          snapshot_dir=str(self.run_dir.path / "buffer-live"))
+        self.learner = LearnerPool(cfg.learner, str(self.model_path), run=name, namespace=ns,
+                                   max_new_tokens=cfg.generator.max_new_tokens)
+        if checkpoint is not None:
+            self.learner.load_checkpoint(checkpoint / "learner")
+            self.buffer.restore(str(checkpoint / "buffer"))
+        self.buffer.set_version(self.learner.version)
+        self.learner.publish()
+        self.control = create_control(name, ns, self.state.generators)
+        weights = ObjectStoreWeightSource(name, ns)
+        self.generators = GeneratorPool(cfg.generator, cfg.reward, str(self.model_path), self.buffer, weights,
+                                        task_name=cfg.data.task if cfg.data.train_path is None else None,
+                                        run=name, namespace=ns)
+        self.generators.scale_to(self.state.generators)
+        self.components_built = True
+
+    # -------------------------------------------------------------------------------------- loop
+
+    def run(self, progress) -> None:
+        """The training loop (see the module docstring)."""
+        cfg = self.cfg
+        while self.state.step < cfg.total_steps and not self.stop_flag:
+            batch = self._next_batch()
+            if batch is None:
+                continue
+            t0 = time.monotonic()
+            result = self.learner.step(batch)
+            self.learner.publish()
+            self.buffer.feedback(result.feedback)
+            self.buffer.set_version(result.version)
+            self.state.train_s += time.monotonic() - t0
+            self.state.step += 1
+            metrics = self._metrics(batch, result, time.monotonic() - t0)
+            self.tracker.log_metrics(metrics, self.state.step)
+            progress.update(self.state.step, metrics)
+            if cfg.checkpoint.every_steps and self.state.step % cfg.checkpoint.every_steps == 0:
+                self.checkpoint()
+            self._scale(metrics)
+        self.checkpoint()
+
+    def _next_batch(self) -> TrainingBatch | None:
+        t0 = time.monotonic()
+        try:
+            batch = self.buffer.get_batch(self.learner.version, timeout_s=BATCH_WAIT_S)
+        finally:
+            self.state.wait_s += time.monotonic() - t0
+        self._poll_control()
+        return batch if batch is not None and batch.groups else None
+
+    # ------------------------------------------------------------------------------- checkpoints
+
+    def checkpoint(self) -> Path:
+        """A consistent cut: learner (model, optimizer, version), every shard, driver state."""
+        final = self.run_dir.checkpoint_dir(self.state.step)
+        tmp = final.with_name(final.name + ".partial")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        self.learner.save_checkpoint(tmp / "learner")
+        self.buffer.snapshot(str(tmp / "buffer"))
+        self.state.rng = {"python": repr(random.getstate()), "numpy": _np_rng_state()}
+        (tmp / "driver.json").write_text(json.dumps(self.state.__dict__, default=str))
+        if final.exists():
+            import shutil
+
+            shutil.rmtree(final)
+        tmp.rename(final)
+        ckpts = [c for c in self.run_dir.read_state().get("checkpoints", []) if Path(c) != final] + [str(final)]
+        for old in ckpts[: -self.cfg.checkpoint.keep_last]:
+            import shutil
+
+            shutil.rmtree(old, ignore_errors=True)
+        self.run_dir.update_state(checkpoints=ckpts[-self.cfg.checkpoint.keep_last :])
+        self.tracker.log_metrics(_prefixed("accounting/", self.buffer.accounting()), self.state.step)
+        log.info("checkpoint %s", final)
+        return final
+
+    # ------------------------------------------------------------------------------------ scaling
+
+    def _poll_control(self) -> None:
+        import ray
+
+        ctl = ray.get(self.control.get.remote(), timeout=10)
+        if ctl["stop"]:
+            self.stop_flag = True
+        if ctl["target"] != self.generators.size:
+            log.info("scaling generators %d -> %d", self.generators.size, ctl["target"])
+            self.generators.scale_to(ctl["target"])
+            self.state.generators = ctl["target"]
+
+    def _scale(self, metrics: dict[str, float]) -> None:
+        a = self.cfg.cluster.autoscale
+        if not a.enabled or self.state.step % a.cooldown_steps:
+            return
+        import ray
+
+        n = self.generators.size
+        wait_frac = metrics.get("driver/learner_wait_fraction", 0.0)
+        gen_wait = metrics.get("generator/wait_fraction", 0.0)
+        free_cpus = ray.available_resources().get("CPU", 0.0)
+        if wait_frac > a.learner_wait_fraction_up and n < a.max_generators and free_cpus >= self.cfg.generator.num_cpus:
+            target = n + 1
+        elif gen_wait > a.generator_wait_fraction_down and n > a.min_generators:
+            target = n - 1
+        else:
+            return
+        ray.get(self.control.set_target.remote(target))
+        log.info("autoscale: generators %d -> %d (learner waits %.0f%%, generators wait %.0f%%)",
+                 n, target, 100 * wait_frac, 100 * gen_wait)
+
+    # ------------------------------------------------------------------------------------ metrics
+
+    def _metrics(self, batch: TrainingBatch, result, step_s: float) -> dict[str, float]:
+        fresh = [r for g in batch.groups for r in g.rollouts if not r.replayed]
+        lags = Counter(result.version - 1 - r.version for r in fresh)
+        self.staleness.update(lags)
+        out: dict[str, float] = {
+            "train/reward_mean": float(np.mean([r.reward for r in fresh])) if fresh else 0.0,
+            "train/accuracy_fresh": float(np.mean([r.correct for r in fresh])) if fresh else 0.0,
+            "train/mixed_groups": float(sum(g.mixed for g in batch.groups)),
+            "train/groups": float(len(batch.groups)),
+            "train/replay_fraction": sum(g.mixed for g in batch.groups) / max(1, len(batch.groups)),
+            "staleness/mean": float(np.mean([result.version - 1 - r.version for r in fresh])) if fresh else 0.0,
+            "driver/step_s": step_s,
+            "driver/learner_wait_fraction": self.state.wait_s / max(1e-9, self.state.wait_s + self.state.train_s),
+            "driver/generators": float(self.generators.size),
+            "policy/version": float(result.version),
+        }
+        out.update({f"staleness/lag_{k}": float(v) for k, v in lags.items()})
+        out.update(_prefixed("learner/", result.metrics))
+        out.update(_prefixed("buffer/", self.buffer.metrics()))
+        out.update(_prefixed("generator/", self.generators.metrics()))
+        return out
+
+    # ----------------------------------------------------------------------------------- teardown
+
+    def close(self) -> None:
+        import ray
+
+        for part in ("generators", "learner", "buffer"):
+            obj = getattr(self, part, None)
+            if obj is None:
+                continue
+            try:
+                obj.shutdown()
+            except ray.exceptions.RayError as e:
+                log.warning("shutting down %s: %s", part, e)
+        ctl = getattr(self, "control", None)
+        if ctl is not None:
+            ray.kill(ctl)
+
+
+def _prefixed(prefix: str, d: dict[str, Any]) -> dict[str, float]:
+    return {prefix + k: v for k, v in d.items() if isinstance(v, (int, float, np.integer, np.floating))}
+
+
+def _np_rng_state() -> list:
+    s = np.random.get_state()
+    return [s[0], s[1].tolist(), s[2], s[3], s[4]]
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def train_main(cfg: RunConfig | None, resume: str | None = None) -> int:
+    """`exgrpo train`: set up, train with bounded self-restarts, report. Returns the exit code."""
+    from cluster.console import Progress, setup_logging
+    from cluster.runtime import RunDir, start_ray
+    from cluster.tracking import Tracker, default_tracking_uri
+
+    if resume:
+        run_dir = RunDir(resume)
+        try:
+            cfg = run_dir.config()
+            state = _load_driver_state(run_dir)
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    else:
+        assert cfg is not None
+        try:
+            run_dir = RunDir.create(cfg)
+        except FileExistsError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        state = DriverState(generators=cfg.generator.num_generators)
+    setup_logging(run_dir.path / "logs")
+    model_path = _resolve_model(cfg)
+    if model_path is None:
+        return 2
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    engine_cfg = cfg.generator.engine
+    kv_gb = getattr(engine_cfg, "cpu_kv_cache_gb", None) or getattr(getattr(engine_cfg, "vllm", None), "cpu_kv_cache_gb", 1)
+    start_ray(cfg.cluster, run_dir.path, kv_gb)
+
+    uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
+    tracker = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled)
+    state.mlflow_run_id = tracker.start(run_dir.name, run_id=state.mlflow_run_id)
+    if not resume:
+        tracker.log_params(flatten(cfg))
+        tracker.log_text(to_yaml(cfg), "config.yaml")
+    run_dir.update_state(mlflow_run_id=state.mlflow_run_id)
+    log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, uri, state.mlflow_run_id)
+
+    progress = Progress(cfg.total_steps, start=state.step)
+    status = "FAILED"
+    try:
+        status = _train_with_restarts(cfg, run_dir, state, model_path, tracker, progress)
+    finally:
+        progress.close()
+        if cfg.tracking.log_plots:
+            tracker.log_plots(run_dir.path / "plots")
+        tracker.finish(status)
+        _shutdown_ray()
+    print(f"run folder: {run_dir.path}\nMLflow: mlflow ui --backend-store-uri {uri}  (run id {state.mlflow_run_id})")
+    return 0 if status in ("FINISHED", "KILLED") else 1
+
+
+def _train_with_restarts(cfg, run_dir, state, model_path, tracker, progress) -> str:
+    import ray
+
+    attempts = 0
+    while True:
+        trainer = Trainer(cfg, run_dir, state, model_path, tracker)
+        previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_flag", True))
+        try:
+            trainer.build(run_dir.latest_checkpoint())
+            trainer.run(progress)
+            return "KILLED" if trainer.stop_flag else "FINISHED"
+        except KeyboardInterrupt:
+            log.warning("interrupted: writing a checkpoint before exiting")
+            if trainer.components_built:
+                trainer.checkpoint()
+            return "KILLED"
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, RunFailed) as e:
+            attempts += 1
+            if attempts > cfg.cluster.max_restarts:
+                log.error("component failure (%s); restarts exhausted (%d)", e, cfg.cluster.max_restarts)
+                raise
+            log.error("component failure (%s); restarting from the last checkpoint (%d/%d)",
+                      type(e).__name__, attempts, cfg.cluster.max_restarts)
+            state.__dict__.update(_load_driver_state(run_dir).__dict__)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            trainer.close()
+
+
+def _load_driver_state(run_dir) -> DriverState:
+    base = run_dir.read_state()
+    ckpt = run_dir.latest_checkpoint()
+    if ckpt is None:
+        cfg = run_dir.config()
+        return DriverState(mlflow_run_id=base.get("mlflow_run_id"), generators=cfg.generator.num_generators)
+    d = json.loads((ckpt / "driver.json").read_text())
+    d["mlflow_run_id"] = base.get("mlflow_run_id") or d.get("mlflow_run_id")
+    return DriverState(**d)
+
+
+def _resolve_model(cfg: RunConfig) -> Path | None:
+    if cfg.model.path is None:
+        from common.toy_model import ensure_toy_model
+
+        return ensure_toy_model(cfg.model, cfg.data, verbose=True)
+    p = Path(cfg.model.path).expanduser()
+    if not (p / "config.json").is_file():
+        print(f"invalid configuration:\n  model.path: {p} is not a Hugging Face model folder (no config.json)",
+              file=sys.stderr)
+        return None
+    return p
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,163 @@
+"""MLflow tracking that never stops training.
+
+Metrics are buffered in memory and flushed in batches (`MlflowClient.log_batch`). When the tracking
+store is down or slow, the problem is reported once, metrics stay buffered (bounded; the oldest are
+dropped and counted beyond `max_buffered`) and flushing is retried on the next flush. The metric
+history is also kept locally for the end-of-run plots.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("exgrpo.tracking")
+
+
+def default_tracking_uri(runs_root: str | Path) -> str:
+    """A SQLite store beside the run folders, so `mlflow ui --backend-store-uri <uri>` shows every run."""
+    return f"sqlite:///{Path(runs_root).expanduser().resolve() / 'mlflow.db'}"
+
+
+class Tracker:
+    """One MLflow run: parameters, metrics (buffered), artifacts and plots."""
+
+    def __init__(self, uri: str, experiment: str, *, enabled: bool = True, flush_every_s: float = 5.0,
+                 max_buffered: int = 200_000):
+        self.uri = uri
+        self.experiment = experiment
+        self.enabled = enabled
+        self.run_id: str | None = None
+        self.flush_every_s = flush_every_s
+        self.max_buffered = max_buffered
+        self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        self.dropped = 0
+        self.failures = 0
+        self._pending: list[Any] = []
+        self._last_flush = 0.0
+        self._reported = False
+        self._client = None
+
+    # -------------------------------------------------------------------------------------- start
+
+    def start(self, run_name: str, run_id: str | None = None, tags: dict[str, str] | None = None) -> str | None:
+        """Create (or, with run_id, reopen) the MLflow run. Returns its id, None when tracking is off/down."""
+        if not self.enabled:
+            return None
+        try:
+            import mlflow
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self.uri)
+            if run_id is not None:
+                self._client.update_run(run_id, status="RUNNING")
+                self.run_id = run_id
+            else:
+                exp = self._client.get_experiment_by_name(self.experiment)
+                exp_id = exp.experiment_id if exp else self._client.create_experiment(self.experiment)
+                run = self._client.create_run(exp_id, run_name=run_name, tags=tags or {})
+                self.run_id = run.info.run_id
+            del mlflow
+        except Exception as e:  # the tracking store is optional for training: report once, continue
+            self._report(f"could not start the MLflow run at {self.uri}: {type(e).__name__}: {e}")
+            self._client = None
+        return self.run_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if self._client is None or self.run_id is None:
+            return
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        try:
+            for i in range(0, len(items), 100):
+                self._client.log_batch(self.run_id, params=items[i : i + 100])
+        except Exception as e:
+            self._report(f"could not log parameters: {type(e).__name__}: {e}")
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        if self._client is None or self.run_id is None:
+            return
+        try:
+            self._client.log_text(self.run_id, text, artifact_file)
+        except Exception as e:
+            self._report(f"could not log {artifact_file}: {type(e).__name__}: {e}")
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if self._client is None or self.run_id is None:
+            return
+        try:
+            p = Path(path)
+            if p.is_dir():
+                self._client.log_artifacts(self.run_id, str(p), artifact_path)
+            else:
+                self._client.log_artifact(self.run_id, str(p), artifact_path)
+        except Exception as e:
+            self._report(f"could not log artifact {path}: {type(e).__name__}: {e}")
+
+    # ------------------------------------------------------------------------------------ metrics
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Buffer metrics of one step (non-finite and non-numeric values are skipped)."""
+        now_ms = int(time.time() * 1000)
+        for k, v in metrics.items():
+            try:
+                fv = float(v)
+            except (TypeError, ValueError):
+                continue
+            if fv != fv or fv in (float("inf"), float("-inf")):
+                continue
+            self.history[k].append((step, fv))
+            if self._client is not None:
+                self._pending.append((k, fv, now_ms, step))
+        if len(self._pending) > self.max_buffered:
+            over = len(self._pending) - self.max_buffered
+            del self._pending[:over]
+            self.dropped += over
+        if time.monotonic() - self._last_flush >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        if self._client is None or self.run_id is None or not self._pending:
+            return
+        from mlflow.entities import Metric
+
+        try:
+            while self._pending:
+                chunk = self._pending[:1000]
+                self._client.log_batch(self.run_id, metrics=[Metric(k, v, t, s) for k, v, t, s in chunk])
+                del self._pending[: len(chunk)]
+        except Exception as e:
+            self.failures += 1
+            self._report(f"MLflow store {self.uri} is not accepting metrics ({type(e).__name__}: {e}); "
+                         f"buffering {len(self._pending)} values and retrying")
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.flush()
+        if self._client is not None and self.run_id is not None:
+            try:
+                self._client.set_terminated(self.run_id, status=status)
+            except Exception as e:
+                self._report(f"could not close the MLflow run: {type(e).__name__}: {e}")
+
+    def _report(self, msg: str) -> None:
+        if not self._reported:
+            log.warning("%s (reported once; training continues)", msg)
+            self._reported = True
+        else:
+            log.debug(msg)
+
+    # -------------------------------------------------------------------------------------- plots
+
+    def log_plots(self, out_dir: str | Path) -> list[Path]:
+        """Draw the run's curves from the local history, save PNGs to out_dir and log them."""
+        from cluster.plots import draw_all
+
+        paths = draw_all(self.history, Path(out_dir))
+        for p in paths:
+            self.log_artifact(p, "plots")
+        return paths

@@ -1,0 +1,167 @@
+"""The ExGRPO objective as pure tensor functions (no Ray, no FSDP, no config objects).
+
+Shapes: `[R, T]` = rows x response-aligned token positions, `[R]` = one value per row. Every
+per-token tensor comes with a 0/1 `response_mask`; masked positions contribute nothing to the loss,
+its gradient or its metrics.
+
+    A            = group_advantages(rewards, group_ids)                       # [R]
+    logp, H      = token_logprobs(logits, targets), token_entropy(logits)     # [R, T]
+    pg, extras   = policy_loss(logp, behaviour_logp, A, mask, replay_mask, normalizer=n)
+    loss         = pg + entropy_bonus(H, mask, coef, n) + kl_penalty(logp, ref_logp, mask, coef, n)
+
+Departures from the textbook: replayed tokens use policy shaping -A*w/(w+beta) instead of the
+clipped surrogate (ExGRPO/LUFFY); `shaping_beta=None` is the ablation with the plain importance
+weighted -A*w. Aggregation is a token mean, or a sum divided by a constant (Dr. GRPO).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, std_normalize: bool = False, eps: float = 1e-6) -> Tensor:
+    """A_i = r_i - mean(r over i's group), optionally divided by (group std + eps).
+
+    `rewards` [R] float, `group_ids` [R] int (any labels). A mixed group includes its replayed
+    trajectory. The std is the unbiased one (torch default, as in GRPO); a single-rollout group has
+    advantage 0.
+    """
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)  # [G], [R], [G]
+    rewards = rewards.to(torch.float32)
+    sums = torch.zeros(len(counts), dtype=torch.float32).index_add_(0, inverse, rewards)  # [G]
+    means = sums / counts  # [G]
+    adv = rewards - means[inverse]  # [R]
+    if std_normalize:
+        sq = torch.zeros(len(counts), dtype=torch.float32).index_add_(0, inverse, adv * adv)  # [G]
+        std = torch.sqrt(sq / (counts - 1).clamp(min=1))  # [G]
+        adv = adv / (std[inverse] + eps)
+    return adv
+
+
+def aggregate(per_token: Tensor, mask: Tensor, normalizer: float | None = None) -> Tensor:
+    """Sum of masked per-token values divided by `normalizer`, or their mean when it is None."""
+    total = (per_token * mask).sum()
+    if normalizer is None:
+        return total / mask.sum().clamp(min=1)
+    return total / normalizer
+
+
+def policy_loss(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    replay_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_fresh: bool = True,
+    shaping_beta: float | None = 0.1,
+    normalizer: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The mixed-policy surrogate. Returns (loss, metrics) with metrics as detached 0-d tensors.
+
+    logprobs, behaviour_logprobs, response_mask, replay_mask: [R, T]; advantages: [R].
+    - fresh tokens (replay_mask 0): ratio r = exp(logp - logp_behaviour);
+      loss_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) (plain -A r when not clip_fresh);
+    - replayed tokens (replay_mask 1): w = exp(logp - logp_stored), loss_t = -A w / (w + beta),
+      no clipping; beta None gives -A w.
+    The loss is aggregated over all masked tokens (see `aggregate`); `fresh_loss` + `replay_loss`
+    = `loss`. Metrics: clip_frac (fraction of fresh tokens where the clipped branch is active),
+    mean/max ratio of fresh tokens, mean/max weight of replayed tokens, token counts.
+    """
+    mask = response_mask.to(logprobs.dtype)
+    replay = replay_mask.to(logprobs.dtype) * mask  # [R, T]
+    fresh = mask - replay  # [R, T]
+    adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # [R, 1]
+    # Masked positions may hold garbage (padding): zero the log-ratio there so exp() stays finite.
+    log_ratio = torch.where(mask > 0, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))  # [R, T]
+    ratio = torch.exp(log_ratio)  # [R, T]
+
+    pg_loss1 = -adv * ratio
+    if clip_fresh:
+        pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        fresh_loss_t = torch.maximum(pg_loss1, pg_loss2)  # [R, T]
+        clipped = (pg_loss2 > pg_loss1).to(logprobs.dtype)
+    else:
+        fresh_loss_t = pg_loss1
+        clipped = torch.zeros_like(ratio)
+    replay_loss_t = -adv * ratio if shaping_beta is None else -adv * ratio / (ratio + shaping_beta)  # [R, T]
+
+    fresh_loss = aggregate(fresh_loss_t, fresh, normalizer if normalizer is not None else mask.sum().clamp(min=1))
+    replay_loss = aggregate(replay_loss_t, replay, normalizer if normalizer is not None else mask.sum().clamp(min=1))
+    loss = fresh_loss + replay_loss
+
+    with torch.no_grad():
+        n_fresh, n_replay = fresh.sum(), replay.sum()
+        r = ratio.detach()
+        zero = torch.zeros((), dtype=r.dtype, device=r.device)
+        metrics = {
+            "loss": loss.detach(),
+            "fresh_loss": fresh_loss.detach(),
+            "replay_loss": replay_loss.detach(),
+            "clip_frac": (clipped * fresh).sum() / n_fresh.clamp(min=1),
+            "fresh_ratio_mean": (r * fresh).sum() / n_fresh.clamp(min=1),
+            "fresh_ratio_max": torch.where(fresh > 0, r, zero).max() if n_fresh > 0 else zero,
+            "replay_weight_mean": (r * replay).sum() / n_replay.clamp(min=1),
+            "replay_weight_max": torch.where(replay > 0, r, zero).max() if n_replay > 0 else zero,
+            "fresh_tokens": n_fresh,
+            "replay_tokens": n_replay,
+        }
+    return loss, metrics
+
+
+def token_logprobs(logits: Tensor, targets: Tensor, chunk_size: int = 1024) -> Tensor:
+    """log softmax(logits)[target] in float32. logits [..., V], targets [...] -> [...].
+
+    Computed over chunks of `chunk_size` positions so that only one chunk's float32 copy of the
+    logits exists at a time (logits may be bf16).
+    """
+    flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
+    tgt = targets.reshape(-1)  # [N]
+    out = []
+    for start in range(0, flat.shape[0], chunk_size):
+        chunk = flat[start:start + chunk_size].float()  # [n, V]
+        picked = chunk.gather(-1, tgt[start:start + chunk_size].unsqueeze(-1)).squeeze(-1)  # [n]
+        out.append(picked - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(out).reshape(targets.shape) if out else flat.new_zeros(targets.shape, dtype=torch.float32)
+
+
+def token_entropy(logits: Tensor, chunk_size: int = 1024) -> Tensor:
+    """Full-vocabulary entropy H = logsumexp(z) - sum softmax(z) z, float32. logits [..., V] -> [...].
+
+    Chunked like `token_logprobs`. Differentiable (the entropy bonus back-propagates through it).
+    """
+    flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
+    out = []
+    for start in range(0, flat.shape[0], chunk_size):
+        chunk = flat[start:start + chunk_size].float()  # [n, V]
+        probs = torch.softmax(chunk, dim=-1)  # [n, V]
+        out.append(torch.logsumexp(chunk, dim=-1) - (probs * chunk).sum(-1))  # [n]
+    return torch.cat(out).reshape(logits.shape[:-1]) if out else flat.new_zeros(logits.shape[:-1], dtype=torch.float32)
+
+
+def row_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of each row's masked values; NaN for a row without masked tokens. [R, T] -> [R]."""
+    mask = mask.to(values.dtype)
+    count = mask.sum(-1)  # [R]
+    mean = (values * mask).sum(-1) / count.clamp(min=1)
+    return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
+
+
+def entropy_bonus(entropy: Tensor, response_mask: Tensor, coef: float, normalizer: float | None = None) -> Tensor:
+    """The entropy bonus as a loss term: -coef * aggregate(H). entropy, response_mask [R, T]."""
+    return -coef * aggregate(entropy, response_mask.to(entropy.dtype), normalizer)
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, response_mask: Tensor, coef: float,
+               normalizer: float | None = None) -> Tensor:
+    """KL to a reference policy as a loss term: coef * aggregate(k3), k3 = exp(d) - d - 1, d = ref - logp.
+
+    The k3 estimator (Schulman) is non-negative and unbiased for KL(pi_theta || pi_ref) on samples
+    of pi_theta. All inputs [R, T].
+    """
+    mask = response_mask.to(logprobs.dtype)
+    d = torch.where(mask > 0, ref_logprobs - logprobs, torch.zeros_like(logprobs))  # [R, T]
+    return coef * aggregate(torch.exp(d) - d - 1.0, mask, normalizer)

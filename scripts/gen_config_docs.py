@@ -1,0 +1,76 @@
+"""Generate docs/configuration.md from the pydantic models (so the docs cannot drift).
+
+    python scripts/gen_config_docs.py > docs/configuration.md
+A test checks that the committed file equals this output.
+"""
+
+from __future__ import annotations
+
+import sys
+import typing
+
+from pydantic import BaseModel
+
+from common.config import RunConfig
+
+
+def _type_name(ann) -> str:
+    s = str(ann).replace("typing.", "").replace("common.config.", "")
+    return s.replace("<class '", "").replace("'>", "")
+
+
+_OPS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<", "min_length": "len ≥"}
+
+
+def _bounds(metadata: list) -> str:
+    parts = []
+    for m in metadata:
+        for attr, op in _OPS.items():
+            v = getattr(m, attr, None)
+            if v is not None:
+                parts.append(f"{op} {v}")
+    return ", ".join(parts)
+
+
+def _rows(model: type[BaseModel], prefix: str, out: list[str], sections: list[tuple[str, type[BaseModel]]]) -> None:
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        sub = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if sub is not None:
+            sections.append((prefix + name, sub))
+            continue
+        args = typing.get_args(ann)
+        variants = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        if variants:
+            for v in variants:
+                sections.append((f"{prefix}{name} (kind: {v.model_fields['kind'].default})", v))
+            continue
+        bounds = _bounds(f.metadata)
+        default = f.default if f.default is not None else "null"
+        doc = (f.description or "").replace("|", "\\|").replace("\n", " ")
+        out.append(f"| `{prefix}{name}` | `{_type_name(ann)}` | `{default}` | {bounds} | {doc} |")
+
+
+def render() -> str:
+    lines = ["# Configuration reference", "",
+             "Generated from `common/config.py` by `python scripts/gen_config_docs.py`; do not edit by hand.",
+             "Set fields in a YAML file or as `dotted.key=value` overrides: "
+             "`exgrpo train config.yaml buffer.max_lag=0 learner.lr=1e-5`.",
+             "`exgrpo config [...]` prints the resolved configuration.", ""]
+    queue: list[tuple[str, type[BaseModel]]] = [("", RunConfig)]
+    while queue:
+        prefix, model = queue.pop(0)
+        title = prefix or "(root)"
+        lines += [f"## `{title}`", "", (model.__doc__ or "").strip(), "",
+                  "| field | type | default | bounds | meaning |", "| --- | --- | --- | --- | --- |"]
+        rows: list[str] = []
+        subs: list[tuple[str, type[BaseModel]]] = []
+        key_prefix = prefix.split(" (kind")[0] + "." if prefix else ""
+        _rows(model, key_prefix, rows, subs)
+        lines += rows + [""]
+        queue.extend(subs)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())
