@@ -1,14 +1,17 @@
 """MLflow tracking that never stops training.
 
-Metrics are buffered in memory and flushed in batches (`MlflowClient.log_batch`). When the tracking
-store is down or slow, the problem is reported once, metrics stay buffered (bounded; the oldest are
-dropped and counted beyond `max_buffered`) and flushing is retried on the next flush. The metric
+Metrics are buffered in memory and flushed in batches (`MlflowClient.log_batch`) by a background
+thread, so a slow tracking server never delays a training step. When the store is down or slow, the
+problem is reported once, metrics stay buffered (bounded; the oldest are dropped and counted beyond
+`max_buffered`) and flushing is retried on the next round. The metric
 history is also kept locally for the end-of-run plots.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -40,6 +43,13 @@ class Tracker:
         self._last_flush = 0.0
         self._reported = False
         self._client = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        # Fail fast against a dead HTTP server instead of MLflow's minutes of retries (user env wins).
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
     # -------------------------------------------------------------------------------------- start
 
@@ -64,6 +74,9 @@ class Tracker:
         except Exception as e:  # the tracking store is optional for training: report once, continue
             self._report(f"could not start the MLflow run at {self.uri}: {type(e).__name__}: {e}")
             self._client = None
+        if self._client is not None:
+            self._thread = threading.Thread(target=self._flush_loop, name="mlflow-flush", daemon=True)
+            self._thread.start()
         return self.run_id
 
     def log_params(self, params: dict[str, Any]) -> None:
@@ -112,31 +125,52 @@ class Tracker:
                 continue
             self.history[k].append((step, fv))
             if self._client is not None:
-                self._pending.append((k, fv, now_ms, step))
-        if len(self._pending) > self.max_buffered:
-            over = len(self._pending) - self.max_buffered
-            del self._pending[:over]
-            self.dropped += over
-        if time.monotonic() - self._last_flush >= self.flush_every_s:
+                with self._lock:
+                    self._pending.append((k, fv, now_ms, step))
+        with self._lock:
+            if len(self._pending) > self.max_buffered:
+                over = len(self._pending) - self.max_buffered
+                del self._pending[:over]
+                self.dropped += over
+
+    def _flush_loop(self) -> None:
+        while not self._closing:
+            self._wake.wait(self.flush_every_s)
+            self._wake.clear()
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
+        """Send everything pending; False (and the values kept) when the store does not accept them."""
         self._last_flush = time.monotonic()
-        if self._client is None or self.run_id is None or not self._pending:
-            return
+        if self._client is None or self.run_id is None:
+            return True
         from mlflow.entities import Metric
 
-        try:
-            while self._pending:
+        while True:
+            with self._lock:
                 chunk = self._pending[:1000]
+            if not chunk:
+                return True
+            try:
                 self._client.log_batch(self.run_id, metrics=[Metric(k, v, t, s) for k, v, t, s in chunk])
+            except Exception as e:  # store down/slow: keep the values, report once, retry next round
+                self.failures += 1
+                self._report(f"MLflow store {self.uri} is not accepting metrics ({type(e).__name__}: {e}); "
+                             f"buffering and retrying")
+                return False
+            with self._lock:
                 del self._pending[: len(chunk)]
-        except Exception as e:
-            self.failures += 1
-            self._report(f"MLflow store {self.uri} is not accepting metrics ({type(e).__name__}: {e}); "
-                         f"buffering {len(self._pending)} values and retrying")
 
-    def finish(self, status: str = "FINISHED") -> None:
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def finish(self, status: str = "FINISHED", timeout_s: float = 30.0) -> None:
+        """Stop the flush thread, send what is left (bounded by timeout_s) and close the run."""
+        self._closing = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
         self.flush()
         if self._client is not None and self.run_id is not None:
             try:

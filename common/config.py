@@ -45,6 +45,16 @@ class ToyModelConfig(Section):
     """Stop training once sampled accuracy (temperature 1) on the probe set reaches this."""
     seed: int = Field(0, ge=0)
     """Seed for the toy model's initialisation and data order."""
+    eval_every: int = Field(50, ge=1, le=100_000)
+    """Measure sampled accuracy on the probe set every this many steps (the best measured checkpoint is kept)."""
+    probe_questions: int = Field(128, ge=8, le=100_000)
+    """Training questions in the probe set used to choose the checkpoint."""
+    samples: int = Field(8, ge=2, le=1024)
+    """Samples per probe question (the spread: always / partly / never right)."""
+    max_train_seconds: float = Field(150.0, gt=0, le=86_400)
+    """Stop supervised training after this long even if the target accuracy was not reached."""
+    threads: int = Field(2, ge=1, le=256)
+    """torch threads while building (restored afterwards)."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ToyModelConfig:
@@ -138,8 +148,10 @@ class VllmEngineConfig(Section):
     """Disable CUDA graphs / compilation (faster start, needed on CPU)."""
     max_model_len: int = Field(512, ge=16)
     """Maximum prompt + response length."""
-    block_size: int = Field(16, ge=1)
-    """KV cache block size."""
+    block_size: int | None = Field(None, ge=1)
+    """KV cache block size; None = the platform's default (vLLM's CPU attention needs a multiple of 32)."""
+    max_num_seqs: int = Field(256, ge=1, le=65_536)
+    """Most sequences vLLM schedules together."""
 
 
 class TransformersEngineConfig(Section):
@@ -190,6 +202,14 @@ class GeneratorConfig(Section):
     """Base sampling seed (each generator adds its index)."""
     idle_sleep_s: float = Field(0.05, gt=0, le=60)
     """Sleep between lease attempts when the buffer has no work."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Engine dtype (float32 on CPU; the driver passes model.dtype)."""
+    max_restarts: int = Field(3, ge=0, le=1000)
+    """Times Ray restarts a crashed generator actor (its leases expire and are issued again)."""
+    stop_timeout_s: float = Field(300.0, gt=0, le=86_400)
+    """stop() waits at most this long for the batch in flight before returning its leases."""
+    retry_backoff_s: float = Field(1.0, gt=0, le=600)
+    """Wait before retrying a buffer or weight-store call that failed (the shard may be restarting)."""
 
 
 # -------------------------------------------------------------------------------------------- buffer
@@ -234,6 +254,12 @@ class BufferConfig(Section):
     """Background snapshot period of each shard (for restart after a crash)."""
     seed: int = Field(0, ge=0)
     """Seed of per-epoch shuffling and sampling."""
+    call_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """The client raises BufferUnavailableError when a shard does not answer within this (e.g. while it restarts)."""
+    max_restarts: int = Field(10, ge=-1, le=10_000)
+    """Automatic restarts of a crashed shard actor (-1 = unlimited); each restart restores the latest snapshot."""
+    max_concurrency: int = Field(16, ge=2, le=1024)
+    """Threads of each shard actor (lease, submit and batch requests run concurrently)."""
 
 
 # ------------------------------------------------------------------------------------------- learner

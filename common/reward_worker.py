@@ -1,0 +1,86 @@
+"""Reward worker process: `python -m common.reward_worker <spec>` scores batches sent over stdin.
+
+Protocol (msgpack objects streamed on the worker's stdin/stdout; no pickle):
+- worker -> parent, once at start: `["ready"]` or `["failed", message]`.
+- parent -> worker: `[[response, answer], ...]` (one chunk).
+- worker -> parent: `[reward_or_None, error_or_None]` per item, in order, as each item finishes, so
+  the parent can time each call and, when one hangs, kill this process and resend only the rest.
+The worker's own stdout is moved to stderr first, so a reward function that prints cannot corrupt
+the protocol. `spec` is a registry name (`math`) or `package.module:function`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import msgpack
+
+
+def check_value(value: object) -> tuple[float | None, str | None]:
+    """(reward, None) for a real number in [0, 1] (bools count as 0/1), else (None, problem)."""
+    if isinstance(value, bool):
+        return float(value), None
+    if not isinstance(value, (int, float)) and not _is_numpy_real(value):
+        return None, f"returned a {type(value).__name__}, not a number"
+    try:
+        x = float(value)
+    except (OverflowError, ValueError):
+        return None, "returned a number that does not fit a float"
+    if not math.isfinite(x) or not 0.0 <= x <= 1.0:
+        return None, f"returned {x!r}, outside [0, 1]"
+    return x, None
+
+
+def _is_numpy_real(value: object) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, (np.integer, np.floating))
+
+
+def score_one(fn, response: str, answer: str) -> tuple[float | None, str | None]:
+    """Call the reward function once; any exception becomes an error string."""
+    try:
+        value = fn(response, answer)
+    except Exception as e:  # a user function may raise anything: reported, counted, scored 0
+        return None, f"raised {type(e).__name__}: {str(e)[:200]}"
+    return check_value(value)
+
+
+def main(spec: str) -> None:
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # the reward function's prints go to stderr
+    sys.stdout = sys.stderr
+    _limit_memory()
+    try:
+        from common.rewards import resolve_reward
+
+        fn, _ = resolve_reward(spec)
+    except Exception as e:  # reported to the parent, which scores this worker's items 0
+        out.write(msgpack.packb(["failed", f"{type(e).__name__}: {e}"]))
+        return
+    out.write(msgpack.packb(["ready"]))
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1 << 30)
+    stdin = sys.stdin.buffer
+    while True:
+        data = stdin.read1(1 << 20)
+        if not data:
+            return
+        unpacker.feed(data)
+        for chunk in unpacker:
+            for response, answer in chunk:
+                out.write(msgpack.packb(list(score_one(fn, response, answer))))
+
+
+def _limit_memory() -> None:
+    """Cap the address space (EXGRPO_REWARD_MEMORY_MB) so a memory bomb fails inside the worker."""
+    mb = int(os.environ.get("EXGRPO_REWARD_MEMORY_MB", "0"))
+    if mb > 0:
+        import resource
+
+        limit = mb << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,230 @@
+"""The built-in model: a tiny Llama trained briefly (supervised) on the built-in task, offline.
+
+`ensure_toy_model(model_cfg, data_cfg)` returns a Hugging Face folder (config, safetensors, char
+tokenizer) cached under `model_cfg.cache_dir` in a folder named by a hash of everything that changes
+the result (task, data seed and sizes, toy model settings, recipe version). A second call is
+instant; a build writes into a temporary folder and renames it into place, so a crash never leaves a
+half-written model where a later call would pick it up.
+
+Recipe: sequences are `BOS prompt response EOS` (the `common.data.encode_prompt` encoding), loss on the
+response and EOS only; for countdown each step picks a random one of a question's correct
+expressions, so the model starts with several solutions per question. Every `eval_every` steps the
+sampled accuracy (temperature 1, `samples` per question) on a fixed probe of training questions is
+measured; accuracy moves fast between evaluations, so the saved checkpoint is the evaluated one whose
+spread is best (many partly-right questions, mean near `target_mean_accuracy`), not the last one.
+Training stops once the mean passes the target by a margin, or at `max_train_steps`/`max_train_seconds`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.config import DataConfig, ModelConfig, ToyModelConfig
+
+RECIPE_VERSION = 1
+"""Bump when the training recipe changes so cached models are rebuilt."""
+INFO_FILE = "exgrpo_toy.json"
+"""Written last into a finished folder: the build's settings and measured spread."""
+
+
+@dataclass
+class Spread:
+    """Sampled accuracy (temperature 1) of a model over questions, `samples` rollouts each."""
+
+    mean: float
+    always: float  # fraction of questions right in every sample
+    partly: float  # fraction right in some but not all samples
+    never: float  # fraction never right
+    questions: int
+    samples: int
+
+    def line(self) -> str:
+        return (f"mean accuracy {self.mean:.3f} over {self.questions} questions x {self.samples} samples: "
+                f"always right {self.always:.0%}, partly {self.partly:.0%}, never {self.never:.0%}")
+
+
+def ensure_toy_model(model_cfg: ModelConfig, data_cfg: DataConfig, force: bool = False, verbose: bool = False) -> Path:
+    """The cached built-in model folder for this task and settings, built (minutes) when absent or `force`."""
+    if data_cfg.task is None:
+        raise ValueError("the built-in model is trained on a built-in task: set data.task, or set model.path "
+                         "to your own model folder")
+    folder = Path(model_cfg.cache_dir).expanduser() / f"toy-{data_cfg.task}-{cache_key(model_cfg.toy, data_cfg)}"
+    if (folder / INFO_FILE).is_file() and not force:
+        if verbose:
+            info = json.loads((folder / INFO_FILE).read_text())
+            print(f"built-in model (cached): {folder}\n  train {Spread(**info['train_spread']).line()}\n"
+                  f"  test  {Spread(**info['test_spread']).line()}")
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        info = build_toy_model(model_cfg.toy, data_cfg, tmp, verbose=verbose)
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    if verbose:
+        print(f"built-in model saved to {folder}")
+    return folder
+
+
+def cache_key(toy: ToyModelConfig, data_cfg: DataConfig) -> str:
+    """16 hex chars of blake2b over the settings that change the built model."""
+    relevant = {"recipe": RECIPE_VERSION, "toy": toy.model_dump(mode="json"), "task": data_cfg.task,
+                "seed": data_cfg.seed, "num_train": data_cfg.num_train, "num_test": data_cfg.num_test}
+    return hashlib.blake2b(json.dumps(relevant, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------- build
+
+
+def build_toy_model(toy: ToyModelConfig, data_cfg: DataConfig, out: Path, *, verbose: bool = False) -> dict:
+    """Train and save the model into `out`; return the info dict (settings, steps, measured spreads)."""
+    from common.modeling import build_char_tokenizer, init_tiny_llama, save_model_folder
+    from common.tasks import get_task
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(toy.threads)
+    try:
+        start = time.monotonic()
+        task = get_task(data_cfg.task)
+        train_rows, test_rows = task.generate(data_cfg.seed, data_cfg.num_train, data_cfg.num_test)
+        tok = build_char_tokenizer()
+        model = init_tiny_llama(len(tok), hidden_size=toy.hidden_size, num_layers=toy.num_layers,
+                                num_heads=toy.num_heads, seed=toy.seed, bos_token_id=tok.bos_token_id,
+                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        examples = _examples(task, train_rows, tok)
+        probe = random.Random(toy.seed).sample(train_rows, min(toy.probe_questions, len(train_rows)))
+        best_state, best, steps = _train(model, tok, task, examples, probe, toy, start, verbose)
+        model.load_state_dict(best_state)
+        train_spread = measure_spread(model, tok, task, train_rows[: 2 * toy.probe_questions], toy.samples, toy.seed + 1)
+        test_spread = measure_spread(model, tok, task, test_rows, toy.samples, toy.seed + 2)
+        model.generation_config.do_sample = True  # training rollouts sample; keep the HF default top_k off
+        save_model_folder(model, tok, out)
+        seconds = time.monotonic() - start
+        if verbose:
+            print(f"built-in model for task {task.name}: {sum(p.numel() for p in model.parameters())} parameters, "
+                  f"checkpoint of step {best[0]} (of {steps}) chosen by sampled accuracy, {seconds:.0f} s\n"
+                  f"  train {train_spread.line()}\n  test  {test_spread.line()}")
+        return {"task": task.name, "settings": toy.model_dump(mode="json"), "chosen_step": best[0], "steps": steps,
+                "seconds": round(seconds, 1), "train_spread": asdict(train_spread), "test_spread": asdict(test_spread)}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _examples(task, rows: list[dict], tok) -> list[tuple[list[int], list[list[int]]]]:
+    """(prompt ids, [response ids + EOS for each correct response]) per training question."""
+    from common.data import encode_prompt
+
+    out = []
+    for row in rows:
+        _, prompt_ids = encode_prompt(tok, row["question"], use_chat_template=False)
+        responses = [tok.encode(s, add_special_tokens=False) + [tok.eos_token_id] for s in task.solutions(row["answer"])]
+        out.append((prompt_ids.tolist(), responses))
+    return out
+
+
+def _batch(examples, idx: list[int], rng: random.Random, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels (-100 outside responses), each [B, L]."""
+    seqs, label_seqs = [], []
+    for i in idx:
+        prompt, responses = examples[i]
+        resp = rng.choice(responses)
+        seqs.append(prompt + resp)
+        label_seqs.append([-100] * len(prompt) + resp)
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [B, L]
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)  # [B, L]
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)  # [B, L]
+    for r, (s, lab) in enumerate(zip(seqs, label_seqs)):
+        ids[r, : len(s)] = torch.tensor(s)
+        labels[r, : len(s)] = torch.tensor(lab)
+        mask[r, : len(s)] = 1
+    return ids, mask, labels
+
+
+def _spread_score(s: Spread, target: float) -> float:
+    """Higher is better: many partly-right questions and a mean near the target."""
+    return s.partly - 2.0 * abs(s.mean - target)
+
+
+def _train(model, tok, task, examples, probe, toy: ToyModelConfig, start: float, verbose: bool):
+    """Supervised training; returns (best state dict, (best step, best spread), steps run)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=toy.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    rng = random.Random(toy.seed)
+    order: list[int] = []
+    best_state, best, best_score = copy.deepcopy(model.state_dict()), (0, None), -np.inf
+    step = 0
+    for step in range(1, toy.max_train_steps + 1):
+        if len(order) < toy.batch_size:
+            order += rng.sample(range(len(examples)), len(examples))
+        idx, order = order[: toy.batch_size], order[toy.batch_size:]
+        ids, mask, labels = _batch(examples, idx, rng, tok.pad_token_id)
+        model.train()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        out_of_time = time.monotonic() - start > toy.max_train_seconds
+        if step % toy.eval_every and not out_of_time and step != toy.max_train_steps:
+            continue
+        spread = measure_spread(model, tok, task, probe, toy.samples, toy.seed + step)
+        score = _spread_score(spread, toy.target_mean_accuracy)
+        if verbose:
+            print(f"  step {step:5d}  loss {loss.item():.3f}  {spread.line()}", flush=True)
+        if score > best_score:
+            best_state, best, best_score = copy.deepcopy(model.state_dict()), (step, spread), score
+        if spread.mean >= toy.target_mean_accuracy + 0.1 or out_of_time:
+            break
+    return best_state, best, step
+
+
+# ------------------------------------------------------------------------------------------ sampling
+
+
+@torch.no_grad()
+def sample_responses(model, tok, prompts: list[str], n: int, max_new_tokens: int, seed: int,
+                     temperature: float = 1.0, rows_per_call: int = 1024) -> list[list[str]]:
+    """`n` sampled response texts per prompt (plain `encode_prompt` encoding, stop at EOS)."""
+    from common.data import encode_prompt
+
+    torch.manual_seed(seed)
+    model.eval()
+    flat = [p for p in prompts for _ in range(n)]
+    texts: list[str] = []
+    for lo in range(0, len(flat), rows_per_call):
+        chunk = [encode_prompt(tok, p, use_chat_template=False)[1].tolist() for p in flat[lo: lo + rows_per_call]]
+        width = max(len(c) for c in chunk)
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(c)) + c for c in chunk])  # [R, P] left-padded
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(c) for c in chunk])[:, None]).long()
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0,
+                             top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id)
+        texts += tok.batch_decode(out[:, width:], skip_special_tokens=True)
+    return [texts[i * n: (i + 1) * n] for i in range(len(prompts))]
+
+
+def measure_spread(model, tok, task, rows: list[dict], samples: int, seed: int, max_new_tokens: int = 12) -> Spread:
+    """Per-question sampled accuracy at temperature 1, summarised as a Spread."""
+    outs = sample_responses(model, tok, [r["question"] for r in rows], samples, max_new_tokens, seed)
+    acc = np.array([np.mean([task.verify(t, r["answer"]) for t in ts]) for r, ts in zip(rows, outs)])
+    return Spread(mean=float(acc.mean()), always=float((acc == 1).mean()), partly=float(((acc > 0) & (acc < 1)).mean()),
+                  never=float((acc == 0).mean()), questions=len(rows), samples=samples)

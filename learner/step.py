@@ -1,0 +1,328 @@
+"""One learner step on one rank: batch -> rows -> mini-batches -> micro-batches -> loss -> AdamW.
+
+Every rank receives the whole `TrainingBatch` and derives the same rows, advantages, mini-batch
+split and loss normalizer from it, so no collective is needed for bookkeeping. Within a mini-batch,
+rows are sorted by length and dealt round-robin to the ranks (rank r takes rows r, r+W, ...), then
+cut into micro-batches of `micro_batch_rows`. Every rank runs the same number of micro-batches
+(a rank that has run out runs an all-masked dummy row) because each FSDP forward/backward is a
+collective.
+
+Loss scaling: the normalizer (token count of the mini-batch, or a constant) is global, so the
+per-rank losses add up to the mini-batch loss; FSDP averages gradients over ranks, so each rank's
+loss is multiplied by the world size. The result equals one rank training on the whole mini-batch.
+
+`TrainStep.run` returns `RankStats` (sums, not means) so that the pool can merge ranks exactly with
+`merge_rank_stats`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from common.config import LearnerConfig
+from common.messages import TrainingBatch
+from learner import loss as L
+
+
+class BatchError(ValueError):
+    """A TrainingBatch the learner cannot train on (the message says which group/rollout and why)."""
+
+
+@dataclass(slots=True)
+class Row:
+    """One rollout ready for training: prompt + response, with its advantage."""
+
+    prompt_ids: np.ndarray  # [P] int
+    response_ids: np.ndarray  # [T] int
+    behaviour_logprobs: np.ndarray  # [T] float32 (stored log-probs for a replayed rollout)
+    advantage: float
+    replayed: bool
+    key: str
+    group: int  # index of the group in the batch
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def batch_rows(batch: TrainingBatch, *, std_normalize: bool, max_positions: int) -> list[Row]:
+    """Flatten a batch into rows with group advantages; refuse rows the model cannot take."""
+    if not batch.groups:
+        raise BatchError("TrainingBatch has no groups: the driver must not call step() with an empty batch")
+    rows: list[Row] = []
+    rewards, group_ids = [], []
+    for g, group in enumerate(batch.groups):
+        if len(group.prompt_ids) == 0:
+            raise BatchError(f"group {g} (question {group.question_id!r}) has an empty prompt")
+        if not group.rollouts:
+            raise BatchError(f"group {g} (question {group.question_id!r}) has no rollouts")
+        for i, ro in enumerate(group.rollouts):
+            where = f"group {g} (question {group.question_id!r}) rollout {i}"
+            if len(ro.logprobs) != len(ro.response_ids):
+                raise BatchError(f"{where}: {len(ro.logprobs)} log-probs for {len(ro.response_ids)} response tokens")
+            n = len(group.prompt_ids) + len(ro.response_ids)
+            if n > max_positions:
+                raise BatchError(
+                    f"{where}: prompt+response is {n} tokens, above the model's max_position_embeddings "
+                    f"{max_positions}; lower data.max_prompt_tokens or generator.max_new_tokens"
+                )
+            if not np.all(np.isfinite(ro.logprobs)):
+                raise BatchError(f"{where}: behaviour log-probs contain NaN/inf")
+            rows.append(Row(np.asarray(group.prompt_ids), np.asarray(ro.response_ids),
+                            np.asarray(ro.logprobs, dtype=np.float32), 0.0, bool(ro.replayed), ro.key, g))
+            rewards.append(float(ro.reward))
+            group_ids.append(g)
+    adv = L.group_advantages(torch.tensor(rewards), torch.tensor(group_ids), std_normalize=std_normalize)  # [N]
+    for row, a in zip(rows, adv.tolist()):
+        row.advantage = a
+    return rows
+
+
+def split_mini_batches(rows: list[Row], n: int) -> list[list[Row]]:
+    """Split rows into at most `n` mini-batches along group boundaries (a group is never split)."""
+    groups = sorted({r.group for r in rows})
+    chunks = [c for c in np.array_split(np.array(groups), min(n, len(groups))) if len(c)]
+    return [[r for r in rows if r.group in set(c.tolist())] for c in chunks]
+
+
+def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int) -> list[list[Row]]:
+    """This rank's micro-batches of a mini-batch; equally many on every rank (padded with [])."""
+    ordered = sorted(rows, key=lambda r: (-r.length, r.group))
+    mine = ordered[rank::world]
+    n_micro = max(1, math.ceil(math.ceil(len(rows) / world) / micro_rows))
+    chunks = [mine[i * micro_rows:(i + 1) * micro_rows] for i in range(n_micro)]
+    return chunks
+
+
+@dataclass
+class MicroBatch:
+    input_ids: Tensor  # [R, L] right-padded prompt+response
+    attention_mask: Tensor  # [R, L]
+    targets: Tensor  # [R, L-1] = input_ids[:, 1:]
+    response_mask: Tensor  # [R, L-1] 1 where the target is a response token
+    replay_mask: Tensor  # [R, L-1] 1 on the response tokens of replayed rows
+    behaviour_logprobs: Tensor  # [R, L-1] behaviour log-probs aligned with targets (0 elsewhere)
+    advantages: Tensor  # [R]
+    rows: list[Row] = field(default_factory=list)
+
+
+def collate(rows: list[Row], pad_id: int, device: torch.device) -> MicroBatch:
+    """Right-pad rows into tensors; an empty list gives one all-masked dummy row (keeps FSDP in step)."""
+    if not rows:
+        z = torch.zeros(1, 1, device=device)
+        ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)  # [1, 2]
+        return MicroBatch(ids, torch.ones_like(ids), ids[:, 1:], z, z, z, torch.zeros(1, device=device), [])
+    length = max(r.length for r in rows)
+    n = len(rows)
+    ids = np.full((n, length), pad_id, dtype=np.int64)  # [R, L]
+    attn = np.zeros((n, length), dtype=np.int64)  # [R, L]
+    resp = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
+    beh = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
+    rep = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
+    for i, r in enumerate(rows):
+        p, t = len(r.prompt_ids), len(r.response_ids)
+        ids[i, :p] = r.prompt_ids
+        ids[i, p:p + t] = r.response_ids
+        attn[i, :p + t] = 1
+        # Response token j sits at position p+j and is predicted by the logits at position p+j-1.
+        resp[i, p - 1:p - 1 + t] = 1.0
+        beh[i, p - 1:p - 1 + t] = r.behaviour_logprobs
+        if r.replayed:
+            rep[i, p - 1:p - 1 + t] = 1.0
+    ids_t = torch.from_numpy(ids).to(device)
+    return MicroBatch(
+        input_ids=ids_t,
+        attention_mask=torch.from_numpy(attn).to(device),
+        targets=ids_t[:, 1:],
+        response_mask=torch.from_numpy(resp).to(device),
+        replay_mask=torch.from_numpy(rep).to(device),
+        behaviour_logprobs=torch.from_numpy(beh).to(device),
+        advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),  # [R]
+        rows=rows,
+    )
+
+
+def response_logprobs_and_entropy(logits: Tensor, mb: MicroBatch) -> tuple[Tensor, Tensor]:
+    """Log-probs of the targets and token entropies at response positions only; zeros elsewhere.
+
+    logits [R, L, V] -> ([R, L-1], [R, L-1]). Prompt and padding positions are skipped, not computed.
+    """
+    sel = mb.response_mask > 0  # [R, L-1]
+    picked = logits[:, :-1][sel]  # [N, V]
+    lp = L.token_logprobs(picked, mb.targets[sel])  # [N]
+    ent = L.token_entropy(picked)  # [N]
+    idx = sel.nonzero(as_tuple=True)
+    zeros = torch.zeros(sel.shape, dtype=torch.float32, device=logits.device)  # [R, L-1]
+    return zeros.index_put(idx, lp), zeros.index_put(idx, ent)
+
+
+SUM_KEYS = ("loss", "pg_loss", "fresh_loss", "replay_loss", "entropy_loss", "kl_loss", "clipped_tokens",
+            "fresh_ratio_sum", "replay_weight_sum", "fresh_entropy_sum", "replay_entropy_sum", "fresh_tokens",
+            "replay_tokens", "rows", "abs_adv_sum")
+MAX_KEYS = ("fresh_ratio_max", "replay_weight_max")
+
+
+@dataclass
+class RankStats:
+    """What one rank saw in one step, as sums (merged exactly by `merge_rank_stats`)."""
+
+    sums: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in SUM_KEYS})
+    maxes: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in MAX_KEYS})
+    grad_norms: list[float] = field(default_factory=list)  # identical on every rank (one per mini-batch)
+    updates: int = 0
+    skipped: int = 0
+    mini_batches: int = 0
+    feedback_keys: list[str] = field(default_factory=list)
+    feedback_entropies: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add_micro(self, metrics: dict[str, Tensor], parts: dict[str, float], ent: Tensor, mb: MicroBatch) -> None:
+        m = {k: float(v) for k, v in metrics.items()}
+        nf, nr = m["fresh_tokens"], m["replay_tokens"]
+        s = self.sums
+        s["pg_loss"] += m["loss"]
+        s["fresh_loss"] += m["fresh_loss"]
+        s["replay_loss"] += m["replay_loss"]
+        for k, v in parts.items():
+            s[k] += v
+        s["clipped_tokens"] += m["clip_frac"] * nf
+        s["fresh_ratio_sum"] += m["fresh_ratio_mean"] * nf
+        s["replay_weight_sum"] += m["replay_weight_mean"] * nr
+        s["fresh_tokens"] += nf
+        s["replay_tokens"] += nr
+        s["rows"] += len(mb.rows)
+        s["abs_adv_sum"] += float(mb.advantages.abs().sum()) if mb.rows else 0.0
+        replay = mb.replay_mask * mb.response_mask
+        s["fresh_entropy_sum"] += float((ent * (mb.response_mask - replay)).sum())
+        s["replay_entropy_sum"] += float((ent * replay).sum())
+        self.maxes["fresh_ratio_max"] = max(self.maxes["fresh_ratio_max"], m["fresh_ratio_max"])
+        self.maxes["replay_weight_max"] = max(self.maxes["replay_weight_max"], m["replay_weight_max"])
+
+
+def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], list[str], list[float]]:
+    """Metrics of a step from every rank's sums, plus the merged entropy feedback (keys, entropies)."""
+    s = {k: sum(st.sums[k] for st in stats) for k in SUM_KEYS}
+    mx = {k: max(st.maxes[k] for st in stats) for k in MAX_KEYS}
+    lead = stats[0]
+    n_mini = max(lead.mini_batches, 1)
+    nan = float("nan")
+    tokens = s["fresh_tokens"] + s["replay_tokens"]
+    seconds = max(st.seconds for st in stats)
+    applied_norms = lead.grad_norms
+    metrics = {
+        "learner/loss": s["loss"] / n_mini,
+        "learner/pg_loss": s["pg_loss"] / n_mini,
+        "learner/fresh_loss": s["fresh_loss"] / n_mini,
+        "learner/replay_loss": s["replay_loss"] / n_mini,
+        "learner/entropy_loss": s["entropy_loss"] / n_mini,
+        "learner/kl_loss": s["kl_loss"] / n_mini,
+        "learner/clip_frac": s["clipped_tokens"] / s["fresh_tokens"] if s["fresh_tokens"] else nan,
+        "learner/fresh_ratio_mean": s["fresh_ratio_sum"] / s["fresh_tokens"] if s["fresh_tokens"] else nan,
+        "learner/fresh_ratio_max": mx["fresh_ratio_max"] if s["fresh_tokens"] else nan,
+        "learner/replay_weight_mean": s["replay_weight_sum"] / s["replay_tokens"] if s["replay_tokens"] else nan,
+        "learner/replay_weight_max": mx["replay_weight_max"] if s["replay_tokens"] else nan,
+        "learner/entropy_fresh": s["fresh_entropy_sum"] / s["fresh_tokens"] if s["fresh_tokens"] else nan,
+        "learner/entropy_replayed": s["replay_entropy_sum"] / s["replay_tokens"] if s["replay_tokens"] else nan,
+        "learner/advantage_abs_mean": s["abs_adv_sum"] / s["rows"] if s["rows"] else nan,
+        "learner/grad_norm": float(np.mean(applied_norms)) if applied_norms else nan,
+        "learner/grad_norm_max": float(np.max(applied_norms)) if applied_norms else nan,
+        "learner/tokens": tokens,
+        "learner/fresh_tokens": s["fresh_tokens"],
+        "learner/replay_tokens": s["replay_tokens"],
+        "learner/rows": s["rows"],
+        "learner/mini_batches": float(lead.mini_batches),
+        "learner/updates": float(lead.updates),
+        "learner/skipped_updates": float(lead.skipped),
+        "learner/step_time_s": seconds,
+        "learner/tokens_per_s": tokens / seconds if seconds > 0 else nan,
+    }
+    keys = [k for st in stats for k in st.feedback_keys]
+    ents = [e for st in stats for e in st.feedback_entropies]
+    return metrics, keys, ents
+
+
+class TrainStep:
+    """The training step of one rank: owns nothing but references to the model and optimizer.
+
+    `model` is the (FSDP-sharded) causal LM, `ref_model` an optional frozen reference for the KL term.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, *,
+                 rank: int, world: int, device: torch.device, pad_id: int, max_positions: int,
+                 max_new_tokens: int, ref_model: torch.nn.Module | None = None):
+        self.model, self.optimizer, self.cfg = model, optimizer, cfg
+        self.rank, self.world, self.device = rank, world, device
+        self.pad_id, self.max_positions, self.max_new_tokens = pad_id, max_positions, max_new_tokens
+        self.ref_model = ref_model
+
+    def run(self, batch: TrainingBatch) -> RankStats:
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        rows = batch_rows(batch, std_normalize=cfg.std_normalize, max_positions=self.max_positions)
+        stats = RankStats()
+        self.model.train()
+        for mini in split_mini_batches(rows, cfg.mini_batches):
+            stats.mini_batches += 1
+            normalizer = self._normalizer(mini)
+            if normalizer == 0:  # no response tokens at all: nothing to learn from this mini-batch
+                stats.skipped += 1
+                continue
+            for chunk in rank_micro_batches(mini, self.rank, self.world, cfg.micro_batch_rows):
+                self._micro_step(collate(chunk, self.pad_id, self.device), normalizer, stats)
+            self._optimizer_step(stats)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _normalizer(self, mini: list[Row]) -> float:
+        tokens = sum(len(r.response_ids) for r in mini)
+        if tokens == 0:
+            return 0.0
+        if self.cfg.loss_agg == "constant":
+            return float(self.cfg.loss_constant or len(mini) * self.max_new_tokens)
+        return float(tokens)
+
+    def _micro_step(self, mb: MicroBatch, normalizer: float, stats: RankStats) -> None:
+        cfg = self.cfg
+        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # [R, L, V]
+        logp, ent = response_logprobs_and_entropy(logits, mb)  # [R, L-1] each
+        pg, metrics = L.policy_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.response_mask, mb.replay_mask,
+                                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_fresh=cfg.clip_fresh,
+                                    shaping_beta=cfg.shaping_beta, normalizer=normalizer)
+        ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.entropy_coef, normalizer)
+        kl_term = torch.zeros((), device=self.device)
+        if cfg.kl_coef > 0 and self.ref_model is not None and mb.rows:
+            with torch.no_grad():
+                ref_logits = self.ref_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                ref_logp, _ = response_logprobs_and_entropy(ref_logits, mb)
+            kl_term = L.kl_penalty(logp, ref_logp, mb.response_mask, cfg.kl_coef, normalizer)
+        total = pg + ent_term + kl_term
+        (total * self.world).backward()
+        parts = {"loss": float(total), "entropy_loss": float(ent_term), "kl_loss": float(kl_term)}
+        ent_d = ent.detach()
+        stats.add_micro(metrics, parts, ent_d, mb)
+        for row, h in zip(mb.rows, L.row_mean(ent_d, mb.response_mask).tolist()):
+            if row.key and not math.isnan(h):
+                stats.feedback_keys.append(row.key)
+                stats.feedback_entropies.append(h)
+
+    def _optimizer_step(self, stats: RankStats) -> None:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        stats.grad_norms.append(norm)
+        if not math.isfinite(norm) or norm > self.cfg.skip_grad_norm:
+            stats.skipped += 1
+        else:
+            coef = min(1.0, self.cfg.grad_clip / (norm + 1e-6))
+            if coef < 1.0:
+                for p in params:
+                    p.grad.mul_(coef)
+            self.optimizer.step()
+            stats.updates += 1
+        self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,291 @@
+"""Weight publication: learner rank 0 -> generators, through a backend chosen by config.
+
+Sending side (`WeightPublisher`, lives in learner rank 0): `publish(version, state_dict)` with Hugging
+Face parameter names (so the dict loads into `transformers` with `load_state_dict` and into vLLM with
+`load_weights`/`reload_weights`). Receiving side: a `common.interfaces.WeightSource` in each generator.
+
+    publisher = make_publisher(cfg.weight_sync, run=run, namespace=ns, timeout_s=cfg.publish_timeout_s)
+    ann = publisher.publish(version, full_state_dict)        # rank 0, after the gather
+    ...
+    source = ObjectStoreWeightSource(run, ns)                 # in a generator
+    source.register(generator_id)
+    ann = source.latest()
+    if ann is not None and ann.version > engine.version:
+        engine.load_weights(source.fetch(ann), ann.version); source.ack(generator_id, ann.version)
+
+Backends (a discriminated union in `LearnerConfig.weight_sync`):
+- object store (`ObjectStoreSyncConfig`): rank 0 `ray.put`s the state dict and hands the reference
+  to the named `WeightStore` actor (`actor_name(run, "weights")`), which keeps the newest
+  `keep_versions` references. A generator that starts late or restarts asks the store for the newest.
+- NCCL (`NcclSyncConfig`): see `NcclWeightPublisher` (untested here: this machine has no GPU).
+
+Acknowledgements: generators `register` (or simply `ack`, which registers), `unregister` when they
+leave; `WeightStore.wait_for_acks(version, timeout_s)` returns the registered generators that have
+not acknowledged `version` (or newer) in time, and `wait_for_acks` here raises `WeightSyncTimeout`
+naming them. Nothing waits without a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+import ray
+import torch
+
+from common.config import NcclSyncConfig, ObjectStoreSyncConfig
+from common.interfaces import actor_name
+from common.messages import WeightsAnnouncement
+
+
+class WeightSyncTimeout(TimeoutError):
+    """A publication or acknowledgement did not complete in time (the message names version and generators)."""
+
+
+def state_dict_bytes(state_dict: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state_dict.values())
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class WeightStore:
+    """Named actor holding the newest published versions (references into Ray's object store).
+
+    An asyncio actor: `wait_for_acks` awaits without blocking `put`, `ack` or `latest`.
+    """
+
+    def __init__(self, keep_versions: int = 2):
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
+        self.keep = keep_versions
+        self.versions: dict[int, tuple[WeightsAnnouncement, list]] = {}
+        self.acked: dict[str, int] = {}  # generator id -> newest acknowledged version (-1: none yet)
+        self.changed = asyncio.Condition()
+
+    async def put(self, ann: WeightsAnnouncement, refs: list) -> None:
+        """Store `refs` ([ObjectRef of the state dict] for the object store) as version `ann.version`."""
+        newest = max(self.versions, default=-1)
+        if ann.version <= newest:
+            raise ValueError(f"version {ann.version} published after version {newest}: versions must increase")
+        self.versions[ann.version] = (ann, refs)
+        for v in sorted(self.versions)[:-self.keep]:
+            del self.versions[v]
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def latest(self) -> WeightsAnnouncement | None:
+        return self.versions[max(self.versions)][0] if self.versions else None
+
+    async def get(self, version: int) -> list:
+        if version not in self.versions:
+            raise KeyError(f"weights version {version} is no longer (or not yet) held by the weight store; "
+                           f"held: {sorted(self.versions)}; call latest() again")
+        return self.versions[version][1]
+
+    async def register(self, generator_id: str) -> None:
+        self.acked.setdefault(generator_id, -1)
+
+    async def unregister(self, generator_id: str) -> None:
+        self.acked.pop(generator_id, None)
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def ack(self, generator_id: str, version: int) -> None:
+        self.acked[generator_id] = max(version, self.acked.get(generator_id, -1))
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def wait_for_acks(self, version: int, timeout_s: float) -> list[str]:
+        """Wait until every registered generator acknowledged `version` or newer; return the ones that did not."""
+        deadline = time.monotonic() + timeout_s
+
+        def missing() -> list[str]:
+            return sorted(g for g, v in self.acked.items() if v < version)
+
+        async with self.changed:
+            while missing() and (left := deadline - time.monotonic()) > 0:
+                try:
+                    await asyncio.wait_for(self.changed.wait(), timeout=left)
+                except TimeoutError:
+                    break
+        return missing()
+
+    async def status(self) -> dict:
+        return {"versions": sorted(self.versions), "acked": dict(self.acked)}
+
+
+def get_or_create_store(run: str, namespace: str | None) -> ray.actor.ActorHandle:
+    """The run's weight store, created if absent (detached from no one: lives as long as its creator's job)."""
+    return WeightStore.options(name=actor_name(run, "weights"), namespace=namespace, get_if_exists=True,
+                               lifetime=None).remote()
+
+
+def wait_for_acks(store: ray.actor.ActorHandle, version: int, timeout_s: float) -> None:
+    """Raise `WeightSyncTimeout` naming the generators that did not acknowledge `version` within `timeout_s`."""
+    missing = ray.get(store.wait_for_acks.remote(version, timeout_s), timeout=timeout_s + 30)
+    if missing:
+        raise WeightSyncTimeout(
+            f"weights version {version} not acknowledged within {timeout_s:.1f}s by generator(s) {missing}; "
+            "a removed generator must be unregistered (ObjectStoreWeightSource.unregister), a stuck one restarted, "
+            "or learner.publish_timeout_s raised"
+        )
+
+
+class WeightPublisher(Protocol):
+    """The sending side of a weight-sync backend (lives in learner rank 0)."""
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> WeightsAnnouncement: ...
+
+    def close(self) -> None: ...
+
+
+class ObjectStorePublisher:
+    """Publishes through Ray's object store and the run's `WeightStore` actor.
+
+    The rank that calls `publish` owns the object (it must outlive the version's use: learner rank 0
+    does); the store only borrows the reference, and dropping old versions frees them.
+    """
+
+    def __init__(self, cfg: ObjectStoreSyncConfig, *, run: str, namespace: str | None, timeout_s: float):
+        self.cfg, self.timeout_s = cfg, timeout_s
+        self.store = get_or_create_store(run, namespace)
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> WeightsAnnouncement:
+        ref = ray.put(state_dict)
+        ann = WeightsAnnouncement(version=version, location="object_store", num_bytes=state_dict_bytes(state_dict),
+                                  created_at=time.time())
+        try:
+            ray.get(self.store.put.remote(ann, [ref]), timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise WeightSyncTimeout(f"weight store did not accept version {version} within {self.timeout_s:.1f}s "
+                                    f"(is the actor {self.store} alive and responsive?)") from e
+        return ann
+
+    def close(self) -> None:
+        pass
+
+
+class ObjectStoreWeightSource:
+    """Receiving side of the object-store backend; a `common.interfaces.WeightSource`.
+
+    Picklable: holds only `run`/`namespace` and looks the store up by name on first use, so it can be
+    passed to generator actors and survives a store restart.
+    """
+
+    def __init__(self, run: str, namespace: str | None = None, timeout_s: float = 60.0):
+        self.run, self.namespace, self.timeout_s = run, namespace, timeout_s
+        self._store = None
+
+    def __getstate__(self) -> dict:
+        return {"run": self.run, "namespace": self.namespace, "timeout_s": self.timeout_s}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    def _handle(self, required: bool = True):
+        if self._store is None:
+            try:
+                self._store = ray.get_actor(actor_name(self.run, "weights"), namespace=self.namespace)
+            except ValueError:
+                if required:
+                    raise LookupError(f"no weight store {actor_name(self.run, 'weights')!r} in namespace "
+                                      f"{self.namespace!r}: has the learner pool started?") from None
+                return None
+        return self._store
+
+    def _get(self, ref):
+        return ray.get(ref, timeout=self.timeout_s)
+
+    def latest(self) -> WeightsAnnouncement | None:
+        """The newest announcement, or None when nothing was published yet (or no learner exists yet)."""
+        store = self._handle(required=False)
+        return None if store is None else self._get(store.latest.remote())
+
+    def fetch(self, ann: WeightsAnnouncement) -> dict[str, torch.Tensor]:
+        """The state dict of `ann.version` (HF names, CPU tensors). KeyError when the store dropped it."""
+        refs = self._get(self._handle().get.remote(ann.version))
+        return self._get(refs[0])
+
+    def ack(self, generator_id: str, version: int) -> None:
+        """Record that `generator_id` now serves `version` (also registers it)."""
+        self._get(self._handle().ack.remote(generator_id, version))
+
+    def register(self, generator_id: str) -> None:
+        """Count `generator_id` among the generators a publication waits for."""
+        self._get(self._handle().register.remote(generator_id))
+
+    def unregister(self, generator_id: str) -> None:
+        """Stop waiting for `generator_id` (call when a generator is removed)."""
+        self._get(self._handle().unregister.remote(generator_id))
+
+
+class NcclWeightPublisher:
+    """Broadcast from learner rank 0 to GPU generator engines over a separate NCCL process group.
+
+    UNTESTED on this machine (no GPU). Protocol: rank 0 is rank 0 of a weight group of
+    1 + `num_receivers` processes rendezvousing at tcp://<rank-0 host>:`cfg.master_port`; each
+    publication announces (name, shape, dtype) through the `WeightStore` (location "nccl:<port>"),
+    then broadcasts every tensor in order. `NcclWeightSource.fetch` joins the same group and receives
+    into empty CUDA tensors. The learner's training process group is not involved.
+    """
+
+    def __init__(self, cfg: NcclSyncConfig, *, run: str, namespace: str | None, timeout_s: float,
+                 num_receivers: int = 0, host: str = "127.0.0.1"):
+        if not torch.cuda.is_available():
+            raise RuntimeError("learner.weight_sync.kind=nccl needs CUDA on learner rank 0 and on the generators; "
+                               "this process sees no GPU: use learner.weight_sync.kind=object_store")
+        import datetime
+
+        self.cfg, self.timeout_s = cfg, timeout_s
+        self.store = get_or_create_store(run, namespace)
+        self.group = _nccl_group(host, cfg.master_port, 0, 1 + num_receivers, datetime.timedelta(seconds=timeout_s))
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> WeightsAnnouncement:
+        meta = [(k, tuple(v.shape), str(v.dtype)) for k, v in state_dict.items()]
+        ann = WeightsAnnouncement(version=version, location=f"nccl:{self.cfg.master_port}",
+                                  num_bytes=state_dict_bytes(state_dict), created_at=time.time())
+        ray.get(self.store.put.remote(ann, [meta]), timeout=self.timeout_s)
+        for tensor in state_dict.values():
+            self.group.broadcast([tensor.cuda()], root=0).wait()
+        return ann
+
+    def close(self) -> None:
+        self.group = None
+
+
+def _nccl_group(host: str, port: int, rank: int, world: int, timeout):
+    store = torch.distributed.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
+    return torch.distributed.ProcessGroupNCCL(store, rank, world)
+
+
+class NcclWeightSource(ObjectStoreWeightSource):
+    """Receiving side of the NCCL backend (UNTESTED here: no GPU). `rank` is this generator's rank (1..N)."""
+
+    def __init__(self, run: str, namespace: str | None, *, host: str, port: int, rank: int, world: int,
+                 timeout_s: float = 60.0):
+        if not torch.cuda.is_available():
+            raise RuntimeError("NcclWeightSource needs CUDA; use ObjectStoreWeightSource on CPU generators")
+        import datetime
+
+        super().__init__(run, namespace, timeout_s)
+        self.group = _nccl_group(host, port, rank, world, datetime.timedelta(seconds=timeout_s))
+
+    def fetch(self, ann: WeightsAnnouncement) -> dict[str, torch.Tensor]:
+        meta = self._get(self._handle().get.remote(ann.version))[0]
+        out = {}
+        for name, shape, dtype in meta:
+            t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device="cuda")
+            self.group.broadcast([t], root=0).wait()
+            out[name] = t
+        return out
+
+
+def make_publisher(cfg: ObjectStoreSyncConfig | NcclSyncConfig, *, run: str, namespace: str | None,
+                   timeout_s: float) -> WeightPublisher:
+    """The configured backend's sending side."""
+    match cfg:
+        case ObjectStoreSyncConfig():
+            return ObjectStorePublisher(cfg, run=run, namespace=namespace, timeout_s=timeout_s)
+        case NcclSyncConfig():
+            return NcclWeightPublisher(cfg, run=run, namespace=namespace, timeout_s=timeout_s)
+    raise TypeError(f"unknown weight_sync config {type(cfg).__name__}")

@@ -1,0 +1,65 @@
+"""CLI: config printing, readable config errors with exit code 2, generated docs up to date."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_config_prints_resolved_yaml_with_overrides(capsys, tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("buffer:\n  group_size: 4\n")
+    assert main(["config", str(f), "buffer.max_lag=0", "learner.lr=1e-5"]) == 0
+    out = yaml.safe_load(capsys.readouterr().out)
+    assert out["buffer"]["group_size"] == 4 and out["buffer"]["max_lag"] == 0 and out["learner"]["lr"] == 1e-5
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["buffer.group_size=1"], "buffer.group_size: Input should be greater than or equal to 2"),
+        (["buffer.grup_size=4"], "buffer.grup_size: unknown field"),
+        (["learner.mini_batches=3"], "learner.mini_batches: 3 does not divide buffer.batch_questions 16"),
+        (["generator.engine.kind=tpu"], "generator.engine"),
+        (["=3"], "=3: an override is written key=value"),
+        (["buffer.replay_ratio=abc"], "buffer.replay_ratio: Input should be a valid number"),
+    ],
+)
+def test_invalid_config_gives_field_problem_lines_and_exit_2(capsys, args, expected):
+    with pytest.raises(SystemExit) as e:
+        main(["config", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("invalid configuration:")
+    assert expected in err
+    assert "Traceback" not in err
+
+
+def test_missing_config_file_is_a_clear_error(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["config", str(tmp_path / "nope.yaml")])
+    assert e.value.code == 2
+    assert "config file not found" in capsys.readouterr().err
+
+
+def test_train_with_missing_model_folder_exits_2(capsys, tmp_path):
+    code = main(["train", f"model.path={tmp_path / 'no-model'}", f"checkpoint.runs_root={tmp_path}", "name=x",
+                 "tracking.enabled=false"])
+    assert code == 2
+    assert "model.path:" in capsys.readouterr().err
+
+
+def test_configuration_docs_are_generated_from_the_models():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_config_docs.py")], capture_output=True,
+                         text=True, check=True, cwd=ROOT).stdout
+    assert (ROOT / "docs" / "configuration.md").read_text() == out, (
+        "docs/configuration.md is stale: run `python scripts/gen_config_docs.py > docs/configuration.md`")
