@@ -4,12 +4,14 @@ Pure functions and small classes over plain containers (no Ray, no config). The 
 with its bucket index; they can be swapped and tested alone (Reverb's `sampler=` in spirit).
 
     probs = bucket_probabilities({1, 2, 4}, group_size=8)   # Gaussian weight per non-empty bucket
-    picks = GaussianBuckets(8).sample(buckets, all_questions, n, rng)  # [(question_id, probability)]
+    picks = GaussianBuckets(8).sample(buckets, n, rng)      # [(question_id, probability)]
     idx = LowestEntropy().select(entropies, rng)            # which stored trajectory
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import random
 from collections.abc import Iterable, Sequence
@@ -70,30 +72,20 @@ class IndexedSet:
             self.pos[last] = i
 
 
-def _draw_distinct(s: IndexedSet, taken: set[int], rng: random.Random) -> int:
-    """A uniform position of `s` not in `taken` (caller guarantees one exists)."""
-    n = len(s)
-    if len(taken) * 2 < n:
-        while True:
-            i = rng.randrange(n)
-            if i not in taken:
-                return i
-    free = [i for i in range(n) if i not in taken]
-    return free[rng.randrange(len(free))]
-
-
 class QuestionSampler(Protocol):
-    """Draws `n` distinct stored questions: [(question_id, probability of that draw)]."""
+    """Draws up to `n` distinct stored questions from the buckets: [(question_id, probability)], where
+    probability is the chance of that question in a single draw."""
 
-    def sample(
-        self, buckets: dict[int, IndexedSet], questions: IndexedSet, n: int, rng: random.Random
-    ) -> list[tuple[str, float]]: ...
+    def sample(self, buckets: dict[int, IndexedSet], n: int, rng: random.Random) -> list[tuple[str, float]]: ...
 
 
 class GaussianBuckets:
     """Bucket first with `bucket_probabilities`, then uniform inside the bucket, without replacement.
 
-    When a bucket runs out within one request, the remaining non-empty buckets are renormalised.
+    The n bucket draws are made first; a draw that lands on a bucket already used up within this
+    request is redrawn over the remaining non-empty buckets (renormalised). Then each bucket gives its
+    count of distinct questions uniformly (`random.sample`). Cost: O(n log K), independent of the
+    number of stored questions.
     """
 
     def __init__(self, group_size: int, mean: float = 0.5, std: float = 0.125):
@@ -104,45 +96,46 @@ class GaussianBuckets:
         hit = self._cache.get(nonempty)
         if hit is None:
             p = bucket_probabilities(nonempty, self.group_size, self.mean, self.std)
-            cum, acc = [], 0.0
-            for b in nonempty:
-                acc += p[b]
-                cum.append(acc)
-            hit = self._cache[nonempty] = (list(nonempty), cum, p)
+            hit = self._cache[nonempty] = (list(nonempty), list(itertools.accumulate(p[b] for b in nonempty)), p)
         return hit
 
-    def sample(self, buckets, questions, n, rng):
-        taken: dict[int, set[int]] = {b: set() for b in buckets}
-        out: list[tuple[str, float]] = []
-        for _ in range(n):
-            nonempty = tuple(b for b in sorted(buckets) if len(buckets[b]) > len(taken[b]))
-            if not nonempty:
-                break
-            order, cum, p = self._probs(nonempty)
-            u = rng.random() * cum[-1]
-            b = order[-1]
-            for bb, c in zip(order, cum):
-                if u < c:
-                    b = bb
-                    break
-            s = buckets[b]
-            prob = p[b] / (len(s) - len(taken[b]))
-            i = _draw_distinct(s, taken[b], rng)
-            taken[b].add(i)
-            out.append((s.items[i], prob))
+    def sample(self, buckets, n, rng):
+        size = {b: len(s.items) for b, s in buckets.items() if s.items}
+        n = min(n, sum(size.values()))
+        if n <= 0:
+            return []
+        p_first = self._probs(tuple(sorted(size)))[2]
+        count = dict.fromkeys(size, 0)
+        order, cum, _ = self._probs(tuple(sorted(size)))
+        drawn = 0
+        while drawn < n:
+            b = order[min(bisect.bisect_right(cum, rng.random() * cum[-1]), len(order) - 1)]
+            if count[b] < size[b]:
+                count[b] += 1
+                drawn += 1
+                if count[b] == size[b]:  # used up: renormalise over the others for the next draws
+                    left = tuple(x for x in order if count[x] < size[x])
+                    if left:
+                        order, cum, _ = self._probs(left)
+        out = []
+        for b, c in count.items():
+            items, prob = buckets[b].items, p_first[b] / size[b]
+            out.extend((items[i], prob) for i in rng.sample(range(size[b]), c))
         return out
 
 
 class UniformQuestions:
     """Uniform over all stored questions regardless of bucket (the ablation)."""
 
-    def sample(self, buckets, questions, n, rng):
-        taken: set[int] = set()
+    def sample(self, buckets, n, rng):
+        order = [b for b in sorted(buckets) if buckets[b].items]
+        ends = list(itertools.accumulate(len(buckets[b].items) for b in order))
+        total = ends[-1] if ends else 0
         out = []
-        for _ in range(min(n, len(questions))):
-            i = _draw_distinct(questions, taken, rng)
-            out.append((questions.items[i], 1.0 / (len(questions) - len(taken))))
-            taken.add(i)
+        for g in rng.sample(range(total), min(n, total)):
+            j = bisect.bisect_right(ends, g)
+            start = ends[j - 1] if j else 0
+            out.append((buckets[order[j]].items[g - start], 1.0 / total))
         return out
 
 
@@ -156,7 +149,7 @@ class LowestEntropy:
     """The trajectory with the lowest current entropy estimate (ties: the earliest stored)."""
 
     def select(self, entropies, rng):
-        return min(range(len(entropies)), key=entropies.__getitem__)
+        return entropies.index(min(entropies))
 
 
 class RandomTrajectory:

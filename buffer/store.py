@@ -21,6 +21,7 @@ token + 32 bytes of header, and its key string is rebuilt on demand from the dig
 from __future__ import annotations
 
 import random
+from array import array
 from collections import OrderedDict
 
 import numpy as np
@@ -91,11 +92,15 @@ def record_from_bytes(b: bytes) -> np.ndarray:
 
 
 class _Entry:
-    __slots__ = ("bucket", "recs")
+    """A stored question: its bucket, its records and their entropy estimates (parallel, 4 bytes each,
+    mirrored from the records' headers so selection reads no numpy scalars)."""
+
+    __slots__ = ("bucket", "recs", "ents")
 
     def __init__(self, bucket: int):
         self.bucket = bucket
         self.recs: list[np.ndarray] = []
+        self.ents = array("f")
 
 
 class ExperienceStore:
@@ -117,7 +122,6 @@ class ExperienceStore:
         self.max_per_question, self.max_total = max_per_question, max_total
         self.entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU order: least recently refreshed first
         self.buckets: dict[int, IndexedSet] = {b: IndexedSet() for b in range(1, group_size)}
-        self.questions = IndexedSet()  # stored questions (for the uniform ablation)
         self.retired: set[str] = set()
         self.total = 0
         self.replay_hist = [0] * 5  # stored trajectories by times replayed: 0, 1, 2, 3, 4+
@@ -149,30 +153,27 @@ class ExperienceStore:
         if e is None:
             e = self.entries[question_id] = _Entry(k)
             self.buckets[k].add(question_id)
-            self.questions.add(question_id)
         else:
             self.entries.move_to_end(question_id)
             self._set_bucket(question_id, e, k)
         if collect:
-            self._add(question_id, e, correct)
+            digests = [response_digest(r.response_ids) for r in correct]
+            self._add(e, correct, digests)
             self._trim_question(e)
             self._evict_total()
             have = {record_digest(r) for r in e.recs} if question_id in self.entries else set()
-            for i, r in enumerate(correct):
-                d = response_digest(r.response_ids)
-                if d in have:
-                    keys[i] = make_key(question_id, d)
+            keys = [make_key(question_id, d) if d in have else "" for d in digests]
         return keys
 
-    def _add(self, qid: str, e: _Entry, correct: list[Rollout]) -> None:
+    def _add(self, e: _Entry, correct: list[Rollout], digests: list[bytes]) -> None:
         have = {record_digest(r) for r in e.recs}
-        for r in correct:
-            d = response_digest(r.response_ids)
+        for r, d in zip(correct, digests):
             if d in have:
                 self.c["deduplicated"] += 1
                 continue
             have.add(d)
             e.recs.append(pack_record(r, d))
+            e.ents.append(r.entropy)
             self.total += 1
             self.replay_hist[0] += 1
             self.c["stored"] += 1
@@ -190,9 +191,10 @@ class ExperienceStore:
 
     def _trim_question(self, e: _Entry) -> None:
         if len(e.recs) > self.max_per_question:
-            e.recs.sort(key=record_entropy)
-            dropped = e.recs[self.max_per_question :]
-            del e.recs[self.max_per_question :]
+            order = sorted(range(len(e.recs)), key=e.ents.__getitem__)
+            dropped = [e.recs[i] for i in order[self.max_per_question :]]
+            keep = order[: self.max_per_question]
+            e.recs, e.ents = [e.recs[i] for i in keep], array("f", (e.ents[i] for i in keep))
             self._drop_recs(dropped)
             self.c["evicted"] += len(dropped)
 
@@ -209,7 +211,6 @@ class ExperienceStore:
             return
         self._drop_recs(e.recs)
         self.buckets[e.bucket].discard(qid)
-        self.questions.discard(qid)
 
     def _retire(self, qid: str) -> None:
         e = self.entries.get(qid)
@@ -224,11 +225,11 @@ class ExperienceStore:
         """Up to n distinct stored questions with their selected trajectory:
         [(question_id, record, probability of the question draw)]. Counts one replay per pick."""
         out = []
-        for qid, prob in self.sampler.sample(self.buckets, self.questions, n, rng):
-            recs = self.entries[qid].recs
-            ents = [record_entropy(r) for r in recs]
+        for qid, prob in self.sampler.sample(self.buckets, n, rng):
+            e = self.entries[qid]
+            ents = e.ents
             i = self.selector.select(ents, rng)
-            rec = recs[i]
+            rec = e.recs[i]
             t = int(rec[5])
             self.replay_hist[min(t, 4)] -= 1
             self.replay_hist[min(t + 1, 4)] += 1
@@ -252,19 +253,20 @@ class ExperienceStore:
                 self.c["feedback_ignored"] += 1
                 continue
             e = self.entries.get(qid)
-            rec = None
+            i = -1
             if e is not None:
-                for r in e.recs:
+                for j, r in enumerate(e.recs):
                     if record_digest(r) == digest:
-                        rec = r
+                        i = j
                         break
-            if rec is None:
+            if i < 0:
                 self.c["feedback_ignored"] += 1
-            elif version < rec[4]:
+            elif version < e.recs[i][4]:
                 self.c["feedback_older"] += 1
             else:
-                rec.view(np.float32)[3] = ent
-                rec[4] = version
+                e.recs[i].view(np.float32)[3] = ent
+                e.recs[i][4] = version
+                e.ents[i] = ent
                 self.c["feedback_applied"] += 1
 
     def metrics(self) -> dict[str, float]:
@@ -294,8 +296,8 @@ class ExperienceStore:
                 raise ValueError(f"snapshot puts question {qid!r} in bucket {bucket}, outside 1..{self.k_max - 1}")
             e = self.entries[qid] = _Entry(bucket)
             e.recs = [record_from_bytes(b) for b in recs]
+            e.ents = array("f", (record_entropy(r) for r in e.recs))
             self.buckets[bucket].add(qid)
-            self.questions.add(qid)
             self.total += len(e.recs)
             for r in e.recs:
                 self.replay_hist[min(record_times_replayed(r), 4)] += 1

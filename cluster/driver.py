@@ -54,8 +54,9 @@ class RunFailed(RuntimeError):
 class Trainer:
     """Owns the components of one attempt of a run (rebuilt from the checkpoint on restart)."""
 
-    def __init__(self, cfg: RunConfig, run_dir, state: DriverState, model_path: Path, tracker):
+    def __init__(self, cfg: RunConfig, run_dir, state: DriverState, model_path: Path, questions, tracker):
         self.cfg, self.run_dir, self.state, self.model_path, self.tracker = cfg, run_dir, state, model_path, tracker
+        self.questions = questions
         self.stop_flag = False
         self.staleness: Counter[int] = Counter()
         self.components_built = False
@@ -66,17 +67,11 @@ class Trainer:
         from actors.pool import GeneratorPool
         from buffer.client import BufferClient
         from cluster.runtime import create_control
-        from common.data import load_questions
         from learner.pool import LearnerPool
         from learner.weights import ObjectStoreWeightSource
-        from transformers import AutoTokenizer
 
         cfg, name, ns = self.cfg, self.run_dir.name, self.cfg.cluster.namespace
-        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        questions, report = load_questions(cfg.data, tokenizer, "train")
-        if report.skipped:
-            log.warning("data: skipped %d of %d rows: %s", report.skipped, report.total, "; ".join(report.problems[:5]))
-        self.buffer = BufferClient.create(cfg.buffer, questions, run=name, namespace=ns,
+        self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
                                           snapshot_dir=str(self.run_dir.path / "buffer-live"))
         self.learner = LearnerPool(cfg.learner, str(self.model_path), run=name, namespace=ns,
                                    max_new_tokens=cfg.generator.max_new_tokens)
@@ -269,6 +264,9 @@ def train_main(cfg: RunConfig | None, resume: str | None = None) -> int:
     model_path = _resolve_model(cfg)
     if model_path is None:
         return 2
+    questions = _load_train_questions(cfg, model_path)
+    if questions is None:
+        return 2
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     engine_cfg = cfg.generator.engine
@@ -287,7 +285,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None) -> int:
     progress = Progress(cfg.total_steps, start=state.step)
     status = "FAILED"
     try:
-        status = _train_with_restarts(cfg, run_dir, state, model_path, tracker, progress)
+        status = _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress)
     finally:
         progress.close()
         if cfg.tracking.log_plots:
@@ -298,12 +296,12 @@ def train_main(cfg: RunConfig | None, resume: str | None = None) -> int:
     return 0 if status in ("FINISHED", "KILLED") else 1
 
 
-def _train_with_restarts(cfg, run_dir, state, model_path, tracker, progress) -> str:
+def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress) -> str:
     import ray
 
     attempts = 0
     while True:
-        trainer = Trainer(cfg, run_dir, state, model_path, tracker)
+        trainer = Trainer(cfg, run_dir, state, model_path, questions, tracker)
         previous = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_flag", True))
         try:
@@ -350,6 +348,27 @@ def _resolve_model(cfg: RunConfig) -> Path | None:
               file=sys.stderr)
         return None
     return p
+
+
+def _load_train_questions(cfg: RunConfig, model_path: Path):
+    """The training questions, checked before any actor starts; None (after a clear message) when unusable."""
+    from transformers import AutoTokenizer
+
+    from common.data import DataError, load_questions
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        questions, report = load_questions(cfg.data, tokenizer, "train")
+    except DataError as e:
+        print(f"invalid data:\n  {e}", file=sys.stderr)
+        return None
+    if report.skipped:
+        log.warning("data: %s; first problems: %s", report.summary(), "; ".join(report.problems[:5]))
+    if not questions:
+        print(f"invalid data:\n  data: no usable training questions ({report.summary()})", file=sys.stderr)
+        return None
+    log.info("data: %s", report.summary())
+    return questions
 
 
 def _shutdown_ray() -> None:

@@ -263,8 +263,17 @@ def _encoder_for(tp: Any) -> Callable[[Any], Any]:
         return lambda v: _ENCODERS[tp](v)
     if origin is typing.Annotated:
         dtype = np.dtype(typing.get_args(tp)[1])
-        return lambda v: np.asarray(v, dtype=dtype).reshape(-1) if not isinstance(v, np.ndarray) or v.dtype != dtype else v
+        return lambda v: v if isinstance(v, np.ndarray) and v.dtype == dtype else _cast_array(v, dtype)
     return lambda v: v
+
+
+def _cast_array(v: Any, dtype: np.dtype) -> np.ndarray:
+    """Flatten and cast to the field's dtype; integers that do not fit int32 are refused, not wrapped."""
+    src = np.asarray(v).reshape(-1)
+    out = src.astype(dtype)
+    if dtype.kind == "i" and src.size and not np.array_equal(out, src):
+        raise CodecError(f"token ids do not fit {dtype.name} (range {src.min()}..{src.max()})")
+    return out
 
 
 _BY_NAME: dict[str, type] = {c.__name__: c for c in m.MESSAGE_TYPES}

@@ -53,7 +53,7 @@ class ToyModelConfig(Section):
     """Samples per probe question (the spread: always / partly / never right)."""
     max_train_seconds: float = Field(150.0, gt=0, le=86_400)
     """Stop supervised training after this long even if the target accuracy was not reached."""
-    threads: int = Field(2, ge=1, le=256)
+    threads: int = Field(1, ge=1, le=256)
     """torch threads while building (restored afterwards)."""
 
     @model_validator(mode="after")
@@ -129,6 +129,10 @@ class RewardConfig(Section):
     """Worker processes scoring in parallel inside each generator."""
     correct_threshold: float = Field(1.0, ge=0, le=1)
     """A rollout is correct when its reward is at least this."""
+    worker_memory_mb: int = Field(4096, ge=0, le=1_000_000)
+    """Address-space limit of each reward worker process (0: none); a memory bomb fails inside the worker."""
+    worker_start_timeout_s: float = Field(60.0, gt=0, le=3600)
+    """A reward worker that has not imported its function within this is reported and its items score 0."""
 
 
 # ----------------------------------------------------------------------------------------- generator
@@ -438,6 +442,11 @@ class RunConfig(Section):
             )
         if self.data.task is None and self.data.train_path is None:
             problems.append("data: set data.task to a built-in task or data.train_path to a file")
+        builtin_tasks = ("countdown", "arithmetic")
+        if (self.data.train_path is None and self.reward.name in builtin_tasks and self.data.task in builtin_tasks
+                and self.reward.name != self.data.task):
+            problems.append(f"reward.name: {self.reward.name} cannot score the {self.data.task} task; "
+                            f"set reward.name={self.data.task}")
         if isinstance(self.learner.weight_sync, NcclSyncConfig) and self.generator.num_gpus == 0:
             problems.append("learner.weight_sync.kind: nccl needs GPU generators (generator.num_gpus > 0); use object_store")
         if problems:

@@ -303,7 +303,8 @@ class TrainStep:
             kl_term = L.kl_penalty(logp, ref_logp, mb.response_mask, cfg.kl_coef, normalizer)
         total = pg + ent_term + kl_term
         (total * self.world).backward()
-        parts = {"loss": float(total), "entropy_loss": float(ent_term), "kl_loss": float(kl_term)}
+        parts = {"loss": float(total.detach()), "entropy_loss": float(ent_term.detach()),
+                 "kl_loss": float(kl_term.detach())}
         ent_d = ent.detach()
         stats.add_micro(metrics, parts, ent_d, mb)
         for row, h in zip(mb.rows, L.row_mean(ent_d, mb.response_mask).tolist()):

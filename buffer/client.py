@@ -1,0 +1,259 @@
+"""The buffer client: routes to shard actors by the stable hash, one Ray call per shard per operation.
+
+    client = BufferClient.create(cfg, questions, run="r1", namespace=None, snapshot_dir="/ckpt/buf")
+    items = client.lease("gen-0", 8); client.submit(groups)              # WorkSource (generators)
+    batch = client.get_batch(version, timeout_s=60)                       # BatchSource (learner)
+    client.feedback(fb); client.set_version(version + 1)
+
+Picklable: it holds only actor handles and plain data, so it can be passed to generator actors.
+
+Mixed-mode consistency: each shard switches on from its own moving average of fresh accuracy. The
+first client call that sees any shard report "on" (in `submit` and `get_batch` replies) switches every
+shard on (`set_mixed_mode`, idempotent). A batch is composed as mixed once any shard is on, so the
+switch is global from the first batch after it, whichever shard saw it first.
+
+A shard that is dead or restarting makes calls fail with `BufferUnavailableError` after at most
+`cfg.call_timeout_s`, never a hang.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from buffer.core import merge_accounting, merge_metrics, mixed_target
+from buffer.keys import shard_of, split_key
+from buffer.shard import make_shard_actor, unpack
+from common import codec
+from common.config import BufferConfig
+from common.interfaces import actor_name
+from common.messages import LearnerFeedback, Question, ScoredGroup, TrainGroup, TrainingBatch, WorkItem, float32_array
+
+try:  # ActorUnavailableError exists in newer Ray versions only
+    from ray.exceptions import ActorUnavailableError as _Unavailable
+except ImportError:  # pragma: no cover
+    _Unavailable = RayActorError
+
+
+class BufferUnavailableError(RuntimeError):
+    """A buffer shard did not answer (dead, restarting, or overloaded)."""
+
+
+def batch_shares(counts: list[int], batch_questions: int) -> list[int]:
+    """Per-shard share of a batch: ceil(B * n_i / N) (sums to >= B, so the shards' capacities can fill a batch)."""
+    total = sum(counts)
+    if total == 0:
+        raise ValueError("no questions to put in the buffer; check the dataset")
+    return [math.ceil(batch_questions * c / total) for c in counts]
+
+
+class BufferClient:
+    """Routes work, groups, batches and feedback to the S shard actors of one run."""
+
+    def __init__(self, shards: list, *, run: str, namespace: str | None, batch_questions: int,
+                 replay_ratio: float, call_timeout_s: float):
+        if not shards:
+            raise ValueError("a BufferClient needs at least one shard")
+        self.shards, self.run, self.namespace = list(shards), run, namespace
+        self.batch_questions, self.replay_ratio, self.call_timeout_s = batch_questions, replay_ratio, call_timeout_s
+        self._rr = 0
+        self._mixed_everywhere = False
+
+    # ----------------------------------------------------------------------------------- building
+
+    @classmethod
+    def create(cls, cfg: BufferConfig, questions: list[Question], *, run: str, namespace: str | None,
+               snapshot_dir: str | None) -> BufferClient:
+        """Start the S named shard actors, each owning the questions that hash to it."""
+        parts: list[list[Question]] = [[] for _ in range(cfg.num_shards)]
+        for q in questions:
+            parts[shard_of(q.id, cfg.num_shards)].append(q)
+        shares = batch_shares([len(p) for p in parts], cfg.batch_questions)
+        shards = [
+            make_shard_actor(cfg, parts[i], shard=i, batch_share=shares[i], name=actor_name(run, "buffer", i),
+                             namespace=namespace, snapshot_dir=snapshot_dir)
+            for i in range(cfg.num_shards)
+        ]
+        client = cls(shards, run=run, namespace=namespace, batch_questions=cfg.batch_questions,
+                     replay_ratio=cfg.replay_ratio, call_timeout_s=cfg.call_timeout_s)
+        client._get([s.ping.remote() for s in shards], "start")
+        return client
+
+    @classmethod
+    def connect(cls, run: str, namespace: str | None, num_shards: int, *, cfg: BufferConfig | None = None) -> BufferClient:
+        """Look up a run's existing shard actors by name."""
+        cfg = cfg or BufferConfig(num_shards=num_shards)
+        try:
+            shards = [ray.get_actor(actor_name(run, "buffer", i), namespace=namespace) for i in range(num_shards)]
+        except ValueError as e:
+            raise BufferUnavailableError(f"buffer shards of run {run!r} not found in namespace {namespace!r}: {e}") from None
+        return cls(shards, run=run, namespace=namespace, batch_questions=cfg.batch_questions,
+                   replay_ratio=cfg.replay_ratio, call_timeout_s=cfg.call_timeout_s)
+
+    def _get(self, refs: list, what: str, timeout_s: float | None = None):
+        timeout = self.call_timeout_s if timeout_s is None else timeout_s
+        try:
+            return ray.get(refs, timeout=timeout)
+        except GetTimeoutError:
+            for r in refs:
+                ray.cancel(r)
+            raise BufferUnavailableError(
+                f"buffer {what}: a shard of run {self.run!r} did not answer within {timeout:.1f}s "
+                "(it may be restarting from its snapshot); retry later or raise buffer.call_timeout_s") from None
+        except (RayActorError, _Unavailable) as e:
+            raise BufferUnavailableError(
+                f"buffer {what}: a shard of run {self.run!r} is dead or restarting: {type(e).__name__}; "
+                "retry once it has restored its snapshot") from e
+
+    # --------------------------------------------------------------------------------- WorkSource
+
+    def lease(self, generator_id: str, max_items: int) -> list[WorkItem]:
+        """Split `max_items` round-robin over the shards (rotating start); one call per shard asked."""
+        s = len(self.shards)
+        quota = [0] * s
+        for j in range(max_items):
+            quota[(self._rr + j) % s] += 1
+        self._rr = (self._rr + max_items) % s
+        asked = [i for i in range(s) if quota[i]]
+        replies = self._get([self.shards[i].lease.remote(generator_id, quota[i]) for i in asked], "lease")
+        return [item for r in replies for item in codec.decode_list(r, WorkItem)]
+
+    def submit(self, groups: list[ScoredGroup]) -> dict[str, int]:
+        """Route groups to the shard that leased them (the lease id's shard prefix), one call per shard."""
+        by_shard: dict[int, list[ScoredGroup]] = defaultdict(list)
+        for g in groups:
+            by_shard[self._lease_shard(g.lease_id, g.question_id)].append(g)
+        order = sorted(by_shard)
+        replies = self._get([self.shards[i].submit.remote(codec.encode_list(by_shard[i], ScoredGroup)) for i in order],
+                            "submit")
+        out: dict[str, int] = defaultdict(int)
+        mixed = False
+        for r in replies:
+            for k, v in unpack(r).items():
+                if k == "mixed_mode":
+                    mixed |= bool(v)
+                else:
+                    out[k] += v
+        if mixed:
+            self._propagate_mixed()
+        return dict(out)
+
+    def _lease_shard(self, lease_id: str, question_id: str) -> int:
+        head, sep, _ = lease_id.partition("-")
+        if sep and head.isdigit() and int(head) < len(self.shards):
+            return int(head)
+        return shard_of(question_id, len(self.shards))
+
+    def return_leases(self, lease_ids: list[str]) -> None:
+        by_shard: dict[int, list[str]] = defaultdict(list)
+        for lid in lease_ids:
+            by_shard[self._lease_shard(lid, "")].append(lid)
+        self._get([self.shards[i].return_leases.remote(ids) for i, ids in by_shard.items()], "return_leases")
+
+    def _propagate_mixed(self) -> None:
+        if not self._mixed_everywhere:
+            self._get([s.set_mixed_mode.remote() for s in self.shards], "set_mixed_mode")
+            self._mixed_everywhere = True
+
+    # -------------------------------------------------------------------------------- BatchSource
+
+    def get_batch(self, version: int, timeout_s: float) -> TrainingBatch | None:
+        """B groups: ceil(rho*B) mixed when available (once mixed mode is on), the rest fresh.
+        Polls all shards in parallel, then takes from each in parallel; None on timeout."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        b = self.batch_questions
+        got: list[TrainGroup] = []
+        while True:
+            left = deadline - time.monotonic()
+            want = math.ceil((b - len(got)) / len(self.shards))  # each shard waits for its part
+            counts = self._get([s.wait_ready.remote(version, want, max(0.0, min(left, 0.25))) for s in self.shards],
+                               "get_batch", timeout_s=self.call_timeout_s + min(max(left, 0.0), 0.25))
+            mixed_on = any(c[2] for c in counts)
+            if mixed_on:
+                self._propagate_mixed()
+            plan = self._plan(counts, got, mixed_on)
+            if plan is not None:
+                refs = [(i, self.shards[i].take.remote(version, f, m)) for i, (f, m) in enumerate(plan) if f or m]
+                for r in self._get([r for _, r in refs], "get_batch"):
+                    got.extend(codec.decode_list(r, TrainGroup))
+                if len(got) >= b:
+                    break
+            if time.monotonic() >= deadline:
+                if got:  # groups already taken are not thrown away: hand back a short batch
+                    break
+                return None
+        n_mixed = sum(1 for g in got if g.mixed)
+        stats = {"batch_mixed": float(n_mixed), "batch_fresh": float(len(got) - n_mixed),
+                 "batch_wait_s": time.monotonic() - t0, "batch_short": float(b - len(got))}
+        return TrainingBatch(groups=got, version=version, stats=stats)
+
+    def _plan(self, counts: list[list[int]], got: list[TrainGroup], mixed_on: bool) -> list[tuple[int, int]] | None:
+        """Per-shard (n_fresh, n_mixed) to take, or None while the batch cannot be completed yet."""
+        b = self.batch_questions
+        have_m = sum(1 for g in got if g.mixed)
+        have_f = len(got) - have_m
+        avail_f = sum(c[0] for c in counts)
+        avail_m = sum(c[1] for c in counts)
+        target_m = mixed_target(b, self.replay_ratio) if mixed_on else 0
+        need_m = max(0, min(target_m - have_m, avail_m, b - len(got)))
+        need_f = b - len(got) - need_m
+        if avail_f < need_f:
+            return None
+        plan = []
+        for f, m in ((c[0], c[1]) for c in counts):
+            tf, tm = min(f, need_f), min(m, need_m)
+            need_f -= tf
+            need_m -= tm
+            plan.append((tf, tm))
+        return plan
+
+    def feedback(self, fb: LearnerFeedback) -> None:
+        """Route entropy feedback by the question id in each key (one call per shard)."""
+        by_shard: dict[int, tuple[list[str], list[float]]] = defaultdict(lambda: ([], []))
+        s = len(self.shards)
+        for key, ent in zip(fb.keys, fb.entropies.tolist()):
+            try:
+                qid, _ = split_key(key)
+            except ValueError:
+                qid = key  # malformed: the owning shard counts it as ignored feedback
+            keys, ents = by_shard[shard_of(qid, s)]
+            keys.append(key)
+            ents.append(ent)
+        refs = [self.shards[i].feedback.remote(codec.encode(LearnerFeedback(fb.version, k, float32_array(e))))
+                for i, (k, e) in by_shard.items()]
+        self._get(refs, "feedback")
+
+    def set_version(self, version: int) -> None:
+        self._get([s.set_version.remote(version) for s in self.shards], "set_version")
+
+    # ------------------------------------------------------------------------------ observability
+
+    def metrics(self) -> dict[str, float]:
+        per = [unpack(r) for r in self._get([s.metrics.remote() for s in self.shards], "metrics")]
+        return merge_metrics(per)
+
+    def shard_metrics(self) -> list[dict[str, float]]:
+        return [unpack(r) for r in self._get([s.metrics.remote() for s in self.shards], "metrics")]
+
+    def accounting(self) -> dict[str, int]:
+        """Summed shard accounting; `balance` is 0 when nothing was lost (see buffer.core)."""
+        return merge_accounting([unpack(r) for r in self._get([s.accounting.remote() for s in self.shards],
+                                                              "accounting")])
+
+    def snapshot(self, dir: str) -> None:
+        """Every shard writes buffer-shard-<i>.msgpack into `dir` (each file atomic)."""
+        self._get([s.snapshot.remote(str(dir)) for s in self.shards], "snapshot", timeout_s=max(self.call_timeout_s, 600))
+
+    def restore(self, dir: str) -> None:
+        """Every shard replaces its state with its file in `dir` (validated first; a bad file changes nothing)."""
+        self._get([s.restore.remote(str(dir)) for s in self.shards], "restore", timeout_s=max(self.call_timeout_s, 600))
+
+    def shutdown(self) -> None:
+        for s in self.shards:
+            ray.kill(s, no_restart=True)
+

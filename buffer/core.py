@@ -1,0 +1,460 @@
+"""One buffer shard as a pure object (no Ray): work issuing, leases, ready queues, batches, switch.
+
+    core = ShardCore(cfg, questions, shard=0, batch_share=16)
+    items = core.lease("gen-0", 8)                  # fresh (K samples) and replay (K-1 + ReplayRef) items
+    core.submit(scored_groups)                      # checked, joined, queued; store and switch updated
+    core.take(version, n_fresh, n_mixed)            # ready groups; stale ones dropped and re-issued
+    core.feedback(learner_feedback); core.set_version(v)
+
+The Ray actor (`buffer.shard`) wraps it behind one lock; the client (`buffer.client`) splits a
+learner batch over shards. All times come from `now` arguments (default `time.time()`), so tests
+drive expiry by hand.
+
+Accounting (`accounting()`): every issued work item (a lease) ends in exactly one terminal state or
+is still in one of two live states, so at any moment
+
+    issued = trained + stale_dropped + zero_signal + lost + outstanding + ready
+
+- issued: work items handed out by `lease` (fresh and replay; a re-issue is a new item).
+- trained: groups handed to the learner by `take`.
+- stale_dropped: ready groups older than `max_lag` versions, dropped at `take`/`ready_counts`; their
+  question is re-issued.
+- zero_signal: groups whose rewards are all equal, kept out of batches (only when
+  `drop_zero_signal`; otherwise they are queued like any group). They still update k/buckets/retirement.
+- lost: leases that expired, were returned (`return_leases`) or declared lost, or whose submitted
+  group was rejected as malformed; their question is re-issued. `expired + returned + rejected = lost`.
+- outstanding: leases issued and not yet submitted, returned or expired.
+- ready: accepted groups waiting in the fresh and mixed ready queues.
+A submission for an unknown or already-ended lease (e.g. after expiry) is counted as
+`late_submissions` and discarded: its lease is already accounted for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from buffer.sampling import make_question_sampler, make_trajectory_selector
+from buffer.store import ExperienceStore, record_entropy, record_from_bytes, record_to_rollout, record_version
+from common import codec
+from common.config import BufferConfig
+from common.messages import LearnerFeedback, Question, ReplayRef, Rollout, ScoredGroup, TrainGroup, WorkItem
+
+STATE_VERSION = 1
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    question_id: str
+    num_samples: int
+    deadline: float
+    generator_id: str
+    replay_key: str = ""
+    replay_rec: np.ndarray | None = None  # the stored trajectory chosen at issue time (kept even if evicted later)
+
+
+@dataclass(slots=True)
+class Ready:
+    group: TrainGroup
+    version: int  # oldest policy version among its fresh rollouts
+
+
+def question_fingerprint(question_ids) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for q in sorted(question_ids):
+        h.update(q.encode("utf-8") + b"\0")
+    return h.hexdigest()
+
+
+def mixed_target(batch_questions: int, replay_ratio: float) -> int:
+    """Mixed groups wanted per batch: ceil(rho * B). Rounding up keeps the back-pressure quotas
+    deadlock-free (see ShardCore.capacity)."""
+    return min(batch_questions, math.ceil(replay_ratio * batch_questions - 1e-9))
+
+
+class ShardCore:
+    """The state of one shard. Not thread-safe: the actor serialises calls with a lock."""
+
+    def __init__(self, cfg: BufferConfig, questions: list[Question], *, shard: int = 0, batch_share: int | None = None):
+        ids = [q.id for q in questions]
+        if len(set(ids)) != len(ids):
+            raise ValueError("question ids must be unique within a shard; fix the dataset's id field")
+        self.cfg, self.shard = cfg, shard
+        self.K = cfg.group_size
+        self.batch_share = cfg.batch_questions if batch_share is None else batch_share
+        if self.batch_share < 0:
+            raise ValueError(f"batch_share must be >= 0, got {self.batch_share}")
+        self.questions = {q.id: q for q in questions}
+        self.order_ids = sorted(self.questions)
+        self.fingerprint = question_fingerprint(self.order_ids)
+        self.store = ExperienceStore(
+            self.K,
+            make_question_sampler(cfg.question_sampler, self.K, cfg.bucket_mean, cfg.bucket_std),
+            make_trajectory_selector(cfg.trajectory_selector),
+            max_per_question=cfg.max_traj_per_question,
+            max_total=cfg.max_traj_total,
+        )
+        self.rng = random.Random(cfg.seed * 1_000_003 + shard)
+        self.epoch, self.cursor = 0, 0
+        self._order = self._epoch_order(0)
+        self.reissue: deque[str] = deque()
+        self.leases: dict[str, Lease] = {}
+        self.next_lease = 0
+        self.ready_fresh: deque[Ready] = deque()
+        self.ready_mixed: deque[Ready] = deque()
+        self.version = 0
+        self.mixed_mode = False
+        self.window: deque[float] = deque(maxlen=cfg.switch_window)
+        self.n = dict(issued=0, issued_replay=0, trained=0, trained_mixed=0, stale_dropped=0, zero_signal=0,
+                      expired=0, returned=0, rejected=0, reissued=0, late_submissions=0, accepted=0,
+                      zero_signal_seen=0, epochs_completed=0, lease_requests_throttled=0)
+
+    # -------------------------------------------------------------------------------------- issuing
+
+    def _epoch_order(self, epoch: int) -> list[str]:
+        order = list(self.order_ids)
+        random.Random(f"{self.cfg.seed}/{self.shard}/{epoch}").shuffle(order)
+        return order
+
+    def capacity(self) -> int:
+        """Back-pressure: at most (max_lag + 1) * batch_share work items are live (outstanding + ready).
+
+        Replay items are further limited to floor(rho * capacity), so fresh slots always remain. With the
+        batch taking ceil(rho * B) mixed groups, a shard full of ready groups can always contribute to a
+        batch: no state in which every shard is full but no batch can be formed (max_lag = 0 included).
+        """
+        return (self.cfg.max_lag + 1) * self.batch_share
+
+    def live(self) -> int:
+        return len(self.leases) + len(self.ready_fresh) + len(self.ready_mixed)
+
+    def _mixed_live(self) -> int:
+        return sum(1 for x in self.leases.values() if x.replay_rec is not None) + len(self.ready_mixed)
+
+    def _next_fresh(self) -> str | None:
+        while self.reissue:
+            q = self.reissue.popleft()
+            if q not in self.store.retired:
+                return q
+        if len(self.store.retired) >= len(self.order_ids):
+            return None
+        while True:
+            if self.cursor >= len(self._order):
+                self.epoch += 1
+                self.n["epochs_completed"] += 1
+                self.cursor, self._order = 0, self._epoch_order(self.epoch)
+            q = self._order[self.cursor]
+            self.cursor += 1
+            if q not in self.store.retired:
+                return q
+
+    def lease(self, generator_id: str, max_items: int, now: float | None = None) -> list[WorkItem]:
+        """Up to `max_items` work items, fewer (possibly none) when back-pressure says wait."""
+        now = time.time() if now is None else now
+        self.expire(now)
+        free = self.capacity() - self.live()
+        n = min(max_items, free)
+        if n <= 0:
+            if max_items > 0:
+                self.n["lease_requests_throttled"] += 1
+            return []
+        n_replay = 0
+        if self.mixed_mode and self.store.has_replay():
+            quota = math.floor(self.cfg.replay_ratio * self.capacity())
+            mixed, total = self._mixed_live(), self.live()
+            for _ in range(n):  # keep the live mix at ratio rho, within the replay quota
+                if mixed < quota and mixed < self.cfg.replay_ratio * (total + 1):
+                    n_replay += 1
+                    mixed += 1
+                total += 1
+        picks = self.store.sample(n_replay, self.rng) if n_replay else []
+        items = [self._issue(generator_id, qid, now, rec) for qid, rec, _ in picks]
+        for _ in range(n - len(items)):
+            qid = self._next_fresh()
+            if qid is None:
+                break
+            items.append(self._issue(generator_id, qid, now, None))
+        return items
+
+    def _issue(self, generator_id: str, qid: str, now: float, rec: np.ndarray | None) -> WorkItem:
+        lid = f"{self.shard}-{self.next_lease}"
+        self.next_lease += 1
+        deadline = now + self.cfg.lease_timeout_s
+        ref = None
+        lease = Lease(lid, qid, self.K, deadline, generator_id)
+        if rec is not None:
+            t = record_to_rollout(rec, qid)
+            ref = ReplayRef(key=t.key, entropy=record_entropy(rec), version=record_version(rec))
+            lease.num_samples, lease.replay_key, lease.replay_rec = self.K - 1, t.key, rec
+            self.n["issued_replay"] += 1
+        self.leases[lid] = lease
+        self.n["issued"] += 1
+        return WorkItem(lid, self.questions[qid], lease.num_samples, deadline, self.shard, ref)
+
+    def _end_lease_reissue(self, lease: Lease, reason: str) -> None:
+        self.n[reason] += 1
+        self.n["reissued"] += 1
+        self.reissue.append(lease.question_id)
+
+    def expire(self, now: float | None = None) -> int:
+        """End every lease past its deadline; its question is issued again."""
+        now = time.time() if now is None else now
+        dead = [lid for lid, x in self.leases.items() if x.deadline < now]
+        for lid in dead:
+            self._end_lease_reissue(self.leases.pop(lid), "expired")
+        return len(dead)
+
+    def return_leases(self, lease_ids: list[str]) -> int:
+        """Leases given back unfinished (a generator stopping) or declared lost: re-issue their questions."""
+        n = 0
+        for lid in lease_ids:
+            lease = self.leases.pop(lid, None)
+            if lease is not None:
+                self._end_lease_reissue(lease, "returned")
+                n += 1
+        return n
+
+    # ------------------------------------------------------------------------------------ submitting
+
+    def submit(self, groups: list[ScoredGroup], now: float | None = None) -> dict[str, int]:
+        """Check, join and queue returned groups; update the store and the mixed-mode switch."""
+        now = time.time() if now is None else now
+        out = dict(accepted=0, zero_signal=0, rejected=0, late=0)
+        for g in groups:
+            lease = self.leases.pop(g.lease_id, None)
+            if lease is None:
+                self.n["late_submissions"] += 1
+                out["late"] += 1
+                continue
+            problem = self._check(g, lease)
+            if problem:
+                log.warning("shard %d rejected a group from %s and re-issues its question: %s",
+                            self.shard, g.generator_id, problem)
+                self._end_lease_reissue(lease, "rejected")
+                out["rejected"] += 1
+                continue
+            out["zero_signal" if self._accept(g, lease) else "accepted"] += 1
+        self.expire(now)
+        out["mixed_mode"] = int(self.mixed_mode)
+        return out
+
+    def _check(self, g: ScoredGroup, lease: Lease) -> str:
+        if g.question_id != lease.question_id:
+            return f"lease {lease.lease_id} is for question {lease.question_id!r}, group is for {g.question_id!r}"
+        if len(g.rollouts) != lease.num_samples:
+            return f"lease {lease.lease_id} wants {lease.num_samples} rollouts, group has {len(g.rollouts)}"
+        for r in g.rollouts:
+            if len(r.response_ids) != len(r.logprobs) or not 0.0 <= r.reward <= 1.0 or r.version < 0:
+                return f"lease {lease.lease_id}: rollout arrays differ in length or reward/version out of range"
+        return ""
+
+    def _accept(self, g: ScoredGroup, lease: Lease) -> bool:
+        """Queue one checked group; True when it was kept out as zero-signal."""
+        fresh = list(g.rollouts)
+        mixed = lease.replay_rec is not None
+        rollouts = fresh + [record_to_rollout(lease.replay_rec, g.question_id)] if mixed else fresh
+        k = sum(1 for r in rollouts if r.correct)
+        if not mixed:
+            self.window.append(k / self.K)
+            if (not self.mixed_mode and len(self.window) == self.window.maxlen
+                    and sum(self.window) / len(self.window) > self.cfg.mixed_switch_accuracy):
+                self.mixed_mode = True
+        collect = self.mixed_mode or self.cfg.collect_before_mixed
+        correct_idx = [i for i, r in enumerate(fresh) if r.correct]
+        keys = self.store.observe(g.question_id, k, [fresh[i] for i in correct_idx], collect)
+        for i, key in zip(correct_idx, keys):
+            if key:
+                fresh[i] = _with_key(fresh[i], key)
+        if mixed:
+            rollouts = fresh + rollouts[-1:]
+        else:
+            rollouts = fresh
+        zero = all(r.reward == rollouts[0].reward for r in rollouts)
+        if zero:
+            self.n["zero_signal_seen"] += 1
+            if self.cfg.drop_zero_signal:
+                self.n["zero_signal"] += 1
+                return True
+        q = self.questions[g.question_id]
+        group = TrainGroup(g.question_id, q.prompt_ids, rollouts, mixed, g.lease_id)
+        (self.ready_mixed if mixed else self.ready_fresh).append(Ready(group, min(r.version for r in fresh)))
+        self.n["accepted"] += 1
+        return False
+
+    # ------------------------------------------------------------------------------------- batching
+
+    def set_version(self, version: int) -> None:
+        self.version = max(self.version, version)
+
+    def set_mixed_mode(self) -> None:
+        """Switch mixed mode on (used by the client to make the switch consistent across shards)."""
+        self.mixed_mode = True
+
+    def _drop_stale(self) -> None:
+        oldest = self.version - self.cfg.max_lag
+        for qname in ("ready_fresh", "ready_mixed"):
+            q = getattr(self, qname)
+            if any(x.version < oldest for x in q):
+                keep = deque()
+                for x in q:
+                    if x.version < oldest:
+                        self.n["stale_dropped"] += 1
+                        self.n["reissued"] += 1
+                        self.reissue.append(x.group.question_id)
+                    else:
+                        keep.append(x)
+                setattr(self, qname, keep)
+
+    def ready_counts(self, version: int | None = None) -> tuple[int, int]:
+        """(fresh, mixed) groups ready for a batch at `version`, after dropping stale ones."""
+        if version is not None:
+            self.set_version(version)
+        self._drop_stale()
+        return len(self.ready_fresh), len(self.ready_mixed)
+
+    def take(self, version: int, n_fresh: int, n_mixed: int) -> list[TrainGroup]:
+        """Up to n_fresh fresh and n_mixed mixed ready groups (oldest first), after dropping stale ones."""
+        self.ready_counts(version)
+        out = [self.ready_mixed.popleft().group for _ in range(min(n_mixed, len(self.ready_mixed)))]
+        out += [self.ready_fresh.popleft().group for _ in range(min(n_fresh, len(self.ready_fresh)))]
+        self.n["trained"] += len(out)
+        self.n["trained_mixed"] += sum(1 for g in out if g.mixed)
+        return out
+
+    def batch(self, version: int) -> list[TrainGroup]:
+        """A whole single-shard batch: ceil(rho*B) mixed (when available), filled with fresh; [] if short."""
+        f, m = self.ready_counts(version)
+        n_mixed = min(mixed_target(self.cfg.batch_questions, self.cfg.replay_ratio), m) if self.mixed_mode else 0
+        n_fresh = self.cfg.batch_questions - n_mixed
+        if f < n_fresh:
+            return []
+        return self.take(version, n_fresh, n_mixed)
+
+    def feedback(self, fb: LearnerFeedback) -> None:
+        self.store.feedback(fb.keys, fb.entropies.tolist(), fb.version)
+
+    # ---------------------------------------------------------------------------------- observation
+
+    def accounting(self) -> dict[str, int]:
+        """The terms of `issued = trained + stale_dropped + zero_signal + lost + outstanding + ready`
+        (see the module docstring), plus `balance` = left side minus right side (always 0)."""
+        n = self.n
+        a = dict(issued=n["issued"], trained=n["trained"], stale_dropped=n["stale_dropped"],
+                 zero_signal=n["zero_signal"], lost=n["expired"] + n["returned"] + n["rejected"],
+                 expired=n["expired"], returned=n["returned"], rejected=n["rejected"],
+                 outstanding=len(self.leases), ready=len(self.ready_fresh) + len(self.ready_mixed),
+                 reissued=n["reissued"], late_submissions=n["late_submissions"])
+        a["balance"] = balance(a)
+        return a
+
+    def metrics(self) -> dict[str, float]:
+        m = self.store.metrics()
+        m.update({k: float(v) for k, v in self.n.items()})
+        m.update(leases_outstanding=float(len(self.leases)), ready_fresh=float(len(self.ready_fresh)),
+                 ready_mixed=float(len(self.ready_mixed)), mixed_mode=float(self.mixed_mode),
+                 version=float(self.version), epoch=float(self.epoch),
+                 fresh_accuracy_window_sum=float(sum(self.window)), fresh_accuracy_window_n=float(len(self.window)))
+        return finish_metrics(m)
+
+    # ------------------------------------------------------------------------------------ snapshots
+
+    def state(self) -> dict:
+        """The whole shard state as msgpack-ready plain data."""
+        rs = self.rng.getstate()
+        return {
+            "state_version": STATE_VERSION, "shard": self.shard, "fingerprint": self.fingerprint,
+            "group_size": self.K, "epoch": self.epoch, "cursor": self.cursor, "reissue": list(self.reissue),
+            "next_lease": self.next_lease, "version": self.version, "mixed_mode": self.mixed_mode,
+            "window": list(self.window), "counters": dict(self.n), "rng": [rs[0], list(rs[1]), rs[2]],
+            "leases": [[x.lease_id, x.question_id, x.num_samples, x.deadline, x.generator_id, x.replay_key,
+                        None if x.replay_rec is None else x.replay_rec.tobytes()] for x in self.leases.values()],
+            "ready_fresh": codec.encode_list([x.group for x in self.ready_fresh], TrainGroup),
+            "ready_mixed": codec.encode_list([x.group for x in self.ready_mixed], TrainGroup),
+            "store": self.store.state(),
+        }
+
+    @classmethod
+    def from_state(cls, cfg: BufferConfig, questions: list[Question], state: dict, *,
+                   batch_share: int | None = None) -> ShardCore:
+        """A new core holding `state`; raises ValueError when the state does not fit this shard."""
+        if state.get("state_version") != STATE_VERSION:
+            raise ValueError(f"shard state version {state.get('state_version')!r} is not {STATE_VERSION}")
+        core = cls(cfg, questions, shard=state["shard"], batch_share=batch_share)
+        if state["fingerprint"] != core.fingerprint:
+            raise ValueError(f"snapshot of shard {state['shard']} was taken with a different question set "
+                             "(dataset or num_shards changed); restore it with the same data and shard count")
+        if state["group_size"] != core.K:
+            raise ValueError(f"snapshot has group_size {state['group_size']}, config has {core.K}")
+        core.epoch, core.cursor = int(state["epoch"]), int(state["cursor"])
+        core._order = core._epoch_order(core.epoch)
+        core.reissue = deque(state["reissue"])
+        core.next_lease, core.version = int(state["next_lease"]), int(state["version"])
+        core.mixed_mode = bool(state["mixed_mode"])
+        core.window.extend(float(x) for x in state["window"])
+        core.n.update({k: int(v) for k, v in state["counters"].items() if k in core.n})
+        v, internal, gauss = state["rng"]
+        core.rng.setstate((v, tuple(internal), gauss))
+        for lid, qid, ns, dl, gid, rkey, rrec in state["leases"]:
+            if qid not in core.questions:
+                raise ValueError(f"snapshot lease {lid} refers to unknown question {qid!r}")
+            core.leases[lid] = Lease(lid, qid, int(ns), float(dl), gid, rkey,
+                                     None if rrec is None else record_from_bytes(rrec))
+        for name in ("ready_fresh", "ready_mixed"):
+            for g in codec.decode_list(state[name], TrainGroup):
+                fresh = [r for r in g.rollouts if not r.replayed]
+                getattr(core, name).append(Ready(g, min(r.version for r in fresh)))
+        core.store.load_state(state["store"])
+        return core
+
+
+def _with_key(r: Rollout, key: str) -> Rollout:
+    return Rollout(r.response_ids, r.logprobs, r.reward, r.correct, r.entropy, r.version, r.finish_reason, key, r.replayed)
+
+
+def balance(a: dict[str, int]) -> int:
+    return a["issued"] - (a["trained"] + a["stale_dropped"] + a["zero_signal"] + a["lost"] + a["outstanding"] + a["ready"])
+
+
+def finish_metrics(m: dict[str, float]) -> dict[str, float]:
+    """Derive ratios from summed counters (works for one shard and for sums over shards)."""
+    m["replay_fraction"] = m["trained_mixed"] / m["trained"] if m.get("trained") else 0.0
+    c = m.get("chosen", 0.0)
+    m["entropy_chosen_mean"] = m["entropy_chosen_sum"] / c if c else 0.0
+    m["entropy_available_mean"] = m["entropy_available_sum"] / c if c else 0.0
+    wn = m.get("fresh_accuracy_window_n", 0.0)
+    m["fresh_accuracy_moving"] = m["fresh_accuracy_window_sum"] / wn if wn else 0.0
+    return m
+
+
+_MAX_KEYS = ("mixed_mode", "version", "epoch")
+_DERIVED = ("replay_fraction", "entropy_chosen_mean", "entropy_available_mean", "fresh_accuracy_moving")
+
+
+def merge_metrics(per_shard: list[dict[str, float]]) -> dict[str, float]:
+    """Shard metrics -> one dict: counters summed, flags/versions maxed, ratios recomputed."""
+    out: dict[str, float] = {}
+    for m in per_shard:
+        for k, v in m.items():
+            if k in _DERIVED:
+                continue
+            out[k] = max(out.get(k, v), v) if k in _MAX_KEYS else out.get(k, 0.0) + v
+    return finish_metrics(out) if out else out
+
+
+def merge_accounting(per_shard: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for a in per_shard:
+        for k, v in a.items():
+            out[k] = out.get(k, 0) + v
+    if out:
+        out["balance"] = balance(out)
+    return out

@@ -1,0 +1,166 @@
+"""The buffer shard Ray actor: a `ShardCore` behind one lock, with periodic snapshots.
+
+Threaded actor (`max_concurrency` threads): lease, submit, batch and feedback calls run concurrently
+and are serialised on the core by a lock; `wait_ready` blocks on a condition without holding it.
+Every method takes and returns msgpack bytes (`common.codec` for messages, plain msgpack for
+counters) or plain scalars — no pickled data crosses the boundary.
+
+On a crash Ray restarts the actor (`max_restarts`) with the same constructor arguments; `__init__`
+then restores the latest snapshot in `snapshot_dir` (written every `snapshot_every_s` and on
+`snapshot()`), so the shard loses at most the work since that snapshot: leases issued after it are
+unknown to the restored shard (their late submissions are counted and dropped, their questions come
+round again from the restored dataset cursor), and groups trained after it may be trained again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import msgpack
+import ray
+
+from buffer.core import ShardCore
+from buffer.snapshot import load_core, snapshot_path, write_snapshot
+from common import codec
+from common.config import BufferConfig
+from common.messages import LearnerFeedback, Question, ScoredGroup, TrainGroup, WorkItem
+
+log = logging.getLogger(__name__)
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes):
+    return msgpack.unpackb(data, raw=False)
+
+
+class BufferShard:
+    """One shard. Create with `make_shard_actor` (named `actor_name(run, "buffer", i)`)."""
+
+    def __init__(self, cfg: dict, questions: bytes, shard: int, batch_share: int, snapshot_dir: str | None):
+        self.cfg = BufferConfig(**cfg)
+        self.questions = codec.decode_list(questions, Question)
+        self.shard, self.batch_share, self.snapshot_dir = shard, batch_share, snapshot_dir
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.restored_from = ""
+        self.snapshot_errors = 0
+        path = snapshot_path(snapshot_dir, shard) if snapshot_dir else None
+        if path is not None and path.exists():
+            self.core = load_core(self.cfg, self.questions, path, batch_share=batch_share)
+            self.restored_from = str(path)
+            log.warning("buffer shard %d restored from %s", shard, path)
+        else:
+            self.core = ShardCore(self.cfg, self.questions, shard=shard, batch_share=batch_share)
+        self._stop = threading.Event()
+        if snapshot_dir:
+            threading.Thread(target=self._snapshot_loop, name=f"buffer-{shard}-snapshots", daemon=True).start()
+
+    def _snapshot_loop(self) -> None:
+        while not self._stop.wait(self.cfg.snapshot_every_s):
+            try:
+                self.snapshot(self.snapshot_dir)
+            except OSError as e:  # disk full, folder gone: keep serving, count, retry next period
+                self.snapshot_errors += 1
+                log.error("buffer shard %d: periodic snapshot to %s failed: %s", self.shard, self.snapshot_dir, e)
+
+    # ------------------------------------------------------------------------------ generator side
+
+    def lease(self, generator_id: str, max_items: int) -> bytes:
+        with self.lock:
+            items = self.core.lease(generator_id, max_items)
+        return codec.encode_list(items, WorkItem)
+
+    def submit(self, groups: bytes) -> bytes:
+        decoded = codec.decode_list(groups, ScoredGroup)
+        with self.cond:
+            out = self.core.submit(decoded)
+            self.cond.notify_all()
+        return pack(out)
+
+    def return_leases(self, lease_ids: list[str]) -> int:
+        with self.lock:
+            return self.core.return_leases(list(lease_ids))
+
+    # -------------------------------------------------------------------------------- learner side
+
+    def wait_ready(self, version: int, want: int, wait_s: float) -> list[int]:
+        """[fresh, mixed, mixed_mode] ready at `version`; waits up to `wait_s` for `want` groups."""
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            while True:
+                f, m = self.core.ready_counts(version)
+                left = deadline - time.monotonic()
+                if f + m >= want or left <= 0:
+                    return [f, m, int(self.core.mixed_mode)]
+                self.cond.wait(min(left, 0.05))  # also wakes to expire leases and see new versions
+
+    def take(self, version: int, n_fresh: int, n_mixed: int) -> bytes:
+        with self.lock:
+            groups = self.core.take(version, n_fresh, n_mixed)
+        return codec.encode_list(groups, TrainGroup)
+
+    def feedback(self, fb: bytes) -> None:
+        decoded = codec.decode(fb, LearnerFeedback)
+        with self.lock:
+            self.core.feedback(decoded)
+
+    def set_version(self, version: int) -> None:
+        with self.cond:
+            self.core.set_version(version)
+            self.cond.notify_all()
+
+    def set_mixed_mode(self) -> None:
+        with self.lock:
+            self.core.set_mixed_mode()
+
+    # ------------------------------------------------------------------------------- observability
+
+    def metrics(self) -> bytes:
+        with self.lock:
+            m = self.core.metrics()
+        m["snapshot_errors"] = float(self.snapshot_errors)
+        m["restored"] = float(bool(self.restored_from))
+        return pack(m)
+
+    def accounting(self) -> bytes:
+        with self.lock:
+            return pack(self.core.accounting())
+
+    def snapshot(self, folder: str | None = None) -> str:
+        folder = folder or self.snapshot_dir
+        if not folder:
+            raise ValueError(f"buffer shard {self.shard} has no snapshot_dir; pass a folder to snapshot()")
+        with self.lock:
+            state = self.core.state()
+        path = snapshot_path(folder, self.shard)
+        write_snapshot(path, state)
+        return str(path)
+
+    def restore(self, folder: str) -> str:
+        core = load_core(self.cfg, self.questions, snapshot_path(folder, self.shard), batch_share=self.batch_share)
+        with self.cond:
+            self.core = core
+            self.cond.notify_all()
+        return str(snapshot_path(folder, self.shard))
+
+    def ping(self) -> int:
+        return self.shard
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def make_shard_actor(cfg: BufferConfig, questions: list[Question], *, shard: int, batch_share: int, name: str,
+                     namespace: str | None, snapshot_dir: str | None):
+    """Start one named shard actor (restarts from its snapshot up to `cfg.max_restarts` times)."""
+    actor_cls = ray.remote(BufferShard)
+    return actor_cls.options(
+        name=name, namespace=namespace, max_restarts=cfg.max_restarts, max_task_retries=0,
+        max_concurrency=cfg.max_concurrency, num_cpus=0, lifetime=None,
+    ).remote(cfg.model_dump(), codec.encode_list(questions, Question), shard, batch_share, snapshot_dir)
+

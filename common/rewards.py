@@ -1,0 +1,370 @@
+"""Reward functions and the pool that runs them safely.
+
+A reward function is `fn(response_text: str, answer: str) -> float in [0, 1]`. The registry:
+- `countdown`, `arithmetic`: the built-in tasks' verifiers (`common.tasks`);
+- `exact`: normalised string match (Unicode NFKC, case-folded, whitespace collapsed, surrounding `$`
+  and a trailing period dropped);
+- `math`: math-verify parses the reference answer and the response's final answer and compares them;
+- `package.module:function`: any importable user function.
+
+`RewardPool(reward_cfg, task_name).score(requests)` scores a batch. Where the functions run:
+- `countdown`, `arithmetic`, `exact` run in the calling process: they look at most
+  `max_response_chars` characters in linear time (countdown and arithmetic refuse responses over 64
+  characters before parsing, and countdown checks the numbers used before computing anything), so
+  they cannot hang, and a worker round trip would cost more than the call itself.
+- `math` and user functions run in worker processes (`common.reward_worker`, started with
+  `subprocess` running a fresh interpreter: no fork of a threaded Ray actor, no pickle). Each batch
+  is split into one contiguous chunk per worker, sent in one message; results stream back one per
+  item, so every call gets its own `timeout_s` deadline. A call that passes its deadline gets reward
+  0 and a timeout error, its worker (and the worker's process group) is killed and replaced, and the
+  rest of the chunk is resent. Workers have an address-space limit (`worker_memory_mb`).
+
+Every response is cut to its last `max_response_chars` characters first. A call that raises, hangs,
+crashes its worker or returns anything but a real number in [0, 1] scores 0; the error is counted in
+`stats()` and logged with the question id. `score` itself never raises for a bad reward function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgpack
+
+from common.config import RewardConfig
+from common.reward_worker import check_value, score_one
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, str], float]
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRequest:
+    """One response to score.  # generator -> reward pool"""
+
+    question_id: str
+    response_text: str
+    answer: str
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreResult:
+    """Its reward in [0, 1]; `error` says why it was forced to 0 (None when the function answered)."""
+
+    reward: float
+    error: str | None = None
+
+
+# ------------------------------------------------------------------------------------------ registry
+
+
+def exact_reward(response: str, answer: str) -> float:
+    """1.0 when the normalised response equals the normalised answer."""
+    return 1.0 if normalize_text(response) == normalize_text(answer) else 0.0
+
+
+def normalize_text(text: str) -> str:
+    """NFKC, case-folded, whitespace collapsed, surrounding `$` and one trailing period removed."""
+    t = " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+    t = t.strip("$").strip()
+    return t[:-1].rstrip() if t.endswith(".") else t
+
+
+def math_reward(response: str, answer: str) -> float:
+    """math-verify: 1.0 when the response's final answer is mathematically equal to the reference."""
+    from math_verify import parse, verify
+
+    gold = parse(answer) or parse(f"${answer}$")
+    pred = parse(response)
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred) else 0.0
+
+
+def _builtin() -> dict[str, tuple[RewardFn, bool]]:
+    """name -> (function, runs in-process)."""
+    from common.tasks import verify_arithmetic, verify_countdown
+
+    return {
+        "countdown": (verify_countdown, True),
+        "arithmetic": (verify_arithmetic, True),
+        "exact": (exact_reward, True),
+        "math": (math_reward, False),
+    }
+
+
+def resolve_reward(name: str) -> tuple[RewardFn, bool]:
+    """(function, runs in-process) for a registry name or `package.module:function`.
+
+    Raises ValueError that says what to change for an unknown name, a module that does not import,
+    or an attribute that is missing or not callable.
+    """
+    builtin = _builtin()
+    if name in builtin:
+        return builtin[name]
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward.name: unknown reward {name!r}; use one of {sorted(builtin)} "
+                         "or a user function written package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward.name: cannot import module {module_name!r} ({e}); "
+                         "check the spelling and that it is on PYTHONPATH") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward.name: {module_name} has no callable {attr!r}")
+    return fn, False
+
+
+def check_task_matches(reward_name: str, task_name: str | None) -> None:
+    """A built-in task's verifier must not score another built-in task's questions."""
+    from common.tasks import TASKS
+
+    if task_name in TASKS and reward_name in TASKS and reward_name != task_name:
+        raise ValueError(f"reward.name: {reward_name!r} cannot score questions of task {task_name!r}; "
+                         f"set reward.name={task_name}")
+
+
+# -------------------------------------------------------------------------------------------- pool
+
+
+class RewardPool:
+    """Scores batches of responses with a per-call timeout; see the module docstring.
+
+        pool = RewardPool(cfg.reward, task_name="countdown")
+        results = pool.score([ScoreRequest(q.id, text, q.answer) for ...])   # one call per batch
+        pool.stats()   # {"calls", "errors", "timeouts", "worker_restarts"}
+        pool.close()
+    """
+
+    def __init__(self, reward_cfg: RewardConfig, task_name: str | None = None):
+        self.cfg = reward_cfg
+        self._workers: list[_Worker | None] = []  # set first: __del__ runs even when construction fails
+        self._fn, self._in_process = resolve_reward(reward_cfg.name)
+        check_task_matches(reward_cfg.name, task_name)
+        self._workers = [None] * reward_cfg.num_workers
+        self._stats = {"calls": 0, "errors": 0, "timeouts": 0, "worker_restarts": 0}
+
+    def score(self, items: list[ScoreRequest]) -> list[ScoreResult]:
+        """One result per request, in order. Never raises for a bad reward function."""
+        limit = self.cfg.max_response_chars
+        pairs = [(_tail(r.response_text, limit), r.answer) for r in items]
+        if self._in_process:
+            raw = [score_one(self._fn, resp, ans) for resp, ans in pairs]
+        else:
+            raw = self._score_in_workers(pairs)
+        self._stats["calls"] += len(items)
+        return [self._result(req, reward, error) for req, (reward, error) in zip(items, raw)]
+
+    def stats(self) -> dict[str, int]:
+        """Counters since construction: calls, errors (all forced zeros), timeouts, worker_restarts."""
+        return dict(self._stats)
+
+    def close(self) -> None:
+        """Stop the worker processes (idempotent)."""
+        for i, w in enumerate(self._workers):
+            if w is not None:
+                w.stop()
+                self._workers[i] = None
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    # -- internals
+
+    def _result(self, req: ScoreRequest, reward: float | None, error: str | None) -> ScoreResult:
+        if error is None and reward is not None:
+            return ScoreResult(reward)
+        self._stats["errors"] += 1
+        log.warning("reward %s on question %s: %s (scored 0)", self.cfg.name, req.question_id, error)
+        return ScoreResult(0.0, error)
+
+    def _score_in_workers(self, pairs: list[tuple[str, str]]) -> list[tuple[float | None, str | None]]:
+        results: list[tuple[float | None, str | None]] = [(None, "not scored")] * len(pairs)
+        n = len(self._workers)
+        jobs = [_Job(w, list(range(w * len(pairs) // n, (w + 1) * len(pairs) // n))) for w in range(n)]
+        jobs = [j for j in jobs if j.indices]
+        self._start_missing([j.worker for j in jobs])
+        for job in jobs:
+            self._send(job, pairs, results)
+        while any(not j.done for j in jobs):
+            self._expire(jobs, pairs, results)
+            self._collect(jobs, pairs, results)
+        return results
+
+    def _start_missing(self, indices: list[int]) -> None:
+        started = []
+        for i in indices:
+            if self._workers[i] is None or not self._workers[i].alive():
+                if self._workers[i] is not None:
+                    self._workers[i].stop()
+                self._workers[i] = _Worker(self.cfg)
+                started.append(i)
+        for i in started:
+            self._workers[i].wait_ready(self.cfg.worker_start_timeout_s)
+
+    def _send(self, job: _Job, pairs, results) -> None:
+        """Send the job's remaining items to its worker; on a dead worker, fail them all."""
+        w = self._workers[job.worker]
+        if w.failure is not None:
+            for i in job.indices[job.pos:]:
+                results[i] = (None, f"reward worker unavailable: {w.failure}")
+            job.pos = len(job.indices)
+            return
+        try:
+            w.send([list(pairs[i]) for i in job.indices[job.pos:]])
+        except OSError as e:
+            w.failure = f"cannot send to the worker ({e})"
+            return self._send(job, pairs, results)
+        job.deadline = time.monotonic() + self.cfg.timeout_s
+
+    def _replace(self, job: _Job, pairs, results) -> None:
+        """Kill the job's worker, start a new one and resend what is left."""
+        self._workers[job.worker].stop()
+        self._workers[job.worker] = None
+        if job.done:
+            return
+        self._stats["worker_restarts"] += 1
+        self._start_missing([job.worker])
+        self._send(job, pairs, results)
+
+    def _expire(self, jobs: list[_Job], pairs, results) -> None:
+        now = time.monotonic()
+        for job in jobs:
+            if not job.done and now > job.deadline:
+                self._stats["timeouts"] += 1
+                results[job.indices[job.pos]] = (None, f"timed out after {self.cfg.timeout_s:g} s")
+                job.pos += 1
+                self._replace(job, pairs, results)
+
+    def _collect(self, jobs: list[_Job], pairs, results) -> None:
+        active = {self._workers[j.worker].fd: j for j in jobs if not j.done}
+        if not active:
+            return
+        wait = max(0.0, min(j.deadline for j in active.values()) - time.monotonic())
+        readable, _, _ = select.select(list(active), [], [], wait)
+        for fd in readable:
+            job = active[fd]
+            messages, eof = self._workers[job.worker].read()
+            for reward, error in messages:
+                if job.done:
+                    break
+                results[job.indices[job.pos]] = (reward, error) if error else check_value(reward)
+                job.pos += 1
+                job.deadline = time.monotonic() + self.cfg.timeout_s
+            if eof and not job.done:
+                code = self._workers[job.worker].exit_code()
+                results[job.indices[job.pos]] = (None, f"reward worker died (exit code {code})")
+                job.pos += 1
+                self._replace(job, pairs, results)
+
+
+def _tail(text: str, limit: int) -> str:
+    if not isinstance(text, str):
+        return ""
+    return text if len(text) <= limit else text[-limit:]
+
+
+@dataclass
+class _Job:
+    """A worker's contiguous share of one batch; `pos` is the item it is working on."""
+
+    worker: int
+    indices: list[int]
+    pos: int = 0
+    deadline: float = field(default=float("inf"))
+
+    @property
+    def done(self) -> bool:
+        return self.pos >= len(self.indices)
+
+
+class _Worker:
+    """One `python -m common.reward_worker` process in its own process group."""
+
+    def __init__(self, cfg: RewardConfig):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        env["EXGRPO_REWARD_MEMORY_MB"] = str(cfg.worker_memory_mb)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "common.reward_worker", cfg.name],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True,
+        )
+        self.fd = self.proc.stdout.fileno()
+        os.set_blocking(self.fd, False)
+        self.unpacker = msgpack.Unpacker(raw=False, max_buffer_size=64 << 20)
+        self.failure: str | None = None
+
+    def alive(self) -> bool:
+        return self.failure is None and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the worker has imported the reward function; on failure set `failure`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not readable:
+                break
+            messages, eof = self.read()
+            if messages:
+                if messages[0][0] != "ready":
+                    self.failure = f"reward function failed to load: {messages[0][-1]}"
+                return
+            if eof:
+                self.failure = f"worker exited at start (exit code {self.exit_code()})"
+                return
+        self.failure = f"worker did not start within {timeout_s:g} s (reward.worker_start_timeout_s)"
+        log.error("reward worker: %s", self.failure)
+
+    def exit_code(self, wait_s: float = 5.0) -> int | None:
+        """The exit code once the process has ended (waiting up to `wait_s`), else None."""
+        try:
+            return self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send(self, chunk: list) -> None:
+        self.proc.stdin.write(msgpack.packb(chunk))
+        self.proc.stdin.flush()
+
+    def read(self) -> tuple[list, bool]:
+        """Messages available now, and whether the worker closed its output."""
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return [], False
+        if not data:
+            return [], True
+        self.unpacker.feed(data)
+        return list(self.unpacker), False
+
+    def stop(self) -> None:
+        """Kill the worker's process group and reap it."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:  # the pipe is broken once the worker is gone; nothing left to flush
+                pass

@@ -1,0 +1,264 @@
+"""The learner pool: N training ranks as Ray actors, joined by torch.distributed, model sharded with FSDP2.
+
+    pool = LearnerPool(cfg.learner, model_path, run=run, namespace=ns, max_new_tokens=gen.max_new_tokens)
+    pending = pool.publish_async()                  # version 0 for late-joining generators
+    while training:
+        batch = buffer.get_batch(pool.version, timeout_s)   # overlaps with the gather + put of `pending`
+        result = pool.step(batch)                   # queued behind the publication on every rank
+        buffer.feedback(result.feedback); buffer.set_version(result.version)
+        pending = pool.publish_async()
+    pending.result()                                # WeightSyncTimeout if it stalled
+
+Every rank gets the whole batch (one `ray.put`) and runs `learner.step.TrainStep`; rank 0 also
+gathers the full state dict (a collective of all ranks) for publication and checkpoints. Ray runs
+an actor's calls in submission order, so a publication submitted before a step always gathers the
+weights of the version it names; `publish_async` returns at once and the caller may fetch the next
+batch meanwhile. `publish()` is `publish_async().result()`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+
+from common.config import LearnerConfig
+from common.interfaces import actor_name
+from common.messages import LearnerFeedback, TrainingBatch, WeightsAnnouncement, float32_array
+from learner import checkpoint as ck
+from learner.step import RankStats, TrainStep, merge_rank_stats
+from learner.weights import WeightSyncTimeout, get_or_create_store, make_publisher, wait_for_acks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one learner step produced.  # learner -> driver"""
+
+    metrics: dict[str, float]
+    feedback: LearnerFeedback
+    version: int  # policy version after the step
+
+
+class LearnerRank:
+    """One FSDP rank (run as a Ray actor by `LearnerPool`; usable in-process for world size 1)."""
+
+    def __init__(self, cfg: LearnerConfig, model_path: str, *, rank: int, world: int, max_new_tokens: int,
+                 run: str, namespace: str | None):
+        torch.set_num_threads(max(1, int(cfg.num_cpus)))  # one intra-op thread per reserved CPU (1 by default)
+        self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
+        self.max_new_tokens, self.run, self.namespace = max_new_tokens, run, namespace
+        use_nccl = cfg.backend == "nccl" or (cfg.backend == "auto" and cfg.num_gpus > 0 and torch.cuda.is_available())
+        if use_nccl and not torch.cuda.is_available():
+            raise RuntimeError("learner.backend=nccl but this rank sees no GPU: "
+                               "set learner.num_gpus > 0 or learner.backend=gloo")
+        self.backend = "nccl" if use_nccl else "gloo"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_nccl else torch.device("cpu")
+        self.publisher = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0's host and a free TCP port for torch.distributed's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, host: str, port: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+        torch.distributed.init_process_group(self.backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                             world_size=self.world, timeout=datetime.timedelta(minutes=10))
+        torch.manual_seed(self.cfg.seed + self.rank)
+        np.random.seed(self.cfg.seed + self.rank)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
+        self.model_config = model.config
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        c = self.cfg
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
+        ref = None
+        if c.kl_coef > 0:
+            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device).eval()
+            ref.requires_grad_(False)
+        pad = model.config.pad_token_id
+        self.trainer = TrainStep(model, self.optimizer, c, rank=self.rank, world=self.world, device=self.device,
+                                 pad_id=0 if pad is None else int(pad),
+                                 max_positions=int(model.config.max_position_embeddings),
+                                 max_new_tokens=self.max_new_tokens, ref_model=ref)
+
+    def train(self, batch: TrainingBatch) -> RankStats:
+        return self.trainer.run(batch)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every rank must call it; rank 0 gets the full CPU state dict (HF names), others {}."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def publish(self, version: int) -> WeightsAnnouncement | None:
+        sd = self.full_state_dict()
+        if self.rank != 0:
+            return None
+        if self.publisher is None:
+            self.publisher = make_publisher(self.cfg.weight_sync, run=self.run, namespace=self.namespace,
+                                            timeout_s=self.cfg.publish_timeout_s)
+        return self.publisher.publish(version, sd)
+
+    def gather(self) -> dict[str, torch.Tensor] | None:
+        sd = self.full_state_dict()
+        return sd if self.rank == 0 else None
+
+    def save(self, tmp: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        tmp_path = Path(tmp)
+        sd = self.full_state_dict()
+        if self.rank == 0:
+            ck.write_hf_folder(sd, self.model_config, self.model_path, tmp_path / ck.MODEL_DIR)
+        dcp.save({"optim": get_optimizer_state_dict(self.model, self.optimizer)},
+                 checkpoint_id=str(tmp_path / ck.OPTIM_DIR))
+        ck.save_rng(tmp_path, self.rank)
+
+    def load(self, ckpt: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
+
+        full = ck.load_hf_weights(ckpt)
+        try:
+            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+        except RuntimeError as e:
+            raise ck.CheckpointError(
+                f"checkpoint {ckpt}: weights do not fit the model of {self.model_path} ({e})") from e
+        osd = get_optimizer_state_dict(self.model, self.optimizer)
+        try:
+            dcp.load({"optim": osd}, checkpoint_id=str(Path(ckpt) / ck.OPTIM_DIR))
+        except (RuntimeError, ValueError, OSError) as e:
+            raise ck.CheckpointError(f"checkpoint {ckpt}: optimizer state is unreadable ({e})") from e
+        set_optimizer_state_dict(self.model, self.optimizer, osd)
+        if not ck.load_rng(Path(ckpt), self.rank):
+            log.warning("checkpoint %s has no RNG state for rank %d (saved with another world size)", ckpt, self.rank)
+
+    def close(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+class PendingPublish:
+    """A publication in flight; `result()` waits for it (with the configured timeout) and returns the announcement."""
+
+    def __init__(self, version: int, refs: list, timeout_s: float, done: WeightsAnnouncement | None = None):
+        self.version, self.refs, self.timeout_s, self._ann = version, refs, timeout_s, done
+
+    def result(self, timeout_s: float | None = None) -> WeightsAnnouncement:
+        if self._ann is None:
+            t = self.timeout_s if timeout_s is None else timeout_s
+            try:
+                self._ann = ray.get(self.refs, timeout=t)[0]
+            except ray.exceptions.GetTimeoutError as e:
+                raise WeightSyncTimeout(f"publishing weights version {self.version} did not finish within {t:.1f}s "
+                                        "(gather on the learner ranks + put into the weight store)") from e
+        return self._ann
+
+
+class LearnerPool:
+    """N `LearnerRank` actors training one policy; see the module docstring for the loop."""
+
+    def __init__(self, cfg: LearnerConfig, model_path: str, *, run: str, namespace: str | None, max_new_tokens: int):
+        self.cfg, self.model_path, self.run, self.namespace = cfg, str(model_path), run, namespace
+        self.version = 0
+        self.steps = 0
+        self.skipped_updates = 0
+        self.store = get_or_create_store(run, namespace)
+        ray.get(self.store.reset.remote())  # a resumed pool may publish a lower version than a dead one did
+        actor = ray.remote(LearnerRank)
+        self.ranks = [
+            actor.options(name=actor_name(run, "learner", r), namespace=namespace, num_cpus=cfg.num_cpus,
+                          num_gpus=cfg.num_gpus, max_restarts=0).remote(
+                cfg, self.model_path, rank=r, world=cfg.num_ranks, max_new_tokens=max_new_tokens, run=run,
+                namespace=namespace)
+            for r in range(cfg.num_ranks)
+        ]
+        host, port = ray.get(self.ranks[0].rendezvous_address.remote())
+        ray.get([r.setup.remote(host, port) for r in self.ranks])
+        self._last_publish: PendingPublish | None = None
+
+    def step(self, batch: TrainingBatch) -> StepResult:
+        """Train on `batch` (`learner.mini_batches` optimizer steps); version +1 per applied update."""
+        ref = ray.put(batch)
+        stats: list[RankStats] = ray.get([r.train.remote(ref) for r in self.ranks])
+        metrics, keys, ents = merge_rank_stats(stats)
+        version_trained = self.version
+        self.version += stats[0].updates
+        self.skipped_updates += stats[0].skipped
+        self.steps += 1
+        metrics["learner/version"] = float(self.version)
+        metrics["learner/skipped_updates_total"] = float(self.skipped_updates)
+        fb = LearnerFeedback(version=version_trained, keys=keys, entropies=float32_array(ents))
+        return StepResult(metrics=metrics, feedback=fb, version=self.version)
+
+    def publish_async(self) -> PendingPublish:
+        """Start publishing the current version; returns at once. Republishing a version is a no-op."""
+        last = self._last_publish
+        if last is not None and last.version == self.version:
+            return last
+        refs = [r.publish.remote(self.version) for r in self.ranks]
+        self._last_publish = PendingPublish(self.version, refs, self.cfg.publish_timeout_s)
+        return self._last_publish
+
+    def publish(self) -> WeightsAnnouncement:
+        """Gather on rank 0 and publish the current version; WeightSyncTimeout after `publish_timeout_s`."""
+        return self.publish_async().result()
+
+    def wait_for_acks(self, version: int | None = None, timeout_s: float | None = None) -> None:
+        """Block until every registered generator acknowledged `version` (default: current); else WeightSyncTimeout."""
+        wait_for_acks(self.store, self.version if version is None else version,
+                      self.cfg.publish_timeout_s if timeout_s is None else timeout_s)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model state dict (HF names, CPU) on the caller."""
+        return ray.get([r.gather.remote() for r in self.ranks])[0]
+
+    def save_checkpoint(self, dir: str | Path) -> Path:
+        """Write a checkpoint folder atomically (see `learner.checkpoint`); returns its path."""
+        tmp = ck.tmp_dir_for(dir)
+        try:
+            ray.get([r.save.remote(str(tmp)) for r in self.ranks])
+            ck.write_meta(tmp, step=self.steps, version=self.version, num_ranks=len(self.ranks))
+            return ck.commit(tmp, dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def load_checkpoint(self, dir: str | Path) -> None:
+        """Restore model, optimizer, RNG, step and version; CheckpointError for a missing/corrupt checkpoint."""
+        meta = ck.read_meta(dir)
+        ray.get([r.load.remote(str(Path(dir).absolute())) for r in self.ranks])
+        self.steps, self.version = int(meta["step"]), int(meta["version"])
+        self._last_publish = None
+
+    def shutdown(self) -> None:
+        """Stop the ranks and the weight store (published references die with rank 0)."""
+        try:
+            ray.get([r.close.remote() for r in self.ranks], timeout=30)
+        finally:
+            for r in self.ranks:
+                ray.kill(r)
+            ray.kill(self.store)
+            self.ranks = []

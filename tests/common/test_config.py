@@ -1,0 +1,112 @@
+"""Config validation: readable "field: problem" lines, exit code 2 from the CLI, YAML round trip."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from cluster.cli import main
+from common.config import ConfigError, RunConfig, load_config, to_yaml
+
+
+def _lines(overrides: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    return e.value.lines
+
+
+def test_defaults_are_valid_and_round_trip_through_yaml(tmp_path):
+    cfg = load_config()
+    assert cfg.data.task == "countdown" and cfg.reward.name == "countdown"
+    p = tmp_path / "c.yaml"
+    p.write_text(to_yaml(cfg))
+    assert load_config(p) == cfg
+
+
+def test_overrides_are_parsed_as_yaml_values():
+    cfg = load_config(None, ["buffer.group_size=4", "learner.shaping_beta=null", "generator.stop=[a, b]"])
+    assert cfg.buffer.group_size == 4 and cfg.learner.shaping_beta is None and cfg.generator.stop == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("buffer.group_size=1", "buffer.group_size: Input should be greater than or equal to 2"),
+        ("buffer.grup_size=8", "buffer.grup_size: unknown field"),
+        ("reward.timeout_s=abc", "reward.timeout_s: Input should be a valid number"),
+        ("model.toy.num_heads=4", "hidden_size / num_heads = 96/4 must be 32, 64 or 128"),
+        ("learner.mini_batches=3", "learner.mini_batches: 3 does not divide buffer.batch_questions 16"),
+        ("data.task=arithmetic", "reward.name: countdown cannot score the arithmetic task; set reward.name=arithmetic"),
+        ("nonsense", "nonsense: an override is written key=value"),
+        ("buffer.group_size.x=1", "buffer.group_size: Input should be a valid integer"),
+    ],
+)
+def test_invalid_values_give_field_problem_lines(override, expected):
+    lines = _lines([override])
+    assert any(expected in line for line in lines), lines
+
+
+def test_override_below_a_value_is_refused():
+    assert _lines(["buffer.group_size=4", "buffer.group_size.x=1"]) == [
+        "buffer.group_size.x: group_size is a value, not a section"]
+
+
+def test_several_problems_are_all_reported():
+    lines = _lines(["buffer.group_size=0", "reward.correct_threshold=2"])
+    assert len(lines) == 2
+    assert sorted(line.split(":")[0] for line in lines) == ["buffer.group_size", "reward.correct_threshold"]
+
+
+def test_consistency_problems_are_one_line_each():
+    lines = _lines(["cluster.autoscale.min_generators=5", "cluster.autoscale.max_generators=2",
+                    "generator.num_generators=0"])
+    assert "cluster.autoscale.min_generators: 5 exceeds max_generators 2" in lines
+    assert any(line.startswith("generator.num_generators: 0 generators") for line in lines)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="the top level must be a mapping"):
+        load_config(bad)
+
+
+def test_every_field_has_a_docstring():
+    missing = []
+
+    def walk(model, prefix):
+        for name, info in model.model_fields.items():
+            if name != "kind" and not info.description:
+                missing.append(prefix + name)
+            ann = info.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                walk(ann, f"{prefix}{name}.")
+
+    walk(RunConfig, "")
+    assert not [m for m in missing if m.count(".") >= 1], missing
+
+
+def test_cli_config_prints_resolved_yaml(capsys):
+    assert main(["config", "buffer.group_size=4"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["buffer"]["group_size"] == 4
+
+
+def test_cli_invalid_config_exits_2_with_lines_and_no_traceback(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["config", "buffer.group_size=1", "reward.nme=x"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid configuration:" in err
+    assert "  buffer.group_size: Input should be greater than or equal to 2" in err
+    assert "  reward.nme: unknown field" in err
+    assert "Traceback" not in err
+
+
+def test_cli_missing_config_file_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["config", str(tmp_path / "missing.yaml")])
+    assert e.value.code == 2
+    assert "config file not found" in capsys.readouterr().err

@@ -1,0 +1,165 @@
+"""Rewards: the registry, each built-in reward, and every failure mode of the worker pool."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+
+from common.config import RewardConfig
+from common.rewards import RewardPool, ScoreRequest, ScoreResult, exact_reward, math_reward, resolve_reward
+
+FNS = "tests.common.reward_fns"
+
+
+def _pool(name: str, **kw) -> RewardPool:
+    return RewardPool(RewardConfig(name=name, **kw))
+
+
+def _score(pool: RewardPool, pairs: list[tuple[str, str]]) -> list[ScoreResult]:
+    return pool.score([ScoreRequest(f"q{i}", r, a) for i, (r, a) in enumerate(pairs)])
+
+
+def test_builtin_task_rewards_run_in_process():
+    answer = json.dumps({"target": 29, "numbers": [3, 7, 8]})
+    with RewardPool(RewardConfig(name="countdown"), task_name="countdown") as pool:
+        res = _score(pool, [("3*7+8", answer), ("3+7+8", answer), ("9**9**9**9", answer), ("x" * 1_000_000, answer)])
+        assert [r.reward for r in res] == [1.0, 0.0, 0.0, 0.0] and all(r.error is None for r in res)
+        assert pool.stats() == {"calls": 4, "errors": 0, "timeouts": 0, "worker_restarts": 0}
+        assert pool._workers == [None]  # no worker process was started
+    with RewardPool(RewardConfig(name="arithmetic"), task_name="arithmetic") as pool:
+        assert [r.reward for r in _score(pool, [("357", "357"), ("35", "357")])] == [1.0, 0.0]
+
+
+def test_a_bad_answer_string_is_a_counted_error_not_a_crash():
+    with _pool("countdown") as pool:
+        (res,) = _score(pool, [("3*7+8", "not json")])
+        assert res.reward == 0.0 and "raised JSONDecodeError" in res.error and pool.stats()["errors"] == 1
+
+
+@pytest.mark.parametrize(
+    "response, answer, reward",
+    [("42", "42", 1.0), ("  Paris. ", "paris", 1.0), ("$x+1$", "x+1", 1.0), ("a  b", "a b", 1.0), ("ＡＢ", "ab", 1.0),
+     ("41", "42", 0.0), ("", "42", 0.0), ("42 apples", "42", 0.0)],
+)
+def test_exact(response, answer, reward):
+    assert exact_reward(response, answer) == reward
+
+
+@pytest.mark.parametrize(
+    "response, answer, reward",
+    [("The answer is $\\frac{1}{2}$", "0.5", 1.0), ("so \\boxed{3}", "3", 1.0), ("$x^2+2x+1$", "(x+1)^2", 1.0),
+     ("\\boxed{4}", "3", 0.0), ("no answer here", "3", 0.0)],
+)
+def test_math_reward_function(response, answer, reward):
+    assert math_reward(response, answer) == reward
+
+
+def test_math_reward_survives_adversarial_answers_in_its_workers():
+    pairs = [
+        ("$\\frac{1}{2}$", "1/2"),
+        ("9**9**9**9", "1"),
+        ("$9^{9^{9^{9}}}$", "1"),
+        ("x" * 1_000_000, "1"),
+        ("\\frac{" * 3000 + "1" + "}{2}" * 3000, "1"),
+        ("\\sqrt{" * 5000 + "2" + "}" * 5000, "2"),
+        ("\\boxed{7}", "7"),
+    ]
+    start = time.monotonic()
+    with _pool("math", timeout_s=2.0, num_workers=2) as pool:
+        res = _score(pool, pairs)
+        stats = pool.stats()
+    assert time.monotonic() - start < 60  # a stall would sit far beyond the per-call timeouts
+    assert res[0].reward == 1.0 and res[-1].reward == 1.0
+    assert all(r.reward == 0.0 for r in res[1:-1])
+    assert stats["calls"] == 7 and stats["errors"] == stats["timeouts"] <= 5
+
+
+def test_user_function_bad_returns_score_zero_with_errors(caplog):
+    cases = {
+        "good": (1.0, None), "raises": (0.0, "raised RuntimeError: broken on 'x'"),
+        "nan": (0.0, "returned nan, outside [0, 1]"), "out_of_range": (0.0, "returned 1.5, outside [0, 1]"),
+        "negative": (0.0, "returned -0.1, outside [0, 1]"), "string": (0.0, "returned a str, not a number"),
+        "none": (0.0, "returned a NoneType, not a number"), "boolean": (1.0, None), "numpy_float": (0.25, None),
+        "huge_int": (0.0, "returned a number that does not fit a float"),
+    }
+    for fn, (reward, error) in cases.items():
+        with _pool(f"{FNS}:{fn}") as pool, caplog.at_level(logging.WARNING, logger="common.rewards"):
+            caplog.clear()
+            (res,) = pool.score([ScoreRequest("question-7", "x", "x")])
+            assert (res.reward, res.error) == (reward, error), fn
+            assert pool.stats()["errors"] == (error is not None)
+            if error:
+                assert "question-7" in caplog.text and error in caplog.text
+
+
+def test_hanging_call_times_out_and_its_worker_is_replaced():
+    with _pool(f"{FNS}:hangs", timeout_s=1.0) as pool:
+        first_pid = None
+        res = _score(pool, [("a", ""), ("hang", ""), ("b", ""), ("hang", ""), ("c", "")])
+        assert [r.reward for r in res] == [1.0, 0.0, 1.0, 0.0, 1.0]
+        assert res[1].error == "timed out after 1 s"
+        assert pool.stats() == {"calls": 5, "errors": 2, "timeouts": 2, "worker_restarts": 2}
+        first_pid = pool._workers[0].proc.pid
+        assert [r.reward for r in _score(pool, [("d", "")])] == [1.0]
+        assert pool._workers[0].proc.pid == first_pid  # a healthy worker is reused across batches
+
+
+def test_hung_worker_process_is_gone():
+    pool = _pool(f"{FNS}:hangs", timeout_s=0.5)
+    _score(pool, [("a", "")])
+    proc = pool._workers[0].proc
+    _score(pool, [("hang", "")])
+    assert proc.poll() is not None  # killed and reaped
+    pool.close()
+    pool.close()  # idempotent
+
+
+def test_crashing_worker_is_replaced_and_the_rest_scored():
+    with _pool(f"{FNS}:crashes") as pool:
+        res = _score(pool, [("a", ""), ("crash", ""), ("b", "")])
+        assert [r.reward for r in res] == [1.0, 0.0, 1.0]
+        assert res[1].error == "reward worker died (exit code 3)"
+        assert pool.stats()["worker_restarts"] == 1
+
+
+def test_printing_function_does_not_corrupt_the_protocol():
+    with _pool(f"{FNS}:prints") as pool:
+        assert [r.reward for r in _score(pool, [("a", "")] * 3)] == [1.0, 1.0, 1.0]
+
+
+def test_memory_bomb_fails_inside_the_worker():
+    with _pool(f"{FNS}:memory_bomb", worker_memory_mb=1024) as pool:
+        (res,) = _score(pool, [("a", "")])
+        assert res.reward == 0.0 and "MemoryError" in res.error
+
+
+def test_long_responses_are_cut_to_their_tail():
+    with _pool(f"{FNS}:tail_check", max_response_chars=100) as pool:
+        res = _score(pool, [("x" * 1_000_000 + "END", ""), ("END" + "x" * 1000, "")])
+        assert [r.reward for r in res] == [1.0, 0.0]
+
+
+def test_batches_are_split_over_workers_and_order_is_kept():
+    with _pool(f"{FNS}:as_fraction", num_workers=3) as pool:
+        res = _score(pool, [(str(i), "") for i in range(50)])
+        assert [r.reward for r in res] == [i / 100 for i in range(50)]
+        assert sum(w is not None for w in pool._workers) == 3
+        assert pool.score([]) == []
+
+
+def test_bad_reward_names_fail_at_construction_with_what_to_change():
+    with pytest.raises(ValueError, match=r"unknown reward 'bogus'; use one of \['arithmetic', 'countdown', 'exact', "
+                                         r"'math'\] or a user function written package.module:function"):
+        _pool("bogus")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
+        _pool("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="has no callable 'missing'"):
+        _pool(f"{FNS}:missing")
+    with pytest.raises(ValueError, match="has no callable 'not_callable'"):
+        _pool(f"{FNS}:not_callable")
+    with pytest.raises(ValueError, match="'countdown' cannot score questions of task 'arithmetic'"):
+        RewardPool(RewardConfig(name="countdown"), task_name="arithmetic")
+    assert resolve_reward(f"{FNS}:good")[1] is False and resolve_reward("exact")[1] is True

@@ -1,0 +1,99 @@
+"""The training step's bookkeeping (rows, splits, padding) and its update rule, in-process on a plain model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import LearnerConfig
+from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
+from learner.step import BatchError, TrainStep, batch_rows, collate, rank_micro_batches, split_mini_batches
+from tests.learner.batches import make_batch
+
+
+def rollout(ids, reward=1.0, replayed=False, key=""):
+    return Rollout(response_ids=int32_array(ids), logprobs=float32_array([-1.0] * len(ids)), reward=reward,
+                   correct=reward >= 1, entropy=1.0, version=0, finish_reason="stop", key=key, replayed=replayed)
+
+
+def test_rows_advantages_and_errors():
+    batch = TrainingBatch(groups=[TrainGroup("qa", int32_array([5, 6]), [rollout([7, 8], 1.0), rollout([9], 0.0)],
+                                             mixed=False),
+                                  TrainGroup("qb", int32_array([5]),
+                                             [rollout([7], 1.0, True, "qb#1"), rollout([8], 1.0)], mixed=True)],
+                          version=0)
+    rows = batch_rows(batch, std_normalize=False, max_positions=16)
+    assert [r.advantage for r in rows] == [0.5, -0.5, 0.0, 0.0]
+    assert [r.replayed for r in rows] == [False, False, True, False] and rows[2].key == "qb#1"
+    with pytest.raises(BatchError, match="no groups"):
+        batch_rows(TrainingBatch(groups=[], version=0), std_normalize=False, max_positions=16)
+    with pytest.raises(BatchError, match=r"group 0 \(question 'qa'\) rollout 0: prompt\+response is 4 tokens.*3"):
+        batch_rows(batch, std_normalize=False, max_positions=3)
+    batch.groups[1].rollouts[1].logprobs = float32_array([-1.0, -1.0])
+    with pytest.raises(BatchError, match="group 1 .*rollout 1: 2 log-probs for 1 response tokens"):
+        batch_rows(batch, std_normalize=False, max_positions=16)
+
+
+def test_splits_keep_groups_and_ranks_in_step():
+    rows = batch_rows(make_batch(0, groups=5), std_normalize=False, max_positions=512)
+    minis = split_mini_batches(rows, 2)
+    assert [sorted({r.group for r in m}) for m in minis] == [[0, 1, 2], [3, 4]]
+    assert len(split_mini_batches(rows, 9)) == 5  # never an empty mini-batch
+    per_rank = [rank_micro_batches(minis[0], r, 2, micro_rows=4) for r in range(2)]
+    assert len(per_rank[0]) == len(per_rank[1]) == 2  # 12 rows -> 6 per rank -> 2 micro-batches each
+    dealt = sorted(id(r) for mbs in per_rank for mb in mbs for r in mb)
+    assert dealt == sorted(id(r) for r in minis[0])
+    assert rank_micro_batches(minis[0][:1], 1, 2, micro_rows=4) == [[]]  # nothing left: a dummy micro-batch
+
+
+def test_collate_aligns_response_tokens():
+    batch = TrainingBatch(groups=[TrainGroup("q", int32_array([5, 6, 7]), [rollout([8, 9]), rollout([10], 0.0, True)],
+                                             mixed=True)], version=0)
+    mb = collate(batch_rows(batch, std_normalize=False, max_positions=16), pad_id=0, device=torch.device("cpu"))
+    # row 0 = [5 6 7 8 9]: targets [6 7 8 9], response targets 8, 9 at target positions 2, 3
+    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 10, 0]]
+    assert mb.response_mask.tolist() == [[0, 0, 1, 1], [0, 0, 1, 0]]
+    assert mb.replay_mask.tolist() == [[0, 0, 0, 0], [0, 0, 1, 0]]
+    assert mb.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert (mb.targets * mb.response_mask.long()).tolist() == [[0, 0, 8, 9], [0, 0, 10, 0]]
+    dummy = collate([], pad_id=0, device=torch.device("cpu"))
+    assert dummy.response_mask.sum() == 0 and dummy.input_ids.shape == (1, 2)
+
+
+def plain_step(model_dir, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = LearnerConfig(micro_batch_rows=4, **overrides)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    return model, TrainStep(model, opt, cfg, rank=0, world=1, device=torch.device("cpu"), pad_id=0,
+                            max_positions=512, max_new_tokens=12)
+
+
+def test_update_skipped_when_gradient_norm_too_large(tiny_model_dir):
+    model, step = plain_step(tiny_model_dir, skip_grad_norm=1e-9, mini_batches=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stats = step.run(make_batch(0))
+    assert stats.updates == 0 and stats.skipped == 2 and len(stats.grad_norms) == 2
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_batch_without_response_tokens_changes_nothing(tiny_model_dir):
+    model, step = plain_step(tiny_model_dir)
+    batch = TrainingBatch(groups=[TrainGroup("q", int32_array([5, 6]), [rollout([], 1.0), rollout([], 0.0)],
+                                             mixed=False)], version=0)
+    stats = step.run(batch)
+    assert stats.updates == 0 and stats.skipped == 1 and stats.feedback_keys == []
+
+
+def test_kl_term_and_constant_normalizer(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model, step = plain_step(tiny_model_dir, kl_coef=0.5, loss_agg="constant", loss_constant=1000.0)
+    step.ref_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    stats = step.run(make_batch(0))
+    # the policy starts equal to the reference: KL (k3) is exactly 0 on the first and only update
+    assert stats.updates == 1 and stats.sums["kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert np.isfinite(stats.sums["loss"]) and stats.sums["entropy_loss"] < 0
