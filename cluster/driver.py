@@ -60,6 +60,8 @@ class Trainer:
         self.stop_flag = False
         self.staleness: Counter[int] = Counter()
         self.components_built = False
+        self._pending = None
+        self._publish_s = 0.0
 
     # ------------------------------------------------------------------------------------- build
 
@@ -79,7 +81,7 @@ class Trainer:
             self.learner.load_checkpoint(checkpoint / "learner")
             self.buffer.restore(str(checkpoint / "buffer"))
         self.buffer.set_version(self.learner.version)
-        self.learner.publish()
+        self.learner.publish()  # version 0 (or the checkpoint's) before any generator starts
         self.control = create_control(name, ns, self.state.generators)
         weights = ObjectStoreWeightSource(name, ns)
         self.generators = GeneratorPool(cfg.generator, cfg.reward, str(self.model_path), self.buffer, weights,
@@ -98,8 +100,11 @@ class Trainer:
             if batch is None:
                 continue
             t0 = time.monotonic()
+            self._finish_publish()  # the previous version's gather overlapped with the batch fetch
             result = self.learner.step(batch)
-            self.learner.publish()
+            self._pending = (self.learner.publish_async(), time.monotonic())
+            if cfg.buffer.max_lag == 0:  # synchronous: no rollout of the next batch may see the old weights
+                self._finish_publish()
             self.buffer.feedback(result.feedback)
             self.buffer.set_version(result.version)
             self.state.train_s += time.monotonic() - t0
@@ -110,7 +115,17 @@ class Trainer:
             if cfg.checkpoint.every_steps and self.state.step % cfg.checkpoint.every_steps == 0:
                 self.checkpoint()
             self._scale(metrics)
+        self._finish_publish()
         self.checkpoint()
+
+    def _finish_publish(self) -> None:
+        """Wait for the publication in flight (WeightSyncTimeout names the version) and time it."""
+        if self._pending is None:
+            return
+        pending, started = self._pending
+        pending.result()
+        self._publish_s = time.monotonic() - started
+        self._pending = None
 
     def _next_batch(self) -> TrainingBatch | None:
         t0 = time.monotonic()
@@ -201,6 +216,7 @@ class Trainer:
             "driver/learner_wait_fraction": self.state.wait_s / max(1e-9, self.state.wait_s + self.state.train_s),
             "driver/generators": float(self.generators.size),
             "policy/version": float(result.version),
+            "driver/weight_publish_s": self._publish_s,
         }
         out.update({f"staleness/lag_{k}": float(v) for k, v in lags.items()})
         out.update(_prefixed("learner/", result.metrics))

@@ -84,8 +84,8 @@ def ensure_toy_model(model_cfg: ModelConfig, data_cfg: DataConfig, force: bool =
 
 
 def cache_key(toy: ToyModelConfig, data_cfg: DataConfig) -> str:
-    """16 hex chars of blake2b over the settings that change the built model."""
-    relevant = {"recipe": RECIPE_VERSION, "toy": toy.model_dump(mode="json"), "task": data_cfg.task,
+    """16 hex chars of blake2b over the settings that change the built model (not `threads`)."""
+    relevant = {"recipe": RECIPE_VERSION, "toy": toy.model_dump(mode="json", exclude={"threads"}), "task": data_cfg.task,
                 "seed": data_cfg.seed, "num_train": data_cfg.num_train, "num_test": data_cfg.num_test}
     return hashlib.blake2b(json.dumps(relevant, sort_keys=True).encode(), digest_size=8).hexdigest()
 
@@ -114,7 +114,6 @@ def build_toy_model(toy: ToyModelConfig, data_cfg: DataConfig, out: Path, *, ver
         model.load_state_dict(best_state)
         train_spread = measure_spread(model, tok, task, train_rows[: 2 * toy.probe_questions], toy.samples, toy.seed + 1)
         test_spread = measure_spread(model, tok, task, test_rows, toy.samples, toy.seed + 2)
-        model.generation_config.do_sample = True  # training rollouts sample; keep the HF default top_k off
         save_model_folder(model, tok, out)
         seconds = time.monotonic() - start
         if verbose:

@@ -1,0 +1,111 @@
+"""The built-in model: offline build, cache, save/load through transformers and vLLM, accuracy spread."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.config import DataConfig, ModelConfig, ToyModelConfig
+from common.tasks import get_task
+from common.toy_model import INFO_FILE, cache_key, ensure_toy_model, measure_spread
+from tests.conftest import requires_vllm
+
+TINY = ToyModelConfig(hidden_size=32, num_heads=1, num_layers=1, max_train_steps=20, eval_every=10, batch_size=16,
+                      probe_questions=8, samples=2)
+TINY_DATA = DataConfig(num_train=64, num_test=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    cfg = ModelConfig(cache_dir=str(tmp_path_factory.mktemp("cache")), toy=TINY)
+    return cfg, ensure_toy_model(cfg, TINY_DATA)
+
+
+def test_tiny_build_is_a_hugging_face_folder(tiny_folder):
+    _, folder = tiny_folder
+    for name in ("config.json", "model.safetensors", "tokenizer.json", INFO_FILE):
+        assert (folder / name).is_file()
+    info = json.loads((folder / INFO_FILE).read_text())
+    assert info["task"] == "countdown" and 1 <= info["chosen_step"] <= info["steps"] <= 20
+    assert set(info["train_spread"]) == {"mean", "always", "partly", "never", "questions", "samples"}
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert tok.decode(tok.encode("3 7 8>29=", add_special_tokens=False)) == "3 7 8>29="
+    assert len(tok.encode("3 7 8>29=", add_special_tokens=False)) == 9  # one token per character
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 0)
+    assert model.config.hidden_size == 32 and model.config.num_hidden_layers == 1
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 10, 11]])).logits  # [1, 3, V]
+    assert logits.shape == (1, 3, len(tok)) and torch.isfinite(logits).all()
+
+
+def test_second_call_is_cached_and_force_rebuilds(tiny_folder):
+    cfg, folder = tiny_folder
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    start = time.monotonic()
+    assert ensure_toy_model(cfg, TINY_DATA) == folder
+    assert time.monotonic() - start < 1.0
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    assert ensure_toy_model(cfg, TINY_DATA, force=True) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns != stamp
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary folders left behind
+
+
+def test_cache_key_follows_the_settings_that_matter():
+    base = cache_key(TINY, TINY_DATA)
+    assert base == cache_key(TINY.model_copy(update={"threads": 2}), TINY_DATA)
+    assert base != cache_key(TINY.model_copy(update={"seed": 1}), TINY_DATA)
+    assert base != cache_key(TINY, TINY_DATA.model_copy(update={"seed": 1}))
+    assert base != cache_key(TINY, TINY_DATA.model_copy(update={"task": "arithmetic"}))
+
+
+def test_file_datasets_need_a_model_path(tmp_path):
+    with pytest.raises(ValueError, match="set data.task, or set model.path"):
+        ensure_toy_model(ModelConfig(cache_dir=str(tmp_path)), DataConfig(task=None, train_path="x.jsonl"))
+
+
+def test_verbose_prints_the_spread(tiny_folder, capsys):
+    cfg, _ = tiny_folder
+    ensure_toy_model(cfg, TINY_DATA, verbose=True)
+    out = capsys.readouterr().out
+    assert "built-in model (cached)" in out and "always right" in out and "partly" in out and "never" in out
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    """The real default build (about a minute the first time; cached under ~/.cache/exgrpo afterwards)."""
+    return ensure_toy_model(ModelConfig(), DataConfig(), verbose=True)
+
+
+def test_default_build_has_a_spread_of_accuracy(default_model):
+    info = json.loads((default_model / INFO_FILE).read_text())
+    for split in ("train_spread", "test_spread"):
+        s = info[split]
+        assert 0.15 <= s["mean"] <= 0.5, info
+        assert s["partly"] >= 0.4 and s["never"] > 0, info
+    model = AutoModelForCausalLM.from_pretrained(default_model)
+    tok = AutoTokenizer.from_pretrained(default_model)
+    _, test = get_task("countdown").generate(0, 2000, 200)
+    again = measure_spread(model, tok, get_task("countdown"), test[:64], 8, seed=123)
+    assert abs(again.mean - info["test_spread"]["mean"]) < 0.12  # the saved weights are the measured ones
+
+
+@requires_vllm
+def test_vllm_loads_the_built_in_model_and_agrees_with_transformers(default_model):
+    from vllm import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    model = AutoModelForCausalLM.from_pretrained(default_model)
+    prompts = ["3 7 8>29=", "9 9 9>90=", "2 7 7>14=", "4 5 6>26="]
+    ids = [[tok.bos_token_id] + tok.encode(p, add_special_tokens=False) for p in prompts]
+    llm = LLM(model=str(default_model), enforce_eager=True, dtype="float32", max_model_len=64, seed=0)
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0, max_tokens=8))
+    for prompt_ids, out in zip(ids, outs):
+        hf = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=8,
+                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        assert list(out.outputs[0].token_ids) == hf[0, len(prompt_ids):].tolist()
