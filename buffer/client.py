@@ -249,9 +249,14 @@ class BufferClient:
         """Every shard writes buffer-shard-<i>.msgpack into `dir` (each file atomic)."""
         self._get([s.snapshot.remote(str(dir)) for s in self.shards], "snapshot", timeout_s=max(self.call_timeout_s, 600))
 
-    def restore(self, dir: str) -> None:
-        """Every shard replaces its state with its file in `dir` (validated first; a bad file changes nothing)."""
-        self._get([s.restore.remote(str(dir)) for s in self.shards], "restore", timeout_s=max(self.call_timeout_s, 600))
+    def restore(self, dir: str, expire_leases: bool = False) -> None:
+        """Every shard replaces its state with its file in `dir` (validated first; a bad file changes nothing).
+
+        `expire_leases=True` (resuming a run) ends the snapshot's outstanding leases at once — their
+        generators are gone — so their questions are reissued now and counted as lost, not after
+        `lease_timeout_s`."""
+        self._get([s.restore.remote(str(dir), expire_leases) for s in self.shards], "restore",
+                  timeout_s=max(self.call_timeout_s, 600))
 
     def shutdown(self) -> None:
         for s in self.shards:

@@ -112,6 +112,7 @@ class ShardCore:
         self.ready_fresh: deque[Ready] = deque()
         self.ready_mixed: deque[Ready] = deque()
         self.version = 0
+        self.taken_at_version = 0  # groups taken for batches at self.version (back-pressure)
         self.mixed_mode = False
         self.window: deque[float] = deque(maxlen=cfg.switch_window)
         self.n = dict(issued=0, issued_replay=0, trained=0, trained_mixed=0, stale_dropped=0, zero_signal=0,
@@ -126,13 +127,18 @@ class ShardCore:
         return order
 
     def capacity(self) -> int:
-        """Back-pressure: at most (max_lag + 1) * batch_share work items are live (outstanding + ready).
+        """Back-pressure: at most (max_lag + 1) * batch_share work items are live (outstanding + ready),
+        less what was already taken for a batch at the current version.
 
-        Replay items are further limited to floor(rho * capacity), so fresh slots always remain. With the
-        batch taking ceil(rho * B) mixed groups, a shard full of ready groups can always contribute to a
-        batch: no state in which every shard is full but no batch can be formed (max_lag = 0 included).
+        Work leased at version v can be trained at versions v .. v + max_lag: max_lag + 1 batches, one
+        of which (v's) may already be taken. Counting it means a synchronous run (max_lag = 0) leases
+        nothing between taking batch v and the learner publishing v + 1 — work leased then would only be
+        generated with the old weights and dropped as stale. Replay items are further limited to
+        floor(rho * capacity), so fresh slots always remain. With the batch taking ceil(rho * B) mixed
+        groups, a shard full of ready groups can always contribute to a batch: no state in which every
+        shard is full but no batch can be formed (max_lag = 0 included).
         """
-        return (self.cfg.max_lag + 1) * self.batch_share
+        return max(0, (self.cfg.max_lag + 1) * self.batch_share - min(self.taken_at_version, self.batch_share))
 
     def live(self) -> int:
         return len(self.leases) + len(self.ready_fresh) + len(self.ready_mixed)
@@ -205,10 +211,11 @@ class ShardCore:
         self.n["reissued"] += 1
         self.reissue.append(lease.question_id)
 
-    def expire(self, now: float | None = None) -> int:
-        """End every lease past its deadline; its question is issued again."""
+    def expire(self, now: float | None = None, *, all_leases: bool = False) -> int:
+        """End every lease past its deadline (or every lease, when the generators holding them are
+        known to be gone, e.g. after resuming a run); its question is issued again."""
         now = time.time() if now is None else now
-        dead = [lid for lid, x in self.leases.items() if x.deadline < now]
+        dead = [lid for lid, x in self.leases.items() if all_leases or x.deadline < now]
         for lid in dead:
             self._end_lease_reissue(self.leases.pop(lid), "expired")
         return len(dead)
@@ -293,7 +300,9 @@ class ShardCore:
     # ------------------------------------------------------------------------------------- batching
 
     def set_version(self, version: int) -> None:
-        self.version = max(self.version, version)
+        if version > self.version:
+            self.version = version
+            self.taken_at_version = 0
 
     def set_mixed_mode(self) -> None:
         """Switch mixed mode on (used by the client to make the switch consistent across shards)."""
@@ -327,6 +336,7 @@ class ShardCore:
         out = [self.ready_mixed.popleft().group for _ in range(min(n_mixed, len(self.ready_mixed)))]
         out += [self.ready_fresh.popleft().group for _ in range(min(n_fresh, len(self.ready_fresh)))]
         self.n["trained"] += len(out)
+        self.taken_at_version += len(out)
         self.n["trained_mixed"] += sum(1 for g in out if g.mixed)
         return out
 
@@ -374,6 +384,7 @@ class ShardCore:
             "state_version": STATE_VERSION, "shard": self.shard, "fingerprint": self.fingerprint,
             "group_size": self.K, "epoch": self.epoch, "cursor": self.cursor, "reissue": list(self.reissue),
             "next_lease": self.next_lease, "version": self.version, "mixed_mode": self.mixed_mode,
+            "taken_at_version": self.taken_at_version,
             "window": list(self.window), "counters": dict(self.n), "rng": [rs[0], list(rs[1]), rs[2]],
             "leases": [[x.lease_id, x.question_id, x.num_samples, x.deadline, x.generator_id, x.replay_key,
                         None if x.replay_rec is None else x.replay_rec.tobytes()] for x in self.leases.values()],
@@ -399,6 +410,7 @@ class ShardCore:
         core.reissue = deque(state["reissue"])
         core.next_lease, core.version = int(state["next_lease"]), int(state["version"])
         core.mixed_mode = bool(state["mixed_mode"])
+        core.taken_at_version = int(state.get("taken_at_version", 0))
         core.window.extend(float(x) for x in state["window"])
         core.n.update({k: int(v) for k, v in state["counters"].items() if k in core.n})
         v, internal, gauss = state["rng"]

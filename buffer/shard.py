@@ -141,8 +141,10 @@ class BufferShard:
         write_snapshot(path, state)
         return str(path)
 
-    def restore(self, folder: str) -> str:
+    def restore(self, folder: str, expire_leases: bool = False) -> str:
         core = load_core(self.cfg, self.questions, snapshot_path(folder, self.shard), batch_share=self.batch_share)
+        if expire_leases:  # the generators that held them are gone: reissue now, not after the deadline
+            core.expire(all_leases=True)
         with self.cond:
             self.core = core
             self.cond.notify_all()

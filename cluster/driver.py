@@ -79,7 +79,7 @@ class Trainer:
                                    max_new_tokens=cfg.generator.max_new_tokens)
         if checkpoint is not None:
             self.learner.load_checkpoint(checkpoint / "learner")
-            self.buffer.restore(str(checkpoint / "buffer"))
+            self.buffer.restore(str(checkpoint / "buffer"), expire_leases=True)
         self.buffer.set_version(self.learner.version)
         self.learner.publish()  # version 0 (or the checkpoint's) before any generator starts
         self.control = create_control(name, ns, self.state.generators)

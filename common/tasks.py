@@ -4,9 +4,9 @@ Both tasks keep prompts and responses short because the built-in tokenizer is ch
 character = one token) and CPU generation is slow:
 
 - `arithmetic`: prompt `"12+345="`, response `"357"`. Operands have 1-3 digits; +, - and x (written
-  `*`). Every question has exactly one correct answer.
-- `countdown` (the default): prompt `"3 7 8>29="`, response an expression such as `"3*7+8"` that
-  reaches the target using each given number at most once with `+ - *` (and parentheses).
+  `*`, second factor one digit). Every question has exactly one correct answer.
+- `countdown` (the default): prompt `"3 7 8>29="` (a quarter of the questions give two numbers:
+  the easy tier), response an expression such as `"3*7+8"` that reaches the target using each given number at most once with `+ - *` (and parentheses).
   Every question has at least two distinct correct responses (`3*7+8`, `8+7*3`, ...), so choosing the
   lowest-entropy correct trajectory is meaningful. The answer string is JSON
   (`{"target":29,"numbers":[3,7,8]}`) so the verifier needs nothing but the answer.
@@ -101,9 +101,11 @@ _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * 
 
 
 def _arithmetic_question(rng: random.Random) -> tuple[str, str]:
+    """+ and - of 1-3 digit numbers; x of a 1-3 digit number by a 1 digit one (full 3x3-digit products
+    are out of reach of the built-in model, which would leave a whole third of the task never solved)."""
     op = rng.choice("+-*")
     a = rng.randint(0, 10 ** rng.randint(1, 3) - 1)
-    b = rng.randint(0, 10 ** rng.randint(1, 3) - 1)
+    b = rng.randint(0, 10 ** (1 if op == "*" else rng.randint(1, 3)) - 1)
     return f"{a}{op}{b}=", str(_OPS[op](a, b))
 
 
@@ -123,13 +125,16 @@ def _is_int(text: str) -> bool:
 # ---------------------------------------------------------------------------------------- countdown
 
 COUNTDOWN_NUMBERS = 3
+COUNTDOWN_TWO_NUMBER_SHARE = 0.25
 COUNTDOWN_MAX_NUMBER = 9
 COUNTDOWN_TARGETS = range(10, 100)
 
 
 def _countdown_question(rng: random.Random) -> tuple[str, str] | None:
-    """Three numbers 1-9 and a two-digit target reachable in at least two distinct ways."""
-    numbers = [rng.randint(1, COUNTDOWN_MAX_NUMBER) for _ in range(COUNTDOWN_NUMBERS)]
+    """Two (one question in four: the easy tier) or three numbers 1-9 and a two-digit target reachable
+    in at least two distinct ways."""
+    count = 2 if rng.random() < COUNTDOWN_TWO_NUMBER_SHARE else COUNTDOWN_NUMBERS
+    numbers = [rng.randint(1, COUNTDOWN_MAX_NUMBER) for _ in range(count)]
     by_value = _expressions_by_value(tuple(numbers))
     reachable = [t for t in COUNTDOWN_TARGETS if len(by_value.get(t, ())) >= 2]
     if not reachable:

@@ -33,8 +33,8 @@ import torch
 
 from common.config import DataConfig, ModelConfig, ToyModelConfig
 
-RECIPE_VERSION = 1
-"""Bump when the training recipe changes so cached models are rebuilt."""
+RECIPE_VERSION = 2
+"""Bump when the training recipe or a built-in task's generator changes so cached models are rebuilt."""
 INFO_FILE = "exgrpo_toy.json"
 """Written last into a finished folder: the build's settings and measured spread."""
 

@@ -44,6 +44,22 @@ def test_back_pressure_limits_live_work():
     core.submit([group_for(it, 2) for it in items[:4]], now=NOW)
     assert core.lease("g", 100, now=NOW) == []  # 4 ready + 4 outstanding
     assert len(core.take(0, 4, 0)) == 4
+    # batch 0 is taken: the 4 outstanding leases are for batch 1, the last one that version-0 work can
+    # reach with max_lag 1; more work waits for version 1
+    assert core.lease("g", 100, now=NOW) == []
+    core.set_version(1)
+    assert len(core.lease("g", 100, now=NOW)) == 4
+    balanced(core)
+
+
+def test_synchronous_mode_leases_nothing_between_batch_and_new_version():
+    core = ShardCore(cfg(max_lag=0), make_questions(20))
+    items = core.lease("g", 100, now=NOW)
+    assert len(items) == 4
+    core.submit([group_for(it, 2) for it in items], now=NOW)
+    assert len(core.take(0, 4, 0)) == 4
+    assert core.lease("g", 100, now=NOW) == []  # would be generated with version 0 and be stale
+    core.set_version(1)
     assert len(core.lease("g", 100, now=NOW)) == 4
     balanced(core)
 
