@@ -98,7 +98,7 @@ class GeneratorWorker:
             # Ray restarted this actor after a crash: come back on our own (clean start, newest weights).
             self._incarnation = int.from_bytes(os.urandom(2), "little") + 1
             log.warning("generator %s was restarted by Ray; starting again", generator_id)
-            threading.Thread(target=self.start, name=f"{generator_id}-restart", daemon=True).start()
+            threading.Thread(target=self._restart, name=f"{generator_id}-restart", daemon=True).start()
 
     # ------------------------------------------------------------------------------------ control
 
@@ -117,9 +117,14 @@ class GeneratorWorker:
                 self.rewards = RewardPool(self.reward_cfg, self.task_name)
             register = getattr(self.weight_source, "register", None)  # optional beyond the WeightSource protocol
             if register is not None:
-                register(self.generator_id)
+                try:
+                    register(self.generator_id)
+                except LookupError as e:  # no learner yet: the first ack registers us
+                    log.info("generator %s: not registered with the weight store yet (%s)", self.generator_id, e)
             self._sync_weights(required=True)
             self.stats.startup_s = time.monotonic() - t0
+            if self.stats.batches == 0:
+                self.stats.started_at = time.monotonic()  # rates count from the first lease, not model loading
             self._stop.clear()
             self._return_in_flight = False
             self._thread = threading.Thread(target=self._run, name=f"{self.generator_id}-loop", daemon=True)
@@ -127,6 +132,14 @@ class GeneratorWorker:
             log.info("generator %s started at version %d in %.1fs", self.generator_id, self.engine.version,
                      self.stats.startup_s)
             return {"version": float(self.engine.version), "startup_s": self.stats.startup_s}
+
+    def _restart(self) -> None:
+        try:
+            self.start()
+        except Exception:  # nobody awaits this thread: crash the actor so Ray restarts it again (or gives up)
+            self._failure = traceback.format_exc()
+            log.error("generator %s could not restart:\n%s", self.generator_id, self._failure)
+            os._exit(1)
 
     def stop(self, drain: bool = True) -> dict[str, float]:
         """Clean stop: no new leases; the batch in flight is submitted (drain) or its leases returned.
@@ -146,7 +159,7 @@ class GeneratorWorker:
         if unregister is not None:
             try:
                 unregister(self.generator_id)
-            except RETRYABLE as e:  # the learner may already be gone at shutdown; nothing waits on us then
+            except (LookupError, *RETRYABLE) as e:  # the learner may already be gone at shutdown; nothing waits on us
                 log.warning("generator %s: could not unregister from the weight store: %s", self.generator_id, e)
                 self.stats.source_errors += 1
         if self.rewards is not None:

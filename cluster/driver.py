@@ -116,7 +116,8 @@ class Trainer:
                 self.checkpoint()
             self._scale(metrics)
         self._finish_publish()
-        self.checkpoint()
+        if self.run_dir.latest_checkpoint() != self.run_dir.checkpoint_dir(self.state.step):
+            self.checkpoint()
 
     def _finish_publish(self) -> None:
         """Wait for the publication in flight (WeightSyncTimeout names the version) and time it."""
@@ -243,7 +244,9 @@ class Trainer:
 
 
 def _prefixed(prefix: str, d: dict[str, Any]) -> dict[str, float]:
-    return {prefix + k: v for k, v in d.items() if isinstance(v, (int, float, np.integer, np.floating))}
+    """Numeric entries of d, keys under `prefix` (kept as they are when they already carry it)."""
+    return {(k if k.startswith(prefix) else prefix + k): float(v) for k, v in d.items()
+            if isinstance(v, (int, float, np.integer, np.floating))}
 
 
 def _np_rng_state() -> list:
@@ -285,9 +288,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None) -> int:
         return 2
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    engine_cfg = cfg.generator.engine
-    kv_gb = getattr(engine_cfg, "cpu_kv_cache_gb", None) or getattr(getattr(engine_cfg, "vllm", None), "cpu_kv_cache_gb", 1)
-    start_ray(cfg.cluster, run_dir.path, kv_gb)
+    start_ray(cfg.cluster, run_dir.path)
 
     uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
     tracker = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled)

@@ -7,6 +7,7 @@ Runs one engine in this process (vLLM when installed, else transformers — the 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -16,8 +17,8 @@ import numpy as np
 
 from common.config import RunConfig
 
-GREEDY_TEMPERATURE = 1e-5
-"""vLLM samples greedily at or below this temperature; the transformers engine is argmax in effect."""
+GREEDY_TEMPERATURE = 0.0
+"""Temperature 0 is greedy decoding in both engines (vLLM: greedy sampler; transformers: argmax)."""
 
 
 @dataclass
@@ -77,7 +78,15 @@ def _score(pool, questions, outputs, threshold: float) -> list[list[bool]]:
     return [[next(results).reward >= threshold for _ in outs] for outs in outputs]
 
 
+def quiet_inprocess_vllm() -> None:
+    """vLLM in this process, without its engine subprocess and INFO chatter (set before importing it)."""
+    for k, v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_LOGGING_LEVEL", "WARNING"),
+                 ("TOKENIZERS_PARALLELISM", "false"), ("TRANSFORMERS_VERBOSITY", "error")):
+        os.environ.setdefault(k, v)
+
+
 def eval_main(args, cfg: RunConfig) -> int:
+    quiet_inprocess_vllm()
     from transformers import AutoTokenizer
 
     from common.data import DataError, load_questions

@@ -53,6 +53,9 @@ class ToyModelConfig(Section):
     """Samples per probe question (the spread: always / partly / never right)."""
     max_train_seconds: float = Field(150.0, gt=0, le=86_400)
     """Stop supervised training after this long even if the target accuracy was not reached."""
+    supervised_questions: int = Field(4000, ge=1, le=1_000_000)
+    """Training-split questions the model is trained on (at least data.num_train; the first data.num_train of
+    them are the RL training split, none are in the test split). More than the RL split helps it generalise."""
     threads: int = Field(1, ge=1, le=256)
     """torch threads while building (restored afterwards)."""
 

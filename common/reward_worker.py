@@ -6,7 +6,8 @@ Protocol (msgpack objects streamed on the worker's stdin/stdout; no pickle):
 - worker -> parent: `[reward_or_None, error_or_None]` per item, in order, as each item finishes, so
   the parent can time each call and, when one hangs, kill this process and resend only the rest.
 The worker's own stdout is moved to stderr first, so a reward function that prints cannot corrupt
-the protocol. `spec` is a registry name (`math`) or `package.module:function`.
+the protocol. `spec` is a registry name (`math`) or `package.module:function`. A built-in function is
+called once before `ready` so that its lazy imports do not count against the first call's timeout.
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ def main(spec: str) -> None:
     sys.stdout = sys.stderr
     _limit_memory()
     try:
-        from common.rewards import resolve_reward
+        from common.rewards import BUILTIN_NAMES, resolve_reward
 
         fn, _ = resolve_reward(spec)
+        if spec in BUILTIN_NAMES:
+            score_one(fn, "1", "1")  # warm up (math-verify imports sympy) before the per-call clock runs
     except Exception as e:  # reported to the parent, which scores this worker's items 0
         out.write(msgpack.packb(["failed", f"{type(e).__name__}: {e}"]))
         return

@@ -91,6 +91,9 @@ def math_reward(response: str, answer: str) -> float:
     return 1.0 if verify(gold, pred) else 0.0
 
 
+BUILTIN_NAMES = ("countdown", "arithmetic", "exact", "math")
+
+
 def _builtin() -> dict[str, tuple[RewardFn, bool]]:
     """name -> (function, runs in-process)."""
     from common.tasks import verify_arithmetic, verify_countdown
@@ -146,6 +149,9 @@ class RewardPool:
         results = pool.score([ScoreRequest(q.id, text, q.answer) for ...])   # one call per batch
         pool.stats()   # {"calls", "errors", "timeouts", "worker_restarts"}
         pool.close()
+
+    Not thread-safe: one `score` call at a time (a generator scores its batches in turn). Workers start
+    on the first call that needs them and live until `close()` (also called on garbage collection).
     """
 
     def __init__(self, reward_cfg: RewardConfig, task_name: str | None = None):
@@ -205,8 +211,8 @@ class RewardPool:
         for job in jobs:
             self._send(job, pairs, results)
         while any(not j.done for j in jobs):
-            self._expire(jobs, pairs, results)
-            self._collect(jobs, pairs, results)
+            if not self._collect(jobs, pairs, results):
+                self._expire_one(jobs, pairs, results)
         return results
 
     def _start_missing(self, indices: list[int]) -> None:
@@ -245,19 +251,13 @@ class RewardPool:
         self._start_missing([job.worker])
         self._send(job, pairs, results)
 
-    def _expire(self, jobs: list[_Job], pairs, results) -> None:
-        now = time.monotonic()
-        for job in jobs:
-            if not job.done and now > job.deadline:
-                self._stats["timeouts"] += 1
-                results[job.indices[job.pos]] = (None, f"timed out after {self.cfg.timeout_s:g} s")
-                job.pos += 1
-                self._replace(job, pairs, results)
+    def _collect(self, jobs: list[_Job], pairs, results) -> bool:
+        """Wait until a worker answers or the nearest deadline passes; False when nothing arrived.
 
-    def _collect(self, jobs: list[_Job], pairs, results) -> None:
+        Only after a wait that found nothing may a job be expired, so time spent restarting a worker
+        never turns another worker's already-written answers into timeouts.
+        """
         active = {self._workers[j.worker].fd: j for j in jobs if not j.done}
-        if not active:
-            return
         wait = max(0.0, min(j.deadline for j in active.values()) - time.monotonic())
         readable, _, _ = select.select(list(active), [], [], wait)
         for fd in readable:
@@ -274,6 +274,18 @@ class RewardPool:
                 results[job.indices[job.pos]] = (None, f"reward worker died (exit code {code})")
                 job.pos += 1
                 self._replace(job, pairs, results)
+        return bool(readable)
+
+    def _expire_one(self, jobs: list[_Job], pairs, results) -> None:
+        """Time out the current item of the first job past its deadline and replace its worker."""
+        now = time.monotonic()
+        for job in jobs:
+            if not job.done and now >= job.deadline:
+                self._stats["timeouts"] += 1
+                results[job.indices[job.pos]] = (None, f"timed out after {self.cfg.timeout_s:g} s")
+                job.pos += 1
+                self._replace(job, pairs, results)
+                return
 
 
 def _tail(text: str, limit: int) -> str:

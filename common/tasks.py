@@ -6,7 +6,8 @@ character = one token) and CPU generation is slow:
 - `arithmetic`: prompt `"12+345="`, response `"357"`. Operands have 1-3 digits; +, - and x (written
   `*`, second factor one digit). Every question has exactly one correct answer.
 - `countdown` (the default): prompt `"3 7 8>29="` (a quarter of the questions give two numbers:
-  the easy tier), response an expression such as `"3*7+8"` that reaches the target using each given number at most once with `+ - *` (and parentheses).
+  the easy tier), response an expression such as `"3*7+8"` that reaches the target using each given
+  number at most once with `+ - *` (and parentheses).
   Every question has at least two distinct correct responses (`3*7+8`, `8+7*3`, ...), so choosing the
   lowest-entropy correct trajectory is meaningful. The answer string is JSON
   (`{"target":29,"numbers":[3,7,8]}`) so the verifier needs nothing but the answer.

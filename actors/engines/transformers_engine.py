@@ -19,6 +19,9 @@ from common.config import TransformersEngineConfig
 
 log = logging.getLogger(__name__)
 
+GREEDY_BELOW = 1e-5
+"""Temperatures at or below this sample greedily (argmax), as vLLM does below its epsilon."""
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -121,6 +124,8 @@ class TransformersEngine:
 
     def _sample(self, logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         s = self.sampling
+        if s.temperature <= GREEDY_BELOW:
+            return logits.argmax(dim=-1)  # [R]
         probs = torch.softmax(logits / s.temperature, dim=-1)  # [R, V] sampling distribution
         if s.top_p < 1.0:
             sp, si = probs.sort(dim=-1, descending=True)  # [R, V]

@@ -108,10 +108,12 @@ def test_killed_generator_is_restarted_and_its_leases_reissued(ray_cluster, tiny
     wait_until(leases_in_flight, 60, "leases in flight", poll_s=0.01)
     ray.kill(gen, no_restart=False)  # a crash mid-lease: Ray restarts the actor
 
-    acc = wait_until(lambda: (a := buffer.accounting())["expired"] > 0 and a, 60, "the dead generator's leases to expire")
+    acc = wait_until(lambda: (a := buffer.accounting())["expired"] > 0 and a, 60,
+                     "the dead generator's leases to expire")
     assert acc["reissued"] >= acc["expired"] > 0
     # The restarted actor starts itself (clean start) and keeps streaming.
-    wait_until(lambda: ray.get(gen.metrics.remote(), timeout=30)["groups"] > 0, 300, "the restarted generator to submit")
+    wait_until(lambda: ray.get(gen.metrics.remote(), timeout=30)["groups"] > 0, 300,
+               "the restarted generator to submit")
     batch = buffer.get_batch(0, timeout_s=120)
     assert batch is not None and len(batch.groups) == 8
     ray.get(gen.stop.remote(drain=True), timeout=120)

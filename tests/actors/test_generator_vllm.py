@@ -28,7 +28,8 @@ def test_vllm_generator_streams_with_published_weights(ray_cluster, tiny_model_d
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     new = perturbed_state_dict(ref, seed=1, scale=0.3)
     ref.load_state_dict(new)
-    ObjectStorePublisher(ObjectStoreSyncConfig(), run=run, namespace=None, timeout_s=60).publish(3, new)
+    publisher = ObjectStorePublisher(ObjectStoreSyncConfig(), run=run, namespace=None, timeout_s=60)
+    publisher.publish(3, new)  # the publisher (learner rank 0) owns the weights: keep it alive
 
     gid = actor_name(run, "generator", 0)
     gen = Generator.options(name=gid, **actor_options(cfg)).remote(

@@ -22,7 +22,8 @@ pytestmark = [requires_vllm, pytest.mark.vllm]
 def setup(tiny_model_dir):
     from actors.engines.vllm_engine import VllmEngine
 
-    cfg = GeneratorConfig(engine=VllmEngineConfig(max_model_len=256, block_size=32, cpu_kv_cache_gb=0.0625), max_new_tokens=12)
+    engine_cfg = VllmEngineConfig(max_model_len=256, block_size=32, cpu_kv_cache_gb=0.0625)
+    cfg = GeneratorConfig(engine=engine_cfg, max_new_tokens=12)
     engine = make_engine(cfg, str(tiny_model_dir))
     assert isinstance(engine, VllmEngine)
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

@@ -15,7 +15,7 @@ from common.toy_model import INFO_FILE, cache_key, ensure_toy_model, measure_spr
 from tests.conftest import requires_vllm
 
 TINY = ToyModelConfig(hidden_size=32, num_heads=1, num_layers=1, max_train_steps=20, eval_every=10, batch_size=16,
-                      probe_questions=8, samples=2)
+                      probe_questions=8, samples=2, supervised_questions=64)
 TINY_DATA = DataConfig(num_train=64, num_test=16)
 
 
