@@ -3,6 +3,7 @@
     pool = GeneratorPool(cfg.generator, cfg.reward, model_path, buffer_client, weight_source,
                          task_name="countdown", run=name, namespace=ns)
     pool.scale_to(3)      # new actors load the model, fetch the newest weights, then lease
+    pool.poll()           # (non-blocking scaling) adopt started actors, give up on ones that never start
     pool.metrics()        # summed counters / rates over the live generators
     pool.scale_to(1)      # removed actors finish their batch in flight (drain), then are killed
     pool.shutdown()
@@ -14,6 +15,7 @@ takes the highest. Ray restarts a crashed actor (`gen_cfg.max_restarts`); it res
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 
@@ -41,42 +43,85 @@ class GeneratorPool:
         self.run, self.namespace = run, namespace
         self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
         self.actors: dict[int, ray.actor.ActorHandle] = {}
+        # index -> (actor, start() ref, monotonic time requested): started without blocking the caller
+        self.starting: dict[int, tuple[ray.actor.ActorHandle, ray.ObjectRef, float]] = {}
         self.removed_metrics: dict[str, float] = {}  # counters of generators already removed (nothing is forgotten)
 
     @property
     def size(self) -> int:
+        """Generators running or starting (what scaling decisions count)."""
+        return len(self.actors) + len(self.starting)
+
+    @property
+    def running(self) -> int:
         return len(self.actors)
 
     def generator_id(self, index: int) -> str:
         return actor_name(self.run, "generator", index)
 
-    def scale_to(self, n: int) -> None:
-        """Grow (started actors fetch the newest weights before leasing) or shrink (drain, then kill) to `n`."""
+    def scale_to(self, n: int, *, wait: bool = True) -> None:
+        """Grow (started actors fetch the newest weights before leasing) or shrink (drain, then kill) to `n`.
+
+        With `wait=False` new actors start in the background: `poll()` adopts them once started and
+        gives up (kills, counts `start_failures`, logs why) on any that does not start within
+        `start_timeout_s` — e.g. when the cluster has no free resources for it. The training loop
+        uses this so that scaling up never stalls the learner.
+        """
         if n < 0:
             raise ValueError(f"cannot scale the generator pool to {n}; use 0 or more")
+        self.poll()
         if n > self.size:
-            self._add(n - self.size)
+            self._add(n - self.size, wait=wait)
         elif n < self.size:
-            self._remove(sorted(self.actors)[n:])
+            doomed = sorted(self.starting)[::-1][: self.size - n]  # cancel not-yet-started ones first
+            for i in doomed:
+                ray.kill(self.starting.pop(i)[0], no_restart=True)
+            if n < self.size:
+                self._remove(sorted(self.actors)[n:])
 
-    def _add(self, k: int) -> None:
-        free = [i for i in range(self.size + k) if i not in self.actors][:k]
-        new = {}
+    def _add(self, k: int, *, wait: bool) -> None:
+        taken = set(self.actors) | set(self.starting)
+        free = [i for i in range(self.size + k) if i not in taken][:k]
+        now = time.monotonic()
         for i in free:
             gid = self.generator_id(i)
-            new[i] = Generator.options(name=gid, namespace=self.namespace, **actor_options(self.cfg)).remote(
+            actor = Generator.options(name=gid, namespace=self.namespace, **actor_options(self.cfg)).remote(
                 gid, self.cfg, self.reward_cfg, self.model_path, self.work_source, self.weight_source, self.task_name)
-        refs = [a.start.remote() for a in new.values()]
-        try:
-            ray.get(refs, timeout=self.start_timeout_s)
-        except (ray.exceptions.RayError, TimeoutError) as e:
-            for a in new.values():
-                ray.kill(a, no_restart=True)
-            raise RuntimeError(f"generators {[self.generator_id(i) for i in new]} did not start within "
-                               f"{self.start_timeout_s:.0f}s ({type(e).__name__}: {e}); check the model folder and "
-                               "the engine settings (generator.engine)") from e
-        self.actors.update(new)
-        log.info("generator pool: added %s (size %d)", [self.generator_id(i) for i in new], self.size)
+            self.starting[i] = (actor, actor.start.remote(), now)
+        if wait:
+            refs = [self.starting[i][1] for i in free]
+            ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout_s)
+            self.poll(fail_pending=set(free))
+        log.info("generator pool: requested %s (size %d)", [self.generator_id(i) for i in free], self.size)
+
+    def poll(self, fail_pending: set[int] | None = None) -> None:
+        """Adopt generators whose start() finished; kill and report those that failed or timed out.
+
+        Raises RuntimeError for a generator in `fail_pending` that did not start (a blocking scale_to)."""
+        now = time.monotonic()
+        errors = []
+        for i, (actor, ref, t0) in list(self.starting.items()):
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    errors.append((i, f"{type(e).__name__}: {e}"))
+                    continue
+                self.actors[i] = actor
+                del self.starting[i]
+            elif now - t0 > self.start_timeout_s or (fail_pending and i in fail_pending):
+                errors.append((i, f"not started within {self.start_timeout_s:.0f}s (no free resources for "
+                                  f"num_cpus={self.cfg.num_cpus}, num_gpus={self.cfg.num_gpus}?)"))
+        for i, why in errors:
+            ray.kill(self.starting.pop(i)[0], no_restart=True)
+            self.removed_metrics["start_failures"] = self.removed_metrics.get("start_failures", 0.0) + 1
+            log.error("generator %s did not start: %s", self.generator_id(i), why)
+        bad = [i for i, _ in errors if fail_pending and i in fail_pending]
+        if bad:
+            raise RuntimeError(f"generators {[self.generator_id(i) for i in bad]} did not start "
+                               f"({dict(errors)[bad[0]]}); check the model folder and the engine settings "
+                               "(generator.engine)")
 
     def _remove(self, indices: list[int]) -> None:
         actors = [self.actors.pop(i) for i in indices]
@@ -98,7 +143,9 @@ class GeneratorPool:
 
     def metrics(self) -> dict[str, float]:
         """Summed counters and rates, mean fractions, max lag over live generators; `unreachable` counts the silent."""
-        out: dict[str, float] = {"generators": float(self.size), "unreachable": 0.0, **self.removed_metrics}
+        self.poll()
+        out: dict[str, float] = {"generators": float(self.running), "generators_starting": float(len(self.starting)),
+                                 "unreachable": 0.0, **self.removed_metrics}
         per = []
         for i, a in sorted(self.actors.items()):
             ref = a.metrics.remote()

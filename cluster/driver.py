@@ -62,6 +62,7 @@ class Trainer:
         self.components_built = False
         self._pending = None
         self._publish_s = 0.0
+        self._ingest_mark: tuple[float, float] | None = None  # (time, groups accepted by the buffer)
 
     # ------------------------------------------------------------------------------------- build
 
@@ -177,7 +178,7 @@ class Trainer:
             self.stop_flag = True
         if ctl["target"] != self.generators.size:
             log.info("scaling generators %d -> %d", self.generators.size, ctl["target"])
-            self.generators.scale_to(ctl["target"])
+            self.generators.scale_to(ctl["target"], wait=False)  # never stalls the learner
             self.state.generators = ctl["target"]
 
     def _scale(self, metrics: dict[str, float]) -> None:
@@ -215,13 +216,18 @@ class Trainer:
             "staleness/mean": float(np.mean([result.version - 1 - r.version for r in fresh])) if fresh else 0.0,
             "driver/step_s": step_s,
             "driver/learner_wait_fraction": self.state.wait_s / max(1e-9, self.state.wait_s + self.state.train_s),
-            "driver/generators": float(self.generators.size),
+            "driver/generators": float(self.generators.running),
             "policy/version": float(result.version),
             "driver/weight_publish_s": self._publish_s,
         }
         out.update({f"staleness/lag_{k}": float(v) for k, v in lags.items()})
         out.update(_prefixed("learner/", result.metrics))
-        out.update(_prefixed("buffer/", self.buffer.metrics()))
+        buf = _prefixed("buffer/", self.buffer.metrics())
+        now, accepted = time.monotonic(), buf.get("buffer/accepted", 0.0) + buf.get("buffer/zero_signal_seen", 0.0)
+        if self._ingest_mark is not None and now > self._ingest_mark[0]:
+            buf["buffer/groups_per_s"] = (accepted - self._ingest_mark[1]) / (now - self._ingest_mark[0])
+        self._ingest_mark = (now, accepted)
+        out.update(buf)
         out.update(_prefixed("generator/", self.generators.metrics()))
         return out
 

@@ -1,0 +1,81 @@
+"""Helpers for end-to-end tests: run `exgrpo train` as a user would (a subprocess), read its MLflow run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def train_cmd(runs_root: Path, name: str, *overrides: str, resume: Path | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "cluster.cli", "train"]
+    if resume is not None:
+        return cmd + ["--resume", str(resume)]
+    return cmd + [f"name={name}", f"checkpoint.runs_root={runs_root}", *overrides]
+
+
+def start_train(runs_root: Path, name: str, *overrides: str, resume: Path | None = None,
+                log_name: str = "train") -> subprocess.Popen:
+    """Start `exgrpo train` in its own process group (so that kill -9 hits the driver only)."""
+    log = open(runs_root / f"{name}-{log_name}.log", "w")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(train_cmd(runs_root, name, *overrides, resume=resume), cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def run_train(runs_root: Path, name: str, *overrides: str, timeout_s: float = 900,
+              resume: Path | None = None, log_name: str = "train") -> subprocess.CompletedProcess:
+    p = start_train(runs_root, name, *overrides, resume=resume, log_name=log_name)
+    try:
+        rc = p.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError(f"exgrpo train did not finish in {timeout_s}s; log:\n{read_log(runs_root, name, log_name)}")
+    return subprocess.CompletedProcess(p.args, rc, read_log(runs_root, name, log_name), "")
+
+
+def read_log(runs_root: Path, name: str, log_name: str = "train") -> str:
+    p = runs_root / f"{name}-{log_name}.log"
+    return p.read_text() if p.exists() else ""
+
+
+def state(run_dir: Path) -> dict:
+    p = run_dir / "state.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def wait_for(pred, timeout_s: float, what: str, poll_s: float = 1.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        v = pred()
+        if v:
+            return v
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def mlflow_client(runs_root: Path) -> MlflowClient:
+    return MlflowClient(tracking_uri=f"sqlite:///{runs_root.resolve() / 'mlflow.db'}")
+
+
+def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+
+
+def accounting(metrics: dict[str, float]) -> dict[str, float]:
+    return {k.removeprefix("accounting/"): v for k, v in metrics.items() if k.startswith("accounting/")}
+
+
+def assert_balanced(acc: dict[str, float]) -> None:
+    """issued = trained + stale_dropped + zero_signal + lost + outstanding + ready (buffer/core.py)."""
+    rhs = acc["trained"] + acc["stale_dropped"] + acc["zero_signal"] + acc["lost"] + acc["outstanding"] + acc["ready"]
+    assert acc["issued"] == rhs, f"accounting does not balance: {acc}"
+    assert acc["lost"] == acc["expired"] + acc["returned"] + acc["rejected"], acc
