@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         ensure_toy_model(cfg.model, cfg.data, force=args.force, verbose=True)
         return 0
     if args.command == "train":
+        from cluster.auth import use_token_auth_when_connecting
+
+        use_token_auth_when_connecting()  # joining cluster.address needs it; an embedded Ray sets it anyway
         from cluster.driver import train_main
 
         return train_main(None if args.resume else _load(args), resume=args.resume)

@@ -45,6 +45,7 @@ class DriverState:
     rng: dict[str, Any] = field(default_factory=dict)
     wait_s: float = 0.0
     train_s: float = 0.0
+    accounting: dict[str, int] = field(default_factory=dict)  # the buffer's counts at this checkpoint
 
 
 class RunFailed(RuntimeError):
@@ -152,6 +153,7 @@ class Trainer:
         self.learner.save_checkpoint(tmp / "learner")
         self.buffer.snapshot(str(tmp / "buffer"))
         self.state.rng = {"python": repr(random.getstate()), "numpy": _np_rng_state()}
+        self.state.accounting = self.buffer.accounting()
         (tmp / "driver.json").write_text(json.dumps(self.state.__dict__, default=str))
         if final.exists():
             import shutil
@@ -164,7 +166,8 @@ class Trainer:
 
             shutil.rmtree(old, ignore_errors=True)
         self.run_dir.update_state(checkpoints=ckpts[-self.cfg.checkpoint.keep_last :])
-        self.tracker.log_metrics(_prefixed("accounting/", self.buffer.accounting()), self.state.step)
+        self.tracker.log_metrics(_prefixed("accounting/", self.state.accounting), self.state.step)
+        self.tracker.flush_soon()
         log.info("checkpoint %s", final)
         return final
 

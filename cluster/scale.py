@@ -18,6 +18,9 @@ def _address(args) -> str:
 
 
 def scale_main(args) -> int:
+    from cluster.auth import use_token_auth_when_connecting
+
+    use_token_auth_when_connecting()  # before ray is imported
     import ray
 
     from common.interfaces import actor_name

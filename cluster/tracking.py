@@ -133,6 +133,10 @@ class Tracker:
                 del self._pending[:over]
                 self.dropped += over
 
+    def flush_soon(self) -> None:
+        """Ask the background thread to flush now (never blocks the caller)."""
+        self._wake.set()
+
     def _flush_loop(self) -> None:
         while not self._closing:
             self._wake.wait(self.flush_every_s)

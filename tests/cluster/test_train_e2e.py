@@ -6,6 +6,7 @@ Each test starts one short run; together they take a few minutes on 2 cores.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -59,9 +60,10 @@ def _final_metrics(runs_root: Path, name: str) -> dict[str, float]:
 
 def _eval(model: Path, cfg, questions, seed: int):
     from cluster.evaluate import evaluate
+    from common.config import TransformersEngineConfig
 
     eval_cfg = cfg.model_copy(update={"generator": cfg.generator.model_copy(
-        update={"engine": {"kind": "transformers"}})})
+        update={"engine": TransformersEngineConfig()})})
     return evaluate(str(model), eval_cfg, questions, samples=8, temperature=0.6, seed=seed)
 
 
@@ -131,8 +133,8 @@ def test_resume_after_kill_9_loses_nothing(runs_root):
     ckpt_step = int(Path(ckpts[-1]).name.removeprefix("step-"))
     run_id = _run_id(runs_root, "resume")
     client = mlflow_client(runs_root)
-    at_ckpt = {k: dict(history(client, run_id, f"accounting/{k}"))[ckpt_step]
-               for k in ("issued", "trained", "outstanding", "ready", "expired")}
+    at_ckpt = json.loads((Path(ckpts[-1]) / "driver.json").read_text())["accounting"]
+    assert_balanced(at_ckpt)
 
     r = run_train(runs_root, "resume", resume=run_dir, log_name="resumed")
     assert r.returncode == 0, r.stdout[-4000:]
@@ -143,7 +145,7 @@ def test_resume_after_kill_9_loses_nothing(runs_root):
     assert_balanced(acc)
     # Everything the checkpoint held is accounted for after the resume: its leases were declared lost
     # and reissued at once, its ready groups trained, queued or dropped as stale (and reissued).
-    assert acc["issued"] >= at_ckpt["issued"] and acc["trained"] > at_ckpt["trained"]
+    assert ckpt_step < 24 and acc["issued"] >= at_ckpt["issued"] and acc["trained"] > at_ckpt["trained"]
     assert acc["expired"] >= at_ckpt["expired"] + at_ckpt["outstanding"]
 
 
