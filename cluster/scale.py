@@ -6,6 +6,7 @@ pool; new generators fetch the newest weights before leasing, removed ones retur
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -17,6 +18,20 @@ def _address(args) -> str:
     return p.read_text().strip() if p.is_file() else "auto"
 
 
+def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why a host:port GCS address cannot be reached (None when it can, or when it is not host:port).
+
+    ray.init retries an unreachable GCS for minutes; a TCP probe answers at once."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def scale_main(args) -> int:
     from cluster.auth import use_token_auth_when_connecting
 
@@ -26,6 +41,11 @@ def scale_main(args) -> int:
     from common.interfaces import actor_name
 
     address = _address(args)
+    why = _unreachable(address)
+    if why is not None:
+        print(f"error: cannot reach the Ray cluster at {address!r} ({why}); is the job still running?",
+              file=sys.stderr)
+        return 2
     try:
         ray.init(address=address, namespace=args.namespace, log_to_driver=False, logging_level="ERROR")
     except (ConnectionError, RuntimeError) as e:

@@ -63,3 +63,24 @@ def test_configuration_docs_are_generated_from_the_models():
                          text=True, check=True, cwd=ROOT).stdout
     assert (ROOT / "docs" / "configuration.md").read_text() == out, (
         "docs/configuration.md is stale: run `python scripts/gen_config_docs.py > docs/configuration.md`")
+
+
+def test_eval_prints_a_table_for_a_model_folder(capsys, tiny_model_dir, tmp_path):
+    code = main(["eval", "--model", str(tiny_model_dir), "--task", "arithmetic", "--limit", "6", "--samples", "2",
+                 "generator.engine.kind=transformers", "tracking.enabled=false", f"checkpoint.runs_root={tmp_path}"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "greedy accuracy" in out and "pass@2" in out and "questions                       6" not in out
+    assert any(line.split()[:1] == ["questions"] and line.split()[-1] == "6" for line in out.splitlines())
+
+
+def test_eval_with_missing_model_folder_exits_2(capsys, tmp_path):
+    assert main(["eval", "--model", str(tmp_path / "nope")]) == 2
+    assert "not a Hugging Face model folder" in capsys.readouterr().err
+
+
+def test_scale_without_a_running_job_is_a_clear_error(capsys, tmp_path):
+    code = main(["scale", "--run", "nope", "--generators", "2", "--runs-root", str(tmp_path),
+                 "--address", "127.0.0.1:1"])
+    assert code == 2
+    assert "cannot reach the Ray cluster" in capsys.readouterr().err
