@@ -276,8 +276,8 @@ class ShardCore:
                     and sum(self.window) / len(self.window) > self.cfg.mixed_switch_accuracy):
                 self.mixed_mode = True
         collect = self.mixed_mode or self.cfg.collect_before_mixed
-        correct_idx = [i for i, r in enumerate(fresh) if r.correct]
-        keys = self.store.observe(g.question_id, k, [fresh[i] for i in correct_idx], collect)
+        correct_idx = [i for i, r in enumerate(fresh) if r.correct] if self.cfg.collect else []
+        keys = self.store.observe(g.question_id, k, [fresh[i] for i in correct_idx], collect) if self.cfg.collect else []
         for i, key in zip(correct_idx, keys):
             if key:
                 fresh[i] = _with_key(fresh[i], key)

@@ -50,6 +50,7 @@ class Tracker:
         # Fail fast against a dead HTTP server instead of MLflow's minutes of retries (user env wins).
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # no INFO banners on the user's console
 
     # -------------------------------------------------------------------------------------- start
 

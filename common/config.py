@@ -241,6 +241,9 @@ class BufferConfig(Section):
     """sigma of the bucket weight."""
     trajectory_selector: Literal["lowest_entropy", "random"] = "lowest_entropy"
     """Which stored trajectory of a replayed question is used (random is the ablation)."""
+    collect: bool = True
+    """Manage experience: store correct rollouts of partly solved questions and retire solved ones.
+    `collect=false` with `replay_ratio=0` is plain on-policy GRPO with the same components."""
     collect_before_mixed: bool = False
     """Store experience before mixed mode switches on (the official code does not)."""
     mixed_switch_accuracy: float = Field(0.35, ge=0, le=1)
@@ -443,6 +446,9 @@ class RunConfig(Section):
                 f"learner.mini_batches: {self.learner.mini_batches} does not divide "
                 f"buffer.batch_questions {self.buffer.batch_questions}"
             )
+        if self.buffer.replay_ratio > 0 and not self.buffer.collect:
+            problems.append("buffer.collect: false leaves nothing to replay while buffer.replay_ratio > 0; "
+                            "set buffer.replay_ratio=0 for plain GRPO")
         if self.data.task is None and self.data.train_path is None:
             problems.append("data: set data.task to a built-in task or data.train_path to a file")
         builtin_tasks = ("countdown", "arithmetic")

@@ -233,3 +233,14 @@ def test_simulated_run_never_deadlocks_and_accounts_for_everything(max_lag, repl
         balanced(core)
     assert batches > 50, core.accounting()
     assert core.mixed_mode and core.n["trained_mixed"] > 0
+
+
+def test_collect_off_is_plain_grpo_nothing_stored_nothing_retired():
+    core = ShardCore(cfg(collect=False, replay_ratio=0.0, collect_before_mixed=True), make_questions(8))
+    items = core.lease("g", 4, now=NOW)
+    core.submit([group_for(it, 2) for it in items[:2]] + [group_for(it, 4) for it in items[2:]], now=NOW)
+    m = core.metrics()
+    assert m["stored_trajectories"] == 0 and m["retired"] == 0
+    groups = core.take(0, 4, 0)
+    assert all(not r.key for g in groups for r in g.rollouts)  # nothing to rank, no feedback keys
+    balanced(core)
