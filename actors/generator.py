@@ -222,14 +222,22 @@ class GeneratorWorker:
             raise
 
     def run_once(self) -> int:
-        """One batch: lease, generate, score, submit, then the weight check. Returns groups submitted."""
+        """One batch: lease, weight check, generate, score, submit, weight check. Returns groups submitted.
+
+        The weight store is read right after a successful lease (one ~2 ms call) so that work leased
+        just after a publication — always the case in synchronous mode, where the buffer leases nothing
+        until the learner has published the next version — is generated with that version, not the old
+        one (whose groups would only be dropped as stale). While idle it is read too, so a new version
+        is usually loaded before the next lease arrives."""
         items = self._call("lease", self.work_source.lease, self.generator_id, self.cfg.questions_per_lease)
         if not items:
             t0 = time.monotonic()
+            self._sync_weights()
             self._stop.wait(self.cfg.idle_sleep_s)
             self.stats.wait_s += time.monotonic() - t0
             return 0
         self._in_flight = items
+        self._sync_weights()
         version = self.engine.version
         groups = self._generate_and_score(items, version)
         if self._return_in_flight:
