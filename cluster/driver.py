@@ -75,6 +75,11 @@ class Trainer:
         from learner.weights import ObjectStoreWeightSource
 
         cfg, name, ns = self.cfg, self.run_dir.name, self.cfg.cluster.namespace
+        live = self.run_dir.path / "buffer-live"  # shards' periodic snapshots (for a shard's own restart)
+        if checkpoint is None and live.exists():  # a fresh start must not pick up a dead attempt's shards
+            import shutil
+
+            shutil.rmtree(live)
         self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
                                           snapshot_dir=str(self.run_dir.path / "buffer-live"))
         self.learner = LearnerPool(cfg.learner, str(self.model_path), run=name, namespace=ns,
@@ -246,10 +251,26 @@ class Trainer:
             try:
                 obj.shutdown()
             except ray.exceptions.RayError as e:
-                log.warning("shutting down %s: %s", part, e)
+                log.warning("shutting down %s: %s", part, str(e).splitlines()[0] if str(e) else type(e).__name__)
         ctl = getattr(self, "control", None)
         if ctl is not None:
             ray.kill(ctl)
+        _wait_names_released(self.run_dir.name, self.cfg.cluster.namespace)
+
+
+def _wait_names_released(run: str, namespace: str, timeout_s: float = 60.0) -> None:
+    """ray.kill is asynchronous; a restart re-creates actors under the same names, so wait until the
+    run's named actors are gone (a name still taken would fail the new actor's creation)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == namespace and a["name"].startswith(run + "/")]
+        if not left:
+            return
+        time.sleep(0.2)
+    log.warning("actors %s of run %s were still registered %ds after shutdown", left, run, timeout_s)
 
 
 def _prefixed(prefix: str, d: dict[str, Any]) -> dict[str, float]:
@@ -325,6 +346,12 @@ def train_main(cfg: RunConfig | None, resume: str | None = None) -> int:
 def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress) -> str:
     import ray
 
+    from buffer.client import BufferUnavailableError
+    from learner.weights import WeightSyncTimeout
+
+    component_failures = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, BufferUnavailableError,
+                          WeightSyncTimeout, RunFailed)
+
     attempts = 0
     while True:
         trainer = Trainer(cfg, run_dir, state, model_path, questions, tracker)
@@ -339,13 +366,14 @@ def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, pr
             if trainer.components_built:
                 trainer.checkpoint()
             return "KILLED"
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, RunFailed) as e:
+        except component_failures as e:
             attempts += 1
             if attempts > cfg.cluster.max_restarts:
                 log.error("component failure (%s); restarts exhausted (%d)", e, cfg.cluster.max_restarts)
                 raise
-            log.error("component failure (%s); restarting from the last checkpoint (%d/%d)",
-                      type(e).__name__, attempts, cfg.cluster.max_restarts)
+            log.error("component failure (%s: %s); restarting from the last checkpoint (%d/%d)",
+                      type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", attempts,
+                      cfg.cluster.max_restarts)
             state.__dict__.update(_load_driver_state(run_dir).__dict__)
         finally:
             signal.signal(signal.SIGTERM, previous)

@@ -183,3 +183,28 @@ def test_scale_generators_up_and_down_during_a_run(runs_root):
     assert_balanced(acc)
     assert acc["late_submissions"] == 0 and m.get("generator/start_failures", 0) == 0
     assert mlflow_client(runs_root).get_run(_run_id(runs_root, "scale")).info.status == "KILLED"
+
+
+def test_learner_rank_death_restarts_the_run_from_its_checkpoint(runs_root):
+    import psutil
+
+    run_dir = runs_root / "restart"
+    p = start_train(runs_root, "restart", "total_steps=12", "checkpoint.every_steps=3", "cluster.max_restarts=2")
+    try:
+        wait_for(lambda: len(state(run_dir).get("checkpoints", [])) >= 1 or p.poll() is not None, 600,
+                 "the first checkpoint")
+        ranks = [q for q in psutil.process_iter(["cmdline"])
+                 if any("ray::LearnerRank" in part for part in (q.info["cmdline"] or []))]
+        assert ranks, "no learner rank process found"
+        for q in ranks:
+            q.kill()
+        assert p.wait(600) == 0, read_log(runs_root, "restart")
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    log = read_log(runs_root, "restart")
+    assert "restarting from the last checkpoint (1/2)" in log
+    client = mlflow_client(runs_root)
+    run_id = _run_id(runs_root, "restart")
+    assert {s for s, _ in history(client, run_id, "train/reward_mean")} == set(range(1, 13))
+    assert_balanced(accounting(client.get_run(run_id).data.metrics))
