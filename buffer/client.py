@@ -196,7 +196,6 @@ class BufferClient:
         """Per-shard (n_fresh, n_mixed) to take, or None while the batch cannot be completed yet."""
         b = self.batch_questions
         have_m = sum(1 for g in got if g.mixed)
-        have_f = len(got) - have_m
         avail_f = sum(c[0] for c in counts)
         avail_m = sum(c[1] for c in counts)
         target_m = mixed_target(b, self.replay_ratio) if mixed_on else 0

@@ -41,13 +41,6 @@ def test_invalid_config_gives_field_problem_lines_and_exit_2(capsys, args, expec
     assert "Traceback" not in err
 
 
-def test_missing_config_file_is_a_clear_error(capsys, tmp_path):
-    with pytest.raises(SystemExit) as e:
-        main(["config", str(tmp_path / "nope.yaml")])
-    assert e.value.code == 2
-    assert "config file not found" in capsys.readouterr().err
-
-
 def test_train_with_missing_model_folder_exits_2(capsys, tmp_path):
     code = main(["train", f"model.path={tmp_path / 'no-model'}", f"checkpoint.runs_root={tmp_path}", "name=x",
                  "tracking.enabled=false"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from cluster.cli import main
 from common.config import ConfigError, RunConfig, load_config, to_yaml
@@ -86,12 +85,6 @@ def test_every_field_has_a_docstring():
 
     walk(RunConfig, "")
     assert not [m for m in missing if m.count(".") >= 1], missing
-
-
-def test_cli_config_prints_resolved_yaml(capsys):
-    assert main(["config", "buffer.group_size=4"]) == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["buffer"]["group_size"] == 4
 
 
 def test_cli_invalid_config_exits_2_with_lines_and_no_traceback(capsys):
