@@ -196,18 +196,14 @@ class Trainer:
         import ray
 
         n = self.generators.size
-        wait_frac = metrics.get("driver/learner_wait_fraction", 0.0)
-        gen_wait = metrics.get("generator/wait_fraction", 0.0)
-        free_cpus = ray.available_resources().get("CPU", 0.0)
-        if wait_frac > a.learner_wait_fraction_up and n < a.max_generators and free_cpus >= self.cfg.generator.num_cpus:
-            target = n + 1
-        elif gen_wait > a.generator_wait_fraction_down and n > a.min_generators:
-            target = n - 1
-        else:
-            return
-        ray.get(self.control.set_target.remote(target))
-        log.info("autoscale: generators %d -> %d (learner waits %.0f%%, generators wait %.0f%%)",
-                 n, target, 100 * wait_frac, 100 * gen_wait)
+        target = autoscale_target(a, n, metrics.get("driver/learner_wait_fraction", 0.0),
+                                  metrics.get("generator/wait_fraction", 0.0),
+                                  ray.available_resources().get("CPU", 0.0), self.cfg.generator.num_cpus)
+        if target != n:
+            ray.get(self.control.set_target.remote(target))
+            log.info("autoscale: generators %d -> %d (learner waits %.0f%%, generators wait %.0f%%)", n, target,
+                     100 * metrics.get("driver/learner_wait_fraction", 0.0),
+                     100 * metrics.get("generator/wait_fraction", 0.0))
 
     # ------------------------------------------------------------------------------------ metrics
 
@@ -271,6 +267,22 @@ def _wait_names_released(run: str, namespace: str, timeout_s: float = 60.0) -> N
             return
         time.sleep(0.2)
     log.warning("actors %s of run %s were still registered %ds after shutdown", left, run, timeout_s)
+
+
+def autoscale_target(a, n: int, learner_wait: float, generator_wait: float, free_cpus: float,
+                     cpus_per_generator: float) -> int:
+    """The autoscale policy: one generator more while the learner mostly waits for batches and a
+    generator's CPUs are free; one fewer while generators mostly wait for work; else unchanged.
+    Always within [min_generators, max_generators]."""
+    if n < a.min_generators:
+        return a.min_generators
+    if n > a.max_generators:
+        return a.max_generators
+    if learner_wait > a.learner_wait_fraction_up and n < a.max_generators and free_cpus >= cpus_per_generator:
+        return n + 1
+    if generator_wait > a.generator_wait_fraction_down and n > a.min_generators:
+        return n - 1
+    return n
 
 
 def _prefixed(prefix: str, d: dict[str, Any]) -> dict[str, float]:

@@ -303,6 +303,8 @@ class LearnerConfig(Section):
     """CPUs per rank."""
     num_gpus: float = Field(0.0, ge=0)
     """GPUs per rank."""
+    placement: Literal["pack", "spread", "none"] = "pack"
+    """Placement group of the ranks: pack (together, fast collectives), spread (across nodes) or none."""
     lr: float = Field(1e-4, gt=0, le=1)
     """AdamW learning rate (the paper uses 1e-6 for 1.5B-8B models)."""
     weight_decay: float = Field(0.01, ge=0, le=1)

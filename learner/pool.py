@@ -30,6 +30,7 @@ import numpy as np
 import ray
 import torch
 
+from common import codec
 from common.config import LearnerConfig
 from common.interfaces import actor_name
 from common.messages import LearnerFeedback, TrainingBatch, WeightsAnnouncement, float32_array
@@ -101,8 +102,9 @@ class LearnerRank:
                                  max_positions=int(model.config.max_position_embeddings),
                                  max_new_tokens=self.max_new_tokens, ref_model=ref)
 
-    def train(self, batch: TrainingBatch) -> RankStats:
-        return self.trainer.run(batch)
+    def train(self, payload: bytes) -> RankStats:
+        """One step on a msgpack-encoded TrainingBatch (the driver puts it once; every rank reads it)."""
+        return self.trainer.run(codec.decode(payload, TrainingBatch))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank must call it; rank 0 gets the full CPU state dict (HF names), others {}."""
@@ -177,6 +179,39 @@ class PendingPublish:
         return self._ann
 
 
+def _learner_placement_group(cfg: LearnerConfig):
+    """One bundle per rank (its CPUs/GPUs), placed by `cfg.placement`; None for `none`.
+
+    `pack` keeps the ranks of one job together (fast collectives); `spread` puts them on different
+    nodes. Waits up to `publish_timeout_s` for the resources and says which are missing otherwise."""
+    if cfg.placement == "none":
+        return None
+    from ray.util.placement_group import placement_group
+
+    bundle = {"CPU": float(cfg.num_cpus)} if cfg.num_cpus else {}
+    if cfg.num_gpus:
+        bundle["GPU"] = float(cfg.num_gpus)
+    if not bundle:
+        return None
+    pg = placement_group([dict(bundle) for _ in range(cfg.num_ranks)], strategy=cfg.placement.upper())
+    ready, _ = ray.wait([pg.ready()], timeout=cfg.publish_timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(
+            f"learner placement group of {cfg.num_ranks} x {bundle} ({cfg.placement}) could not be placed within "
+            f"{cfg.publish_timeout_s:.0f}s; the cluster has {ray.available_resources()} free. Lower "
+            "learner.num_ranks / num_cpus / num_gpus or add nodes")
+    return pg
+
+
+def _bundle(pg, index: int):
+    if pg is None:
+        return None
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
 class LearnerPool:
     """N `LearnerRank` actors training one policy; see the module docstring for the loop."""
 
@@ -188,9 +223,11 @@ class LearnerPool:
         self.store = get_or_create_store(run, namespace)
         ray.get(self.store.reset.remote())  # a resumed pool may publish a lower version than a dead one did
         actor = ray.remote(LearnerRank)
+        self.placement_group = _learner_placement_group(cfg)
         self.ranks = [
             actor.options(name=actor_name(run, "learner", r), namespace=namespace, num_cpus=cfg.num_cpus,
-                          num_gpus=cfg.num_gpus, max_restarts=0).remote(
+                          num_gpus=cfg.num_gpus, max_restarts=0,
+                          scheduling_strategy=_bundle(self.placement_group, r)).remote(
                 cfg, self.model_path, rank=r, world=cfg.num_ranks, max_new_tokens=max_new_tokens, run=run,
                 namespace=namespace)
             for r in range(cfg.num_ranks)
@@ -201,7 +238,7 @@ class LearnerPool:
 
     def step(self, batch: TrainingBatch) -> StepResult:
         """Train on `batch` (`learner.mini_batches` optimizer steps); version +1 per applied update."""
-        ref = ray.put(batch)
+        ref = ray.put(codec.encode(batch))  # msgpack, not pickle: the message type is the contract
         stats: list[RankStats] = ray.get([r.train.remote(ref) for r in self.ranks])
         metrics, keys, ents = merge_rank_stats(stats)
         version_trained = self.version
@@ -262,3 +299,6 @@ class LearnerPool:
                 ray.kill(r)
             ray.kill(self.store)
             self.ranks = []
+            if self.placement_group is not None:
+                ray.util.remove_placement_group(self.placement_group)
+                self.placement_group = None
