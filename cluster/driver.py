@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import signal
 import sys
 import time
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from common.config import RunConfig, flatten, to_yaml
+from common.config import ConfigError, RunConfig, flatten, to_yaml
 from common.messages import TrainingBatch
 
 log = logging.getLogger("exgrpo")
@@ -46,10 +47,6 @@ class DriverState:
     wait_s: float = 0.0
     train_s: float = 0.0
     accounting: dict[str, int] = field(default_factory=dict)  # the buffer's counts at this checkpoint
-
-
-class RunFailed(RuntimeError):
-    """A learner rank or buffer shard died; the run may restart from its last checkpoint."""
 
 
 class Trainer:
@@ -77,8 +74,6 @@ class Trainer:
         cfg, name, ns = self.cfg, self.run_dir.name, self.cfg.cluster.namespace
         live = self.run_dir.path / "buffer-live"  # shards' periodic snapshots (for a shard's own restart)
         if checkpoint is None and live.exists():  # a fresh start must not pick up a dead attempt's shards
-            import shutil
-
             shutil.rmtree(live)
         self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
                                           snapshot_dir=str(self.run_dir.path / "buffer-live"))
@@ -151,24 +146,18 @@ class Trainer:
         final = self.run_dir.checkpoint_dir(self.state.step)
         tmp = final.with_name(final.name + ".partial")
         if tmp.exists():
-            import shutil
-
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         self.learner.save_checkpoint(tmp / "learner")
         self.buffer.snapshot(str(tmp / "buffer"))
-        self.state.rng = {"python": repr(random.getstate()), "numpy": _np_rng_state()}
+        self.state.rng = _rng_state()
         self.state.accounting = self.buffer.accounting()
         (tmp / "driver.json").write_text(json.dumps(self.state.__dict__, default=str))
         if final.exists():
-            import shutil
-
             shutil.rmtree(final)
         tmp.rename(final)
         ckpts = [c for c in self.run_dir.read_state().get("checkpoints", []) if Path(c) != final] + [str(final)]
         for old in ckpts[: -self.cfg.checkpoint.keep_last]:
-            import shutil
-
             shutil.rmtree(old, ignore_errors=True)
         self.run_dir.update_state(checkpoints=ckpts[-self.cfg.checkpoint.keep_last :])
         self.tracker.log_metrics(_prefixed("accounting/", self.state.accounting), self.state.step)
@@ -291,9 +280,18 @@ def _prefixed(prefix: str, d: dict[str, Any]) -> dict[str, float]:
             if isinstance(v, (int, float, np.integer, np.floating))}
 
 
-def _np_rng_state() -> list:
-    s = np.random.get_state()
-    return [s[0], s[1].tolist(), s[2], s[3], s[4]]
+def _rng_state() -> dict[str, list]:
+    """The driver process's Python and NumPy RNG states as JSON-ready lists."""
+    v, internal, gauss = random.getstate()
+    n = np.random.get_state()
+    return {"python": [v, list(internal), gauss], "numpy": [n[0], n[1].tolist(), n[2], n[3], n[4]]}
+
+
+def _set_rng_state(rng: dict[str, list]) -> None:
+    v, internal, gauss = rng["python"]
+    random.setstate((v, tuple(internal), gauss))
+    n = rng["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -308,10 +306,13 @@ def train_main(cfg: RunConfig | None, resume: str | None = None) -> int:
     if resume:
         run_dir = RunDir(resume)
         try:
+            state = _load_driver_state(run_dir)  # checks state.json first: "not a run folder"
             cfg = run_dir.config()
-            state = _load_driver_state(run_dir)
         except FileNotFoundError as e:
             print(f"error: {e}", file=sys.stderr)
+            return 2
+        except ConfigError as e:
+            print(f"error: {run_dir.path} holds an unusable config.yaml:\n  " + "\n  ".join(e.lines), file=sys.stderr)
             return 2
     else:
         assert cfg is not None
@@ -330,6 +331,8 @@ def train_main(cfg: RunConfig | None, resume: str | None = None) -> int:
         return 2
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
+    if state.rng:  # resuming: continue the checkpoint's random streams
+        _set_rng_state(state.rng)
     start_ray(cfg.cluster, run_dir.path)
 
     uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
@@ -362,7 +365,7 @@ def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, pr
     from learner.weights import WeightSyncTimeout
 
     component_failures = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, BufferUnavailableError,
-                          WeightSyncTimeout, RunFailed)
+                          WeightSyncTimeout)
 
     attempts = 0
     while True:

@@ -40,7 +40,6 @@ class Tracker:
         self.dropped = 0
         self.failures = 0
         self._pending: list[Any] = []
-        self._last_flush = 0.0
         self._reported = False
         self._client = None
         self._lock = threading.Lock()
@@ -59,7 +58,6 @@ class Tracker:
         if not self.enabled:
             return None
         try:
-            import mlflow
             from mlflow.tracking import MlflowClient
 
             self._client = MlflowClient(tracking_uri=self.uri)
@@ -71,7 +69,6 @@ class Tracker:
                 exp_id = exp.experiment_id if exp else self._client.create_experiment(self.experiment)
                 run = self._client.create_run(exp_id, run_name=run_name, tags=tags or {})
                 self.run_id = run.info.run_id
-            del mlflow
         except Exception as e:  # the tracking store is optional for training: report once, continue
             self._report(f"could not start the MLflow run at {self.uri}: {type(e).__name__}: {e}")
             self._client = None
@@ -146,7 +143,6 @@ class Tracker:
 
     def flush(self) -> bool:
         """Send everything pending; False (and the values kept) when the store does not accept them."""
-        self._last_flush = time.monotonic()
         if self._client is None or self.run_id is None:
             return True
         from mlflow.entities import Metric

@@ -26,3 +26,40 @@ def teacher_forced(model: torch.nn.Module, prompt: np.ndarray, response: np.ndar
     lp = logp.gather(1, tok[:, None])[:, 0]
     ent = -(logp.exp() * logp).sum(-1)
     return lp.numpy(), ent.numpy()
+
+
+def prompt_ids(tok, text: str) -> np.ndarray:
+    return np.asarray([tok.bos_token_id, *tok.encode(text)], dtype=np.int32)
+
+
+def check_stop_strings_and_eos(engine, tok) -> None:
+    """64 samples with vowels as stop strings: text cut before the first stop, nothing after EOS, both kinds seen."""
+    from actors.engines import Sampling
+
+    stops = ("a", "e", "i", "o", "u")
+    old = engine.sampling
+    engine.sampling = Sampling(temperature=1.0, max_new_tokens=24, stop=stops)
+    try:
+        outs = engine.generate([prompt_ids(tok, "q: "), prompt_ids(tok, "r: ")], [32, 32], seed=3)
+    finally:
+        engine.sampling = old
+    check_stops(outs, tok, stops, max_new_tokens=24)
+
+
+def check_stops(outs, tok, stops, max_new_tokens):
+    by_string = by_eos = 0
+    for s in (s for o in outs for s in o):
+        full = tok.decode(s.token_ids.tolist(), skip_special_tokens=True)
+        assert not any(x in s.text for x in stops), "the returned text is cut before the stop string"
+        body = s.token_ids[:-1].tolist()
+        assert tok.eos_token_id not in body, "nothing is generated after EOS"
+        if s.finish_reason == "length":
+            assert len(s.token_ids) == max_new_tokens and not any(x in full for x in stops)
+        elif s.token_ids[-1] == tok.eos_token_id:
+            by_eos += 1
+        else:
+            by_string += 1
+            assert any(x in full for x in stops)
+            prefix = tok.decode(body, skip_special_tokens=True)
+            assert not any(x in prefix for x in stops), "generation stops at the first stop string"
+    assert by_string > 0 and by_eos > 0, f"expected both stop kinds in 64 samples: {by_string=} {by_eos=}"

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.engines import Sampling, make_engine
+from actors.engines import make_engine
 from actors.engines.transformers_engine import TransformersEngine
 from common.config import GeneratorConfig, TransformersEngineConfig
-from tests.actors.engine_checks import perturbed_state_dict, teacher_forced
+from tests.actors.engine_checks import check_stop_strings_and_eos, perturbed_state_dict, prompt_ids, teacher_forced
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +23,6 @@ def setup(tiny_model_dir):
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     return engine, ref, tok
-
-
-def prompt_ids(tok, text: str) -> np.ndarray:
-    return np.asarray([tok.bos_token_id, *tok.encode(text)], dtype=np.int32)
 
 
 def test_n_samples_per_prompt_and_types(setup):
@@ -71,30 +67,6 @@ def test_load_refuses_wrong_names(setup):
 
 def test_stop_strings_and_eos(setup):
     engine, _, tok = setup
-    stops = ("a", "e", "i", "o", "u")
-    old = engine.sampling
-    engine.sampling = Sampling(temperature=1.0, max_new_tokens=24, stop=stops)
-    try:
-        outs = engine.generate([prompt_ids(tok, "q: "), prompt_ids(tok, "r: ")], [32, 32], seed=3)
-    finally:
-        engine.sampling = old
-    check_stops(outs, tok, stops, max_new_tokens=24)
+    check_stop_strings_and_eos(engine, tok)
 
 
-def check_stops(outs, tok, stops, max_new_tokens):
-    by_string = by_eos = 0
-    for s in (s for o in outs for s in o):
-        full = tok.decode(s.token_ids.tolist(), skip_special_tokens=True)
-        assert not any(x in s.text for x in stops), "the returned text is cut before the stop string"
-        body = s.token_ids[:-1].tolist()
-        assert tok.eos_token_id not in body, "nothing is generated after EOS"
-        if s.finish_reason == "length":
-            assert len(s.token_ids) == max_new_tokens and not any(x in full for x in stops)
-        elif s.token_ids[-1] == tok.eos_token_id:
-            by_eos += 1
-        else:
-            by_string += 1
-            assert any(x in full for x in stops)
-            prefix = tok.decode(body, skip_special_tokens=True)
-            assert not any(x in prefix for x in stops), "generation stops at the first stop string"
-    assert by_string > 0 and by_eos > 0, f"expected both stop kinds in 64 samples: {by_string=} {by_eos=}"

@@ -9,10 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.engines import Sampling, make_engine
+from actors.engines import make_engine
 from common.config import GeneratorConfig, VllmEngineConfig
-from tests.actors.engine_checks import perturbed_state_dict, teacher_forced
-from tests.actors.test_transformers_engine import check_stops, prompt_ids
+from tests.actors.engine_checks import check_stop_strings_and_eos, perturbed_state_dict, prompt_ids, teacher_forced
 from tests.conftest import requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
@@ -84,11 +83,4 @@ def test_reload_needs_prefix_cache_reset(setup):
 
 def test_stop_strings_and_eos(setup):
     engine, _, tok = setup
-    stops = ("a", "e", "i", "o", "u")
-    old = engine.sampling
-    engine.sampling = Sampling(temperature=1.0, max_new_tokens=24, stop=stops)
-    try:
-        outs = engine.generate([prompt_ids(tok, "q: "), prompt_ids(tok, "r: ")], [32, 32], seed=3)
-    finally:
-        engine.sampling = old
-    check_stops(outs, tok, stops, max_new_tokens=24)
+    check_stop_strings_and_eos(engine, tok)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
@@ -29,6 +30,17 @@ def start_train(runs_root: Path, name: str, *overrides: str, resume: Path | None
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(train_cmd(runs_root, name, *overrides, resume=resume), cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+@contextmanager
+def train_process(runs_root: Path, name: str, *overrides: str):
+    """`start_train` whose process group is killed on leaving the block if it still runs (test failed)."""
+    p = start_train(runs_root, name, *overrides)
+    try:
+        yield p
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
 
 
 def run_train(runs_root: Path, name: str, *overrides: str, timeout_s: float = 900,

@@ -77,3 +77,8 @@ def test_scale_without_a_running_job_is_a_clear_error(capsys, tmp_path):
                  "--address", "127.0.0.1:1"])
     assert code == 2
     assert "cannot reach the Ray cluster" in capsys.readouterr().err
+
+
+def test_resume_of_a_folder_that_is_not_a_run_exits_2(capsys, tmp_path):
+    assert main(["train", "--resume", str(tmp_path / "nope")]) == 2
+    assert "is not a run folder" in capsys.readouterr().err

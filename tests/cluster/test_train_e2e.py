@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.runs import (
-    ROOT, accounting, assert_balanced, history, mlflow_client, read_log, run_train, start_train, state, wait_for,
+    ROOT, accounting, assert_balanced, history, mlflow_client, read_log, run_train, state, train_process, wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -122,16 +122,13 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root):
 
 def test_resume_after_kill_9_loses_nothing(runs_root):
     run_dir = runs_root / "resume"
-    p = start_train(runs_root, "resume", "total_steps=24", "checkpoint.every_steps=4", "checkpoint.keep_last=10")
-    try:
+    with train_process(runs_root, "resume", "total_steps=24", "checkpoint.every_steps=4",
+                       "checkpoint.keep_last=10") as p:
         wait_for(lambda: len(state(run_dir).get("checkpoints", [])) >= 2 or p.poll() is not None, 600,
                  "two checkpoints")
         assert p.poll() is None, read_log(runs_root, "resume")
         os.kill(p.pid, signal.SIGKILL)  # kill -9 the driver only
         p.wait(30)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
     ckpts = state(run_dir)["checkpoints"]
     ckpt_step = int(Path(ckpts[-1]).name.removeprefix("step-"))
     run_id = _run_id(runs_root, "resume")
@@ -153,7 +150,6 @@ def test_resume_after_kill_9_loses_nothing(runs_root):
 
 
 def test_scale_generators_up_and_down_during_a_run(runs_root):
-    p = start_train(runs_root, "scale", "total_steps=1000", "cluster.num_cpus=4", "checkpoint.every_steps=0")
     client = mlflow_client(runs_root)
 
     def generators() -> float | None:
@@ -166,7 +162,7 @@ def test_scale_generators_up_and_down_during_a_run(runs_root):
                               "--runs-root", str(runs_root)], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
 
-    try:
+    with train_process(runs_root, "scale", "total_steps=1000", "cluster.num_cpus=4", "checkpoint.every_steps=0") as p:
         wait_for(lambda: generators() == 1 or p.poll() is not None, 600, "the first logged step")
         assert p.poll() is None, read_log(runs_root, "scale")
         scale(3)
@@ -175,9 +171,6 @@ def test_scale_generators_up_and_down_during_a_run(runs_root):
         wait_for(lambda: generators() == 1, 300, "back to 1 generator")
         p.send_signal(signal.SIGTERM)  # stops cleanly: final checkpoint, run marked KILLED, exit 0
         assert p.wait(300) == 0, read_log(runs_root, "scale")
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
     m = _final_metrics(runs_root, "scale")
     acc = accounting(m)
     assert_balanced(acc)
@@ -189,8 +182,8 @@ def test_learner_rank_death_restarts_the_run_from_its_checkpoint(runs_root):
     import psutil
 
     run_dir = runs_root / "restart"
-    p = start_train(runs_root, "restart", "total_steps=12", "checkpoint.every_steps=3", "cluster.max_restarts=2")
-    try:
+    with train_process(runs_root, "restart", "total_steps=12", "checkpoint.every_steps=3",
+                       "cluster.max_restarts=2") as p:
         wait_for(lambda: len(state(run_dir).get("checkpoints", [])) >= 1 or p.poll() is not None, 600,
                  "the first checkpoint")
         ranks = [q for q in psutil.process_iter(["cmdline"])
@@ -199,9 +192,6 @@ def test_learner_rank_death_restarts_the_run_from_its_checkpoint(runs_root):
         for q in ranks:
             q.kill()
         assert p.wait(600) == 0, read_log(runs_root, "restart")
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
     log = read_log(runs_root, "restart")
     assert "restarting from the last checkpoint (1/2)" in log
     client = mlflow_client(runs_root)
