@@ -6,7 +6,9 @@ Protocol (msgpack objects streamed on the worker's stdin/stdout; no pickle):
 - worker -> parent: `[reward_or_None, error_or_None]` per item, in order, as each item finishes, so
   the parent can time each call and, when one hangs, kill this process and resend only the rest.
 The worker's own stdout is moved to stderr first, so a reward function that prints cannot corrupt
-the protocol. `spec` is a registry name (`math`) or `package.module:function`. A built-in function is
+the protocol. A worker never outlives its parent: a watcher thread kills the worker's process group
+once the parent is gone (a SIGKILLed generator closes nothing in order, and a reward call may never
+return to read the end of its stdin). `spec` is a registry name (`math`) or `package.module:function`. A built-in function is
 called once before `ready` so that its lazy imports do not count against the first call's timeout.
 """
 
@@ -14,7 +16,10 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
+import time
 
 import msgpack
 
@@ -49,6 +54,7 @@ def score_one(fn, response: str, answer: str) -> tuple[float | None, str | None]
 
 
 def main(spec: str) -> None:
+    _die_with_parent(os.getppid())
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # the reward function's prints go to stderr
     sys.stdout = sys.stderr
@@ -73,6 +79,19 @@ def main(spec: str) -> None:
         for chunk in unpacker:
             for response, answer in chunk:
                 out.write(msgpack.packb(list(score_one(fn, response, answer))))
+
+
+def _die_with_parent(parent: int, every_s: float = 0.5) -> None:
+    """Kill this worker's process group (itself and anything the reward function started) once the
+    parent process is gone. A polling thread, not prctl(PR_SET_PDEATHSIG): that signal fires when the
+    *thread* that started us ends, and generators start workers from short-lived threads."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os.killpg(0, signal.SIGKILL)
+
+    if parent > 1:
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _limit_memory() -> None:
