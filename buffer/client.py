@@ -7,10 +7,11 @@
 
 Picklable: it holds only actor handles and plain data, so it can be passed to generator actors.
 
-Mixed-mode consistency: each shard switches on from its own moving average of fresh accuracy. The
-first client call that sees any shard report "on" (in `submit` and `get_batch` replies) switches every
-shard on (`set_mixed_mode`, idempotent). A batch is composed as mixed once any shard is on, so the
-switch is global from the first batch after it, whichever shard saw it first.
+The delayed start is one decision for the run: the client that takes batches (the driver's) owns a
+`MixedSwitch` fed, once per batch, with the accuracies of the fresh groups the batch consumed (trained,
+plus those the shards kept out as zero-signal since the last batch). When it fires, every shard is
+switched on (`set_mixed_mode`) and the next batches are composed with mixed groups. Its state travels
+with the buffer snapshot (`switch.msgpack`), so a resumed run neither forgets nor repeats it.
 
 A shard that is dead or restarting makes calls fail with `BufferUnavailableError` after at most
 `cfg.call_timeout_s`, never a hang.
@@ -21,13 +22,14 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from buffer.core import merge_accounting, merge_metrics, mixed_target
+from buffer.core import MixedSwitch, merge_accounting, merge_metrics, plan_take
 from buffer.keys import shard_of, split_key
-from buffer.shard import make_shard_actor, unpack
+from buffer.shard import make_shard_actor, pack, unpack
 from common import codec
 from common.config import BufferConfig
 from common.interfaces import actor_name
@@ -37,6 +39,9 @@ try:  # ActorUnavailableError exists in newer Ray versions only
     from ray.exceptions import ActorUnavailableError as _Unavailable
 except ImportError:  # pragma: no cover
     _Unavailable = RayActorError
+
+
+SWITCH_FILE = "switch.msgpack"
 
 
 class BufferUnavailableError(RuntimeError):
@@ -54,14 +59,15 @@ def batch_shares(counts: list[int], batch_questions: int) -> list[int]:
 class BufferClient:
     """Routes work, groups, batches and feedback to the S shard actors of one run."""
 
-    def __init__(self, shards: list, *, run: str, namespace: str | None, batch_questions: int,
-                 replay_ratio: float, call_timeout_s: float):
+    def __init__(self, shards: list, *, cfg: BufferConfig, run: str, namespace: str | None):
         if not shards:
             raise ValueError("a BufferClient needs at least one shard")
         self.shards, self.run, self.namespace = list(shards), run, namespace
-        self.batch_questions, self.replay_ratio, self.call_timeout_s = batch_questions, replay_ratio, call_timeout_s
+        self.batch_questions, self.replay_ratio, self.call_timeout_s = cfg.batch_questions, cfg.replay_ratio, cfg.call_timeout_s
+        self.group_size = cfg.group_size
+        self.switch = MixedSwitch(cfg.switch_groups, cfg.mixed_switch_accuracy)
+        self._zero_signal_seen = [0, 0]  # shards' cumulative (fresh groups kept out, of which all correct)
         self._rr = 0
-        self._mixed_everywhere = False
 
     # ----------------------------------------------------------------------------------- building
 
@@ -78,8 +84,7 @@ class BufferClient:
                              namespace=namespace, snapshot_dir=snapshot_dir)
             for i in range(cfg.num_shards)
         ]
-        client = cls(shards, run=run, namespace=namespace, batch_questions=cfg.batch_questions,
-                     replay_ratio=cfg.replay_ratio, call_timeout_s=cfg.call_timeout_s)
+        client = cls(shards, cfg=cfg, run=run, namespace=namespace)
         client._get([s.ping.remote() for s in shards], "start")
         return client
 
@@ -91,8 +96,7 @@ class BufferClient:
             shards = [ray.get_actor(actor_name(run, "buffer", i), namespace=namespace) for i in range(num_shards)]
         except ValueError as e:
             raise BufferUnavailableError(f"buffer shards of run {run!r} not found in namespace {namespace!r}: {e}") from None
-        return cls(shards, run=run, namespace=namespace, batch_questions=cfg.batch_questions,
-                   replay_ratio=cfg.replay_ratio, call_timeout_s=cfg.call_timeout_s)
+        return cls(shards, cfg=cfg, run=run, namespace=namespace)
 
     def _get(self, refs: list, what: str, timeout_s: float | None = None):
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
@@ -131,15 +135,9 @@ class BufferClient:
         replies = self._get([self.shards[i].submit.remote(codec.encode_list(by_shard[i], ScoredGroup)) for i in order],
                             "submit")
         out: dict[str, int] = defaultdict(int)
-        mixed = False
         for r in replies:
             for k, v in unpack(r).items():
-                if k == "mixed_mode":
-                    mixed |= bool(v)
-                else:
-                    out[k] += v
-        if mixed:
-            self._propagate_mixed()
+                out[k] += v
         return dict(out)
 
     def _lease_shard(self, lease_id: str, question_id: str) -> int:
@@ -154,16 +152,23 @@ class BufferClient:
             by_shard[self._lease_shard(lid, "")].append(lid)
         self._get([self.shards[i].return_leases.remote(ids) for i, ids in by_shard.items()], "return_leases")
 
-    def _propagate_mixed(self) -> None:
-        if not self._mixed_everywhere:
+    def _observe_switch(self, batch: list[TrainGroup], zero_signal: tuple[int, int]) -> None:
+        """Feed the run-wide switch with this batch's fresh groups; switch every shard on when it fires."""
+        n_zero, n_zero_correct = (zero_signal[0] - self._zero_signal_seen[0], zero_signal[1] - self._zero_signal_seen[1])
+        self._zero_signal_seen = list(zero_signal)
+        if self.switch.on:
+            return
+        acc = [1.0] * n_zero_correct + [0.0] * (n_zero - n_zero_correct)
+        acc += [sum(r.correct for r in g.rollouts) / self.group_size for g in batch if not g.mixed]
+        if self.switch.observe(acc):
             self._get([s.set_mixed_mode.remote() for s in self.shards], "set_mixed_mode")
-            self._mixed_everywhere = True
 
     # -------------------------------------------------------------------------------- BatchSource
 
     def get_batch(self, version: int, timeout_s: float) -> TrainingBatch | None:
-        """B groups: ceil(rho*B) mixed when available (once mixed mode is on), the rest fresh.
-        Polls all shards in parallel, then takes from each in parallel; None on timeout."""
+        """B groups: ceil(rho*B) mixed when available (once mixed mode is on), the rest fresh, in
+        shard order (the learner shuffles before splitting into mini-batches). Polls all shards in
+        parallel, then takes from each in parallel; None on timeout. Feeds the mixed-mode switch."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         b = self.batch_questions
@@ -173,10 +178,9 @@ class BufferClient:
             want = math.ceil((b - len(got)) / len(self.shards))  # each shard waits for its part
             counts = self._get([s.wait_ready.remote(version, want, max(0.0, min(left, 0.25))) for s in self.shards],
                                "get_batch", timeout_s=self.call_timeout_s + min(max(left, 0.0), 0.25))
-            mixed_on = any(c[2] for c in counts)
-            if mixed_on:
-                self._propagate_mixed()
-            plan = self._plan(counts, got, mixed_on)
+            have_m = sum(1 for g in got if g.mixed)
+            plan = plan_take([tuple(c[:4]) for c in counts], len(got) - have_m, have_m, b, self.replay_ratio,
+                             self.switch.on)
             if plan is not None:
                 refs = [(i, self.shards[i].take.remote(version, f, m)) for i, (f, m) in enumerate(plan) if f or m]
                 for r in self._get([r for _, r in refs], "get_batch"):
@@ -187,29 +191,14 @@ class BufferClient:
                 if got:  # groups already taken are not thrown away: hand back a short batch
                     break
                 return None
+        if self.switch.on and not all(c[6] for c in counts):  # a shard restarted from an older snapshot
+            self._get([s.set_mixed_mode.remote() for s in self.shards], "set_mixed_mode")
+        self._observe_switch(got, (sum(c[4] for c in counts), sum(c[5] for c in counts)))
         n_mixed = sum(1 for g in got if g.mixed)
         stats = {"batch_mixed": float(n_mixed), "batch_fresh": float(len(got) - n_mixed),
-                 "batch_wait_s": time.monotonic() - t0, "batch_short": float(b - len(got))}
+                 "batch_wait_s": time.monotonic() - t0, "batch_short": float(b - len(got)),
+                 "switch_accuracy": self.switch.mean(), "mixed_mode": float(self.switch.on)}
         return TrainingBatch(groups=got, version=version, stats=stats)
-
-    def _plan(self, counts: list[list[int]], got: list[TrainGroup], mixed_on: bool) -> list[tuple[int, int]] | None:
-        """Per-shard (n_fresh, n_mixed) to take, or None while the batch cannot be completed yet."""
-        b = self.batch_questions
-        have_m = sum(1 for g in got if g.mixed)
-        avail_f = sum(c[0] for c in counts)
-        avail_m = sum(c[1] for c in counts)
-        target_m = mixed_target(b, self.replay_ratio) if mixed_on else 0
-        need_m = max(0, min(target_m - have_m, avail_m, b - len(got)))
-        need_f = b - len(got) - need_m
-        if avail_f < need_f:
-            return None
-        plan = []
-        for f, m in ((c[0], c[1]) for c in counts):
-            tf, tm = min(f, need_f), min(m, need_m)
-            need_f -= tf
-            need_m -= tm
-            plan.append((tf, tm))
-        return plan
 
     def feedback(self, fb: LearnerFeedback) -> None:
         """Route entropy feedback by the question id in each key (one call per shard)."""
@@ -223,8 +212,16 @@ class BufferClient:
             keys, ents = by_shard[shard_of(qid, s)]
             keys.append(key)
             ents.append(ent)
-        refs = [self.shards[i].feedback.remote(codec.encode(LearnerFeedback(fb.version, k, float32_array(e))))
-                for i, (k, e) in by_shard.items()]
+        chosen: dict[int, list[str]] = defaultdict(list)
+        for key in fb.chosen:
+            try:
+                qid, _ = split_key(key)
+            except ValueError:
+                qid = key
+            chosen[shard_of(qid, s)].append(key)
+        refs = [self.shards[i].feedback.remote(codec.encode(
+                    LearnerFeedback(fb.version, by_shard[i][0], float32_array(by_shard[i][1]), chosen.get(i, []))))
+                for i in sorted(set(by_shard) | set(chosen))]
         self._get(refs, "feedback")
 
     def set_version(self, version: int) -> None:
@@ -245,8 +242,14 @@ class BufferClient:
                                                               "accounting")])
 
     def snapshot(self, dir: str) -> None:
-        """Every shard writes buffer-shard-<i>.msgpack into `dir` (each file atomic)."""
+        """Every shard writes buffer-shard-<i>.msgpack into `dir` (each file atomic); the client adds
+        the run-wide switch state (switch.msgpack)."""
         self._get([s.snapshot.remote(str(dir)) for s in self.shards], "snapshot", timeout_s=max(self.call_timeout_s, 600))
+        state = dict(self.switch.state(), zero_signal_seen=self._zero_signal_seen)
+        path = Path(dir) / SWITCH_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(pack(state))
+        tmp.replace(path)
 
     def restore(self, dir: str, expire_leases: bool = False) -> None:
         """Every shard replaces its state with its file in `dir` (validated first; a bad file changes nothing).
@@ -254,8 +257,17 @@ class BufferClient:
         `expire_leases=True` (resuming a run) ends the snapshot's outstanding leases at once — their
         generators are gone — so their questions are reissued now and counted as lost, not after
         `lease_timeout_s`."""
+        path = Path(dir) / SWITCH_FILE
+        try:
+            state = unpack(path.read_bytes())
+        except FileNotFoundError:
+            raise BufferUnavailableError(f"buffer snapshot {dir} has no {SWITCH_FILE} (written by an older version?)") from None
         self._get([s.restore.remote(str(dir), expire_leases) for s in self.shards], "restore",
                   timeout_s=max(self.call_timeout_s, 600))
+        self.switch.load_state(state)
+        self._zero_signal_seen = list(state["zero_signal_seen"])
+        if self.switch.on:
+            self._get([s.set_mixed_mode.remote() for s in self.shards], "set_mixed_mode")
 
     def shutdown(self) -> None:
         for s in self.shards:

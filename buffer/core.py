@@ -1,14 +1,28 @@
-"""One buffer shard as a pure object (no Ray): work issuing, leases, ready queues, batches, switch.
+"""One buffer shard as a pure object (no Ray): work issuing, leases, ready queues, batches; and the
+run-wide pieces the client composes over shards (the mixed-mode switch, the batch plan).
 
     core = ShardCore(cfg, questions, shard=0, batch_share=16)
     items = core.lease("gen-0", 8)                  # fresh (K samples) and replay (K-1 + ReplayRef) items
-    core.submit(scored_groups)                      # checked, joined, queued; store and switch updated
+    core.submit(scored_groups)                      # checked, joined with candidates, queued; store updated
     core.take(version, n_fresh, n_mixed)            # ready groups; stale ones dropped and re-issued
     core.feedback(learner_feedback); core.set_version(v)
 
-The Ray actor (`buffer.shard`) wraps it behind one lock; the client (`buffer.client`) splits a
-learner batch over shards. All times come from `now` arguments (default `time.time()`), so tests
-drive expiry by hand.
+    switch = MixedSwitch(cfg.switch_groups, cfg.mixed_switch_accuracy)
+    if switch.observe(fresh_group_accuracies_of_the_batch): every shard.set_mixed_mode()
+
+The Ray actor (`buffer.shard`) wraps a core behind one lock; the client (`buffer.client`) splits a
+learner batch over shards with `plan_take` and owns the one `MixedSwitch` of the run. All times come
+from `now` arguments (default `time.time()`), so tests drive expiry by hand.
+
+Versions and lags count learner steps (see `common.messages`): work leased at version v may be
+trained at versions v .. v + max_lag.
+
+Replay (DESIGN.md §2): a replay item asks a generator for K-1 fresh rollouts of a stored question.
+A question has at most one live replay (leased or ready as a mixed group), so no batch replays a
+question twice. When its group comes back the shard attaches the question's stored trajectories as
+candidates (all of them for `lowest_entropy`, one for `random`); the learner picks o* and reports
+it (`LearnerFeedback.chosen`), and only then does the trajectory count as replayed. A replay item
+whose lease ends (expiry, return, rejection) or whose group goes stale is issued again as replay.
 
 Accounting (`accounting()`): every issued work item (a lease) ends in exactly one terminal state or
 is still in one of two live states, so at any moment
@@ -37,17 +51,17 @@ import math
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from buffer.sampling import make_question_sampler, make_trajectory_selector
-from buffer.store import ExperienceStore, record_entropy, record_from_bytes, record_to_rollout, record_version
+from buffer.store import ExperienceStore, record_from_bytes, record_to_rollout
 from common import codec
 from common.config import BufferConfig
 from common.messages import LearnerFeedback, Question, ReplayRef, Rollout, ScoredGroup, TrainGroup, WorkItem
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 log = logging.getLogger(__name__)
 
 
@@ -58,8 +72,8 @@ class Lease:
     num_samples: int
     deadline: float
     generator_id: str
-    replay_key: str = ""
-    replay_rec: np.ndarray | None = None  # the stored trajectory chosen at issue time (kept even if evicted later)
+    replay: bool = False
+    candidates: list[np.ndarray] = field(default_factory=list)  # replay: stored records at issue (used if evicted since)
 
 
 @dataclass(slots=True)
@@ -79,6 +93,64 @@ def mixed_target(batch_questions: int, replay_ratio: float) -> int:
     """Mixed groups wanted per batch: ceil(rho * B). Rounding up keeps the back-pressure quotas
     deadlock-free (see ShardCore.capacity)."""
     return min(batch_questions, math.ceil(replay_ratio * batch_questions - 1e-9))
+
+
+class MixedSwitch:
+    """The delayed start: one decision for the whole run, made once per batch.
+
+    `observe` takes the accuracies (k/K) of the fresh groups a batch consumed (trained, or kept out as
+    zero-signal); mixed mode switches on, once and for good, when the moving mean over the last
+    `window` of them exceeds `threshold` with the window full. With the window at one batch (the
+    default) it fires when the batch accuracy crosses, as the official code does."""
+
+    def __init__(self, window: int, threshold: float):
+        self.window: deque[float] = deque(maxlen=window)
+        self.threshold = threshold
+        self.on = False
+
+    def observe(self, accuracies) -> bool:
+        """Add one batch's fresh-group accuracies; True exactly when this call switches mixed mode on."""
+        self.window.extend(float(a) for a in accuracies)
+        if self.on or len(self.window) < self.window.maxlen:
+            return False
+        self.on = self.mean() > self.threshold
+        return self.on
+
+    def mean(self) -> float:
+        return sum(self.window) / len(self.window) if self.window else 0.0
+
+    def state(self) -> dict:
+        return {"window": list(self.window), "on": self.on}
+
+    def load_state(self, s: dict) -> None:
+        self.window.clear()
+        self.window.extend(float(x) for x in s["window"])
+        self.on = bool(s["on"])
+
+
+def plan_take(counts: list[tuple[int, ...]], have_fresh: int, have_mixed: int, batch_questions: int,
+              replay_ratio: float, mixed_on: bool) -> list[tuple[int, int]] | None:
+    """Per-shard (n_fresh, n_mixed) to take so that a batch holding `have_*` groups is completed with
+    ceil(rho*B) mixed groups when available (once mixed mode is on) and fresh ones for the rest; None
+    while the shards' ready `counts` cannot complete it yet.
+
+    `counts[i]` is shard i's `ready_summary`: (fresh, mixed[, oldest fresh version, oldest mixed
+    version]). Shards holding the oldest groups give first, so that no shard's queue ages into
+    staleness while another's is always taken first."""
+    b, have = batch_questions, have_fresh + have_mixed
+    avail_m = sum(c[1] for c in counts)
+    target_m = mixed_target(b, replay_ratio) if mixed_on else 0
+    need_m = max(0, min(target_m - have_mixed, avail_m, b - have))
+    need_f = b - have - need_m
+    if sum(c[0] for c in counts) < need_f:
+        return None
+    plan = [[0, 0] for _ in counts]
+    for kind, need in ((0, need_f), (1, need_m)):
+        age = (lambda i: counts[i][2 + kind]) if len(counts[0]) > 2 else (lambda i: i)
+        for i in sorted(range(len(counts)), key=age):
+            plan[i][kind] = min(counts[i][kind], need)
+            need -= plan[i][kind]
+    return [(f, m) for f, m in plan]
 
 
 class ShardCore:
@@ -106,18 +178,20 @@ class ShardCore:
         self.rng = random.Random(cfg.seed * 1_000_003 + shard)
         self.epoch, self.cursor = 0, 0
         self._order = self._epoch_order(0)
-        self.reissue: deque[str] = deque()
+        self.reissue: deque[str] = deque()  # fresh questions to issue again
+        self.reissue_replay: deque[str] = deque()  # replay questions to issue again (as replay)
         self.leases: dict[str, Lease] = {}
         self.next_lease = 0
         self.ready_fresh: deque[Ready] = deque()
         self.ready_mixed: deque[Ready] = deque()
         self.version = 0
         self.taken_at_version = 0  # groups taken for batches at self.version (back-pressure)
-        self.mixed_mode = False
-        self.window: deque[float] = deque(maxlen=cfg.switch_window)
+        self.mixed_mode = False  # set by the run-wide MixedSwitch (client), never by the shard alone
         self.n = dict(issued=0, issued_replay=0, trained=0, trained_mixed=0, stale_dropped=0, zero_signal=0,
-                      expired=0, returned=0, rejected=0, reissued=0, late_submissions=0, accepted=0,
-                      zero_signal_seen=0, epochs_completed=0, lease_requests_throttled=0)
+                      expired=0, returned=0, rejected=0, reissued=0, reissued_replay=0, replay_reissue_dropped=0,
+                      late_submissions=0, accepted=0, zero_signal_seen=0, zero_signal_fresh=0,
+                      zero_signal_fresh_correct=0, candidates_shipped=0, epochs_completed=0,
+                      lease_requests_throttled=0)
 
     # -------------------------------------------------------------------------------------- issuing
 
@@ -144,7 +218,13 @@ class ShardCore:
         return len(self.leases) + len(self.ready_fresh) + len(self.ready_mixed)
 
     def _mixed_live(self) -> int:
-        return sum(1 for x in self.leases.values() if x.replay_rec is not None) + len(self.ready_mixed)
+        return sum(1 for x in self.leases.values() if x.replay) + len(self.ready_mixed)
+
+    def _replay_live(self) -> set[str]:
+        """Questions with a live replay (leased, or ready as a mixed group): not replayed again meanwhile."""
+        live = {x.question_id for x in self.leases.values() if x.replay}
+        live.update(x.group.question_id for x in self.ready_mixed)
+        return live
 
     def _next_fresh(self) -> str | None:
         while self.reissue:
@@ -174,7 +254,7 @@ class ShardCore:
                 self.n["lease_requests_throttled"] += 1
             return []
         n_replay = 0
-        if self.mixed_mode and self.store.has_replay():
+        if self.mixed_mode and (self.store.has_replay() or self.reissue_replay):
             quota = math.floor(self.cfg.replay_ratio * self.capacity())
             mixed, total = self._mixed_live(), self.live()
             for _ in range(n):  # keep the live mix at ratio rho, within the replay quota
@@ -182,25 +262,42 @@ class ShardCore:
                     n_replay += 1
                     mixed += 1
                 total += 1
-        picks = self.store.sample(n_replay, self.rng) if n_replay else []
-        items = [self._issue(generator_id, qid, now, rec) for qid, rec, _ in picks]
+        items = [self._issue(generator_id, qid, now, ref, recs) for qid, ref, recs in self._replay_picks(n_replay)]
         for _ in range(n - len(items)):
             qid = self._next_fresh()
             if qid is None:
                 break
-            items.append(self._issue(generator_id, qid, now, None))
+            items.append(self._issue(generator_id, qid, now, None, []))
         return items
 
-    def _issue(self, generator_id: str, qid: str, now: float, rec: np.ndarray | None) -> WorkItem:
+    def _replay_picks(self, n: int) -> list[tuple[str, ReplayRef, list[np.ndarray]]]:
+        """Up to n replay questions: re-issues first, then drawn by the question sampler; never one
+        with a live replay, never the same one twice."""
+        if n <= 0:
+            return []
+        live = self._replay_live()
+        picks = []
+        while self.reissue_replay and len(picks) < n:
+            qid = self.reissue_replay.popleft()
+            recs = self.store.candidates(qid, self.rng) if qid not in live else []
+            if not recs:  # retired, evicted or already live again: its replay slot goes back to the sampler
+                self.n["replay_reissue_dropped"] += 1
+                continue
+            live.add(qid)
+            picks.append((qid, ReplayRef(probability=0.0, candidates=len(recs), reissue=True), recs))
+        if len(picks) < n:
+            for qid, prob, recs in self.store.sample(n - len(picks), self.rng, exclude=live):
+                picks.append((qid, ReplayRef(probability=prob, candidates=len(recs)), recs))
+        return picks
+
+    def _issue(self, generator_id: str, qid: str, now: float, ref: ReplayRef | None,
+               recs: list[np.ndarray]) -> WorkItem:
         lid = f"{self.shard}-{self.next_lease}"
         self.next_lease += 1
         deadline = now + self.cfg.lease_timeout_s
-        ref = None
         lease = Lease(lid, qid, self.K, deadline, generator_id)
-        if rec is not None:
-            t = record_to_rollout(rec, qid)
-            ref = ReplayRef(key=t.key, entropy=record_entropy(rec), version=record_version(rec))
-            lease.num_samples, lease.replay_key, lease.replay_rec = self.K - 1, t.key, rec
+        if ref is not None:
+            lease.num_samples, lease.replay, lease.candidates = self.K - 1, True, recs
             self.n["issued_replay"] += 1
         self.leases[lid] = lease
         self.n["issued"] += 1
@@ -208,8 +305,15 @@ class ShardCore:
 
     def _end_lease_reissue(self, lease: Lease, reason: str) -> None:
         self.n[reason] += 1
+        self._reissue(lease.question_id, lease.replay)
+
+    def _reissue(self, qid: str, replay: bool) -> None:
         self.n["reissued"] += 1
-        self.reissue.append(lease.question_id)
+        if replay:
+            self.n["reissued_replay"] += 1
+            self.reissue_replay.append(qid)
+        else:
+            self.reissue.append(qid)
 
     def expire(self, now: float | None = None, *, all_leases: bool = False) -> int:
         """End every lease past its deadline (or every lease, when the generators holding them are
@@ -233,7 +337,7 @@ class ShardCore:
     # ------------------------------------------------------------------------------------ submitting
 
     def submit(self, groups: list[ScoredGroup], now: float | None = None) -> dict[str, int]:
-        """Check, join and queue returned groups; update the store and the mixed-mode switch."""
+        """Check, join and queue returned groups; update the store."""
         now = time.time() if now is None else now
         out = dict(accepted=0, zero_signal=0, rejected=0, late=0)
         for g in groups:
@@ -251,7 +355,6 @@ class ShardCore:
                 continue
             out["zero_signal" if self._accept(g, lease) else "accepted"] += 1
         self.expire(now)
-        out["mixed_mode"] = int(self.mixed_mode)
         return out
 
     def _check(self, g: ScoredGroup, lease: Lease) -> str:
@@ -266,34 +369,31 @@ class ShardCore:
 
     def _accept(self, g: ScoredGroup, lease: Lease) -> bool:
         """Queue one checked group; True when it was kept out as zero-signal."""
-        fresh = list(g.rollouts)
-        mixed = lease.replay_rec is not None
-        rollouts = fresh + [record_to_rollout(lease.replay_rec, g.question_id)] if mixed else fresh
-        k = sum(1 for r in rollouts if r.correct)
-        if not mixed:
-            self.window.append(k / self.K)
-            if (not self.mixed_mode and len(self.window) == self.window.maxlen
-                    and sum(self.window) / len(self.window) > self.cfg.mixed_switch_accuracy):
-                self.mixed_mode = True
-        collect = self.mixed_mode or self.cfg.collect_before_mixed
+        qid, fresh = g.question_id, list(g.rollouts)
+        cands: list[Rollout] = []
+        if lease.replay:  # the candidates for o*, taken before this group changes the store
+            recs = self.store.candidates(qid, self.rng) or lease.candidates
+            cands = [record_to_rollout(r, qid) for r in recs]
+        k = sum(1 for r in fresh if r.correct) + (1 if cands else 0)  # o* is always correct
         correct_idx = [i for i, r in enumerate(fresh) if r.correct] if self.cfg.collect else []
-        keys = self.store.observe(g.question_id, k, [fresh[i] for i in correct_idx], collect) if self.cfg.collect else []
-        for i, key in zip(correct_idx, keys):
-            if key:
-                fresh[i] = _with_key(fresh[i], key)
-        if mixed:
-            rollouts = fresh + rollouts[-1:]
-        else:
-            rollouts = fresh
-        zero = all(r.reward == rollouts[0].reward for r in rollouts)
-        if zero:
+        if self.cfg.collect:
+            collect = self.mixed_mode or self.cfg.collect_before_mixed
+            keys = self.store.observe(qid, k, [fresh[i] for i in correct_idx], collect)
+            for i, key in zip(correct_idx, keys):
+                if key:
+                    fresh[i] = _with_key(fresh[i], key)
+        rewards = [r.reward for r in fresh] + [c.reward for c in cands[:1]]
+        if all(x == rewards[0] for x in rewards):
             self.n["zero_signal_seen"] += 1
             if self.cfg.drop_zero_signal:
                 self.n["zero_signal"] += 1
+                if not lease.replay:  # the run-wide switch still sees this fresh group's accuracy
+                    self.n["zero_signal_fresh"] += 1
+                    self.n["zero_signal_fresh_correct"] += int(k == self.K)
                 return True
-        q = self.questions[g.question_id]
-        group = TrainGroup(g.question_id, q.prompt_ids, rollouts, mixed, g.lease_id)
-        (self.ready_mixed if mixed else self.ready_fresh).append(Ready(group, min(r.version for r in fresh)))
+        group = TrainGroup(qid, self.questions[qid].prompt_ids, fresh, lease.replay, g.lease_id, cands)
+        self.n["candidates_shipped"] += len(cands)
+        (self.ready_mixed if lease.replay else self.ready_fresh).append(Ready(group, min(r.version for r in fresh)))
         self.n["accepted"] += 1
         return False
 
@@ -305,7 +405,7 @@ class ShardCore:
             self.taken_at_version = 0
 
     def set_mixed_mode(self) -> None:
-        """Switch mixed mode on (used by the client to make the switch consistent across shards)."""
+        """Switch mixed mode on (the client's run-wide `MixedSwitch` decides when)."""
         self.mixed_mode = True
 
     def _drop_stale(self) -> None:
@@ -317,8 +417,7 @@ class ShardCore:
                 for x in q:
                     if x.version < oldest:
                         self.n["stale_dropped"] += 1
-                        self.n["reissued"] += 1
-                        self.reissue.append(x.group.question_id)
+                        self._reissue(x.group.question_id, x.group.mixed)
                     else:
                         keep.append(x)
                 setattr(self, qname, keep)
@@ -329,6 +428,13 @@ class ShardCore:
             self.set_version(version)
         self._drop_stale()
         return len(self.ready_fresh), len(self.ready_mixed)
+
+    def ready_summary(self, version: int | None = None) -> tuple[int, int, int, int]:
+        """`ready_counts` plus the oldest version in each queue (a large number when empty), for `plan_take`."""
+        f, m = self.ready_counts(version)
+        none = 1 << 40
+        return (f, m, min((x.version for x in self.ready_fresh), default=none),
+                min((x.version for x in self.ready_mixed), default=none))
 
     def take(self, version: int, n_fresh: int, n_mixed: int) -> list[TrainGroup]:
         """Up to n_fresh fresh and n_mixed mixed ready groups (oldest first), after dropping stale ones."""
@@ -342,15 +448,12 @@ class ShardCore:
 
     def batch(self, version: int) -> list[TrainGroup]:
         """A whole single-shard batch: ceil(rho*B) mixed (when available), filled with fresh; [] if short."""
-        f, m = self.ready_counts(version)
-        n_mixed = min(mixed_target(self.cfg.batch_questions, self.cfg.replay_ratio), m) if self.mixed_mode else 0
-        n_fresh = self.cfg.batch_questions - n_mixed
-        if f < n_fresh:
-            return []
-        return self.take(version, n_fresh, n_mixed)
+        plan = plan_take([self.ready_summary(version)], 0, 0, self.cfg.batch_questions, self.cfg.replay_ratio,
+                         self.mixed_mode)
+        return [] if plan is None else self.take(version, *plan[0])
 
     def feedback(self, fb: LearnerFeedback) -> None:
-        self.store.feedback(fb.keys, fb.entropies.tolist(), fb.version)
+        self.store.feedback(fb.keys, fb.entropies.tolist(), fb.version, fb.chosen)
 
     # ---------------------------------------------------------------------------------- observation
 
@@ -371,8 +474,8 @@ class ShardCore:
         m.update({k: float(v) for k, v in self.n.items()})
         m.update(leases_outstanding=float(len(self.leases)), ready_fresh=float(len(self.ready_fresh)),
                  ready_mixed=float(len(self.ready_mixed)), mixed_mode=float(self.mixed_mode),
-                 version=float(self.version), epoch=float(self.epoch),
-                 fresh_accuracy_window_sum=float(sum(self.window)), fresh_accuracy_window_n=float(len(self.window)))
+                 version=float(self.version), epoch=float(self.epoch), questions=float(len(self.order_ids)),
+                 replay_reissue_pending=float(len(self.reissue_replay)))
         return finish_metrics(m)
 
     # ------------------------------------------------------------------------------------ snapshots
@@ -383,11 +486,12 @@ class ShardCore:
         return {
             "state_version": STATE_VERSION, "shard": self.shard, "fingerprint": self.fingerprint,
             "group_size": self.K, "epoch": self.epoch, "cursor": self.cursor, "reissue": list(self.reissue),
+            "reissue_replay": list(self.reissue_replay),
             "next_lease": self.next_lease, "version": self.version, "mixed_mode": self.mixed_mode,
             "taken_at_version": self.taken_at_version,
-            "window": list(self.window), "counters": dict(self.n), "rng": [rs[0], list(rs[1]), rs[2]],
-            "leases": [[x.lease_id, x.question_id, x.num_samples, x.deadline, x.generator_id, x.replay_key,
-                        None if x.replay_rec is None else x.replay_rec.tobytes()] for x in self.leases.values()],
+            "counters": dict(self.n), "rng": [rs[0], list(rs[1]), rs[2]],
+            "leases": [[x.lease_id, x.question_id, x.num_samples, x.deadline, x.generator_id, x.replay,
+                        [r.tobytes() for r in x.candidates]] for x in self.leases.values()],
             "ready_fresh": codec.encode_list([x.group for x in self.ready_fresh], TrainGroup),
             "ready_mixed": codec.encode_list([x.group for x in self.ready_mixed], TrainGroup),
             "store": self.store.state(),
@@ -408,22 +512,21 @@ class ShardCore:
         core.epoch, core.cursor = int(state["epoch"]), int(state["cursor"])
         core._order = core._epoch_order(core.epoch)
         core.reissue = deque(state["reissue"])
+        core.reissue_replay = deque(state["reissue_replay"])
         core.next_lease, core.version = int(state["next_lease"]), int(state["version"])
         core.mixed_mode = bool(state["mixed_mode"])
         core.taken_at_version = int(state.get("taken_at_version", 0))
-        core.window.extend(float(x) for x in state["window"])
         core.n.update({k: int(v) for k, v in state["counters"].items() if k in core.n})
         v, internal, gauss = state["rng"]
         core.rng.setstate((v, tuple(internal), gauss))
-        for lid, qid, ns, dl, gid, rkey, rrec in state["leases"]:
+        for lid, qid, ns, dl, gid, replay, recs in state["leases"]:
             if qid not in core.questions:
                 raise ValueError(f"snapshot lease {lid} refers to unknown question {qid!r}")
-            core.leases[lid] = Lease(lid, qid, int(ns), float(dl), gid, rkey,
-                                     None if rrec is None else record_from_bytes(rrec))
+            core.leases[lid] = Lease(lid, qid, int(ns), float(dl), gid, bool(replay),
+                                     [record_from_bytes(r) for r in recs])
         for name in ("ready_fresh", "ready_mixed"):
             for g in codec.decode_list(state[name], TrainGroup):
-                fresh = [r for r in g.rollouts if not r.replayed]
-                getattr(core, name).append(Ready(g, min(r.version for r in fresh)))
+                getattr(core, name).append(Ready(g, min(r.version for r in g.rollouts)))
         core.store.load_state(state["store"])
         return core
 
@@ -439,16 +542,14 @@ def balance(a: dict[str, int]) -> int:
 def finish_metrics(m: dict[str, float]) -> dict[str, float]:
     """Derive ratios from summed counters (works for one shard and for sums over shards)."""
     m["replay_fraction"] = m["trained_mixed"] / m["trained"] if m.get("trained") else 0.0
-    c = m.get("chosen", 0.0)
+    c = m.get("chosen_measured", 0.0)
     m["entropy_chosen_mean"] = m["entropy_chosen_sum"] / c if c else 0.0
     m["entropy_available_mean"] = m["entropy_available_sum"] / c if c else 0.0
-    wn = m.get("fresh_accuracy_window_n", 0.0)
-    m["fresh_accuracy_moving"] = m["fresh_accuracy_window_sum"] / wn if wn else 0.0
     return m
 
 
 _MAX_KEYS = ("mixed_mode", "version", "epoch")
-_DERIVED = ("replay_fraction", "entropy_chosen_mean", "entropy_available_mean", "fresh_accuracy_moving")
+_DERIVED = ("replay_fraction", "entropy_chosen_mean", "entropy_available_mean")
 
 
 def merge_metrics(per_shard: list[dict[str, float]]) -> dict[str, float]:

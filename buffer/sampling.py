@@ -5,7 +5,7 @@ with its bucket index; they can be swapped and tested alone (Reverb's `sampler=`
 
     probs = bucket_probabilities({1, 2, 4}, group_size=8)   # Gaussian weight per non-empty bucket
     picks = GaussianBuckets(8).sample(buckets, n, rng)      # [(question_id, probability)]
-    idx = LowestEntropy().select(entropies, rng)            # which stored trajectory
+    idx = LowestEntropy().candidates(entropies, rng)        # which stored trajectories go to the learner
 """
 
 from __future__ import annotations
@@ -140,23 +140,24 @@ class UniformQuestions:
 
 
 class TrajectorySelector(Protocol):
-    """Chooses one of a question's stored trajectories given their current entropy estimates."""
+    """Chooses which of a question's stored trajectories travel with its mixed group (indices)."""
 
-    def select(self, entropies: Sequence[float], rng: random.Random) -> int: ...
+    def candidates(self, entropies: Sequence[float], rng: random.Random) -> list[int]: ...
 
 
 class LowestEntropy:
-    """The trajectory with the lowest current entropy estimate (ties: the earliest stored)."""
+    """Ship every stored trajectory: the learner scores them under the policy it is training and
+    picks the lowest mean token entropy (the official rule). The buffer's own estimates are not used."""
 
-    def select(self, entropies, rng):
-        return entropies.index(min(entropies))
+    def candidates(self, entropies, rng):
+        return list(range(len(entropies)))
 
 
 class RandomTrajectory:
-    """A uniformly random stored trajectory (the ablation)."""
+    """Ship one uniformly random stored trajectory (the ablation): nothing left for the learner to choose."""
 
-    def select(self, entropies, rng):
-        return rng.randrange(len(entropies))
+    def candidates(self, entropies, rng):
+        return [rng.randrange(len(entropies))]
 
 
 def make_question_sampler(kind: str, group_size: int, mean: float, std: float) -> QuestionSampler:

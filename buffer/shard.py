@@ -89,14 +89,17 @@ class BufferShard:
     # -------------------------------------------------------------------------------- learner side
 
     def wait_ready(self, version: int, want: int, wait_s: float) -> list[int]:
-        """[fresh, mixed, mixed_mode] ready at `version`; waits up to `wait_s` for `want` groups."""
+        """[fresh, mixed, oldest fresh version, oldest mixed version, zero_signal_fresh,
+        zero_signal_fresh_correct, mixed_mode] at `version` (zero_signal_*: cumulative counts of fresh
+        groups kept out as zero-signal); waits up to `wait_s` for `want` groups."""
         deadline = time.monotonic() + wait_s
         with self.cond:
             while True:
-                f, m = self.core.ready_counts(version)
+                summary = self.core.ready_summary(version)
                 left = deadline - time.monotonic()
-                if f + m >= want or left <= 0:
-                    return [f, m, int(self.core.mixed_mode)]
+                if summary[0] + summary[1] >= want or left <= 0:
+                    return [*summary, self.core.n["zero_signal_fresh"], self.core.n["zero_signal_fresh_correct"],
+                            int(self.core.mixed_mode)]
                 self.cond.wait(min(left, 0.05))  # also wakes to expire leases and see new versions
 
     def take(self, version: int, n_fresh: int, n_mixed: int) -> bytes:

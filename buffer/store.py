@@ -7,9 +7,17 @@ group of K rollouts with k correct:
 - k = K: q is retired: its experience is deleted and it is never issued fresh again.
 - k = 0: nothing is stored; a stored q keeps its previous bucket.
 
+Entropy estimates are of two kinds, never ranked together: the generator's estimate at sampling
+time (header entropy_version = -1; an engine may only compute a top-k lower bound) and the learner's
+exact value under a policy version (entropy_version >= 0, set by `feedback`). Replay selection does
+not read them at all (the learner scores every candidate under the policy it trains, see
+`buffer.core`); they order eviction and feed metrics.
+
 Eviction order (capacity limits):
-1. Per question (`max_per_question`): the highest-entropy trajectories go first, so the
-   lowest-entropy ones — the ones replay prefers — are kept.
+1. Per question (`max_per_question`): learner-measured trajectories are kept before unmeasured ones,
+   each kind lowest entropy first; the rest go (highest-entropy unmeasured first). Every candidate is
+   measured the first time its question is replayed, so in steady state this keeps the
+   lowest-entropy trajectories under a recent policy — the ones replay prefers.
 2. In total (`max_total`): whole questions, least recently refreshed first (refreshed = a group of
    the question was observed), until the total fits. Their bucket entry goes with them.
 
@@ -33,6 +41,8 @@ from common.messages import Rollout
 # record header (int32 words): digest(2) | version | entropy(f32) | entropy_version | times_replayed | reward(f32) | finish
 _H = 8
 _FINISH = ("stop", "length", "abort")
+ENGINE_ESTIMATE = -1
+"""entropy_version of an estimate made by the generator (not yet measured by the learner)."""
 
 
 def pack_record(r: Rollout, digest: bytes) -> np.ndarray:
@@ -43,7 +53,7 @@ def pack_record(r: Rollout, digest: bytes) -> np.ndarray:
     rec[2] = r.version
     f = rec.view(np.float32)
     f[3] = r.entropy
-    rec[4] = r.version
+    rec[4] = ENGINE_ESTIMATE
     rec[5] = 0
     f[6] = r.reward
     rec[7] = _FINISH.index(r.finish_reason) if r.finish_reason in _FINISH else 2
@@ -127,7 +137,7 @@ class ExperienceStore:
         self.replay_hist = [0] * 5  # stored trajectories by times replayed: 0, 1, 2, 3, 4+
         self.c = dict(stored=0, deduplicated=0, evicted=0, evicted_questions=0, deleted_on_retire=0,
                       feedback_applied=0, feedback_ignored=0, feedback_older=0, late_for_retired=0,
-                      chosen=0)
+                      chosen=0, chosen_measured=0, chosen_gone=0)
         self.entropy_chosen_sum = 0.0
         self.entropy_available_sum = 0.0
 
@@ -191,7 +201,7 @@ class ExperienceStore:
 
     def _trim_question(self, e: _Entry) -> None:
         if len(e.recs) > self.max_per_question:
-            order = sorted(range(len(e.recs)), key=e.ents.__getitem__)
+            order = sorted(range(len(e.recs)), key=lambda i: (int(e.recs[i][4]) == ENGINE_ESTIMATE, e.ents[i]))
             dropped = [e.recs[i] for i in order[self.max_per_question :]]
             keep = order[: self.max_per_question]
             e.recs, e.ents = [e.recs[i] for i in keep], array("f", (e.ents[i] for i in keep))
@@ -221,53 +231,82 @@ class ExperienceStore:
 
     # ------------------------------------------------------------------------------------- reading
 
-    def sample(self, n: int, rng: random.Random) -> list[tuple[str, np.ndarray, float]]:
-        """Up to n distinct stored questions with their selected trajectory:
-        [(question_id, record, probability of the question draw)]. Counts one replay per pick."""
-        out = []
-        for qid, prob in self.sampler.sample(self.buckets, n, rng):
-            e = self.entries[qid]
-            ents = e.ents
-            i = self.selector.select(ents, rng)
+    def sample(self, n: int, rng: random.Random, exclude: set[str] | frozenset = frozenset()
+               ) -> list[tuple[str, float, list[np.ndarray]]]:
+        """Up to n distinct stored questions, none in `exclude`, each with the candidates the selector
+        ships: [(question_id, probability of the question draw, [record, ...])]. Nothing is counted as
+        replayed here: a replay counts when the learner trains it (`feedback(chosen=...)`)."""
+        hidden = [(qid, self.entries[qid].bucket) for qid in exclude if qid in self.entries]
+        for qid, b in hidden:  # drawn over the others only (O(len(exclude)), no copy of the buckets)
+            self.buckets[b].discard(qid)
+        try:
+            picks = self.sampler.sample(self.buckets, n, rng)
+        finally:
+            for qid, b in hidden:
+                self.buckets[b].add(qid)
+        return [(qid, prob, self.candidates(qid, rng)) for qid, prob in picks]
+
+    def candidates(self, qid: str, rng: random.Random) -> list[np.ndarray]:
+        """The records of `qid` the trajectory selector ships with a mixed group ([] if none stored)."""
+        e = self.entries.get(qid)
+        if e is None or not e.recs:
+            return []
+        return [e.recs[i] for i in self.selector.candidates(e.ents, rng)]
+
+    def has_replay(self) -> bool:
+        return self.total > 0
+
+    def feedback(self, keys: list[str], entropies, version: int, chosen: list[str] = ()) -> None:
+        """Learner -> buffer: exact entropies of `keys` under policy `version`, and the `chosen` keys
+        (trained as o*; each counts one replay). Keys of evicted or retired trajectories are ignored and
+        counted; an estimate from an older policy version than the stored one is skipped."""
+        measured: dict[str, list[float]] = {}
+        by_key: dict[str, float] = {}
+        for key, ent in zip(keys, entropies):
+            found = self._find(key)
+            if found is None:
+                self.c["feedback_ignored"] += 1
+                continue
+            e, i = found
+            ent = float(ent)
+            by_key[key] = ent
+            measured.setdefault(split_key(key)[0], []).append(ent)
+            if version < e.recs[i][4]:
+                self.c["feedback_older"] += 1
+                continue
+            e.recs[i].view(np.float32)[3] = ent
+            e.recs[i][4] = version
+            e.ents[i] = ent
+            self.c["feedback_applied"] += 1
+        for key in chosen:
+            found = self._find(key)
+            if found is None:
+                self.c["chosen_gone"] += 1
+                continue
+            e, i = found
             rec = e.recs[i]
             t = int(rec[5])
             self.replay_hist[min(t, 4)] -= 1
             self.replay_hist[min(t + 1, 4)] += 1
             rec[5] = t + 1
             self.c["chosen"] += 1
-            self.entropy_chosen_sum += ents[i]
-            self.entropy_available_sum += sum(ents) / len(ents)
-            out.append((qid, rec, prob))
-        return out
+            if key in by_key:
+                ents = measured[split_key(key)[0]]
+                self.entropy_chosen_sum += by_key[key]
+                self.entropy_available_sum += sum(ents) / len(ents)
+                self.c["chosen_measured"] += 1
 
-    def has_replay(self) -> bool:
-        return self.total > 0
-
-    def feedback(self, keys: list[str], entropies, version: int) -> None:
-        """Refresh entropy estimates (learner -> buffer). Keys of evicted or retired trajectories are
-        ignored and counted; an estimate from an older policy version than the current one is skipped."""
-        for key, ent in zip(keys, entropies):
-            try:
-                qid, digest = split_key(key)
-            except ValueError:
-                self.c["feedback_ignored"] += 1
-                continue
-            e = self.entries.get(qid)
-            i = -1
-            if e is not None:
-                for j, r in enumerate(e.recs):
-                    if record_digest(r) == digest:
-                        i = j
-                        break
-            if i < 0:
-                self.c["feedback_ignored"] += 1
-            elif version < e.recs[i][4]:
-                self.c["feedback_older"] += 1
-            else:
-                e.recs[i].view(np.float32)[3] = ent
-                e.recs[i][4] = version
-                e.ents[i] = ent
-                self.c["feedback_applied"] += 1
+    def _find(self, key: str) -> tuple[_Entry, int] | None:
+        try:
+            qid, digest = split_key(key)
+        except ValueError:
+            return None
+        e = self.entries.get(qid)
+        if e is not None:
+            for j, r in enumerate(e.recs):
+                if record_digest(r) == digest:
+                    return e, j
+        return None
 
     def metrics(self) -> dict[str, float]:
         m: dict[str, float] = {f"bucket_{b}": float(len(s)) for b, s in self.buckets.items()}

@@ -8,6 +8,11 @@ int32 numpy arrays and log-probs float32 numpy arrays, so they travel as compact
     buffer shard --TrainingBatch(TrainGroup...)--> learner
     learner --LearnerFeedback--> buffer shard
     learner --WeightsAnnouncement--> weight store --> generators
+
+Policy version: the number of learner steps applied to the policy. One learner step trains on one
+batch and adds exactly 1, whatever the number of optimizer updates inside it (`learner.mini_batches`)
+and whether they were applied or skipped. Every "version", "lag" and `buffer.max_lag` in the system
+counts in this unit.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Annotated
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Bumped whenever a message's fields change; payloads of another version are refused."""
 
 Int32Array = Annotated[np.ndarray, np.int32]
@@ -45,11 +50,14 @@ class Question:
 
 @dataclass(slots=True)
 class ReplayRef:
-    """The stored trajectory a replay work item will be joined with.  # buffer -> generator -> buffer"""
+    """Where a replay work item came from.  # buffer -> generator
 
-    key: str  # trajectory key inside the shard
-    entropy: float  # its entropy estimate when chosen (for metrics)
-    version: int  # policy version that produced it
+    The generator samples K-1 fresh rollouts; the stored trajectory o* that completes the group is
+    chosen later, by the learner, among the question's stored candidates (see `TrainGroup`)."""
+
+    probability: float  # chance of this question in one draw of the question sampler (0 for a re-issue)
+    candidates: int  # stored correct trajectories of the question when the item was issued
+    reissue: bool = False  # a replay item issued again after its lease ended or its group went stale
 
 
 @dataclass(slots=True)
@@ -92,13 +100,18 @@ class ScoredGroup:
 
 @dataclass(slots=True)
 class TrainGroup:
-    """A group ready for training: K rollouts of one question (mixed groups hold one replayed).  # buffer -> learner"""
+    """A group ready for training.  # buffer -> learner
+
+    Fresh group: K fresh rollouts. Mixed group: K-1 fresh rollouts plus `candidates`, the question's
+    stored correct trajectories (replayed=True, keyed); the learner completes the group with one of
+    them (the lowest mean token entropy under the policy it trains, or the only one shipped)."""
 
     question_id: str
     prompt_ids: Int32Array  # [P]
-    rollouts: list[Rollout]
-    mixed: bool  # one rollout is a replayed stored trajectory
+    rollouts: list[Rollout]  # the fresh rollouts
+    mixed: bool  # completed by one replayed stored trajectory from `candidates`
     lease_id: str = ""
+    candidates: list[Rollout] = field(default_factory=list)  # mixed groups only; at least one
 
 
 @dataclass(slots=True)
@@ -123,11 +136,13 @@ class WeightsAnnouncement:
 
 @dataclass(slots=True)
 class LearnerFeedback:
-    """Entropy of trained trajectories under the policy that trained on them.  # learner -> buffer"""
+    """Mean token entropy of stored trajectories under the policy of `version`, and which were
+    replayed.  # learner -> buffer"""
 
-    version: int
+    version: int  # the policy version the entropies were measured under (the batch's version)
     keys: list[str]
-    entropies: Float32Array  # [len(keys)]
+    entropies: Float32Array  # [len(keys)] exact full-vocabulary mean token entropy (temperature 1)
+    chosen: list[str] = field(default_factory=list)  # keys trained as o* of a mixed group (counts one replay each)
 
 
 MESSAGE_TYPES: tuple[type, ...] = (

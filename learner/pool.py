@@ -237,17 +237,22 @@ class LearnerPool:
         self._last_publish: PendingPublish | None = None
 
     def step(self, batch: TrainingBatch) -> StepResult:
-        """Train on `batch` (`learner.mini_batches` optimizer steps); version +1 per applied update."""
+        """Train on `batch` (`learner.mini_batches` optimizer updates, each applied or skipped).
+
+        The policy version advances by exactly 1 per step (see `common.messages`), also when every
+        update was skipped: the buffer's back-pressure and staleness count steps, and a step that
+        changed no weight must still end the step for them (else a synchronous run would stall)."""
         ref = ray.put(codec.encode(batch))  # msgpack, not pickle: the message type is the contract
         stats: list[RankStats] = ray.get([r.train.remote(ref) for r in self.ranks])
-        metrics, keys, ents = merge_rank_stats(stats)
+        metrics, sfb = merge_rank_stats(stats)
         version_trained = self.version
-        self.version += stats[0].updates
+        self.version += 1
         self.skipped_updates += stats[0].skipped
         self.steps += 1
         metrics["learner/version"] = float(self.version)
         metrics["learner/skipped_updates_total"] = float(self.skipped_updates)
-        fb = LearnerFeedback(version=version_trained, keys=keys, entropies=float32_array(ents))
+        fb = LearnerFeedback(version=version_trained, keys=sfb.keys, entropies=float32_array(sfb.entropies),
+                             chosen=sfb.chosen)
         return StepResult(metrics=metrics, feedback=fb, version=self.version)
 
     def publish_async(self) -> PendingPublish:

@@ -1,11 +1,22 @@
-"""One learner step on one rank: batch -> rows -> mini-batches -> micro-batches -> loss -> AdamW.
+"""One learner step on one rank: batch -> o* selection -> rows -> mini-batches -> micro-batches -> loss -> AdamW.
 
 Every rank receives the whole `TrainingBatch` and derives the same rows, advantages, mini-batch
-split and loss normalizer from it, so no collective is needed for bookkeeping. Within a mini-batch,
+split and loss normalizer from it, so no collective is needed for bookkeeping.
+
+Replay selection (the official rule): a mixed group arrives with its K-1 fresh rollouts and the
+question's stored correct trajectories (`TrainGroup.candidates`). Before training, the ranks score
+every candidate of groups with more than one in a no-grad forward under the current weights (the
+policy this step trains), each rank a slice, summed with one all-reduce; every rank then completes
+each group with the candidate of lowest mean token entropy (ties: the first). All candidates'
+entropies and the chosen keys go back to the buffer as feedback (`StepFeedback`).
+
+Mini-batches: groups are shuffled with a seed derived from the batch version (the same on every
+rank), mixed and fresh groups separately, and dealt round-robin, so that every optimizer update sees
+both kinds in proportion whenever both exist (never "all replay, then all fresh"). Within a mini-batch,
 rows are sorted by length and dealt round-robin to the ranks (rank r takes rows r, r+W, ...), then
 cut into micro-batches of `micro_batch_rows`. Every rank runs the same number of micro-batches
-(a rank that has run out runs an all-masked dummy row) because each FSDP forward/backward is a
-collective.
+(a rank that has run out runs an all-masked dummy row whose loss is 0 * logits, so its backward
+still reaches every parameter) because each FSDP forward/backward is a collective.
 
 Loss scaling: the normalizer (token count of the mini-batch, or a constant) is global, so the
 per-rank losses add up to the mini-batch loss; FSDP averages gradients over ranks, so each rank's
@@ -18,15 +29,16 @@ loss is multiplied by the world size. The result equals one rank training on the
 from __future__ import annotations
 
 import math
+import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from common.config import LearnerConfig
-from common.messages import TrainingBatch
+from common.messages import Rollout, TrainGroup, TrainingBatch
 from learner import loss as L
 
 
@@ -84,11 +96,25 @@ def batch_rows(batch: TrainingBatch, *, std_normalize: bool, max_positions: int)
     return rows
 
 
-def split_mini_batches(rows: list[Row], n: int) -> list[list[Row]]:
-    """Split rows into at most `n` mini-batches along group boundaries (a group is never split)."""
-    groups = sorted({r.group for r in rows})
-    chunks = [c for c in np.array_split(np.array(groups), min(n, len(groups))) if len(c)]
-    return [[r for r in rows if r.group in set(c.tolist())] for c in chunks]
+def split_mini_batches(rows: list[Row], n: int, seed: int = 0) -> list[list[Row]]:
+    """Split rows into at most `n` mini-batches along group boundaries (a group is never split).
+
+    Mixed groups (those holding a replayed row) and fresh groups are each shuffled with `seed`, then
+    dealt round-robin, mixed first: every mini-batch gets floor or ceil of its share of each kind."""
+    rng = random.Random(seed)
+    mixed = sorted({r.group for r in rows if r.replayed})
+    fresh = sorted({r.group for r in rows} - set(mixed))
+    rng.shuffle(mixed)
+    rng.shuffle(fresh)
+    order = mixed + fresh
+    k = min(n, len(order))
+    if k == 0:
+        return []
+    where = {g: i % k for i, g in enumerate(order)}
+    out: list[list[Row]] = [[] for _ in range(k)]
+    for r in rows:
+        out[where[r.group]].append(r)
+    return out
 
 
 def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int) -> list[list[Row]]:
@@ -98,6 +124,49 @@ def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int) 
     n_micro = max(1, math.ceil(math.ceil(len(rows) / world) / micro_rows))
     chunks = [mine[i * micro_rows:(i + 1) * micro_rows] for i in range(n_micro)]
     return chunks
+
+
+def candidate_rows(batch: TrainingBatch) -> list[tuple[int, int, Row]]:
+    """(group index, candidate index, row) for every candidate of a mixed group that has a choice (> 1)."""
+    out = []
+    for g, group in enumerate(batch.groups):
+        if group.mixed and len(group.candidates) > 1:
+            for c, ro in enumerate(group.candidates):
+                out.append((g, c, Row(np.asarray(group.prompt_ids), np.asarray(ro.response_ids),
+                                      np.asarray(ro.logprobs, dtype=np.float32), 0.0, True, ro.key, g)))
+    return out
+
+
+@dataclass
+class StepFeedback:
+    """What the step tells the buffer about stored trajectories (identical on every rank)."""
+
+    keys: list[str] = field(default_factory=list)  # every scored candidate
+    entropies: list[float] = field(default_factory=list)  # their mean token entropy under the step's policy
+    chosen: list[str] = field(default_factory=list)  # the o* of each mixed group
+
+
+def complete_groups(batch: TrainingBatch, scores: dict[tuple[int, int], float]) -> tuple[TrainingBatch, StepFeedback]:
+    """Each mixed group's fresh rollouts + its chosen o*: the argmin of `scores` over its candidates
+    (ties: the first), or its only candidate. Pure; the batch is not modified."""
+    fb = StepFeedback()
+    groups = []
+    for g, group in enumerate(batch.groups):
+        if not (group.mixed and group.candidates):
+            groups.append(group)
+            continue
+        if len(group.candidates) == 1:
+            best = 0
+        else:
+            ents = [scores[(g, c)] for c in range(len(group.candidates))]
+            best = min(range(len(ents)), key=ents.__getitem__)
+            for ro, h in zip(group.candidates, ents):
+                fb.keys.append(ro.key)
+                fb.entropies.append(h)
+        chosen: Rollout = group.candidates[best]
+        fb.chosen.append(chosen.key)
+        groups.append(replace(group, rollouts=list(group.rollouts) + [chosen], candidates=[]))
+    return replace(batch, groups=groups), fb
 
 
 @dataclass
@@ -178,8 +247,9 @@ class RankStats:
     updates: int = 0
     skipped: int = 0
     mini_batches: int = 0
-    feedback_keys: list[str] = field(default_factory=list)
-    feedback_entropies: list[float] = field(default_factory=list)
+    feedback: StepFeedback = field(default_factory=StepFeedback)  # the same on every rank
+    candidates_scored: int = 0
+    selection_s: float = 0.0
     seconds: float = 0.0
 
     def add_micro(self, metrics: dict[str, Tensor], parts: dict[str, float], ent: Tensor, mb: MicroBatch) -> None:
@@ -205,8 +275,8 @@ class RankStats:
         self.maxes["replay_weight_max"] = max(self.maxes["replay_weight_max"], m["replay_weight_max"])
 
 
-def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], list[str], list[float]]:
-    """Metrics of a step from every rank's sums, plus the merged entropy feedback (keys, entropies)."""
+def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeedback]:
+    """Metrics of a step from every rank's sums, plus the step's feedback (the same on every rank)."""
     s = {k: sum(st.sums[k] for st in stats) for k in SUM_KEYS}
     mx = {k: max(st.maxes[k] for st in stats) for k in MAX_KEYS}
     lead = stats[0]
@@ -241,10 +311,10 @@ def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], list[str
         "learner/skipped_updates": float(lead.skipped),
         "learner/step_time_s": seconds,
         "learner/tokens_per_s": tokens / seconds if seconds > 0 else nan,
+        "learner/candidates_scored": float(lead.candidates_scored),
+        "learner/selection_s": max(st.selection_s for st in stats),
     }
-    keys = [k for st in stats for k in st.feedback_keys]
-    ents = [e for st in stats for e in st.feedback_entropies]
-    return metrics, keys, ents
+    return metrics, lead.feedback
 
 
 class TrainStep:
@@ -264,10 +334,12 @@ class TrainStep:
     def run(self, batch: TrainingBatch) -> RankStats:
         t0 = time.perf_counter()
         cfg = self.cfg
-        rows = batch_rows(batch, std_normalize=cfg.std_normalize, max_positions=self.max_positions)
         stats = RankStats()
+        scores = self.score_candidates(batch, stats)
+        batch, stats.feedback = complete_groups(batch, scores)
+        rows = batch_rows(batch, std_normalize=cfg.std_normalize, max_positions=self.max_positions)
         self.model.train()
-        for mini in split_mini_batches(rows, cfg.mini_batches):
+        for mini in split_mini_batches(rows, cfg.mini_batches, seed=cfg.seed * 1_000_003 + batch.version):
             stats.mini_batches += 1
             normalizer = self._normalizer(mini)
             if normalizer == 0:  # no response tokens at all: nothing to learn from this mini-batch
@@ -278,6 +350,34 @@ class TrainStep:
             self._optimizer_step(stats)
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    @torch.no_grad()
+    def score_candidates(self, batch: TrainingBatch, stats: RankStats) -> dict[tuple[int, int], float]:
+        """Mean token entropy of every candidate with a choice, under the current weights. Collective:
+        each rank scores a slice (equally many micro-batches on every rank), one all-reduce sums them."""
+        cands = candidate_rows(batch)
+        if not cands:
+            return {}
+        t0 = time.perf_counter()
+        for r in (c[2] for c in cands):
+            if r.length > self.max_positions:
+                raise BatchError(f"group {r.group} (question {batch.groups[r.group].question_id!r}): a stored "
+                                 f"candidate is {r.length} tokens, above max_position_embeddings {self.max_positions}")
+        rows = [c[2] for c in cands]
+        index = {id(r): i for i, r in enumerate(rows)}
+        ent = torch.zeros(len(rows), dtype=torch.float32, device=self.device)  # [N]
+        self.model.eval()
+        for chunk in rank_micro_batches(rows, self.rank, self.world, self.cfg.micro_batch_rows):
+            mb = collate(chunk, self.pad_id, self.device)
+            logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # [R, L, V]
+            _, h = response_logprobs_and_entropy(logits, mb)  # [R, L-1]
+            for r, v in zip(chunk, L.row_mean(h, mb.response_mask).tolist()):
+                ent[index[id(r)]] = 0.0 if math.isnan(v) else v  # an empty response has entropy 0
+        if self.world > 1:
+            torch.distributed.all_reduce(ent)
+        stats.candidates_scored = len(rows)
+        stats.selection_s = time.perf_counter() - t0
+        return {(g, c): h for (g, c, _), h in zip(cands, ent.tolist())}
 
     def _normalizer(self, mini: list[Row]) -> float:
         tokens = sum(len(r.response_ids) for r in mini)
@@ -302,15 +402,12 @@ class TrainStep:
                 ref_logp, _ = response_logprobs_and_entropy(ref_logits, mb)
             kl_term = L.kl_penalty(logp, ref_logp, mb.response_mask, cfg.kl_coef, normalizer)
         total = pg + ent_term + kl_term
-        (total * self.world).backward()
+        # 0 * logits keeps every parameter in the graph: a rank whose micro-batch is an all-masked dummy
+        # (fewer rows than ranks) still runs the backward that FSDP's gradient collectives wait for.
+        ((total + 0.0 * logits.sum()) * self.world).backward()
         parts = {"loss": float(total.detach()), "entropy_loss": float(ent_term.detach()),
                  "kl_loss": float(kl_term.detach())}
-        ent_d = ent.detach()
-        stats.add_micro(metrics, parts, ent_d, mb)
-        for row, h in zip(mb.rows, L.row_mean(ent_d, mb.response_mask).tolist()):
-            if row.key and not math.isnan(h):
-                stats.feedback_keys.append(row.key)
-                stats.feedback_entropies.append(h)
+        stats.add_micro(metrics, parts, ent.detach(), mb)
 
     def _optimizer_step(self, stats: RankStats) -> None:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -4,15 +4,19 @@ import random
 
 import pytest
 
-from buffer.core import ShardCore
+from buffer.client import batch_shares
+from buffer.core import MixedSwitch, ShardCore, plan_take
+from buffer.keys import shard_of
+from learner.step import batch_rows, complete_groups, split_mini_batches
 from common.config import BufferConfig
+from common.messages import LearnerFeedback, TrainingBatch, float32_array
 from tests.buffer.helpers import group_for, make_questions
 
 NOW = 1000.0
 
 
 def cfg(**kw) -> BufferConfig:
-    base = dict(group_size=4, batch_questions=4, replay_ratio=0.5, max_lag=1, switch_window=2,
+    base = dict(group_size=4, batch_questions=4, replay_ratio=0.5, max_lag=1,
                 mixed_switch_accuracy=0.35, lease_timeout_s=10.0, seed=0)
     base.update(kw)
     return BufferConfig(**base)
@@ -91,14 +95,15 @@ def test_returned_and_rejected_leases_are_reissued():
 
 
 def test_zero_signal_groups_are_counted_and_still_update_the_store():
-    core = ShardCore(cfg(collect_before_mixed=True), make_questions(20))
+    core = ShardCore(cfg(collect_before_mixed=True, drop_zero_signal=True), make_questions(20))
     a, b, c = core.lease("g", 3, now=NOW)
     out = core.submit([group_for(a, 4), group_for(b, 0), group_for(c, 2)], now=NOW)
-    assert out == {"accepted": 1, "zero_signal": 2, "rejected": 0, "late": 0, "mixed_mode": 1}
+    assert out == {"accepted": 1, "zero_signal": 2, "rejected": 0, "late": 0}
+    assert core.n["zero_signal_fresh"] == 2 and core.n["zero_signal_fresh_correct"] == 1  # for the run's switch
     assert a.question.id in core.store.retired  # all correct: retired although kept out of batches
     assert core.store.total == 2 and len(core.ready_fresh) == 1
     assert balanced(core)["zero_signal"] == 2
-    keep = ShardCore(cfg(drop_zero_signal=False), make_questions(20))
+    keep = ShardCore(cfg(), make_questions(20))  # the default: trained on with advantage 0 (official)
     [x] = keep.lease("g", 1, now=NOW)
     keep.submit([group_for(x, 0)], now=NOW)
     assert len(keep.ready_fresh) == 1 and keep.n["zero_signal_seen"] == 1 and keep.n["zero_signal"] == 0
@@ -114,29 +119,38 @@ def test_retired_question_is_not_issued_fresh_again():
 
 
 def test_switch_needs_a_full_window_and_stays_on():
-    # window 2, threshold 0.35: accuracies 0.5 (window not full) -> off; then 0.25 -> mean 0.375 -> on
-    core = ShardCore(cfg(switch_window=2, batch_questions=50), make_questions(20))
-    a, b, c, d = core.lease("g", 4, now=NOW)
-    core.submit([group_for(a, 2)], now=NOW)
-    assert not core.mixed_mode
-    core.submit([group_for(b, 1)], now=NOW)
-    assert core.mixed_mode
-    core.submit([group_for(c, 0), group_for(d, 0)], now=NOW)  # moving accuracy falls to 0: stays on
-    assert core.mixed_mode
-    core2 = ShardCore(cfg(switch_window=2, batch_questions=50), make_questions(20))
-    a, b = core2.lease("g", 2, now=NOW)
-    core2.submit([group_for(a, 1), group_for(b, 1)], now=NOW)  # mean 0.25: off
-    assert not core2.mixed_mode
+    # window 4, threshold 0.35, one observe() per batch
+    sw = MixedSwitch(4, 0.35)
+    assert not sw.observe([1.0, 1.0])  # window not full: never, whatever the accuracy
+    assert sw.observe([0.25, 0.0])  # (1 + 1 + 0.25 + 0) / 4 = 0.5625 > 0.35: on
+    assert not sw.observe([0.0] * 8) and sw.on  # falls to 0: stays on, and only one call returns True
+    low = MixedSwitch(4, 0.35)
+    assert not low.observe([0.5, 0.25, 0.25, 0.375]) and not low.on  # mean 0.34375
+
+
+def test_default_window_is_one_batch_and_smaller_windows_are_refused():
+    assert cfg(batch_questions=16).switch_groups == 16
+    assert cfg(batch_questions=16, switch_window=64).switch_groups == 64
+    with pytest.raises(ValueError, match="switch_window: 8 fresh groups is less than one batch"):
+        cfg(batch_questions=16, switch_window=8)
+
+
+def test_shards_never_switch_themselves():
+    core = ShardCore(cfg(batch_questions=50), make_questions(20))
+    items = core.lease("g", 20, now=NOW)
+    core.submit([group_for(it, 3) for it in items], now=NOW)  # accuracy 0.75 everywhere
+    assert not core.mixed_mode and core.store.total == 0  # the run-wide switch decides, not a shard
 
 
 def test_collection_starts_with_mixed_mode():
-    core = ShardCore(cfg(switch_window=1, mixed_switch_accuracy=0.6, batch_questions=50), make_questions(20))
+    core = ShardCore(cfg(batch_questions=50), make_questions(20))
     a, b = core.lease("g", 2, now=NOW)
-    core.submit([group_for(a, 2)], now=NOW)  # accuracy 0.5: off, nothing stored
-    assert not core.mixed_mode and core.store.total == 0
+    core.submit([group_for(a, 2)], now=NOW)  # before the switch: nothing stored
+    assert core.store.total == 0
     assert all(r.key == "" for r in core.ready_fresh[0].group.rollouts)
-    core.submit([group_for(b, 3)], now=NOW)  # 0.75 > 0.6: on, this group's 3 correct rollouts are stored
-    assert core.mixed_mode and core.store.total == 3
+    core.set_mixed_mode()
+    core.submit([group_for(b, 3)], now=NOW)  # after: this group's 3 correct rollouts are stored
+    assert core.store.total == 3
     keys = [r.key for r in core.ready_fresh[1].group.rollouts]
     assert all(keys[:3]) and keys[3] == ""
 
@@ -147,7 +161,7 @@ def _mixed_core(**kw) -> ShardCore:
     return core
 
 
-def test_replay_item_is_joined_into_a_mixed_group_of_k():
+def test_replay_item_carries_every_candidate_to_the_learner():
     core = _mixed_core()
     [a] = core.lease("g", 1, now=NOW)
     core.submit([group_for(a, 2, entropies=[0.9, 0.3, 1.0, 1.0])], now=NOW)
@@ -155,16 +169,66 @@ def test_replay_item_is_joined_into_a_mixed_group_of_k():
     items = core.lease("g", 2, now=NOW)
     replay = [it for it in items if it.replay is not None]
     assert len(replay) == 1 and replay[0].num_samples == 3 and replay[0].question.id == a.question.id
-    stored = core.store.entries[a.question.id].recs
-    assert replay[0].replay.entropy == pytest.approx(0.3)  # the lowest-entropy stored trajectory
+    assert replay[0].replay.candidates == 2 and 0 < replay[0].replay.probability <= 1
     core.submit([group_for(replay[0], 1, version=1, seed=5)], now=NOW)
     g = core.ready_mixed[0].group
-    assert g.mixed and len(g.rollouts) == 4
-    old = g.rollouts[-1]
-    assert old.replayed and old.key == replay[0].replay.key and old.version == 0 and old.reward == 1.0
-    assert old.logprobs.tolist() == [-0.5] * 3 and len(stored) == 3  # k = 1 fresh + 1 replayed = 2 -> bucket 2
-    assert core.store.entries[a.question.id].bucket == 2
+    assert g.mixed and len(g.rollouts) == 3 and not any(r.replayed for r in g.rollouts)
+    # both stored trajectories travel (the learner picks o*), with keys and stored log-probs
+    assert sorted(c.entropy for c in g.candidates) == pytest.approx([0.3, 0.9])
+    assert all(c.replayed and c.key and c.version == 0 and c.reward == 1.0 for c in g.candidates)
+    assert g.candidates[0].logprobs.tolist() == [-0.5] * 3
+    assert core.store.entries[a.question.id].bucket == 2  # k = 1 fresh + o* = 2
     assert core.ready_mixed[0].version == 1  # staleness counts the fresh rollouts only
+    assert core.metrics()["times_replayed_0"] == 3  # nothing counts as replayed before it is trained
+    core.feedback(LearnerFeedback(3, [c.key for c in g.candidates], float32_array([0.7, 0.2]), [g.candidates[1].key]))
+    m = core.metrics()
+    assert m["times_replayed_1"] == 1 and m["chosen"] == 1
+    assert m["entropy_chosen_mean"] == pytest.approx(0.2) and m["entropy_available_mean"] == pytest.approx(0.45)
+
+
+def test_random_selector_ships_one_candidate():
+    core = _mixed_core(trajectory_selector="random")
+    [a] = core.lease("g", 1, now=NOW)
+    core.submit([group_for(a, 3)], now=NOW)
+    core.take(0, 1, 0)
+    [r] = [it for it in core.lease("g", 2, now=NOW) if it.replay]
+    core.submit([group_for(r, 1, seed=9)], now=NOW)
+    assert len(core.ready_mixed[0].group.candidates) == 1
+
+
+def test_a_question_is_never_replayed_twice_while_live():
+    core = _mixed_core(batch_questions=8, max_lag=3, replay_ratio=0.75)
+    seeds = core.lease("g", 2, now=NOW)
+    core.submit([group_for(it, 2) for it in seeds], now=NOW)  # 2 stored questions
+    core.take(0, 2, 0)
+    replay = [it for it in core.lease("g", 24, now=NOW) if it.replay]
+    assert sorted(it.question.id for it in replay) == sorted(it.question.id for it in seeds)
+    core.submit([group_for(it, 1, seed=3) for it in replay], now=NOW)  # ready as mixed groups: still live
+    assert not [it for it in core.lease("g", 24, now=NOW) if it.replay]
+    core.take(0, 0, 2)
+    core.return_leases(list(core.leases))  # make room (back-pressure) for the next lease call
+    assert len([it for it in core.lease("g", 24, now=NOW) if it.replay]) == 2  # trained: may come again
+    balanced(core)
+
+
+def test_expired_and_stale_replays_are_issued_again_as_replay():
+    core = _mixed_core(batch_questions=4, max_lag=1)
+    seeds = core.lease("g", 2, now=NOW)
+    core.submit([group_for(it, 2) for it in seeds], now=NOW)
+    core.take(0, 2, 0)
+    replay = [it for it in core.lease("g", 6, now=NOW) if it.replay]
+    assert len(replay) == 2
+    core.expire(now=replay[0].deadline + 1)  # every lease expires
+    again = [it for it in core.lease("g", 6, now=replay[0].deadline + 2) if it.replay]
+    assert sorted(it.question.id for it in again) == sorted(it.question.id for it in replay)
+    assert all(it.replay.reissue for it in again) and core.n["reissued_replay"] == 2
+    core.submit([group_for(it, 1, version=0, seed=4) for it in again], now=replay[0].deadline + 2)
+    core.set_version(2)  # version 0 is stale at max_lag 1: the mixed groups are dropped ...
+    assert core.ready_counts() == (0, 0)
+    third = [it for it in core.lease("g", 6, now=replay[0].deadline + 3) if it.replay]
+    assert len(third) == 2 and all(it.replay.reissue for it in third)  # ... and their replay comes back
+    assert core.metrics()["times_replayed_0"] == core.store.total  # none of this counted as a replay
+    balanced(core)
 
 
 def test_batch_ratio_and_fresh_filling():
@@ -203,36 +267,129 @@ def test_stale_groups_are_dropped_and_reissued():
     assert acc["stale_dropped"] == 1 and acc["trained"] == 1 and acc["reissued"] == 1
 
 
-@pytest.mark.parametrize("max_lag,replay_ratio,seed", [(0, 0.5, 0), (0, 0.25, 1), (1, 0.5, 2), (2, 0.75, 3)])
-def test_simulated_run_never_deadlocks_and_accounts_for_everything(max_lag, replay_ratio, seed):
-    """Generators with random delays, failures and zero-signal groups; a learner that steps the version."""
+class SimRun:
+    """What the client and the driver do, over S pure shards: route leases and groups, compose each
+    batch with `plan_take`, feed the run-wide `MixedSwitch` once per batch, and play the learner:
+    complete mixed groups (lowest entropy), split into mini-batches, send the chosen keys back."""
+
+    def __init__(self, bcfg: BufferConfig, questions, mini_batches: int):
+        parts = [[] for _ in range(bcfg.num_shards)]
+        for q in questions:
+            parts[shard_of(q.id, bcfg.num_shards)].append(q)
+        shares = batch_shares([len(p) for p in parts], bcfg.batch_questions)
+        self.cores = [ShardCore(bcfg, parts[i], shard=i, batch_share=shares[i]) for i in range(bcfg.num_shards)]
+        self.cfg, self.mini_batches = bcfg, mini_batches
+        self.switch = MixedSwitch(bcfg.switch_groups, bcfg.mixed_switch_accuracy)
+        self.zero_seen = (0, 0)
+        self.accuracies: list[float] = []  # every fresh group the batches consumed, in order (for the check)
+        self.window_means: list[tuple[int, float]] = []
+        self.switched_at: int | None = None
+        self.rr = 0
+
+    def lease(self, n: int, now: float):
+        out = []
+        for _ in range(n):
+            self.rr = (self.rr + 1) % len(self.cores)
+            out += self.cores[self.rr].lease("g", 1, now=now)
+        return out
+
+    def submit(self, groups, now: float) -> None:
+        for i, core in enumerate(self.cores):
+            core.submit([g for g in groups if g.lease_id.startswith(f"{i}-")], now=now)
+
+    def batch(self, version: int, batch_index: int):
+        counts = [c.ready_summary(version) for c in self.cores]
+        plan = plan_take(counts, 0, 0, self.cfg.batch_questions, self.cfg.replay_ratio, self.switch.on)
+        if plan is None:
+            return None
+        groups = [g for c, (f, m) in zip(self.cores, plan) for g in c.take(version, f, m)]
+        zs = (sum(c.n["zero_signal_fresh"] for c in self.cores), sum(c.n["zero_signal_fresh_correct"] for c in self.cores))
+        n_zero, n_one = zs[0] - self.zero_seen[0], zs[1] - self.zero_seen[1]
+        self.zero_seen = zs
+        acc = [1.0] * n_one + [0.0] * (n_zero - n_one) + [sum(r.correct for r in g.rollouts) / self.cfg.group_size
+                                                         for g in groups if not g.mixed]
+        self.accuracies += acc
+        w = self.cfg.switch_groups
+        if len(self.accuracies) >= w:  # the windowed accuracy after this batch, computed independently
+            self.window_means.append((batch_index, sum(self.accuracies[-w:]) / w))
+        if self.switch.observe(acc):
+            self.switched_at = batch_index
+            for c in self.cores:
+                c.set_mixed_mode()
+        return groups
+
+    def learn(self, groups, version: int):
+        """The learner's side of a step: o* by lowest entropy, mini-batches, feedback to the shards."""
+        batch = TrainingBatch(groups, version)
+        scores = {(g, c): float(ro.entropy) for g, grp in enumerate(groups) for c, ro in enumerate(grp.candidates)}
+        done, fb = complete_groups(batch, scores)
+        rows = batch_rows(done, std_normalize=False, max_positions=10_000)
+        for i, core in enumerate(self.cores):  # routed by question, as the client does
+            mine = [j for j, k in enumerate(fb.keys) if shard_of(k.split("#")[0], len(self.cores)) == i]
+            core.feedback(LearnerFeedback(version, [fb.keys[j] for j in mine],
+                                          float32_array([fb.entropies[j] for j in mine]),
+                                          [k for k in fb.chosen if shard_of(k.split("#")[0], len(self.cores)) == i]))
+        return split_mini_batches(rows, self.mini_batches, seed=version), fb
+
+
+@pytest.mark.parametrize("shards,max_lag,replay_ratio,mini_batches,fast,seed", [
+    (1, 0, 0.5, 1, False, 0), (1, 0, 0.25, 2, False, 1), (2, 1, 0.5, 2, False, 2), (3, 2, 0.75, 2, False, 3),
+    (2, 1, 0.5, 2, True, 4), (4, 1, 0.5, 2, True, 5)])
+def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, mini_batches, fast, seed):
+    """Generators with random delays, failures and zero-signal groups; a learner that steps the version
+    by one per batch. Checked after every step: accounting balances; no question replayed twice in a
+    batch; every trained rollout within max_lag steps; the switch fires exactly when the windowed
+    batch accuracy first crosses; every mini-batch mixes fresh and mixed groups when both exist."""
     rng = random.Random(seed)
-    core = ShardCore(cfg(max_lag=max_lag, replay_ratio=replay_ratio, batch_questions=6, switch_window=4,
-                         lease_timeout_s=5.0, group_size=4), make_questions(60))
-    skill = {f"q{i}": rng.uniform(0.1, 0.8) for i in range(60)}
-    version, now, in_flight, batches = 0, NOW, [], 0
-    for _ in range(3000):
+    bcfg = cfg(num_shards=shards, max_lag=max_lag, replay_ratio=replay_ratio, batch_questions=8, group_size=4,
+               lease_timeout_s=5.0, max_traj_per_question=3)
+    sim = SimRun(bcfg, make_questions(120), mini_batches)
+    skill = {f"q{i}": rng.uniform(0.05, 0.7) for i in range(120)}
+    version, now, in_flight, batches, mixed_trained = 0, NOW, [], 0, 0
+    for _ in range(2500):
         now += 0.1
-        in_flight += [(it, version) for it in core.lease("g", rng.randint(0, 4), now=now)]
+        in_flight += [(it, version) for it in sim.lease(rng.randint(0, 6), now)]
         rng.shuffle(in_flight)
-        n_done = rng.randint(0, 3)
+        n_done = len(in_flight) if fast else rng.randint(0, 3)
         done, in_flight = in_flight[:n_done], in_flight[n_done:]
         groups = []
         for it, v in done:
-            if rng.random() < 0.05:
+            if not fast and rng.random() < 0.05:
                 continue  # generator died: the lease will expire
+            skill[it.question.id] = min(0.95, skill[it.question.id] + 0.002)  # the policy improves
             n_ok = sum(rng.random() < skill[it.question.id] for _ in range(it.num_samples))
-            groups.append(group_for(it, n_ok, version=v, seed=rng.randint(0, 3)))
-        core.submit(groups, now=now)
-        batch = core.batch(version)
+            groups.append(group_for(it, n_ok, version=v, seed=rng.randint(0, 3),
+                                    entropies=[rng.uniform(0.1, 2.0) for _ in range(it.num_samples)]))
+        sim.submit(groups, now)
+        batch = sim.batch(version, batches)
         if batch:
-            assert len(batch) == 6
+            assert len(batch) == 8
+            replayed = [g.question_id for g in batch if g.mixed]
+            assert len(replayed) == len(set(replayed)), replayed
+            assert all(version - r.version <= max_lag for g in batch for r in g.rollouts)
+            assert all(g.candidates for g in batch if g.mixed)
+            minis, fb = sim.learn(batch, version)
+            mixed_trained += len(replayed)
+            assert len(fb.chosen) == len(replayed)
+            n_mixed, n_fresh = len(replayed), len(batch) - len(replayed)
+            for mini in minis:
+                kinds = {r.group for r in mini if r.replayed}, {r.group for r in mini if not r.replayed}
+                assert (n_mixed < mini_batches or kinds[0]) and (n_fresh < mini_batches or kinds[1] - kinds[0])
             batches += 1
-            version += 1
-            core.set_version(version)
-        balanced(core)
-    assert batches > 50, core.accounting()
-    assert core.mixed_mode and core.n["trained_mixed"] > 0
+            version += 1  # one per learner step, whatever mini_batches is
+            for c in sim.cores:
+                c.set_version(version)
+        for c in sim.cores:
+            balanced(c)
+    # the switch fired at the first batch whose window (>= one batch of fresh groups) crossed 0.35
+    first_crossing = next(b for b, mean in sim.window_means if mean > 0.35)
+    assert sim.switched_at == first_crossing
+    store_chosen = sum(c.store.c["chosen"] + c.store.c["chosen_gone"] for c in sim.cores)
+    assert store_chosen == mixed_trained == sum(c.n["trained_mixed"] for c in sim.cores) > 0
+    trained = sum(c.n["trained"] for c in sim.cores)
+    assert batches > 40, [c.accounting() for c in sim.cores]
+    if fast and max_lag >= 1:  # generators keep up: (almost) nothing goes stale
+        assert sum(c.n["stale_dropped"] for c in sim.cores) <= 0.02 * trained, (sum(c.n["stale_dropped"] for c in sim.cores), trained)
 
 
 def test_collect_off_is_plain_grpo_nothing_stored_nothing_retired():

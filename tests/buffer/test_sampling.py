@@ -86,12 +86,10 @@ def test_indexed_set_swap_remove():
 
 
 def test_selectors():
-    assert LowestEntropy().select([0.9, 0.2, 0.2, 0.5], random.Random(0)) == 1
-    from array import array
-
-    assert LowestEntropy().select(array("f", [0.9, 0.2, 0.2]), random.Random(0)) == 1
-    seen = {RandomTrajectory().select([1.0, 2.0, 3.0], random.Random(i)) for i in range(50)}
-    assert seen == {0, 1, 2}
+    # lowest_entropy ships every stored trajectory: the learner ranks them under its current policy
+    assert LowestEntropy().candidates([0.9, 0.2, 0.2, 0.5], random.Random(0)) == [0, 1, 2, 3]
+    seen = {tuple(RandomTrajectory().candidates([1.0, 2.0, 3.0], random.Random(i))) for i in range(50)}
+    assert seen == {(0,), (1,), (2,)}
 
 
 def test_keys_and_stable_shards():

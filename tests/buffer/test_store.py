@@ -70,6 +70,15 @@ def test_per_question_cap_keeps_lowest_entropy():
     assert s.total == 2 and s.c["evicted"] == 2
 
 
+def test_per_question_cap_never_ranks_engine_estimates_with_learner_values():
+    s = make_store(max_per_question=2)
+    keys = s.observe("q1", 2, [rollout([1], 1.0, entropy=0.5), rollout([2], 1.0, entropy=0.6)], collect=True)
+    s.feedback(keys, [0.8, 0.9], version=1)  # measured by the learner: exact values, higher than the estimates
+    s.observe("q1", 3, [rollout([3], 1.0, entropy=0.05)], collect=True)  # a new engine lower-bound estimate
+    # the two measured trajectories are kept; the unmeasured one (a lower bound, not comparable) goes
+    assert sorted(record_entropy(r) for r in s.entries["q1"].recs) == pytest.approx([0.8, 0.9])
+
+
 def test_total_cap_evicts_least_recently_refreshed_question():
     s = make_store(max_total=4)
     s.observe("a", 2, correct(2), collect=True)
@@ -80,34 +89,37 @@ def test_total_cap_evicts_least_recently_refreshed_question():
     assert "b" not in s.buckets[2]
 
 
-def test_sample_lowest_entropy_and_feedback():
+def test_sample_ships_candidates_and_feedback_counts_replays():
     s = make_store()
     rs = [rollout([j], 1.0, entropy=e) for j, e in enumerate([0.5, 0.2, 0.9])]
     keys = s.observe("q1", 3, rs, collect=True)
-    [(qid, rec, prob)] = s.sample(1, random.Random(0))
-    assert qid == "q1" and prob == 1.0 and record_entropy(rec) == pytest.approx(0.2)
-    replayed = record_to_rollout(rec, "q1")
+    [(qid, prob, recs)] = s.sample(1, random.Random(0))
+    assert qid == "q1" and prob == 1.0 and len(recs) == 3  # every candidate travels; nothing counted yet
+    replayed = record_to_rollout(recs[1], "q1")
     assert replayed.replayed and replayed.key == keys[1]
     np.testing.assert_array_equal(replayed.logprobs, rs[1].logprobs)
     np.testing.assert_array_equal(replayed.response_ids, rs[1].response_ids)
-    # the learner reports that trajectory 0 is now the most confident
-    s.feedback([keys[0], keys[1]], [0.05, 0.3], version=3)
-    [(_, rec, _)] = s.sample(1, random.Random(0))
-    assert record_entropy(rec) == pytest.approx(0.05)
-    s.feedback([keys[0]], [0.9], version=2)  # older policy than the estimate: skipped
-    assert s.c["feedback_older"] == 1 and s.c["feedback_applied"] == 2
+    assert s.sample(1, random.Random(0), exclude={"q1"}) == []  # a question with a live replay is not drawn
+    assert "q1" in s.buckets[3]  # ... and is back in its bucket afterwards
+    assert s.metrics()["times_replayed_0"] == 3
+    # the learner measured all three under version 3 and trained trajectory 0 (the lowest)
+    s.feedback(keys, [0.05, 0.3, 0.7], version=3, chosen=[keys[0]])
+    assert [record_entropy(r) for r in s.entries["q1"].recs] == pytest.approx([0.05, 0.3, 0.7])
+    s.feedback([keys[0]], [0.9], version=2)  # older policy than the stored value: skipped
+    assert s.c["feedback_older"] == 1 and s.c["feedback_applied"] == 3
     s.observe("q1", 8, [], collect=True)  # retire
-    s.feedback([keys[0], "bad-key"], [0.1, 0.1], version=4)
-    assert s.c["feedback_ignored"] == 2
+    s.feedback([keys[0], "bad-key"], [0.1, 0.1], version=4, chosen=[keys[1]])
+    assert s.c["feedback_ignored"] == 2 and s.c["chosen_gone"] == 1
     m = s.metrics()
-    assert m["chosen"] == 2 and m["entropy_chosen_sum"] == pytest.approx(0.25)
+    assert m["chosen"] == 1 and m["entropy_chosen_sum"] == pytest.approx(0.05)
+    assert m["entropy_available_sum"] == pytest.approx(0.35)
     assert m["retired"] == 1 and m["stored_trajectories"] == 0
 
 
 def test_times_replayed_histogram():
     s = make_store()
-    s.observe("q1", 1, correct(1), collect=True)
+    [key] = s.observe("q1", 1, correct(1), collect=True)
     for _ in range(5):
-        s.sample(1, random.Random(0))
+        s.feedback([], [], version=0, chosen=[key])
     m = s.metrics()
     assert m["times_replayed_4plus"] == 1 and m["times_replayed_0"] == 0

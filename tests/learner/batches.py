@@ -9,24 +9,26 @@ from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, i
 
 def make_batch(seed: int, *, groups: int = 4, group_size: int = 4, prompt_len: tuple[int, int] = (4, 10),
                response_len: tuple[int, int] = (1, 12), vocab: int = 99, mixed_every: int = 2,
-               version: int = 0) -> TrainingBatch:
-    """`groups` groups of `group_size` rollouts with 0/1 rewards (never all equal), random tokens and
-    behaviour log-probs near -log(vocab); every `mixed_every`-th group is mixed (its first rollout replayed).
-    Every rollout carries a key `q{g}#{i}` so the learner returns entropy feedback for it."""
+               candidates: int = 3, version: int = 0) -> TrainingBatch:
+    """`groups` groups with 0/1 rewards (never all equal), random tokens and behaviour log-probs near
+    -log(vocab). Every `mixed_every`-th group is mixed: `group_size - 1` fresh rollouts and `candidates`
+    stored correct ones (replayed, keyed `q{g}#...`) for the learner to choose o* from."""
     rng = np.random.default_rng(seed)
     out = []
+
+    def rollout(replayed: bool, reward: float, key: str) -> Rollout:
+        t = int(rng.integers(*response_len, endpoint=True))
+        ids = int32_array(rng.integers(4, vocab, t))  # [T]
+        lps = float32_array(-np.log(vocab) + rng.normal(0, 0.1, t))  # [T]
+        return Rollout(response_ids=ids, logprobs=lps, reward=reward, correct=reward >= 1.0, entropy=4.0,
+                       version=version, finish_reason="stop", key=key, replayed=replayed)
+
     for g in range(groups):
         prompt = int32_array(rng.integers(4, vocab, rng.integers(*prompt_len, endpoint=True)))  # [P]
         mixed = mixed_every > 0 and g % mixed_every == 0
         rewards = rng.permutation([1.0] + [0.0] + list(rng.integers(0, 2, group_size - 2).astype(float)))
-        rollouts = []
-        for i in range(group_size):
-            t = int(rng.integers(*response_len, endpoint=True))
-            ids = int32_array(rng.integers(4, vocab, t))  # [T]
-            lps = float32_array(-np.log(vocab) + rng.normal(0, 0.1, t))  # [T]
-            replayed = mixed and i == 0
-            rollouts.append(Rollout(response_ids=ids, logprobs=lps, reward=1.0 if replayed else float(rewards[i]),
-                                    correct=bool(rewards[i] >= 1.0), entropy=4.0, version=version,
-                                    finish_reason="stop", key=f"q{g}#{i:016x}", replayed=replayed))
-        out.append(TrainGroup(question_id=f"q{g}", prompt_ids=prompt, rollouts=rollouts, mixed=mixed))
+        n_fresh = group_size - 1 if mixed else group_size
+        fresh = [rollout(False, float(rewards[i]), f"q{g}#{i:016x}") for i in range(n_fresh)]
+        cands = [rollout(True, 1.0, f"q{g}#{100 + c:016x}") for c in range(candidates)] if mixed else []
+        out.append(TrainGroup(question_id=f"q{g}", prompt_ids=prompt, rollouts=fresh, mixed=mixed, candidates=cands))
     return TrainingBatch(groups=out, version=version)

@@ -46,8 +46,9 @@ def test_one_and_two_ranks_agree(ray_cluster, model_dir):
             states[n] = pool.state_dict()
         finally:
             pool.shutdown()
-    # two mini-batches, both applied -> version 2, and the parameters really moved (Adam: ~lr per step)
-    assert results[1].version == results[2].version == 2
+    # one learner step -> version 1 (two mini-batches, both applied), and the parameters really moved
+    assert results[1].version == results[2].version == 1
+    assert results[1].metrics["learner/updates"] == 2
     assert max_diff(initial, states[1]) > LR
     # Adam divides by sqrt(v): gradients that differ only by float32 summation order can move a
     # near-zero-gradient coordinate by a few percent of lr; everything else agrees far more tightly.
@@ -56,14 +57,42 @@ def test_one_and_two_ranks_agree(ray_cluster, model_dir):
     for key in ("learner/loss", "learner/clip_frac", "learner/entropy_fresh", "learner/entropy_replayed",
                 "learner/replay_weight_mean", "learner/grad_norm", "learner/tokens", "learner/rows"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
-    assert m1["learner/tokens"] == sum(len(r.response_ids) for g in batch.groups for r in g.rollouts)
+    chosen = set(results[1].feedback.chosen)  # fresh rollouts + the o* of each mixed group
+    assert m1["learner/tokens"] == sum(len(r.response_ids) for g in batch.groups
+                                       for r in g.rollouts + [c for c in g.candidates if c.key in chosen])
     assert m1["learner/replay_tokens"] > 0 and m1["learner/fresh_tokens"] > 0
-    # feedback: every keyed rollout once, same entropies whatever the sharding
+    # feedback: every candidate of the 2 mixed groups once, same entropies and choice whatever the sharding
     f1 = dict(zip(results[1].feedback.keys, results[1].feedback.entropies.tolist()))
     f2 = dict(zip(results[2].feedback.keys, results[2].feedback.entropies.tolist()))
-    assert len(results[2].feedback.keys) == len(f2) == 16 and f1.keys() == f2.keys()
+    assert len(results[2].feedback.keys) == len(f2) == 6 and f1.keys() == f2.keys()
     assert all(f1[k] == pytest.approx(f2[k], abs=1e-4) for k in f1)
+    assert results[1].feedback.chosen == results[2].feedback.chosen and len(results[1].feedback.chosen) == 2
     assert results[1].feedback.version == 0  # the entropies were measured under version 0
+
+
+def test_two_ranks_with_fewer_rows_than_ranks_and_all_updates_skipped(ray_cluster, model_dir):
+    """A rank whose micro-batch is empty still joins every collective; a step whose updates are all
+    skipped still ends the step (version + 1), so a synchronous run never stalls on it."""
+    cfg = LearnerConfig(num_ranks=2, micro_batch_rows=8, mini_batches=1, lr=LR, publish_timeout_s=30)
+    pool = LearnerPool(cfg, str(model_dir), run="fewrows", namespace=NS, max_new_tokens=12)
+    try:
+        # 17 rows, 8-row micro-batches: rank 0 gets 8 + 1 rows, rank 1 gets 8 + an empty dummy
+        r = pool.step(make_batch(4, groups=1, group_size=17, mixed_every=0))
+        assert r.version == 1 and r.metrics["learner/rows"] == 17 and r.metrics["learner/updates"] == 1
+        one = pool.step(make_batch(5, groups=1, group_size=2, mixed_every=0, response_len=(1, 1)))
+        assert one.version == 2 and one.metrics["learner/rows"] == 2
+        # a mixed group with one fresh rollout and 3 candidates: 3 candidates to score on 2 ranks
+        mixed = pool.step(make_batch(6, groups=1, group_size=2, mixed_every=1, candidates=3))
+        assert mixed.version == 3 and len(mixed.feedback.keys) == 3 and len(mixed.feedback.chosen) == 1
+        before = pool.state_dict()
+        ray.get([rk.__ray_call__.remote(lambda self: setattr(self.trainer.cfg, "skip_grad_norm", 1e-12))
+                 for rk in pool.ranks])
+        skipped = pool.step(make_batch(7))
+        assert skipped.version == 4 and skipped.metrics["learner/updates"] == 0
+        assert skipped.metrics["learner/skipped_updates"] == 1
+        assert max_diff(before, pool.state_dict()) == 0.0
+    finally:
+        pool.shutdown()
 
 
 def test_publish_fetch_ack_and_timeout(ray_cluster, model_dir):
@@ -74,7 +103,7 @@ def test_publish_fetch_ack_and_timeout(ray_cluster, model_dir):
         pool.step(make_batch(1))
         pending = pool.publish_async()  # returns at once; the gather runs on the ranks
         ann = pending.result()
-        assert ann.version == pool.version == 2 and ann.location == "object_store" and ann.num_bytes > 0
+        assert ann.version == pool.version == 1 and ann.location == "object_store" and ann.num_bytes > 0
         assert pool.publish_async() is pending  # same version: not gathered twice
 
         @ray.remote(num_cpus=0)
@@ -91,10 +120,10 @@ def test_publish_fetch_ack_and_timeout(ray_cluster, model_dir):
         source.register("gen-a")
         source.register("gen-b")
         version, loaded = ray.get(generator.remote(source, str(model_dir), "gen-a"))
-        assert version == 2
+        assert version == 1
         assert max_diff(loaded, pool.state_dict()) == 0.0
         # gen-b never acknowledges: the wait fails loudly, naming the version and gen-b (not gen-a)
-        with pytest.raises(WeightSyncTimeout, match=r"version 2 .*\['gen-b'\]"):
+        with pytest.raises(WeightSyncTimeout, match=r"version 1 .*\['gen-b'\]"):
             pool.wait_for_acks(timeout_s=1.0)
         source.unregister("gen-b")  # a removed generator is no longer waited for
         pool.wait_for_acks(timeout_s=5.0)
@@ -105,8 +134,8 @@ def test_publish_fetch_ack_and_timeout(ray_cluster, model_dir):
         pool.step(make_batch(3))
         newest = pool.publish()
         late = ObjectStoreWeightSource("pub", NS)
-        assert late.latest().version == newest.version == 6
-        with pytest.raises(KeyError, match="version 2 is no longer"):
+        assert late.latest().version == newest.version == 3
+        with pytest.raises(KeyError, match="version 1 is no longer"):
             late.fetch(ann)
     finally:
         pool.shutdown()
@@ -130,11 +159,11 @@ def test_checkpoint_resume_equals_uninterrupted(ray_cluster, model_dir, tmp_path
     resumed = make_pool(model_dir, f"ck{ranks}r", ranks)
     try:
         resumed.load_checkpoint(ckpt)
-        assert resumed.version == 2 and resumed.steps == 1
+        assert resumed.version == 1 and resumed.steps == 1
         r_resumed = resumed.step(b1)
         assert max_diff(resumed.state_dict(), uninterrupted) < 1e-6
         assert r_resumed.metrics["learner/loss"] == pytest.approx(r_uninterrupted.metrics["learner/loss"], abs=1e-7)
-        assert r_resumed.version == r_uninterrupted.version == 4
+        assert r_resumed.version == r_uninterrupted.version == 2
     finally:
         resumed.shutdown()
 

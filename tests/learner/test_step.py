@@ -8,7 +8,8 @@ import torch
 
 from common.config import LearnerConfig
 from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
-from learner.step import BatchError, TrainStep, batch_rows, collate, rank_micro_batches, split_mini_batches
+from learner.step import (BatchError, RankStats, TrainStep, batch_rows, collate, complete_groups, rank_micro_batches,
+                          split_mini_batches)
 from tests.learner.batches import make_batch
 
 
@@ -36,15 +37,68 @@ def test_rows_advantages_and_errors():
 
 
 def test_splits_keep_groups_and_ranks_in_step():
-    rows = batch_rows(make_batch(0, groups=5), std_normalize=False, max_positions=512)
-    minis = split_mini_batches(rows, 2)
-    assert [sorted({r.group for r in m}) for m in minis] == [[0, 1, 2], [3, 4]]
+    rows = batch_rows(complete_groups(make_batch(0, groups=5, candidates=1), {})[0], std_normalize=False,
+                      max_positions=512)
+    minis = split_mini_batches(rows, 2, seed=7)
+    groups = [sorted({r.group for r in m}) for m in minis]
+    assert sorted(len(g) for g in groups) == [2, 3] and sorted(sum(groups, [])) == [0, 1, 2, 3, 4]
+    assert all(len({r.group for r in m if r.replayed}) >= 1 for m in minis)  # groups 0, 2, 4 are mixed
+    assert [[id(r) for r in m] for m in split_mini_batches(rows, 2, seed=7)] == [[id(r) for r in m] for m in minis]
     assert len(split_mini_batches(rows, 9)) == 5  # never an empty mini-batch
-    per_rank = [rank_micro_batches(minis[0], r, 2, micro_rows=4) for r in range(2)]
+    mini = minis[0] if len(minis[0]) >= len(minis[1]) else minis[1]
+    per_rank = [rank_micro_batches(mini, r, 2, micro_rows=4) for r in range(2)]
     assert len(per_rank[0]) == len(per_rank[1]) == 2  # 12 rows -> 6 per rank -> 2 micro-batches each
     dealt = sorted(id(r) for mbs in per_rank for mb in mbs for r in mb)
-    assert dealt == sorted(id(r) for r in minis[0])
-    assert rank_micro_batches(minis[0][:1], 1, 2, micro_rows=4) == [[]]  # nothing left: a dummy micro-batch
+    assert dealt == sorted(id(r) for r in mini)
+    assert rank_micro_batches(mini[:1], 1, 2, micro_rows=4) == [[]]  # nothing left: a dummy micro-batch
+
+
+def test_every_mini_batch_mixes_fresh_and_replayed_groups():
+    # 8 groups, every other one mixed, 2 mini-batches: before the fix mixed groups came first and the
+    # in-order split gave one all-replay and one all-fresh update
+    batch, _ = complete_groups(make_batch(3, groups=8, candidates=1), {})
+    rows = batch_rows(batch, std_normalize=False, max_positions=512)
+    for seed in range(20):
+        for m in split_mini_batches(rows, 2, seed=seed):
+            mixed = {r.group for r in m if r.replayed}
+            assert len(mixed) == 2 and len({r.group for r in m}) == 4
+
+
+def test_complete_groups_takes_the_argmin_and_reports_every_candidate():
+    batch = make_batch(1, groups=2, candidates=3)  # group 0 mixed with 3 candidates, group 1 fresh
+    keys = [c.key for c in batch.groups[0].candidates]
+    done, fb = complete_groups(batch, {(0, 0): 0.9, (0, 1): 0.2, (0, 2): 0.2})
+    assert done.groups[0].rollouts[-1].key == keys[1] and done.groups[0].rollouts[-1].replayed  # ties: the first
+    assert len(done.groups[0].rollouts) == 4 and done.groups[0].candidates == []
+    assert done.groups[1] is batch.groups[1] and len(batch.groups[0].rollouts) == 3  # input untouched
+    assert fb.keys == keys and fb.entropies == [0.9, 0.2, 0.2] and fb.chosen == [keys[1]]
+    one = make_batch(1, groups=2, candidates=1)
+    done, fb = complete_groups(one, {})  # a single candidate (random selector): nothing to score
+    assert fb.keys == [] and fb.chosen == [one.groups[0].candidates[0].key]
+
+
+def test_selection_uses_entropy_under_the_current_weights(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model, step = plain_step(tiny_model_dir)
+    batch = make_batch(5, groups=4, candidates=4, vocab=60)
+    stats = RankStats()
+    scores = step.score_candidates(batch, stats)
+    assert stats.candidates_scored == 8 and len(scores) == 8
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for (g, c), h in scores.items():
+        grp, cand = batch.groups[g], batch.groups[g].candidates[c]
+        ids = torch.tensor([list(grp.prompt_ids) + list(cand.response_ids)])
+        with torch.no_grad():
+            logits = ref(input_ids=ids).logits[0, len(grp.prompt_ids) - 1:-1]  # predicts each response token
+        direct = torch.distributions.Categorical(logits=logits).entropy().mean().item()
+        assert h == pytest.approx(direct, rel=1e-4), (g, c)
+    stats = step.run(batch)
+    for g in (0, 2):
+        ents = [scores[(g, c)] for c in range(4)]
+        best = batch.groups[g].candidates[ents.index(min(ents))].key
+        assert best in stats.feedback.chosen
+    assert sorted(stats.feedback.keys) == sorted(c.key for g in (0, 2) for c in batch.groups[g].candidates)
 
 
 def test_collate_aligns_response_tokens():
@@ -85,7 +139,7 @@ def test_batch_without_response_tokens_changes_nothing(tiny_model_dir):
     batch = TrainingBatch(groups=[TrainGroup("q", int32_array([5, 6]), [rollout([], 1.0), rollout([], 0.0)],
                                              mixed=False)], version=0)
     stats = step.run(batch)
-    assert stats.updates == 0 and stats.skipped == 1 and stats.feedback_keys == []
+    assert stats.updates == 0 and stats.skipped == 1 and stats.feedback.keys == []
 
 
 def test_kl_term_and_constant_normalizer(tiny_model_dir):
