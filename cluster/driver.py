@@ -198,7 +198,7 @@ class Trainer:
 
     def _metrics(self, batch: TrainingBatch, result, step_s: float) -> dict[str, float]:
         fresh = [r for g in batch.groups for r in g.rollouts if not r.replayed]
-        lags = Counter(result.version - 1 - r.version for r in fresh)
+        lags = Counter(batch.version - r.version for r in fresh)  # learner steps between sampling and training
         self.staleness.update(lags)
         out: dict[str, float] = {
             "train/reward_mean": float(np.mean([r.reward for r in fresh])) if fresh else 0.0,
@@ -206,7 +206,9 @@ class Trainer:
             "train/mixed_groups": float(sum(g.mixed for g in batch.groups)),
             "train/groups": float(len(batch.groups)),
             "train/replay_fraction": sum(g.mixed for g in batch.groups) / max(1, len(batch.groups)),
-            "staleness/mean": float(np.mean([result.version - 1 - r.version for r in fresh])) if fresh else 0.0,
+            "staleness/mean": float(np.mean([batch.version - r.version for r in fresh])) if fresh else 0.0,
+            "train/switch_accuracy": batch.stats.get("switch_accuracy", 0.0),
+            "train/mixed_mode": batch.stats.get("mixed_mode", 0.0),
             "driver/step_s": step_s,
             "driver/learner_wait_fraction": self.state.wait_s / max(1e-9, self.state.wait_s + self.state.train_s),
             "driver/generators": float(self.generators.running),

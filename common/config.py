@@ -217,6 +217,14 @@ class GeneratorConfig(Section):
     """stop() waits at most this long for the batch in flight before returning its leases."""
     retry_backoff_s: float = Field(1.0, gt=0, le=600)
     """Wait before retrying a buffer or weight-store call that failed (the shard may be restarting)."""
+    start_timeout_s: float = Field(900.0, gt=0, le=86_400)
+    """A placed generator whose start (model load, first weights) takes longer is killed and counted as a
+    death. Waiting for a free CPU/GPU does not count: a pending generator is reported, never timed out."""
+    replace_budget: int = Field(5, ge=0, le=10_000)
+    """Generators that die for good (Ray restarts used up, node gone, failed start) are replaced by new
+    actors; one death more than this within `replace_window_s` stops the run, naming the last errors."""
+    replace_window_s: float = Field(600.0, gt=0, le=604_800)
+    """Sliding window (seconds) over which `replace_budget` counts deaths."""
 
 
 # -------------------------------------------------------------------------------------------- buffer
@@ -240,24 +248,31 @@ class BufferConfig(Section):
     bucket_std: float = Field(0.125, gt=0, le=10)
     """sigma of the bucket weight."""
     trajectory_selector: Literal["lowest_entropy", "random"] = "lowest_entropy"
-    """Which stored trajectory of a replayed question is used (random is the ablation)."""
+    """Which stored trajectory completes a mixed group. lowest_entropy (official): the buffer ships the
+    question's stored trajectories and the learner picks the one with the lowest mean token entropy under
+    the policy it is training (one no-grad forward per candidate). random (ablation): one at random."""
     collect: bool = True
     """Manage experience: store correct rollouts of partly solved questions and retire solved ones.
     `collect=false` with `replay_ratio=0` is plain on-policy GRPO with the same components."""
     collect_before_mixed: bool = False
     """Store experience before mixed mode switches on (the official code does not)."""
     mixed_switch_accuracy: float = Field(0.35, ge=0, le=1)
-    """Mixed mode switches on, once and for good, when the moving fresh accuracy exceeds this."""
-    switch_window: int = Field(8, ge=1, le=100_000)
-    """Moving-average window of fresh-group accuracy for the switch, in fresh groups."""
+    """Mixed mode switches on, once and for good for the whole run, when the moving accuracy of the
+    fresh groups of trained batches exceeds this (checked once per batch)."""
+    switch_window: int | None = Field(None, ge=1, le=1_000_000)
+    """Moving-average window of that accuracy, in fresh groups; None = one batch (batch_questions).
+    Must be at least one batch, so that the switch follows the batch accuracy as in the official code."""
     max_lag: int = Field(1, ge=0, le=1000)
-    """Maximum policy-version age of a rollout in a batch; 0 = synchronous training."""
-    drop_zero_signal: bool = True
-    """Keep groups whose rewards are all equal (no GRPO signal) out of batches."""
+    """Maximum age of a rollout in a batch, in learner steps (policy versions; one per batch whatever
+    learner.mini_batches is); 0 = synchronous training."""
+    drop_zero_signal: bool = False
+    """Keep groups whose rewards are all equal (no GRPO signal) out of batches (DAPO-style dynamic
+    sampling). Off by default: the official code trains on them with advantage 0."""
     lease_timeout_s: float = Field(120.0, gt=0, le=86_400)
     """A lease not returned within this is expired and its question issued again."""
     max_traj_per_question: int = Field(8, ge=1, le=10_000)
-    """Stored trajectories per question (lowest-entropy kept on overflow)."""
+    """Stored trajectories per question (on overflow the highest-entropy go first, see docs/algorithm.md);
+    also the most candidates the learner scores for one mixed group."""
     max_traj_total: int = Field(1_000_000, ge=1)
     """Stored trajectories in a shard (least recently refreshed questions evicted first)."""
     snapshot_every_s: float = Field(30.0, gt=0)
@@ -270,6 +285,19 @@ class BufferConfig(Section):
     """Automatic restarts of a crashed shard actor (-1 = unlimited); each restart restores the latest snapshot."""
     max_concurrency: int = Field(16, ge=2, le=1024)
     """Threads of each shard actor (lease, submit and batch requests run concurrently)."""
+
+    @model_validator(mode="after")
+    def _window_covers_a_batch(self) -> BufferConfig:
+        if self.switch_window is not None and self.switch_window < self.batch_questions:
+            raise ValueError(
+                f"buffer.switch_window: {self.switch_window} fresh groups is less than one batch "
+                f"(buffer.batch_questions={self.batch_questions}); use at least {self.batch_questions} or leave it unset")
+        return self
+
+    @property
+    def switch_groups(self) -> int:
+        """The switch window in fresh groups (one batch unless configured)."""
+        return self.switch_window or self.batch_questions
 
 
 # ------------------------------------------------------------------------------------------- learner
@@ -312,7 +340,8 @@ class LearnerConfig(Section):
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     mini_batches: int = Field(1, ge=1, le=1024)
-    """Optimizer steps per learner batch (the paper: 2)."""
+    """Optimizer updates per learner step (the paper: 2). Groups are shuffled, fresh and mixed evenly, before
+    the split. The policy version still advances by 1 per step."""
     micro_batch_rows: int = Field(64, ge=1, le=100_000)
     """Rows per forward/backward (gradient accumulation inside a mini-batch)."""
     clip_low: float = Field(0.2, ge=0, le=1)
@@ -375,11 +404,18 @@ class ClusterConfig(Section):
     num_cpus: int | None = Field(None, ge=1)
     """CPUs of the embedded Ray (None: all of the machine)."""
     temp_dir: str | None = None
-    """Temp dir of the embedded Ray (None: inside the run folder)."""
+    """Temp dir of the embedded Ray (None: a short folder the run creates and removes at its end, after
+    copying the actors' logs to the run folder's `logs/ray`; kept short for Ray's unix socket paths)."""
     autoscale: AutoscaleConfig = AutoscaleConfig()
     """Automatic generator scaling."""
     max_restarts: int = Field(2, ge=0, le=100)
     """Times the run restarts itself from its last checkpoint after a learner or shard death."""
+    stall_report_s: float = Field(30.0, gt=0, le=86_400)
+    """While no learner step completes, the driver says why (generators running / starting / pending on
+    which resource, leases, groups dropped and why) at most this often, and logs `stall/*` metrics."""
+    stall_timeout_s: float = Field(600.0, ge=0, le=604_800)
+    """With no learner step (and no generator finishing its start) for this long, the driver writes a
+    checkpoint and exits with code 3 and its diagnosis. 0: wait forever (still reporting)."""
 
 
 # ------------------------------------------------------------------------------------ tracking/ckpt
