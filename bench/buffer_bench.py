@@ -7,8 +7,8 @@ p99 sampling < 1 ms at 1M stored trajectories, memory <= 1.5x the raw payload.
 - floor: `codec.encode_list` + `codec.decode_list` of the same ScoredGroup batches, in the same run.
 - core ingest: decode + `ShardCore.submit` (what the actor does, without Ray).
 - actor ingest: `BufferClient.submit` to one shard actor (encode, one Ray call per batch, decode, submit).
-- sampling: `ExperienceStore.sample(ceil(rho*B))` for B = 128, rho = 0.5 (bucket draw + lowest-entropy
-  selection), p50/p99 over many requests; wall clock and the thread's CPU time (the latter is immune
+- sampling: `ExperienceStore.sample(ceil(rho*B))` for B = 128, rho = 0.5 (bucket draw + the candidates
+  shipped to the learner), p50/p99 over many requests; wall clock and the thread's CPU time (the latter is immune
   to other processes preempting this one on a shared machine).
 - memory: tracemalloc growth of the store per trajectory vs `len(codec.encode(rollout))`.
 """

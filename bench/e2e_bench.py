@@ -6,7 +6,12 @@ trained, with the same resources. Reported per mode, from the run's MLflow metri
 wall time of the training loop (first to last step) and of the whole command, learner idle
 fraction, weight publication and load latency, and the throughput of each component.
 
-    python bench/e2e_bench.py [--steps 30] [--lags 0 1 2] [--generators 1] [extra overrides ...]
+    python bench/e2e_bench.py [--steps 30] [--lags 0 1 2] [--generators 1] [--no-paper] [-- extra overrides ...]
+
+Besides the `--lags` rows, a `paper` row runs the paper's optimisation setting at max_lag 1:
+2 optimizer updates per learner step (`learner.mini_batches=2`) and 2 buffer shards. Its
+`stale_dropped` column shows whether asynchrony survives it (before one policy version per learner
+step, everything generated one batch ago was dropped there).
 """
 
 from __future__ import annotations
@@ -25,8 +30,11 @@ from mlflow.tracking import MlflowClient
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_mode(root: Path, lag: int, steps: int, generators: int, extra: list[str]) -> dict[str, float]:
-    name = f"bench-lag{lag}"
+PAPER = ["learner.mini_batches=2", "buffer.num_shards=2"]
+
+
+def run_mode(root: Path, lag: int, steps: int, generators: int, extra: list[str], label: str = "") -> dict:
+    name = f"bench-{label or f'lag{lag}'}"
     cmd = [sys.executable, "-m", "cluster.cli", "train", f"name={name}", f"checkpoint.runs_root={root}",
            f"total_steps={steps}", f"buffer.max_lag={lag}", "checkpoint.every_steps=0",
            f"generator.num_generators={generators}", "tracking.log_plots=false", *extra]
@@ -55,7 +63,7 @@ def run_mode(root: Path, lag: int, steps: int, generators: int, extra: list[str]
     loop_s = (steps_h[-1].timestamp - steps_h[0].timestamp) / 1000 if len(steps_h) > 1 else float("nan")
     trained = last("accounting/trained")
     return {
-        "max_lag": lag, "steps": steps, "loop_s": loop_s, "command_s": wall,
+        "mode": label or f"lag {lag}", "max_lag": lag, "steps": steps, "loop_s": loop_s, "command_s": wall,
         "rollouts_trained": trained * 8, "learner_idle": last("driver/learner_wait_fraction"),
         "publish_ms": 1000 * mean("driver/weight_publish_s"), "load_ms": 1000 * mean("generator/weight_load_s_last"),
         "gen_rollouts_s": mean("generator/rollouts_per_s"), "gen_tokens_s": mean("generator/tokens_per_s"),
@@ -69,17 +77,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--generators", type=int, default=1)
-    ap.add_argument("extra", nargs="*", help="extra dotted.key=value overrides for every mode")
+    ap.add_argument("--no-paper", action="store_true", help="leave out the paper-settings row")
+    ap.add_argument("extra", nargs="*", help="extra dotted.key=value overrides for every mode (after --)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="exgrpo-e2e-bench-"))
     try:
         rows = [run_mode(root, lag, args.steps, args.generators, args.extra) for lag in args.lags]
+        if not args.no_paper:
+            rows.append(run_mode(root, 1, args.steps, args.generators, args.extra + PAPER, label="paper"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"$ python bench/e2e_bench.py {' '.join(sys.argv[1:])}".rstrip())
     print(f"({args.steps} learner steps x 16 groups x 8 rollouts per mode, {args.generators} generator(s), "
-          "1 learner rank, built-in model and task)")
-    cols = [("max_lag", "{:.0f}"), ("loop_s", "{:.1f}"), ("command_s", "{:.1f}"), ("rollouts_trained", "{:.0f}"),
+          f"1 learner rank, built-in model and task; paper = max_lag 1 + {' '.join(PAPER)})")
+    cols = [("mode", "{}"), ("max_lag", "{:.0f}"), ("loop_s", "{:.1f}"), ("command_s", "{:.1f}"), ("rollouts_trained", "{:.0f}"),
             ("learner_idle", "{:.2f}"), ("publish_ms", "{:.0f}"), ("load_ms", "{:.0f}"),
             ("gen_rollouts_s", "{:.0f}"), ("gen_tokens_s", "{:.0f}"), ("learner_tokens_s", "{:.0f}"),
             ("buffer_groups_s", "{:.1f}"), ("stale_dropped", "{:.0f}"), ("mean_lag", "{:.2f}")]

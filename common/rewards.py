@@ -5,6 +5,8 @@ A reward function is `fn(response_text: str, answer: str) -> float in [0, 1]`. T
 - `exact`: normalised string match (Unicode NFKC, case-folded, whitespace collapsed, surrounding `$`
   and a trailing period dropped);
 - `math`: math-verify parses the reference answer and the response's final answer and compares them;
+- `math_think`: the official ExGRPO format: 0 unless the response closes its reasoning with
+  `</think>`; then `math` on the text after it (up to a second `</think>`, as the official code splits);
 - `package.module:function`: any importable user function.
 
 `RewardPool(reward_cfg, task_name).score(requests)` scores a batch. Where the functions run:
@@ -91,7 +93,14 @@ def math_reward(response: str, answer: str) -> float:
     return 1.0 if verify(gold, pred) else 0.0
 
 
-BUILTIN_NAMES = ("countdown", "arithmetic", "exact", "math")
+def math_think_reward(response: str, answer: str) -> float:
+    """The official ExGRPO math reward: the answer must follow `</think>`; the reasoning is not graded."""
+    if "</think>" not in response:
+        return 0.0
+    return math_reward(response.split("</think>")[1], answer)
+
+
+BUILTIN_NAMES = ("countdown", "arithmetic", "exact", "math", "math_think")
 
 
 def _builtin() -> dict[str, tuple[RewardFn, bool]]:
@@ -103,6 +112,7 @@ def _builtin() -> dict[str, tuple[RewardFn, bool]]:
         "arithmetic": (verify_arithmetic, True),
         "exact": (exact_reward, True),
         "math": (math_reward, False),
+        "math_think": (math_think_reward, False),
     }
 
 

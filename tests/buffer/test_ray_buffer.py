@@ -15,7 +15,7 @@ from tests.buffer.helpers import group_for, make_questions
 
 
 def small_cfg(**kw) -> BufferConfig:
-    base = dict(num_shards=2, group_size=4, batch_questions=8, replay_ratio=0.5, max_lag=1, switch_window=4,
+    base = dict(num_shards=2, group_size=4, batch_questions=8, replay_ratio=0.5, max_lag=1,
                 mixed_switch_accuracy=0.3, lease_timeout_s=20.0, call_timeout_s=10.0, snapshot_every_s=0.5)
     base.update(kw)
     return BufferConfig(**base)
@@ -55,13 +55,16 @@ def test_concurrent_producers_one_learner_and_exact_accounting(ray_cluster):
             batch = client.get_batch(version[0], timeout_s=20)
             assert batch is not None and len(batch.groups) == 8, (step, client.accounting())
             for g in batch.groups:
-                assert len(g.rollouts) == 4 and g.prompt_ids.dtype == np.int32
-                assert sum(r.replayed for r in g.rollouts) == int(g.mixed)
-                assert max(r.version for r in g.rollouts if not r.replayed) >= version[0] - 1
-            mixed_groups += sum(g.mixed for g in batch.groups)
-            keys = [r.key for g in batch.groups for r in g.rollouts if r.key]
+                assert len(g.rollouts) == (3 if g.mixed else 4) and g.prompt_ids.dtype == np.int32
+                assert not any(r.replayed for r in g.rollouts) and bool(g.candidates) == g.mixed
+                assert min(r.version for r in g.rollouts) >= version[0] - 1
+            replayed = [g.question_id for g in batch.groups if g.mixed]
+            assert len(replayed) == len(set(replayed))  # never a question twice among a batch's replays
+            mixed_groups += len(replayed)
+            keys = [c.key for g in batch.groups for c in g.candidates]  # what the learner scores
             keys_seen += len(keys)
-            client.feedback(LearnerFeedback(version[0], keys, float32_array(np.linspace(0, 1, len(keys)))))
+            chosen = [g.candidates[0].key for g in batch.groups if g.mixed]
+            client.feedback(LearnerFeedback(version[0], keys, float32_array(np.linspace(0, 1, len(keys))), chosen))
             version[0] += 1
             client.set_version(version[0])
     finally:
@@ -76,8 +79,9 @@ def test_concurrent_producers_one_learner_and_exact_accounting(ray_cluster):
     m = client.metrics()
     assert m["mixed_mode"] == 1 and mixed_groups > 0 and keys_seen > 0
     assert m["feedback_applied"] > 0 and m["replay_fraction"] == pytest.approx(mixed_groups / 200)
+    assert m["chosen"] + m["chosen_gone"] == mixed_groups  # each trained replay counted once, when trained
     per = client.shard_metrics()
-    assert all(p["mixed_mode"] == 1 for p in per)  # the switch was propagated to every shard
+    assert all(p["mixed_mode"] == 1 for p in per)  # the run-wide switch reached every shard
     assert sum(p["trained"] for p in per) == 200 and all(p["issued"] > 0 for p in per)
     client.shutdown()
 
@@ -107,6 +111,8 @@ def test_shard_killed_restores_from_snapshot_and_client_errors_clearly(ray_clust
             unavailable += 1
         assert time.monotonic() < deadline, "shard did not come back"
         time.sleep(0.1)
+    assert client.accounting() == before_acc
+    client.restore(str(tmp_path))  # the switch state travels with the buffer snapshot
     assert client.accounting() == before_acc
     assert after["stored_trajectories"] == 12 and after["bucket_2"] == before["bucket_2"]
     # the two leases from before the snapshot are still known and can be completed

@@ -108,6 +108,27 @@ def test_train_improves_heldout_accuracy_logs_everything_and_balances(runs_root,
     assert max(v for _, v in history(client, run_id, "train/replay_fraction")) > 0  # mixed mode switched on
 
 
+def test_papers_settings_two_ranks_two_shards_two_updates_per_step(runs_root):
+    """learner.mini_batches=2, 2 FSDP ranks, 2 buffer shards, rho 0.5, max_lag 1: the run trains,
+    the version advances once per step, replay starts, and the accounting balances."""
+    r = run_train(runs_root, "paper", "total_steps=8", "learner.mini_batches=2", "learner.num_ranks=2",
+                  "buffer.num_shards=2", "cluster.num_cpus=4", "checkpoint.every_steps=0", "tracking.log_plots=false")
+    assert r.returncode == 0, r.stdout[-4000:]
+    client = mlflow_client(runs_root)
+    run_id = _run_id(runs_root, "paper")
+    assert [v for _, v in history(client, run_id, "policy/version")] == list(range(1, 9))
+    assert all(v == 2 for _, v in history(client, run_id, "learner/mini_batches"))
+    assert all(0 <= v <= 1 for _, v in history(client, run_id, "staleness/mean"))
+    m = _final_metrics(runs_root, "paper")
+    acc = accounting(m)
+    assert_balanced(acc)
+    assert acc["trained"] >= 8 * 16 - 8
+    # before one version per step, this setting dropped nearly everything as stale (235 of 256 + 235)
+    assert acc["stale_dropped"] < acc["trained"]
+    assert max(v for _, v in history(client, run_id, "train/replay_fraction")) > 0
+    assert m["buffer/chosen"] + m["buffer/chosen_gone"] == m["buffer/trained_mixed"]
+
+
 def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root):
     r = run_train(runs_root, "sync", "total_steps=6", "buffer.max_lag=0", "checkpoint.every_steps=0")
     assert r.returncode == 0, r.stdout[-4000:]

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from common.config import RewardConfig
-from common.rewards import RewardPool, ScoreRequest, ScoreResult, exact_reward, math_reward, resolve_reward
+from common.rewards import (RewardPool, ScoreRequest, ScoreResult, exact_reward, math_reward, math_think_reward,
+                            resolve_reward)
 
 FNS = "tests.common.reward_fns"
 
@@ -55,6 +56,17 @@ def test_exact(response, answer, reward):
 )
 def test_math_reward_function(response, answer, reward):
     assert math_reward(response, answer) == reward
+
+
+@pytest.mark.parametrize(
+    "response, answer, reward",
+    [("<think>2+1=3, so \\boxed{4}? no</think> \\boxed{3}", "3", 1.0),  # only the text after </think> counts
+     ("<think>the answer is \\boxed{3}</think> I give up", "3", 0.0),
+     ("\\boxed{3}", "3", 0.0),  # no </think>: a format failure scores 0, as in the official code
+     ("<think>a</think> \\boxed{3} </think> \\boxed{5}", "3", 1.0)],  # split("</think>")[1]
+)
+def test_math_think_reward_is_the_official_format(response, answer, reward):
+    assert math_think_reward(response, answer) == reward
 
 
 def test_math_reward_survives_adversarial_answers_in_its_workers():
