@@ -78,7 +78,7 @@ class Trainer:
         self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
                                           snapshot_dir=str(self.run_dir.path / "buffer-live"))
         self.learner = LearnerPool(cfg.learner, str(self.model_path), run=name, namespace=ns,
-                                   max_new_tokens=cfg.generator.max_new_tokens)
+                                   max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype)
         if checkpoint is not None:
             self.learner.load_checkpoint(checkpoint / "learner")
             self.buffer.restore(str(checkpoint / "buffer"), expire_leases=True)

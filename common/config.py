@@ -77,7 +77,9 @@ class ModelConfig(Section):
     cache_dir: str = "~/.cache/exgrpo"
     """Where the built-in model is cached."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype for learner and generators (float32 on CPU)."""
+    """Compute dtype of the learner (FSDP2 mixed precision: float32 master weights, optimizer state and
+    gradient reduction), of the generators' engines (unless generator.dtype is set) and of the model folder
+    saved in checkpoints. bfloat16 for GPU runs; it also runs on CPU (slower there than float32)."""
     toy: ToyModelConfig = ToyModelConfig()
     """Settings of the built-in model (used only when path is None)."""
 
@@ -209,8 +211,9 @@ class GeneratorConfig(Section):
     """Base sampling seed (each generator adds its index)."""
     idle_sleep_s: float = Field(0.05, gt=0, le=60)
     """Sleep between lease attempts when the buffer has no work."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Engine dtype (float32 on CPU; the driver passes model.dtype)."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Engine dtype; None = model.dtype (filled in when the run config is validated). Published weights are
+    cast to it on load."""
     max_restarts: int = Field(3, ge=0, le=1000)
     """Times Ray restarts a crashed generator actor (its leases expire and are issued again)."""
     stop_timeout_s: float = Field(300.0, gt=0, le=86_400)
@@ -366,6 +369,11 @@ class LearnerConfig(Section):
     """Gradient-norm clip."""
     skip_grad_norm: float = Field(500.0, gt=0)
     """Skip (and count) an update whose gradient norm is above this or non-finite."""
+    tis_cap: float | None = Field(None, ge=1, le=1000)
+    """Truncated importance sampling of fresh tokens (verl/OpenRLHF TIS; e.g. 2): the PPO ratio is taken
+    against the learner's own log-probs at the start of the step, and each fresh token's loss is multiplied
+    by min(exp(logp_learner_start - logp_behaviour), tis_cap), which corrects train/inference mismatch and
+    staleness. None: the ratio is taken against the behaviour log-probs (no correction)."""
     weight_sync: WeightSyncConfig = ObjectStoreSyncConfig()
     """Weight publication backend, chosen by `kind`: object_store | nccl."""
     publish_timeout_s: float = Field(60.0, gt=0, le=3600)
@@ -468,6 +476,13 @@ class RunConfig(Section):
     cluster: ClusterConfig = ClusterConfig()
     tracking: TrackingConfig = TrackingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @model_validator(mode="after")
+    def _generator_dtype(self) -> RunConfig:
+        """generator.dtype None means model.dtype: resolved here so the generators' section carries it."""
+        if self.generator.dtype is None:
+            self.generator = self.generator.model_copy(update={"dtype": self.model.dtype})
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:

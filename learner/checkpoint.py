@@ -3,7 +3,8 @@
 Layout of a checkpoint folder `D`:
 
     D/model/        config.json, model.safetensors, tokenizer + generation files  (transformers / vLLM load it)
-    D/optimizer/    torch.distributed.checkpoint of the AdamW state (each rank writes its shards)
+    D/optimizer/    torch.distributed.checkpoint of the AdamW state (each rank writes its shards), and
+                    below float32 also the float32 master weights (key `master`)
     D/rng/rank{r}.json   torch, numpy and python RNG states of rank r (JSON, no pickle)
     D/meta.json     {"format", "step", "version", "num_ranks", "created_at"}: written last
 
@@ -11,10 +12,18 @@ Atomicity: everything is written into a sibling `.D.tmp-<id>` folder which is re
 when complete (meta.json included), so `D` is visible only as a whole. A folder without meta.json,
 or with unreadable files, is refused by `read_meta` / `load_hf_weights` with `CheckpointError`.
 The optimizer shards are written by every rank: on a multi-node cluster `D` must be on shared storage.
+
+Precision: `D/model/` is saved in the run's `model.dtype` (config.json `dtype` says which), so users
+and engines load what the run computed with. The learner's master weights are float32 whatever the
+dtype; when `model.dtype` is lower, rounding them into `D/model/` would lose the small updates a
+resume needs, so they are also saved in float32 in `D/optimizer/` (sharded, like the AdamW state).
+Resume loads them from there when present (exact), else from `D/model/` (a float32 run: the same
+float32 values, saved once). A checkpoint resumes exactly under either dtype.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -30,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 FORMAT = 1
 MODEL_DIR, OPTIM_DIR, RNG_DIR, META = "model", "optimizer", "rng", "meta.json"
+MASTER_KEY = "master"  # float32 master weights inside the DCP folder (saved when model.dtype is lower)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".index.json")
 
 
@@ -57,14 +67,20 @@ def commit(tmp: Path, final: str | Path) -> Path:
     return final
 
 
-def write_hf_folder(state_dict: dict[str, torch.Tensor], model_config, source_dir: str | Path, out: Path) -> None:
-    """config.json + model.safetensors from `state_dict`; tokenizer/generation files copied from `source_dir`."""
+def write_hf_folder(state_dict: dict[str, torch.Tensor], model_config, source_dir: str | Path, out: Path,
+                    dtype: torch.dtype = torch.float32) -> None:
+    """config.json + model.safetensors from `state_dict` with floating tensors cast to `dtype` (config.json's
+    `dtype` set to match); tokenizer/generation files copied from `source_dir`."""
     out.mkdir(parents=True, exist_ok=True)
+    model_config = copy.deepcopy(model_config)
+    model_config.dtype = dtype
     model_config.save_pretrained(out)
     seen: set[int] = set()
     tensors = {}
     for k, v in state_dict.items():  # safetensors refuses shared storage (tied weights): copy duplicates
         v = v.detach().contiguous()
+        if v.is_floating_point() and v.dtype != dtype:
+            v = v.to(dtype)  # a new tensor: duplicates below are then distinct storages
         tensors[k] = v.clone() if v.data_ptr() in seen else v
         seen.add(v.data_ptr())
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -81,6 +97,17 @@ def load_hf_weights(ckpt: str | Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: model weights {path} are unreadable ({e})") from e
+
+
+def has_master_weights(ckpt: str | Path) -> bool:
+    """True when the DCP folder of `ckpt` holds float32 master weights (`MASTER_KEY`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(Path(ckpt) / OPTIM_DIR)).read_metadata()
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: {OPTIM_DIR}/ metadata is unreadable ({e})") from e
+    return any(k.startswith(MASTER_KEY + ".") for k in meta.state_dict_metadata)
 
 
 def write_meta(ckpt: Path, *, step: int, version: int, num_ranks: int) -> None:

@@ -11,7 +11,8 @@ its gradient or its metrics.
 
 Departures from the textbook: replayed tokens use policy shaping -A*w/(w+beta) instead of the
 clipped surrogate (ExGRPO/LUFFY); `shaping_beta=None` is the ablation with the plain importance
-weighted -A*w. Aggregation is a token mean, or a sum divided by a constant (Dr. GRPO).
+weighted -A*w. Aggregation is a token mean, or a sum divided by a constant (Dr. GRPO). With
+`tis_cap`, fresh tokens use decoupled PPO with truncated importance sampling (see `policy_loss`).
 """
 
 from __future__ import annotations
@@ -59,34 +60,54 @@ def policy_loss(
     clip_fresh: bool = True,
     shaping_beta: float | None = 0.1,
     normalizer: float | None = None,
+    old_logprobs: Tensor | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The mixed-policy surrogate. Returns (loss, metrics) with metrics as detached 0-d tensors.
 
     logprobs, behaviour_logprobs, response_mask, replay_mask: [R, T]; advantages: [R].
     - fresh tokens (replay_mask 0): ratio r = exp(logp - logp_behaviour);
       loss_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) (plain -A r when not clip_fresh);
+    - fresh tokens with `tis_cap` (truncated importance sampling, as verl/OpenRLHF's TIS on top of
+      decoupled PPO): `old_logprobs` [R, T] are the learner's log-probs under the weights at the start
+      of the step (no gradient). The trust region is centred on that policy, r = exp(logp - logp_old),
+      and the off-policy gap to the sampler (train/inference mismatch, staleness) is corrected by the
+      detached weight c = min(exp(logp_old - logp_behaviour), tis_cap):
+      loss_t = c * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)).
     - replayed tokens (replay_mask 1): w = exp(logp - logp_stored), loss_t = -A w / (w + beta),
-      no clipping; beta None gives -A w.
+      no clipping; beta None gives -A w. TIS does not apply to them: w already weights against the
+      stored log-probs.
     The loss is aggregated over all masked tokens (see `aggregate`); `fresh_loss` + `replay_loss`
     = `loss`. Metrics: clip_frac (fraction of fresh tokens where the clipped branch is active),
-    mean/max ratio of fresh tokens, mean/max weight of replayed tokens, token counts.
+    mean/max ratio of fresh tokens, mean/max weight of replayed tokens, token counts; with `tis_cap`
+    also tis_weight_mean (mean c over fresh tokens) and tis_truncated_frac (fraction with c = tis_cap).
     """
+    if tis_cap is not None and old_logprobs is None:
+        raise ValueError("policy_loss: tis_cap needs old_logprobs (the learner's log-probs at the start of the step)")
     mask = response_mask.to(logprobs.dtype)
     replay = replay_mask.to(logprobs.dtype) * mask  # [R, T]
     fresh = mask - replay  # [R, T]
     adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # [R, 1]
     # Masked positions may hold garbage (padding): zero the log-ratio there so exp() stays finite.
     log_ratio = torch.where(mask > 0, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))  # [R, T]
-    ratio = torch.exp(log_ratio)  # [R, T]
+    ratio = torch.exp(log_ratio)  # [R, T] against the behaviour log-probs
+    fresh_ratio, tis = ratio, None
+    if tis_cap is not None:
+        old = old_logprobs.detach()
+        fresh_ratio = torch.exp(torch.where(mask > 0, logprobs - old, torch.zeros_like(logprobs)))  # [R, T]
+        tis_log = torch.where(mask > 0, old - behaviour_logprobs, torch.zeros_like(logprobs))  # [R, T]
+        tis = torch.exp(tis_log).clamp(max=tis_cap)  # [R, T] detached: old carries no gradient
 
-    pg_loss1 = -adv * ratio
+    pg_loss1 = -adv * fresh_ratio
     if clip_fresh:
-        pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        pg_loss2 = -adv * torch.clamp(fresh_ratio, 1.0 - clip_low, 1.0 + clip_high)
         fresh_loss_t = torch.maximum(pg_loss1, pg_loss2)  # [R, T]
         clipped = (pg_loss2 > pg_loss1).to(logprobs.dtype)
     else:
         fresh_loss_t = pg_loss1
         clipped = torch.zeros_like(ratio)
+    if tis is not None:
+        fresh_loss_t = tis * fresh_loss_t
     replay_loss_t = -adv * ratio if shaping_beta is None else -adv * ratio / (ratio + shaping_beta)  # [R, T]
 
     fresh_loss = aggregate(fresh_loss_t, fresh, normalizer if normalizer is not None else mask.sum().clamp(min=1))
@@ -95,21 +116,47 @@ def policy_loss(
 
     with torch.no_grad():
         n_fresh, n_replay = fresh.sum(), replay.sum()
-        r = ratio.detach()
+        r, fr = ratio.detach(), fresh_ratio.detach()
         zero = torch.zeros((), dtype=r.dtype, device=r.device)
         metrics = {
             "loss": loss.detach(),
             "fresh_loss": fresh_loss.detach(),
             "replay_loss": replay_loss.detach(),
             "clip_frac": (clipped * fresh).sum() / n_fresh.clamp(min=1),
-            "fresh_ratio_mean": (r * fresh).sum() / n_fresh.clamp(min=1),
-            "fresh_ratio_max": torch.where(fresh > 0, r, zero).max() if n_fresh > 0 else zero,
+            "fresh_ratio_mean": (fr * fresh).sum() / n_fresh.clamp(min=1),
+            "fresh_ratio_max": torch.where(fresh > 0, fr, zero).max() if n_fresh > 0 else zero,
             "replay_weight_mean": (r * replay).sum() / n_replay.clamp(min=1),
             "replay_weight_max": torch.where(replay > 0, r, zero).max() if n_replay > 0 else zero,
             "fresh_tokens": n_fresh,
             "replay_tokens": n_replay,
         }
+        if tis is not None:
+            metrics["tis_weight_mean"] = (tis * fresh).sum() / n_fresh.clamp(min=1)
+            metrics["tis_truncated_frac"] = ((tis >= tis_cap).to(r.dtype) * fresh).sum() / n_fresh.clamp(min=1)
     return loss, metrics
+
+
+def logprob_gap(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, lag0_mask: Tensor) -> dict[str, Tensor]:
+    """Train/inference mismatch of sampled tokens, as sums (so that ranks and micro-batches add up).
+
+    d = logp_learner - logp_behaviour on `mask` tokens; `lag0_mask` marks those sampled by the very
+    weights the learner holds (rollout version == batch version), where exp(d) would be exactly 1
+    without numerical mismatch. All inputs [R, T]; returns 0-d float64 tensors: abs_sum (sum |d|),
+    abs_max, tokens, and over lag-0 tokens ratio_sum (sum exp(d)), ratio_sq_sum (sum exp(d)^2), lag0_tokens.
+    """
+    mask = mask > 0
+    lag0 = mask & (lag0_mask > 0)
+    d = (logprobs.detach() - behaviour_logprobs).double()  # [R, T]
+    absd = torch.where(mask, d.abs(), torch.zeros_like(d))
+    ratio = torch.where(lag0, torch.exp(d), torch.zeros_like(d))  # [R, T]
+    return {
+        "abs_sum": absd.sum(),
+        "abs_max": absd.max() if absd.numel() else absd.new_zeros(()),
+        "tokens": mask.sum().double(),
+        "ratio_sum": ratio.sum(),
+        "ratio_sq_sum": (ratio * ratio).sum(),
+        "lag0_tokens": lag0.sum().double(),
+    }
 
 
 def token_logprobs(logits: Tensor, targets: Tensor, chunk_size: int = 1024) -> Tensor:

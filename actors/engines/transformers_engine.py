@@ -36,7 +36,8 @@ class TransformersEngine:
         self.sampling = sampling
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(self.device).eval()
+        self.dtype = _DTYPES[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
         self.version = 0
         self.last_load_s = 0.0
         eos = self.model.generation_config.eos_token_id
@@ -49,8 +50,10 @@ class TransformersEngine:
     # ------------------------------------------------------------------------------------ weights
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Replace all parameters (Hugging Face names); missing or unknown names are an error."""
+        """Replace all parameters (Hugging Face names), cast to the engine's dtype; missing or unknown names
+        are an error."""
         t0 = time.perf_counter()
+        state_dict = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
         result = self.model.load_state_dict(state_dict, strict=False)
         # Tied or non-persistent entries may legitimately be absent; real parameters may not.
         missing = [k for k in result.missing_keys if not k.endswith("rotary_emb.inv_freq")]

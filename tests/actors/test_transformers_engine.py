@@ -70,3 +70,27 @@ def test_stop_strings_and_eos(setup):
     check_stop_strings_and_eos(engine, tok)
 
 
+
+
+def test_bfloat16_engine_casts_published_float32_weights(tiny_model_dir):
+    """model.dtype=bfloat16 reaches the engine (generator.dtype None = model.dtype) and the learner's
+    float32 master weights are rounded to bfloat16 on load; log-probs match a bfloat16 reference."""
+    from common.config import RunConfig
+
+    cfg = RunConfig(model={"dtype": "bfloat16"}, generator={"engine": {"kind": "transformers"}, "max_new_tokens": 8})
+    assert cfg.generator.dtype == "bfloat16"
+    engine = make_engine(cfg.generator, str(tiny_model_dir))
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    new = perturbed_state_dict(ref, seed=2)  # float32, as published
+    engine.load_weights(new, version=1)
+    got = engine.model.state_dict()
+    assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in new.items())
+    ref.load_state_dict(new)
+    ref = ref.to(torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    p = prompt_ids(tok, "12+34=")
+    for s in engine.generate([p], [3], seed=1)[0]:
+        lp, _ = teacher_forced(ref, p, s.token_ids)
+        # bfloat16 (8-bit mantissa): the cached incremental forward and the full forward round differently
+        np.testing.assert_allclose(s.logprobs, lp, atol=5e-2)

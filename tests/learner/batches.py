@@ -32,3 +32,18 @@ def make_batch(seed: int, *, groups: int = 4, group_size: int = 4, prompt_len: t
         cands = [rollout(True, 1.0, f"q{g}#{100 + c:016x}") for c in range(candidates)] if mixed else []
         out.append(TrainGroup(question_id=f"q{g}", prompt_ids=prompt, rollouts=fresh, mixed=mixed, candidates=cands))
     return TrainingBatch(groups=out, version=version)
+
+
+def with_own_logprobs(batch: TrainingBatch, model) -> TrainingBatch:
+    """`batch` with every fresh rollout's behaviour log-probs replaced by `model`'s (float32 math on the
+    model's logits): what a generator running exactly this model would have recorded."""
+    import torch
+
+    for g in batch.groups:
+        for ro in g.rollouts:
+            ids = torch.tensor([list(g.prompt_ids) + list(ro.response_ids)])  # [1, P+T]
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(g.prompt_ids) - 1:-1].float()  # [T, V]
+            lp = torch.log_softmax(logits, -1).gather(1, ids[0, len(g.prompt_ids):, None])[:, 0]  # [T]
+            ro.logprobs = float32_array(lp.numpy())
+    return batch

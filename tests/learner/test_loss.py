@@ -176,3 +176,50 @@ def test_entropy_gradient_matches_direct_formula():
     (-0.5 * (h * MASK).sum() / MASK.sum()).backward()
     assert torch.allclose(a.grad, b.grad, atol=1e-6)
     assert torch.all(a.grad[1, 2] == 0)
+
+
+def test_truncated_importance_sampling_by_hand():
+    # The learner's log-probs at the start of the step sit between behaviour and now:
+    #   raw TIS weight exp(old - behaviour) = [[1.5, 1, 0.5], [4, 1, (masked)]] -> cap 2: c = [[1.5, 1, .5], [2, 1]]
+    #   proximal ratio r = exp(logp - old) = RATIOS / raw = [[1, 1, 1], [0.375, 0.5]]
+    # row 0 (A=+1): -A r = [-1, -1, -1], clip(r, .8, 1.2) = r -> max = [-1, -1, -1]; times c = [-1.5, -1, -0.5]
+    # row 1 (A=-.5): -A r = [0.1875, 0.25], -A clip = [0.4, 0.4] (both clipped) -> max = [0.4, 0.4];
+    #   times c = [0.8, 0.4]
+    # sum = -3 + 1.2 = -1.8; token mean over 5 = -0.36
+    raw = torch.tensor([[1.5, 1.0, 0.5], [4.0, 1.0, 1.0]])
+    old = BEHAVIOUR + torch.log(raw)
+    lp = LOGPROBS.clone().requires_grad_(True)
+    loss, m = L.policy_loss(lp, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), old_logprobs=old, tis_cap=2.0)
+    assert loss.item() == pytest.approx(-0.36, abs=1e-6)
+    assert m["clip_frac"].item() == pytest.approx(2 / 5)
+    assert m["fresh_ratio_mean"].item() == pytest.approx((1 + 1 + 1 + 0.375 + 0.5) / 5)  # the proximal ratio
+    assert m["tis_weight_mean"].item() == pytest.approx((1.5 + 1 + 0.5 + 2 + 1) / 5)  # = 1.2
+    assert m["tis_truncated_frac"].item() == pytest.approx(1 / 5)  # row 1 token 0 (4 -> 2)
+    # gradient: row 0 token 0 unclipped: d(c * -A r)/dlogp = -A c r = -1.5, /5 = -0.3; the weight is constant
+    # row 1 token 0 is clipped (r = .375 < .8 with A < 0): zero gradient
+    loss.backward()
+    assert lp.grad[0, 0].item() == pytest.approx(-0.3, abs=1e-6)
+    assert lp.grad[1, 0].item() == 0.0
+    # no mismatch (old == behaviour): c = 1 and the loss is the plain clipped one, -0.31
+    loss, m = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), old_logprobs=BEHAVIOUR, tis_cap=2.0)
+    assert loss.item() == pytest.approx(-0.31, abs=1e-6) and m["tis_weight_mean"].item() == pytest.approx(1.0)
+    # replayed tokens are untouched by TIS: row 0 replayed gives the shaping loss -2.679924 as before
+    replay = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    _, m = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, replay, old_logprobs=old, tis_cap=2.0)
+    assert m["replay_loss"].item() == pytest.approx(-2.679924 / 5, abs=1e-6)
+    assert m["fresh_loss"].item() == pytest.approx(1.2 / 5, abs=1e-6)
+    with pytest.raises(ValueError, match="old_logprobs"):
+        L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), tis_cap=2.0)
+
+
+def test_logprob_gap_by_hand():
+    # d = ln RATIOS: row 0 [ln 1.5, 0, ln .5], row 1 [ln 1.5, ln .5, (masked)]
+    # sum |d| = 2 ln 1.5 + 2 ln 2 = 0.810930 + 1.386294 = 2.197225; max |d| = ln 2 = 0.693147; 5 tokens
+    # lag 0 = row 0 only: exp(d) = [1.5, 1, .5] -> sum 3, sum of squares 2.25 + 1 + .25 = 3.5, 3 tokens
+    #   (mean 1, std sqrt(3.5/3 - 1) = 0.408248)
+    g = L.logprob_gap(LOGPROBS, BEHAVIOUR, MASK, torch.tensor([[1.0], [0.0]]).expand(2, 3))
+    assert g["abs_sum"].item() == pytest.approx(2.197225, abs=1e-5)
+    assert g["abs_max"].item() == pytest.approx(0.693147, abs=1e-6)
+    assert g["tokens"].item() == 5 and g["lag0_tokens"].item() == 3
+    assert g["ratio_sum"].item() == pytest.approx(3.0, abs=1e-6)
+    assert g["ratio_sq_sum"].item() == pytest.approx(3.5, abs=1e-6)

@@ -3,8 +3,10 @@ through the weight-store actor, acknowledgement timeouts, checkpoint save/load/r
 
 from __future__ import annotations
 
+import json
 import shutil
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -14,7 +16,7 @@ from common.modeling import make_tiny_model_folder
 from learner.checkpoint import CheckpointError
 from learner.pool import LearnerPool
 from learner.weights import ObjectStoreWeightSource, WeightSyncTimeout
-from tests.learner.batches import make_batch
+from tests.learner.batches import make_batch, with_own_logprobs
 
 NS = "exgrpo-test"
 LR = 1e-3
@@ -25,9 +27,9 @@ def model_dir(tmp_path_factory):
     return make_tiny_model_folder(tmp_path_factory.mktemp("learner-model") / "model", hidden_size=64, num_heads=2)
 
 
-def make_pool(model_dir, run: str, ranks: int, **overrides) -> LearnerPool:
+def make_pool(model_dir, run: str, ranks: int, dtype: str = "float32", **overrides) -> LearnerPool:
     cfg = LearnerConfig(num_ranks=ranks, micro_batch_rows=3, mini_batches=2, lr=LR, publish_timeout_s=30, **overrides)
-    return LearnerPool(cfg, str(model_dir), run=run, namespace=NS, max_new_tokens=12)
+    return LearnerPool(cfg, str(model_dir), run=run, namespace=NS, max_new_tokens=12, dtype=dtype)
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -196,3 +198,48 @@ def test_bad_checkpoints_fail_clearly(ray_cluster, model_dir, tmp_path):
         assert pool.version == 0 and (tmp_path / "good" / "meta.json").is_file()
     finally:
         pool.shutdown()
+
+
+def test_bfloat16_two_ranks_train_and_resume_exactly(ray_cluster, model_dir, tmp_path):
+    """model.dtype=bfloat16 on CPU over gloo: FSDP2 computes in bfloat16 on float32 master weights; the
+    train/inference gap to float32 behaviour log-probs is measured; the checkpoint's model folder is
+    bfloat16 and resuming restores the float32 master weights bit for bit."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from learner import checkpoint as ck
+
+    fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    b0, b1 = with_own_logprobs(make_batch(20), fp32), make_batch(21, version=1)
+    ckpt = tmp_path / "ckpt"
+    pool = make_pool(model_dir, "bf16", 2, dtype="bfloat16")
+    try:
+        initial = pool.state_dict()
+        r0 = pool.step(b0)
+        m = r0.metrics
+        assert r0.version == 1 and m["learner/updates"] == 2 and np.isfinite(m["learner/loss"])
+        # behaviour = a float32 forward of the same weights: the gap is bfloat16 rounding, small but not 0
+        assert 1e-4 < m["learner/logprob_diff_mean"] < 0.05 and m["learner/logprob_ratio_std_lag0"] > 1e-4
+        saved = pool.state_dict()
+        assert {v.dtype for v in saved.values()} == {torch.float32}  # master weights
+        # updates of lr 1e-3 are far below bfloat16's resolution of weights ~0.02-1: float32 masters keep them
+        assert max_diff(initial, saved) > LR / 2
+        pool.save_checkpoint(ckpt)
+        uninterrupted = pool.step(b1)
+        after = pool.state_dict()
+    finally:
+        pool.shutdown()
+    assert ck.has_master_weights(ckpt)
+    assert json.loads((ckpt / "model" / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(ckpt / "model" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+
+    resumed = make_pool(model_dir, "bf16r", 2, dtype="bfloat16")
+    try:
+        resumed.load_checkpoint(ckpt)
+        assert max_diff(resumed.state_dict(), saved) == 0.0  # exact, not the bfloat16 folder's rounding
+        again = resumed.step(b1)
+        assert max_diff(resumed.state_dict(), after) == 0.0
+        assert again.metrics["learner/loss"] == uninterrupted.metrics["learner/loss"]
+    finally:
+        resumed.shutdown()

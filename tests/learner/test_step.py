@@ -10,7 +10,7 @@ from common.config import LearnerConfig
 from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
 from learner.step import (BatchError, RankStats, TrainStep, batch_rows, collate, complete_groups, rank_micro_batches,
                           split_mini_batches)
-from tests.learner.batches import make_batch
+from tests.learner.batches import make_batch, with_own_logprobs
 
 
 def rollout(ids, reward=1.0, replayed=False, key=""):
@@ -151,3 +151,39 @@ def test_kl_term_and_constant_normalizer(tiny_model_dir):
     # the policy starts equal to the reference: KL (k3) is exactly 0 on the first and only update
     assert stats.updates == 1 and stats.sums["kl_loss"] == pytest.approx(0.0, abs=1e-7)
     assert np.isfinite(stats.sums["loss"]) and stats.sums["entropy_loss"] < 0
+
+
+
+def test_mismatch_metrics_zero_without_mismatch_and_lag0_only(tiny_model_dir):
+    from learner.step import merge_rank_stats
+
+    model, step = plain_step(tiny_model_dir, mini_batches=2)
+    m, _ = merge_rank_stats([step.run(with_own_logprobs(make_batch(0, version=0), model))])
+    # behaviour = the learner's own log-probs before the update: no gap, every ratio exactly 1
+    assert m["learner/logprob_diff_mean"] < 1e-5 and m["learner/logprob_diff_max"] < 1e-4
+    assert m["learner/logprob_ratio_std_lag0"] < 1e-5
+    # measured on the first mini-batch only: fewer tokens than the step's fresh tokens
+    assert 0 < m["learner/lag0_tokens"] < m["learner/fresh_tokens"]
+    assert np.isnan(m["learner/tis_weight_mean"])
+    # rollouts one version old (lag 1): the gap is measured, the lag-0 spread is not
+    batch = make_batch(1, version=0)
+    batch.version = 1
+    m, _ = merge_rank_stats([step.run(batch)])
+    assert m["learner/logprob_diff_mean"] > 0.01 and m["learner/lag0_tokens"] == 0
+    assert np.isnan(m["learner/logprob_ratio_std_lag0"])
+
+
+def test_tis_without_mismatch_is_the_plain_update(tiny_model_dir):
+    """With behaviour = the learner's start-of-step log-probs, TIS weights are 1 and the proximal ratio is
+    the behaviour ratio: the update equals the plain one, in the second mini-batch too (whose start-of-step
+    log-probs come from `record_old_logprobs`, not from a forward after the first update)."""
+    states, metrics = [], []
+    for cap in (None, 2.0):
+        model, step = plain_step(tiny_model_dir, mini_batches=2, tis_cap=cap, lr=1e-2)
+        stats = step.run(with_own_logprobs(make_batch(0), model))
+        assert stats.updates == 2
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+        metrics.append(stats.sums)
+    assert all(torch.allclose(states[0][k], states[1][k], atol=1e-6) for k in states[0])
+    assert metrics[1]["tis_weight_sum"] == pytest.approx(metrics[1]["fresh_tokens"], rel=1e-5)
+    assert metrics[1]["tis_truncated_tokens"] == 0
