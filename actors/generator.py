@@ -68,6 +68,7 @@ class GeneratorStats:
     weight_load_s_last: float = 0.0
     startup_s: float = 0.0
     reward_errors: int = 0
+    rewarded: int = 0  # rollouts with a reward above 0 (none at all: the reward function or data is wrong)
     source_errors: int = 0
     groups_dropped: int = 0
     leases_returned: int = 0
@@ -91,6 +92,7 @@ class GeneratorWorker:
         self._start_lock = threading.Lock()
         self._in_flight: list[WorkItem] = []
         self._failure: str | None = None
+        self._last_sample: dict | None = None  # the last scored response (for the driver's all-zero-reward hint)
         self._incarnation = 0
         self._seed_base = int.from_bytes(hashlib.blake2b(f"{gen_cfg.seed}/{generator_id}".encode(),
                                                          digest_size=4).digest(), "little")
@@ -173,6 +175,11 @@ class GeneratorWorker:
             raise RuntimeError(f"generator {self.generator_id} loop failed: {self._failure}")
         return self.generator_id
 
+    def last_sample(self) -> dict | None:
+        """The last response this generator scored: question id, response text, reference answer,
+        reward and reward error (None before the first batch)."""
+        return self._last_sample
+
     def metrics(self) -> dict[str, float]:
         """Counters and rates of this incarnation (all floats)."""
         s = self.stats
@@ -198,6 +205,7 @@ class GeneratorWorker:
             "weight_load_s_last": s.weight_load_s_last,
             "startup_s": s.startup_s,
             "reward_errors": float(s.reward_errors),
+            "rewarded": float(s.rewarded),
             "source_errors": float(s.source_errors),
             "groups_dropped": float(s.groups_dropped),
             "leases_returned": float(s.leases_returned),
@@ -256,7 +264,12 @@ class GeneratorWorker:
         outs = self.engine.generate([it.question.prompt_ids for it in items], [it.num_samples for it in items], seed)
         t1 = time.monotonic()
         requests = [ScoreRequest(it.question.id, s.text, it.question.answer) for it, o in zip(items, outs) for s in o]
-        results = iter(self.rewards.score(requests))
+        scores = self.rewards.score(requests)
+        if requests:
+            last, res = requests[-1], scores[-1]
+            self._last_sample = {"question_id": last.question_id, "response": last.response_text,
+                                 "answer": last.answer, "reward": float(res.reward), "error": res.error}
+        results = iter(scores)
         self.stats.generate_s += t1 - t0
         self.stats.score_s += time.monotonic() - t1
 
@@ -266,6 +279,7 @@ class GeneratorWorker:
             for s in samples:
                 res = next(results)
                 errors += res.error is not None
+                self.stats.rewarded += res.reward > 0
                 rollouts.append(Rollout(
                     response_ids=int32_array(s.token_ids), logprobs=float32_array(s.logprobs),
                     reward=float(res.reward), correct=bool(res.reward >= self.reward_cfg.correct_threshold),

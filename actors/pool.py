@@ -1,21 +1,30 @@
-"""GeneratorPool: the run's generator actors, grown and shrunk while training goes on.
+"""GeneratorPool: the run's generator actors, grown, shrunk and healed while training goes on.
 
     pool = GeneratorPool(cfg.generator, cfg.reward, model_path, buffer_client, weight_source,
                          task_name="countdown", run=name, namespace=ns)
-    pool.scale_to(3)      # new actors load the model, fetch the newest weights, then lease
-    pool.poll()           # (non-blocking scaling) adopt started actors, give up on ones that never start
+    pool.scale_to(3, wait=False)  # new actors load the model, fetch the newest weights, then lease
+    pool.poll()           # adopt started actors, replace dead ones (raises GeneratorsFailed past the budget)
+    pool.status()         # which generators run, restart, start, or wait for a CPU/GPU
     pool.metrics()        # summed counters / rates over the live generators
     pool.scale_to(1)      # removed actors finish their batch in flight (drain), then are killed
     pool.shutdown()
 
 Actors are named `actor_name(run, "generator", i)`; a new actor takes the lowest free index, removal
 takes the highest. Ray restarts a crashed actor (`gen_cfg.max_restarts`); it restarts its own loop.
+
+Healing: an actor that died for good — Ray's restarts used up, its node gone, killed or failed while
+starting, or placed but not started within `start_timeout_s` — is a *death*: the pool creates a new
+actor under the same index. More than `replace_budget` deaths within `replace_window_s` raise
+`GeneratorsFailed` naming the generators and their last errors. An actor waiting for resources
+(Ray's PENDING_CREATION) is not a death: Ray places it as soon as a CPU/GPU frees up or a node joins;
+`status()` reports it with what it needs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import ray
 
@@ -26,35 +35,48 @@ from common.interfaces import WeightSource, WorkSource, actor_name
 log = logging.getLogger(__name__)
 
 _SUM = ("batches", "groups", "rollouts", "tokens", "tokens_per_s", "rollouts_per_s", "wall_tokens_per_s", "generate_s",
-        "score_s", "wait_s", "weight_loads", "weight_load_s", "reward_errors", "source_errors", "groups_dropped",
-        "leases_returned", "running")
+        "score_s", "wait_s", "weight_loads", "weight_load_s", "reward_errors", "rewarded", "source_errors",
+        "groups_dropped", "leases_returned", "running")
 _MEAN = ("wait_fraction", "version_lag_mean", "weight_load_s_last", "startup_s", "version")
 _MAX = ("version_lag_max",)
+_PENDING_STATES = ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
+_FAST_STOP_S = 10.0  # a stop without drain (a signal): leases not returned by then expire and are reissued
+
+
+class GeneratorsFailed(RuntimeError):
+    """More generators died for good within `replace_window_s` than `replace_budget` allows."""
 
 
 class GeneratorPool:
-    """Creates, scales and stops the generator actors of one run."""
+    """Creates, scales, heals and stops the generator actors of one run."""
 
     def __init__(self, gen_cfg: GeneratorConfig, reward_cfg: RewardConfig, model_path: str, work_source: WorkSource,
                  weight_source: WeightSource, *, task_name: str | None, run: str, namespace: str | None = None,
-                 start_timeout_s: float = 900.0, call_timeout_s: float = 30.0):
+                 start_timeout_s: float | None = None, call_timeout_s: float = 30.0):
         self.cfg, self.reward_cfg, self.model_path = gen_cfg, reward_cfg, model_path
         self.work_source, self.weight_source, self.task_name = work_source, weight_source, task_name
         self.run, self.namespace = run, namespace
-        self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
-        self.actors: dict[int, ray.actor.ActorHandle] = {}
+        self.start_timeout_s = gen_cfg.start_timeout_s if start_timeout_s is None else start_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self.actors: dict[int, ray.actor.ActorHandle] = {}  # started at least once
         # index -> (actor, start() ref, monotonic time requested): started without blocking the caller
         self.starting: dict[int, tuple[ray.actor.ActorHandle, ray.ObjectRef, float]] = {}
+        self.placed_at: dict[int, float] = {}  # starting actors seen placed (the start timeout runs from here)
+        self.respawn: set[int] = set()  # died; the replacement waits for the dead actor's name to be released
+        self.state: dict[int, str] = {}  # index -> running | restarting | starting | pending | respawn
+        self.deaths: deque[tuple[float, str, str]] = deque()  # (monotonic time, generator id, why) in the window
+        self.last_error: dict[str, str] = {}  # generator id -> why it last died
         self.removed_metrics: dict[str, float] = {}  # counters of generators already removed (nothing is forgotten)
 
     @property
     def size(self) -> int:
-        """Generators running or starting (what scaling decisions count)."""
-        return len(self.actors) + len(self.starting)
+        """Generators running, starting or being replaced (what scaling decisions count)."""
+        return len(self.actors) + len(self.starting) + len(self.respawn)
 
     @property
     def running(self) -> int:
-        return len(self.actors)
+        """Started generators that are alive (not being restarted by Ray)."""
+        return sum(1 for i in self.actors if self.state.get(i) == "running")
 
     def generator_id(self, index: int) -> str:
         return actor_name(self.run, "generator", index)
@@ -62,77 +84,198 @@ class GeneratorPool:
     def scale_to(self, n: int, *, wait: bool = True) -> None:
         """Grow (started actors fetch the newest weights before leasing) or shrink (drain, then kill) to `n`.
 
-        With `wait=False` new actors start in the background: `poll()` adopts them once started and
-        gives up (kills, counts `start_failures`, logs why) on any that does not start within
-        `start_timeout_s` — e.g. when the cluster has no free resources for it. The training loop
-        uses this so that scaling up never stalls the learner.
+        `wait=True` blocks until the new actors run, replacing deaths within the budget, and raises
+        GeneratorsFailed when one is still not running after `start_timeout_s` (or waits for resources
+        that long). With `wait=False` (the driver) new actors start in the background and `poll()`
+        adopts them: scaling never stalls the learner.
         """
         if n < 0:
             raise ValueError(f"cannot scale the generator pool to {n}; use 0 or more")
         self.poll()
         if n > self.size:
-            self._add(n - self.size, wait=wait)
+            self._add(n - self.size)
+            if wait:
+                self._wait_started()
         elif n < self.size:
+            for i in sorted(self.respawn)[::-1][: self.size - n]:
+                self.respawn.discard(i)
+                self.state.pop(i, None)
             doomed = sorted(self.starting)[::-1][: self.size - n]  # cancel not-yet-started ones first
             for i in doomed:
                 ray.kill(self.starting.pop(i)[0], no_restart=True)
+                self.placed_at.pop(i, None)
+                self.state.pop(i, None)
             if n < self.size:
                 self._remove(sorted(self.actors)[n:])
 
-    def _add(self, k: int, *, wait: bool) -> None:
-        taken = set(self.actors) | set(self.starting)
+    def _add(self, k: int) -> None:
+        taken = set(self.actors) | set(self.starting) | self.respawn
         free = [i for i in range(self.size + k) if i not in taken][:k]
-        now = time.monotonic()
         for i in free:
-            gid = self.generator_id(i)
-            actor = Generator.options(name=gid, namespace=self.namespace, **actor_options(self.cfg)).remote(
-                gid, self.cfg, self.reward_cfg, self.model_path, self.work_source, self.weight_source, self.task_name)
-            self.starting[i] = (actor, actor.start.remote(), now)
-        if wait:
-            refs = [self.starting[i][1] for i in free]
-            ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout_s)
-            self.poll(fail_pending=set(free))
+            if not self._spawn(i):
+                self.respawn.add(i)
         log.info("generator pool: requested %s (size %d)", [self.generator_id(i) for i in free], self.size)
 
-    def poll(self, fail_pending: set[int] | None = None) -> None:
-        """Adopt generators whose start() finished; kill and report those that failed or timed out.
+    def _spawn(self, i: int) -> bool:
+        """Create the actor of index `i` and call its start(); False while its name is still taken."""
+        gid = self.generator_id(i)
+        try:
+            actor = Generator.options(name=gid, namespace=self.namespace, **actor_options(self.cfg)).remote(
+                gid, self.cfg, self.reward_cfg, self.model_path, self.work_source, self.weight_source, self.task_name)
+        except ValueError as e:  # "name already taken": a killed actor's name is released asynchronously
+            log.info("generator %s: name not released yet (%s); creating it at the next poll", gid, e)
+            return False
+        self.starting[i] = (actor, actor.start.remote(), time.monotonic())
+        self.placed_at.pop(i, None)
+        self.state[i] = "starting"
+        return True
 
-        Raises RuntimeError for a generator in `fail_pending` that did not start (a blocking scale_to)."""
+    def _wait_started(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while self.starting or self.respawn:
+            if time.monotonic() > deadline:
+                raise GeneratorsFailed(f"generators {self._names(self.starting)} did not start within "
+                                       f"{self.start_timeout_s:.0f}s ({self.describe()})")
+            refs = [ref for _, ref, _ in self.starting.values()]
+            if refs:
+                ray.wait(refs, num_returns=1, timeout=1.0)
+            else:
+                time.sleep(0.2)
+            self.poll()
+
+    def poll(self) -> None:
+        """Adopt generators whose start() finished; replace the dead (see the module docstring).
+
+        Never blocks for long (one GCS lookup per actor); raises GeneratorsFailed past the budget."""
+        for i in sorted(self.respawn):
+            if self._spawn(i):
+                self.respawn.discard(i)
         now = time.monotonic()
-        errors = []
         for i, (actor, ref, t0) in list(self.starting.items()):
             ready, _ = ray.wait([ref], timeout=0)
             if ready:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayError as e:
-                    errors.append((i, f"{type(e).__name__}: {e}"))
-                    continue
-                self.actors[i] = actor
-                del self.starting[i]
-            elif now - t0 > self.start_timeout_s or (fail_pending and i in fail_pending):
-                errors.append((i, f"not started within {self.start_timeout_s:.0f}s (no free resources for "
-                                  f"num_cpus={self.cfg.num_cpus}, num_gpus={self.cfg.num_gpus}?)"))
-        for i, why in errors:
-            ray.kill(self.starting.pop(i)[0], no_restart=True)
-            self.removed_metrics["start_failures"] = self.removed_metrics.get("start_failures", 0.0) + 1
-            log.error("generator %s did not start: %s", self.generator_id(i), why)
-        bad = [i for i, _ in errors if fail_pending and i in fail_pending]
-        if bad:
-            raise RuntimeError(f"generators {[self.generator_id(i) for i in bad]} did not start "
-                               f"({dict(errors)[bad[0]]}); check the model folder and the engine settings "
-                               "(generator.engine)")
+                self._finish_start(i, actor, ref, t0)
+                continue
+            st, why = _gcs_state(actor)
+            if st == "DEAD":
+                self._died(i, f"died while starting: {why}")
+            elif st in _PENDING_STATES:
+                self.state[i] = "pending"
+                self.placed_at.pop(i, None)
+            else:
+                self.state[i] = "starting"
+                if now - self.placed_at.setdefault(i, now) > self.start_timeout_s:
+                    self._died(i, f"placed but not started within {self.start_timeout_s:.0f}s "
+                                  "(generator.start_timeout_s); check the model folder and generator.engine")
+        for i, actor in list(self.actors.items()):
+            st, why = _gcs_state(actor)
+            if st == "DEAD":
+                self._died(i, why)
+            else:
+                self.state[i] = "running" if st == "ALIVE" else "restarting"
 
-    def _remove(self, indices: list[int]) -> None:
+    def _finish_start(self, i: int, actor, ref, t0: float) -> None:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as e:  # the process died during start()
+            st, why = _gcs_state(actor)
+            if st == "DEAD":
+                self._died(i, f"died while starting: {why or _first_line(e)}")
+            else:  # Ray restarts it and it starts itself; ask again (start() is idempotent)
+                log.warning("generator %s crashed while starting; Ray restarts it", self.generator_id(i))
+                self.starting[i] = (actor, actor.start.remote(), t0)
+            return
+        except ray.exceptions.RayError as e:  # start() raised: no model, engine error, ...
+            self._died(i, f"start failed: {_first_line(e, skip_ray=True)}")
+            return
+        self.actors[i] = actor
+        del self.starting[i]
+        self.placed_at.pop(i, None)
+        self.state[i] = "running"
+
+    def _died(self, i: int, why: str) -> None:
+        """Forget actor `i` (killing what is left of it), count the death, replace it within the budget."""
+        actor = self.actors.pop(i) if i in self.actors else self.starting.pop(i)[0]
+        self.placed_at.pop(i, None)
+        ray.kill(actor, no_restart=True)  # harmless on a dead actor; frees a live one that failed to start
+        gid, now = self.generator_id(i), time.monotonic()
+        self.last_error[gid] = why
+        self.deaths.append((now, gid, why))
+        while self.deaths and now - self.deaths[0][0] > self.cfg.replace_window_s:
+            self.deaths.popleft()
+        self.removed_metrics["deaths"] = self.removed_metrics.get("deaths", 0.0) + 1
+        if len(self.deaths) > self.cfg.replace_budget:
+            self.state.pop(i, None)
+            lines = "\n".join(f"  {g}: {w}" for g, w in self.last_error.items())
+            raise GeneratorsFailed(
+                f"{len(self.deaths)} generator deaths within {self.cfg.replace_window_s:.0f}s, more than "
+                f"generator.replace_budget={self.cfg.replace_budget}; last errors:\n{lines}\n"
+                "fix the cause above, or raise generator.replace_budget / generator.max_restarts")
+        log.error("generator %s died for good (%s); replacing it (%d/%d deaths within %.0fs)", gid, why,
+                  len(self.deaths), self.cfg.replace_budget, self.cfg.replace_window_s)
+        self.removed_metrics["replacements"] = self.removed_metrics.get("replacements", 0.0) + 1
+        if not self._spawn(i):
+            self.respawn.add(i)
+            self.state[i] = "respawn"
+
+    def _names(self, indices) -> list[str]:
+        return [self.generator_id(i) for i in sorted(indices)]
+
+    def status(self) -> dict[str, list[str]]:
+        """Generator ids by state: running, restarting (Ray restarts it), starting (placed, loading),
+        pending (waiting for `needs()` to be free), respawn (replacement not created yet)."""
+        out: dict[str, list[str]] = {k: [] for k in ("running", "restarting", "starting", "pending", "respawn")}
+        for i, st in sorted(self.state.items()):
+            if i in self.actors or i in self.starting or i in self.respawn:
+                out[st].append(self.generator_id(i))
+        return out
+
+    def needs(self) -> dict[str, float]:
+        """Resources one generator asks for."""
+        return {k: v for k, v in (("CPU", self.cfg.num_cpus), ("GPU", self.cfg.num_gpus)) if v}
+
+    def describe(self) -> str:
+        """One line: e.g. `generators: 1 running, 1 pending (needs 1 CPU; the cluster has 0 CPU free)`."""
+        st = self.status()
+        parts = [f"{len(v)} {k}" for k, v in st.items() if v] or ["none"]
+        line = "generators: " + ", ".join(parts)
+        if st["pending"] or st["restarting"]:
+            free = ray.available_resources()
+            need = "; ".join(f"{v:g} {k}" for k, v in self.needs().items()) or "no resources"
+            have = ", ".join(f"{free.get(k, 0.0):g} {k}" for k in self.needs()) or "-"
+            line += f" (each needs {need}; the cluster has {have} free)"
+        if self.last_error:
+            gid, why = list(self.last_error.items())[-1]
+            line += f"; last death: {gid}: {why[:120]}"
+        return line
+
+    def last_sample(self) -> dict | None:
+        """The last scored sample of a running generator (question, response, reward), or None."""
+        for i, actor in sorted(self.actors.items()):
+            if self.state.get(i) != "running":
+                continue
+            try:
+                s = ray.get(actor.last_sample.remote(), timeout=self.call_timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                log.warning("generator %s did not return its last sample (%s)", self.generator_id(i), type(e).__name__)
+                continue
+            if s is not None:
+                return s
+        return None
+
+    def _remove(self, indices: list[int], *, drain: bool = True) -> None:
         actors = [self.actors.pop(i) for i in indices]
-        refs = [a.stop.remote(drain=True) for a in actors]
+        for i in indices:
+            self.state.pop(i, None)
+        refs = [a.stop.remote(drain=drain) for a in actors]
+        deadline = time.monotonic() + (self.cfg.stop_timeout_s + 30 if drain else _FAST_STOP_S)
         for i, a, ref in zip(indices, actors, refs):
             try:
-                final = ray.get(ref, timeout=self.cfg.stop_timeout_s + 30)
+                final = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
                 self._remember(final)
             except (ray.exceptions.RayError, TimeoutError) as e:  # its leases expire and are reissued
                 log.error("generator %s did not stop cleanly (%s: %s); killing it, its leases will expire",
-                          self.generator_id(i), type(e).__name__, e)
+                          self.generator_id(i), type(e).__name__, _first_line(e))
                 self.removed_metrics["unclean_stops"] = self.removed_metrics.get("unclean_stops", 0.0) + 1
             ray.kill(a, no_restart=True)
         log.info("generator pool: removed %s (size %d)", [self.generator_id(i) for i in indices], self.size)
@@ -144,12 +287,15 @@ class GeneratorPool:
     def metrics(self) -> dict[str, float]:
         """Summed counters and rates, mean fractions, max lag over live generators; `unreachable` counts the silent."""
         self.poll()
-        out: dict[str, float] = {"generators": float(self.running), "generators_starting": float(len(self.starting)),
+        st = self.status()
+        out: dict[str, float] = {"generators": float(self.running), "generators_starting": float(len(st["starting"])),
+                                 "generators_pending": float(len(st["pending"])),
+                                 "generators_restarting": float(len(st["restarting"]) + len(st["respawn"])),
                                  "unreachable": 0.0, **self.removed_metrics}
         per = []
         for i, a in sorted(self.actors.items()):
-            ref = a.metrics.remote()
-            per.append((i, ref))
+            if self.state.get(i) == "running":  # a restarting actor would hold the call until it is back
+                per.append((i, a.metrics.remote()))
         got = []
         for i, ref in per:
             try:
@@ -169,6 +315,39 @@ class GeneratorPool:
                     out[k] = out.get(k, 0.0) + v
         return out
 
-    def shutdown(self) -> None:
-        """Stop every generator (draining its batch in flight) and kill the actors."""
-        self.scale_to(0)
+    def shutdown(self, *, drain: bool = True) -> None:
+        """Stop every generator and kill the actors; nothing is replaced any more.
+
+        `drain=True` finishes each batch in flight; `drain=False` (a signal) returns the leases at once."""
+        self.respawn.clear()
+        for actor, _, _ in self.starting.values():
+            ray.kill(actor, no_restart=True)
+        self.starting.clear()
+        self._remove(sorted(self.actors), drain=drain)
+        self.state.clear()
+
+
+def _gcs_state(actor) -> tuple[str, str]:
+    """(state, why it died) of an actor as Ray's GCS sees it: ALIVE, PENDING_CREATION, RESTARTING, DEAD.
+
+    Ray's public state API (`ray.util.state`) needs the dashboard, which the embedded Ray runs
+    without; the GCS actor table answers directly in about a millisecond."""
+    from ray._private import state
+
+    info = state.actors(actor_id=actor._actor_id.hex())
+    if not info:
+        return "DEAD", "unknown to the cluster"
+    cause = info.get("DeathCause")
+    which = cause.WhichOneof("context") if cause is not None else None
+    why = getattr(getattr(cause, which), "error_message", "") if which else ""
+    why = why.split(" Some common causes")[0]  # Ray's generic advice after the facts
+    return info["State"], " ".join(why.split())[:300]
+
+
+def _first_line(e: BaseException, skip_ray: bool = False) -> str:
+    """A short description of a Ray error: the remote exception's last line (`skip_ray`) or the first."""
+    text = str(e).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return (lines[-1] if skip_ray else lines[0])[:300]

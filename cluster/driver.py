@@ -8,7 +8,13 @@
 
 Generators never wait for the driver: they lease from the buffer and read the weight store on their
 own. A learner-rank or buffer-shard death restarts the run from its last checkpoint (bounded);
-generator deaths are absorbed by Ray restarts and lease expiry.
+generator deaths are absorbed by Ray restarts and lease expiry, and a generator that died for good is
+replaced by the pool (within `generator.replace_budget`).
+
+Liveness (cluster/liveness.py): training starts as soon as one generator runs; while no batch arrives
+the driver says why every `cluster.stall_report_s` and, after `cluster.stall_timeout_s`, checkpoints
+and exits with code 3. SIGTERM / Ctrl-C during training finish the step, checkpoint and stop; during
+start or shutdown (or a second time) they stop at once. Exit codes are listed in cluster/liveness.py.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from cluster.liveness import (
+    EXIT_CONFIG, EXIT_FAILED, EXIT_STALLED, NOTHING_LEFT, RunStopped, StallWatch, check_placement, diagnose,
+    sample_text,
+)
 from common.config import ConfigError, RunConfig, flatten, to_yaml
 from common.messages import TrainingBatch
 
@@ -56,6 +66,8 @@ class Trainer:
         self.cfg, self.run_dir, self.state, self.model_path, self.tracker = cfg, run_dir, state, model_path, tracker
         self.questions = questions
         self.stop_flag = False
+        self.phase = "start"  # start | train | close: what a signal interrupts (see _stop_on_signals)
+        self.interrupted = False  # stopped at once by a signal: no drain, no checkpoint
         self.staleness: Counter[int] = Counter()
         self.components_built = False
         self._pending = None
@@ -72,6 +84,9 @@ class Trainer:
         from learner.weights import ObjectStoreWeightSource
 
         cfg, name, ns = self.cfg, self.run_dir.name, self.cfg.cluster.namespace
+        self._check_placement()  # before any actor starts
+        log.info("starting %d buffer shard(s), %d learner rank(s) and %d generator(s)", cfg.buffer.num_shards,
+                 cfg.learner.num_ranks, self.state.generators)
         live = self.run_dir.path / "buffer-live"  # shards' periodic snapshots (for a shard's own restart)
         if checkpoint is None and live.exists():  # a fresh start must not pick up a dead attempt's shards
             shutil.rmtree(live)
@@ -89,8 +104,26 @@ class Trainer:
         self.generators = GeneratorPool(cfg.generator, cfg.reward, str(self.model_path), self.buffer, weights,
                                         task_name=cfg.data.task if cfg.data.train_path is None else None,
                                         run=name, namespace=ns)
-        self.generators.scale_to(self.state.generators)
+        self.generators.scale_to(self.state.generators, wait=False)  # training starts once one runs
         self.components_built = True
+        now = time.monotonic()
+        self.watch = StallWatch(cfg.cluster.stall_report_s, cfg.cluster.stall_timeout_s, now)
+        self._pool_reported, self._zero_hinted = now, False
+
+    def _check_placement(self) -> None:
+        """Refuse (exit 2) a config whose learner and first generator can never be placed; warn when
+        fewer generators than asked fit (the others wait for resources, reported, and start when they can)."""
+        import ray
+
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        largest = {r: max((n.get(r, 0.0) for n in nodes), default=0.0) for r in ("CPU", "GPU")}
+        p = check_placement(self.cfg.generator, self.cfg.learner, self.state.generators, ray.cluster_resources(),
+                            largest, fixed=self.cfg.cluster.address is None)
+        if p.refuse:
+            raise RunStopped(p.refuse, EXIT_CONFIG, checkpoint=False)
+        if p.warning:
+            log.warning("%s", p.warning)
+
 
     # -------------------------------------------------------------------------------------- loop
 
@@ -131,13 +164,86 @@ class Trainer:
         self._pending = None
 
     def _next_batch(self) -> TrainingBatch | None:
+        """A batch, or None after at most BATCH_WAIT_S; meanwhile heal the generator pool and, while no
+        batch comes, say why (and stop past `cluster.stall_timeout_s`)."""
         t0 = time.monotonic()
         try:
             batch = self.buffer.get_batch(self.learner.version, timeout_s=BATCH_WAIT_S)
         finally:
             self.state.wait_s += time.monotonic() - t0
         self._poll_control()
-        return batch if batch is not None and batch.groups else None
+        self._watch_generators()
+        if batch is not None and batch.groups:
+            self.watch.progress(time.monotonic())
+            self._report_waiting_generators()
+            self._hint_if_all_zero(batch)
+            return batch
+        self._check_stall()
+        return None
+
+    # ---------------------------------------------------------------------------------- liveness
+
+    def _watch_generators(self) -> None:
+        """Adopt started generators and replace dead ones (GeneratorsFailed past the budget); a
+        generator finishing its start counts as progress."""
+        before = self.generators.running
+        self.generators.poll()
+        if self.generators.running > before:
+            self.watch.progress(time.monotonic())
+
+    def _report_waiting_generators(self) -> None:
+        """While batches arrive, generators still waiting for resources or restarting are reported
+        every `stall_report_s` (while none arrive, the stall report says it)."""
+        now = time.monotonic()
+        st = self.generators.status()
+        if (st["pending"] or st["restarting"] or st["respawn"]) and \
+                now - self._pool_reported >= self.cfg.cluster.stall_report_s:
+            self._pool_reported = now
+            log.warning("%s", self.generators.describe())
+
+    def _check_stall(self) -> None:
+        """No batch this time: stop at once when nothing is left to train on; report why every
+        `stall_report_s` (console and stall/* metrics); past `stall_timeout_s` stop with exit code 3."""
+        now = time.monotonic()
+        buf = self.buffer.metrics()
+        nothing_left = self.cfg.buffer.collect and buf.get("retired", 0.0) >= len(self.questions)
+        due, expired = self.watch.report_due(now), self.watch.expired(now)
+        if not (due or expired or nothing_left):
+            return
+        d = diagnose(self.watch.seconds(now), self.state.step, self.cfg.total_steps, self.generators.status(),
+                     self.generators.describe(), buf, self.generators.metrics(), len(self.questions),
+                     self.cfg.reward.name)
+        self.tracker.log_metrics(d.metrics, self.state.step)
+        if d.all_rewards_zero and (not self._zero_hinted or expired):
+            self._zero_hinted = True
+            d.hints.append(sample_text(self.generators.last_sample()))
+        if d.nothing_left:
+            raise RunStopped(f"{NOTHING_LEFT} ({len(self.questions)} questions); use more or harder data "
+                             "(a retired question is never issued again)", EXIT_STALLED)
+        text = d.line + "".join(f"\n  hint: {h}" for h in d.hints)
+        if expired:
+            raise RunStopped(f"stalled: {text}\n  stopping after cluster.stall_timeout_s="
+                             f"{self.cfg.cluster.stall_timeout_s:g}s without progress", EXIT_STALLED)
+        log.warning("%s", text)
+
+    def _hint_if_all_zero(self, batch: TrainingBatch) -> None:
+        """The first batch whose rewards are all 0 names the reward function and shows one response."""
+        if self._zero_hinted or any(r.reward > 0 for g in batch.groups for r in g.rollouts):
+            return
+        self._zero_hinted = True
+        log.warning("every reward in this batch is 0: check that reward.name=%s matches the data's answers and "
+                    "the responses' format; %s", self.cfg.reward.name, sample_text(self.generators.last_sample()))
+
+    def stop_with(self, e: RunStopped) -> None:
+        """Say why the run stops (console, MLflow) and write a checkpoint when it can be written."""
+        log.error("%s", e.message)
+        self.tracker.log_text(e.message + "\n", "stopped.txt")
+        if e.checkpoint and self.components_built and self.phase == "train":
+            try:
+                log.info("writing a checkpoint before stopping")
+                self.checkpoint()
+            except KeyboardInterrupt:
+                log.warning("checkpoint interrupted; the last complete one is %s", self.run_dir.latest_checkpoint())
 
     # ------------------------------------------------------------------------------- checkpoints
 
@@ -229,20 +335,26 @@ class Trainer:
     # ----------------------------------------------------------------------------------- teardown
 
     def close(self) -> None:
+        """Stop every component. After a signal (`interrupted`) generators return their leases instead
+        of finishing their batch, and a further signal abandons the rest to ray.shutdown()."""
         import ray
 
-        for part in ("generators", "learner", "buffer"):
-            obj = getattr(self, part, None)
-            if obj is None:
-                continue
-            try:
-                obj.shutdown()
-            except ray.exceptions.RayError as e:
-                log.warning("shutting down %s: %s", part, str(e).splitlines()[0] if str(e) else type(e).__name__)
-        ctl = getattr(self, "control", None)
-        if ctl is not None:
-            ray.kill(ctl)
-        _wait_names_released(self.run_dir.name, self.cfg.cluster.namespace)
+        self.phase = "close"
+        try:
+            for part in ("generators", "learner", "buffer"):
+                obj = getattr(self, part, None)
+                if obj is None:
+                    continue
+                try:
+                    obj.shutdown(drain=not self.interrupted) if part == "generators" else obj.shutdown()
+                except ray.exceptions.RayError as e:
+                    log.warning("shutting down %s: %s", part, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            ctl = getattr(self, "control", None)
+            if ctl is not None:
+                ray.kill(ctl)
+            _wait_names_released(self.run_dir.name, self.cfg.cluster.namespace, 10.0 if self.interrupted else 60.0)
+        except KeyboardInterrupt:
+            log.warning("shutdown interrupted: the remaining actors end with Ray")
 
 
 def _wait_names_released(run: str, namespace: str, timeout_s: float = 60.0) -> None:
@@ -361,8 +473,13 @@ def train_main(cfg: RunConfig | None, resume: str | None = None) -> int:
 
 
 def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress) -> str:
+    """Build and train, restarting from the last checkpoint after a component failure (bounded).
+
+    Returns FINISHED or KILLED (a signal); raises RunStopped (exit code 1 or 3, after a checkpoint
+    when one can be written) when the run cannot go on."""
     import ray
 
+    from actors.pool import GeneratorsFailed
     from buffer.client import BufferUnavailableError
     from learner.weights import WeightSyncTimeout
 
@@ -372,17 +489,24 @@ def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, pr
     attempts = 0
     while True:
         trainer = Trainer(cfg, run_dir, state, model_path, questions, tracker)
-        previous = signal.getsignal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_flag", True))
+        restore_signals = _stop_on_signals(trainer)
         try:
             trainer.build(run_dir.latest_checkpoint())
+            trainer.phase = "train"
             trainer.run(progress)
             return "KILLED" if trainer.stop_flag else "FINISHED"
         except KeyboardInterrupt:
-            log.warning("interrupted: writing a checkpoint before exiting")
-            if trainer.components_built:
-                trainer.checkpoint()
+            ckpt = run_dir.latest_checkpoint()
+            log.warning("stopped during %s; %s", trainer.phase, f"the last checkpoint is {ckpt}" if ckpt else
+                        "no checkpoint was written yet")
             return "KILLED"
+        except RunStopped as e:
+            trainer.stop_with(e)
+            raise
+        except GeneratorsFailed as e:
+            stop = RunStopped(f"generators keep dying: {e}", EXIT_FAILED)
+            trainer.stop_with(stop)
+            raise stop from None
         except component_failures as e:
             attempts += 1
             if attempts > cfg.cluster.max_restarts:
@@ -393,8 +517,29 @@ def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, pr
                       cfg.cluster.max_restarts)
             state.__dict__.update(_load_driver_state(run_dir).__dict__)
         finally:
-            signal.signal(signal.SIGTERM, previous)
             trainer.close()
+            restore_signals()
+
+
+def _stop_on_signals(trainer: Trainer):
+    """SIGTERM / Ctrl-C: while training, finish the step, checkpoint and stop; during start or shutdown,
+    or a second time, stop at once (KeyboardInterrupt out of whatever waits). Returns a function that
+    puts the previous handlers back."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if trainer.phase == "train" and not trainer.stop_flag:
+            trainer.stop_flag = True
+            log.warning("%s: stopping after the current step, with a checkpoint (again: stop at once)", name)
+            return
+        trainer.interrupted = True
+        log.warning("%s during %s: stopping now", name, trainer.phase)
+        raise KeyboardInterrupt
+
+    for s in previous:
+        signal.signal(s, handler)
+    return lambda: [signal.signal(s, h) for s, h in previous.items()]
 
 
 def _load_driver_state(run_dir) -> DriverState:
@@ -443,7 +588,6 @@ def _load_train_questions(cfg: RunConfig, model_path: Path):
 
 
 def _shutdown_ray() -> None:
-    import ray
+    from cluster.runtime import shutdown_ray
 
-    if ray.is_initialized():
-        ray.shutdown()
+    shutdown_ray()

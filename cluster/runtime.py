@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +42,8 @@ def start_ray(cfg: ClusterConfig, run_dir: Path) -> str:
     else:
         # Unix socket paths are limited to ~107 bytes, so the temp dir stays short (not inside run_dir).
         temp = cfg.temp_dir or tempfile.mkdtemp(prefix="exgrpo-ray-", dir="/tmp")
+        if cfg.temp_dir is None:  # ours: removed by shutdown_ray(), even when ray.init fails
+            _OWNED_TEMP.update(temp=temp, logs=str(run_dir / "logs" / "ray"))
         ctx = ray.init(address="local", num_cpus=cfg.num_cpus, namespace=cfg.namespace, _temp_dir=temp,
                        include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
                        logging_level=logging.WARNING)
@@ -48,6 +51,27 @@ def start_ray(cfg: ClusterConfig, run_dir: Path) -> str:
     address = ctx.address_info.get("gcs_address") or ctx.address_info.get("address") or ""
     (run_dir / "ray_address").write_text(address)
     return address
+
+
+def shutdown_ray() -> None:
+    """Stop this process's Ray (an embedded one ends with it) and remove the temp folder start_ray
+    created, after copying the actors' logs into the run folder's `logs/ray`."""
+    if ray.is_initialized():
+        ray.shutdown()
+    temp, logs = _OWNED_TEMP.pop("temp", None), _OWNED_TEMP.pop("logs", None)
+    if temp is None:
+        return
+    src = Path(temp) / "session_latest" / "logs"
+    if src.is_dir():
+        try:
+            shutil.copytree(src, logs, dirs_exist_ok=True, ignore_dangling_symlinks=True)
+        except (OSError, shutil.Error) as e:  # keep going: the temp folder must not pile up in /tmp
+            log.warning("could not copy Ray's logs from %s to %s: %s", src, logs, e)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+_OWNED_TEMP: dict[str, str] = {}
+"""The embedded Ray's temp folder created by start_ray (`temp`) and where its logs go (`logs`)."""
 
 
 # ------------------------------------------------------------------------------------------- runs

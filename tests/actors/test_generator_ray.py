@@ -6,6 +6,8 @@ in test_vllm_engine.py and the vLLM actor path in test_generator_vllm.py.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.generator import Generator, actor_options
-from actors.pool import GeneratorPool
+from actors.pool import GeneratorPool, GeneratorsFailed
 from common.config import (BufferConfig, DataConfig, GeneratorConfig, ObjectStoreSyncConfig, RewardConfig,
                            TransformersEngineConfig)
 from common.data import load_questions
@@ -163,6 +165,63 @@ def test_pool_scales_1_3_1_without_losing_work(ray_cluster, tiny_model_dir):
     assert acc["trained"] == trained
     submitted = m["removed_groups"]
     assert acc["issued"] == submitted == acc["trained"] + acc["ready"] + acc["stale_dropped"] + acc["zero_signal"]
+    buffer.shutdown()
+
+
+def _kill_process(actor, restarts: int = 0) -> None:
+    """kill -9 the actor's worker process once it is up after `restarts` restarts (pid from Ray's GCS)."""
+    from ray._private import state
+
+    def pid():
+        info = state.actors(actor_id=actor._actor_id.hex())
+        return info["State"] == "ALIVE" and info["NumRestarts"] == restarts and info["Pid"]
+
+    os.kill(wait_until(pid, 300, f"the actor process after {restarts} restarts"), signal.SIGKILL)
+
+
+def test_pool_replaces_a_generator_whose_restarts_are_exhausted(ray_cluster, tiny_model_dir):
+    run = "heal"
+    buffer = make_buffer(tiny_model_dir, run, lease_timeout_s=3.0)
+    cfg = GEN_CFG.model_copy(update={"max_restarts": 1, "replace_budget": 1, "replace_window_s": 3600})
+    pool = GeneratorPool(cfg, REWARD_CFG, str(tiny_model_dir), buffer, _NoWeights(), task_name="arithmetic", run=run)
+    pool.scale_to(1)
+    first = pool.actors[0]
+    _kill_process(first, restarts=0)  # Ray restarts it: not a death
+    _kill_process(first, restarts=1)  # restarts used up: dead for good
+
+    def replaced():
+        pool.poll()
+        return 0 in pool.actors and pool.actors[0]._actor_id != first._actor_id and pool.running == 1
+    wait_until(replaced, 300, "the pool to replace the dead generator")
+    assert pool.removed_metrics["deaths"] == 1 and pool.removed_metrics["replacements"] == 1
+    assert "died" in pool.last_error[actor_name(run, "generator", 0)]
+    batch = buffer.get_batch(0, timeout_s=120)  # the replacement leases and submits
+    assert batch is not None and len(batch.groups) == 8
+
+    second = pool.actors[0]
+    _kill_process(second, restarts=0)
+    _kill_process(second, restarts=1)
+    with pytest.raises(GeneratorsFailed, match=r"2 generator deaths within 3600s, more than "
+                                               r"generator.replace_budget=1(.|\n)*heal/generator-0: "):
+        wait_until(lambda: pool.poll(), 120, "the second death")
+    pool.shutdown()
+    acc = buffer.accounting()  # the dead generators' leases are still outstanding until they expire
+    assert acc["balance"] == 0 and acc["late_submissions"] == 0, acc
+    buffer.shutdown()
+
+
+def test_failed_starts_are_deaths_replaced_until_the_budget_is_spent(ray_cluster, tiny_model_dir, tmp_path):
+    run = "badstart"
+    buffer = make_buffer(tiny_model_dir, run)
+    cfg = GEN_CFG.model_copy(update={"replace_budget": 2})
+    pool = GeneratorPool(cfg, REWARD_CFG, str(tmp_path / "no-model"), buffer, _NoWeights(), task_name="arithmetic",
+                         run=run)
+    pool.scale_to(1, wait=False)
+    with pytest.raises(GeneratorsFailed) as e:
+        wait_until(lambda: pool.poll(), 300, "the replacement budget to run out")
+    assert pool.removed_metrics["deaths"] == 3 and pool.removed_metrics["replacements"] == 2
+    assert "badstart/generator-0: start failed:" in str(e.value) and "no-model" in str(e.value)
+    pool.shutdown()
     buffer.shutdown()
 
 

@@ -82,3 +82,11 @@ def tail_check(response: str, answer: str) -> float:
 
 
 not_callable = 3
+
+
+def zero(response: str, answer: str) -> float:
+    return 0.0
+
+
+def one(response: str, answer: str) -> float:
+    return 1.0

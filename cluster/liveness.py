@@ -1,0 +1,211 @@
+"""Liveness: the driver never waits without saying why (DESIGN.md §3 "Liveness").
+
+    placement = check_placement(cfg.generator, cfg.learner, n, totals, largest_node, fixed=embedded)
+    if placement.refuse: stop with exit code 2 before any actor starts
+    watch = StallWatch(cfg.cluster.stall_report_s, cfg.cluster.stall_timeout_s, now)
+    ... every loop iteration without a batch:
+    if watch.report_due(now): d = diagnose(...); log d.line and d.hints; log d.metrics (stall/*)
+    if watch.expired(now): checkpoint, exit 3 with the diagnosis
+    watch.progress(now)   # on a learner step, or a generator finishing its start
+
+Pure functions over plain numbers (no Ray): the driver collects the numbers (ray resources, the
+generator pool's states, the buffer's and the generators' counters) and these decide and explain.
+
+Exit codes of `exgrpo train`:
+    0  finished, or stopped by SIGTERM / Ctrl-C (a checkpoint is written when one can be)
+    1  a component failed past its restarts or the generator replacement budget
+    2  refused before anything started (invalid config, data or model; cannot be placed on the cluster)
+    3  no progress: no learner step within cluster.stall_timeout_s (a checkpoint is written), or
+       nothing left to train on (every training question is retired)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_STALLED = 3
+
+RESOURCES = ("CPU", "GPU")
+
+
+class RunStopped(SystemExit):
+    """The run stops with exit code `code` (EXIT_*), after the driver's cleanup ran; `message` says why
+    and what to change. A SystemExit so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, message: str, code: int, *, checkpoint: bool = True):
+        super().__init__(code)
+        self.message, self.checkpoint = message, checkpoint
+
+
+# ------------------------------------------------------------------------------------- placement
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the cluster can place: `refuse` (never runs here), `warning` (fewer generators than asked)."""
+
+    fit: int
+    refuse: str | None = None
+    warning: str | None = None
+
+
+def check_placement(gen, learner, num_generators: int, total: dict[str, float], largest_node: dict[str, float],
+                    *, fixed: bool) -> Placement:
+    """Can the learner and at least one generator ever be placed? How many generators fit now?
+
+    `gen`/`learner`: GeneratorConfig / LearnerConfig (num_cpus, num_gpus, num_ranks). `total`: the
+    cluster's resources; `largest_node`: the most of each resource on one node. `fixed`: the cluster
+    cannot grow (an embedded Ray); a joined cluster may get nodes from an autoscaler, so what does not
+    fit is a warning there, not a refusal."""
+    problems, fit = [], num_generators
+    for r in RESOURCES:
+        key = r.lower()
+        g, per_rank = getattr(gen, f"num_{key}s"), getattr(learner, f"num_{key}s")
+        lrn, have, node = learner.num_ranks * per_rank, total.get(r, 0.0), largest_node.get(r, 0.0)
+        if g + lrn > have + 1e-9:
+            problems.append(_too_big(r, g, per_rank, learner.num_ranks, have))
+        elif g > node + 1e-9 or per_rank > node + 1e-9:
+            problems.append(f"a generator needs {g:g} {r} (generator.num_{key}s) and a learner rank {per_rank:g} "
+                            f"(learner.num_{key}s) on one node; the largest node has {node:g} {r}")
+        elif g > 0:
+            fit = min(fit, int((have - lrn + 1e-9) // g))
+    if problems:
+        text = "; ".join(problems)
+        if fixed:
+            return Placement(fit=0, refuse=f"this configuration can never be placed on the cluster: {text}")
+        return Placement(fit=0, warning=f"the cluster cannot place the learner and one generator yet ({text}); "
+                                         "waiting for nodes to join")
+    if fit >= num_generators:
+        return Placement(fit=num_generators)
+    return Placement(fit=fit, warning=_fewer_fit(gen, learner, num_generators, fit, total))
+
+
+def _too_big(r: str, g: float, per_rank: float, ranks: int, have: float) -> str:
+    key = r.lower()
+    more = " (cluster.num_cpus)" if r == "CPU" else ""
+    need = f"one generator (generator.num_{key}s={g:g}) and the learner (learner.num_ranks={ranks} x " \
+           f"learner.num_{key}s={per_rank:g}) need {g + ranks * per_rank:g} {r}; the cluster has {have:g} {r}"
+    if have <= 0:
+        return f"{need}: set generator.num_{key}s=0 and learner.num_{key}s=0, or run on a cluster with {r}s"
+    if have > ranks * per_rank:
+        return f"{need}: set generator.num_{key}s={_nice(have - ranks * per_rank)}, or give Ray more {r}s{more}"
+    share = _nice(have / (ranks + 1))
+    return f"{need}: set learner.num_{key}s={share} and generator.num_{key}s={share}, or give Ray more {r}s{more}"
+
+
+def _fewer_fit(gen, learner, n: int, fit: int, total: dict[str, float]) -> str:
+    parts = []
+    for r in RESOURCES:
+        key = r.lower()
+        g, lrn = getattr(gen, f"num_{key}s"), learner.num_ranks * getattr(learner, f"num_{key}s")
+        if g > 0 and n * g + lrn > total.get(r, 0.0) + 1e-9:
+            per = _nice((total.get(r, 0.0) - lrn) / n)
+            parts.append(f"generator.num_generators={n} needs {n * g:g} {r} + the learner {lrn:g} {r} = "
+                         f"{n * g + lrn:g} {r}, the cluster has {total.get(r, 0.0):g} {r} "
+                         f"(set generator.num_{key}s={per} to run all {n})")
+    return (f"{'; '.join(parts)}: starting with the {fit} generator{'s' if fit != 1 else ''} that fit; the other "
+            f"{n - fit} wait{'s' if n - fit == 1 else ''} for resources (reported while they wait; lower "
+            f"generator.num_generators to {fit} to silence this)")
+
+
+def _nice(x: float) -> str:
+    """A resource amount rounded down to a tenth, at least 0.1 (what to suggest to the user)."""
+    return f"{max(0.1, math.floor(x * 10 + 1e-9) / 10):g}"
+
+
+# ----------------------------------------------------------------------------------------- stalls
+
+
+class StallWatch:
+    """Times the wait for progress: when to report, when to give up (`timeout_s` 0: never)."""
+
+    def __init__(self, report_every_s: float, timeout_s: float, now: float):
+        self.report_every_s, self.timeout_s = report_every_s, timeout_s
+        self.since = self.last_report = now
+
+    def progress(self, now: float) -> None:
+        self.since = self.last_report = now
+
+    def seconds(self, now: float) -> float:
+        return now - self.since
+
+    def report_due(self, now: float) -> bool:
+        if now - self.last_report < self.report_every_s:
+            return False
+        self.last_report = now
+        return True
+
+    def expired(self, now: float) -> bool:
+        return self.timeout_s > 0 and now - self.since >= self.timeout_s
+
+
+@dataclass
+class Diagnosis:
+    """Why no batch arrives: one line for the console, hints (what to change), stall/* metrics."""
+
+    line: str
+    hints: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    nothing_left: bool = False  # every training question is retired: waiting cannot help
+    all_rewards_zero: bool = False
+
+
+NOTHING_LEFT = "every training question is retired (solved in all K samples): nothing left to train on"
+
+
+def diagnose(seconds: float, step: int, total_steps: int, pool: dict[str, list[str]], pool_line: str,
+             buf: dict[str, float], gen: dict[str, float], n_questions: int, reward_name: str) -> Diagnosis:
+    """Explain a wait from numbers: `pool` is GeneratorPool.status(), `pool_line` its describe(),
+    `buf` BufferClient.metrics(), `gen` GeneratorPool.metrics() (counters summed over generators)."""
+    def b(key: str) -> float:
+        return float(buf.get(key, 0.0))
+
+    ready = b("ready_fresh") + b("ready_mixed")
+    dropped = {"zero-signal": b("zero_signal"), "stale": b("stale_dropped"), "rejected": b("rejected"),
+               "expired leases": b("expired")}
+    reward_errors, rollouts, rewarded = gen.get("reward_errors", 0.0), gen.get("rollouts", 0.0), gen.get("rewarded")
+    line = (f"no learner step for {seconds:.0f}s (step {step}/{total_steps}): {pool_line}; "
+            f"leases outstanding {b('leases_outstanding'):.0f}, ready groups {ready:.0f}, "
+            f"groups accepted {b('accepted'):.0f}; dropped so far: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in dropped.items())
+            + f"; reward errors {reward_errors:.0f}; retired {b('retired'):.0f}/{n_questions}")
+    d = Diagnosis(line=line)
+    d.metrics = {"stall/seconds": seconds, "stall/ready_groups": ready, "stall/reward_errors": reward_errors,
+                 "stall/leases_outstanding": b("leases_outstanding"), "stall/zero_signal": b("zero_signal"),
+                 "stall/stale_dropped": b("stale_dropped"), "stall/rejected": b("rejected"),
+                 "stall/expired": b("expired"), "stall/retired": b("retired")}
+    for state, ids in pool.items():
+        d.metrics[f"stall/generators_{state}"] = float(len(ids))
+    if n_questions and b("retired") >= n_questions:
+        d.nothing_left = True
+        d.hints.append(NOTHING_LEFT)
+    if not any(pool.values()):
+        d.hints.append("no generator is running or starting (scaled to 0? `exgrpo scale --generators N`)")
+    elif pool.get("pending") and not any(pool.get(k) for k in ("running", "starting", "restarting")):
+        d.hints.append("no generator could be placed yet: free the resources above or lower generator.num_cpus / "
+                       "generator.num_gpus")
+    if rollouts > 0 and rewarded == 0:
+        d.all_rewards_zero = True
+        d.hints.append(f"every reward so far is 0 ({rollouts:.0f} rollouts): check that reward.name={reward_name} "
+                       "matches the data's answer field and the responses' format")
+    elif b("zero_signal") > 0 and b("accepted") == 0:
+        d.hints.append(f"every group so far got equal rewards in all K samples (zero signal, {b('zero_signal'):.0f} "
+                       "dropped): the questions are all too hard or all too easy for this model")
+    if b("stale_dropped") > 0 and b("stale_dropped") >= b("accepted"):
+        d.hints.append("most groups arrive older than buffer.max_lag: raise buffer.max_lag or add generators")
+    if reward_errors > 0:
+        d.hints.append(f"the reward function failed {reward_errors:.0f} times (errors score 0; see the generator logs)")
+    return d
+
+
+def sample_text(sample: dict | None, limit: int = 300) -> str:
+    """One scored sample (GeneratorPool.last_sample()) as a short hint line."""
+    if not sample:
+        return "no sample response available yet"
+    resp = sample["response"] if len(sample["response"]) <= limit else sample["response"][:limit] + "..."
+    err = f" (reward error: {sample['error']})" if sample.get("error") else ""
+    return (f"a sample: question {sample['question_id']}, reference answer {sample['answer'][:limit]!r}, "
+            f"response {resp!r} scored {sample['reward']:g}{err}")

@@ -1,0 +1,98 @@
+"""Liveness decisions as pure functions: placement refusals and warnings, stall timing, diagnoses."""
+
+from __future__ import annotations
+
+from cluster.liveness import NOTHING_LEFT, StallWatch, check_placement, diagnose, sample_text
+from common.config import GeneratorConfig, LearnerConfig
+
+GEN, LEARNER = GeneratorConfig(), LearnerConfig()  # 1 CPU per generator, 1 learner rank of 1 CPU
+
+
+def _place(n: int, cpus: float, gpus: float = 0.0, gen=GEN, learner=LEARNER, fixed: bool = True):
+    total = {"CPU": cpus, "GPU": gpus}
+    return check_placement(gen, learner, n, total, total, fixed=fixed)
+
+
+def test_everything_fits():
+    p = _place(2, 4)
+    assert (p.fit, p.refuse, p.warning) == (2, None, None)
+
+
+def test_more_generators_than_fit_start_with_what_fits_and_say_so():
+    p = _place(2, 2)  # learner 1 CPU + 2 generators x 1 CPU = 3 > 2
+    assert p.fit == 1 and p.refuse is None
+    assert "generator.num_generators=2 needs 2 CPU + the learner 1 CPU = 3 CPU, the cluster has 2 CPU" in p.warning
+    assert "generator.num_cpus=0.5" in p.warning and "starting with the 1 generator that fit" in p.warning
+
+
+def test_not_even_one_generator_and_the_learner_fit_is_refused_with_what_to_change():
+    p = _place(1, 1)
+    assert p.fit == 0 and p.warning is None
+    assert "one generator (generator.num_cpus=1) and the learner (learner.num_ranks=1 x learner.num_cpus=1) " \
+           "need 2 CPU; the cluster has 1 CPU" in p.refuse
+    assert "learner.num_cpus=0.5 and generator.num_cpus=0.5" in p.refuse  # 1 CPU shared by 2 processes
+
+
+def test_gpus_asked_on_a_cluster_without_gpus_are_refused():
+    p = _place(1, 8, gen=GeneratorConfig(num_gpus=1))
+    assert "the cluster has 0 GPU: set generator.num_gpus=0 and learner.num_gpus=0" in p.refuse
+
+
+def test_a_generator_larger_than_any_node_is_refused():
+    gen = GeneratorConfig(num_cpus=4)
+    p = check_placement(gen, LEARNER, 1, {"CPU": 8}, {"CPU": 2}, fixed=True)
+    assert "a generator needs 4 CPU" in p.refuse and "the largest node has 2 CPU" in p.refuse
+
+
+def test_a_joined_cluster_may_grow_so_it_is_a_warning_there():
+    p = _place(1, 1, fixed=False)
+    assert p.refuse is None and p.fit == 0 and "waiting for nodes to join" in p.warning
+
+
+def test_stall_watch_reports_every_n_seconds_and_expires_without_progress():
+    w = StallWatch(report_every_s=30, timeout_s=100, now=0)
+    assert not w.report_due(10) and w.report_due(31) and not w.report_due(40) and w.report_due(61)
+    assert not w.expired(99) and w.expired(100)
+    w.progress(90)
+    assert w.seconds(120) == 30 and not w.expired(189) and not w.report_due(119)
+    assert not StallWatch(30, 0, now=0).expired(10**9)  # 0: never give up
+
+
+POOL = {"running": ["r/generator-0"], "restarting": [], "starting": [], "pending": ["r/generator-1"], "respawn": []}
+
+
+def test_diagnosis_names_generators_leases_and_drops():
+    buf = {"leases_outstanding": 8, "ready_fresh": 3, "ready_mixed": 1, "accepted": 4, "zero_signal": 40,
+           "stale_dropped": 2, "rejected": 1, "expired": 5, "retired": 7}
+    gen = {"reward_errors": 0, "rollouts": 400, "rewarded": 30}
+    d = diagnose(95, 3, 10, POOL, "generators: 1 running, 1 pending", buf, gen, 100, "countdown")
+    assert d.line.startswith("no learner step for 95s (step 3/10): generators: 1 running, 1 pending")
+    assert "leases outstanding 8, ready groups 4" in d.line
+    assert "zero-signal 40, stale 2, rejected 1, expired leases 5" in d.line and "retired 7/100" in d.line
+    assert d.metrics["stall/generators_pending"] == 1 and d.metrics["stall/zero_signal"] == 40
+    assert d.metrics["stall/seconds"] == 95 and not d.nothing_left and not d.all_rewards_zero
+
+
+def test_all_zero_rewards_name_the_reward_function():
+    gen = {"reward_errors": 0, "rollouts": 64, "rewarded": 0}
+    d = diagnose(30, 0, 10, POOL, "", {"zero_signal": 8}, gen, 100, "countdown")
+    assert d.all_rewards_zero and any("every reward so far is 0 (64 rollouts)" in h and "reward.name=countdown" in h
+                                      for h in d.hints)
+
+
+def test_every_question_retired_means_nothing_left():
+    d = diagnose(3, 5, 10, POOL, "", {"retired": 100, "zero_signal": 90}, {"rollouts": 800, "rewarded": 800}, 100, "x")
+    assert d.nothing_left and NOTHING_LEFT in d.hints
+
+
+def test_no_generator_at_all_is_said():
+    empty = {k: [] for k in POOL}
+    d = diagnose(30, 0, 10, empty, "generators: none", {}, {}, 100, "x")
+    assert any("no generator is running or starting" in h for h in d.hints)
+
+
+def test_sample_text_shows_question_answer_response_and_reward():
+    s = {"question_id": "q7", "answer": "42", "response": "x" * 400, "reward": 0.0, "error": None}
+    text = sample_text(s, limit=10)
+    assert text == "a sample: question q7, reference answer '42', response 'xxxxxxxxxx...' scored 0"
+    assert sample_text(None) == "no sample response available yet"

@@ -1,0 +1,82 @@
+"""Every hang a user met, reproduced with `exgrpo train` as a user runs it: each now ends with a message
+that says why and an exit code (cluster/liveness.py lists them). One short run each."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.runs import mlflow_client, read_log, run_train, state, train_process, wait_for
+
+pytestmark = pytest.mark.slow
+
+FNS = "tests.common.reward_fns"
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+def _metrics(runs_root: Path, name: str) -> dict[str, float]:
+    return mlflow_client(runs_root).get_run(state(runs_root / name)["mlflow_run_id"]).data.metrics
+
+
+def test_more_generators_than_cpus_start_with_what_fits_and_report_the_rest(runs_root):
+    """Before: the second generator waited for a CPU that never came, and the driver waited for it, silently."""
+    r = run_train(runs_root, "two-gens", "generator.num_generators=2", "cluster.num_cpus=2", "total_steps=2",
+                  "cluster.stall_report_s=5", "checkpoint.every_steps=0")
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "generator.num_generators=2 needs 2 CPU + the learner 1 CPU = 3 CPU, the cluster has 2 CPU" in r.stdout
+    assert "1 pending (each needs 1 CPU; the cluster has 0 CPU free)" in r.stdout
+    assert "step 2/2" in r.stdout
+
+
+def test_a_config_that_can_never_be_placed_is_refused_with_what_to_change(runs_root):
+    r = run_train(runs_root, "one-cpu", "cluster.num_cpus=1", "total_steps=2")
+    assert r.returncode == 2, r.stdout[-4000:]
+    assert "this configuration can never be placed on the cluster: one generator (generator.num_cpus=1) and the " \
+           "learner (learner.num_ranks=1 x learner.num_cpus=1) need 2 CPU; the cluster has 1 CPU: set " \
+           "learner.num_cpus=0.5 and generator.num_cpus=0.5" in r.stdout
+    assert "Traceback" not in r.stdout and "starting 1 buffer shard" not in r.stdout  # nothing was started
+
+
+def test_all_zero_rewards_stall_names_the_reward_and_a_sample_then_stops(runs_root):
+    """Before: zero-signal groups were dropped forever with no line and no metric."""
+    r = run_train(runs_root, "zero", f"reward.name={FNS}:zero", "buffer.drop_zero_signal=true", "total_steps=2",
+                  "cluster.stall_report_s=10", "cluster.stall_timeout_s=30")
+    assert r.returncode == 3, r.stdout[-4000:]
+    assert "stalled: no learner step for" in r.stdout and "dropped so far: zero-signal" in r.stdout
+    assert "every reward so far is 0" in r.stdout and f"reward.name={FNS}:zero" in r.stdout
+    assert "a sample: question" in r.stdout and "scored 0" in r.stdout
+    assert "stopping after cluster.stall_timeout_s=30s without progress" in r.stdout
+    m = _metrics(runs_root, "zero")
+    assert m["stall/seconds"] >= 10 and m["stall/zero_signal"] > 0 and m["stall/generators_running"] == 1
+    assert state(runs_root / "zero")["checkpoints"], "a stalled run writes a checkpoint before it stops"
+
+
+def test_every_question_retired_stops_at_once(runs_root):
+    data = runs_root / "tiny.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i} {i + 1} -> {2 * i + 1}",
+                                        "answer": str(2 * i + 1)}) + "\n" for i in range(16)))
+    r = run_train(runs_root, "retired", f"reward.name={FNS}:one", f"data.train_path={data}", "total_steps=50",
+                  "cluster.stall_timeout_s=0")
+    assert r.returncode == 3, r.stdout[-4000:]
+    assert "every training question is retired (solved in all K samples): nothing left to train on (16 " \
+           "questions)" in r.stdout
+    assert _metrics(runs_root, "retired")["stall/retired"] == 16
+
+
+def test_sigterm_during_start_stops_the_run(runs_root):
+    """Before: the handler only set a flag that the training loop, not yet running, would check."""
+    with train_process(runs_root, "term", "total_steps=2") as p:
+        wait_for(lambda: "starting 1 buffer shard" in read_log(runs_root, "term") or p.poll() is not None, 300,
+                 "the start of the components")
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(120)
+    log = read_log(runs_root, "term")
+    assert rc == 0, log[-4000:]
+    assert "SIGTERM during start: stopping now" in log and "Traceback" not in log
