@@ -331,9 +331,13 @@ def _gcs_state(actor) -> tuple[str, str]:
     """(state, why it died) of an actor as Ray's GCS sees it: ALIVE, PENDING_CREATION, RESTARTING, DEAD.
 
     Ray's public state API (`ray.util.state`) needs the dashboard, which the embedded Ray runs
-    without; the GCS actor table answers directly in about a millisecond."""
+    without; the GCS actor table answers directly in about a millisecond. Through Ray Client
+    (`ray://`) there is no GCS table in this process: the actor is asked instead."""
     from ray._private import state
+    from ray.util.client import ray as client
 
+    if client.is_connected():
+        return _probe(actor)
     info = state.actors(actor_id=actor._actor_id.hex())
     if not info:
         return "DEAD", "unknown to the cluster"
@@ -342,6 +346,19 @@ def _gcs_state(actor) -> tuple[str, str]:
     why = getattr(getattr(cause, which), "error_message", "") if which else ""
     why = why.split(" Some common causes")[0]  # Ray's generic advice after the facts
     return info["State"], " ".join(why.split())[:300]
+
+
+def _probe(actor, timeout_s: float = 2.0) -> tuple[str, str]:
+    """The state of an actor from a ping (Ray Client): a pending or loading one looks RESTARTING."""
+    try:
+        ray.get(actor.ping.remote(), timeout=timeout_s)
+    except ray.exceptions.ActorDiedError as e:
+        return "DEAD", _first_line(e)
+    except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        return "RESTARTING", ""
+    except ray.exceptions.RayTaskError as e:  # ping() raises once the loop crashed; the process exits next
+        return "RESTARTING", _first_line(e, skip_ray=True)
+    return "ALIVE", ""
 
 
 def _first_line(e: BaseException, skip_ray: bool = False) -> str:

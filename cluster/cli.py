@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -13,7 +14,8 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train with ExGRPO (no arguments: the built-in task on this machine)")
     t.add_argument("config", nargs="?", help="YAML config file (optional)")
     t.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. buffer.max_lag=0")
-    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest usable checkpoint; "
+                   "key=value overrides may change total_steps, checkpointing, tracking and resources only")
 
     c = sub.add_parser("config", help="print the resolved config as YAML")
     c.add_argument("config", nargs="?", help="YAML config file (optional)")
@@ -28,40 +30,130 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True, help="Hugging Face model folder")
     e.add_argument("--task", choices=["countdown", "arithmetic"], help="built-in task (default: the config's)")
     e.add_argument("--data", help="JSONL/Parquet test file (instead of a built-in task)")
-    e.add_argument("--samples", type=int, default=8, help="samples per question for pass@k")
-    e.add_argument("--limit", type=int, default=None, help="evaluate at most this many questions")
+    e.add_argument("--samples", type=_positive, default=8, help="samples per question for pass@k")
+    e.add_argument("--limit", type=_positive, default=None, help="evaluate at most this many questions")
     e.add_argument("config", nargs="?", help="YAML config file (optional)")
     e.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
 
+    x = sub.add_parser("experiment", help="variants x seeds at an equal rollout budget: a table and a plot")
+    x.add_argument("spec", help="experiment spec YAML, or a bundled spec name (ablations)")
+    x.add_argument("--runs-root", default="runs", help="parent of the run folders and of the MLflow store")
+    x.add_argument("--jobs", type=_positive, default=1, help="runs at a time (each is an `exgrpo train`)")
+    x.add_argument("--rerun", action="store_true", help="rerun variants that already finished")
+
     s = sub.add_parser("scale", help="change the number of generator actors of a running job")
-    s.add_argument("--generators", type=int, required=True, help="target number of generators")
+    s.add_argument("--generators", type=_non_negative, required=True, help="target number of generators")
     s.add_argument("--run", required=True, help="run name (as printed by `exgrpo train`)")
-    s.add_argument("--address", default="auto", help="Ray address of the running job")
+    s.add_argument("--address", default=None,
+                   help="Ray address of the running job (default: the one in its run folder, else auto)")
     s.add_argument("--namespace", default="exgrpo", help="Ray namespace of the run")
     s.add_argument("--runs-root", default="runs", help="parent of run folders (to find the run's Ray address)")
     return p
 
 
+def _positive(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def _non_negative(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < low:
+        raise argparse.ArgumentTypeError(f"{n} is less than {low}")
+    return n
+
+
 def _split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
-    """argparse cannot tell `train a=b` (no file) from `train file.yaml`; a token with `=` is an override."""
+    """argparse cannot tell `train a=b` (no file) from `train file.yaml`: a first token without `=` is the
+    config file unless it reads as a dotted key. Tokens that are not key=value raise ConfigError with the
+    override they were probably meant to be (`buffer.group_size 8` -> `buffer.group_size=8`)."""
+    from common.config import ConfigError
+
     items = ([args.config] if args.config else []) + list(args.overrides)
     path = None
-    if items and "=" not in items[0]:
+    if items and "=" not in items[0] and not _reads_as_key(items[0]):
         path, items = items[0], items[1:]
+    problems = _not_overrides(items)
+    if problems:
+        if path is not None and not Path(path).is_file():
+            problems.insert(0, f"{path}: is a folder; pass a YAML config file" if Path(path).is_dir()
+                            else f"{path}: config file not found")
+        raise ConfigError(problems)
     return path, items
+
+
+def _reads_as_key(token: str) -> bool:
+    """`buffer.group_size` or `total_steps`, not an existing file nor a `.yaml` path."""
+    if Path(token).exists() or token.endswith((".yaml", ".yml", ".json")):
+        return False
+    return all(part.isidentifier() for part in token.split("."))
+
+
+def _not_overrides(items: list[str]) -> list[str]:
+    """One problem per token that is not key=value, naming the override it was probably meant to be."""
+    from common.config import RunConfig
+
+    problems, i = [], 0
+    while i < len(items):
+        tok, nxt, after = (items[i:i + 3] + [None, None])[:3]
+        if "=" in tok and not tok.endswith("=") and not tok.startswith("="):
+            i += 1
+            continue
+        if tok.endswith("=") and nxt is not None and "=" not in nxt:  # `key= 8`
+            guess, i = tok + nxt, i + 2
+        elif nxt == "=" and after is not None and tok and "=" not in tok:  # `key = 8`
+            guess, i = f"{tok}={after}", i + 3
+        elif nxt is not None and nxt.startswith("=") and "=" not in tok:  # `key =8`
+            guess, i = tok + nxt, i + 2
+        elif nxt is not None and "=" not in tok and "=" not in nxt:  # `key 8`
+            guess, i = f"{tok}={nxt}", i + 2
+        elif "=" not in tok and tok.split(".")[0] in RunConfig.model_fields:  # `key` alone
+            guess, i = f"{tok}=<value>", i + 1
+        else:  # `=8`, `key=` with nothing after, or a word that is neither a file nor a field
+            why = "no value after '=' (write null for none)" if tok.endswith("=") and tok != "=" else (
+                "not a config file that exists, nor an override" if "=" not in tok else "no key before '='")
+            problems.append(f"{tok}: an override is written key=value, e.g. buffer.group_size=8 ({why})")
+            i += 1
+            continue
+        problems.append(f"overrides are written key=value: did you mean {guess}?")
+    return problems
 
 
 def _load(args: argparse.Namespace):
     from common.config import ConfigError, load_config
 
-    path, overrides = _split_config_args(args)
     try:
+        path, overrides = _split_config_args(args)
         return load_config(path, overrides)
     except ConfigError as e:
-        print("invalid configuration:", file=sys.stderr)
-        for line in e.lines:
-            print(f"  {line}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _exit_invalid(e)
+
+
+def _exit_invalid(e) -> None:
+    print("invalid configuration:", file=sys.stderr)
+    for line in e.lines:
+        print(f"  {line}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
+def _resume_overrides(args: argparse.Namespace) -> list[str]:
+    """`train --resume RUN key=value ...`: the run's own config.yaml is the base, so no config file."""
+    from common.config import ConfigError
+
+    try:
+        path, overrides = _split_config_args(args)
+    except ConfigError as e:
+        _exit_invalid(e)
+    if path is not None:
+        _exit_invalid(ConfigError([f"{path}: --resume continues with the run's own config.yaml; pass only "
+                                   "key=value overrides (see `exgrpo train --help`)"]))
+    return overrides
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,11 +175,17 @@ def main(argv: list[str] | None = None) -> int:
         use_token_auth_when_connecting()  # joining cluster.address needs it; an embedded Ray sets it anyway
         from cluster.driver import train_main
 
-        return train_main(None if args.resume else _load(args), resume=args.resume)
+        if args.resume:
+            return train_main(None, resume=args.resume, overrides=_resume_overrides(args))
+        return train_main(_load(args))
     if args.command == "eval":
         from cluster.evaluate import eval_main
 
         return eval_main(args, _load(args))
+    if args.command == "experiment":
+        from cluster.experiment import experiment_main
+
+        return experiment_main(args.spec, args.runs_root, args.jobs, args.rerun)
     if args.command == "scale":
         from cluster.scale import scale_main
 

@@ -10,17 +10,19 @@ from pathlib import Path
 NOISY_LOGGERS = ("ray", "vllm", "transformers", "mlflow", "alembic", "urllib3", "filelock", "torch")
 
 
-def setup_logging(log_dir: Path, level: int = logging.INFO) -> None:
-    """Our INFO lines to the console; everything (ours and libraries') at DEBUG to logs/driver.log."""
-    log_dir.mkdir(parents=True, exist_ok=True)
+def setup_logging(log_dir: Path | None, level: int = logging.INFO) -> None:
+    """Our INFO lines to the console; everything (ours and libraries') at DEBUG to logs/driver.log
+    (console only while `log_dir` is None: before the run folder exists)."""
     root = logging.getLogger()
     root.setLevel(logging.DEBUG)
     for h in list(root.handlers):
         root.removeHandler(h)
-    fh = logging.FileHandler(log_dir / "driver.log")
-    fh.setLevel(logging.DEBUG)
-    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(fh)
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(log_dir / "driver.log")
+        fh.setLevel(logging.DEBUG)
+        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(fh)
     ch = logging.StreamHandler(sys.stderr)
     ch.setLevel(level)
     ch.setFormatter(logging.Formatter("[exgrpo] %(message)s"))
@@ -53,7 +55,8 @@ class Progress:
         return (f"reward {m.get('train/reward_mean', 0):.2f}  acc {m.get('train/accuracy_fresh', 0):.2f}  "
                 f"{m.get('generator/rollouts_per_s', 0):.0f} rollouts/s  "
                 f"buffer {int(m.get('buffer/stored_trajectories', 0))}  "
-                f"lag {m.get('staleness/mean', 0):.1f}  replay {m.get('train/replay_fraction', 0):.2f}")
+                f"lag {m.get('staleness/mean', 0):.1f}  replay {m.get('train/replay_fraction', 0):.2f}"
+                + (f"  eval pass@1 {m['eval/pass_at_1']:.3f}" if "eval/pass_at_1" in m else ""))
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
         info = self.describe(metrics)

@@ -57,6 +57,7 @@ class DriverState:
     wait_s: float = 0.0
     train_s: float = 0.0
     accounting: dict[str, int] = field(default_factory=dict)  # the buffer's counts at this checkpoint
+    rollouts: int = 0  # generated (fresh) rollouts trained so far: the budget `total_rollouts` counts
 
 
 class Trainer:
@@ -70,6 +71,7 @@ class Trainer:
         self.interrupted = False  # stopped at once by a signal: no drain, no checkpoint
         self.staleness: Counter[int] = Counter()
         self.components_built = False
+        self.evaluation = None
         self._pending = None
         self._publish_s = 0.0
         self._ingest_mark: tuple[float, float] | None = None  # (time, groups accepted by the buffer)
@@ -79,6 +81,7 @@ class Trainer:
     def build(self, checkpoint: Path | None) -> None:
         from actors.pool import GeneratorPool
         from buffer.client import BufferClient
+        from cluster.in_run_eval import InRunEval
         from cluster.runtime import create_control
         from learner.pool import LearnerPool
         from learner.weights import ObjectStoreWeightSource
@@ -105,6 +108,7 @@ class Trainer:
                                         task_name=cfg.data.task if cfg.data.train_path is None else None,
                                         run=name, namespace=ns)
         self.generators.scale_to(self.state.generators, wait=False)  # training starts once one runs
+        self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)
         self.components_built = True
         now = time.monotonic()
         self.watch = StallWatch(cfg.cluster.stall_report_s, cfg.cluster.stall_timeout_s, now)
@@ -124,14 +128,14 @@ class Trainer:
         if p.warning:
             log.warning("%s", p.warning)
 
-
     # -------------------------------------------------------------------------------------- loop
 
     def run(self, progress) -> None:
         """The training loop (see the module docstring)."""
         cfg = self.cfg
-        while self.state.step < cfg.total_steps and not self.stop_flag:
+        while self.state.step < cfg.total_steps and not self.stop_flag and not self._budget_spent():
             batch = self._next_batch()
+            self._log_evals()
             if batch is None:
                 continue
             t0 = time.monotonic()
@@ -144,15 +148,32 @@ class Trainer:
             self.buffer.set_version(result.version)
             self.state.train_s += time.monotonic() - t0
             self.state.step += 1
+            self.state.rollouts += sum(len(g.rollouts) for g in batch.groups)  # fresh ones (o* joins in the learner)
             metrics = self._metrics(batch, result, time.monotonic() - t0)
             self.tracker.log_metrics(metrics, self.state.step)
-            progress.update(self.state.step, metrics)
+            progress.update(self.state.step, {**metrics, **(self.evaluation.last if self.evaluation else {})})
+            if self.evaluation is not None:
+                self.evaluation.after_step(self.state.step)
             if cfg.checkpoint.every_steps and self.state.step % cfg.checkpoint.every_steps == 0:
                 self.checkpoint()
             self._scale(metrics)
         self._finish_publish()
+        if self.evaluation is not None and not self.stop_flag:
+            self._log_evals(self.evaluation.final(self.learner.version))
         if self.run_dir.latest_checkpoint() != self.run_dir.checkpoint_dir(self.state.step):
             self.checkpoint()
+
+    def _budget_spent(self) -> bool:
+        return self.cfg.total_rollouts is not None and self.state.rollouts >= self.cfg.total_rollouts
+
+    def _log_evals(self, reports=None) -> None:
+        """Log finished in-run evaluations at the step whose policy they measured."""
+        if self.evaluation is None:
+            return
+        for step, m in self.evaluation.poll() if reports is None else reports:
+            self.tracker.log_metrics(m, step)
+            log.info("eval of step %d: greedy %.3f  pass@1 %.3f  (%d held-out questions, %.0fs)", step,
+                     m["eval/greedy_accuracy"], m["eval/pass_at_1"], self.evaluation.num_questions, m["eval/seconds"])
 
     def _finish_publish(self) -> None:
         """Wait for the publication in flight (WeightSyncTimeout names the version) and time it."""
@@ -311,6 +332,7 @@ class Trainer:
             "train/accuracy_fresh": float(np.mean([r.correct for r in fresh])) if fresh else 0.0,
             "train/mixed_groups": float(sum(g.mixed for g in batch.groups)),
             "train/groups": float(len(batch.groups)),
+            "train/rollouts_total": float(self.state.rollouts),
             "train/replay_fraction": sum(g.mixed for g in batch.groups) / max(1, len(batch.groups)),
             "staleness/mean": float(np.mean([batch.version - r.version for r in fresh])) if fresh else 0.0,
             "train/switch_accuracy": batch.stats.get("switch_accuracy", 0.0),
@@ -341,7 +363,7 @@ class Trainer:
 
         self.phase = "close"
         try:
-            for part in ("generators", "learner", "buffer"):
+            for part in ("evaluation", "generators", "learner", "buffer"):
                 obj = getattr(self, part, None)
                 if obj is None:
                     continue
@@ -411,38 +433,21 @@ def _set_rng_state(rng: dict[str, list]) -> None:
 # ------------------------------------------------------------------------------------------- main
 
 
-def train_main(cfg: RunConfig | None, resume: str | None = None) -> int:
-    """`exgrpo train`: set up, train with bounded self-restarts, report. Returns the exit code."""
+def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list[str] | None = None) -> int:
+    """`exgrpo train` (or `--resume RUN` with `overrides`): check every input, create or reopen the run
+    folder, train with bounded self-restarts, report. Returns the exit code (2: bad input, nothing created)."""
     from cluster.console import Progress, setup_logging
-    from cluster.runtime import RunDir, start_ray
+    from cluster.preflight import BadInput
+    from cluster.runtime import start_ray
     from cluster.tracking import Tracker, default_tracking_uri
 
-    if resume:
-        run_dir = RunDir(resume)
-        try:
-            state = _load_driver_state(run_dir)  # checks state.json first: "not a run folder"
-            cfg = run_dir.config()
-        except FileNotFoundError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except ConfigError as e:
-            print(f"error: {run_dir.path} holds an unusable config.yaml:\n  " + "\n  ".join(e.lines), file=sys.stderr)
-            return 2
-    else:
-        assert cfg is not None
-        try:
-            run_dir = RunDir.create(cfg)
-        except FileExistsError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        state = DriverState(generators=cfg.generator.num_generators)
+    setup_logging(None)  # the console only, until the run folder exists
+    try:
+        cfg, run_dir, state, model_path, questions = _prepare(cfg, resume, overrides or [])
+    except BadInput as e:
+        print(e, file=sys.stderr)
+        return 2
     setup_logging(run_dir.path / "logs")
-    model_path = _resolve_model(cfg)
-    if model_path is None:
-        return 2
-    questions = _load_train_questions(cfg, model_path)
-    if questions is None:
-        return 2
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     if state.rng:  # resuming: continue the checkpoint's random streams
@@ -451,11 +456,12 @@ def train_main(cfg: RunConfig | None, resume: str | None = None) -> int:
 
     uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
     tracker = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled)
-    state.mlflow_run_id = tracker.start(run_dir.name, run_id=state.mlflow_run_id)
+    parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None
+    state.mlflow_run_id = tracker.start(run_dir.name, run_id=state.mlflow_run_id, tags=parent)
     if not resume:
         tracker.log_params(flatten(cfg))
         tracker.log_text(to_yaml(cfg), "config.yaml")
-    run_dir.update_state(mlflow_run_id=state.mlflow_run_id)
+    run_dir.update_state(mlflow_run_id=state.mlflow_run_id, status="RUNNING")
     log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, uri, state.mlflow_run_id)
 
     progress = Progress(cfg.total_steps, start=state.step)
@@ -467,6 +473,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None) -> int:
         if cfg.tracking.log_plots:
             tracker.log_plots(run_dir.path / "plots")
         tracker.finish(status)
+        run_dir.update_state(status=status, step=state.step)
         _shutdown_ray()
     print(f"run folder: {run_dir.path}\nMLflow: mlflow ui --backend-store-uri {uri}  (run id {state.mlflow_run_id})")
     return 0 if status in ("FINISHED", "KILLED") else 1
@@ -553,36 +560,90 @@ def _load_driver_state(run_dir) -> DriverState:
     return DriverState(**d)
 
 
-def _resolve_model(cfg: RunConfig) -> Path | None:
+def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str]):
+    """Check the model folder, reward and data, then create the run folder (or, resuming, apply the
+    overrides and pick the newest usable checkpoint): a bad input leaves nothing behind and the same
+    `name=` free. Returns (cfg, run_dir, state, model_path, questions); BadInput says what to change."""
+    from cluster.preflight import BadInput, check_reward
+    from cluster.runtime import RunDir, RunFolderError
+
+    try:
+        if resume:
+            run_dir, cfg, changes = _reopen(resume, overrides)
+        else:
+            assert cfg is not None
+            run_dir, changes = RunDir.planned(cfg), {}
+        model_path = _resolve_model(cfg)
+        check_reward(cfg.reward.name, cfg.data.task if cfg.data.train_path is None else None)
+        questions = _load_train_questions(cfg, model_path)
+        if not resume:
+            return cfg, RunDir.create(cfg), DriverState(generators=cfg.generator.num_generators), model_path, questions
+        run_dir.usable_checkpoint(cfg.buffer.num_shards)
+    except RunFolderError as e:
+        raise BadInput(f"error: {e}") from None
+    state = _load_driver_state(run_dir)
+    if state.step >= cfg.total_steps:
+        raise BadInput(f"error: run {run_dir.name} already reached total_steps={cfg.total_steps}; to train further "
+                       f"raise it: exgrpo train --resume {run_dir.path} total_steps={cfg.total_steps * 2}")
+    if "generator.num_generators" in changes:
+        state.generators = cfg.generator.num_generators
+    if changes:
+        run_dir.save_config(cfg)
+        log.info("resume: %s", ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items()))
+    return cfg, run_dir, state, model_path, questions
+
+
+def _reopen(resume: str, overrides: list[str]):
+    """A run folder to resume, its saved config with `overrides` applied, and {field: (old, new)}."""
+    from cluster.preflight import BadInput
+    from cluster.runtime import RunDir
+    from common.config import resume_config
+
+    run_dir = RunDir(resume)
+    run_dir.read_state()  # RunFolderError: not a run folder, or a damaged state.json
+    try:
+        saved = run_dir.config()
+    except ConfigError as e:
+        raise BadInput(f"error: {run_dir.path} holds an unusable config.yaml:", *e.lines) from None
+    try:
+        cfg, changes = resume_config(saved, overrides)
+    except ConfigError as e:
+        raise BadInput("invalid configuration:", *e.lines) from None
+    return run_dir, cfg, changes
+
+
+def _resolve_model(cfg: RunConfig) -> Path:
+    """The model folder (the built-in model is built once and cached); BadInput when it is unusable."""
+    from cluster.preflight import BadInput, model_folder_problem
+
     if cfg.model.path is None:
         from common.toy_model import ensure_toy_model
 
         return ensure_toy_model(cfg.model, cfg.data, verbose=True)
     p = Path(cfg.model.path).expanduser()
-    if not (p / "config.json").is_file():
-        print(f"invalid configuration:\n  model.path: {p} is not a Hugging Face model folder (no config.json)",
-              file=sys.stderr)
-        return None
+    problem = model_folder_problem(p)
+    if problem is not None:
+        raise BadInput("invalid configuration:", problem)
     return p
 
 
 def _load_train_questions(cfg: RunConfig, model_path: Path):
-    """The training questions, checked before any actor starts; None (after a clear message) when unusable."""
-    from transformers import AutoTokenizer
-
+    """The training questions, checked before any actor starts; BadInput when none is usable."""
+    from cluster.preflight import BadInput, load_tokenizer
     from common.data import DataError, load_questions
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     try:
         questions, report = load_questions(cfg.data, tokenizer, "train")
     except DataError as e:
-        print(f"invalid data:\n  {e}", file=sys.stderr)
-        return None
+        raise BadInput("invalid data:", str(e)) from None
+    if not questions:
+        hint = ([f"data.question_field / data.answer_field name the fields of each row (now {cfg.data.question_field!r} "
+                 f"/ {cfg.data.answer_field!r})"] if any("missing field" in p for p in report.problems) else [])
+        raise BadInput("invalid data:", f"data: no usable training questions ({report.summary()})",
+                       *report.problems[:3], *hint)
     if report.skipped:
         log.warning("data: %s; first problems: %s", report.summary(), "; ".join(report.problems[:5]))
-    if not questions:
-        print(f"invalid data:\n  data: no usable training questions ({report.summary()})", file=sys.stderr)
-        return None
     log.info("data: %s", report.summary())
     return questions
 

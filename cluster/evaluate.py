@@ -47,19 +47,31 @@ def evaluate(model_path: str, cfg: RunConfig, questions, *, samples: int = 8, te
     from common.rewards import RewardPool
 
     t0 = time.monotonic()
-    threshold = cfg.reward.correct_threshold
     task = cfg.data.task if cfg.data.train_path is None else None
     pool = RewardPool(cfg.reward, task)
     try:
-        prompts = [q.prompt_ids for q in questions]
         engine = make_engine(cfg.generator, model_path, seed=seed)
-        # One engine, two settings: engines read `sampling` at every generate() call.
-        engine.sampling = dataclasses.replace(engine.sampling, temperature=GREEDY_TEMPERATURE)
-        greedy = _score(pool, questions, engine.generate(prompts, [1] * len(prompts), seed), threshold)
-        engine.sampling = dataclasses.replace(engine.sampling, temperature=temperature)
-        sampled = _score(pool, questions, engine.generate(prompts, [samples] * len(prompts), seed), threshold)
+        result = evaluate_engine(engine, pool, questions, samples=samples, temperature=temperature, seed=seed,
+                                 threshold=cfg.reward.correct_threshold)
     finally:
         pool.close()
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def evaluate_engine(engine, pool, questions, *, samples: int, temperature: float, seed: int,
+                    threshold: float) -> EvalResult:
+    """The measurement itself, on an engine that is already loaded (also used by the in-run evaluator)."""
+    t0 = time.monotonic()
+    prompts = [q.prompt_ids for q in questions]
+    base = engine.sampling
+    try:  # one engine, two settings: engines read `sampling` at every generate() call
+        engine.sampling = dataclasses.replace(base, temperature=GREEDY_TEMPERATURE)
+        greedy = _score(pool, questions, engine.generate(prompts, [1] * len(prompts), seed), threshold)
+        engine.sampling = dataclasses.replace(base, temperature=temperature)
+        sampled = _score(pool, questions, engine.generate(prompts, [samples] * len(prompts), seed), threshold)
+    finally:
+        engine.sampling = base
     correct = np.array(sampled, dtype=np.float64)  # [Q, k]
     return EvalResult(
         questions=len(questions),
@@ -87,13 +99,13 @@ def quiet_inprocess_vllm() -> None:
 
 def eval_main(args, cfg: RunConfig) -> int:
     quiet_inprocess_vllm()
-    from transformers import AutoTokenizer
-
+    from cluster.preflight import BadInput, check_reward, load_tokenizer, model_folder_problem
     from common.data import DataError, load_questions
 
     model = Path(args.model).expanduser()
-    if not (model / "config.json").is_file():
-        print(f"error: --model {model} is not a Hugging Face model folder (no config.json)", file=sys.stderr)
+    problem = model_folder_problem(model, field="--model")
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     data = cfg.data
     if args.data:
@@ -103,9 +115,13 @@ def eval_main(args, cfg: RunConfig) -> int:
     cfg = cfg.model_copy(update={"data": data})
     if args.task and not args.data and cfg.reward.name in ("countdown", "arithmetic"):
         cfg = cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"name": args.task})})
-    tok = AutoTokenizer.from_pretrained(model)
     try:
+        tok = load_tokenizer(model, field="--model")
+        check_reward(cfg.reward.name, data.task if data.train_path is None else None)
         questions, report = load_questions(data, tok, "test")
+    except BadInput as e:
+        print(e, file=sys.stderr)
+        return 2
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

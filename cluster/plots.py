@@ -78,7 +78,7 @@ def draw_all(history: History, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     made = [
         _buckets(history, out_dir / "bucket_occupancy.png"),
-        _line_plot(history, ["train/reward_mean", "train/accuracy_fresh", "eval/accuracy"],
+        _line_plot(history, ["train/reward_mean", "train/accuracy_fresh", "eval/greedy_accuracy", "eval/pass_at_1"],
                    "Reward and accuracy", "value", out_dir / "reward_accuracy.png"),
         _staleness_hist(history, out_dir / "staleness_hist.png"),
         _line_plot(history, ["learner/entropy_fresh", "learner/entropy_replayed"],

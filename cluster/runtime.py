@@ -77,24 +77,48 @@ _OWNED_TEMP: dict[str, str] = {}
 # ------------------------------------------------------------------------------------------- runs
 
 
+class RunFolderError(Exception):
+    """A run folder that cannot be used as asked (taken, not a run, unwritable, corrupt); the message says
+    what to do instead."""
+
+
 class RunDir:
-    """A run's folder: config.yaml, state.json, checkpoints/step-NNNNNN/, plots/, logs/."""
+    """A run's folder: config.yaml, state.json, checkpoints/step-NNNNNN/, plots/, logs/.
+
+    state.json holds `name`, `mlflow_run_id`, `checkpoints` (oldest first), `status` (RUNNING, or how the
+    last attempt ended: FINISHED, KILLED, FAILED) and `step` (the last step reached)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
 
     @classmethod
-    def create(cls, cfg: RunConfig) -> RunDir:
+    def planned(cls, cfg: RunConfig) -> RunDir:
+        """Where a new run of `cfg` goes (nothing is created yet); RunFolderError when it cannot go there."""
         root = Path(cfg.checkpoint.runs_root).expanduser()
-        name = cfg.name or time.strftime("run-%Y%m%d-%H%M%S")
-        path = root / name
+        path = root / (cfg.name or time.strftime("run-%Y%m%d-%H%M%S"))
         if (path / "state.json").exists():
-            raise FileExistsError(f"{path} already holds a run; pass name=<new name> or resume it with "
-                                  f"`exgrpo train --resume {path}`")
-        path.mkdir(parents=True, exist_ok=True)
-        rd = cls(path)
-        (path / "config.yaml").write_text(to_yaml(cfg))
-        rd.write_state({"name": name, "mlflow_run_id": None, "checkpoints": []})
+            raise RunFolderError(f"{path} already holds a run; pass name=<new name> or resume it with "
+                                 f"`exgrpo train --resume {path}`")
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise RunFolderError(f"checkpoint.runs_root: {existing} is a file, not a folder; point "
+                                 "checkpoint.runs_root at a folder")
+        if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+            raise RunFolderError(f"checkpoint.runs_root: cannot create {path}: {existing} is not writable; "
+                                 "point checkpoint.runs_root at a writable folder")
+        return cls(path)
+
+    @classmethod
+    def create(cls, cfg: RunConfig) -> RunDir:
+        """Make the folder of a new run: config.yaml and state.json (see `planned` for the checks)."""
+        rd = cls.planned(cfg)
+        try:
+            rd.path.mkdir(parents=True, exist_ok=True)
+            rd.save_config(cfg)
+        except OSError as e:
+            raise RunFolderError(f"checkpoint.runs_root: cannot create {rd.path} ({e.strerror}); point "
+                                 "checkpoint.runs_root at a writable folder") from None
+        rd.write_state({"name": rd.path.name, "mlflow_run_id": None, "checkpoints": []})
         return rd
 
     @property
@@ -104,12 +128,30 @@ class RunDir:
     def config(self) -> RunConfig:
         return load_config(self.path / "config.yaml")
 
+    def save_config(self, cfg: RunConfig) -> None:
+        atomic_write_text(self.path / "config.yaml", to_yaml(cfg))
+
     def read_state(self) -> dict[str, Any]:
+        """state.json; RunFolderError when the folder is not a run or the file is damaged."""
         p = self.path / "state.json"
         if not p.is_file():
-            raise FileNotFoundError(f"{self.path} is not a run folder (no state.json); "
-                                    "pass the folder printed by `exgrpo train`")
-        return json.loads(p.read_text())
+            raise RunFolderError(f"{self.path} is not a run folder (no state.json); "
+                                 "pass the folder printed by `exgrpo train`")
+        try:
+            state = json.loads(p.read_text())
+        except (ValueError, OSError) as e:
+            state, problem = None, f"{type(e).__name__}: {e}"
+        else:
+            problem = None if isinstance(state, dict) and isinstance(state.get("name"), str) and isinstance(
+                state.get("checkpoints", []), list) else "not a mapping with name and checkpoints"
+        if problem is not None:
+            found = sorted(str(c) for c in (self.path / "checkpoints").glob("step-*") if c.is_dir())
+            raise RunFolderError(
+                f"{p} is corrupt ({problem}). It lists the run's name, MLflow run id and checkpoints; restore it "
+                'from a backup, or write it again as {"name": "%s", "mlflow_run_id": null, "checkpoints": [%s]} '
+                "(oldest first), or start a new run with name=<new name>"
+                % (self.path.name, ", ".join(json.dumps(c) for c in found)))
+        return state
 
     def write_state(self, state: dict[str, Any]) -> None:
         atomic_write_text(self.path / "state.json", json.dumps(state, indent=1))
@@ -125,6 +167,40 @@ class RunDir:
     def latest_checkpoint(self) -> Path | None:
         ckpts = self.read_state().get("checkpoints", [])
         return Path(ckpts[-1]) if ckpts else None
+
+    def usable_checkpoint(self, num_shards: int) -> Path | None:
+        """The newest listed checkpoint that can be resumed from (None when none was listed). Newer unusable
+        ones are renamed `<name>.unusable` (kept for inspection) and dropped from state.json, each with a
+        warning saying why. RunFolderError, changing nothing, when checkpoints are listed but none is usable."""
+        from cluster.preflight import checkpoint_problem
+
+        listed = [Path(c) for c in self.read_state().get("checkpoints", [])]
+        bad: list[tuple[Path, str]] = []
+        for ckpt in reversed(listed):
+            problem = checkpoint_problem(ckpt, num_shards)
+            if problem is None:
+                break
+            bad.append((ckpt, problem))
+        else:
+            if listed:
+                raise RunFolderError(f"{self.path} has no usable checkpoint:\n  " + "\n  ".join(
+                    f"{c.name}: {p}" for c, p in bad) + "\n  start a new run with name=<new name> (the run "
+                    "folder is left as it is)")
+            return None
+        good = listed[: len(listed) - len(bad)]
+        for ckpt, problem in bad:
+            aside = ckpt.with_name(ckpt.name + ".unusable")
+            for n in range(2, 1000):
+                if not aside.exists():
+                    break
+                aside = ckpt.with_name(f"{ckpt.name}.unusable-{n}")
+            if ckpt.exists():
+                ckpt.rename(aside)
+            log.warning("checkpoint %s is unusable (%s); moved to %s, resuming from %s", ckpt.name, problem,
+                        aside.name, good[-1].name)
+        if bad:
+            self.update_state(checkpoints=[str(c) for c in good])
+        return good[-1]
 
 
 def atomic_write_text(path: Path, text: str) -> None:

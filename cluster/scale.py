@@ -6,16 +6,41 @@ pool; new generators fetch the newest weights before leasing, removed ones retur
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 from pathlib import Path
 
 
 def _address(args) -> str:
-    if args.address != "auto":
+    """--address, else the address the run wrote into its folder, else `auto` (the local cluster)."""
+    if args.address is not None:
         return args.address
-    p = Path(args.runs_root) / args.run / "ray_address"
+    p = Path(args.runs_root).expanduser() / args.run / "ray_address"
     return p.read_text().strip() if p.is_file() else "auto"
+
+
+def _run_state(args) -> dict | None:
+    """The run's state.json when its folder is under --runs-root (None when it is not there or unreadable)."""
+    try:
+        state = json.loads((Path(args.runs_root).expanduser() / args.run / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def _not_running(args, state: dict | None) -> str:
+    """What to tell the user when the run's job cannot be reached."""
+    folder = Path(args.runs_root).expanduser() / args.run
+    if state is None:
+        return (f"run {args.run!r} is not running: no job of that name answers and there is no run folder {folder} "
+                "(pass --runs-root where the run's folder is, or --address of the cluster it runs on)")
+    status, step = state.get("status", "RUNNING"), state.get("step")
+    if status != "RUNNING":
+        return (f"run {args.run!r} is not running: it ended ({status}{f' at step {step}' if step is not None else ''}); "
+                f"to continue it with N generators: exgrpo train --resume {folder} generator.num_generators=N")
+    return (f"run {args.run!r} is not running: its folder says RUNNING but its job does not answer (the driver was "
+            f"killed?); resume it with: exgrpo train --resume {folder}")
 
 
 def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
@@ -40,22 +65,26 @@ def scale_main(args) -> int:
 
     from common.interfaces import actor_name
 
-    address = _address(args)
+    address, state = _address(args), _run_state(args)
+    if state is not None and state.get("status", "RUNNING") != "RUNNING":
+        print(f"error: {_not_running(args, state)}", file=sys.stderr)
+        return 2
     why = _unreachable(address)
     if why is not None:
-        print(f"error: cannot reach the Ray cluster at {address!r} ({why}); is the job still running?",
+        print(f"error: cannot reach the Ray cluster at {address!r} ({why}); {_not_running(args, state)}",
               file=sys.stderr)
         return 2
     try:
         ray.init(address=address, namespace=args.namespace, log_to_driver=False, logging_level="ERROR")
     except (ConnectionError, RuntimeError) as e:
-        print(f"error: cannot reach the Ray cluster at {address!r}: {e}", file=sys.stderr)
+        print(f"error: cannot reach the Ray cluster at {address!r} ({str(e).splitlines()[0]}); "
+              f"{_not_running(args, state)}", file=sys.stderr)
         return 2
     try:
         ctl = ray.get_actor(actor_name(args.run, "control"), namespace=args.namespace)
     except ValueError:
-        print(f"error: no running job named {args.run!r} in namespace {args.namespace!r} at {address}",
-              file=sys.stderr)
+        print(f"error: no running job named {args.run!r} in namespace {args.namespace!r} at {address}; "
+              f"{_not_running(args, state)}", file=sys.stderr)
         return 2
     try:
         n = ray.get(ctl.set_target.remote(args.generators), timeout=30)

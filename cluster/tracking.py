@@ -25,6 +25,17 @@ def default_tracking_uri(runs_root: str | Path) -> str:
     return f"sqlite:///{Path(runs_root).expanduser().resolve() / 'mlflow.db'}"
 
 
+def artifact_location(uri: str, experiment: str) -> str | None:
+    """Where a new experiment's artifacts go: beside a SQLite store (`<store folder>/mlartifacts/<experiment>`).
+
+    MLflow's own default for a database store is `./mlruns` of whatever folder the process runs in, which
+    scatters plots over the user's working folders. None (the server's or file store's own choice) otherwise."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = Path(uri.removeprefix("sqlite:///"))
+    return (db.parent / "mlartifacts" / experiment).as_uri()
+
+
 class Tracker:
     """One MLflow run: parameters, metrics (buffered), artifacts and plots."""
 
@@ -66,7 +77,8 @@ class Tracker:
                 self.run_id = run_id
             else:
                 exp = self._client.get_experiment_by_name(self.experiment)
-                exp_id = exp.experiment_id if exp else self._client.create_experiment(self.experiment)
+                exp_id = exp.experiment_id if exp else self._client.create_experiment(
+                    self.experiment, artifact_location=artifact_location(self.uri, self.experiment))
                 run = self._client.create_run(exp_id, run_name=run_name, tags=tags or {})
                 self.run_id = run.info.run_id
         except Exception as e:  # the tracking store is optional for training: report once, continue

@@ -10,11 +10,13 @@ Loading: `load_config(path_or_None, ["buffer.group_size=8", ...])`. Errors are c
 
 from __future__ import annotations
 
+import difflib
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -125,7 +127,8 @@ class RewardConfig(Section):
     """How rollouts are scored."""
 
     name: str = Field("countdown", min_length=1)
-    """`countdown`, `arithmetic`, `math` (math-verify), `exact`, or a user function `package.module:function`."""
+    """`countdown`, `arithmetic`, `math` (math-verify), `math_think` (math-verify on the text after `</think>`, 0
+    without it: the official ExGRPO format), `exact`, or a user function `package.module:function`."""
     timeout_s: float = Field(5.0, gt=0, le=3600)
     """Per-call timeout; a call that exceeds it scores 0 and is counted as an error."""
     max_response_chars: int = Field(20_000, ge=1)
@@ -138,6 +141,19 @@ class RewardConfig(Section):
     """Address-space limit of each reward worker process (0: none); a memory bomb fails inside the worker."""
     worker_start_timeout_s: float = Field(60.0, gt=0, le=3600)
     """A reward worker that has not imported its function within this is reported and its items score 0."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_reward(cls, v: str) -> str:
+        """A registry name, or the form of a user function (importing it is checked when a run starts)."""
+        from common.rewards import BUILTIN_NAMES  # here, not at the top: common.rewards imports this module
+
+        module, sep, attr = v.partition(":")
+        if v in BUILTIN_NAMES or (sep and attr.isidentifier() and all(p.isidentifier() for p in module.split("."))):
+            return v
+        close = difflib.get_close_matches(v, BUILTIN_NAMES, n=1)
+        raise ValueError(f"unknown reward {v!r}; {f'did you mean {close[0]}? ' if close else ''}use one of "
+                         f"{', '.join(BUILTIN_NAMES)}, or a user function written package.module:function")
 
 
 # ----------------------------------------------------------------------------------------- generator
@@ -341,7 +357,7 @@ class LearnerConfig(Section):
     weight_decay: float = Field(0.01, ge=0, le=1)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
+    """AdamW betas (beta1, beta2), each in [0, 1)."""
     mini_batches: int = Field(1, ge=1, le=1024)
     """Optimizer updates per learner step (the paper: 2). Groups are shuffled, fresh and mixed evenly, before
     the split. The policy version still advances by 1 per step."""
@@ -380,6 +396,14 @@ class LearnerConfig(Section):
     """A weight publication or acknowledgement slower than this fails loudly."""
     seed: int = Field(0, ge=0)
     """Learner seed."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_below_one(cls, v: tuple[float, float]) -> tuple[float, float]:
+        for i, b in enumerate(v):
+            if not 0 <= b < 1:
+                raise ValueError(f"beta{i + 1} = {b} is outside [0, 1); AdamW's usual values are [0.9, 0.999]")
+        return v
 
 
 # ------------------------------------------------------------------------------------------- cluster
@@ -426,6 +450,33 @@ class ClusterConfig(Section):
     checkpoint and exits with code 3 and its diagnosis. 0: wait forever (still reporting)."""
 
 
+# ----------------------------------------------------------------------------------------------- eval
+
+
+class EvalConfig(Section):
+    """Held-out evaluation during training, by an evaluator actor off the training path."""
+
+    every_steps: int = Field(0, ge=0, le=10_000_000)
+    """Evaluate the newest published policy every this many learner steps (0: no in-run evaluation).
+    The learner and generators never wait for it; a request while one runs is skipped and counted."""
+    questions: int = Field(64, ge=1, le=1_000_000)
+    """Held-out questions evaluated (the first ones of the test split: the built-in task's, or data.test_path)."""
+    samples: int = Field(4, ge=1, le=1024)
+    """Sampled responses per question for pass@1 (mean accuracy) and pass@k."""
+    temperature: float = Field(0.6, gt=0, le=10)
+    """Sampling temperature of the pass@k samples (the paper evaluates at 0.6); greedy accuracy is measured too."""
+    final: bool = True
+    """With every_steps > 0, also evaluate the final policy at the end of the run (waits for it)."""
+    timeout_s: float = Field(900.0, gt=0, le=86_400)
+    """The final evaluation (and the evaluator's start) fails loudly after this long."""
+    num_cpus: float = Field(0.0, ge=0)
+    """CPUs reserved for the evaluator actor (0: it shares the generators' and learner's)."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs reserved for the evaluator actor."""
+    seed: int = Field(1234, ge=0)
+    """Sampling seed (the same questions and seed at every evaluation, so curves compare versions)."""
+
+
 # ------------------------------------------------------------------------------------ tracking/ckpt
 
 
@@ -442,6 +493,8 @@ class TrackingConfig(Section):
     """Log plots (buckets, reward, staleness, entropy) as artifacts at the end."""
     log_model: bool = False
     """Log the final model folder as an artifact."""
+    parent_run_id: str | None = None
+    """Nest this run under an MLflow parent run (set by `exgrpo experiment` for its variants)."""
 
 
 class CheckpointConfig(Section):
@@ -457,14 +510,22 @@ class CheckpointConfig(Section):
 
 # ---------------------------------------------------------------------------------------------- root
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+"""What a run name may be: one folder name (no `/`, not `.` or `..`), also usable in Ray actor names."""
+
+
 
 class RunConfig(Section):
     """The whole run. Each component receives only its own section."""
 
     name: str | None = None
-    """Run name (default: generated from time)."""
+    """Run name: the run's folder under `checkpoint.runs_root` and the prefix of its Ray actors' names. Letters,
+    digits, `.`, `_` and `-`, starting with a letter or digit, at most 100 characters (default: run-<date>-<time>)."""
     total_steps: int = Field(60, ge=1, le=10_000_000)
     """Learner batches to train."""
+    total_rollouts: int | None = Field(None, ge=1)
+    """Also stop once the learner has trained this many generated rollouts (fresh ones: K per fresh group,
+    K-1 per mixed group): the equal-budget stop `exgrpo experiment` uses. None: total_steps only."""
     seed: int = Field(0, ge=0)
     """Global seed (sections have their own seeds for finer control)."""
     model: ModelConfig = ModelConfig()
@@ -474,8 +535,21 @@ class RunConfig(Section):
     buffer: BufferConfig = BufferConfig()
     learner: LearnerConfig = LearnerConfig()
     cluster: ClusterConfig = ClusterConfig()
+    eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _one_folder_name(cls, v: Any) -> Any:
+        """A single safe path component: `../x` or `/tmp/x` would put the run outside checkpoint.runs_root."""
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = str(v)  # name=7 on the command line is read as a number
+        if isinstance(v, str) and not RUN_NAME.fullmatch(v):
+            raise ValueError(f"{v!r} is not a run name: use one folder name of letters, digits, '.', '_' and '-' "
+                             "starting with a letter or digit (e.g. name=my-run-1); the run's folder is always "
+                             "created under checkpoint.runs_root")
+        return v
 
     @model_validator(mode="after")
     def _generator_dtype(self) -> RunConfig:
@@ -502,6 +576,9 @@ class RunConfig(Section):
         if self.buffer.replay_ratio > 0 and not self.buffer.collect:
             problems.append("buffer.collect: false leaves nothing to replay while buffer.replay_ratio > 0; "
                             "set buffer.replay_ratio=0 for plain GRPO")
+        if self.eval.every_steps and self.data.train_path is not None and self.data.test_path is None:
+            problems.append("eval.every_steps: in-run evaluation needs held-out questions; set data.test_path "
+                            "or eval.every_steps=0")
         if self.data.task is None and self.data.train_path is None:
             problems.append("data: set data.task to a built-in task or data.train_path to a file")
         builtin_tasks = ("countdown", "arithmetic")
@@ -533,12 +610,27 @@ def _format_validation_error(err: ValidationError) -> list[str]:
         loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; `exgrpo config` lists every field)"
+            close = difflib.get_close_matches(str(e["loc"][-1]), _field_names(e["loc"][:-1]), n=1)
+            hint = f"did you mean {'.'.join([*map(str, e['loc'][:-1]), close[0]])}? " if close else "check the spelling; "
+            msg = f"unknown field ({hint}`exgrpo config` lists every field)"
+        elif e["type"] == "union_tag_not_found":
+            msg = f"{loc}.kind is missing: name the backend with its fields (docs/configuration.md lists the kinds)"
         if "\n" in msg:  # several problems from one model validator
             lines.extend(msg.splitlines())
         else:
             lines.append(f"{loc}: {msg}" if loc else msg)
     return lines
+
+
+def _field_names(loc: tuple) -> list[str]:
+    """Field names of the section at `loc` (empty when it is not a plain section, e.g. a union)."""
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        f = model.model_fields.get(str(part))
+        if f is None or not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)):
+            return []
+        model = f.annotation
+    return list(model.model_fields)
 
 
 def _parse_value(text: str) -> Any:
@@ -579,6 +671,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError([f"{p}: is a folder; pass a YAML config file"])
         if not p.is_file():
             raise ConfigError([f"{p}: config file not found"])
         try:
@@ -588,11 +682,78 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError([f"{p}: the top level must be a mapping of sections"])
         raw = loaded or {}
-    raw = apply_overrides(raw, overrides or [])
+    return _validate(apply_overrides(raw, overrides or []))
+
+
+def _validate(raw: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e)) from None
+
+
+# ------------------------------------------------------------------------------------------- resuming
+
+RESUMABLE_FIELDS = (
+    "total_steps", "total_rollouts",
+    "eval",  # held-out evaluation, off the training path
+    "checkpoint.every_steps", "checkpoint.keep_last",
+    "tracking.enabled", "tracking.log_plots", "tracking.log_model",
+    "cluster",  # where and how the run's processes run: address, num_cpus, autoscale, restarts, stall limits...
+    "generator.num_generators", "generator.num_cpus", "generator.max_restarts", "generator.stop_timeout_s",
+    "generator.retry_backoff_s", "generator.start_timeout_s", "generator.replace_budget",
+    "generator.replace_window_s", "generator.idle_sleep_s",
+    "reward.num_workers", "reward.timeout_s", "reward.worker_memory_mb", "reward.worker_start_timeout_s",
+    "buffer.call_timeout_s", "buffer.lease_timeout_s", "buffer.snapshot_every_s", "buffer.max_restarts",
+    "buffer.max_concurrency",
+    "learner.publish_timeout_s", "learner.placement", "learner.num_cpus",
+)
+"""Fields (a name, or a section and everything under it) that `exgrpo train --resume RUN key=value` may
+change: how long the run goes on, how often it checkpoints, where it logs, and the resources and time-outs
+of its processes. Every other field shaped the checkpoint (model, optimizer, buffer contents, questions,
+sampling, scoring) and is refused, by name, on resume."""
+
+_WHY_FIXED = {
+    "buffer": "the checkpoint's buffer was built with {old}",
+    "learner": "the checkpoint's learner (weights and optimizer state) was built with {old}",
+    "model": "the checkpoint's weights come from {old}",
+    "data": "the run's questions (their ids are in the checkpoint's buffer) were loaded with {old}",
+    "reward": "the run's experience was scored with {old}",
+    "generator": "the run's rollouts were sampled with {old}",
+}
+
+
+def resume_config(saved: RunConfig, overrides: list[str]) -> tuple[RunConfig, dict[str, tuple[Any, Any]]]:
+    """A run's saved config with resume overrides applied: `(config, {field: (old, new)})`.
+
+    Raises ConfigError for a misspelt or invalid override (the usual lines), and one line per override
+    that changes a field outside RESUMABLE_FIELDS, e.g. "buffer.group_size cannot change on resume: the
+    checkpoint's buffer was built with 8". An override that repeats the saved value is no change."""
+    # Defaults left out, so that switching a backend (generator.engine.kind=...) does not meet the old one's fields.
+    new = _validate(apply_overrides(saved.model_dump(mode="json", exclude_defaults=True), overrides))
+    old_flat, new_flat = flatten(saved), flatten(new)
+    changes = {k: (old_flat.get(k), new_flat.get(k)) for k in {**old_flat, **new_flat}
+               if old_flat.get(k) != new_flat.get(k)}
+    fixed = [k for k in sorted(changes) if not any(k == f or k.startswith(f + ".") for f in RESUMABLE_FIELDS)]
+    refused = []
+    for key in [o.partition("=")[0].strip() for o in overrides] + fixed:
+        section = key.removesuffix(".kind")  # a backend switch changes every field of that backend
+        covered = [k for k in fixed if k == key or k.startswith(section + ".")]
+        if not covered:
+            continue
+        fixed = [k for k in fixed if k not in covered]
+        old = old_flat.get(key, "its saved values")
+        why = _WHY_FIXED.get(key.split(".")[0], "the run was started with {old}").format(old=yaml_value(old))
+        refused.append(f"{key} cannot change on resume: {why}; start a new run (name=<new name>) to change it")
+    if refused:
+        raise ConfigError(refused + ["fields that may change on resume: " + ", ".join(
+            f + ".*" if f in ("cluster", "eval") else f for f in RESUMABLE_FIELDS)])
+    return new, changes
+
+
+def yaml_value(v: Any) -> str:
+    """A value as it would be written in an override (`null`, `true`, `8`, `[0.9, 0.999]`)."""
+    return yaml.safe_dump(v, default_flow_style=True).removesuffix("\n...\n").strip()
 
 
 def to_yaml(cfg: BaseModel) -> str:

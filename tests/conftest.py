@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def ray_cluster():
         yield ray
     finally:
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)  # test clusters do not pile up in /tmp
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,8 @@ def test_more_generators_than_cpus_start_with_what_fits_and_report_the_rest(runs
     assert "generator.num_generators=2 needs 2 CPU + the learner 1 CPU = 3 CPU, the cluster has 2 CPU" in r.stdout
     assert "1 pending (each needs 1 CPU; the cluster has 0 CPU free)" in r.stdout
     assert "step 2/2" in r.stdout
+    run_dir = runs_root / "two-gens"  # the embedded Ray's temp folder is gone, its actors' logs kept
+    assert not Path((run_dir / "ray_temp_dir").read_text()).exists() and (run_dir / "logs" / "ray").is_dir()
 
 
 def test_a_config_that_can_never_be_placed_is_refused_with_what_to_change(runs_root):

@@ -130,11 +130,18 @@ def test_papers_settings_two_ranks_two_shards_two_updates_per_step(runs_root):
 
 
 def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root):
-    r = run_train(runs_root, "sync", "total_steps=6", "buffer.max_lag=0", "checkpoint.every_steps=0")
+    r = run_train(runs_root, "sync", "total_steps=6", "buffer.max_lag=0", "checkpoint.every_steps=0",
+                  "eval.every_steps=3", "eval.questions=16", "eval.samples=2")
     assert r.returncode == 0, r.stdout[-4000:]
     client = mlflow_client(runs_root)
     lags = history(client, _run_id(runs_root, "sync"), "staleness/mean")
     assert len(lags) == 6 and all(v == 0 for _, v in lags)
+    # in-run evaluation (an evaluator actor, off the training path): logged at the step it measured;
+    # synchronous mode publishes before the request, so it measured exactly steps 3 and 6
+    evals = history(client, _run_id(runs_root, "sync"), "eval/pass_at_1")
+    assert [s for s, _ in evals] == [3, 6] and all(0 <= v <= 1 for _, v in evals)
+    assert len(history(client, _run_id(runs_root, "sync"), "eval/greedy_accuracy")) == 2
+    assert "eval of step 6: greedy" in r.stdout
     acc = accounting(_final_metrics(runs_root, "sync"))
     assert_balanced(acc)
     # nothing is leased before the next version is published, and generators load it before generating

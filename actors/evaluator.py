@@ -1,0 +1,74 @@
+"""The evaluator actor: held-out accuracy of published policy versions, off the training path.
+
+    ev = Evaluator.options(name=actor_name(run, "evaluator"), **evaluator_options(eval_cfg)).remote(
+        eval_cfg, gen_cfg, reward_cfg, model_path, encoded_questions, weight_source, task_name)
+    report = ray.get(ev.evaluate.remote())   # the newest published version: {"version", "greedy_accuracy", ...}
+
+It owns one engine (the generators' engine settings) and one reward pool, loads the newest published
+weights from the weight store before each evaluation (it never acknowledges: publications do not
+wait for it), and measures greedy accuracy, pass@1 and pass@k on a fixed set of held-out questions
+with a fixed seed, so successive reports compare policy versions and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+
+from common import codec
+from common.config import EvalConfig, GeneratorConfig, RewardConfig
+from common.interfaces import WeightSource
+from common.messages import Question
+
+log = logging.getLogger(__name__)
+
+
+class EvaluatorWorker:
+    """The body of the `Evaluator` actor (a plain class: it also runs in-process)."""
+
+    def __init__(self, eval_cfg: EvalConfig, gen_cfg: GeneratorConfig, reward_cfg: RewardConfig, model_path: str,
+                 questions: bytes, weight_source: WeightSource, task_name: str | None):
+        from actors.engines import make_engine
+        from common.rewards import RewardPool
+
+        self.cfg, self.reward_cfg, self.weights = eval_cfg, reward_cfg, weight_source
+        self.questions = codec.decode_list(questions, Question)
+        self.engine = make_engine(gen_cfg, model_path, seed=eval_cfg.seed)
+        self.pool = RewardPool(reward_cfg, task_name)
+        self.version = 0
+
+    def ready(self) -> int:
+        return len(self.questions)
+
+    def evaluate(self) -> dict[str, float]:
+        """Load the newest published version (if newer) and measure it."""
+        from cluster.evaluate import evaluate_engine
+
+        t0 = time.monotonic()
+        ann = self.weights.latest()
+        if ann is not None and ann.version != self.version:
+            self.engine.load_weights(self.weights.fetch(ann), ann.version)
+            self.version = ann.version
+        r = evaluate_engine(self.engine, self.pool, self.questions, samples=self.cfg.samples,
+                            temperature=self.cfg.temperature, seed=self.cfg.seed,
+                            threshold=self.reward_cfg.correct_threshold)
+        return {"version": float(self.version), "greedy_accuracy": r.greedy_accuracy, "pass_at_1": r.pass_at_1,
+                f"pass_at_{r.k}": r.pass_at_k, "questions": float(r.questions), "seconds": time.monotonic() - t0}
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def evaluator_options(eval_cfg: EvalConfig, gen_cfg: GeneratorConfig) -> dict:
+    """Ray options of the evaluator: its own resources, the generators' engine environment."""
+    from actors.generator import actor_options
+
+    opts = actor_options(gen_cfg)
+    opts.update(num_cpus=eval_cfg.num_cpus, num_gpus=eval_cfg.num_gpus, max_restarts=0, max_concurrency=1)
+    return opts
+
+
+Evaluator = ray.remote(EvaluatorWorker)
+"""The Ray actor class. Use `Evaluator.options(name=..., **evaluator_options(eval_cfg, gen_cfg)).remote(...)`."""

@@ -1,0 +1,318 @@
+"""`exgrpo experiment SPEC.yaml`: named variants x seeds at an equal generated-rollout budget.
+
+    exgrpo experiment ablations                     # the bundled spec (cluster/experiments/ablations.yaml)
+    exgrpo experiment my_spec.yaml --jobs 2         # two runs at a time (e.g. on a cluster)
+
+A spec names a budget of generated rollouts, seeds, overrides shared by every run (`base`) and the
+variants (overrides each). Every (variant, seed) is one `exgrpo train` subprocess that stops at the
+budget (`total_rollouts`: fresh rollouts, K per fresh group and K-1 per mixed one, so ExGRPO and GRPO
+are compared at equal generation cost, not equal steps), with in-run evaluation on, nested as an MLflow
+child of one parent run. A run folder that already finished is reused (an interrupted experiment
+resumes where it stopped); `--rerun` starts over.
+
+Results: a table per variant (mean ± sd over seeds of the final and best held-out pass@1, the final
+greedy accuracy, rollouts, wall time), printed and written to `<runs_root>/<name>/results.md`, and a
+plot of held-out pass@1 against rollouts with a band (min..max over seeds) per variant; both are
+logged to the parent run. The exit code is non-zero when a run failed (the table says which).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+BUNDLED = Path(__file__).resolve().parent / "experiments"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+class ExperimentSpec(BaseModel):
+    """What `exgrpo experiment` runs. Overrides are dotted keys -> values, as on the command line."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: str
+    """Experiment name: the parent MLflow run and the prefix of every run folder."""
+    budget_rollouts: int = Field(ge=1)
+    """Generated rollouts each run trains on before it stops (the equal budget)."""
+    seeds: list[int] = Field(min_length=1)
+    """Seeds of every variant (buffer, learner and generator seeds are set from it)."""
+    base: dict[str, Any] = {}
+    """Overrides for every run (e.g. eval.every_steps, total_steps as a safety cap)."""
+    variants: dict[str, dict[str, Any]] = Field(min_length=1)
+    """Variant name -> its overrides ({} = the defaults)."""
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(f"{v!r}: use letters, digits, '.', '_' and '-' (it names run folders)")
+        return v
+
+    @field_validator("variants")
+    @classmethod
+    def _safe_variants(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        bad = [k for k in v if not _NAME.match(k)]
+        if bad:
+            raise ValueError(f"variant names {bad}: use letters, digits, '.', '_' and '-'")
+        return v
+
+
+@dataclass
+class RunResult:
+    variant: str
+    seed: int
+    name: str
+    ok: bool
+    wall_s: float = 0.0
+    rollouts: float = float("nan")
+    final_pass1: float = float("nan")
+    best_pass1: float = float("nan")
+    final_greedy: float = float("nan")
+    curve: list[tuple[float, float]] = field(default_factory=list)  # (rollouts, held-out pass@1)
+    error: str = ""
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+class SpecError(ValueError):
+    """A spec that cannot run; `lines` say what to change."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+def load_spec(path_or_name: str) -> ExperimentSpec:
+    """A spec file, or the name of a bundled spec; every run's config is validated before anything runs."""
+    p = Path(path_or_name)
+    if not p.is_file() and (BUNDLED / f"{path_or_name}.yaml").is_file():
+        p = BUNDLED / f"{path_or_name}.yaml"
+    if not p.is_file():
+        bundled = sorted(x.stem for x in BUNDLED.glob("*.yaml"))
+        raise SpecError([f"{path_or_name}: no such spec file (bundled specs: {', '.join(bundled)})"])
+    try:
+        raw = yaml.safe_load(p.read_text())
+        spec = ExperimentSpec.model_validate(raw)
+    except yaml.YAMLError as e:
+        raise SpecError([f"{p}: not valid YAML ({e})"]) from None
+    except ValidationError as e:
+        raise SpecError([f"{'.'.join(str(x) for x in err['loc']) or 'spec'}: {err['msg']}"
+                         for err in e.errors()]) from None
+    _check_variants(spec)
+    return spec
+
+
+def overrides(values: dict[str, Any]) -> list[str]:
+    """{dotted key: value} -> ["key=value", ...] as the command line takes them (YAML scalars)."""
+    out = []
+    for k, v in values.items():
+        text = yaml.safe_dump(v, default_flow_style=True).strip()
+        out.append(f"{k}={text.removesuffix('...').strip()}")
+    return out
+
+
+def _check_variants(spec: ExperimentSpec) -> None:
+    from common.config import ConfigError, load_config
+
+    problems = []
+    for variant, values in spec.variants.items():
+        try:
+            load_config(None, overrides(spec.base) + overrides(values) + [f"total_rollouts={spec.budget_rollouts}"])
+        except ConfigError as e:
+            problems += [f"variants.{variant}: {line}" for line in e.lines]
+    if problems:
+        raise SpecError(problems)
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+def run_name(spec: ExperimentSpec, variant: str, seed: int) -> str:
+    return f"{spec.name}-{variant}-s{seed}"
+
+
+def train_command(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, parent: str | None) -> list[str]:
+    seeds = [f"{k}={seed}" for k in ("seed", "buffer.seed", "learner.seed", "generator.seed")]
+    extra = [f"name={run_name(spec, variant, seed)}", f"checkpoint.runs_root={runs_root}",
+             f"total_rollouts={spec.budget_rollouts}", "tracking.log_plots=false"]
+    if parent:
+        extra.append(f"tracking.parent_run_id={parent}")
+    return [sys.executable, "-m", "cluster.cli", "train",
+            *overrides(spec.base), *overrides(spec.variants[variant]), *seeds, *extra]
+
+
+def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out: Path, parent: str | None,
+            rerun: bool) -> RunResult:
+    name = run_name(spec, variant, seed)
+    folder = runs_root / name
+    state = _state(folder)
+    if state.get("status") == "FINISHED" and not rerun:
+        print(f"[experiment] {name}: finished earlier, reusing it", file=sys.stderr, flush=True)
+        return collect(runs_root, variant, seed, name, wall_s=float(state.get("wall_s", float("nan"))))
+    if folder.exists():
+        import shutil
+
+        shutil.rmtree(folder)  # an unfinished or --rerun attempt starts over
+    log_path = out / "logs" / f"{name}.log"
+    print(f"[experiment] {name}: starting (log {log_path})", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        rc = subprocess.run(train_command(spec, variant, seed, runs_root, parent), stdout=log,
+                            stderr=subprocess.STDOUT).returncode
+    wall = time.monotonic() - t0
+    if rc != 0:
+        tail = log_path.read_text()[-600:].strip().splitlines()
+        return RunResult(variant, seed, name, ok=False, wall_s=wall,
+                         error=f"exit {rc}: {tail[-1] if tail else 'no output'} (see {log_path})")
+    _update_state(folder, wall_s=wall)
+    print(f"[experiment] {name}: done in {wall:.0f}s", file=sys.stderr, flush=True)
+    return collect(runs_root, variant, seed, name, wall_s=wall)
+
+
+def collect(runs_root: Path, variant: str, seed: int, name: str, wall_s: float) -> RunResult:
+    """A finished run's held-out curve and totals, read back from its MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    from cluster.tracking import default_tracking_uri
+
+    run_id = _state(runs_root / name).get("mlflow_run_id")
+    if not run_id:
+        return RunResult(variant, seed, name, ok=False, wall_s=wall_s, error="no MLflow run recorded")
+    client = MlflowClient(tracking_uri=default_tracking_uri(str(runs_root)))
+    rollouts_at = {m.step: m.value for m in client.get_metric_history(run_id, "train/rollouts_total")}
+    evals = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval/pass_at_1"))
+    greedy = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval/greedy_accuracy"))
+    if not evals:
+        return RunResult(variant, seed, name, ok=False, wall_s=wall_s,
+                         error="no held-out evaluation logged (set eval.every_steps in the spec's base)")
+    curve = [(rollouts_at.get(step, 0.0), v) for step, v in evals]
+    return RunResult(variant, seed, name, ok=True, wall_s=wall_s, rollouts=max(rollouts_at.values(), default=0.0),
+                     final_pass1=evals[-1][1], best_pass1=max(v for _, v in evals),
+                     final_greedy=greedy[-1][1] if greedy else float("nan"), curve=curve)
+
+
+def _state(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _update_state(folder: Path, **kv: Any) -> None:
+    s = _state(folder)
+    if s:
+        s.update(kv)
+        (folder / "state.json").write_text(json.dumps(s, indent=2))
+
+
+# ------------------------------------------------------------------------------------------ results
+
+
+def _mean_sd(xs: list[float]) -> str:
+    xs = [x for x in xs if not math.isnan(x)]
+    if not xs:
+        return "—"
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{statistics.fmean(xs):.3f} ± {sd:.3f}"
+
+
+def table(spec: ExperimentSpec, results: list[RunResult]) -> str:
+    rows = ["| variant | runs | final pass@1 | best pass@1 | final greedy | rollouts | wall s |",
+            "|---|---|---|---|---|---|---|"]
+    for variant in spec.variants:
+        mine = [r for r in results if r.variant == variant]
+        ok = [r for r in mine if r.ok]
+        failed = f" ({len(mine) - len(ok)} failed)" if len(ok) < len(mine) else ""
+        rows.append(f"| {variant} | {len(ok)}{failed} | {_mean_sd([r.final_pass1 for r in ok])} | "
+                    f"{_mean_sd([r.best_pass1 for r in ok])} | {_mean_sd([r.final_greedy for r in ok])} | "
+                    f"{statistics.fmean([r.rollouts for r in ok]) if ok else float('nan'):.0f} | "
+                    f"{statistics.fmean([r.wall_s for r in ok]) if ok else float('nan'):.0f} |")
+    for r in results:
+        if not r.ok:
+            rows.append(f"\n{r.name} failed: {r.error}")
+    return "\n".join(rows)
+
+
+def plot(spec: ExperimentSpec, results: list[RunResult], path: Path) -> Path | None:
+    """Held-out pass@1 against generated rollouts: mean over seeds, band = min..max over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = False
+    for variant in spec.variants:
+        curves = [r.curve for r in results if r.variant == variant and r.ok and r.curve]
+        if not curves:
+            continue
+        grid = np.linspace(0, max(c[-1][0] for c in curves), 50)
+        ys = np.array([np.interp(grid, [x for x, _ in c], [y for _, y in c]) for c in curves])  # [seeds, 50]
+        ax.plot(grid, ys.mean(0), label=f"{variant} ({len(curves)} seeds)")
+        ax.fill_between(grid, ys.min(0), ys.max(0), alpha=0.2)
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("generated rollouts trained on")
+    ax.set_ylabel("held-out pass@1")
+    ax.set_title(f"{spec.name}: held-out pass@1 at equal rollouts")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool) -> int:
+    """`exgrpo experiment`: returns the exit code (0 all runs finished, 1 some failed, 2 bad spec)."""
+    try:
+        spec = load_spec(spec_arg)
+    except SpecError as e:
+        print("invalid experiment spec:\n  " + "\n  ".join(e.lines), file=sys.stderr)
+        return 2
+    from cluster.tracking import Tracker, default_tracking_uri
+
+    root = Path(runs_root).expanduser()
+    out = root / spec.name
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    tracker = Tracker(default_tracking_uri(str(root)), "exgrpo")
+    parent = tracker.start(spec.name, tags={"exgrpo.kind": "experiment"})
+    tracker.log_params({"budget_rollouts": spec.budget_rollouts, "seeds": str(spec.seeds),
+                        "variants": ",".join(spec.variants)})
+    tracker.log_text(yaml.safe_dump(spec.model_dump(), sort_keys=False), "spec.yaml")
+    todo = [(v, s) for v in spec.variants for s in spec.seeds]
+    print(f"[experiment] {spec.name}: {len(todo)} runs ({len(spec.variants)} variants x {len(spec.seeds)} seeds) "
+          f"at {spec.budget_rollouts} rollouts each, {jobs} at a time; results in {out}", file=sys.stderr, flush=True)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(lambda vs: run_one(spec, vs[0], vs[1], root, out, parent, rerun), todo))
+    text = table(spec, results)
+    png = plot(spec, results, out / "accuracy_vs_rollouts.png")
+    (out / "results.md").write_text(f"# {spec.name}\n\n{text}\n")
+    (out / "results.json").write_text(json.dumps([r.__dict__ for r in results], indent=1))
+    print(f"$ exgrpo experiment {spec_arg}\n{text}")
+    if png is not None:
+        print(f"plot: {png}")
+        tracker.log_artifact(png)
+    tracker.log_text(text, "results.md")
+    failed = sum(not r.ok for r in results)
+    tracker.finish("FAILED" if failed else "FINISHED")
+    return 1 if failed else 0

@@ -1,0 +1,144 @@
+"""Checks of a run's inputs, made before anything is created or started: the model folder and its
+tokenizer, the reward function, and a run checkpoint to resume from.
+
+Each check answers with a message that names what to change (`model.path: ... has no tokenizer files;
+copy ...`), never with a library's traceback. `BadInput` carries such a message to the CLI, which prints
+it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
+"""Any of these makes a folder worth handing to AutoTokenizer (which explains itself badly when none exist)."""
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+class BadInput(Exception):
+    """Input that cannot work. `str()` is the heading and one indented line per problem."""
+
+    def __init__(self, heading: str, *lines: str):
+        super().__init__("\n  ".join([heading, *lines]))
+
+
+def model_folder_problem(path: Path, field: str = "model.path") -> str | None:
+    """Why `path` is not a usable Hugging Face model folder (None when it is): config.json present and
+    readable, weights present, tokenizer files present."""
+    if not path.is_dir():
+        return f"{field}: {path} is not a Hugging Face model folder (no config.json){_nearby_model(path)}"
+    config = path / "config.json"
+    if not config.is_file():
+        return f"{field}: {path} is not a Hugging Face model folder (no config.json){_nearby_model(path)}"
+    try:
+        d = json.loads(config.read_text())
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return f"{field}: {config} is not readable JSON ({e}); restore it from where the model came from"
+    if not isinstance(d, dict) or "model_type" not in d:
+        return f"{field}: {config} has no model_type; it is not a transformers model config"
+    if not any(next(path.glob(p), None) for p in WEIGHT_PATTERNS):
+        return f"{field}: {path} has no weights (*.safetensors or *.bin); copy them into the folder"
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return (f"{field}: {path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); copy the "
+                "tokenizer of the model it was made from into the folder (tokenizer.save_pretrained(path))")
+    return None
+
+
+def _nearby_model(path: Path) -> str:
+    """A hint when `path` is a run checkpoint (or its learner folder) rather than the model inside it."""
+    for sub in ("learner/model", "model"):
+        if (path / sub / "config.json").is_file():
+            return f"; did you mean {path / sub}?"
+    return ""
+
+
+def load_tokenizer(path: Path, field: str = "model.path"):
+    """The folder's tokenizer; BadInput (not a transformers traceback) when it cannot be built."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BadInput("invalid configuration:", f"{field}: the tokenizer in {path} cannot be loaded ({first}); "
+                       "copy the tokenizer files of the model it was made from into the folder") from None
+
+
+def check_reward(reward_name: str, task: str | None) -> None:
+    """The reward resolves here as it will in the generators (a user module imports, the function
+    exists) and can score the task; BadInput otherwise."""
+    from common.rewards import check_task_matches, resolve_reward
+
+    try:
+        resolve_reward(reward_name)
+        check_task_matches(reward_name, task)
+    except ValueError as e:
+        raise BadInput("invalid configuration:", str(e)) from None
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+
+
+def checkpoint_problem(ckpt: Path, num_shards: int) -> str | None:
+    """Why a run checkpoint (`driver.json`, `learner/`, `buffer/`) cannot be resumed from; None when it
+    can. Reads the small files whole and the weights' header; buffer snapshots are checksummed."""
+    if not ckpt.is_dir():
+        return "the folder is missing"
+    return _driver_problem(ckpt / "driver.json") or _learner_problem(ckpt / "learner") or _buffer_problem(
+        ckpt / "buffer", num_shards)
+
+
+def _driver_problem(path: Path) -> str | None:
+    from cluster.driver import DriverState
+
+    try:
+        DriverState(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        return "driver.json is missing"
+    except (ValueError, TypeError) as e:
+        return f"driver.json is corrupt ({type(e).__name__}: {e})"
+    return None
+
+
+def _learner_problem(path: Path) -> str | None:
+    from safetensors import SafetensorError, safe_open
+
+    from learner import checkpoint as ck
+
+    try:
+        ck.read_meta(path)
+    except ck.CheckpointError as e:
+        return str(e)
+    weights = path / ck.MODEL_DIR / "model.safetensors"
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as e:
+        return f"model weights {weights} are unreadable ({e})"
+    for rng in sorted((path / ck.RNG_DIR).glob("*.json")):
+        try:
+            json.loads(rng.read_text())
+        except ValueError as e:
+            return f"RNG state {rng} is corrupt ({e})"
+    return None
+
+
+def _buffer_problem(path: Path, num_shards: int) -> str | None:
+    from buffer.client import SWITCH_FILE
+    from buffer.shard import unpack
+    from buffer.snapshot import SnapshotError, read_snapshot, snapshot_path
+
+    try:
+        unpack((path / SWITCH_FILE).read_bytes())
+    except FileNotFoundError:
+        return f"{path / SWITCH_FILE} is missing"
+    except ValueError as e:  # msgpack's errors are ValueErrors
+        return f"{path / SWITCH_FILE} is corrupt ({e})"
+    for shard in range(num_shards):
+        try:
+            read_snapshot(snapshot_path(path, shard))
+        except SnapshotError as e:
+            return str(e)
+    return None

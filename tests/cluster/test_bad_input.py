@@ -1,0 +1,298 @@
+"""Bad input as a new user types it: every case ends with a message that names what to change, exit code 2,
+no traceback, and nothing left behind (no run folder, no silently dropped setting). No Ray is started.
+
+Most cases call the CLI in-process; a few run `python -m cluster.cli` as a user would."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(capsys, *argv: str) -> tuple[int, str]:
+    """Exit code and everything printed, whether `main` returns or exits (argparse, config errors)."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def cli_process(*argv: str, cwd: Path = ROOT) -> tuple[int, str]:
+    p = subprocess.run([sys.executable, "-m", "cluster.cli", *map(str, argv)], cwd=cwd, capture_output=True,
+                       text=True, timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    return p.returncode, p.stdout + p.stderr
+
+
+def assert_refused(code: int, out: str, *expected: str) -> None:
+    assert code == 2, out
+    assert "Traceback" not in out, out
+    for e in expected:
+        assert e in out, f"{e!r} not in:\n{out}"
+
+
+# ------------------------------------------------------------------------------------ config level
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["name=../../x"], ["name: '../../x' is not a run name", "e.g. name=my-run-1"]),
+    (["name=/tmp/x"], ["name: '/tmp/x' is not a run name"]),
+    (["name=.."], ["name: '..' is not a run name"]),
+    (["name=a/b"], ["name: 'a/b' is not a run name"]),
+    (["reward.name=nosuch"], ["reward.name: unknown reward 'nosuch'", "countdown", "package.module:function"]),
+    (["reward.name=mth"], ["reward.name: unknown reward 'mth'; did you mean math?"]),
+    (["learner.betas=[0.9, 1.0]"], ["learner.betas: beta2 = 1.0 is outside [0, 1)"]),
+    (["learner.betas=[-0.1, 0.9]"], ["learner.betas: beta1 = -0.1 is outside [0, 1)"]),
+    (["buffer.group_size", "8"], ["overrides are written key=value: did you mean buffer.group_size=8?"]),
+    (["buffer.group_size", "=", "8"], ["did you mean buffer.group_size=8?"]),
+    (["total_steps"], ["did you mean total_steps=<value>?"]),
+    (["total_steps="], ["total_steps=: an override is written key=value", "no value after '='"]),
+    (["=3"], ["=3: an override is written key=value", "no key before '='"]),
+    (["nope.yaml"], ["nope.yaml: config file not found"]),
+    (["foo.bar=1"], ["foo: unknown field"]),
+    (["buffer.grup_size=4"], ["buffer.grup_size: unknown field (did you mean buffer.group_size?"]),
+    (["total_steps=-1"], ["total_steps: Input should be greater than or equal to 1"]),
+    (["buffer=3"], ["buffer: Input should be a valid dictionary"]),
+    (["generator.engine.batch_rows=4"], ["generator.engine.kind is missing"]),
+])
+def test_bad_config_is_refused_naming_the_field(capsys, args, expected):
+    code, out = cli(capsys, "config", *args)
+    assert_refused(code, out, "invalid configuration:", *expected)
+
+
+def test_bad_config_files_are_refused(capsys, tmp_path):
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "broken.yaml").write_text("buffer: [1, 2\n")
+    assert_refused(*cli(capsys, "config", tmp_path / "list.yaml"), "top level must be a mapping")
+    assert_refused(*cli(capsys, "config", tmp_path / "broken.yaml"), "not valid YAML")
+    assert_refused(*cli(capsys, "config", tmp_path), "is a folder; pass a YAML config file")
+    assert_refused(*cli(capsys, "config", tmp_path / "list.yaml", "group_size", "8"),
+                   "did you mean group_size=8?")
+
+
+def test_good_names_and_user_rewards_are_accepted(capsys):
+    code, out = cli(capsys, "config", "name=7", "reward.name=my_pkg.rewards:score")
+    assert code == 0 and "name: '7'" in out and "my_pkg.rewards:score" in out
+
+
+# ------------------------------------------------------------------------- train: checked before the folder
+
+
+@pytest.fixture
+def runs(tmp_path) -> Path:
+    return tmp_path / "runs"
+
+
+def train(capsys, runs: Path, *overrides: str) -> tuple[int, str]:
+    return cli(capsys, "train", f"checkpoint.runs_root={runs}", "tracking.enabled=false", "name=r", *overrides)
+
+
+def model_copy(src: Path, dst: Path, drop: tuple[str, ...] = (), config: str | None = None) -> Path:
+    shutil.copytree(src, dst)
+    for f in dst.iterdir():
+        if f.name in drop or any(f.name.endswith(d) for d in drop if d.startswith(".")):
+            f.unlink()
+    if config is not None:
+        (dst / "config.json").write_text(config)
+    return dst
+
+
+@pytest.mark.parametrize("drop, config, expected", [
+    (("tokenizer.json", "tokenizer_config.json"), None, "has no tokenizer files"),
+    ((), '{"model_type": "llama", ', "config.json is not readable JSON"),
+    ((".safetensors",), None, "has no weights"),
+    ((), '["not", "a", "config"]', "has no model_type"),
+])
+def test_unusable_model_folder_is_refused_before_the_run_folder(capsys, runs, tmp_path, tiny_model_dir, drop,
+                                                                config, expected):
+    model = model_copy(tiny_model_dir, tmp_path / "model", drop, config)
+    assert_refused(*train(capsys, runs, f"model.path={model}"), "model.path:", expected)
+    assert not (runs / "r").exists()
+
+
+def test_missing_model_folder_and_unimportable_reward_leave_no_run_folder(capsys, runs, tmp_path, tiny_model_dir):
+    assert_refused(*train(capsys, runs, f"model.path={tmp_path / 'nope'}"), "model.path:", "no config.json")
+    assert_refused(*train(capsys, runs, f"model.path={tiny_model_dir}", "data.task=arithmetic",
+                          "reward.name=nosuchmod:score"), "reward.name: cannot import module 'nosuchmod'")
+    assert not (runs / "r").exists()
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "dataset file not found"),
+    ("", "no usable training questions"),
+    ('{"q": "1+1", "a": "2"}\n' * 3, "data.question_field / data.answer_field name the fields"),
+])
+def test_unusable_data_is_refused_and_the_name_stays_free(capsys, runs, tmp_path, tiny_model_dir, content, expected):
+    data = tmp_path / "train.jsonl"
+    if content is not None:
+        data.write_text(content)
+    args = (f"model.path={tiny_model_dir}", f"data.train_path={data}", "reward.name=exact")
+    assert_refused(*train(capsys, runs, *args), "invalid data:", expected)
+    assert not (runs / "r").exists()
+    code, out = train(capsys, runs, *args)  # the same name again: the same answer, not "already holds a run"
+    assert "already holds a run" not in out
+
+
+def test_runs_root_that_is_a_file_is_refused(capsys, tmp_path, tiny_model_dir):
+    (tmp_path / "file").write_text("")
+    assert_refused(*train(capsys, tmp_path / "file", f"model.path={tiny_model_dir}"),
+                   "checkpoint.runs_root:", "is a file, not a folder")
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+def make_checkpoint(run: Path, step: int) -> Path:
+    """A checkpoint folder with every file the resume check reads (tiny contents)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from buffer.client import SWITCH_FILE
+    from buffer.shard import pack
+    from buffer.snapshot import snapshot_path, write_snapshot
+    from learner import checkpoint as ck
+
+    c = run / "checkpoints" / f"step-{step:06d}"
+    for sub in ("model", "optimizer", "rng"):
+        (c / "learner" / sub).mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, str(c / "learner" / "model" / "model.safetensors"))
+    (c / "learner" / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (c / "learner" / "rng" / "rank0.json").write_text("{}")
+    ck.write_meta(c / "learner", step=step, version=step, num_ranks=1)
+    write_snapshot(snapshot_path(c / "buffer", 0), {"shard": 0})
+    (c / "buffer" / SWITCH_FILE).write_bytes(pack({"on": False}))
+    (c / "driver.json").write_text(json.dumps({"step": step, "generators": 1}))
+    return c
+
+
+@pytest.fixture
+def run(runs, tiny_model_dir) -> Path:
+    """A run folder (total_steps=4) with checkpoints at steps 1 and 2, as `exgrpo train` leaves it."""
+    from cluster.runtime import RunDir
+    from common.config import load_config
+
+    cfg = load_config(None, [f"checkpoint.runs_root={runs}", "name=r", f"model.path={tiny_model_dir}",
+                             "data.task=arithmetic", "reward.name=arithmetic", "data.num_train=50", "total_steps=4",
+                             "tracking.enabled=false"])
+    rd = RunDir.create(cfg)
+    rd.update_state(checkpoints=[str(make_checkpoint(rd.path, s)) for s in (1, 2)], status="KILLED", step=2)
+    return rd.path
+
+
+def test_resume_refuses_settings_the_checkpoint_was_built_with(capsys, run):
+    before = (run / "config.yaml").read_text()
+    assert_refused(*cli(capsys, "train", "--resume", run, "buffer.group_size=4", "total_steps=9"),
+                   "buffer.group_size cannot change on resume: the checkpoint's buffer was built with 8",
+                   "fields that may change on resume: total_steps")
+    assert_refused(*cli(capsys, "train", "--resume", run, "buffer.grup_size=4"),
+                   "buffer.grup_size: unknown field (did you mean buffer.group_size?")
+    assert_refused(*cli(capsys, "train", "--resume", run, run / "config.yaml"),
+                   "--resume continues with the run's own config.yaml")
+    assert (run / "config.yaml").read_text() == before
+
+
+def test_resume_applies_safe_overrides_and_keeps_them(run):
+    from cluster.driver import _prepare
+    from cluster.runtime import RunDir
+
+    cfg, rd, state, _, _ = _prepare(None, str(run), ["total_steps=6", "generator.num_generators=3",
+                                                      "checkpoint.every_steps=2"])
+    assert (cfg.total_steps, cfg.checkpoint.every_steps, state.generators, state.step) == (6, 2, 3, 2)
+    assert RunDir(run).config().total_steps == 6  # a later resume keeps them
+
+
+def test_resume_falls_back_from_a_corrupt_newest_checkpoint(run, caplog):
+    from cluster.driver import _prepare
+    from cluster.runtime import RunDir
+
+    (run / "checkpoints" / "step-000002" / "learner" / "meta.json").write_text('{"format": 1, "st')
+    _, rd, state, _, _ = _prepare(None, str(run), [])
+    assert state.step == 1 and rd.latest_checkpoint() == run / "checkpoints" / "step-000001"
+    assert (run / "checkpoints" / "step-000002.unusable").is_dir()  # kept for inspection, not deleted
+    assert "step-000002 is unusable" in caplog.text and "resuming from step-000001" in caplog.text
+    assert RunDir(run).read_state()["checkpoints"] == [str(run / "checkpoints" / "step-000001")]
+
+
+def test_resume_without_a_usable_checkpoint_changes_nothing(capsys, run):
+    (run / "checkpoints" / "step-000001" / "driver.json").write_text("{")
+    snapshot = run / "checkpoints" / "step-000002" / "buffer" / "buffer-shard-0.msgpack"
+    snapshot.write_bytes(snapshot.read_bytes()[:-3])
+    state = (run / "state.json").read_text()
+    assert_refused(*cli(capsys, "train", "--resume", run), "has no usable checkpoint",
+                   "step-000001: driver.json is corrupt", "step-000002: buffer snapshot", "name=<new name>")
+    assert (run / "state.json").read_text() == state and (run / "checkpoints" / "step-000002").is_dir()
+
+
+def test_resume_of_a_finished_run_says_how_to_go_on(capsys, run):
+    assert_refused(*cli(capsys, "train", "--resume", run, "total_steps=2"), "already reached total_steps=2",
+                   f"exgrpo train --resume {run} total_steps=4")
+
+
+def test_resume_with_a_corrupt_state_json_names_the_file_and_the_fix(capsys, run):
+    (run / "state.json").write_text('{"name": "r", "checkp')
+    assert_refused(*cli(capsys, "train", "--resume", run), "state.json is corrupt",
+                   str(run / "checkpoints" / "step-000002"))
+    assert_refused(*cli(capsys, "train", "--resume", run.parent / "nope"), "is not a run folder (no state.json)")
+
+
+# ------------------------------------------------------------------------------------------ scale, eval
+
+
+def test_scale_of_a_finished_run_says_it_ended(capsys, run):
+    (run / "ray_address").write_text("127.0.0.1:1")
+    assert_refused(*cli(capsys, "scale", "--run", "r", "--runs-root", run.parent, "--generators", "2"),
+                   "run 'r' is not running: it ended (KILLED at step 2)", f"exgrpo train --resume {run}")
+    assert_refused(*cli(capsys, "scale", "--run", "r", "--runs-root", run.parent, "--generators", "-1"),
+                   "--generators: -1 is less than 0")
+
+
+def test_eval_refuses_bad_arguments_and_points_at_the_model_inside_a_checkpoint(capsys, run, tmp_path,
+                                                                                 tiny_model_dir):
+    ckpt = run / "checkpoints" / "step-000002"
+    assert_refused(*cli(capsys, "eval", "--model", ckpt), "--model:",
+                   f"did you mean {ckpt / 'learner' / 'model'}?")
+    assert_refused(*cli(capsys, "eval", "--model", tiny_model_dir, "--samples", "0"), "--samples: 0 is less than 1")
+    notok = model_copy(tiny_model_dir, tmp_path / "notok", ("tokenizer.json", "tokenizer_config.json"))
+    assert_refused(*cli(capsys, "eval", "--model", notok), "--model:", "has no tokenizer files")
+
+
+# ------------------------------------------------------------------------------------- as a user would
+
+
+def test_cli_processes_answer_bad_input_without_a_traceback(tmp_path, run):
+    assert_refused(*cli_process("train", "name=../../x", f"checkpoint.runs_root={tmp_path / 'runs'}"),
+                   "name: '../../x' is not a run name")
+    assert not (tmp_path.parent / "x").exists()
+    assert_refused(*cli_process("config", "buffer.group_size", "8"), "did you mean buffer.group_size=8?")
+    assert_refused(*cli_process("train", "--resume", run, "buffer.group_size=4"),
+                   "buffer.group_size cannot change on resume")
+    (run / "state.json").write_text("[")
+    assert_refused(*cli_process("train", "--resume", run), "state.json is corrupt")
+
+
+# --------------------------------------------------------------------------------------------- MLflow
+
+
+def test_mlflow_artifacts_stay_under_the_runs_root(tmp_path, monkeypatch):
+    from cluster.tracking import Tracker, default_tracking_uri
+
+    cwd, root = tmp_path / "cwd", tmp_path / "runs"
+    cwd.mkdir()
+    root.mkdir()
+    monkeypatch.chdir(cwd)
+    tracker = Tracker(default_tracking_uri(root), "exp")
+    tracker.start("r")
+    tracker.log_text("total_steps: 1\n", "config.yaml")
+    tracker.finish()
+    assert list(cwd.iterdir()) == []
+    assert (root / "mlartifacts" / "exp" / tracker.run_id / "artifacts" / "config.yaml").is_file()

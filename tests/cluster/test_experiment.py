@@ -1,0 +1,69 @@
+"""`exgrpo experiment`: spec checks (fast) and a short real experiment (two variants, one seed,
+a two-step rollout budget) that writes its table, plot and nested MLflow runs. It never asserts
+which variant wins."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.experiment import SpecError, load_spec, overrides
+from tests.cluster.runs import ROOT, mlflow_client
+
+
+def write(tmp_path: Path, spec: dict) -> str:
+    p = tmp_path / "spec.yaml"
+    p.write_text(yaml.safe_dump(spec))
+    return str(p)
+
+
+def test_the_bundled_spec_loads_and_bad_specs_say_what_to_change(tmp_path):
+    spec = load_spec("ablations")
+    assert {"exgrpo", "grpo", "uniform_questions", "random_trajectory", "no_shaping"} <= set(spec.variants)
+    assert overrides({"learner.shaping_beta": None, "buffer.replay_ratio": 0.25}) == [
+        "learner.shaping_beta=null", "buffer.replay_ratio=0.25"]
+    base = dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}})
+    with pytest.raises(SpecError, match=r"variants.b: buffer.grup_size: unknown field"):
+        load_spec(write(tmp_path, {**base, "variants": {"a": {}, "b": {"buffer.grup_size": 3}}}))
+    with pytest.raises(SpecError, match="budget_rollouts"):
+        load_spec(write(tmp_path, {**base, "budget_rollouts": 0}))
+    with pytest.raises(SpecError, match="name"):
+        load_spec(write(tmp_path, {**base, "name": "../x"}))
+    with pytest.raises(SpecError, match="no such spec file .*bundled specs: ablations"):
+        load_spec(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.slow
+def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path):
+    spec = dict(name="mini", budget_rollouts=256, seeds=[0],
+                base={"total_steps": 50, "checkpoint.every_steps": 0, "eval.every_steps": 1, "eval.questions": 16,
+                      "eval.samples": 2, "generator.engine.kind": "transformers"},
+                variants={"exgrpo": {}, "grpo": {"buffer.replay_ratio": 0, "buffer.collect": False}})
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "cluster.cli", "experiment", write(tmp_path, spec), "--runs-root", str(runs)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("| exgrpo", "| grpo"))]
+    assert len(rows) == 2 and all("| 1 |" in r for r in rows), out.stdout
+    assert (runs / "mini" / "results.md").is_file() and (runs / "mini" / "accuracy_vs_rollouts.png").is_file()
+
+    client = mlflow_client(runs)
+    exp = client.get_experiment_by_name("exgrpo")
+    all_runs = client.search_runs([exp.experiment_id])
+    parent = [r for r in all_runs if r.info.run_name == "mini"]
+    assert len(parent) == 1 and parent[0].info.status == "FINISHED"
+    children = [r for r in all_runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id]
+    assert sorted(r.info.run_name for r in children) == ["mini-exgrpo-s0", "mini-grpo-s0"]
+    for r in children:
+        m = r.data.metrics
+        # the equal budget stopped it: at least 256 generated rollouts, far fewer steps than total_steps
+        assert m["train/rollouts_total"] >= 256 and m["policy/version"] < 10
+        assert "eval/pass_at_1" in m
+    assert {a.path for a in client.list_artifacts(parent[0].info.run_id)} >= {"results.md", "spec.yaml"}
+
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)  # reuses finished runs
+    assert again.returncode == 0 and again.stderr.count("finished earlier, reusing it") == 2
