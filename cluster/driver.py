@@ -577,7 +577,7 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str]):
         check_reward(cfg.reward.name, cfg.data.task if cfg.data.train_path is None else None)
         questions = _load_train_questions(cfg, model_path)
         if not resume:
-            return cfg, RunDir.create(cfg), DriverState(generators=cfg.generator.num_generators), model_path, questions
+            return cfg, run_dir.make(cfg), DriverState(generators=cfg.generator.num_generators), model_path, questions
         run_dir.usable_checkpoint(cfg.buffer.num_shards)
     except RunFolderError as e:
         raise BadInput(f"error: {e}") from None

@@ -110,16 +110,22 @@ class RunDir:
 
     @classmethod
     def create(cls, cfg: RunConfig) -> RunDir:
-        """Make the folder of a new run: config.yaml and state.json (see `planned` for the checks)."""
-        rd = cls.planned(cfg)
+        """`planned(cfg).make(cfg)`."""
+        return cls.planned(cfg).make(cfg)
+
+    def make(self, cfg: RunConfig) -> RunDir:
+        """Create this planned folder with config.yaml and state.json; RunFolderError when it cannot be made
+        or another run took it meanwhile."""
+        if (self.path / "state.json").exists():
+            raise RunFolderError(f"{self.path} already holds a run; pass name=<new name>")
         try:
-            rd.path.mkdir(parents=True, exist_ok=True)
-            rd.save_config(cfg)
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.save_config(cfg)
         except OSError as e:
-            raise RunFolderError(f"checkpoint.runs_root: cannot create {rd.path} ({e.strerror}); point "
+            raise RunFolderError(f"checkpoint.runs_root: cannot create {self.path} ({e.strerror}); point "
                                  "checkpoint.runs_root at a writable folder") from None
-        rd.write_state({"name": rd.path.name, "mlflow_run_id": None, "checkpoints": []})
-        return rd
+        self.write_state({"name": self.path.name, "mlflow_run_id": None, "checkpoints": []})
+        return self
 
     @property
     def name(self) -> str:
