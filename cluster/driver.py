@@ -573,8 +573,8 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str]):
         else:
             assert cfg is not None
             run_dir, changes = RunDir.planned(cfg), {}
-        model_path = _resolve_model(cfg)
         check_reward(cfg.reward.name, cfg.data.task if cfg.data.train_path is None else None)
+        model_path = _resolve_model(cfg)  # may build the built-in model (minutes): after the quick checks
         questions = _load_train_questions(cfg, model_path)
         if not resume:
             return cfg, run_dir.make(cfg), DriverState(generators=cfg.generator.num_generators), model_path, questions
