@@ -121,10 +121,11 @@ class LearnerRank:
         return self.trainer.run(codec.decode(payload, TrainingBatch))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: every rank must call it; rank 0 gets the full CPU state dict (HF names), others {}."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """Collective: every rank must call it; rank 0 gets the full CPU state dict (HF names, the fp32
+        master weights), others {}. Bucketed: a few gathers, not one collective per parameter."""
+        from learner.gather import gather_full_state
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return gather_full_state(self.model, self.rank, self.world)
 
     def publish(self, version: int) -> WeightsAnnouncement | None:
         sd = self.full_state_dict()

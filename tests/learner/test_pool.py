@@ -87,6 +87,16 @@ def test_two_ranks_with_fewer_rows_than_ranks_and_all_updates_skipped(ray_cluste
         mixed = pool.step(make_batch(6, groups=1, group_size=2, mixed_every=1, candidates=3))
         assert mixed.version == 3 and len(mixed.feedback.keys) == 3 and len(mixed.feedback.chosen) == 1
         before = pool.state_dict()
+
+        def both(self):  # each rank: the bucketed gather, then torch's per-parameter full state dict
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return self.full_state_dict(), get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+        (ours, ref), (ours1, _) = ray.get([rk.__ray_call__.remote(both) for rk in pool.ranks])
+        assert ours.keys() == ref.keys() and ours1 == {}
+        assert all(torch.equal(ours[k], ref[k]) and ours[k].dtype == ref[k].dtype for k in ref)
         ray.get([rk.__ray_call__.remote(lambda self: setattr(self.trainer.cfg, "skip_grad_norm", 1e-12))
                  for rk in pool.ranks])
         skipped = pool.step(make_batch(7))
