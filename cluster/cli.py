@@ -158,6 +158,14 @@ def _resume_overrides(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:  # e.g. Ctrl-C while the built-in model builds: no traceback
+        print(f"exgrpo {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "config":
         from common.config import to_yaml
 

@@ -84,7 +84,7 @@ class Trainer:
         from cluster.in_run_eval import InRunEval
         from cluster.runtime import create_control
         from learner.pool import LearnerPool
-        from learner.weights import ObjectStoreWeightSource
+        from learner.weights import make_weight_source
 
         cfg, name, ns = self.cfg, self.run_dir.name, self.cfg.cluster.namespace
         self._check_placement()  # before any actor starts
@@ -103,7 +103,8 @@ class Trainer:
         self.buffer.set_version(self.learner.version)
         self.learner.publish()  # version 0 (or the checkpoint's) before any generator starts
         self.control = create_control(name, ns, self.state.generators)
-        weights = ObjectStoreWeightSource(name, ns)
+        weights = make_weight_source(cfg.learner.weight_sync, run=name, namespace=ns,
+                                     timeout_s=cfg.learner.publish_timeout_s)
         self.generators = GeneratorPool(cfg.generator, cfg.reward, str(self.model_path), self.buffer, weights,
                                         task_name=cfg.data.task if cfg.data.train_path is None else None,
                                         run=name, namespace=ns)
@@ -465,9 +466,11 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, uri, state.mlflow_run_id)
 
     progress = Progress(cfg.total_steps, start=state.step)
-    status = "FAILED"
+    status, stopped = "FAILED", None
     try:
         status = _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress)
+    except RunStopped as e:  # said why already; the run folder and MLflow lines still follow
+        stopped = e
     finally:
         progress.close()
         if cfg.tracking.log_plots:
@@ -475,7 +478,14 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
         tracker.finish(status)
         run_dir.update_state(status=status, step=state.step)
         _shutdown_ray()
+    if stopped is not None and stopped.code == EXIT_CONFIG and not resume and state.step == 0:
+        shutil.rmtree(run_dir.path, ignore_errors=True)  # refused before training: the name stays free
+        print(f"nothing was trained; removed {run_dir.path} so that name={run_dir.path.name} can be used again",
+              file=sys.stderr)
+        return stopped.code
     print(f"run folder: {run_dir.path}\nMLflow: mlflow ui --backend-store-uri {uri}  (run id {state.mlflow_run_id})")
+    if stopped is not None:
+        return stopped.code
     return 0 if status in ("FINISHED", "KILLED") else 1
 
 

@@ -44,6 +44,8 @@ def test_a_config_that_can_never_be_placed_is_refused_with_what_to_change(runs_r
            "learner (learner.num_ranks=1 x learner.num_cpus=1) need 2 CPU; the cluster has 1 CPU: set " \
            "learner.num_cpus=0.5 and generator.num_cpus=0.5" in r.stdout
     assert "Traceback" not in r.stdout and "starting 1 buffer shard" not in r.stdout  # nothing was started
+    assert not (runs_root / "one-cpu").exists()  # the name stays free for the corrected command
+    assert "name=one-cpu can be used again" in r.stdout
 
 
 def test_all_zero_rewards_stall_names_the_reward_and_a_sample_then_stops(runs_root):
