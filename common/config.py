@@ -328,15 +328,25 @@ class ObjectStoreSyncConfig(Section):
     kind: Literal["object_store"] = "object_store"
 
 
-class NcclSyncConfig(Section):
-    """Broadcast weights from learner rank 0 to GPU generators over NCCL."""
+class CollectiveSyncConfig(Section):
+    """Learner rank 0 serves each generator over its own 2-process channel (gloo/NCCL); see learner.collective."""
 
-    kind: Literal["nccl"] = "nccl"
-    master_port: int = Field(29600, ge=1024, le=65535)
-    """TCP port of the weight-broadcast process group."""
+    kind: Literal["collective"] = "collective"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Channel transport: auto = nccl when learner rank 0 and the generator both see CUDA, else gloo."""
+    bucket_mb: float = Field(64.0, gt=0, le=16_384)
+    """Size of the flat buffers the state dict is sent in (MiB; a larger tensor gets a buffer of its own)."""
+    timeout_s: float = Field(60.0, gt=0, le=3600)
+    """Upper bound on every send/receive of a transfer and on opening a channel (capped by
+    learner.publish_timeout_s); the error names the generator and the version."""
+    port: int = Field(0, ge=0, le=65535)
+    """TCP port of the rendezvous store on learner rank 0 (0 = a free port, announced to the generators)."""
+    keep_versions: int = Field(2, ge=1, le=16)
+    """Published versions rank 0 keeps packed (memory: this many copies of the state dict), so a generator
+    that read an announcement just before the next publication still receives that version."""
 
 
-WeightSyncConfig = Annotated[ObjectStoreSyncConfig | NcclSyncConfig, Field(discriminator="kind")]
+WeightSyncConfig = Annotated[ObjectStoreSyncConfig | CollectiveSyncConfig, Field(discriminator="kind")]
 
 
 class LearnerConfig(Section):
@@ -391,7 +401,8 @@ class LearnerConfig(Section):
     by min(exp(logp_learner_start - logp_behaviour), tis_cap), which corrects train/inference mismatch and
     staleness. None: the ratio is taken against the behaviour log-probs (no correction)."""
     weight_sync: WeightSyncConfig = ObjectStoreSyncConfig()
-    """Weight publication backend, chosen by `kind`: object_store | nccl."""
+    """Weight sync backend (both the learner's and the generators' side), chosen by `kind`: object_store |
+    collective."""
     publish_timeout_s: float = Field(60.0, gt=0, le=3600)
     """A weight publication or acknowledgement slower than this fails loudly."""
     seed: int = Field(0, ge=0)
@@ -403,6 +414,15 @@ class LearnerConfig(Section):
         for i, b in enumerate(v):
             if not 0 <= b < 1:
                 raise ValueError(f"beta{i + 1} = {b} is outside [0, 1); AdamW's usual values are [0.9, 0.999]")
+        return v
+
+    @field_validator("weight_sync", mode="before")
+    @classmethod
+    def _no_nccl_kind(cls, v: Any) -> Any:
+        kind = v.get("kind") if isinstance(v, dict) else None
+        if kind == "nccl":
+            raise ValueError("kind: nccl was replaced by the collective backend: use "
+                             "{kind: collective, backend: nccl} (or backend: auto)")
         return v
 
 
@@ -586,8 +606,11 @@ class RunConfig(Section):
                 and self.reward.name != self.data.task):
             problems.append(f"reward.name: {self.reward.name} cannot score the {self.data.task} task; "
                             f"set reward.name={self.data.task}")
-        if isinstance(self.learner.weight_sync, NcclSyncConfig) and self.generator.num_gpus == 0:
-            problems.append("learner.weight_sync.kind: nccl needs GPU generators (generator.num_gpus > 0); use object_store")
+        ws = self.learner.weight_sync
+        if isinstance(ws, CollectiveSyncConfig) and ws.backend == "nccl" and (
+                self.generator.num_gpus == 0 or self.learner.num_gpus == 0):
+            problems.append("learner.weight_sync.backend: nccl needs GPUs on the learner and the generators "
+                            "(learner.num_gpus > 0, generator.num_gpus > 0); use backend: auto or gloo")
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -136,6 +136,11 @@ class LearnerRank:
                                             timeout_s=self.cfg.publish_timeout_s)
         return self.publisher.publish(version, sd)
 
+    def weight_sync_status(self) -> dict:
+        """The publisher's view (collective: channels served, failed channels with generator ids); {} elsewhere."""
+        status = getattr(self.publisher, "status", None)
+        return status() if status is not None else {}
+
     def gather(self) -> dict[str, torch.Tensor] | None:
         sd = self.full_state_dict()
         return sd if self.rank == 0 else None
@@ -184,6 +189,8 @@ class LearnerRank:
             log.warning("checkpoint %s has no RNG state for rank %d (saved with another world size)", ckpt, self.rank)
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
@@ -300,6 +307,10 @@ class LearnerPool:
         """Block until every registered generator acknowledged `version` (default: current); else WeightSyncTimeout."""
         wait_for_acks(self.store, self.version if version is None else version,
                       self.cfg.publish_timeout_s if timeout_s is None else timeout_s)
+
+    def weight_sync_status(self) -> dict:
+        """Rank 0's publisher status (collective: {"channels", "failures", "served", ...}); {} for the object store."""
+        return ray.get(self.ranks[0].weight_sync_status.remote(), timeout=self.cfg.publish_timeout_s)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state dict (HF names, CPU) on the caller."""

@@ -7,7 +7,7 @@ Face parameter names (so the dict loads into `transformers` with `load_state_dic
     publisher = make_publisher(cfg.weight_sync, run=run, namespace=ns, timeout_s=cfg.publish_timeout_s)
     ann = publisher.publish(version, full_state_dict)        # rank 0, after the gather
     ...
-    source = ObjectStoreWeightSource(run, ns)                 # in a generator
+    source = make_weight_source(cfg.weight_sync, run=run, namespace=ns)   # in a generator
     source.register(generator_id)
     ann = source.latest()
     if ann is not None and ann.version > engine.version:
@@ -17,7 +17,11 @@ Backends (a discriminated union in `LearnerConfig.weight_sync`):
 - object store (`ObjectStoreSyncConfig`): rank 0 `ray.put`s the state dict and hands the reference
   to the named `WeightStore` actor (`actor_name(run, "weights")`), which keeps the newest
   `keep_versions` references. A generator that starts late or restarts asks the store for the newest.
-- NCCL (`NcclSyncConfig`): see `NcclWeightPublisher` (untested here: this machine has no GPU).
+- collective (`CollectiveSyncConfig`): rank 0 keeps the packed state dict and serves each generator
+  over its own 2-process torch.distributed channel (gloo on CPU, NCCL on GPU); the weight store
+  carries only the announcement ("collective:<host>:<port>") and the acks. See `learner.collective`.
+
+`make_publisher` and `make_weight_source` build the two ends of the configured backend.
 
 Acknowledgements: generators `register` (or simply `ack`, which registers), `unregister` when they
 leave; `WeightStore.wait_for_acks(version, timeout_s)` returns the registered generators that have
@@ -28,13 +32,14 @@ naming them. Nothing waits without a timeout.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Protocol
 
 import ray
 import torch
 
-from common.config import NcclSyncConfig, ObjectStoreSyncConfig
+from common.config import CollectiveSyncConfig, ObjectStoreSyncConfig, WeightSyncConfig
 from common.interfaces import actor_name
 from common.messages import WeightsAnnouncement
 
@@ -224,73 +229,122 @@ class ObjectStoreWeightSource:
         self._get(self._handle().unregister.remote(generator_id))
 
 
-class NcclWeightPublisher:
-    """Broadcast from learner rank 0 to GPU generator engines over a separate NCCL process group.
+class CollectivePublisher:
+    """Sending side of the collective backend: a `learner.collective.CollectiveServer` on learner rank 0.
 
-    UNTESTED on this machine (no GPU). Protocol: rank 0 is rank 0 of a weight group of
-    1 + `num_receivers` processes rendezvousing at tcp://<rank-0 host>:`cfg.master_port`; each
-    publication announces (name, shape, dtype) through the `WeightStore` (location "nccl:<port>"),
-    then broadcasts every tensor in order. `NcclWeightSource.fetch` joins the same group and receives
-    into empty CUDA tensors. The learner's training process group is not involved.
+    `publish` packs the state dict into the server (no generator is waited for) and announces
+    "collective:<host>:<port>" through the run's `WeightStore`, which keeps acknowledgements as for
+    the object store. Generators then pull over their own channels.
     """
 
-    def __init__(self, cfg: NcclSyncConfig, *, run: str, namespace: str | None, timeout_s: float,
-                 num_receivers: int = 0, host: str = "127.0.0.1"):
-        if not torch.cuda.is_available():
-            raise RuntimeError("learner.weight_sync.kind=nccl needs CUDA on learner rank 0 and on the generators; "
-                               "this process sees no GPU: use learner.weight_sync.kind=object_store")
-        import datetime
+    def __init__(self, cfg: CollectiveSyncConfig, *, run: str, namespace: str | None, timeout_s: float,
+                 host: str | None = None):
+        from learner.collective import CollectiveServer
 
         self.cfg, self.timeout_s = cfg, timeout_s
         self.store = get_or_create_store(run, namespace)
-        self.group = _nccl_group(host, cfg.master_port, 0, 1 + num_receivers, datetime.timedelta(seconds=timeout_s))
+        self.server = CollectiveServer(cfg, timeout_s=timeout_s, host=host or ray.util.get_node_ip_address())
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> WeightsAnnouncement:
-        meta = [(k, tuple(v.shape), str(v.dtype)) for k, v in state_dict.items()]
-        ann = WeightsAnnouncement(version=version, location=f"nccl:{self.cfg.master_port}",
+        self.server.publish(version, state_dict)
+        ann = WeightsAnnouncement(version=version, location=f"collective:{self.server.address}",
                                   num_bytes=state_dict_bytes(state_dict), created_at=time.time())
-        ray.get(self.store.put.remote(ann, [meta]), timeout=self.timeout_s)
-        for tensor in state_dict.values():
-            self.group.broadcast([tensor.cuda()], root=0).wait()
+        try:
+            ray.get(self.store.put.remote(ann, []), timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise WeightSyncTimeout(f"weight store did not accept version {version} within {self.timeout_s:.1f}s "
+                                    f"(is the actor {self.store} alive and responsive?)") from e
         return ann
 
+    def status(self) -> dict:
+        """Channels being served (channel id -> generator id), failed channels, completed transfers."""
+        return self.server.status()
+
     def close(self) -> None:
-        self.group = None
+        self.server.close()
 
 
-def _nccl_group(host: str, port: int, rank: int, world: int, timeout):
-    store = torch.distributed.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
-    return torch.distributed.ProcessGroupNCCL(store, rank, world)
+class CollectiveWeightSource:
+    """Receiving side of the collective backend; a `common.interfaces.WeightSource`.
 
+    `latest`/`ack`/`register`/`unregister` go to the run's `WeightStore` (as for the object store);
+    `fetch` pulls the announced version over this generator's own channel to learner rank 0, opened on
+    first use and again whenever the announced address changes (a new learner pool) or a transfer
+    failed. Picklable: the channel is not part of the state.
+    """
 
-class NcclWeightSource(ObjectStoreWeightSource):
-    """Receiving side of the NCCL backend (UNTESTED here: no GPU). `rank` is this generator's rank (1..N)."""
+    def __init__(self, cfg: CollectiveSyncConfig, run: str, namespace: str | None = None, timeout_s: float = 60.0):
+        self.cfg, self.run, self.namespace, self.timeout_s = cfg, run, namespace, timeout_s
+        self.store = ObjectStoreWeightSource(run, namespace, timeout_s)
+        self.generator_id: str | None = None
+        self.client = None
 
-    def __init__(self, run: str, namespace: str | None, *, host: str, port: int, rank: int, world: int,
-                 timeout_s: float = 60.0):
-        if not torch.cuda.is_available():
-            raise RuntimeError("NcclWeightSource needs CUDA; use ObjectStoreWeightSource on CPU generators")
-        import datetime
+    def __getstate__(self) -> dict:
+        return {"cfg": self.cfg, "run": self.run, "namespace": self.namespace, "timeout_s": self.timeout_s}
 
-        super().__init__(run, namespace, timeout_s)
-        self.group = _nccl_group(host, port, rank, world, datetime.timedelta(seconds=timeout_s))
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    def latest(self) -> WeightsAnnouncement | None:
+        return self.store.latest()
 
     def fetch(self, ann: WeightsAnnouncement) -> dict[str, torch.Tensor]:
-        meta = self._get(self._handle().get.remote(ann.version))[0]
-        out = {}
-        for name, shape, dtype in meta:
-            t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device="cuda")
-            self.group.broadcast([t], root=0).wait()
-            out[name] = t
-        return out
+        """The state dict of `ann.version`; KeyError when rank 0 no longer holds it, WeightSyncError
+        (a RuntimeError: the generator retries at its next safe point) when the transfer failed."""
+        from learner.collective import ChannelClient, WeightSyncError
+
+        if not ann.location.startswith("collective:"):
+            raise ValueError(f"announcement of version {ann.version} has location {ann.location!r}: the learner "
+                             "publishes with another weight_sync kind than this generator's (collective)")
+        address = ann.location.removeprefix("collective:")
+        gid = self.generator_id or f"pid{os.getpid()}"
+        try:
+            if self.client is None or self.client.address != address:
+                self._close()
+                self.client = ChannelClient(address, gid, self.cfg, self.timeout_s,
+                                            host=ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
+            return self.client.pull(ann.version)
+        except RuntimeError as e:  # gloo/NCCL/TCPStore errors and timeouts: drop the channel, reopen next time
+            self.client = None
+            raise WeightSyncError(f"generator {gid}: pulling weights version {ann.version} from learner rank 0 at "
+                                  f"{address} failed: {type(e).__name__}: {e}") from e
+
+    def ack(self, generator_id: str, version: int) -> None:
+        self.generator_id = self.generator_id or generator_id
+        self.store.ack(generator_id, version)
+
+    def register(self, generator_id: str) -> None:
+        """Name this source's channel after `generator_id` and count it among the generators acked for."""
+        self.generator_id = generator_id
+        self.store.register(generator_id)
+
+    def unregister(self, generator_id: str) -> None:
+        """Close the channel (rank 0's thread for it ends) and stop being waited for."""
+        self._close()
+        self.store.unregister(generator_id)
+
+    def _close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
 
 
-def make_publisher(cfg: ObjectStoreSyncConfig | NcclSyncConfig, *, run: str, namespace: str | None,
-                   timeout_s: float) -> WeightPublisher:
-    """The configured backend's sending side."""
+def make_publisher(cfg: WeightSyncConfig, *, run: str, namespace: str | None, timeout_s: float) -> WeightPublisher:
+    """The configured backend's sending side (learner rank 0)."""
     match cfg:
         case ObjectStoreSyncConfig():
             return ObjectStorePublisher(cfg, run=run, namespace=namespace, timeout_s=timeout_s)
-        case NcclSyncConfig():
-            return NcclWeightPublisher(cfg, run=run, namespace=namespace, timeout_s=timeout_s)
+        case CollectiveSyncConfig():
+            return CollectivePublisher(cfg, run=run, namespace=namespace, timeout_s=timeout_s)
+    raise TypeError(f"unknown weight_sync config {type(cfg).__name__}")
+
+
+def make_weight_source(cfg: WeightSyncConfig, *, run: str, namespace: str | None, timeout_s: float = 60.0
+                       ) -> ObjectStoreWeightSource | CollectiveWeightSource:
+    """The configured backend's receiving side (picklable: pass it to generator actors)."""
+    match cfg:
+        case ObjectStoreSyncConfig():
+            return ObjectStoreWeightSource(run, namespace, timeout_s)
+        case CollectiveSyncConfig():
+            return CollectiveWeightSource(cfg, run, namespace, timeout_s)
     raise TypeError(f"unknown weight_sync config {type(cfg).__name__}")
