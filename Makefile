@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up .venv first (idempotent, instant when done).
-.PHONY: setup train test
+.PHONY: setup train test gpu-check
 
 setup:
 	@bash scripts/setup.sh
@@ -9,3 +9,7 @@ train: setup
 
 test: setup
 	.venv/bin/python -m pytest tests $(PYTEST_ARGS)
+
+# bf16 + vLLM on GPU + NCCL weight sync, a short run (skipped, exit 0, without a GPU)
+gpu-check:
+	bash scripts/gpu_check.sh $(STEPS)

@@ -1,0 +1,119 @@
+"""Weight-sync benchmark: publish + load latency, object store vs collective (gloo), 1 and 2 learner ranks.
+
+    python bench/weights_bench.py [--repeats 4] [--ranks 1 2]
+
+Models: the built-in size (hidden 96, 3 layers, 3 heads) and a ~10M-parameter Llama (hidden 320,
+8 layers, 5 heads), untrained. One measurement: `LearnerPool.publish()` (bucketed gather on the ranks,
+hand-over on rank 0) then, in a separate generator-like actor, `latest` + `fetch` + `load_state_dict`
+into a transformers model + `ack`; wall time on the driver. The floor, measured in the same run with
+the same state dict and the same actor: the driver `ray.put`s it and the actor `ray.get`s it and loads
+it (the cheapest way to move a state dict into another process and load it). Median of --repeats after
+one warm-up; a learner step runs between publications (untimed) so each publishes a new version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"built-in (h96 L3)": dict(hidden_size=96, num_layers=3, num_heads=3),
+          "~10M (h320 L8)": dict(hidden_size=320, num_layers=8, num_heads=5)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    import ray
+    import torch
+
+    from common.config import CollectiveSyncConfig, LearnerConfig, ObjectStoreSyncConfig
+    from common.modeling import make_tiny_model_folder
+    from learner.pool import LearnerPool
+    from learner.weights import make_weight_source
+    from tests.learner.batches import make_batch
+
+    @ray.remote(num_cpus=0)
+    class Gen:
+        """What a generator does with new weights, without generating."""
+
+        def __init__(self, source, model_path: str):
+            from transformers import AutoModelForCausalLM
+
+            self.source = source
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            source.register("bench-gen")
+
+        def pull(self) -> int:
+            ann = self.source.latest()
+            self.model.load_state_dict(self.source.fetch(ann))
+            self.source.ack("bench-gen", ann.version)
+            return ann.version
+
+        def load_ref(self, refs: list) -> None:
+            self.model.load_state_dict(ray.get(refs[0]))
+
+    tmp = Path(tempfile.mkdtemp(prefix="weights-bench-"))
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="bench",
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    backends = {"object_store": ObjectStoreSyncConfig(), "collective (gloo)": CollectiveSyncConfig()}
+    rows = []
+    for name, size in MODELS.items():
+        path = make_tiny_model_folder(tmp / name.split()[0], **size)
+        for ranks in args.ranks:
+            for bname, sync in backends.items():
+                cfg = LearnerConfig(num_ranks=ranks, micro_batch_rows=8, mini_batches=1, lr=1e-5, weight_sync=sync)
+                run = f"wbench-{len(rows)}"
+                pool = LearnerPool(cfg, str(path), run=run, namespace="bench", max_new_tokens=12)
+                gen = None
+                try:
+                    pool.publish()
+                    gen = Gen.remote(make_weight_source(sync, run=run, namespace="bench"), str(path))
+                    ray.get(gen.pull.remote())  # opens the channel (collective) and warms up
+                    sd = pool.state_dict()
+                    pub, floor = [], []
+                    for i in range(args.repeats + 1):
+                        pool.step(make_batch(i, groups=2, group_size=2))
+                        t0 = time.perf_counter()
+                        pool.publish()
+                        assert ray.get(gen.pull.remote()) == pool.version
+                        t_pub = time.perf_counter() - t0
+                        t0 = time.perf_counter()
+                        ref = ray.put(sd)
+                        ray.get(gen.load_ref.remote([ref]))
+                        t_floor = time.perf_counter() - t0
+                        del ref
+                        if i:
+                            pub.append(t_pub)
+                            floor.append(t_floor)
+                    n_params = sum(v.numel() for v in sd.values())
+                    p, f = statistics.median(pub), statistics.median(floor)
+                    rows.append((name, n_params, ranks, bname, p * 1e3, f * 1e3, p / f))
+                    print(rows[-1], flush=True)
+                finally:
+                    if gen is not None:
+                        ray.kill(gen)
+                    pool.shutdown()
+    ray.shutdown()
+
+    cmd = "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:])
+    print(f"\n$ {cmd}    (torch {torch.__version__}, {os.cpu_count()} CPUs, float32 weights)\n")
+    head = ("model", "params", "ranks", "backend", "publish+load ms", "put+get+load floor ms", "ratio")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    for name, n, r, b, p, f, ratio in rows:
+        print(f"| {name} | {n / 1e6:.2f}M | {r} | {b} | {p:.1f} | {f:.1f} | {ratio:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
