@@ -92,8 +92,12 @@ class ModelConfig(Section):
 class DataConfig(Section):
     """Where questions come from: a built-in task or a JSONL/Parquet file."""
 
-    task: Literal["countdown", "arithmetic"] | None = "countdown"
-    """Built-in task generated from `seed`. Ignored when `train_path` is set."""
+    task: Literal["countdown", "arithmetic", "think_arith"] | None = "countdown"
+    """Built-in task generated from `seed` (common/tasks.py). Ignored when `train_path` is set. A task also
+    sets the fields of its TASK_DEFAULTS that the config leaves out: `think_arith` (expressions with a
+    `<think>` reasoning block, the official ExGRPO format) sets reward.name=math_think,
+    data.use_chat_template=true (its built-in model is a BPE chat model), generator.max_new_tokens=40 and the
+    built-in model's size and weak-start recipe; `arithmetic` sets reward.name=arithmetic."""
     train_path: str | None = None
     """JSONL or Parquet file of training questions; overrides `task`."""
     test_path: str | None = None
@@ -105,7 +109,8 @@ class DataConfig(Section):
     id_field: str | None = "id"
     """Optional field holding a stable question id; absent ids are derived from the content."""
     use_chat_template: bool = False
-    """Wrap each question with the tokenizer's chat template."""
+    """Wrap each question with the tokenizer's chat template (with the built-in model: true exactly for a chat
+    task, `think_arith`)."""
     max_prompt_tokens: int = Field(1024, ge=1, le=1_000_000)
     """Longer prompts are skipped and counted."""
     max_question_chars: int = Field(100_000, ge=1)
@@ -118,6 +123,63 @@ class DataConfig(Section):
     """Questions generated for a built-in task's held-out split."""
     seed: int = Field(0, ge=0)
     """Seed of the built-in task generator."""
+
+
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "countdown": {"reward.name": "countdown"},
+    "arithmetic": {"reward.name": "arithmetic"},
+    "think_arith": {
+        "reward.name": "math_think",
+        "data.use_chat_template": True,
+        "generator.max_new_tokens": 40,
+        "model.toy.hidden_size": 64,  # 143k parameters: its RL steps stay at seconds on 2 CPUs
+        "model.toy.num_heads": 2,
+        "model.toy.num_layers": 2,
+        "model.toy.batch_size": 64,
+        "model.toy.target_mean_accuracy": 0.15,  # the weak start: most questions solved rarely
+        "model.toy.eval_every": 100,
+        "model.toy.max_train_steps": 5000,
+        "model.toy.max_train_seconds": 900.0,  # the step rule decides, not the machine's load (~2 min when idle)
+    },
+}
+"""What a built-in task (data.task, with no data.train_path) sets in the fields a config leaves out, so that
+`data.task=think_arith` alone is a consistent run; a value in the file or on the command line always wins."""
+
+
+def _fill_task_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` (a RunConfig's input) with its task's TASK_DEFAULTS added where it has no value (a copy; a
+    section given as an instance is replaced by a new one with the value where that field was not given)."""
+    data = raw.get("data", {})
+    data = _given(data) if isinstance(data, BaseModel) else data
+    if not isinstance(data, dict) or data.get("train_path") is not None:
+        return raw
+    task = data.get("task", DataConfig.model_fields["task"].default)
+    for key, value in TASK_DEFAULTS.get(task, {}).items() if isinstance(task, str) else ():
+        raw = _with_default(raw, key.split("."), value)
+    return raw
+
+
+def _with_default(node: Any, path: list[str], value: Any) -> Any:
+    """`node` (a dict or a section) with `value` at `path` unless one is given there; `node` itself unchanged."""
+    given = _given(node) if isinstance(node, BaseModel) else node
+    if not isinstance(given, dict):
+        return node  # not a section: validation reports it
+    if len(path) == 1:
+        if path[0] in given:
+            return node
+        update = {path[0]: value}
+    else:
+        child = given.get(path[0], {})
+        new_child = _with_default(child, path[1:], value)
+        if new_child is child:
+            return node
+        update = {path[0]: new_child}
+    return type(node).model_validate({**given, **update}) if isinstance(node, BaseModel) else {**node, **update}
+
+
+def _given(section: BaseModel) -> dict[str, Any]:
+    """The fields a section instance was given, as input (the others are its defaults)."""
+    return {k: getattr(section, k) for k in section.model_fields_set}
 
 
 # -------------------------------------------------------------------------------------------- reward
@@ -571,6 +633,13 @@ class RunConfig(Section):
                              "created under checkpoint.runs_root")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _task_defaults(cls, raw: Any) -> Any:
+        """TASK_DEFAULTS fill what the input leaves out, before validation, so that section checks (the toy
+        model's head size, ...) see the values the run will use."""
+        return _fill_task_defaults(raw) if isinstance(raw, dict) else raw
+
     @model_validator(mode="after")
     def _generator_dtype(self) -> RunConfig:
         """generator.dtype None means model.dtype: resolved here so the generators' section carries it."""
@@ -601,11 +670,8 @@ class RunConfig(Section):
                             "or eval.every_steps=0")
         if self.data.task is None and self.data.train_path is None:
             problems.append("data: set data.task to a built-in task or data.train_path to a file")
-        builtin_tasks = ("countdown", "arithmetic")
-        if (self.data.train_path is None and self.reward.name in builtin_tasks and self.data.task in builtin_tasks
-                and self.reward.name != self.data.task):
-            problems.append(f"reward.name: {self.reward.name} cannot score the {self.data.task} task; "
-                            f"set reward.name={self.data.task}")
+        if self.data.train_path is None and self.data.task is not None:
+            problems += _task_problems(self.data, self.reward.name, self.model.path is None)
         ws = self.learner.weight_sync
         if isinstance(ws, CollectiveSyncConfig) and ws.backend == "nccl" and (
                 self.generator.num_gpus == 0 or self.learner.num_gpus == 0):
@@ -614,6 +680,26 @@ class RunConfig(Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+
+def _task_problems(data: DataConfig, reward_name: str, builtin_model: bool) -> list[str]:
+    """A built-in reward that cannot read the task's answers; a prompt encoding its built-in model was not
+    trained on."""
+    from common.rewards import BUILTIN_NAMES  # here: common.rewards imports this module
+    from common.tasks import get_task
+
+    task, problems = get_task(data.task), []
+    if reward_name in BUILTIN_NAMES and reward_name not in task.rewards:
+        others = f" (or {', '.join(task.rewards[1:])})" if task.rewards[1:] else ""
+        problems.append(f"reward.name: {reward_name} cannot score the {task.name} task; "
+                        f"set reward.name={task.rewards[0]}{others}")
+    if builtin_model and data.use_chat_template != task.chat:
+        problems.append(
+            f"data.use_chat_template: the built-in {task.name} model is a chat model (BPE tokenizer with a chat "
+            "template); set data.use_chat_template=true, its default" if task.chat else
+            f"data.use_chat_template: the built-in {task.name} model has a character tokenizer and no chat "
+            "template; set data.use_chat_template=false, or model.path to a chat model")
+    return problems
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -753,7 +839,8 @@ def resume_config(saved: RunConfig, overrides: list[str]) -> tuple[RunConfig, di
     that changes a field outside RESUMABLE_FIELDS, e.g. "buffer.group_size cannot change on resume: the
     checkpoint's buffer was built with 8". An override that repeats the saved value is no change."""
     # Defaults left out, so that switching a backend (generator.engine.kind=...) does not meet the old one's fields.
-    new = _validate(apply_overrides(saved.model_dump(mode="json", exclude_defaults=True), overrides))
+    new = _validate(apply_overrides(_pin_task_defaults(saved.model_dump(mode="json", exclude_defaults=True), saved),
+                                    overrides))
     old_flat, new_flat = flatten(saved), flatten(new)
     changes = {k: (old_flat.get(k), new_flat.get(k)) for k in {**old_flat, **new_flat}
                if old_flat.get(k) != new_flat.get(k)}
@@ -772,6 +859,20 @@ def resume_config(saved: RunConfig, overrides: list[str]) -> tuple[RunConfig, di
         raise ConfigError(refused + ["fields that may change on resume: " + ", ".join(
             f + ".*" if f in ("cluster", "eval") else f for f in RESUMABLE_FIELDS)])
     return new, changes
+
+
+def _pin_task_defaults(raw: dict[str, Any], saved: RunConfig) -> dict[str, Any]:
+    """`raw` with the saved values of the task's TASK_DEFAULTS fields written out, so that one the run set
+    back to the field's own default (left out of `raw`) is not filled with the task's on resume."""
+    keys = TASK_DEFAULTS.get(saved.data.task, {}) if saved.data.train_path is None else {}
+    saved_flat = flatten(saved)
+    for key in keys:
+        *sections, name = key.split(".")
+        node = raw
+        for part in sections:
+            node = node.setdefault(part, {})
+        node[name] = saved_flat[key]
+    return raw
 
 
 def yaml_value(v: Any) -> str:

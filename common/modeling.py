@@ -1,9 +1,10 @@
 """Offline tokenizer and tiny Llama construction (no hub access anywhere).
 
 `build_char_tokenizer()` makes a character-level fast tokenizer over printable ASCII with
-`<pad>`, `<s>`, `</s>`, `<unk>`; `init_tiny_llama(...)` makes a randomly initialised Llama of
-any small size; `save_model_folder(...)` writes a normal Hugging Face folder (config.json,
-model.safetensors, tokenizer files) that `transformers` and vLLM load. Tests build their models
+`<pad>`, `<s>`, `</s>`, `<unk>`; `train_bpe_tokenizer(texts)` trains a byte-level BPE tokenizer
+with a chat template on a corpus (the built-in chat model's); `init_tiny_llama(...)` makes a randomly
+initialised Llama of any small size; `save_model_folder(...)` writes a normal Hugging Face folder
+(config.json, model.safetensors, tokenizer files) that `transformers` and vLLM load. Tests build their models
 with these; `common.toy_model` trains the built-in model on top of them.
 """
 
@@ -12,7 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from collections.abc import Iterable
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -31,6 +34,57 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
     fast.model_max_length = 4096
     return fast
+
+
+USER, ASSISTANT = "<|user|>", "<|assistant|>"
+THINK_TOKENS = ["<think>", "</think>"]
+"""Whole tokens of the BPE tokenizer, but not special ones: decoding with `skip_special_tokens` (as vLLM
+and the transformers engine do) keeps them, so the reward sees `</think>`."""
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}{{ bos_token }}<|user|>{{ message['content'] }}"
+    "{%- elif message['role'] == 'assistant' -%}<|assistant|>{{ message['content'] }}{{ eos_token }}"
+    "{%- else -%}{{ raise_exception('this chat template has only user and assistant turns, got ' + message['role']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+"""System-free: `<s><|user|>question<|assistant|>` (+ the generation prompt `<|assistant|>`); an
+assistant turn ends with `</s>`. A system turn is an error rather than silently dropped."""
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `texts`, with the chat template above.
+
+    Digits are split one per token before the byte-level split (as in Llama 3 / Qwen-style
+    tokenizers' digit handling), so numbers are never merged; merges form words and operator runs. Every
+    byte is in the vocabulary, so any text encodes and decodes back unchanged."""
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tk.decoder = decoders.ByteLevel()
+    specials = SPECIALS + [USER, ASSISTANT]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator((_without_think_tokens(t) for t in texts), trainer=trainer)
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])  # training resets them
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, padding_side="left",
+        additional_special_tokens=[USER, ASSISTANT],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = 4096
+    return fast
+
+
+def _without_think_tokens(text: str) -> str:
+    """No merges are spent on pieces of `<think>`/`</think>`, which are whole tokens anyway."""
+    for t in THINK_TOKENS:
+        text = text.replace(t, "\n")
+    return text
 
 
 def init_tiny_llama(

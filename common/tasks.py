@@ -1,7 +1,8 @@
 """Built-in tasks: questions generated deterministically from a seed, with a held-out test split.
 
-Both tasks keep prompts and responses short because the built-in tokenizer is character-level (one
-character = one token) and CPU generation is slow:
+`countdown` and `arithmetic` keep prompts and responses short because their built-in tokenizer is
+character-level (one character = one token) and CPU generation is slow; `think_arith` is the task
+closer to real use:
 
 - `arithmetic`: prompt `"12+345="`, response `"357"`. Operands have 1-3 digits; +, - and x (written
   `*`, second factor one digit). Every question has exactly one correct answer.
@@ -11,6 +12,13 @@ character = one token) and CPU generation is slow:
   Every question has at least two distinct correct responses (`3*7+8`, `8+7*3`, ...), so choosing the
   lowest-entropy correct trajectory is meaningful. The answer string is JSON
   (`{"target":29,"numbers":[3,7,8]}`) so the verifier needs nothing but the answer.
+
+- `think_arith`: prompt `"What is (7+3)*4-2*5?"`, response in the official ExGRPO format
+  `"<think>10*4-2*5=40-2*5=40-10=30</think>\\boxed{30}"`: the reasoning rewrites the expression one
+  operation at a time, the answer follows `</think>` and is scored by math-verify (`math_think`).
+  Three or four numbers 1-9, `+ - *`, often one pair of parentheses. Every question has at least two
+  reasoning paths (`2*3+4*5` can start with either product); its built-in model is a chat model
+  (a BPE tokenizer with a chat template, see `common.toy_model`).
 
 Split: every generated question goes to the test split when a keyed hash of its text falls in the
 lowest `1/TEST_SHARE` of the hash range, so the test split is disjoint from the training split and
@@ -42,14 +50,19 @@ class Task:
     """A built-in task.
 
     `generate(seed, n_train, n_test)` returns rows `{"id", "question", "answer"}` for the two splits;
-    `verify(response_text, answer)` returns a reward in [0, 1]; `solutions(answer)` lists correct
-    responses (used to train the built-in model; at least one per question).
+    `verify(response_text, answer)` returns a reward in [0, 1]; `solutions(question, answer)` lists
+    correct responses (used to train the built-in model; at least one per question).
     """
 
     name: str
     make_question: Callable[[random.Random], tuple[str, str] | None]
     verify: Callable[[str, str], float]
-    solutions: Callable[[str], list[str]]
+    solutions: Callable[[str, str], list[str]]
+    rewards: tuple[str, ...]
+    """Built-in reward names that can score this task's answers (the first is its default)."""
+    chat: bool = False
+    """Its built-in model is a chat model: a BPE tokenizer with a chat template, trained on prompts the
+    template renders (runs need data.use_chat_template=true). Otherwise: the character tokenizer, plain prompts."""
     max_attempts_per_question: int = 50
 
     def generate(self, seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
@@ -162,7 +175,7 @@ def _parse_answer(answer: str) -> tuple[int, list[int]]:
     return int(data["target"]), [int(x) for x in data["numbers"]]
 
 
-def countdown_solutions(answer: str) -> list[str]:
+def countdown_solutions(question: str, answer: str) -> list[str]:
     """All parenthesis-free correct responses (sorted)."""
     target, numbers = _parse_answer(answer)
     return list(_expressions_by_value(tuple(numbers)).get(target, ()))
@@ -266,11 +279,135 @@ def verify_countdown(response: str, answer: str) -> float:
     return 1.0 if _evaluate(tree) == target else 0.0
 
 
+# -------------------------------------------------------------------------------------- think_arith
+
+THINK_ARITH_MAX_VALUE = 99
+"""Every number written on a reasoning path (operands, intermediate and final values) is at most this."""
+THINK_ARITH_THREE_OPERAND_SHARE = 0.3
+"""Share of questions with three numbers (the easier tier); the rest have four."""
+THINK_ARITH_PAREN_SHARE = 0.5
+"""Share of generated expressions that get one pair of parentheses (kept only where they change the order)."""
+
+
+def _think_arith_question(rng: random.Random) -> tuple[str, str] | None:
+    """Three or four numbers 1-9 joined by + - *, with one pair of parentheses half the time; kept only
+    when the expression has at least two reasoning paths (see think_arith_paths)."""
+    n = 3 if rng.random() < THINK_ARITH_THREE_OPERAND_SHARE else 4
+    nums = [rng.randint(1, 9) for _ in range(n)]
+    chain: list = [nums[0]]
+    for x in nums[1:]:
+        chain += [rng.choice("+-*"), x]
+    if rng.random() < THINK_ARITH_PAREN_SHARE:
+        lo = rng.randrange(n - 1)
+        hi = rng.randrange(lo + 2, n + 1)  # numbers lo..hi-1 go in parentheses: at least two, not all
+        inner = chain[2 * lo: 2 * hi - 1]
+        before = chain[2 * lo - 1] if lo else None
+        after = chain[2 * hi - 1] if hi < n else None
+        if hi - lo == n or "*" not in (before, after) and before != "-" or set(inner[1::2]) == {"*"}:
+            return None  # parentheses that would change nothing
+        chain = chain[: 2 * lo] + [inner] + chain[2 * hi - 1:]
+    paths = think_arith_paths(chain)
+    if len(paths) < 2:
+        return None
+    return f"What is {_render(chain)}?", paths[0][-1]
+
+
+def think_arith_paths(chain: list) -> list[list[str]]:
+    """Every reasoning path of an expression (sorted): the expressions written after each legal reduction,
+    ending with the value. A chain is `[operand, op, operand, ...]`; an operand is an int or a
+    parenthesised chain.
+
+    A reduction replaces two adjacent numbers `a op b` of a chain by their value where that keeps the
+    value of the whole: always for `*`; for `+` and `-` when neither number is a factor of a product and
+    `a` is not subtracted (`x-a+b` is not `x-(a+b)`). A parenthesised group down to one number loses its
+    parentheses. Written numbers stay within THINK_ARITH_MAX_VALUE and non-negative, except the leading
+    number of the whole expression (`2-9+3` -> `-7+3` -> `-4`)."""
+    out: set[tuple[str, ...]] = set()
+
+    def walk(state: list, written: tuple[str, ...]) -> None:
+        nexts = list(_reductions(state, top=True))
+        if not nexts and len(state) == 1 and written:
+            out.add(written)
+        for s in nexts:
+            walk(s, written + (_render(s),))
+
+    walk(chain, ())
+    return sorted(list(p) for p in out)
+
+
+def _reductions(chain: list, top: bool):
+    """The chains one legal reduction away from `chain` (see think_arith_paths)."""
+    for i in range(0, len(chain), 2):
+        if isinstance(chain[i], list):
+            for inner in _reductions(chain[i], top=False):
+                yield chain[:i] + [inner[0] if len(inner) == 1 else inner] + chain[i + 1:]
+    for i in range(2, len(chain), 2):
+        a, op, b = chain[i - 2], chain[i - 1], chain[i]
+        if isinstance(a, list) or isinstance(b, list):
+            continue
+        before = chain[i - 3] if i >= 3 else None
+        after = chain[i + 1] if i + 1 < len(chain) else None
+        if op != "*" and ("*" in (before, after) or before == "-"):
+            continue
+        v = _OPS[op](a, b)
+        if abs(v) > THINK_ARITH_MAX_VALUE or (v < 0 and not (top and i == 2)):
+            continue
+        yield chain[: i - 2] + [v] + chain[i + 1:]
+
+
+def _render(chain: list) -> str:
+    return "".join(f"({_render(x)})" if isinstance(x, list) else str(x) for x in chain)
+
+
+def _read_chain(text: str) -> list:
+    """The chain of an expression written by `_render` (numbers, + - *, parentheses)."""
+    stack: list[list] = [[]]
+    for tok in _tokens(text):
+        if tok == "(":
+            stack.append([])
+        elif tok == ")":
+            group = stack.pop()
+            stack[-1].append(group)
+        else:
+            stack[-1].append(int(tok) if tok.isdigit() else tok)
+    return stack[0]
+
+
+def think_arith_response(path: list[str], answer: str) -> str:
+    """The official format: the reasoning in `<think>...</think>`, then the boxed answer."""
+    return f"<think>{'='.join(path)}</think>\\boxed{{{answer}}}"
+
+
+def think_arith_solutions(question: str, answer: str) -> list[str]:
+    """One response per reasoning path of the question's expression."""
+    expression = question.removeprefix("What is ").removesuffix("?")
+    return [think_arith_response(p, answer) for p in think_arith_paths(_read_chain(expression))]
+
+
+@lru_cache(maxsize=65_536)
+def _math_after_think(tail: str, answer: str) -> float:
+    from common.rewards import math_reward  # at call time: common.rewards imports this module's registry
+
+    return math_reward(tail, answer)
+
+
+def verify_think_arith(response: str, answer: str) -> float:
+    """The `math_think` reward (math-verify on the text after `</think>`, 0 without it), memoised on that
+    text: a model's sampled answers repeat, and math-verify takes milliseconds per call."""
+    if not isinstance(response, str) or "</think>" not in response:
+        return 0.0
+    return _math_after_think(response.split("</think>")[1], answer)
+
+
 # ----------------------------------------------------------------------------------------- registry
 
 TASKS: dict[str, Task] = {
-    "arithmetic": Task("arithmetic", _arithmetic_question, verify_arithmetic, lambda answer: [answer]),
-    "countdown": Task("countdown", _countdown_question, verify_countdown, countdown_solutions),
+    "arithmetic": Task("arithmetic", _arithmetic_question, verify_arithmetic, lambda question, answer: [answer],
+                       rewards=("arithmetic", "exact", "math")),
+    "countdown": Task("countdown", _countdown_question, verify_countdown, countdown_solutions,
+                      rewards=("countdown",)),
+    "think_arith": Task("think_arith", _think_arith_question, verify_think_arith, think_arith_solutions,
+                        rewards=("math_think", "math"), chat=True),
 }
 
 

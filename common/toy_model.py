@@ -1,18 +1,24 @@
 """The built-in model: a tiny Llama trained briefly (supervised) on the built-in task, offline.
 
-`ensure_toy_model(model_cfg, data_cfg)` returns a Hugging Face folder (config, safetensors, char
-tokenizer) cached under `model_cfg.cache_dir` in a folder named by a hash of everything that changes
+`ensure_toy_model(model_cfg, data_cfg)` returns a Hugging Face folder (config, safetensors, tokenizer)
+cached under `model_cfg.cache_dir` in a folder named by a hash of everything that changes
 the result (task, data seed and sizes, toy model settings, recipe version). A second call is
 instant; a build writes into a temporary folder and renames it into place, so a crash never leaves a
 half-written model where a later call would pick it up.
 
 Recipe: the model is trained on `supervised_questions` training-split questions (the RL training
-split is their prefix; the test split is disjoint from all of them). Sequences are `BOS prompt response EOS` (the `common.data.encode_prompt` encoding), loss on the
-response and EOS only; for countdown each step picks a random one of a question's correct
-expressions, so the model starts with several solutions per question. Every `eval_every` steps the
-sampled accuracy (temperature 1, `samples` per question) on a fixed probe of training questions is
-measured; accuracy moves fast between evaluations, so the saved checkpoint is the evaluated one whose
-spread is best (many partly-right questions, mean near `target_mean_accuracy`), not the last one.
+split is their prefix; the test split is disjoint from all of them). Sequences are the prompt as
+`common.data.encode_prompt` encodes it, then the response and EOS; loss on the response and EOS only.
+Each step picks a random one of a question's correct responses (countdown's expressions,
+think_arith's reasoning paths), so the model starts with several solutions per question.
+Tokenizer: character-level, plain prompts (`BOS prompt`); for a chat task (`Task.chat`, e.g.
+think_arith) a byte-level BPE tokenizer trained on the supervised questions and responses, with a
+chat template, and prompts rendered by it (the encoding `data.use_chat_template=true` gives).
+
+Every `eval_every` steps the sampled accuracy (temperature 1, `samples` per question, at most the
+longest correct response + 4 tokens) on a fixed probe of training questions is measured; accuracy
+moves fast between evaluations, so the saved checkpoint is the evaluated one whose spread is best
+(many partly-right questions, mean near `target_mean_accuracy`), not the last one.
 Training stops once the mean passes the target by a margin, or at `max_train_steps`/`max_train_seconds`.
 """
 
@@ -36,6 +42,10 @@ from common.config import DataConfig, ModelConfig, ToyModelConfig
 
 RECIPE_VERSION = 3
 """Bump when the training recipe or a built-in task's generator changes so cached models are rebuilt."""
+CHAT_RECIPE_VERSION = 1
+"""Also in the cache key of chat tasks' models (their tokenizer and format): bump when those change."""
+BPE_VOCAB_SIZE = 320
+"""Vocabulary of a chat task's BPE tokenizer (bytes, specials and the merges the corpus offers, at most)."""
 INFO_FILE = "exgrpo_toy.json"
 """Written last into a finished folder: the build's settings and measured spread."""
 
@@ -90,6 +100,8 @@ def cache_key(toy: ToyModelConfig, data_cfg: DataConfig) -> str:
     toy_settings = toy.model_dump(mode="json", exclude={"threads"})
     relevant = {"recipe": RECIPE_VERSION, "toy": toy_settings, "task": data_cfg.task,
                 "seed": data_cfg.seed, "num_train": data_cfg.num_train, "num_test": data_cfg.num_test}
+    if _is_chat_task(data_cfg.task):  # only there: the keys of the character-level models stay as they were
+        relevant["chat_recipe"] = CHAT_RECIPE_VERSION
     return hashlib.blake2b(json.dumps(relevant, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
@@ -98,7 +110,7 @@ def cache_key(toy: ToyModelConfig, data_cfg: DataConfig) -> str:
 
 def build_toy_model(toy: ToyModelConfig, data_cfg: DataConfig, out: Path, *, verbose: bool = False) -> dict:
     """Train and save the model into `out`; return the info dict (settings, steps, measured spreads)."""
-    from common.modeling import build_char_tokenizer, init_tiny_llama, save_model_folder
+    from common.modeling import init_tiny_llama, save_model_folder
     from common.tasks import get_task
 
     threads = torch.get_num_threads()
@@ -109,17 +121,18 @@ def build_toy_model(toy: ToyModelConfig, data_cfg: DataConfig, out: Path, *, ver
         n_supervised = max(data_cfg.num_train, toy.supervised_questions)
         supervised, test_rows = task.generate(data_cfg.seed, n_supervised, data_cfg.num_test)
         train_rows = supervised[: data_cfg.num_train]  # the RL training split (a prefix: same stream)
-        tok = build_char_tokenizer()
+        tok = _tokenizer(task, supervised)
         model = init_tiny_llama(len(tok), hidden_size=toy.hidden_size, num_layers=toy.num_layers,
                                 num_heads=toy.num_heads, seed=toy.seed, bos_token_id=tok.bos_token_id,
                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         examples = _examples(task, supervised, tok)
         probe = random.Random(toy.seed).sample(train_rows, min(toy.probe_questions, len(train_rows)))
-        best_state, best, steps = _train(model, tok, task, examples, probe, toy, start, verbose)
+        budget = max(12, max(len(r) for _, rs in examples for r in rs) + 4)
+        best_state, best, steps = _train(model, tok, task, examples, probe, toy, start, verbose, budget)
         model.load_state_dict(best_state)
         train_probe = train_rows[: 2 * toy.probe_questions]
-        train_spread = measure_spread(model, tok, task, train_probe, toy.samples, toy.seed + 1)
-        test_spread = measure_spread(model, tok, task, test_rows, toy.samples, toy.seed + 2)
+        train_spread = measure_spread(model, tok, task, train_probe, toy.samples, toy.seed + 1, budget)
+        test_spread = measure_spread(model, tok, task, test_rows, toy.samples, toy.seed + 2, budget)
         save_model_folder(model, tok, out)
         seconds = time.monotonic() - start
         if verbose:
@@ -127,9 +140,26 @@ def build_toy_model(toy: ToyModelConfig, data_cfg: DataConfig, out: Path, *, ver
                   f"checkpoint of step {best[0]} (of {steps}) chosen by sampled accuracy, {seconds:.0f} s\n"
                   f"  train {train_spread.line()}\n  test  {test_spread.line()}")
         return {"task": task.name, "settings": toy.model_dump(mode="json"), "chosen_step": best[0], "steps": steps,
-                "seconds": round(seconds, 1), "train_spread": asdict(train_spread), "test_spread": asdict(test_spread)}
+                "seconds": round(seconds, 1), "max_new_tokens": budget, "vocab_size": len(tok),
+                "train_spread": asdict(train_spread), "test_spread": asdict(test_spread)}
     finally:
         torch.set_num_threads(threads)
+
+
+def _is_chat_task(name: str | None) -> bool:
+    from common.tasks import TASKS
+
+    return name in TASKS and TASKS[name].chat
+
+
+def _tokenizer(task, rows: list[dict]):
+    """The character tokenizer, or for a chat task a BPE tokenizer (with chat template) trained on `rows`."""
+    from common.modeling import build_char_tokenizer, train_bpe_tokenizer
+
+    if not task.chat:
+        return build_char_tokenizer()
+    texts = (text for row in rows for text in [row["question"], *task.solutions(row["question"], row["answer"])])
+    return train_bpe_tokenizer(texts, vocab_size=BPE_VOCAB_SIZE)
 
 
 def _examples(task, rows: list[dict], tok) -> list[tuple[list[int], list[list[int]]]]:
@@ -138,9 +168,10 @@ def _examples(task, rows: list[dict], tok) -> list[tuple[list[int], list[list[in
 
     out = []
     for row in rows:
-        _, prompt_ids = encode_prompt(tok, row["question"], use_chat_template=False)
+        _, prompt_ids = encode_prompt(tok, row["question"], use_chat_template=task.chat)
         eos = [tok.eos_token_id]
-        responses = [tok.encode(s, add_special_tokens=False) + eos for s in task.solutions(row["answer"])]
+        solutions = task.solutions(row["question"], row["answer"])
+        responses = [tok.encode(s, add_special_tokens=False) + eos for s in solutions]
         out.append((prompt_ids.tolist(), responses))
     return out
 
@@ -171,7 +202,7 @@ def _spread_score(s: Spread, target: float) -> float:
     return s.partly - 4.0 * abs(s.mean - target)
 
 
-def _train(model, tok, task, examples, probe, toy: ToyModelConfig, start: float, verbose: bool):
+def _train(model, tok, task, examples, probe, toy: ToyModelConfig, start: float, verbose: bool, budget: int):
     """Supervised training; returns (best state dict, (best step, best spread), steps run)."""
     opt = torch.optim.AdamW(model.parameters(), lr=toy.lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
@@ -194,7 +225,7 @@ def _train(model, tok, task, examples, probe, toy: ToyModelConfig, start: float,
         out_of_time = time.monotonic() - start > toy.max_train_seconds
         if step % toy.eval_every and not out_of_time and step != toy.max_train_steps:
             continue
-        spread = measure_spread(model, tok, task, probe, toy.samples, toy.seed + step)
+        spread = measure_spread(model, tok, task, probe, toy.samples, toy.seed + step, budget)
         score = _spread_score(spread, toy.target_mean_accuracy)
         if verbose:
             print(f"  step {step:5d}  loss {loss.item():.3f}  {spread.line()}", flush=True)
@@ -210,8 +241,9 @@ def _train(model, tok, task, examples, probe, toy: ToyModelConfig, start: float,
 
 @torch.no_grad()
 def sample_responses(model, tok, prompts: list[str], n: int, max_new_tokens: int, seed: int,
-                     temperature: float = 1.0, rows_per_call: int = 1024) -> list[list[str]]:
-    """`n` sampled response texts per prompt (plain `encode_prompt` encoding, stop at EOS)."""
+                     temperature: float = 1.0, rows_per_call: int = 1024, chat: bool = False) -> list[list[str]]:
+    """`n` sampled response texts per prompt (the `encode_prompt` encoding, chat template when `chat`;
+    stop at EOS)."""
     from common.data import encode_prompt
 
     torch.manual_seed(seed)
@@ -219,7 +251,7 @@ def sample_responses(model, tok, prompts: list[str], n: int, max_new_tokens: int
     flat = [p for p in prompts for _ in range(n)]
     texts: list[str] = []
     for lo in range(0, len(flat), rows_per_call):
-        chunk = [encode_prompt(tok, p, use_chat_template=False)[1].tolist() for p in flat[lo: lo + rows_per_call]]
+        chunk = [encode_prompt(tok, p, use_chat_template=chat)[1].tolist() for p in flat[lo: lo + rows_per_call]]
         width = max(len(c) for c in chunk)
         ids = torch.tensor([[tok.pad_token_id] * (width - len(c)) + c for c in chunk])  # [R, P] left-padded
         mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(c) for c in chunk])[:, None]).long()
@@ -232,7 +264,7 @@ def sample_responses(model, tok, prompts: list[str], n: int, max_new_tokens: int
 
 def measure_spread(model, tok, task, rows: list[dict], samples: int, seed: int, max_new_tokens: int = 12) -> Spread:
     """Per-question sampled accuracy at temperature 1, summarised as a Spread."""
-    outs = sample_responses(model, tok, [r["question"] for r in rows], samples, max_new_tokens, seed)
+    outs = sample_responses(model, tok, [r["question"] for r in rows], samples, max_new_tokens, seed, chat=task.chat)
     acc = np.array([np.mean([task.verify(t, r["answer"]) for t in ts]) for r, ts in zip(rows, outs)])
     return Spread(mean=float(acc.mean()), always=float((acc == 1).mean()), partly=float(((acc > 0) & (acc < 1)).mean()),
                   never=float((acc == 0).mean()), questions=len(rows), samples=samples)

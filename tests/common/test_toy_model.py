@@ -64,6 +64,26 @@ def test_cache_key_follows_the_settings_that_matter():
     assert base != cache_key(TINY, TINY_DATA.model_copy(update={"task": "arithmetic"}))
 
 
+def test_character_models_keep_their_cache_keys():
+    """Adding the chat task changed nothing for the character-level models: their cached builds stay valid."""
+    assert cache_key(ToyModelConfig(), DataConfig()) == "8b6c2e1d4c0c66e7"
+    assert cache_key(ToyModelConfig(), DataConfig(task="arithmetic")) == "e57198f7de3be21b"
+
+
+def test_tiny_chat_build_has_a_bpe_tokenizer_with_a_chat_template(tmp_path):
+    data = DataConfig(task="think_arith", use_chat_template=True, num_train=64, num_test=16)
+    folder = ensure_toy_model(ModelConfig(cache_dir=str(tmp_path), toy=TINY), data)
+    assert folder.name == f"toy-think_arith-{cache_key(TINY, data)}"
+    info = json.loads((folder / INFO_FILE).read_text())
+    assert info["task"] == "think_arith" and 20 <= info["max_new_tokens"] <= 40 and info["vocab_size"] <= 320
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2*3+4*5?"}], tokenize=False,
+                                     add_generation_prompt=True)
+    assert prompt == "<s><|user|>What is 2*3+4*5?<|assistant|>"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.config.vocab_size == len(tok) and model.config.hidden_size == 32
+
+
 def test_file_datasets_need_a_model_path(tmp_path):
     with pytest.raises(ValueError, match="set data.task, or set model.path"):
         ensure_toy_model(ModelConfig(cache_dir=str(tmp_path)), DataConfig(task=None, train_path="x.jsonl"))
