@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="greedy and sampled accuracy of a model on a test split")
     e.add_argument("--model", required=True, help="Hugging Face model folder")
-    e.add_argument("--task", choices=["countdown", "arithmetic"], help="built-in task (default: the config's)")
+    e.add_argument("--task", choices=["countdown", "arithmetic", "think_arith"],
+                   help="built-in task (default: the config's); its reward and chat settings come with it")
     e.add_argument("--data", help="JSONL/Parquet test file (instead of a built-in task)")
     e.add_argument("--samples", type=_positive, default=8, help="samples per question for pass@k")
     e.add_argument("--limit", type=_positive, default=None, help="evaluate at most this many questions")
@@ -188,6 +189,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         return train_main(_load(args))
     if args.command == "eval":
         from cluster.evaluate import eval_main
+
+        if args.task and not args.data:  # through the config, so the task's defaults (reward, chat) apply
+            args.overrides = [*args.overrides, f"data.task={args.task}", "data.train_path=null"]
 
         return eval_main(args, _load(args))
     if args.command == "experiment":

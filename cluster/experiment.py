@@ -260,7 +260,7 @@ def plot(spec: ExperimentSpec, results: list[RunResult], path: Path) -> Path | N
         curves = [r.curve for r in results if r.variant == variant and r.ok and r.curve]
         if not curves:
             continue
-        grid = np.linspace(0, max(c[-1][0] for c in curves), 50)
+        grid = np.linspace(max(c[0][0] for c in curves), min(c[-1][0] for c in curves), 50)  # no extrapolation
         ys = np.array([np.interp(grid, [x for x, _ in c], [y for _, y in c]) for c in curves])  # [seeds, 50]
         ax.plot(grid, ys.mean(0), label=f"{variant} ({len(curves)} seeds)")
         ax.fill_between(grid, ys.min(0), ys.max(0), alpha=0.2)
