@@ -1,6 +1,7 @@
-"""`exgrpo train` in bfloat16 end to end on CPU: FSDP2 mixed precision in the learner, the transformers
-engine in bfloat16, train/inference mismatch metrics in MLflow, a bfloat16 model folder in the checkpoint.
-About 90-110 s on 2 shared cores (hence its own slow file)."""
+"""`exgrpo train` on the path a GPU run takes, on CPU: bfloat16 end to end (FSDP2 mixed precision in the
+learner, the transformers engine in bfloat16, train/inference mismatch metrics in MLflow, a bfloat16
+model folder in the checkpoint) with the collective weight sync (gloo here: the driver builds both ends
+from the config, generators pull every version over their channels). One run: about 2 minutes."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from tests.cluster.runs import history, mlflow_client, run_train, state
 pytestmark = pytest.mark.slow
 
 
-def test_bfloat16_run_end_to_end(tmp_path):
+def test_bfloat16_run_with_collective_weight_sync_end_to_end(tmp_path):
     r = run_train(tmp_path, "bf16", "model.dtype=bfloat16", "total_steps=3", "generator.engine.kind=transformers",
-                  "learner.tis_cap=2", timeout_s=600)
+                  "learner.tis_cap=2", "learner.weight_sync.kind=collective", timeout_s=600)
     assert r.returncode == 0, r.stdout[-4000:]
     assert "step 3/3" in r.stdout
     run_dir = tmp_path / "bf16"
@@ -30,3 +31,5 @@ def test_bfloat16_run_end_to_end(tmp_path):
     gaps = [v for _, v in history(client, run_id, "learner/logprob_diff_mean")]
     assert len(gaps) == 3 and all(0 < g < 0.5 for g in gaps), gaps
     assert all(0.5 < v <= 2.0 for _, v in history(client, run_id, "learner/tis_weight_mean"))
+    assert client.get_run(run_id).data.params["learner.weight_sync.kind"] == "collective"
+    assert len(history(client, run_id, "driver/weight_publish_s")) == 3
