@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from learner_bench import MODELS  # the same two model sizes as the learner benchmark (bench/ is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {"built-in (h96 L3)": dict(hidden_size=96, num_layers=3, num_heads=3),
-          "~10M (h320 L8)": dict(hidden_size=320, num_layers=8, num_heads=5)}
 
 
 def main() -> None:

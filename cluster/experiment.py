@@ -52,6 +52,8 @@ class ExperimentSpec(BaseModel):
     """Overrides for every run (e.g. eval.every_steps, total_steps as a safety cap)."""
     variants: dict[str, dict[str, Any]] = Field(min_length=1)
     """Variant name -> its overrides ({} = the defaults)."""
+    run_timeout_s: float = Field(6 * 3600, gt=0)
+    """A run still going after this long is killed and reported as failed (its own stall limits come first)."""
 
     @field_validator("name")
     @classmethod
@@ -170,8 +172,12 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out:
     print(f"[experiment] {name}: starting (log {log_path})", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        rc = subprocess.run(train_command(spec, variant, seed, runs_root, parent), stdout=log,
-                            stderr=subprocess.STDOUT).returncode
+        try:
+            rc = subprocess.run(train_command(spec, variant, seed, runs_root, parent), stdout=log,
+                                stderr=subprocess.STDOUT, timeout=spec.run_timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            return RunResult(variant, seed, name, ok=False, wall_s=time.monotonic() - t0,
+                             error=f"killed after run_timeout_s={spec.run_timeout_s:.0f}s (see {log_path})")
     wall = time.monotonic() - t0
     if rc != 0:
         tail = log_path.read_text()[-600:].strip().splitlines()
