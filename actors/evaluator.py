@@ -1,13 +1,14 @@
 """The evaluator actor: held-out accuracy of published policy versions, off the training path.
 
-    ev = Evaluator.options(name=actor_name(run, "evaluator"), **evaluator_options(eval_cfg)).remote(
+    ev = Evaluator.options(name=actor_name(run, "evaluator"), **evaluator_options(eval_cfg, gen_cfg)).remote(
         eval_cfg, gen_cfg, reward_cfg, model_path, encoded_questions, weight_source, task_name)
     report = ray.get(ev.evaluate.remote())   # the newest published version: {"version", "greedy_accuracy", ...}
 
 It owns one engine (the generators' engine settings) and one reward pool, loads the newest published
 weights from the weight store before each evaluation (it never acknowledges: publications do not
 wait for it), and measures greedy accuracy, pass@1 and pass@k on a fixed set of held-out questions
-with a fixed seed, so successive reports compare policy versions and nothing else.
+with a fixed seed, so successive reports compare policy versions and nothing else. It is stopped
+with `ray.kill`; its reward workers end with it (they watch their parent, `common.reward_worker`).
 """
 
 from __future__ import annotations
@@ -39,9 +40,6 @@ class EvaluatorWorker:
         self.pool = RewardPool(reward_cfg, task_name)
         self.version = 0
 
-    def ready(self) -> int:
-        return len(self.questions)
-
     def evaluate(self) -> dict[str, float]:
         """Load the newest published version (if newer) and measure it."""
         from cluster.evaluate import evaluate_engine
@@ -56,9 +54,6 @@ class EvaluatorWorker:
                             threshold=self.reward_cfg.correct_threshold)
         return {"version": float(self.version), "greedy_accuracy": r.greedy_accuracy, "pass_at_1": r.pass_at_1,
                 f"pass_at_{r.k}": r.pass_at_k, "questions": float(r.questions), "seconds": time.monotonic() - t0}
-
-    def close(self) -> None:
-        self.pool.close()
 
 
 def evaluator_options(eval_cfg: EvalConfig, gen_cfg: GeneratorConfig) -> dict:
