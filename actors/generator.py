@@ -1,29 +1,41 @@
-"""The generator actor: lease work, generate, score, stream scored groups back; load new weights between batches.
+"""The generator actor: lease work, stream it through the engine, score and submit each finished group; load
+new weights as soon as they are published.
 
     gen = Generator.options(name=actor_name(run, "generator", i)).remote(
         generator_id, gen_cfg, reward_cfg, model_path, work_source, weight_source, task_name)
     ray.get(gen.start.remote())       # load the model folder, fetch the newest weights, then start leasing
     ...
-    ray.get(gen.stop.remote(drain=True))   # finish the batch in flight (drain=False: return its leases)
+    ray.get(gen.stop.remote(drain=True))   # finish the work in flight (drain=False: return its leases)
 
-The loop (one iteration = one batch, in a background thread):
+The loop (`generator.streaming: true`, the default: continuous batching). Two threads:
 
-    items  = work_source.lease(generator_id, questions_per_lease)     # [] -> sleep idle_sleep_s, retry
-    outs   = engine.generate([prompt ids], [item.num_samples], seed)  # ONE engine call for the whole lease
-    scores = reward_pool.score([...every sample...])                  # one call
-    work_source.submit([ScoredGroup per item])                        # one call
-    ann = weight_source.latest()                                      # the safe point
-    if ann.version > engine.version: engine.load_weights(weight_source.fetch(ann), ann.version); ack
+    engine thread                                            scorer thread
+      every weight_poll_s: ann = weight_source.latest()        groups = queue.get() + all queued since
+        newer? engine.load_weights(...)  # mid-flight           scores = reward_pool.score(every sample)
+      questions in flight < max_in_flight:                      work_source.submit(ScoredGroup per group)
+        items = work_source.lease(id, n)                          # one call for all of them
+        engine.add(one request per sample)
+      for rid, sample in engine.step():   # samples that finished
+        group complete? -> queue
+
+The engine never waits for a batch's longest response, for scoring, or for a submit: new questions join
+the running batch at the next step. With `in_flight_updates` (default) a new version is loaded at the
+next step while samples are in flight (partial rollouts): the engine recomputes their KV under the new
+weights, each token keeps the log-prob of the version that sampled it, and a rollout records the oldest
+(`Rollout.version`, which the staleness rule uses) and newest version it spans. Without it, leasing
+stops, the samples in flight finish, then the new version is loaded.
+
+`generator.streaming: false` is batch-at-a-time: lease, generate the whole lease, score, submit, load
+weights, lease again (the same two threads, one batch at a time).
 
 Replay items arrive with `num_samples = K-1` (the buffer joins the stored trajectory), fresh ones
-with K: the generator just generates what the item asks for. Every rollout carries the policy
-version of the engine that generated it.
+with K: the generator just generates what the item asks for.
 
 Failures: a buffer or weight-store call that fails with a Ray/availability error is logged, counted
 (`source_errors`) and retried after `retry_backoff_s` (a shard may be restarting from its snapshot);
-a batch whose submit keeps failing until its leases' deadlines is dropped and counted
-(`groups_dropped`) — the buffer reissues those leases when they expire. Any other error in the
-loop is a bug: it is logged with its traceback and the actor process exits, so Ray restarts it
+groups whose submit keeps failing until their leases' deadlines are dropped and counted
+(`groups_dropped`) — the buffer reissues those leases when they expire. Any other error in either
+thread is a bug: it is logged with its traceback and the actor process exits, so Ray restarts it
 (`max_restarts`); a restarted actor starts itself again (clean start) and its old leases expire.
 """
 
@@ -32,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import threading
 import time
 import traceback
@@ -54,18 +67,20 @@ class GeneratorStats:
     """Counters of one generator incarnation (`metrics()` turns them into rates)."""
 
     started_at: float = field(default_factory=time.monotonic)
-    batches: int = 0
+    batches: int = 0  # submit calls that succeeded
     groups: int = 0
     rollouts: int = 0
     tokens: int = 0
-    generate_s: float = 0.0
+    generate_s: float = 0.0  # engine busy: inside engine.step() (samples in flight)
     score_s: float = 0.0
-    wait_s: float = 0.0  # leases came back empty, or a source call failed and we backed off
+    wait_s: float = 0.0  # engine idle: nothing in flight (no work leased, waiting for a submit or a backoff)
     lag_sum: int = 0
     lag_max: int = 0
     weight_loads: int = 0
     weight_load_s: float = 0.0
     weight_load_s_last: float = 0.0
+    loads_in_flight: int = 0  # weight loads with samples in flight (partial rollouts)
+    rollouts_spanning: int = 0  # rollouts whose tokens come from more than one policy version
     startup_s: float = 0.0
     reward_errors: int = 0
     rewarded: int = 0  # rollouts with a reward above 0 (none at all: the reward function or data is wrong)
@@ -73,6 +88,15 @@ class GeneratorStats:
     groups_dropped: int = 0
     leases_returned: int = 0
     submit: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Group:
+    """One leased question on its way through the engine and the scorer."""
+
+    item: WorkItem
+    samples: list
+    left: int
 
 
 class GeneratorWorker:
@@ -87,10 +111,20 @@ class GeneratorWorker:
         self.rewards = None
         self.stats = GeneratorStats()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # ends the engine thread's idle wait early (stop, a finished submit)
         self._return_in_flight = False
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
-        self._in_flight: list[WorkItem] = []
+        self._lock = threading.Lock()  # guards the three places a leased item can be in
+        self._groups: dict[str, _Group] = {}  # in the engine, by lease id
+        self._queue: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()  # complete, waiting for the scorer
+        self._scoring: list[_Group] = []  # being scored and submitted
+        self._unsubmitted = 0  # groups complete but not yet submitted (queued or being scored)
+        self._known_version = 0  # newest version the weight store announced
+        self._load_pending = False  # a newer version waits for the samples in flight (in_flight_updates=false)
+        self._next_poll = 0.0
+        self._next_lease = 0.0
+        self._requests = 0
         self._failure: str | None = None
         self._last_sample: dict | None = None  # the last scored response (for the driver's all-zero-reward hint)
         self._incarnation = 0
@@ -129,6 +163,7 @@ class GeneratorWorker:
                 self.stats.started_at = time.monotonic()  # rates count from the first lease, not model loading
             self._stop.clear()
             self._return_in_flight = False
+            self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._run, name=f"{self.generator_id}-loop", daemon=True)
             self._thread.start()
             log.info("generator %s started at version %d in %.1fs", self.generator_id, self.engine.version,
@@ -144,19 +179,21 @@ class GeneratorWorker:
             os._exit(1)
 
     def stop(self, drain: bool = True) -> dict[str, float]:
-        """Clean stop: no new leases; the batch in flight is submitted (drain) or its leases returned.
+        """Clean stop: no new leases; the work in flight is finished and submitted (drain) or its leases returned.
 
         Returns the final metrics. After `stop` the actor can be killed without losing work.
         """
         self._return_in_flight = not drain
         self._stop.set()
+        self._wake.set()
         thread = self._thread
         if thread is not None:
             thread.join(timeout=self.cfg.stop_timeout_s)
             if thread.is_alive():
-                log.error("generator %s: batch in flight did not finish within stop_timeout_s=%.0fs; "
-                          "returning its %d leases", self.generator_id, self.cfg.stop_timeout_s, len(self._in_flight))
-                self._return_leases(list(self._in_flight))
+                items = self._unfinished()
+                log.error("generator %s: work in flight did not finish within stop_timeout_s=%.0fs; "
+                          "returning its %d leases", self.generator_id, self.cfg.stop_timeout_s, len(items))
+                self._return_leases(items)
         unregister = getattr(self.weight_source, "unregister", None)
         if unregister is not None:
             try:
@@ -177,7 +214,7 @@ class GeneratorWorker:
 
     def last_sample(self) -> dict | None:
         """The last response this generator scored: question id, response text, reference answer,
-        reward and reward error (None before the first batch)."""
+        reward and reward error (None before the first group)."""
         return self._last_sample
 
     def metrics(self) -> dict[str, float]:
@@ -198,11 +235,15 @@ class GeneratorWorker:
             "score_s": s.score_s,
             "wait_s": s.wait_s,
             "wait_fraction": s.wait_s / wall,
-            "version_lag_mean": s.lag_sum / s.batches if s.batches else 0.0,
+            "busy_fraction": s.generate_s / wall,
+            "in_flight": float(len(self._groups)),
+            "version_lag_mean": s.lag_sum / s.groups if s.groups else 0.0,
             "version_lag_max": float(s.lag_max),
             "weight_loads": float(s.weight_loads),
             "weight_load_s": s.weight_load_s,
             "weight_load_s_last": s.weight_load_s_last,
+            "loads_in_flight": float(s.loads_in_flight),
+            "rollouts_spanning": float(s.rollouts_spanning),
             "startup_s": s.startup_s,
             "reward_errors": float(s.reward_errors),
             "rewarded": float(s.rewarded),
@@ -214,86 +255,200 @@ class GeneratorWorker:
         out.update({f"submit_{k}": float(v) for k, v in s.submit.items()})
         return out
 
-    # --------------------------------------------------------------------------------------- loop
+    # --------------------------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
+        scorer = threading.Thread(target=self._score_loop, name=f"{self.generator_id}-scorer", daemon=True)
+        scorer.start()
         try:
             while not self._stop.is_set():
-                self.run_once()
+                self._iterate()
+            if self._return_in_flight:
+                with self._lock:
+                    groups, self._groups = list(self._groups.values()), {}
+                self.engine.abort([self._request_id(g.item, j) for g in groups for j in range(len(g.samples))])
+                self._return_leases([g.item for g in groups])
+            else:  # drain: finish what the engine holds; the scorer submits it
+                while self.engine.in_flight():
+                    self._step_engine()
+                    self._check_scorer()
+            self._queue.put(None)
+            scorer.join()
+            self._check_scorer()
         except Exception:  # a bug, not a transient failure: let Ray restart the whole actor
-            self._failure = traceback.format_exc()
-            log.error("generator %s loop crashed; returning %d leases:\n%s", self.generator_id,
-                      len(self._in_flight), self._failure)
-            self._return_leases(list(self._in_flight))
+            self._failure = self._failure or traceback.format_exc()
+            items = self._unfinished()
+            log.error("generator %s loop crashed; returning %d leases:\n%s", self.generator_id, len(items),
+                      self._failure)
+            self._return_leases(items)
+            self._queue.put(None)
             if _in_ray_actor():
                 os._exit(1)
             raise
 
-    def run_once(self) -> int:
-        """One batch: lease, weight check, generate, score, submit, weight check. Returns groups submitted.
-
-        The weight store is read right after a successful lease (one ~2 ms call) so that work leased
-        just after a publication — always the case in synchronous mode, where the buffer leases nothing
-        until the learner has published the next version — is generated with that version, not the old
-        one (whose groups would only be dropped as stale). While idle it is read too, so a new version
-        is usually loaded before the next lease arrives."""
-        items = self._call("lease", self.work_source.lease, self.generator_id, self.cfg.questions_per_lease)
-        if not items:
+    def _iterate(self) -> None:
+        """One engine-thread iteration: weights, leases, one engine step (or an idle wait)."""
+        self._check_scorer()
+        self._sync_weights(poll=False)
+        leased = self._top_up()
+        if self.engine.in_flight():
+            self._step_engine()
+        elif not leased:  # idle: until the lease backoff ends, a submit completes (batch mode) or stop
             t0 = time.monotonic()
-            self._sync_weights()
-            self._stop.wait(self.cfg.idle_sleep_s)
+            self._wake.wait(min(self.cfg.idle_sleep_s, self._next_lease - t0) if self._next_lease > t0
+                            else self.cfg.idle_sleep_s)
+            self._wake.clear()
             self.stats.wait_s += time.monotonic() - t0
-            return 0
-        self._in_flight = items
-        self._sync_weights()
-        version = self.engine.version
-        groups = self._generate_and_score(items, version)
-        if self._return_in_flight:
-            self._return_leases(items)
-            return 0
-        submitted = self._submit(groups, items)
-        self._in_flight = []
-        self._sync_weights(batch_version=version)
-        return submitted
 
-    def _generate_and_score(self, items: list[WorkItem], version: int) -> list[ScoredGroup]:
+    def _top_up(self) -> bool:
+        """Lease more questions when there is room (streaming) or when the last batch is submitted (batch mode)."""
+        if self._load_pending or time.monotonic() < self._next_lease:
+            return False
+        if self._unsubmitted >= self.cfg.max_in_flight:  # the scorer is behind: do not pile up finished groups
+            return False
+        if self.cfg.streaming:
+            room = self.cfg.max_in_flight - len(self._groups)
+            if room < max(1, min(self.cfg.questions_per_lease, self.cfg.max_in_flight) // 2) and self._groups:
+                return False
+        else:
+            if self._groups or self._unsubmitted:
+                return False
+            room = self.cfg.questions_per_lease
+        items = self._call("lease", self.work_source.lease, self.generator_id, min(room, self.cfg.questions_per_lease))
+        if not items:
+            self._next_lease = time.monotonic() + self.cfg.idle_sleep_s
+            return False
+        # Work leased just after a publication (always so in synchronous mode, where the buffer leases nothing until
+        # the learner has published) is generated with that version, not the old one (its groups would be stale).
+        self._sync_weights(poll=True)
+        with self._lock:
+            for it in items:
+                self._groups[it.lease_id] = _Group(it, [None] * it.num_samples, it.num_samples)
+        for it in items:
+            for j in range(it.num_samples):
+                self._requests += 1
+                seed = (self._seed_base + 7919 * self._requests + 104_729 * self._incarnation) % (2**31 - 1)
+                self.engine.add(self._request_id(it, j), it.question.prompt_ids, seed)
+            if it.num_samples == 0:
+                self._complete(it.lease_id)
+        return True
+
+    def _step_engine(self) -> None:
+        t0 = time.monotonic()
+        finished = self.engine.step()
+        self.stats.generate_s += time.monotonic() - t0
+        for rid, sample in finished:
+            lease_id, _, j = rid.rpartition("/")
+            g = self._groups[lease_id]
+            g.samples[int(j)] = sample
+            g.left -= 1
+            if g.left == 0:
+                self._complete(lease_id)
+
+    def _complete(self, lease_id: str) -> None:
+        with self._lock:
+            g = self._groups.pop(lease_id)
+            self._unsubmitted += 1
+        self._queue.put(g)
+
+    @staticmethod
+    def _request_id(item: WorkItem, j: int) -> str:
+        return f"{item.lease_id}/{j}"
+
+    def _check_scorer(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"the scorer thread failed:\n{self._failure}")
+
+    def _unfinished(self) -> list[WorkItem]:
+        """Every leased item not submitted yet: in the engine, queued for scoring, or being scored."""
+        queued = []
+        while True:
+            try:
+                g = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if g is not None:
+                queued.append(g)
+        with self._lock:
+            groups = list(self._groups.values()) + queued + list(self._scoring)
+            self._groups, self._scoring = {}, []
+        return [g.item for g in groups]
+
+    # --------------------------------------------------------------------------------- scorer thread
+
+    def _score_loop(self) -> None:
+        try:
+            done = False
+            while not done:
+                g = self._queue.get()
+                batch = [] if g is None else [g]
+                done = g is None
+                while not done:  # everything queued meanwhile goes in the same reward call and submit
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    done = more is None
+                    if more is not None:
+                        batch.append(more)
+                if not batch:
+                    continue
+                with self._lock:
+                    self._scoring = batch
+                if self._return_in_flight:
+                    self._return_leases([g.item for g in batch])
+                else:
+                    self._submit(self._score(batch), [g.item for g in batch])
+                with self._lock:
+                    self._scoring = []
+                    self._unsubmitted -= len(batch)
+                self._wake.set()
+        except Exception:
+            self._failure = traceback.format_exc()
+            log.error("generator %s scorer crashed:\n%s", self.generator_id, self._failure)
+            if _in_ray_actor():
+                self._return_leases(self._unfinished())
+                os._exit(1)
+
+    def _score(self, batch: list[_Group]) -> list[ScoredGroup]:
         from common.rewards import ScoreRequest
 
         t0 = time.monotonic()
-        seed = (self._seed_base + 7919 * self.stats.batches + 104_729 * self._incarnation) % (2**31 - 1)
-        outs = self.engine.generate([it.question.prompt_ids for it in items], [it.num_samples for it in items], seed)
-        t1 = time.monotonic()
-        requests = [ScoreRequest(it.question.id, s.text, it.question.answer) for it, o in zip(items, outs) for s in o]
+        requests = [ScoreRequest(g.item.question.id, s.text, g.item.question.answer) for g in batch for s in g.samples]
         scores = self.rewards.score(requests)
+        self.stats.score_s += time.monotonic() - t0
         if requests:
             last, res = requests[-1], scores[-1]
             self._last_sample = {"question_id": last.question_id, "response": last.response_text,
                                  "answer": last.answer, "reward": float(res.reward), "error": res.error}
         results = iter(scores)
-        self.stats.generate_s += t1 - t0
-        self.stats.score_s += time.monotonic() - t1
-
         groups = []
-        for it, samples in zip(items, outs):
+        for g in batch:
             rollouts, errors = [], 0
-            for s in samples:
+            for s in g.samples:
                 res = next(results)
                 errors += res.error is not None
                 self.stats.rewarded += res.reward > 0
+                oldest, newest = s.versions
+                self.stats.rollouts_spanning += newest != oldest
                 rollouts.append(Rollout(
                     response_ids=int32_array(s.token_ids), logprobs=float32_array(s.logprobs),
                     reward=float(res.reward), correct=bool(res.reward >= self.reward_cfg.correct_threshold),
-                    entropy=float(s.entropy), version=version, finish_reason=s.finish_reason,
+                    entropy=float(s.entropy), version=oldest, finish_reason=s.finish_reason, newest_version=newest,
                 ))
                 self.stats.tokens += len(s.token_ids)
+            if rollouts:
+                lag = max(0, self._known_version - min(r.version for r in rollouts))
+                self.stats.lag_sum += lag
+                self.stats.lag_max = max(self.stats.lag_max, lag)
             self.stats.rollouts += len(rollouts)
             self.stats.reward_errors += errors
-            groups.append(ScoredGroup(lease_id=it.lease_id, question_id=it.question.id, rollouts=rollouts,
+            groups.append(ScoredGroup(lease_id=g.item.lease_id, question_id=g.item.question.id, rollouts=rollouts,
                                       generator_id=self.generator_id, reward_errors=errors))
         return groups
 
     def _submit(self, groups: list[ScoredGroup], items: list[WorkItem]) -> int:
-        """Submit the batch; retry while the buffer is unavailable, until the leases' deadlines pass."""
+        """Submit in one call; retry while the buffer is unavailable, until the leases' deadlines pass."""
         deadline = min(it.deadline for it in items)
         while True:
             try:
@@ -326,30 +481,44 @@ class GeneratorWorker:
             self.stats.source_errors += 1
             log.warning("generator %s: could not return %d leases (%s: %s); they will expire and be reissued",
                         self.generator_id, len(ids), type(e).__name__, e)
-        self._in_flight = []
 
-    def _sync_weights(self, *, required: bool = False, batch_version: int | None = None) -> None:
-        """The safe point: load the newest published version if it is newer than the engine's."""
-        ann = self._call("latest", self.weight_source.latest, required=required)
-        if ann is None:
+    # ---------------------------------------------------------------------------------------- weights
+
+    def _sync_weights(self, *, required: bool = False, poll: bool = True) -> None:
+        """Load the newest published version if it is newer than the engine's.
+
+        `poll=False` asks the weight store at most every `weight_poll_s`. With samples in flight the load
+        happens now (`in_flight_updates`) or once they are done (leasing pauses meanwhile)."""
+        now = time.monotonic()
+        if not poll and not self._load_pending and now < self._next_poll:
             return
-        if batch_version is not None:
-            lag = max(0, ann.version - batch_version)
-            self.stats.lag_sum += lag
-            self.stats.lag_max = max(self.stats.lag_max, lag)
-        if ann.version <= self.engine.version:
-            return
-        t0 = time.monotonic()
-        state_dict = self._call("fetch", self.weight_source.fetch, ann, required=required)
-        if state_dict is None:
-            return
-        self.engine.load_weights(state_dict, ann.version)
-        dt = time.monotonic() - t0
-        self.stats.weight_loads += 1
-        self.stats.weight_load_s += dt
-        self.stats.weight_load_s_last = dt
-        self._call("ack", self.weight_source.ack, self.generator_id, ann.version, required=required)
-        log.info("generator %s loaded weights version %d in %.2fs", self.generator_id, ann.version, dt)
+        if not self._load_pending or self.engine.in_flight() == 0:
+            self._next_poll = now + self.cfg.weight_poll_s
+            ann = self._call("latest", self.weight_source.latest, required=required)
+            if ann is None:
+                return
+            self._known_version = max(self._known_version, ann.version)
+            if ann.version <= self.engine.version:
+                self._load_pending = False
+                return
+            in_flight = self.engine.in_flight()
+            if in_flight and not self.cfg.in_flight_updates:
+                self._load_pending = True  # leasing pauses; the samples in flight finish under the old version
+                return
+            t0 = time.monotonic()
+            state_dict = self._call("fetch", self.weight_source.fetch, ann, required=required)
+            if state_dict is None:
+                return
+            self.engine.load_weights(state_dict, ann.version)
+            dt = time.monotonic() - t0
+            self._load_pending = False
+            self.stats.weight_loads += 1
+            self.stats.loads_in_flight += in_flight > 0
+            self.stats.weight_load_s += dt
+            self.stats.weight_load_s_last = dt
+            self._call("ack", self.weight_source.ack, self.generator_id, ann.version, required=required)
+            log.info("generator %s loaded weights version %d in %.2fs (%d samples in flight)", self.generator_id,
+                     ann.version, dt, in_flight)
 
     def _call(self, what: str, fn, *args, required: bool = False):
         """A remote call that may fail transiently: log, count, back off; None when it failed.

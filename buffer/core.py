@@ -532,7 +532,8 @@ class ShardCore:
 
 
 def _with_key(r: Rollout, key: str) -> Rollout:
-    return Rollout(r.response_ids, r.logprobs, r.reward, r.correct, r.entropy, r.version, r.finish_reason, key, r.replayed)
+    return Rollout(r.response_ids, r.logprobs, r.reward, r.correct, r.entropy, r.version, r.finish_reason, key, r.replayed,
+                   r.newest_version)
 
 
 def balance(a: dict[str, int]) -> int:

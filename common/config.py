@@ -259,8 +259,34 @@ class AutoEngineConfig(Section):
     """Settings used when transformers is chosen."""
 
 
+class SyntheticEngineConfig(Section):
+    """SIMULATION ONLY: random tokens at a set rate, for benchmarks and capacity planning (`bench/cluster_sim.py`).
+    It cannot teach a model anything; pair it with `reward.name: synthetic`."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    tokens_per_s: float = Field(100.0, gt=0, le=1e7)
+    """Decode rate of one sequence."""
+    max_num_seqs: int = Field(256, ge=1, le=65_536)
+    """Sequences decoded together; more wait for a free slot."""
+    length: Literal["fixed", "uniform", "lognormal"] = "lognormal"
+    """Response-length distribution (capped at generator.max_new_tokens): lognormal is long-tailed."""
+    length_median: int = Field(64, ge=1)
+    """Median response length in tokens."""
+    length_sigma: float = Field(1.0, ge=0, le=10)
+    """Spread (sigma of log length) of the lognormal distribution."""
+    min_length: int = Field(1, ge=1)
+    """Shortest response."""
+    step_s: float = Field(0.01, gt=0, le=10)
+    """Wall time of one engine step (a sleep)."""
+    load_s: float = Field(0.05, ge=0, le=600)
+    """Wall time of one weight load (a sleep); decoding pauses meanwhile."""
+    vocab_size: int = Field(1000, ge=2)
+    """Token ids are drawn below this."""
+
+
 EngineConfig = Annotated[
-    VllmEngineConfig | TransformersEngineConfig | AutoEngineConfig, Field(discriminator="kind")
+    VllmEngineConfig | TransformersEngineConfig | AutoEngineConfig | SyntheticEngineConfig,
+    Field(discriminator="kind"),
 ]
 
 
@@ -270,7 +296,7 @@ class GeneratorConfig(Section):
     num_generators: int = Field(1, ge=0, le=4096)
     """Generator actors at start."""
     engine: EngineConfig = AutoEngineConfig()
-    """Inference engine, chosen by `kind`: vllm | transformers | auto."""
+    """Inference engine, chosen by `kind`: vllm | transformers | auto | synthetic (simulation only)."""
     temperature: float = Field(1.0, gt=0, le=10)
     """Sampling temperature for training rollouts."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -281,6 +307,18 @@ class GeneratorConfig(Section):
     """Extra stop strings (EOS always stops)."""
     questions_per_lease: int = Field(8, ge=1, le=10_000)
     """Questions leased per call to the buffer."""
+    streaming: bool = True
+    """Continuous batching: keep up to `max_in_flight` questions generating, lease more as groups finish, score and
+    submit each group as soon as its samples are done (scoring runs beside generation). False: batch-at-a-time
+    (lease, generate the whole lease, score, submit, then lease again)."""
+    max_in_flight: int = Field(16, ge=1, le=100_000)
+    """Streaming: questions generating at once in one generator (each is group_size or group_size-1 samples)."""
+    in_flight_updates: bool = True
+    """Streaming: load a newly published version at the next engine step, without waiting for the samples in flight
+    (partial rollouts; each token keeps the log-prob of the version that sampled it, a rollout's oldest version
+    drives the staleness rule). False: stop leasing, finish what is in flight, then load."""
+    weight_poll_s: float = Field(0.1, gt=0, le=60)
+    """Streaming: how often the weight store is asked for a newer version (one ~2 ms call)."""
     num_cpus: float = Field(1.0, ge=0)
     """CPUs reserved per generator actor."""
     num_gpus: float = Field(0.0, ge=0)

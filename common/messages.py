@@ -22,7 +22,7 @@ from typing import Annotated
 
 import numpy as np
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped whenever a message's fields change; payloads of another version are refused."""
 
 Int32Array = Annotated[np.ndarray, np.int32]
@@ -81,10 +81,15 @@ class Rollout:
     reward: float  # in [0, 1]
     correct: bool  # reward >= correct_threshold
     entropy: float  # mean token entropy (generator's estimate, or learner's refreshed value)
-    version: int  # policy version that generated it
+    version: int  # oldest policy version that sampled a token of it (the staleness rule uses this one)
     finish_reason: str  # "stop" | "length" | "abort"
     key: str = ""  # trajectory key, set by the buffer for stored/replayed trajectories
     replayed: bool = False  # True for the stored trajectory of a mixed group
+    newest_version: int = -1  # newest policy version that sampled a token (> version: a partial rollout); -1: version
+
+    def __post_init__(self) -> None:
+        if self.newest_version < 0:
+            self.newest_version = self.version
 
 
 @dataclass(slots=True)

@@ -100,7 +100,12 @@ def math_think_reward(response: str, answer: str) -> float:
     return math_reward(response.split("</think>")[1], answer)
 
 
-BUILTIN_NAMES = ("countdown", "arithmetic", "exact", "math", "math_think")
+def synthetic_reward(response: str, answer: str) -> float:
+    """SIMULATION ONLY (`generator.engine.kind: synthetic`): 1 for the engine's `correct` text, in constant time."""
+    return float(response == "correct")
+
+
+BUILTIN_NAMES = ("countdown", "arithmetic", "exact", "math", "math_think", "synthetic")
 
 
 def _builtin() -> dict[str, tuple[RewardFn, bool]]:
@@ -113,6 +118,7 @@ def _builtin() -> dict[str, tuple[RewardFn, bool]]:
         "exact": (exact_reward, True),
         "math": (math_reward, False),
         "math_think": (math_think_reward, False),
+        "synthetic": (synthetic_reward, True),
     }
 
 

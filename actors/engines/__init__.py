@@ -1,8 +1,9 @@
 """Inference engines behind `common.interfaces.Engine`, chosen by the config's discriminated union.
 
-    engine = make_engine(gen_cfg, model_path)            # vllm | transformers | auto
-    outs = engine.generate(prompt_ids_list, n_per_prompt, seed)
-    engine.load_weights(state_dict, version)             # at a safe point between generate calls
+    engine = make_engine(gen_cfg, model_path)            # vllm | transformers | auto | synthetic
+    outs = engine.generate(prompt_ids_list, n_per_prompt, seed)       # batch use
+    engine.add(request_id, prompt_ids, seed); engine.step()           # streaming use (the generator loop)
+    engine.load_weights(state_dict, version)             # between generate calls / engine steps
 
 Both engines run in `generator.dtype` (= model.dtype unless set) and cast the published weights
 (float32 master weights from the learner) to it on load, like vLLM's `dtype` on the folder's weights.
@@ -13,7 +14,13 @@ from __future__ import annotations
 import logging
 
 from actors.engines.base import GenSample, Sampling, topk_entropy_estimate
-from common.config import AutoEngineConfig, GeneratorConfig, TransformersEngineConfig, VllmEngineConfig
+from common.config import (
+    AutoEngineConfig,
+    GeneratorConfig,
+    SyntheticEngineConfig,
+    TransformersEngineConfig,
+    VllmEngineConfig,
+)
 from common.interfaces import Engine
 
 log = logging.getLogger(__name__)
@@ -31,8 +38,8 @@ def vllm_importable() -> bool:
     return True
 
 
-def resolve_engine_config(cfg: VllmEngineConfig | TransformersEngineConfig | AutoEngineConfig
-                          ) -> VllmEngineConfig | TransformersEngineConfig:
+def resolve_engine_config(cfg: VllmEngineConfig | TransformersEngineConfig | AutoEngineConfig | SyntheticEngineConfig
+                          ) -> VllmEngineConfig | TransformersEngineConfig | SyntheticEngineConfig:
     """`auto` becomes its vllm settings when vLLM is importable, else its transformers settings."""
     if isinstance(cfg, AutoEngineConfig):
         return cfg.vllm if vllm_importable() else cfg.transformers
@@ -57,4 +64,8 @@ def make_engine(gen_cfg: GeneratorConfig, model_path: str, *, seed: int | None =
             from actors.engines.transformers_engine import TransformersEngine
 
             return TransformersEngine(engine_cfg, sampling, model_path, dtype=dtype)
+        case SyntheticEngineConfig():
+            from actors.engines.synthetic_engine import SyntheticEngine
+
+            return SyntheticEngine(engine_cfg, sampling, seed=seed)
     raise TypeError(f"unknown engine config {type(engine_cfg).__name__}")

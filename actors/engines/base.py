@@ -15,7 +15,7 @@ log-probs, see `topk_entropy_estimate`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,6 +31,14 @@ class GenSample:
     entropy: float  # mean token entropy (exact or estimated, see module docstring)
     finish_reason: str  # "stop" (EOS or a stop string) | "length" | "abort"
     text: str  # decoded response, cut before the first stop string
+    segments: tuple[tuple[int, int], ...] = ()
+    """(policy version, index of the first token sampled under it), oldest first: one entry unless new
+    weights were loaded while this sample was in flight (`load_weights` during streaming)."""
+
+    @property
+    def versions(self) -> tuple[int, int]:
+        """(oldest, newest) policy version that sampled a token of this response."""
+        return (self.segments[0][0], self.segments[-1][0]) if self.segments else (-1, -1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +53,34 @@ class Sampling:
     @classmethod
     def from_config(cls, cfg: GeneratorConfig) -> Sampling:
         return cls(cfg.temperature, cfg.top_p, cfg.max_new_tokens, tuple(s for s in cfg.stop if s))
+
+
+@dataclass(slots=True)
+class Partial:
+    """A sample in flight in a streaming engine: what it has sampled so far, under which versions."""
+
+    segments: list[tuple[int, int]]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    text: str = ""
+
+    def mark_version(self, version: int) -> None:
+        """New weights were loaded: tokens sampled from now on come from `version`."""
+        if self.segments[-1][1] == len(self.token_ids):
+            self.segments[-1] = (version, len(self.token_ids))  # nothing sampled under the previous one
+        else:
+            self.segments.append((version, len(self.token_ids)))
+
+    def finish(self, finish_reason: str, text: str | None = None) -> GenSample:
+        return GenSample(
+            token_ids=np.asarray(self.token_ids, dtype=np.int32),
+            logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            entropy=mean_or_zero(self.entropies),
+            finish_reason=finish_reason,
+            text=self.text if text is None else text,
+            segments=tuple(self.segments),
+        )
 
 
 def topk_entropy_estimate(top_logprobs: np.ndarray, vocab_size: int) -> float:

@@ -4,6 +4,9 @@ Rows (prompt × sample) are generated `batch_rows` at a time, prompts left-padde
 the last position's logits [R, V] and computes, at temperature 1, the log-prob of every token and
 the exact full-vocabulary entropy; the next token is drawn from the sampling distribution
 (logits / temperature, then top-p). See `actors.engines.base` for the log-prob convention.
+
+Streaming (`add`/`step`) is batch-at-a-time behind the streaming interface: `step` generates up to
+`batch_rows` queued samples to completion, so weights never change under a sample in flight.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class TransformersEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
         self.version = 0
         self.last_load_s = 0.0
+        self._queue: dict[str, tuple[np.ndarray, int]] = {}  # streaming requests not generated yet
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -64,6 +68,31 @@ class TransformersEngine:
             )
         self.version = version
         self.last_load_s = time.perf_counter() - t0
+
+    # ---------------------------------------------------------------------------------- streaming
+
+    def add(self, request_id: str, prompt_ids: np.ndarray, seed: int) -> None:
+        """Queue one sample; the next `step` generates it (with up to batch_rows - 1 others)."""
+        if request_id in self._queue:
+            raise ValueError(f"request {request_id!r} is already in flight")
+        self._queue[request_id] = (np.asarray(prompt_ids), seed)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[str, GenSample]]:
+        """Generate the oldest `batch_rows` queued samples to completion and return them."""
+        ids = list(self._queue)[: self.cfg.batch_rows]
+        if not ids:
+            return []
+        chunk = [self._queue.pop(r) for r in ids]
+        gen = torch.Generator(device=self.device).manual_seed(chunk[0][1])
+        return list(zip(ids, self._generate_rows([p for p, _ in chunk], gen)))
+
+    def abort(self, request_ids: list[str]) -> None:
+        for r in request_ids:
+            self._queue.pop(r, None)
+
+    def in_flight(self) -> int:
+        return len(self._queue)
 
     # --------------------------------------------------------------------------------- generation
 
@@ -159,4 +188,5 @@ class TransformersEngine:
             entropy=float(ent.mean()) if len(ent) else 0.0,
             finish_reason="stop" if stopped else "length",
             text=text,
+            segments=((self.version, 0),),
         )

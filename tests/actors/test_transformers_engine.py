@@ -94,3 +94,19 @@ def test_bfloat16_engine_casts_published_float32_weights(tiny_model_dir):
         lp, _ = teacher_forced(ref, p, s.token_ids)
         # bfloat16 (8-bit mantissa): the cached incremental forward and the full forward round differently
         np.testing.assert_allclose(s.logprobs, lp, atol=5e-2)
+
+
+def test_streaming_is_batch_at_a_time_behind_the_same_interface(setup):
+    """`add`/`step` on the transformers engine: each step generates up to batch_rows queued samples to the end."""
+    engine, ref, tok = setup
+    prompts = {f"q{i}": prompt_ids(tok, f"{i}+{i}=") for i in range(20)}
+    for rid, p in prompts.items():
+        engine.add(rid, p, seed=i if (i := int(rid[1:])) else 0)
+    first = engine.step()
+    assert len(first) == 16 and engine.in_flight() == 4  # batch_rows=16
+    engine.abort(["q19"])
+    rest = engine.step()
+    assert len(rest) == 3 and engine.in_flight() == 0 and engine.step() == []
+    for rid, s in first + rest:
+        assert s.segments == ((engine.version, 0),)
+        np.testing.assert_allclose(s.logprobs, teacher_forced(ref, prompts[rid], s.token_ids)[0], atol=1e-4)

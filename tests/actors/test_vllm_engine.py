@@ -84,3 +84,37 @@ def test_reload_needs_prefix_cache_reset(setup):
 def test_stop_strings_and_eos(setup):
     engine, _, tok = setup
     check_stop_strings_and_eos(engine, tok)
+
+
+def test_streaming_weights_loaded_mid_flight_give_per_version_logprobs(setup):
+    """Partial rollouts: new weights land while samples are in flight; every token's behaviour log-prob is that of
+    the version that sampled it (teacher-forced under each), and each sample says where the new version starts."""
+    engine, ref, tok = setup
+    old = {k: v.clone() for k, v in ref.state_dict().items()}
+    v0 = engine.version
+    prompts = {f"r{i}": prompt_ids(tok, text) for i, text in enumerate(["1+2=", "7*8=", "the fox ", "x"] * 2)}
+    for rid, p in prompts.items():
+        engine.add(rid, p, seed=11 + len(rid))
+    done = {}
+    for _ in range(4):  # prefill + a few decode steps under version v0
+        done.update(engine.step())
+    assert engine.in_flight() > 0
+    new = perturbed_state_dict(ref, seed=3)
+    engine.load_weights(new, version=v0 + 1)
+    while engine.in_flight():
+        done.update(engine.step())
+    assert sorted(done) == sorted(prompts)
+    spanning = 0
+    for rid, s in done.items():
+        assert s.segments[0] == (v0, 0) and s.versions[1] in (v0, v0 + 1)
+        cut = s.segments[1][1] if len(s.segments) == 2 else len(s.token_ids)
+        spanning += len(s.segments) == 2
+        ref.load_state_dict(old)
+        np.testing.assert_allclose(s.logprobs[:cut], teacher_forced(ref, prompts[rid], s.token_ids)[0][:cut], atol=1e-4)
+        ref.load_state_dict(new)
+        np.testing.assert_allclose(s.logprobs[cut:], teacher_forced(ref, prompts[rid], s.token_ids)[0][cut:], atol=1e-4)
+        assert s.text == tok.decode(s.token_ids.tolist(), skip_special_tokens=True)[:len(s.text)]
+    assert spanning >= 1, "at least one sample was still generating when the weights changed"
+    engine.add("gone", prompts["r0"], seed=1)
+    engine.abort(["gone"])
+    assert engine.in_flight() == 0 and engine.step() == []

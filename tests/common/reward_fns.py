@@ -90,3 +90,9 @@ def zero(response: str, answer: str) -> float:
 
 def one(response: str, answer: str) -> float:
     return 1.0
+
+
+def slow_exact(response: str, answer: str) -> float:
+    """A reward that takes 20 ms (a verifier with real work to do)."""
+    time.sleep(0.02)
+    return 1.0 if response.strip() == answer else 0.0
