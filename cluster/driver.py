@@ -336,6 +336,8 @@ class Trainer:
             "train/rollouts_total": float(self.state.rollouts),
             "train/replay_fraction": sum(g.mixed for g in batch.groups) / max(1, len(batch.groups)),
             "staleness/mean": float(np.mean([batch.version - r.version for r in fresh])) if fresh else 0.0,
+            "staleness/spanning_fraction": (sum(r.newest_version != r.version for r in fresh) / len(fresh)
+                                            if fresh else 0.0),  # partial rollouts: weights changed mid-sample
             "train/switch_accuracy": batch.stats.get("switch_accuracy", 0.0),
             "train/mixed_mode": batch.stats.get("mixed_mode", 0.0),
             "driver/step_s": step_s,

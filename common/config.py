@@ -710,6 +710,10 @@ class RunConfig(Section):
             problems.append("data: set data.task to a built-in task or data.train_path to a file")
         if self.data.train_path is None and self.data.task is not None:
             problems += _task_problems(self.data, self.reward.name, self.model.path is None)
+        if isinstance(self.generator.engine, SyntheticEngineConfig) or self.reward.name == "synthetic":
+            problems.append("generator.engine.kind / reward.name: synthetic is a simulation for bench/cluster_sim.py; "
+                            "its random tokens cannot train a model: use engine kind vllm, transformers or auto "
+                            "and the task's reward")
         ws = self.learner.weight_sync
         if isinstance(ws, CollectiveSyncConfig) and ws.backend == "nccl" and (
                 self.generator.num_gpus == 0 or self.learner.num_gpus == 0):

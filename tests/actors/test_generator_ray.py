@@ -236,3 +236,76 @@ class _NoWeights:
 
     def ack(self, generator_id, version):
         pass
+
+
+def _serve_batches(buffer, until, timeout_s: float) -> int:
+    """Take batches and advance the version (a learner with no model) until `until()`; the number taken."""
+    taken, version, deadline = 0, 0, time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, "timed out serving batches"
+        if buffer.get_batch(version, timeout_s=2.0) is not None:
+            taken += 1
+            version += 1
+            buffer.set_version(version)
+    return taken
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_scoring_runs_beside_generation(ray_cluster, tiny_model_dir, streaming):
+    """A slow verifier (20 ms a response): streaming keeps the engine generating while groups are scored, so engine
+    time and scoring time overlap — their sum exceeds the generator's uptime, which one thread doing both (batch-at-a-
+    time) can never reach."""
+    run = f"slow-{streaming}"
+    buffer = make_buffer(tiny_model_dir, run, max_lag=1000)
+    cfg = GEN_CFG.model_copy(update={"streaming": streaming, "max_in_flight": 8})
+    gid = actor_name(run, "generator", 0)
+    gen = Generator.options(name=gid, **actor_options(cfg)).remote(
+        gid, cfg, RewardConfig(name="tests.common.reward_fns:slow_exact"), str(tiny_model_dir), buffer, _NoWeights(),
+        "arithmetic")
+    ray.get(gen.start.remote(), timeout=300)
+    _serve_batches(buffer, lambda: ray.get(gen.metrics.remote())["groups"] >= 32, 300)
+    m = ray.get(gen.stop.remote(drain=True), timeout=120)
+    overlap = m["generate_s"] + m["score_s"] - m["uptime_s"]
+    if streaming:
+        assert overlap > 0, m
+    else:
+        assert overlap <= 0.01, m
+    assert m["reward_errors"] == 0
+    acc = buffer.accounting()
+    assert acc["outstanding"] == 0 and acc["balance"] == 0, acc
+    ray.kill(gen, no_restart=True)
+    buffer.shutdown()
+
+
+def test_sixteen_synthetic_generators_stream_and_follow_weights(ray_cluster, tiny_model_dir):
+    """The simulation engine: 16 generator actors with long-tailed response lengths into 2 shards, a new version
+    every batch (loaded mid-flight), accounting balanced at the end."""
+    from common.config import SyntheticEngineConfig
+    from learner.weights import ObjectStorePublisher, ObjectStoreWeightSource
+
+    run = "synthetic"
+    buffer = make_buffer(tiny_model_dir, run, num_shards=2, max_lag=2)
+    cfg = GeneratorConfig(engine=SyntheticEngineConfig(tokens_per_s=400, length_median=16, length_sigma=1.0),
+                          max_new_tokens=128, questions_per_lease=2, max_in_flight=4, num_cpus=0, idle_sleep_s=0.05,
+                          weight_poll_s=0.05, stop_timeout_s=60)
+    publisher = ObjectStorePublisher(ObjectStoreSyncConfig(), run=run, namespace=None, timeout_s=30)
+    publisher.publish(0, {"w": torch.zeros(4)})
+    pool = GeneratorPool(cfg, RewardConfig(name="synthetic"), str(tiny_model_dir), buffer, ObjectStoreWeightSource(run),
+                         task_name="arithmetic", run=run)
+    pool.scale_to(16)
+    version, trained = 0, 0
+    while version < 6:
+        batch = buffer.get_batch(version, timeout_s=60)
+        assert batch is not None
+        assert all(version - r.version <= 2 and r.newest_version >= r.version for g in batch.groups for r in g.rollouts)
+        trained += len(batch.groups)
+        version += 1
+        publisher.publish(version, {"w": torch.full((4,), float(version))})
+        buffer.set_version(version)
+    m = pool.metrics()
+    assert m["generators"] == 16 and m["weight_loads"] >= 16 and m["rewarded"] > 0
+    pool.shutdown()
+    acc = buffer.accounting()
+    assert acc["outstanding"] == 0 and acc["lost"] == 0 and acc["balance"] == 0, acc
+    assert acc["trained"] == trained == 6 * 8
+    buffer.shutdown()

@@ -267,6 +267,18 @@ def test_stale_groups_are_dropped_and_reissued():
     assert acc["stale_dropped"] == 1 and acc["trained"] == 1 and acc["reissued"] == 1
 
 
+def test_a_partial_rollout_is_as_stale_as_its_oldest_token():
+    """A rollout whose tokens span versions 0..2 (weights loaded mid-generation) is judged by version 0."""
+    core = ShardCore(cfg(max_lag=1, batch_questions=4, mixed_switch_accuracy=1.0), make_questions(20))
+    a, b = core.lease("g", 2, now=NOW)
+    spanning = group_for(a, 2, version=0)
+    spanning.rollouts[1].newest_version = 2
+    core.submit([spanning, group_for(b, 2, version=1)], now=NOW)
+    core.set_version(2)
+    assert [g.question_id for g in core.take(2, 4, 0)] == [b.question.id]
+    assert balanced(core)["stale_dropped"] == 1
+
+
 class SimRun:
     """What the client and the driver do, over S pure shards: route leases and groups, compose each
     batch with `plan_take`, feed the run-wide `MixedSwitch` once per batch, and play the learner:

@@ -64,6 +64,7 @@ def assert_refused(code: int, out: str, *expected: str) -> None:
     (["total_steps=-1"], ["total_steps: Input should be greater than or equal to 1"]),
     (["buffer=3"], ["buffer: Input should be a valid dictionary"]),
     (["generator.engine.batch_rows=4"], ["generator.engine.kind is missing"]),
+    (["generator.engine.kind=synthetic"], ["synthetic is a simulation for bench/cluster_sim.py"]),
 ])
 def test_bad_config_is_refused_naming_the_field(capsys, args, expected):
     code, out = cli(capsys, "config", *args)
