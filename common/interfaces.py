@@ -66,13 +66,27 @@ class WeightSource(Protocol):
 class Engine(Protocol):
     """An inference engine inside a generator actor.
 
+    Batch use (evaluation, benchmarks):
         outs = engine.generate(prompt_ids_list, n_per_prompt, seed)   # list (per prompt) of lists
-        engine.load_weights(state_dict, version)                        # at a safe point only
+
+    Streaming use (the generator loop; one sample per request, any number in flight):
+        engine.add(request_id, prompt_ids, seed)
+        for request_id, sample in engine.step(): ...   # the samples that finished in this step
+        engine.load_weights(state_dict, version)       # between steps, also with samples in flight
+        engine.abort(request_ids); engine.in_flight()
     """
 
     version: int
 
     def generate(self, prompts: list[np.ndarray], n: list[int], seed: int) -> list[list["Sample"]]: ...
+
+    def add(self, request_id: str, prompt_ids: np.ndarray, seed: int) -> None: ...
+
+    def step(self) -> list[tuple[str, "Sample"]]: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def in_flight(self) -> int: ...
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
 
@@ -85,6 +99,10 @@ class Sample(Protocol):
     entropy: float
     finish_reason: str
     text: str
+    segments: tuple[tuple[int, int], ...]  # (version, first token index under it), oldest first
+
+    @property
+    def versions(self) -> tuple[int, int]: ...  # (oldest, newest)
 
 
 def actor_name(run: str, role: str, index: int | None = None) -> str:
