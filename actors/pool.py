@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 _SUM = ("batches", "groups", "rollouts", "tokens", "tokens_per_s", "rollouts_per_s", "wall_tokens_per_s", "generate_s",
         "score_s", "wait_s", "weight_loads", "weight_load_s", "reward_errors", "rewarded", "source_errors",
-        "groups_dropped", "leases_returned", "running", "in_flight", "loads_in_flight", "rollouts_spanning")
+        "groups_dropped", "leases_returned", "running", "in_flight", "loads_in_flight", "rollouts_spanning",
+        "uptime_s")
 _MEAN = ("wait_fraction", "busy_fraction", "version_lag_mean", "weight_load_s_last", "startup_s", "version")
 _MAX = ("version_lag_max",)
 _PENDING_STATES = ("PENDING_CREATION", "DEPENDENCIES_UNREADY")

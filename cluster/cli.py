@@ -16,6 +16,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. buffer.max_lag=0")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest usable checkpoint; "
                    "key=value overrides may change total_steps, checkpointing, tracking and resources only")
+    t.add_argument("--profile", action="store_true", help="print where the run's wall time went (start-up phases, "
+                   "per-step driver phases, generator engine/scoring/idle time); always saved as profile.json")
 
     c = sub.add_parser("config", help="print the resolved config as YAML")
     c.add_argument("config", nargs="?", help="YAML config file (optional)")
@@ -184,9 +186,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         use_token_auth_when_connecting()  # joining cluster.address needs it; an embedded Ray sets it anyway
         from cluster.driver import train_main
 
+        command = "exgrpo " + " ".join(sys.argv[1:])
         if args.resume:
-            return train_main(None, resume=args.resume, overrides=_resume_overrides(args))
-        return train_main(_load(args))
+            return train_main(None, resume=args.resume, overrides=_resume_overrides(args), show_profile=args.profile,
+                              command=command)
+        return train_main(_load(args), show_profile=args.profile, command=command)
     if args.command == "eval":
         from cluster.evaluate import eval_main
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from cluster.profile import Profile
 from cluster.liveness import (
     EXIT_CONFIG, EXIT_FAILED, EXIT_STALLED, NOTHING_LEFT, RunStopped, StallWatch, check_placement, diagnose,
     sample_text,
@@ -63,8 +64,11 @@ class DriverState:
 class Trainer:
     """Owns the components of one attempt of a run (rebuilt from the checkpoint on restart)."""
 
-    def __init__(self, cfg: RunConfig, run_dir, state: DriverState, model_path: Path, questions, tracker):
+    def __init__(self, cfg: RunConfig, run_dir, state: DriverState, model_path: Path, questions, tracker,
+                 profile: Profile | None = None):
         self.cfg, self.run_dir, self.state, self.model_path, self.tracker = cfg, run_dir, state, model_path, tracker
+        self.profile = profile or Profile()
+        self._first_batch = False
         self.questions = questions
         self.stop_flag = False
         self.phase = "start"  # start | train | close: what a signal interrupts (see _stop_on_signals)
@@ -93,23 +97,30 @@ class Trainer:
         live = self.run_dir.path / "buffer-live"  # shards' periodic snapshots (for a shard's own restart)
         if checkpoint is None and live.exists():  # a fresh start must not pick up a dead attempt's shards
             shutil.rmtree(live)
-        self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
-                                          snapshot_dir=str(self.run_dir.path / "buffer-live"))
-        self.learner = LearnerPool(cfg.learner, str(self.model_path), run=name, namespace=ns,
-                                   max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype)
-        if checkpoint is not None:
-            self.learner.load_checkpoint(checkpoint / "learner")
-            self.buffer.restore(str(checkpoint / "buffer"), expire_leases=True)
-        self.buffer.set_version(self.learner.version)
-        self.learner.publish()  # version 0 (or the checkpoint's) before any generator starts
-        self.control = create_control(name, ns, self.state.generators)
-        weights = make_weight_source(cfg.learner.weight_sync, run=name, namespace=ns,
-                                     timeout_s=cfg.learner.publish_timeout_s)
-        self.generators = GeneratorPool(cfg.generator, cfg.reward, str(self.model_path), self.buffer, weights,
-                                        task_name=cfg.data.task if cfg.data.train_path is None else None,
-                                        run=name, namespace=ns)
-        self.generators.scale_to(self.state.generators, wait=False)  # training starts once one runs
-        self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)
+        phase = self.profile.phase
+        with phase("start-up: buffer shards"):
+            self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
+                                              snapshot_dir=str(self.run_dir.path / "buffer-live"))
+        with phase("start-up: learner ranks"):
+            self.learner = LearnerPool(cfg.learner, str(self.model_path), run=name, namespace=ns,
+                                       max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype)
+        with phase("start-up: restore checkpoint"):
+            if checkpoint is not None:
+                self.learner.load_checkpoint(checkpoint / "learner")
+                self.buffer.restore(str(checkpoint / "buffer"), expire_leases=True)
+            self.buffer.set_version(self.learner.version)
+        with phase("start-up: publish the first weights"):
+            self.learner.publish()  # version 0 (or the checkpoint's) before any generator starts
+        with phase("start-up: schedule generators"):
+            self.control = create_control(name, ns, self.state.generators)
+            weights = make_weight_source(cfg.learner.weight_sync, run=name, namespace=ns,
+                                         timeout_s=cfg.learner.publish_timeout_s)
+            self.generators = GeneratorPool(cfg.generator, cfg.reward, str(self.model_path), self.buffer, weights,
+                                            task_name=cfg.data.task if cfg.data.train_path is None else None,
+                                            run=name, namespace=ns)
+            self.generators.scale_to(self.state.generators, wait=False)  # training starts once one runs
+        with phase("start-up: in-run evaluator"):
+            self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)
         self.components_built = True
         now = time.monotonic()
         self.watch = StallWatch(cfg.cluster.stall_report_s, cfg.cluster.stall_timeout_s, now)
@@ -133,36 +144,49 @@ class Trainer:
 
     def run(self, progress) -> None:
         """The training loop (see the module docstring)."""
-        cfg = self.cfg
+        cfg, phase = self.cfg, self.profile.phase
         while self.state.step < cfg.total_steps and not self.stop_flag and not self._budget_spent():
-            batch = self._next_batch()
-            self._log_evals()
+            with phase("step: wait for a batch" if self._first_batch else "start-up: until the first batch"):
+                batch = self._next_batch()
+                self._log_evals()
             if batch is None:
                 continue
+            self._first_batch = True
             t0 = time.monotonic()
-            self._finish_publish()  # the previous version's gather overlapped with the batch fetch
-            result = self.learner.step(batch)
-            self._pending = (self.learner.publish_async(), time.monotonic())
-            if cfg.buffer.max_lag == 0:  # synchronous: no rollout of the next batch may see the old weights
-                self._finish_publish()
-            self.buffer.feedback(result.feedback)
-            self.buffer.set_version(result.version)
+            with phase("step: wait for the previous publication"):
+                self._finish_publish()  # the previous version's gather overlapped with the batch fetch
+            with phase("step: learner compute"):
+                result = self.learner.step(batch)
+            with phase("step: start publication"):
+                self._pending = (self.learner.publish_async(), time.monotonic())
+                if cfg.buffer.max_lag == 0:  # synchronous: no rollout of the next batch may see the old weights
+                    self._finish_publish()
+            with phase("step: buffer feedback + version"):
+                self.buffer.feedback(result.feedback)
+                self.buffer.set_version(result.version)
             self.state.train_s += time.monotonic() - t0
             self.state.step += 1
             self.state.rollouts += sum(len(g.rollouts) for g in batch.groups)  # fresh ones (o* joins in the learner)
-            metrics = self._metrics(batch, result, time.monotonic() - t0)
-            self.tracker.log_metrics(metrics, self.state.step)
-            progress.update(self.state.step, {**metrics, **(self.evaluation.last if self.evaluation else {})})
-            if self.evaluation is not None:
-                self.evaluation.after_step(self.state.step)
+            with phase("step: metrics, MLflow, progress"):
+                metrics = self._metrics(batch, result, time.monotonic() - t0)
+                self.tracker.log_metrics(metrics, self.state.step)
+                progress.update(self.state.step, {**metrics, **(self.evaluation.last if self.evaluation else {})})
+                if self.evaluation is not None:
+                    self.evaluation.after_step(self.state.step)
             if cfg.checkpoint.every_steps and self.state.step % cfg.checkpoint.every_steps == 0:
-                self.checkpoint()
-            self._scale(metrics)
-        self._finish_publish()
+                with phase("checkpoints"):
+                    self.checkpoint()
+            with phase("step: scaling"):
+                self._scale(metrics)
+        with phase("step: wait for the previous publication"):
+            self._finish_publish()
+        self.profile.generators(self.generators.metrics())
         if self.evaluation is not None and not self.stop_flag:
-            self._log_evals(self.evaluation.final(self.learner.version))
+            with phase("final evaluation"):
+                self._log_evals(self.evaluation.final(self.learner.version))
         if self.run_dir.latest_checkpoint() != self.run_dir.checkpoint_dir(self.state.step):
-            self.checkpoint()
+            with phase("checkpoints"):
+                self.checkpoint()
 
     def _budget_spent(self) -> bool:
         return self.cfg.total_rollouts is not None and self.state.rollouts >= self.cfg.total_rollouts
@@ -436,17 +460,21 @@ def _set_rng_state(rng: dict[str, list]) -> None:
 # ------------------------------------------------------------------------------------------- main
 
 
-def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list[str] | None = None) -> int:
+def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list[str] | None = None, *,
+               show_profile: bool = False, command: str = "exgrpo train") -> int:
     """`exgrpo train` (or `--resume RUN` with `overrides`): check every input, create or reopen the run
-    folder, train with bounded self-restarts, report. Returns the exit code (2: bad input, nothing created)."""
+    folder, train with bounded self-restarts, report. Returns the exit code (2: bad input, nothing created).
+    The run's wall-time profile is saved as profile.json in the run folder (`show_profile`: printed too)."""
     from cluster.console import Progress, setup_logging
     from cluster.preflight import BadInput
     from cluster.runtime import start_ray
     from cluster.tracking import Tracker, default_tracking_uri
 
+    profile = Profile()
     setup_logging(None)  # the console only, until the run folder exists
     try:
-        cfg, run_dir, state, model_path, questions = _prepare(cfg, resume, overrides or [])
+        with profile.phase("start-up: model + data"):
+            cfg, run_dir, state, model_path, questions = _prepare(cfg, resume, overrides or [])
     except BadInput as e:
         print(e, file=sys.stderr)
         return 2
@@ -455,43 +483,50 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     np.random.seed(cfg.seed)
     if state.rng:  # resuming: continue the checkpoint's random streams
         _set_rng_state(state.rng)
-    start_ray(cfg.cluster, run_dir.path)
+    with profile.phase("start-up: Ray"):
+        start_ray(cfg.cluster, run_dir.path)
 
     uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
-    tracker = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled)
-    parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None
-    state.mlflow_run_id = tracker.start(run_dir.name, run_id=state.mlflow_run_id, tags=parent)
-    if not resume:
-        tracker.log_params(flatten(cfg))
-        tracker.log_text(to_yaml(cfg), "config.yaml")
+    with profile.phase("start-up: MLflow"):
+        tracker = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled)
+        parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None
+        state.mlflow_run_id = tracker.start(run_dir.name, run_id=state.mlflow_run_id, tags=parent)
+        if not resume:
+            tracker.log_params(flatten(cfg))
+            tracker.log_text(to_yaml(cfg), "config.yaml")
     run_dir.update_state(mlflow_run_id=state.mlflow_run_id, status="RUNNING")
     log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, uri, state.mlflow_run_id)
 
     progress = Progress(cfg.total_steps, start=state.step)
     status, stopped = "FAILED", None
     try:
-        status = _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress)
+        status = _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress, profile)
     except RunStopped as e:  # said why already; the run folder and MLflow lines still follow
         stopped = e
     finally:
         progress.close()
-        if cfg.tracking.log_plots:
-            tracker.log_plots(run_dir.path / "plots")
-        tracker.finish(status)
-        run_dir.update_state(status=status, step=state.step)
-        _shutdown_ray()
+        with profile.phase("shutdown: plots, MLflow, Ray"):
+            if cfg.tracking.log_plots:
+                tracker.log_plots(run_dir.path / "plots")
+            tracker.finish(status)
+            run_dir.update_state(status=status, step=state.step)
+            _shutdown_ray()
     if stopped is not None and stopped.code == EXIT_CONFIG and not resume and state.step == 0:
         shutil.rmtree(run_dir.path, ignore_errors=True)  # refused before training: the name stays free
         print(f"nothing was trained; removed {run_dir.path} so that name={run_dir.path.name} can be used again",
               file=sys.stderr)
         return stopped.code
+    if run_dir.path.exists():
+        profile.save(run_dir.path / "profile.json")
+    if show_profile:
+        print(profile.table(command))
     print(f"run folder: {run_dir.path}\nMLflow: mlflow ui --backend-store-uri {uri}  (run id {state.mlflow_run_id})")
     if stopped is not None:
         return stopped.code
     return 0 if status in ("FINISHED", "KILLED") else 1
 
 
-def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress) -> str:
+def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress, profile) -> str:
     """Build and train, restarting from the last checkpoint after a component failure (bounded).
 
     Returns FINISHED or KILLED (a signal); raises RunStopped (exit code 1 or 3, after a checkpoint
@@ -507,7 +542,7 @@ def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, pr
 
     attempts = 0
     while True:
-        trainer = Trainer(cfg, run_dir, state, model_path, questions, tracker)
+        trainer = Trainer(cfg, run_dir, state, model_path, questions, tracker, profile)
         restore_signals = _stop_on_signals(trainer)
         try:
             trainer.build(run_dir.latest_checkpoint())
@@ -536,7 +571,8 @@ def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, pr
                       cfg.cluster.max_restarts)
             state.__dict__.update(_load_driver_state(run_dir).__dict__)
         finally:
-            trainer.close()
+            with profile.phase("shutdown: components (drain generators, stop actors)"):
+                trainer.close()
             restore_signals()
 
 
