@@ -38,7 +38,7 @@ from cluster.liveness import (
     EXIT_CONFIG, EXIT_FAILED, EXIT_STALLED, NOTHING_LEFT, RunStopped, StallWatch, check_placement, diagnose,
     sample_text,
 )
-from common.config import ConfigError, RunConfig, flatten, to_yaml
+from common.config import ConfigError, ObjectStoreSyncConfig, RunConfig, flatten, to_yaml
 from common.messages import TrainingBatch
 
 log = logging.getLogger("exgrpo")
@@ -83,12 +83,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------- build
 
     def build(self, checkpoint: Path | None) -> None:
-        from actors.pool import GeneratorPool
         from buffer.client import BufferClient
         from cluster.in_run_eval import InRunEval
-        from cluster.runtime import create_control
         from learner.pool import LearnerPool
-        from learner.weights import make_weight_source
 
         cfg, name, ns = self.cfg, self.run_dir.name, self.cfg.cluster.namespace
         self._check_placement()  # before any actor starts
@@ -101,6 +98,13 @@ class Trainer:
         with phase("start-up: buffer shards"):
             self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
                                               snapshot_dir=str(self.run_dir.path / "buffer-live"))
+        # A fresh run's version 0 is the model folder the engines load: generators may start loading it while the
+        # learner ranks build (both take long). A resumed run, or a collective channel that needs the learner's
+        # side, schedules them after the learner has published.
+        early = checkpoint is None and isinstance(cfg.learner.weight_sync, ObjectStoreSyncConfig)
+        if early:
+            with phase("start-up: schedule generators"):
+                self._schedule_generators()
         with phase("start-up: learner ranks"):
             self.learner = LearnerPool(cfg.learner, str(self.model_path), run=name, namespace=ns,
                                        max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype)
@@ -111,20 +115,31 @@ class Trainer:
             self.buffer.set_version(self.learner.version)
         with phase("start-up: publish the first weights"):
             self.learner.publish()  # version 0 (or the checkpoint's) before any generator starts
-        with phase("start-up: schedule generators"):
-            self.control = create_control(name, ns, self.state.generators)
-            weights = make_weight_source(cfg.learner.weight_sync, run=name, namespace=ns,
-                                         timeout_s=cfg.learner.publish_timeout_s)
-            self.generators = GeneratorPool(cfg.generator, cfg.reward, str(self.model_path), self.buffer, weights,
-                                            task_name=cfg.data.task if cfg.data.train_path is None else None,
-                                            run=name, namespace=ns)
-            self.generators.scale_to(self.state.generators, wait=False)  # training starts once one runs
+        if not early:
+            with phase("start-up: schedule generators"):
+                self._schedule_generators()
         with phase("start-up: in-run evaluator"):
             self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)
         self.components_built = True
         now = time.monotonic()
         self.watch = StallWatch(cfg.cluster.stall_report_s, cfg.cluster.stall_timeout_s, now)
         self._pool_reported, self._zero_hinted = now, False
+
+    def _schedule_generators(self) -> None:
+        """Create the control actor and the generator pool; the generators start in the background (training
+        starts once one runs)."""
+        from actors.pool import GeneratorPool
+        from cluster.runtime import create_control
+        from learner.weights import make_weight_source
+
+        cfg, name, ns = self.cfg, self.run_dir.name, self.cfg.cluster.namespace
+        self.control = create_control(name, ns, self.state.generators)
+        weights = make_weight_source(cfg.learner.weight_sync, run=name, namespace=ns,
+                                     timeout_s=cfg.learner.publish_timeout_s)
+        self.generators = GeneratorPool(cfg.generator, cfg.reward, str(self.model_path), self.buffer, weights,
+                                        task_name=cfg.data.task if cfg.data.train_path is None else None,
+                                        run=name, namespace=ns)
+        self.generators.scale_to(self.state.generators, wait=False)
 
     def _check_placement(self) -> None:
         """Refuse (exit 2) a config whose learner and first generator can never be placed; warn when
