@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -65,14 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     work = Path(tempfile.mkdtemp(prefix="generator-bench-"))
-    models = {name: model_folder(name, work) for name in args.models.split(",")}
-    prompts = load_prompts(next(iter(models.values()))[0], args.prompts)
-    rows = []
-    for model_name, (path, params, origin) in models.items():
-        for engine_name in args.engines.split(","):
-            rows.append(run_one(engine_name, model_name, path, params, origin, prompts, args))
-            print(f"  done: {engine_name} on {model_name}", file=sys.stderr, flush=True)
-    lt_rows = long_tail(work, args) if args.lt_questions > 0 else []
+    try:
+        models = {name: model_folder(name, work) for name in args.models.split(",")}
+        prompts = load_prompts(next(iter(models.values()))[0], args.prompts)
+        rows = []
+        for model_name, (path, params, origin) in models.items():
+            for engine_name in args.engines.split(","):
+                rows.append(run_one(engine_name, model_name, path, params, origin, prompts, args))
+                print(f"  done: {engine_name} on {model_name}", file=sys.stderr, flush=True)
+        lt_rows = long_tail(work, args) if args.lt_questions > 0 else []
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the model folders built for this run
     print(f"$ {shlex.join([sys.executable.split('/')[-1], *sys.argv])}")
     print(table(rows, args))
     if lt_rows:
