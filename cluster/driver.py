@@ -101,7 +101,10 @@ class Trainer:
         # A fresh run's version 0 is the model folder the engines load: generators may start loading it while the
         # learner ranks build (both take long). A resumed run, or a collective channel that needs the learner's
         # side, schedules them after the learner has published.
-        early = checkpoint is None and isinstance(cfg.learner.weight_sync, ObjectStoreSyncConfig)
+        # Only when the learner and every generator fit at once: generators placed first must never take the
+        # CPUs/GPUs the learner ranks need.
+        early = (checkpoint is None and isinstance(cfg.learner.weight_sync, ObjectStoreSyncConfig)
+                 and self._everything_fits())
         if early:
             with phase("start-up: schedule generators"):
                 self._schedule_generators()
@@ -124,6 +127,15 @@ class Trainer:
         now = time.monotonic()
         self.watch = StallWatch(cfg.cluster.stall_report_s, cfg.cluster.stall_timeout_s, now)
         self._pool_reported, self._zero_hinted = now, False
+
+    def _everything_fits(self) -> bool:
+        """The learner ranks and all generators asked for fit in the cluster's free CPUs and GPUs now."""
+        import ray
+
+        free, g, lc = ray.available_resources(), self.cfg.generator, self.cfg.learner
+        n = self.state.generators
+        return all(free.get(r, 0.0) + 1e-9 >= lc.num_ranks * need_l + n * need_g
+                   for r, need_l, need_g in (("CPU", lc.num_cpus, g.num_cpus), ("GPU", lc.num_gpus, g.num_gpus)))
 
     def _schedule_generators(self) -> None:
         """Create the control actor and the generator pool; the generators start in the background (training
