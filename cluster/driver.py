@@ -108,6 +108,8 @@ class Trainer:
         if early:
             with phase("start-up: schedule generators"):
                 self._schedule_generators()
+            with phase("start-up: in-run evaluator"):  # its engine loads beside the generators' too
+                self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)
         with phase("start-up: learner ranks"):
             self.learner = LearnerPool(cfg.learner, str(self.model_path), run=name, namespace=ns,
                                        max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype)
@@ -121,21 +123,23 @@ class Trainer:
         if not early:
             with phase("start-up: schedule generators"):
                 self._schedule_generators()
-        with phase("start-up: in-run evaluator"):
-            self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)
+        if not early:
+            with phase("start-up: in-run evaluator"):
+                self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)
         self.components_built = True
         now = time.monotonic()
         self.watch = StallWatch(cfg.cluster.stall_report_s, cfg.cluster.stall_timeout_s, now)
         self._pool_reported, self._zero_hinted = now, False
 
     def _everything_fits(self) -> bool:
-        """The learner ranks and all generators asked for fit in the cluster's free CPUs and GPUs now."""
+        """The learner ranks, all generators asked for and the evaluator fit in the cluster's free CPUs and GPUs."""
         import ray
 
-        free, g, lc = ray.available_resources(), self.cfg.generator, self.cfg.learner
-        n = self.state.generators
-        return all(free.get(r, 0.0) + 1e-9 >= lc.num_ranks * need_l + n * need_g
-                   for r, need_l, need_g in (("CPU", lc.num_cpus, g.num_cpus), ("GPU", lc.num_gpus, g.num_gpus)))
+        free, g, lc, ev = ray.available_resources(), self.cfg.generator, self.cfg.learner, self.cfg.eval
+        n, e = self.state.generators, 1 if ev.every_steps else 0
+        return all(free.get(r, 0.0) + 1e-9 >= lc.num_ranks * need_l + n * need_g + e * need_e
+                   for r, need_l, need_g, need_e in (("CPU", lc.num_cpus, g.num_cpus, ev.num_cpus),
+                                                     ("GPU", lc.num_gpus, g.num_gpus, ev.num_gpus)))
 
     def _schedule_generators(self) -> None:
         """Create the control actor and the generator pool; the generators start in the background (training
