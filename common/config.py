@@ -208,10 +208,11 @@ class RewardConfig(Section):
     @classmethod
     def _known_reward(cls, v: str) -> str:
         """A registry name, or the form of a user function (importing it is checked when a run starts)."""
-        from common.rewards import BUILTIN_NAMES  # here, not at the top: common.rewards imports this module
+        from common.rewards import BUILTIN_NAMES, SIMULATION_NAMES  # here: common.rewards imports this module
 
         module, sep, attr = v.partition(":")
-        if v in BUILTIN_NAMES or (sep and attr.isidentifier() and all(p.isidentifier() for p in module.split("."))):
+        user_fn = sep and attr.isidentifier() and all(p.isidentifier() for p in module.split("."))
+        if v in BUILTIN_NAMES or v in SIMULATION_NAMES or user_fn:
             return v
         close = difflib.get_close_matches(v, BUILTIN_NAMES, n=1)
         raise ValueError(f"unknown reward {v!r}; {f'did you mean {close[0]}? ' if close else ''}use one of "

@@ -105,7 +105,9 @@ def synthetic_reward(response: str, answer: str) -> float:
     return float(response == "correct")
 
 
-BUILTIN_NAMES = ("countdown", "arithmetic", "exact", "math", "math_think", "synthetic")
+BUILTIN_NAMES = ("countdown", "arithmetic", "exact", "math", "math_think")
+SIMULATION_NAMES = ("synthetic",)
+"""Rewards of the simulation engine only: accepted by RewardConfig, never offered to users, refused by `exgrpo train`."""
 
 
 def _builtin() -> dict[str, tuple[RewardFn, bool]]:
