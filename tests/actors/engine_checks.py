@@ -63,3 +63,18 @@ def check_stops(outs, tok, stops, max_new_tokens):
             prefix = tok.decode(body, skip_special_tokens=True)
             assert not any(x in prefix for x in stops), "generation stops at the first stop string"
     assert by_string > 0 and by_eos > 0, f"expected both stop kinds in 64 samples: {by_string=} {by_eos=}"
+
+
+def check_rollout_logprobs(refs: dict, prompt: np.ndarray, rollout, atol: float = 1e-4) -> None:
+    """A rollout's behaviour log-probs equal teacher-forced ones of the version that sampled each token: all of
+    `refs[version]` (a model per version), or, for a partial rollout (newest_version > version), a prefix under the
+    oldest version and the rest under the newest."""
+    old = teacher_forced(refs[rollout.version], prompt, rollout.response_ids)[0]
+    if rollout.newest_version == rollout.version:
+        np.testing.assert_allclose(rollout.logprobs, old, atol=atol)
+        return
+    err_old = np.abs(rollout.logprobs - old)
+    err_new = np.abs(rollout.logprobs - teacher_forced(refs[rollout.newest_version], prompt, rollout.response_ids)[0])
+    cut = int(np.argmax(err_old > atol)) if (err_old > atol).any() else len(err_old)
+    assert 0 < cut, "a partial rollout's first token comes from its oldest version"
+    assert err_old[:cut].max() < atol and (cut == len(err_new) or err_new[cut:].max() < atol), (err_old, err_new)

@@ -156,7 +156,7 @@ def test_vllm_generator_loads_collective_weights(ray_cluster, tiny_model_dir):
     from actors.generator import Generator, actor_options
     from common.config import GeneratorConfig, VllmEngineConfig
     from common.interfaces import actor_name
-    from tests.actors.engine_checks import teacher_forced
+    from tests.actors.engine_checks import check_rollout_logprobs
     from tests.actors.test_generator_ray import K, REWARD_CFG, make_buffer
     from tests.conftest import vllm_available
 
@@ -195,10 +195,9 @@ def test_vllm_generator_loads_collective_weights(ray_cluster, tiny_model_dir):
         for v, sd in states.items():
             refs[v] = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
             refs[v].load_state_dict(sd)
-        for g, r in rollouts:
+        for g, r in rollouts:  # a rollout generating while version 2 landed has tokens of both (partial rollout)
             assert len(g.rollouts) == K
-            lp, _ = teacher_forced(refs[r.version], g.prompt_ids, r.response_ids)
-            np.testing.assert_allclose(r.logprobs, lp, atol=1e-4)
+            check_rollout_logprobs(refs, g.prompt_ids, r)
         m = ray.get(gen.stop.remote(drain=True), timeout=120)
         assert m["weight_loads"] == 2
         assert list(pool.weight_sync_status()["channels"].values()) == []  # stop() unregistered: channel closed
