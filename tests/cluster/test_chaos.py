@@ -47,8 +47,9 @@ def test_generators_killed_20_times_and_a_shard_once_the_run_completes_and_balan
     shard_killed = False
     with train_process(runs_root, name, f"total_steps={STEPS}", "generator.num_generators=2",
                        "generator.num_cpus=0.5", "generator.engine.kind=transformers", "generator.max_restarts=1",
-                       "generator.replace_budget=50", "buffer.lease_timeout_s=10", "checkpoint.every_steps=4",
+                       "generator.replace_budget=50", "buffer.lease_timeout_s=10", "checkpoint.every_steps=2",
                        "checkpoint.keep_last=10", "cluster.stall_report_s=15") as p:
+        # the first checkpoint comes early, so the shard kill and the restart it causes overlap the generator kills
         wait_for(lambda: _processes(p.pid, "ray::GeneratorWorker") or p.poll() is not None, 600,
                  "the first generator process")
         while p.poll() is None and (kills < KILLS or not shard_killed):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cluster.cli import main
 from cluster.experiment import SpecError, load_spec, overrides
 from tests.cluster.runs import ROOT, mlflow_client
 
@@ -38,13 +39,14 @@ def test_the_bundled_spec_loads_and_bad_specs_say_what_to_change(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path):
+def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, capsys):
     spec = dict(name="mini", budget_rollouts=256, seeds=[0],
                 base={"total_steps": 50, "checkpoint.every_steps": 0, "eval.every_steps": 1, "eval.questions": 16,
                       "eval.samples": 2, "generator.engine.kind": "transformers"},
                 variants={"exgrpo": {}, "grpo": {"buffer.replay_ratio": 0, "buffer.collect": False}})
     runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "cluster.cli", "experiment", write(tmp_path, spec), "--runs-root", str(runs)]
+    spec_file = write(tmp_path, spec)
+    cmd = [sys.executable, "-m", "cluster.cli", "experiment", spec_file, "--runs-root", str(runs)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith(("| exgrpo", "| grpo"))]
@@ -65,5 +67,6 @@ def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path):
         assert "eval/pass_at_1" in m
     assert {a.path for a in client.list_artifacts(parent[0].info.run_id)} >= {"results.md", "spec.yaml"}
 
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)  # reuses finished runs
-    assert again.returncode == 0 and again.stderr.count("finished earlier, reusing it") == 2
+    # reuses finished runs (in-process: the call above is the user's path; this one only reads the runs back)
+    assert main(["experiment", spec_file, "--runs-root", str(runs)]) == 0
+    assert capsys.readouterr().err.count("finished earlier, reusing it") == 2

@@ -1,5 +1,6 @@
 """Every hang a user met, reproduced with `exgrpo train` as a user runs it: each now ends with a message
-that says why and an exit code (cluster/liveness.py lists them). One short run each."""
+that says why and an exit code (cluster/liveness.py lists them). One short run each; two situations that
+can share a run share it."""
 
 from __future__ import annotations
 
@@ -25,29 +26,6 @@ def _metrics(runs_root: Path, name: str) -> dict[str, float]:
     return mlflow_client(runs_root).get_run(state(runs_root / name)["mlflow_run_id"]).data.metrics
 
 
-def test_more_generators_than_cpus_start_with_what_fits_and_report_the_rest(runs_root):
-    """Before: the second generator waited for a CPU that never came, and the driver waited for it, silently."""
-    r = run_train(runs_root, "two-gens", "generator.num_generators=2", "cluster.num_cpus=2", "total_steps=2",
-                  "cluster.stall_report_s=5", "checkpoint.every_steps=0")
-    assert r.returncode == 0, r.stdout[-4000:]
-    assert "generator.num_generators=2 needs 2 CPU + the learner 1 CPU = 3 CPU, the cluster has 2 CPU" in r.stdout
-    assert "1 pending (each needs 1 CPU; the cluster has 0 CPU free)" in r.stdout
-    assert "step 2/2" in r.stdout
-    run_dir = runs_root / "two-gens"  # the embedded Ray's temp folder is gone, its actors' logs kept
-    assert not Path((run_dir / "ray_temp_dir").read_text()).exists() and (run_dir / "logs" / "ray").is_dir()
-
-
-def test_a_config_that_can_never_be_placed_is_refused_with_what_to_change(runs_root):
-    r = run_train(runs_root, "one-cpu", "cluster.num_cpus=1", "total_steps=2")
-    assert r.returncode == 2, r.stdout[-4000:]
-    assert "this configuration can never be placed on the cluster: one generator (generator.num_cpus=1) and the " \
-           "learner (learner.num_ranks=1 x learner.num_cpus=1) need 2 CPU; the cluster has 1 CPU: set " \
-           "learner.num_cpus=0.5 and generator.num_cpus=0.5" in r.stdout
-    assert "Traceback" not in r.stdout and "starting 1 buffer shard" not in r.stdout  # nothing was started
-    assert not (runs_root / "one-cpu").exists()  # the name stays free for the corrected command
-    assert "name=one-cpu can be used again" in r.stdout
-
-
 def test_all_zero_rewards_stall_names_the_reward_and_a_sample_then_stops(runs_root):
     """Before: zero-signal groups were dropped forever with no line and no metric."""
     r = run_train(runs_root, "zero", f"reward.name={FNS}:zero", "buffer.drop_zero_signal=true", "total_steps=2",
@@ -62,25 +40,46 @@ def test_all_zero_rewards_stall_names_the_reward_and_a_sample_then_stops(runs_ro
     assert state(runs_root / "zero")["checkpoints"], "a stalled run writes a checkpoint before it stops"
 
 
-def test_every_question_retired_stops_at_once(runs_root):
+def test_more_generators_than_cpus_train_with_what_fits_until_every_question_is_retired(runs_root):
+    """Two situations in one run. Before: the second generator waited for a CPU that never came, and the
+    driver waited for it, silently. Then every question is solved in all K samples: the run stops at once."""
     data = runs_root / "tiny.jsonl"
     data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i} {i + 1} -> {2 * i + 1}",
                                         "answer": str(2 * i + 1)}) + "\n" for i in range(16)))
     r = run_train(runs_root, "retired", f"reward.name={FNS}:one", f"data.train_path={data}", "total_steps=50",
-                  "cluster.stall_timeout_s=0")
+                  "cluster.stall_timeout_s=0", "generator.num_generators=2", "cluster.num_cpus=2",
+                  "cluster.stall_report_s=2")
     assert r.returncode == 3, r.stdout[-4000:]
+    assert "generator.num_generators=2 needs 2 CPU + the learner 1 CPU = 3 CPU, the cluster has 2 CPU" in r.stdout
+    assert "1 pending (each needs 1 CPU; the cluster has 0 CPU free)" in r.stdout
+    assert "step 1/50" in r.stdout  # trained with the one generator that fit
     assert "every training question is retired (solved in all K samples): nothing left to train on (16 " \
            "questions)" in r.stdout
     assert _metrics(runs_root, "retired")["stall/retired"] == 16
+    run_dir = runs_root / "retired"  # the embedded Ray's temp folder is gone, its actors' logs kept
+    assert not Path((run_dir / "ray_temp_dir").read_text()).exists() and (run_dir / "logs" / "ray").is_dir()
 
 
-def test_sigterm_during_start_stops_the_run(runs_root):
-    """Before: the handler only set a flag that the training loop, not yet running, would check."""
-    with train_process(runs_root, "term", "total_steps=2") as p:
+def test_a_config_never_placed_is_refused_and_sigterm_during_start_stops_the_run(runs_root, tmp_path):
+    """Two runs that stop before training, started side by side (they only start up). A config that can never
+    be placed is refused with what to change. SIGTERM during start stops the run; before, the handler only set
+    a flag that the training loop, not yet running, would check. (The refused run has its own runs root: two
+    processes never share one MLflow SQLite file.)"""
+    with train_process(tmp_path, "one-cpu", "cluster.num_cpus=1", "total_steps=2") as refused, \
+            train_process(runs_root, "term", "total_steps=2") as p:
         wait_for(lambda: "starting 1 buffer shard" in read_log(runs_root, "term") or p.poll() is not None, 300,
                  "the start of the components")
         p.send_signal(signal.SIGTERM)
         rc = p.wait(120)
+        refused_rc = refused.wait(300)
+    out = read_log(tmp_path, "one-cpu")
+    assert refused_rc == 2, out[-4000:]
+    assert "this configuration can never be placed on the cluster: one generator (generator.num_cpus=1) and the " \
+           "learner (learner.num_ranks=1 x learner.num_cpus=1) need 2 CPU; the cluster has 1 CPU: set " \
+           "learner.num_cpus=0.5 and generator.num_cpus=0.5" in out
+    assert "Traceback" not in out and "starting 1 buffer shard" not in out  # nothing was started
+    assert not (tmp_path / "one-cpu").exists()  # the name stays free for the corrected command
+    assert "name=one-cpu can be used again" in out
     log = read_log(runs_root, "term")
     assert rc == 0, log[-4000:]
     assert "SIGTERM during start: stopping now" in log and "Traceback" not in log

@@ -108,25 +108,49 @@ def test_train_improves_heldout_accuracy_logs_everything_and_balances(runs_root,
     assert max(v for _, v in history(client, run_id, "train/replay_fraction")) > 0  # mixed mode switched on
 
 
-def test_papers_settings_two_ranks_two_shards_two_updates_per_step(runs_root):
-    """learner.mini_batches=2, 2 FSDP ranks, 2 buffer shards, rho 0.5, max_lag 1: the run trains,
-    the version advances once per step, replay starts, and the accounting balances."""
-    r = run_train(runs_root, "paper", "total_steps=8", "learner.mini_batches=2", "learner.num_ranks=2",
-                  "buffer.num_shards=2", "cluster.num_cpus=4", "checkpoint.every_steps=0", "tracking.log_plots=false")
-    assert r.returncode == 0, r.stdout[-4000:]
+def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_stops_cleanly(runs_root):
+    """learner.mini_batches=2, 2 FSDP ranks, 2 buffer shards, rho 0.5, max_lag 1, while `exgrpo scale` takes the
+    generators 1 -> 3 -> 1 and SIGTERM then stops the run: it trains, the version advances once per step, replay
+    starts, the accounting balances, and it stops cleanly (final checkpoint, run marked KILLED, exit 0)."""
     client = mlflow_client(runs_root)
+
+    def generators() -> float | None:
+        rid = state(runs_root / "paper").get("mlflow_run_id")
+        h = history(client, rid, "driver/generators") if rid else []
+        return h[-1][1] if h else None
+
+    def scale(n: int) -> None:
+        out = subprocess.run([sys.executable, "-m", "cluster.cli", "scale", "--run", "paper", "--generators", str(n),
+                              "--runs-root", str(runs_root)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+    with train_process(runs_root, "paper", "total_steps=1000", "learner.mini_batches=2", "learner.num_ranks=2",
+                       "buffer.num_shards=2", "cluster.num_cpus=5", "checkpoint.every_steps=0",
+                       "tracking.log_plots=false") as p:
+        wait_for(lambda: generators() == 1 or p.poll() is not None, 600, "the first logged step")
+        assert p.poll() is None, read_log(runs_root, "paper")
+        scale(3)
+        wait_for(lambda: generators() == 3, 300, "3 running generators")
+        scale(1)
+        wait_for(lambda: generators() == 1, 300, "back to 1 generator")
+        p.send_signal(signal.SIGTERM)  # stops cleanly: final checkpoint, run marked KILLED, exit 0
+        assert p.wait(300) == 0, read_log(runs_root, "paper")
     run_id = _run_id(runs_root, "paper")
-    assert [v for _, v in history(client, run_id, "policy/version")] == list(range(1, 9))
+    versions = [v for _, v in history(client, run_id, "policy/version")]
+    steps = len(versions)
+    assert versions == list(range(1, steps + 1))
     assert all(v == 2 for _, v in history(client, run_id, "learner/mini_batches"))
     assert all(0 <= v <= 1 for _, v in history(client, run_id, "staleness/mean"))
     m = _final_metrics(runs_root, "paper")
     acc = accounting(m)
     assert_balanced(acc)
-    assert acc["trained"] >= 8 * 16 - 8
+    assert acc["trained"] >= steps * 16 - steps
     # before one version per step, this setting dropped nearly everything as stale (235 of 256 + 235)
     assert acc["stale_dropped"] < acc["trained"]
     assert max(v for _, v in history(client, run_id, "train/replay_fraction")) > 0
     assert m["buffer/chosen"] + m["buffer/chosen_gone"] == m["buffer/trained_mixed"]
+    assert acc["late_submissions"] == 0 and m.get("generator/start_failures", 0) == 0
+    assert client.get_run(run_id).info.status == "KILLED"
 
 
 def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root):
@@ -148,15 +172,42 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root):
     assert acc["stale_dropped"] == 0
 
 
-def test_resume_after_kill_9_loses_nothing(runs_root):
+def _learner_ranks(driver_pid: int) -> list:
+    """The learner rank processes of the driver's embedded Ray (never another run's on this machine)."""
+    import psutil
+
+    found = []
+    for q in psutil.Process(driver_pid).children(recursive=True):
+        try:
+            if any("ray::LearnerRank" in part for part in q.cmdline()):
+                found.append(q)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothing(runs_root):
+    """Two failures of one run: its learner ranks are killed after the first checkpoint (the run restarts
+    itself from it), then, after a checkpoint of the restarted attempt, the driver is killed with kill -9
+    and `exgrpo train --resume` finishes the run."""
     run_dir = runs_root / "resume"
-    with train_process(runs_root, "resume", "total_steps=24", "checkpoint.every_steps=4",
-                       "checkpoint.keep_last=10") as p:
-        wait_for(lambda: len(state(run_dir).get("checkpoints", [])) >= 2 or p.poll() is not None, 600,
-                 "two checkpoints")
+    with train_process(runs_root, "resume", "total_steps=24", "checkpoint.every_steps=4", "checkpoint.keep_last=10",
+                       "cluster.max_restarts=2") as p:
+        wait_for(lambda: len(state(run_dir).get("checkpoints", [])) >= 1 or p.poll() is not None, 600,
+                 "the first checkpoint")
+        ranks = _learner_ranks(p.pid)
+        assert ranks, "no learner rank process found"
+        before = len(state(run_dir)["checkpoints"])
+        for q in ranks:
+            q.kill()
+        wait_for(lambda: "restarting from the last checkpoint (1/2)" in read_log(runs_root, "resume")
+                 or p.poll() is not None, 300, "the restart")
+        wait_for(lambda: len(state(run_dir).get("checkpoints", [])) > before or p.poll() is not None, 600,
+                 "a checkpoint of the restarted attempt")
         assert p.poll() is None, read_log(runs_root, "resume")
         os.kill(p.pid, signal.SIGKILL)  # kill -9 the driver only
         p.wait(30)
+    assert "restarting from the last checkpoint (1/2)" in read_log(runs_root, "resume")
     ckpts = state(run_dir)["checkpoints"]
     ckpt_step = int(Path(ckpts[-1]).name.removeprefix("step-"))
     run_id = _run_id(runs_root, "resume")
@@ -175,54 +226,3 @@ def test_resume_after_kill_9_loses_nothing(runs_root):
     # and reissued at once, its ready groups trained, queued or dropped as stale (and reissued).
     assert ckpt_step < 24 and acc["issued"] >= at_ckpt["issued"] and acc["trained"] > at_ckpt["trained"]
     assert acc["expired"] >= at_ckpt["expired"] + at_ckpt["outstanding"]
-
-
-def test_scale_generators_up_and_down_during_a_run(runs_root):
-    client = mlflow_client(runs_root)
-
-    def generators() -> float | None:
-        rid = state(runs_root / "scale").get("mlflow_run_id")
-        h = history(client, rid, "driver/generators") if rid else []
-        return h[-1][1] if h else None
-
-    def scale(n: int) -> None:
-        out = subprocess.run([sys.executable, "-m", "cluster.cli", "scale", "--run", "scale", "--generators", str(n),
-                              "--runs-root", str(runs_root)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stdout + out.stderr
-
-    with train_process(runs_root, "scale", "total_steps=1000", "cluster.num_cpus=4", "checkpoint.every_steps=0") as p:
-        wait_for(lambda: generators() == 1 or p.poll() is not None, 600, "the first logged step")
-        assert p.poll() is None, read_log(runs_root, "scale")
-        scale(3)
-        wait_for(lambda: generators() == 3, 300, "3 running generators")
-        scale(1)
-        wait_for(lambda: generators() == 1, 300, "back to 1 generator")
-        p.send_signal(signal.SIGTERM)  # stops cleanly: final checkpoint, run marked KILLED, exit 0
-        assert p.wait(300) == 0, read_log(runs_root, "scale")
-    m = _final_metrics(runs_root, "scale")
-    acc = accounting(m)
-    assert_balanced(acc)
-    assert acc["late_submissions"] == 0 and m.get("generator/start_failures", 0) == 0
-    assert mlflow_client(runs_root).get_run(_run_id(runs_root, "scale")).info.status == "KILLED"
-
-
-def test_learner_rank_death_restarts_the_run_from_its_checkpoint(runs_root):
-    import psutil
-
-    run_dir = runs_root / "restart"
-    with train_process(runs_root, "restart", "total_steps=12", "checkpoint.every_steps=3",
-                       "cluster.max_restarts=2") as p:
-        wait_for(lambda: len(state(run_dir).get("checkpoints", [])) >= 1 or p.poll() is not None, 600,
-                 "the first checkpoint")
-        ranks = [q for q in psutil.process_iter(["cmdline"])
-                 if any("ray::LearnerRank" in part for part in (q.info["cmdline"] or []))]
-        assert ranks, "no learner rank process found"
-        for q in ranks:
-            q.kill()
-        assert p.wait(600) == 0, read_log(runs_root, "restart")
-    log = read_log(runs_root, "restart")
-    assert "restarting from the last checkpoint (1/2)" in log
-    client = mlflow_client(runs_root)
-    run_id = _run_id(runs_root, "restart")
-    assert {s for s, _ in history(client, run_id, "train/reward_mean")} == set(range(1, 13))
-    assert_balanced(accounting(client.get_run(run_id).data.metrics))
