@@ -124,6 +124,7 @@ class GeneratorWorker:
         self._load_pending = False  # a newer version waits for the samples in flight (in_flight_updates=false)
         self._next_poll = 0.0
         self._next_lease = 0.0
+        self._samples_per_item = 1  # samples per leased question (K or K-1), learned from the last lease
         self._requests = 0
         self._failure: str | None = None
         self._last_sample: dict | None = None  # the last scored response (for the driver's all-zero-reward hint)
@@ -307,8 +308,12 @@ class GeneratorWorker:
         if self._unsubmitted >= self.cfg.max_in_flight:  # the scorer is behind: do not pile up finished groups
             return False
         if self.cfg.streaming:
+            # Keep every decode slot busy with about half a lease's samples waiting behind them, so that a slot
+            # freed by a finished sample is refilled at the next step. Counted in samples, not questions: in a
+            # long tail most questions in flight hold only their one or two slowest samples.
             room = self.cfg.max_in_flight - len(self._groups)
-            if room < max(1, min(self.cfg.questions_per_lease, self.cfg.max_in_flight) // 2) and self._groups:
+            waiting = self.engine.in_flight() - self.engine.slots
+            if self._groups and (room < 1 or waiting > self.cfg.questions_per_lease * self._samples_per_item // 2):
                 return False
         else:
             if self._groups or self._unsubmitted:
@@ -320,7 +325,9 @@ class GeneratorWorker:
             return False
         # Work leased just after a publication (always so in synchronous mode, where the buffer leases nothing until
         # the learner has published) is generated with that version, not the old one (its groups would be stale).
-        self._sync_weights(poll=True)
+        if max(it.version for it in items) > self.engine.version:
+            self._sync_weights(poll=True)
+        self._samples_per_item = max(it.num_samples for it in items) or 1
         with self._lock:
             for it in items:
                 self._groups[it.lease_id] = _Group(it, [None] * it.num_samples, it.num_samples)
@@ -560,7 +567,7 @@ def actor_options(gen_cfg: GeneratorConfig) -> dict:
 
     threads = str(max(1, int(gen_cfg.num_cpus)))
     env = {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
-    if isinstance(resolve_engine_config(gen_cfg.engine), VllmEngineConfig):
+    if isinstance(resolve_engine_config(gen_cfg), VllmEngineConfig):  # without the model: vLLM whenever it may be
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in the actor's process
     return dict(num_cpus=gen_cfg.num_cpus, num_gpus=gen_cfg.num_gpus, max_restarts=gen_cfg.max_restarts,
                 max_task_retries=0, max_concurrency=4, runtime_env={"env_vars": env})

@@ -9,7 +9,7 @@ streaming or batch-at-a-time, scoring thread, in-flight weight updates), the wei
 `ObjectStorePublisher`. Simulated: the engine (`generator.engine.kind: synthetic`: random tokens at
 `--tokens-per-s` per sequence, `--max-num-seqs` decoded at once, lognormal lengths) with the `synthetic`
 reward, and the learner: `simulated_learner` below takes a batch, sleeps `--learner-step-s`, publishes a
-tiny state dict as version v+1, sends entropy feedback for the mixed groups and calls `set_version(v+1)`,
+tiny state dict as version v+1, sends entropy feedback for the mixed groups with version v+1 (`end_step`),
 in the order of `cluster.driver.Trainer.run`.
 
 Tables:
@@ -88,6 +88,8 @@ WEIGHTS_RUN = "simw"  # one weight store for all runs (reset between them): its 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from common.config import GeneratorConfig
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small run: N = 2 8, lags 1 2, 5 steps, 3 s flat out")
     p.add_argument("--generators", type=int, nargs="+", default=[4, 16, 64], help="N values")
@@ -101,7 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--median", type=int, default=64, help="median response length (tokens)")
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the length")
     p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--max-in-flight", type=int, default=16, help="streaming: questions in flight per generator")
+    p.add_argument("--max-in-flight", type=int, default=GeneratorConfig.model_fields["max_in_flight"].default,
+                   help="streaming: at most this many questions in flight per generator")
     p.add_argument("--questions-per-lease", type=int, default=8)
     p.add_argument("--step-s", type=float, default=0.05, help="synthetic engine step")
     p.add_argument("--load-s", type=float, default=0.05, help="synthetic weight load")
@@ -242,7 +245,7 @@ class FanoutWatch:
 
 def simulated_learner(buffer, publisher, watch: FanoutWatch, steps: int, step_s: float) -> dict:
     """SIMULATED learner, in the order of `cluster.driver.Trainer.run`: batch, step (a sleep), publish
-    v+1 (a tiny state dict through the real publisher), feedback, set_version. Returns timings."""
+    v+1 (a tiny state dict through the real publisher), feedback + set_version (`end_step`). Returns timings."""
     import numpy as np
     import torch
 
@@ -272,8 +275,7 @@ def simulated_learner(buffer, publisher, watch: FanoutWatch, steps: int, step_s:
                 n = len(g.candidates)
                 chosen.append(keys[i + int(np.argmin(ents[i:i + n]))])
                 i += n
-        buffer.feedback(LearnerFeedback(version - 1, keys, ents, chosen))
-        buffer.set_version(version)
+        buffer.end_step(LearnerFeedback(version - 1, keys, ents, chosen), version)
         done_at.append(time.monotonic())
         other_s += done_at[-1] - t1
     return dict(rollouts=rollouts, learner_wait_s=wait_s, learner_other_s=other_s, lag_mean=statistics.fmean(lags),

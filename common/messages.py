@@ -22,7 +22,7 @@ from typing import Annotated
 
 import numpy as np
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bumped whenever a message's fields change; payloads of another version are refused."""
 
 Int32Array = Annotated[np.ndarray, np.int32]
@@ -70,6 +70,7 @@ class WorkItem:
     deadline: float  # unix time after which the lease is expired and the question issued again
     shard: int  # shard that issued the lease (where the group must go back)
     replay: ReplayRef | None = None
+    version: int = 0  # the buffer's policy version when it leased this (a generator behind it loads weights first)
 
 
 @dataclass(slots=True)

@@ -43,6 +43,7 @@ class SyntheticEngine:
     def __init__(self, cfg: SyntheticEngineConfig, sampling: Sampling, *, seed: int = 0):
         self.cfg, self.sampling = cfg, sampling
         self.version = 0
+        self.slots = cfg.max_num_seqs  # samples decoded at once (the streaming generator keeps them full)
         self.last_load_s = 0.0
         self._seed = seed
         self._seqs: dict[str, _Seq] = {}  # insertion order = admission order

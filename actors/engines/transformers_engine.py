@@ -42,6 +42,7 @@ class TransformersEngine:
         self.dtype = _DTYPES[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
         self.version = 0
+        self.slots = cfg.batch_rows  # samples decoded at once (the streaming generator keeps them full)
         self.last_load_s = 0.0
         self._queue: dict[str, tuple[np.ndarray, int]] = {}  # streaming requests not generated yet
         eos = self.model.generation_config.eos_token_id

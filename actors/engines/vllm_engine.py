@@ -72,6 +72,7 @@ class VllmEngine:
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
         self.version = 0
+        self.slots = cfg.max_num_seqs  # samples decoded at once (the streaming generator keeps them full)
         self.last_load_s = 0.0
         self._live: dict[str, Partial] = {}  # streaming samples in flight, by our request id
 

@@ -6,8 +6,9 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
-from actors.engines import resolve_engine_config, topk_entropy_estimate, vllm_importable
+from actors.engines import describe_engine, model_parameters, resolve_engine_config, topk_entropy_estimate, vllm_importable
 from actors.engines.base import Sampling, stop_cut
 from common.config import AutoEngineConfig, GeneratorConfig, TransformersEngineConfig, VllmEngineConfig
 
@@ -39,9 +40,23 @@ def test_stop_cut_takes_the_earliest_stop_string():
     assert Sampling.from_config(GeneratorConfig(stop=["", "\n"])).stop == ("\n",)
 
 
-def test_auto_engine_resolves_by_availability():
-    auto = AutoEngineConfig()
-    expected = VllmEngineConfig if vllm_importable() else TransformersEngineConfig
-    assert isinstance(resolve_engine_config(auto), expected)
-    t = TransformersEngineConfig(batch_rows=3)
-    assert resolve_engine_config(t) is t
+def test_auto_engine_resolves_by_availability_gpu_and_model_size(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(1000, 20), "b": torch.zeros(500)}, str(tmp_path / "model.safetensors"))
+    assert model_parameters(tmp_path) == 20_500 and model_parameters(tmp_path / "none") is None
+    auto = GeneratorConfig(engine=AutoEngineConfig(cpu_vllm_min_params=20_501))
+    if vllm_importable():
+        assert isinstance(resolve_engine_config(auto), VllmEngineConfig)  # no model: vLLM when it may be
+        assert isinstance(resolve_engine_config(auto, tmp_path), TransformersEngineConfig)  # small on CPU
+        assert "transformers (auto: CPU, 0.0M parameters, < cpu_vllm_min_params=0.020501M" in \
+            describe_engine(auto, tmp_path)
+        at_limit = auto.model_copy(update={"engine": AutoEngineConfig(cpu_vllm_min_params=20_500)})
+        assert isinstance(resolve_engine_config(at_limit, tmp_path), VllmEngineConfig)
+        on_gpu = auto.model_copy(update={"num_gpus": 1.0})
+        assert isinstance(resolve_engine_config(on_gpu, tmp_path), VllmEngineConfig)
+    else:
+        assert isinstance(resolve_engine_config(auto, tmp_path), TransformersEngineConfig)
+    t = GeneratorConfig(engine=TransformersEngineConfig(batch_rows=3))
+    assert resolve_engine_config(t, tmp_path) is t.engine
+    assert describe_engine(t, tmp_path) == "generator engine: transformers"

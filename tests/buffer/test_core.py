@@ -413,3 +413,25 @@ def test_collect_off_is_plain_grpo_nothing_stored_nothing_retired():
     groups = core.take(0, 4, 0)
     assert all(not r.key for g in groups for r in g.rollouts)  # nothing to rank, no feedback keys
     balanced(core)
+
+
+def test_take_gives_the_oldest_versions_first_not_the_first_arrived():
+    """A long response started under version 0 arrives after short ones started under version 1: taken in
+    arrival order it would wait a step more and age past max_lag; taken oldest-first it is trained."""
+    core = ShardCore(cfg(max_lag=1, batch_questions=4, mixed_switch_accuracy=1.0), make_questions(20))
+    old, new1, new2 = core.lease("g", 3, now=NOW)
+    assert {it.version for it in (old, new1, new2)} == {0}  # leases carry the buffer's version
+    core.submit([group_for(new1, 2, version=1), group_for(new2, 2, version=1)], now=NOW)
+    core.submit([group_for(old, 2, version=0)], now=NOW)
+    core.set_version(1)
+    assert [g.question_id for g in core.take(1, 1, 0)] == [old.question.id]
+    assert [g.question_id for g in core.take(1, 2, 0)] == [new1.question.id, new2.question.id]  # then arrival order
+    core.set_version(2)
+    assert core.lease("g", 1, now=NOW)[0].version == 2
+    assert balanced(core)["stale_dropped"] == 0
+
+
+def test_batch_shares_sum_to_the_batch_and_give_every_shard_with_questions_one():
+    assert batch_shares([33, 31], 64) == [33, 31]
+    assert batch_shares([10, 10, 10], 16) == [6, 5, 5]  # before: ceil gave 6+6+6 = 18, two groups a step too many
+    assert batch_shares([1, 99], 4) == [1, 4] and batch_shares([0, 5], 4) == [0, 4]

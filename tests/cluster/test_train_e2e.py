@@ -1,5 +1,6 @@
 """`exgrpo train` end to end, run as a user runs it: a subprocess with its own embedded Ray cluster,
-the real engine (vLLM when installed), real FSDP learner ranks over gloo and a real MLflow store.
+the real engine (vLLM pinned where the test is about a real run's path; else `auto`, which picks transformers for
+the toy model on CPU), real FSDP learner ranks over gloo and a real MLflow store.
 
 Each test starts one short run; together they take a few minutes on 2 cores.
 """
@@ -71,7 +72,7 @@ def test_train_improves_heldout_accuracy_logs_everything_and_balances(runs_root,
     """Held-out pass@1 (T=0.6, 8 samples, 200 test questions) rises above the starting model's by more than
     three times the evaluation noise (two seeds on the starting model); the MLflow run holds every metric
     and plot; the accounting invariant holds at the end."""
-    r = run_train(runs_root, "e2e", "total_steps=40", "checkpoint.every_steps=20")
+    r = run_train(runs_root, "e2e", "total_steps=40", "checkpoint.every_steps=20", "generator.engine.kind=vllm")
     assert r.returncode == 0, r.stdout[-4000:]
     assert "step 40/40" in r.stdout
 
@@ -126,7 +127,7 @@ def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_st
 
     with train_process(runs_root, "paper", "total_steps=1000", "learner.mini_batches=2", "learner.num_ranks=2",
                        "buffer.num_shards=2", "cluster.num_cpus=5", "checkpoint.every_steps=0",
-                       "tracking.log_plots=false") as p:
+                       "tracking.log_plots=false", "generator.engine.kind=vllm") as p:
         wait_for(lambda: generators() == 1 or p.poll() is not None, 600, "the first logged step")
         assert p.poll() is None, read_log(runs_root, "paper")
         scale(3)
