@@ -50,7 +50,7 @@ import logging
 import math
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -128,15 +128,16 @@ class MixedSwitch:
         self.on = bool(s["on"])
 
 
-def plan_take(counts: list[tuple[int, ...]], have_fresh: int, have_mixed: int, batch_questions: int,
+def plan_take(counts: list[tuple], have_fresh: int, have_mixed: int, batch_questions: int,
               replay_ratio: float, mixed_on: bool) -> list[tuple[int, int]] | None:
     """Per-shard (n_fresh, n_mixed) to take so that a batch holding `have_*` groups is completed with
     ceil(rho*B) mixed groups when available (once mixed mode is on) and fresh ones for the rest; None
     while the shards' ready `counts` cannot complete it yet.
 
-    `counts[i]` is shard i's `ready_summary`: (fresh, mixed[, oldest fresh version, oldest mixed
-    version]). Shards holding the oldest groups give first, so that no shard's queue ages into
-    staleness while another's is always taken first."""
+    `counts[i]` is shard i's `ready_summary`: (fresh, mixed[, fresh versions, mixed versions]), the
+    versions as ((version, groups), ...). The oldest groups of all shards go first (a shard takes its own
+    oldest first too), so that none ages into staleness while newer ones are trained; without versions,
+    shards give in order."""
     b, have = batch_questions, have_fresh + have_mixed
     avail_m = sum(c[1] for c in counts)
     target_m = mixed_target(b, replay_ratio) if mixed_on else 0
@@ -146,10 +147,14 @@ def plan_take(counts: list[tuple[int, ...]], have_fresh: int, have_mixed: int, b
         return None
     plan = [[0, 0] for _ in counts]
     for kind, need in ((0, need_f), (1, need_m)):
-        age = (lambda i: counts[i][2 + kind]) if len(counts[0]) > 2 else (lambda i: i)
-        for i in sorted(range(len(counts)), key=age):
-            plan[i][kind] = min(counts[i][kind], need)
-            need -= plan[i][kind]
+        if len(counts[0]) > 2:
+            lots = sorted((v, i, n) for i, c in enumerate(counts) for v, n in c[2 + kind])
+        else:
+            lots = [(0, i, c[kind]) for i, c in enumerate(counts)]
+        for _, i, n in lots:
+            take = min(n, need)
+            plan[i][kind] += take
+            need -= take
     return [(f, m) for f, m in plan]
 
 
@@ -429,12 +434,10 @@ class ShardCore:
         self._drop_stale()
         return len(self.ready_fresh), len(self.ready_mixed)
 
-    def ready_summary(self, version: int | None = None) -> tuple[int, int, int, int]:
-        """`ready_counts` plus the oldest version in each queue (a large number when empty), for `plan_take`."""
+    def ready_summary(self, version: int | None = None) -> tuple[int, int, tuple, tuple]:
+        """`ready_counts` plus each queue's groups per version, ((version, groups), ...), for `plan_take`."""
         f, m = self.ready_counts(version)
-        none = 1 << 40
-        return (f, m, min((x.version for x in self.ready_fresh), default=none),
-                min((x.version for x in self.ready_mixed), default=none))
+        return f, m, _per_version(self.ready_fresh), _per_version(self.ready_mixed)
 
     def take(self, version: int, n_fresh: int, n_mixed: int) -> list[TrainGroup]:
         """Up to n_fresh fresh and n_mixed mixed ready groups (oldest first), after dropping stale ones."""
@@ -530,6 +533,10 @@ class ShardCore:
                 getattr(core, name).append(Ready(g, min(r.version for r in g.rollouts)))
         core.store.load_state(state["store"])
         return core
+
+
+def _per_version(q: deque[Ready]) -> tuple[tuple[int, int], ...]:
+    return tuple(sorted(Counter(x.version for x in q).items()))
 
 
 def _take_oldest(q: deque[Ready], n: int) -> tuple[deque[Ready], list[TrainGroup]]:

@@ -435,3 +435,14 @@ def test_batch_shares_sum_to_the_batch_and_give_every_shard_with_questions_one()
     assert batch_shares([33, 31], 64) == [33, 31]
     assert batch_shares([10, 10, 10], 16) == [6, 5, 5]  # before: ceil gave 6+6+6 = 18, two groups a step too many
     assert batch_shares([1, 99], 4) == [1, 4] and batch_shares([0, 5], 4) == [0, 4]
+
+
+def test_a_batch_over_shards_takes_the_oldest_groups_of_all_shards_first():
+    """Shard 0 holds one version-3 group and many newer ones, shard 1 only version-3 groups: the batch takes
+    every version-3 group (before: shard 0, whose oldest is as old, filled the batch with its newer ones and
+    shard 1's aged past max_lag)."""
+    counts = [(5, 0, ((3, 1), (4, 2), (5, 2)), ()), (3, 0, ((3, 3),), ())]
+    assert plan_take(counts, 0, 0, 4, 0.0, False) == [(1, 0), (3, 0)]
+    assert plan_take(counts, 0, 0, 6, 0.0, False) == [(3, 0), (3, 0)]
+    assert plan_take(counts, 0, 0, 9, 0.0, False) is None
+    assert plan_take([(2, 0), (2, 0)], 0, 0, 3, 0.0, False) == [(2, 0), (1, 0)]  # no versions: in order
