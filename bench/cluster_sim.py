@@ -47,14 +47,19 @@ What limits the speed-up (measured on this machine):
   1.85x at 2 s, 4.5x at 0.5 s: table (e)). max_lag 1 keeps at most ~one batch ahead: the next batch
   still waits for its own tail, step ~ (sync generation + learner step) / 2, speed-up <= 2.
 - max_lag >= 2: the back-pressure window (max_lag + 1) x B fills with ready groups, so groups reach the
-  learner near the staleness limit and the long-tailed ones pass it: ~20-25% of the generated groups are
-  dropped as stale and generated again (`stale dropped`).
-- The learner-side hand-over (get_batch, publish, feedback, set_version: ~6 Ray round trips) costs
-  ~0.1-0.2 s per step at N=16 on this machine; the async s/step is the learner step plus that.
-- Continuous batching keeps the engine stepping (busy ~0.8-0.9) but fills only ~60% of the decode
-  slots: a question holds its samples' slots until its slowest sample ends, and max_in_flight 16 x K 8
-  = 2 x max_num_seqs is not enough headroom. Its engine thread also makes the lease and weight-poll Ray
-  calls itself (~8% of its time at N=8 here). Batch-at-a-time scores busy ~0.95 but uses ~20% of slots.
+  learner near the staleness limit and the long-tailed ones pass it. The buffer takes the oldest groups of
+  all shards first (per-version ready counts), which halved these drops (N=16, max_lag 2: 144 -> 63 of
+  ~560 groups); the rest are groups still generating when newer ones fill max_lag batches (`stale
+  dropped`: generated again).
+- The learner-side hand-over (get_batch: wait_ready + take, publish, end_step: ~4 Ray round trips) costs
+  ~0.1-0.15 s per step at N=16 on this machine; the async s/step is the learner step plus that. Fetching
+  the next batch during the learner step would hide get_batch (not done: the buffer would need a
+  "taken for the next version" count in its back-pressure, or it over-leases by a batch).
+- Continuous batching leases by decode slots: it keeps samples in flight >= the engine's slots
+  (max_num_seqs) with about half a lease waiting, so a finished sample's slot is refilled at the next
+  step (busy ~0.94, slots ~0.89 at N=4 on a quiet machine; before, with a cap of 16 questions, slots
+  were ~0.6 because a question's slowest sample held its place). Batch-at-a-time scores busy ~0.95 but
+  uses ~20% of the slots: each batch waits for its longest sample.
 
 Machine: 2 cores. Actors are created once (importing torch costs ~3 CPU-s per actor: 64 take ~3 min
 here) and re-pointed between runs while stopped (`RebindableGenerator.rebind`: the state `__init__`

