@@ -336,6 +336,12 @@ class Trainer:
         self.state.rng = _rng_state()
         self.state.accounting = self.buffer.accounting()
         (tmp / "driver.json").write_text(json.dumps(self.state.__dict__, default=str))
+        self.tracker.log_metrics(_prefixed("accounting/", self.state.accounting), self.state.step)
+        # The metrics of the steps up to this one reach MLflow before the checkpoint exists: a run killed
+        # right after it resumes from the next step and would never log the buffered ones again.
+        if not self.tracker.flush():
+            log.warning("checkpoint of step %d: MLflow did not take the buffered metrics; they stay buffered and "
+                        "are lost if this process is killed before the store answers", self.state.step)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -343,8 +349,6 @@ class Trainer:
         for old in ckpts[: -self.cfg.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         self.run_dir.update_state(checkpoints=ckpts[-self.cfg.checkpoint.keep_last :])
-        self.tracker.log_metrics(_prefixed("accounting/", self.state.accounting), self.state.step)
-        self.tracker.flush_soon()
         log.info("checkpoint %s", final)
         return final
 

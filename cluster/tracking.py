@@ -54,6 +54,7 @@ class Tracker:
         self._reported = False
         self._client = None
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()  # two flushes at once would send a chunk twice and drop the next
         self._wake = threading.Event()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -143,10 +144,6 @@ class Tracker:
                 del self._pending[:over]
                 self.dropped += over
 
-    def flush_soon(self) -> None:
-        """Ask the background thread to flush now (never blocks the caller)."""
-        self._wake.set()
-
     def _flush_loop(self) -> None:
         while not self._closing:
             self._wake.wait(self.flush_every_s)
@@ -154,9 +151,14 @@ class Tracker:
             self.flush()
 
     def flush(self) -> bool:
-        """Send everything pending; False (and the values kept) when the store does not accept them."""
+        """Send everything pending; False (and the values kept) when the store does not accept them.
+        Callable from any thread (the background thread, a checkpoint, `finish`): one flush at a time."""
         if self._client is None or self.run_id is None:
             return True
+        with self._flush_lock:
+            return self._flush()
+
+    def _flush(self) -> bool:
         from mlflow.entities import Metric
 
         while True:
