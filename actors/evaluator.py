@@ -2,7 +2,7 @@
 
     ev = Evaluator.options(name=actor_name(run, "evaluator"), **evaluator_options(eval_cfg, gen_cfg)).remote(
         eval_cfg, gen_cfg, reward_cfg, model_path, encoded_questions, weight_source, task_name)
-    report = ray.get(ev.evaluate.remote())   # the newest published version: {"version", "greedy_accuracy", ...}
+    report = ray.get(ev.evaluate.remote(min_version=7))   # version 7 or newer: {"version", "greedy_accuracy", ...}
 
 It owns one engine (the generators' engine settings) and one reward pool, loads the newest published
 weights from the weight store before each evaluation (it never acknowledges: publications do not
@@ -25,6 +25,10 @@ from common.messages import Question
 
 log = logging.getLogger(__name__)
 
+MIN_VERSION_WAIT_S = 60.0
+"""How long an evaluation waits for the version it was asked for to be published (a publication
+normally takes well under a second; past this the newest published one is measured)."""
+
 
 class EvaluatorWorker:
     """The body of the `Evaluator` actor (a plain class: it also runs in-process)."""
@@ -40,12 +44,17 @@ class EvaluatorWorker:
         self.pool = RewardPool(reward_cfg, task_name)
         self.version = 0
 
-    def evaluate(self) -> dict[str, float]:
-        """Load the newest published version (if newer) and measure it."""
+    def evaluate(self, min_version: int = 0, wait_s: float = MIN_VERSION_WAIT_S) -> dict[str, float]:
+        """Load the newest published version (if newer) and measure it. The driver asks right after a
+        step, while that step's publication may still be in flight: wait up to `wait_s` for
+        `min_version` to be announced, then measure the newest one there is (the report names it)."""
         from cluster.evaluate import evaluate_engine
 
         t0 = time.monotonic()
         ann = self.weights.latest()
+        while (ann is None or ann.version < min_version) and time.monotonic() - t0 < wait_s:
+            time.sleep(0.05)
+            ann = self.weights.latest()
         if ann is not None and ann.version != self.version:
             self.engine.load_weights(self.weights.fetch(ann), ann.version)
             self.version = ann.version

@@ -1,7 +1,7 @@
 """In-run evaluation: the driver's side of the evaluator actor (`actors.evaluator`).
 
     ev = InRunEval.create(cfg, model_path, run=name, namespace=ns)   # None when eval.every_steps == 0
-    ev.after_step(step)          # every eval.every_steps steps: ask, never wait
+    ev.after_step(step)          # every eval.every_steps steps: ask for version `step`, never wait
     for step, metrics in ev.poll(): tracker.log_metrics(metrics, step)
     ev.final(version)            # at the end: the final policy, waited for (bounded)
 
@@ -66,7 +66,7 @@ class InRunEval:
         if self.in_flight is not None:
             self.skipped += 1
             return
-        self.in_flight = self.actor.evaluate.remote()
+        self.in_flight = self.actor.evaluate.remote(min_version=step)
 
     def poll(self, wait_s: float = 0.0) -> list[tuple[int, dict[str, float]]]:
         """Finished reports as (step, metrics); never blocks beyond `wait_s`."""
@@ -96,7 +96,7 @@ class InRunEval:
         out = self.poll(wait_s=self.cfg.timeout_s) if self.in_flight is not None else []
         if not self.cfg.final or self.last_version == version:
             return out
-        self.in_flight = self.actor.evaluate.remote()
+        self.in_flight = self.actor.evaluate.remote(min_version=version)
         got = self.poll(wait_s=self.cfg.timeout_s)
         if self.in_flight is not None:  # the run's training and checkpoints are unaffected: say so, count it
             ray.cancel(self.in_flight, force=True)
