@@ -72,6 +72,20 @@ def test_one_and_two_ranks_agree(ray_cluster, model_dir):
     assert results[1].feedback.version == 0  # the entropies were measured under version 0
 
 
+def test_ranks_not_set_up_in_time_are_named_and_stopped(ray_cluster, model_dir):
+    """The start is bounded: past learner.start_timeout_s the error names the ranks, and they are killed."""
+    import time
+
+    with pytest.raises(RuntimeError, match=r"learner rank\(s\) \[0, 1\] were not set up within "
+                                           r"learner.start_timeout_s=0s"):
+        make_pool(model_dir, "slowstart", 2, start_timeout_s=0.001)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(a["name"].startswith("slowstart/learner")
+                                              for a in ray.util.list_named_actors(all_namespaces=True)):
+        time.sleep(0.2)
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("slowstart/learner")]
+
+
 def test_two_ranks_with_fewer_rows_than_ranks_and_all_updates_skipped(ray_cluster, model_dir):
     """A rank whose micro-batch is empty still joins every collective; a step whose updates are all
     skipped still ends the step (version + 1), so a synchronous run never stalls on it."""
