@@ -55,6 +55,9 @@ class EvaluatorWorker:
         while (ann is None or ann.version < min_version) and time.monotonic() - t0 < wait_s:
             time.sleep(0.05)
             ann = self.weights.latest()
+        if ann is None or ann.version < min_version:
+            log.warning("version %d was not published within %.0fs; evaluating version %s instead", min_version,
+                        wait_s, "0 (the model folder)" if ann is None else ann.version)
         if ann is not None and ann.version != self.version:
             self.engine.load_weights(self.weights.fetch(ann), ann.version)
             self.version = ann.version

@@ -507,7 +507,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     from cluster.console import Progress, setup_logging
     from cluster.preflight import BadInput
     from cluster.runtime import start_ray
-    from cluster.tracking import Tracker, default_tracking_uri
+    from cluster.tracking import default_tracking_uri
 
     profile = Profile()
     setup_logging(None)  # the console only, until the run folder exists
@@ -524,18 +524,9 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
         _set_rng_state(state.rng)
     uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
 
-    def start_tracking() -> Tracker:
-        tr = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled)
-        parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None
-        state.mlflow_run_id = tr.start(run_dir.name, run_id=state.mlflow_run_id, tags=parent)
-        if not resume:
-            tr.log_params(flatten(cfg))
-            tr.log_text(to_yaml(cfg), "config.yaml")
-        return tr
-
     # MLflow (imports, store migrations: CPU in this process) starts beside Ray (mostly waiting for its processes).
     with ThreadPoolExecutor(1, thread_name_prefix="mlflow-start") as pool:
-        tracking = pool.submit(start_tracking)
+        tracking = pool.submit(_start_tracking, cfg, run_dir, state, uri, resume)
         with profile.phase("start-up: Ray (MLflow starts beside it)"):
             start_ray(cfg.cluster, run_dir.path)
         with profile.phase("start-up: MLflow (the rest of its start)"):
@@ -570,6 +561,19 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     if stopped is not None:
         return stopped.code
     return 0 if status in ("FINISHED", "KILLED") else 1
+
+
+def _start_tracking(cfg: RunConfig, run_dir, state: DriverState, uri: str, resume: str | None):
+    """Open the run's MLflow run (a new one, or the resumed run's) and, for a new run, log its config."""
+    from cluster.tracking import Tracker
+
+    tracker = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled)
+    parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None
+    state.mlflow_run_id = tracker.start(run_dir.name, run_id=state.mlflow_run_id, tags=parent)
+    if not resume:
+        tracker.log_params(flatten(cfg))
+        tracker.log_text(to_yaml(cfg), "config.yaml")
+    return tracker
 
 
 def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress, profile) -> str:

@@ -467,10 +467,6 @@ class LearnerConfig(Section):
     """torch.distributed backend (auto: nccl with GPUs, else gloo)."""
     num_cpus: float = Field(1.0, ge=0)
     """CPUs per rank."""
-    threads: int | None = Field(None, ge=1, le=1024)
-    """torch intra-op threads per rank (None: one per reserved CPU, at least 1). More threads than reserved CPUs
-    only help where those cores are otherwise idle: on 2 cores beside a generator, 2 threads made the built-in
-    model's step slower (274 vs 188 ms)."""
     num_gpus: float = Field(0.0, ge=0)
     """GPUs per rank."""
     placement: Literal["pack", "spread", "none"] = "pack"
@@ -873,7 +869,7 @@ RESUMABLE_FIELDS = (
     "reward.num_workers", "reward.timeout_s", "reward.worker_memory_mb", "reward.worker_start_timeout_s",
     "buffer.call_timeout_s", "buffer.lease_timeout_s", "buffer.snapshot_every_s", "buffer.max_restarts",
     "buffer.max_concurrency",
-    "learner.publish_timeout_s", "learner.start_timeout_s", "learner.threads", "learner.placement", "learner.num_cpus",
+    "learner.publish_timeout_s", "learner.start_timeout_s", "learner.placement", "learner.num_cpus",
 )
 """Fields (a name, or a section and everything under it) that `exgrpo train --resume RUN key=value` may
 change: how long the run goes on, how often it checkpoints, where it logs, and the resources and time-outs

@@ -65,7 +65,7 @@ class LearnerRank:
 
     def __init__(self, cfg: LearnerConfig, model_path: str, *, rank: int, world: int, max_new_tokens: int,
                  run: str, namespace: str | None, dtype: str = "float32"):
-        torch.set_num_threads(cfg.threads or max(1, int(cfg.num_cpus)))  # default: one per reserved CPU
+        torch.set_num_threads(max(1, int(cfg.num_cpus)))  # one intra-op thread per reserved CPU (1 by default)
         self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
         self.dtype = getattr(torch, dtype)  # compute dtype; master weights stay float32
         self.max_new_tokens, self.run, self.namespace = max_new_tokens, run, namespace
