@@ -1,6 +1,6 @@
 """Weight-sync benchmark: publish + load latency, object store vs collective (gloo), 1 and 2 learner ranks.
 
-    python bench/weights_bench.py [--repeats 4] [--ranks 1 2]
+    python bench/weights_bench.py [--repeats 4] [--ranks 1 2] [--dtype bfloat16]
 
 Models: the built-in size (hidden 96, 3 layers, 3 heads) and a ~10M-parameter Llama (hidden 320,
 8 layers, 5 heads), untrained. One measurement: `LearnerPool.publish()` (bucketed gather on the ranks,
@@ -9,6 +9,8 @@ into a transformers model + `ack`; wall time on the driver. The floor, measured 
 the same state dict and the same actor: the driver `ray.put`s it and the actor `ray.get`s it and loads
 it (the cheapest way to move a state dict into another process and load it). Median of --repeats after
 one warm-up; a learner step runs between publications (untimed) so each publishes a new version.
+`--dtype bfloat16`: the learner computes and publishes in bfloat16 (as a GPU run with model.dtype=bfloat16
+does: half the bytes gathered and moved); the floor still moves the float32 master weights, the old path.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="model.dtype of the learner = the dtype publications carry")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -74,7 +78,8 @@ def main() -> None:
             for bname, sync in backends.items():
                 cfg = LearnerConfig(num_ranks=ranks, micro_batch_rows=8, mini_batches=1, lr=1e-5, weight_sync=sync)
                 run = f"wbench-{len(rows)}"
-                pool = LearnerPool(cfg, str(path), run=run, namespace="bench", max_new_tokens=12)
+                pool = LearnerPool(cfg, str(path), run=run, namespace="bench", max_new_tokens=12,
+                                   dtype=args.dtype, publish_dtype=args.dtype)
                 gen = None
                 try:
                     pool.publish()
@@ -107,7 +112,7 @@ def main() -> None:
     ray.shutdown()
 
     cmd = "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:])
-    print(f"\n$ {cmd}    (torch {torch.__version__}, {os.cpu_count()} CPUs, float32 weights)\n")
+    print(f"\n$ {cmd}    (torch {torch.__version__}, {os.cpu_count()} CPUs, {args.dtype} publications)\n")
     head = ("model", "params", "ranks", "backend", "publish+load ms", "put+get+load floor ms", "ratio")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")

@@ -106,7 +106,8 @@ class Trainer:
                  and self._everything_fits())
         with phase("start-up: ask for the learner ranks"):  # they load and shard the model while the rest builds
             self.learner = LearnerPool(cfg.learner, str(self.model_path), run=name, namespace=ns,
-                                       max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype, wait=False)
+                                       max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype,
+                                       publish_dtype=cfg.generator.dtype, wait=False)
         with phase("start-up: buffer shards"):
             self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
                                               snapshot_dir=str(self.run_dir.path / "buffer-live"))

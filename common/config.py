@@ -337,8 +337,8 @@ class GeneratorConfig(Section):
     idle_sleep_s: float = Field(0.05, gt=0, le=60)
     """Sleep between lease attempts when the buffer has no work."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """Engine dtype; None = model.dtype (filled in when the run config is validated). Published weights are
-    cast to it on load."""
+    """Engine dtype; None = model.dtype (filled in when the run config is validated). The learner publishes
+    weights in this dtype (its float32 master weights cast once, before the gather)."""
     max_restarts: int = Field(3, ge=0, le=1000)
     """Times Ray restarts a crashed generator actor (its leases expire and are issued again)."""
     stop_timeout_s: float = Field(300.0, gt=0, le=86_400)

@@ -48,10 +48,14 @@ def _buckets(items: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[l
     return out
 
 
-def gather_full_state(model: torch.nn.Module, rank: int, world: int,
-                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, torch.Tensor]:
-    """Collective (every rank calls it): rank 0 gets {name: full CPU tensor}, the others {}."""
+def gather_full_state(model: torch.nn.Module, rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Collective (every rank calls it): rank 0 gets {name: full CPU tensor}, the others {}.
+    `dtype`: floating-point entries are cast to it before they move (a bfloat16 publication gathers and
+    carries half the bytes of the float32 master weights); None keeps each entry's own dtype."""
     sd = model.state_dict()
+    if dtype is not None:
+        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
     sharded = [(k, v) for k, v in sd.items() if _is_dim0_shard(v)]
     out: dict[str, torch.Tensor] = {}
     for k, v in sd.items():  # replicated entries (and any unusual placement): no bucket needed

@@ -20,8 +20,9 @@ Precision (`dtype`, the run's `model.dtype`): FSDP2 mixed precision. Parameters 
 float32 (the master weights, sharded), AdamW's state is float32; each FSDP unit all-gathers its
 parameters cast to `dtype` for the forward and backward, and gradients are reduce-scattered in
 float32 into the float32 shards. Log-probs, entropies and the loss are computed in float32 from the
-low-precision logits (`learner.loss`). Publications and `state_dict()` carry the float32 master
-weights; engines cast them to their own dtype on load. float16 trains without loss scaling: prefer
+low-precision logits (`learner.loss`). Publications are cast to `publish_dtype` on every rank before the
+gather (the driver passes the engines' dtype: a bfloat16 run moves half the bytes, and the engine gets
+exactly what it would have cast to itself); `state_dict()` carries the float32 master weights. float16 trains without loss scaling: prefer
 bfloat16. A single float32 rank is not wrapped in FSDP at all (nothing to shard or cast).
 """
 
@@ -64,10 +65,11 @@ class LearnerRank:
     """One FSDP rank (run as a Ray actor by `LearnerPool`; usable in-process for world size 1)."""
 
     def __init__(self, cfg: LearnerConfig, model_path: str, *, rank: int, world: int, max_new_tokens: int,
-                 run: str, namespace: str | None, dtype: str = "float32"):
+                 run: str, namespace: str | None, dtype: str = "float32", publish_dtype: str = "float32"):
         torch.set_num_threads(max(1, int(cfg.num_cpus)))  # one intra-op thread per reserved CPU (1 by default)
         self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
         self.dtype = getattr(torch, dtype)  # compute dtype; master weights stay float32
+        self.publish_dtype = getattr(torch, publish_dtype)  # what publications carry (the engines' dtype)
         self.max_new_tokens, self.run, self.namespace = max_new_tokens, run, namespace
         use_nccl = cfg.backend == "nccl" or (cfg.backend == "auto" and cfg.num_gpus > 0 and torch.cuda.is_available())
         if use_nccl and not torch.cuda.is_available():
@@ -126,15 +128,15 @@ class LearnerRank:
         """One step on a msgpack-encoded TrainingBatch (the driver puts it once; every rank reads it)."""
         return self.trainer.run(codec.decode(payload, TrainingBatch))
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: every rank must call it; rank 0 gets the full CPU state dict (HF names, the fp32
-        master weights), others {}. Bucketed: a few gathers, not one collective per parameter."""
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Collective: every rank must call it; rank 0 gets the full CPU state dict (HF names; the fp32
+        master weights, or cast to `dtype`), others {}. Bucketed: a few gathers, not one per parameter."""
         from learner.gather import gather_full_state
 
-        return gather_full_state(self.model, self.rank, self.world)
+        return gather_full_state(self.model, self.rank, self.world, dtype=dtype)
 
     def publish(self, version: int) -> WeightsAnnouncement | None:
-        sd = self.full_state_dict()
+        sd = self.full_state_dict(self.publish_dtype)
         if self.rank != 0:
             return None
         if self.publisher is None:
@@ -262,8 +264,9 @@ class LearnerPool:
     """N `LearnerRank` actors training one policy; see the module docstring for the loop."""
 
     def __init__(self, cfg: LearnerConfig, model_path: str, *, run: str, namespace: str | None, max_new_tokens: int,
-                 dtype: str = "float32", wait: bool = True):
-        """`dtype`: the run's `model.dtype`, the compute dtype of the ranks (see the module docstring).
+                 dtype: str = "float32", publish_dtype: str = "float32", wait: bool = True):
+        """`dtype`: the run's `model.dtype`, the compute dtype of the ranks (see the module docstring);
+        `publish_dtype`: what publications carry (the engines' dtype, `generator.dtype`; float32 = exact).
         `wait=False` returns as soon as the ranks are asked for (their processes start, load and shard the
         model in the background: the driver builds the rest meanwhile); call `wait_ready()` before use."""
         self.cfg, self.model_path, self.run, self.namespace = cfg, str(model_path), run, namespace
@@ -279,7 +282,7 @@ class LearnerPool:
                           num_gpus=cfg.num_gpus, max_restarts=0,
                           scheduling_strategy=_bundle(self.placement_group, r)).remote(
                 cfg, self.model_path, rank=r, world=cfg.num_ranks, max_new_tokens=max_new_tokens, run=run,
-                namespace=namespace, dtype=dtype)
+                namespace=namespace, dtype=dtype, publish_dtype=publish_dtype)
             for r in range(cfg.num_ranks)
         ]
         address = self.ranks[0].rendezvous_address.remote()  # resolved by Ray before each rank's setup runs

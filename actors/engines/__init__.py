@@ -5,8 +5,8 @@
     engine.add(request_id, prompt_ids, seed); engine.step()           # streaming use (the generator loop)
     engine.load_weights(state_dict, version)             # between generate calls / engine steps
 
-Both engines run in `generator.dtype` (= model.dtype unless set) and cast the published weights
-(float32 master weights from the learner) to it on load, like vLLM's `dtype` on the folder's weights.
+Both engines run in `generator.dtype` (= model.dtype unless set). The learner publishes in that dtype; an
+engine still casts whatever it receives to its own dtype on load, like vLLM's `dtype` on the folder's weights.
 """
 
 from __future__ import annotations

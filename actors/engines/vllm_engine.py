@@ -94,7 +94,7 @@ class VllmEngine:
 
     def reload_without_cache_reset(self, state_dict: dict[str, torch.Tensor]) -> None:
         """The first half of `load_weights` (exposed so a test can show the cache reset matters). Floating
-        tensors are cast to the engine's dtype (the learner publishes float32 master weights)."""
+        tensors are cast to the engine's dtype (the learner publishes in generator.dtype)."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
         weights = [(k, v.detach().to(device, self.dtype if v.is_floating_point() else v.dtype))
                    for k, v in state_dict.items()]

@@ -27,9 +27,11 @@ def model_dir(tmp_path_factory):
     return make_tiny_model_folder(tmp_path_factory.mktemp("learner-model") / "model", hidden_size=64, num_heads=2)
 
 
-def make_pool(model_dir, run: str, ranks: int, dtype: str = "float32", **overrides) -> LearnerPool:
+def make_pool(model_dir, run: str, ranks: int, dtype: str = "float32", publish_dtype: str = "float32",
+              **overrides) -> LearnerPool:
     cfg = LearnerConfig(num_ranks=ranks, micro_batch_rows=3, mini_batches=2, lr=LR, publish_timeout_s=30, **overrides)
-    return LearnerPool(cfg, str(model_dir), run=run, namespace=NS, max_new_tokens=12, dtype=dtype)
+    return LearnerPool(cfg, str(model_dir), run=run, namespace=NS, max_new_tokens=12, dtype=dtype,
+                       publish_dtype=publish_dtype)
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -226,8 +228,9 @@ def test_bad_checkpoints_fail_clearly(ray_cluster, model_dir, tmp_path):
 
 def test_bfloat16_two_ranks_train_and_resume_exactly(ray_cluster, model_dir, tmp_path):
     """model.dtype=bfloat16 on CPU over gloo: FSDP2 computes in bfloat16 on float32 master weights; the
-    train/inference gap to float32 behaviour log-probs is measured; the checkpoint's model folder is
-    bfloat16 and resuming restores the float32 master weights bit for bit."""
+    train/inference gap to float32 behaviour log-probs is measured; publications carry the engines' bfloat16
+    (the master weights rounded once, half the bytes); the checkpoint's model folder is bfloat16 and resuming
+    restores the float32 master weights bit for bit."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -236,7 +239,8 @@ def test_bfloat16_two_ranks_train_and_resume_exactly(ray_cluster, model_dir, tmp
     fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     b0, b1 = with_own_logprobs(make_batch(20), fp32), make_batch(21, version=1)
     ckpt = tmp_path / "ckpt"
-    pool = make_pool(model_dir, "bf16", 2, dtype="bfloat16")
+    pool = make_pool(model_dir, "bf16", 2, dtype="bfloat16", publish_dtype="bfloat16")
+    source = ObjectStoreWeightSource("bf16", NS)
     try:
         initial = pool.state_dict()
         r0 = pool.step(b0)
@@ -248,6 +252,11 @@ def test_bfloat16_two_ranks_train_and_resume_exactly(ray_cluster, model_dir, tmp
         assert {v.dtype for v in saved.values()} == {torch.float32}  # master weights
         # updates of lr 1e-3 are far below bfloat16's resolution of weights ~0.02-1: float32 masters keep them
         assert max_diff(initial, saved) > LR / 2
+        ann = pool.publish()
+        published = source.fetch(ann)
+        assert {v.dtype for v in published.values()} == {torch.bfloat16}
+        assert all(torch.equal(published[k], saved[k].to(torch.bfloat16)) for k in saved)
+        assert ann.num_bytes < sum(v.numel() * 4 for v in saved.values()) * 0.6
         pool.save_checkpoint(ckpt)
         uninterrupted = pool.step(b1)
         after = pool.state_dict()
