@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.experiment import SpecError, load_spec, overrides
+from cluster.experiment import BUNDLED, SpecError, load_spec, overrides
 from tests.cluster.runs import ROOT, mlflow_client
 
 
@@ -25,6 +25,8 @@ def write(tmp_path: Path, spec: dict) -> str:
 def test_the_bundled_spec_loads_and_bad_specs_say_what_to_change(tmp_path):
     spec = load_spec("ablations")
     assert {"exgrpo", "grpo", "uniform_questions", "random_trajectory", "no_shaping"} <= set(spec.variants)
+    for path in sorted(BUNDLED.glob("*.yaml")):  # every bundled spec validates every run's config
+        assert {"exgrpo", "grpo"} <= set(load_spec(path.stem).variants), path
     assert overrides({"learner.shaping_beta": None, "buffer.replay_ratio": 0.25}) == [
         "learner.shaping_beta=null", "buffer.replay_ratio=0.25"]
     base = dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}})
