@@ -684,6 +684,10 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str]):
     if state.step >= cfg.total_steps:
         raise BadInput(f"error: run {run_dir.name} already reached total_steps={cfg.total_steps}; to train further "
                        f"raise it: exgrpo train --resume {run_dir.path} total_steps={cfg.total_steps * 2}")
+    if cfg.total_rollouts is not None and state.rollouts >= cfg.total_rollouts:
+        raise BadInput(f"error: run {run_dir.name} already spent total_rollouts={cfg.total_rollouts} ({state.rollouts} "
+                       f"trained); to train further raise it: exgrpo train --resume {run_dir.path} "
+                       f"total_rollouts={cfg.total_rollouts * 2}")
     if "generator.num_generators" in changes:
         state.generators = cfg.generator.num_generators
     if changes:

@@ -172,7 +172,7 @@ def make_checkpoint(run: Path, step: int) -> Path:
     ck.write_meta(c / "learner", step=step, version=step, num_ranks=1)
     write_snapshot(snapshot_path(c / "buffer", 0), {"shard": 0})
     (c / "buffer" / SWITCH_FILE).write_bytes(pack({"on": False}))
-    (c / "driver.json").write_text(json.dumps({"step": step, "generators": 1}))
+    (c / "driver.json").write_text(json.dumps({"step": step, "generators": 1, "rollouts": 128 * step}))
     return c
 
 
@@ -237,6 +237,9 @@ def test_resume_without_a_usable_checkpoint_changes_nothing(capsys, run):
 def test_resume_of_a_finished_run_says_how_to_go_on(capsys, run):
     assert_refused(*cli(capsys, "train", "--resume", run, "total_steps=2"), "already reached total_steps=2",
                    f"exgrpo train --resume {run} total_steps=4")
+    # a run stopped by its rollout budget (exgrpo experiment) is finished too
+    assert_refused(*cli(capsys, "train", "--resume", run, "total_rollouts=256"),
+                   "already spent total_rollouts=256 (256 trained)", f"exgrpo train --resume {run} total_rollouts=512")
 
 
 def test_resume_with_a_corrupt_state_json_names_the_file_and_the_fix(capsys, run):
