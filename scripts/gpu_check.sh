@@ -11,7 +11,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-${STEPS:-8}}
 
+ROOT=runs-gpu-check
+NAME=gpu-check-$(date +%Y%m%d-%H%M%S)
+# The GPU run's settings, checked by `exgrpo config` on every machine (a test runs this script on CPU).
+OVERRIDES=(name="$NAME" checkpoint.runs_root="$ROOT" total_steps="$STEPS"
+    model.dtype=bfloat16
+    learner.num_gpus=0.5 learner.backend=nccl
+    generator.num_generators=1 generator.num_gpus=0.5
+    'generator.engine={kind: vllm, gpu_memory_utilization: 0.3}'
+    'learner.weight_sync={kind: collective, backend: nccl}')
+
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    if [ -x .venv/bin/exgrpo ]; then
+        .venv/bin/exgrpo config "${OVERRIDES[@]}" >/dev/null
+        echo "gpu-check: config OK (bfloat16, vLLM engine, NCCL learner and weight sync)" >&2
+    fi
     echo "gpu-check: SKIPPED - nvidia-smi does not see a GPU on $(hostname); nothing was run." >&2
     exit 0
 fi
@@ -22,16 +36,9 @@ bash scripts/setup.sh
 .venv/bin/python -c "import torch, vllm; assert torch.cuda.is_available(), 'torch sees no CUDA'; \
 print(f'torch {torch.__version__} cuda {torch.version.cuda}, vllm {vllm.__version__}, {torch.cuda.get_device_name()}')"
 
-ROOT=runs-gpu-check
-NAME=gpu-check-$(date +%Y%m%d-%H%M%S)
 mkdir -p "$ROOT"
 # the built-in toy model is built locally on first use (cached); no download
-.venv/bin/exgrpo train name="$NAME" checkpoint.runs_root="$ROOT" total_steps="$STEPS" \
-    model.dtype=bfloat16 \
-    learner.num_gpus=0.5 learner.backend=nccl \
-    generator.num_generators=1 generator.num_gpus=0.5 \
-    'generator.engine={kind: vllm, gpu_memory_utilization: 0.3}' \
-    'learner.weight_sync={kind: collective, backend: nccl}'
+.venv/bin/exgrpo train "${OVERRIDES[@]}"
 
 .venv/bin/python - "$ROOT" "$NAME" <<'PY'
 import json, statistics, sys

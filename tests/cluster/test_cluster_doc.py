@@ -4,6 +4,8 @@ every `section.option` its prose names exists, and the weight-sync backend it re
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import shlex
 import typing
 from pathlib import Path
@@ -91,3 +93,14 @@ def test_old_nccl_kind_is_refused_with_the_replacement(old):
 
     with pytest.raises(ConfigError, match=r"use \{kind: collective, backend: nccl\}"):
         load_config(None, [f"learner.weight_sync={old}"])
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine runs the real check")
+def test_gpu_check_validates_its_gpu_settings_here_and_says_it_skipped():
+    """`make gpu-check` on a machine without a GPU: the exact settings of the GPU run (bfloat16, vLLM, NCCL)
+    go through `exgrpo config`, and the script says it ran nothing; a bad setting fails it here, not on the GPU."""
+    script = DOC.parents[1] / "scripts" / "gpu_check.sh"
+    ok = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "config OK" in ok.stderr and "SKIPPED" in ok.stderr, ok.stderr
+    bad = subprocess.run(["bash", str(script), "0"], capture_output=True, text=True, timeout=120)  # total_steps=0
+    assert bad.returncode != 0 and "total_steps" in bad.stdout + bad.stderr, bad.stderr
