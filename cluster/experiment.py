@@ -83,6 +83,7 @@ class RunResult:
     best_pass1: float = float("nan")
     final_greedy: float = float("nan")
     curve: list[tuple[float, float]] = field(default_factory=list)  # (rollouts, held-out pass@1)
+    mechanism: dict[str, float] = field(default_factory=dict)  # what the buffer did (see MECHANISM)
     error: str = ""
 
 
@@ -207,7 +208,35 @@ def collect(runs_root: Path, variant: str, seed: int, name: str, wall_s: float) 
     curve = [(rollouts_at.get(step, 0.0), v) for step, v in evals]
     return RunResult(variant, seed, name, ok=True, wall_s=wall_s, rollouts=max(rollouts_at.values(), default=0.0),
                      final_pass1=evals[-1][1], best_pass1=max(v for _, v in evals),
-                     final_greedy=greedy[-1][1] if greedy else float("nan"), curve=curve)
+                     final_greedy=greedy[-1][1] if greedy else float("nan"), curve=curve,
+                     mechanism=_mechanism(client, run_id))
+
+
+MECHANISM = {
+    "switch_step": "mixed mode on from step",
+    "fresh_groups": "fresh groups trained",
+    "mixed_groups": "mixed groups trained",
+    "retired": "questions retired",
+    "zero_signal": "groups with no signal",
+    "replay_tokens": "replayed-token share",
+}
+"""Per run, read back from MLflow: what replay changed. A fresh group is a question issued as new (its count
+bounds the distinct questions seen in a first epoch); a group with no signal has all rewards equal (o*
+included), so its advantage is 0; the replayed-token share is o*'s tokens over all tokens trained."""
+
+
+def _mechanism(client, run_id: str) -> dict[str, float]:
+    m = client.get_run(run_id).data.metrics
+    total = lambda key: sum(x.value for x in client.get_metric_history(run_id, key))  # noqa: E731
+    on = [x.step for x in client.get_metric_history(run_id, "train/mixed_mode") if x.value > 0]
+    trained, mixed = m.get("buffer/trained", 0.0), m.get("buffer/trained_mixed", 0.0)
+    replay = total("learner/replay_tokens")
+    both = replay + total("learner/fresh_tokens")
+    nan = float("nan")
+    return {"switch_step": float(min(on)) if on and mixed else nan, "fresh_groups": trained - mixed,
+            "mixed_groups": mixed, "retired": m.get("buffer/retired", 0.0),
+            "zero_signal": m.get("buffer/zero_signal_seen", 0.0) / trained if trained else nan,
+            "replay_tokens": replay / both if both else nan}
 
 
 def _state(folder: Path) -> dict:
@@ -246,6 +275,17 @@ def table(spec: ExperimentSpec, results: list[RunResult]) -> str:
                     f"{_mean_sd([r.best_pass1 for r in ok])} | {_mean_sd([r.final_greedy for r in ok])} | "
                     f"{statistics.fmean([r.rollouts for r in ok]) if ok else float('nan'):.0f} | "
                     f"{statistics.fmean([r.wall_s for r in ok]) if ok else float('nan'):.0f} |")
+    rows += ["", "What the buffer did (mean over seeds):", "",
+             "| variant | " + " | ".join(MECHANISM.values()) + " |", "|---" * (len(MECHANISM) + 1) + "|"]
+    for variant in spec.variants:
+        ok = [r for r in results if r.variant == variant and r.ok]
+        cells = []
+        for key in MECHANISM:
+            xs = [r.mechanism.get(key, float("nan")) for r in ok]
+            xs = [x for x in xs if not math.isnan(x)]
+            fmt = "{:.2f}" if key in ("zero_signal", "replay_tokens") else "{:.0f}"
+            cells.append(fmt.format(statistics.fmean(xs)) if xs else "—")
+        rows.append(f"| {variant} | " + " | ".join(cells) + " |")
     for r in results:
         if not r.ok:
             rows.append(f"\n{r.name} failed: {r.error}")
