@@ -27,7 +27,9 @@ Columns:
 - held-out pass@1: `exgrpo eval --model <final model>` (200 test questions x 8 samples at T=0.6), the
   same command for every row; the starting model's is printed under the table;
 - peak memory: the largest sum of RSS over the process and all its descendants (Ray's raylet, GCS and
-  actors included), sampled every 0.2 s; shared pages count once per process.
+  actors included), sampled every 0.2 s; shared pages count once per process;
+- peak PSS: the same sum of PSS (proportional set size: a page shared by n processes counts 1/n in each,
+  so shared libraries such as torch's count once over the tree) — the memory the tree actually holds.
 
 TRL is not a dependency of this project and this script installs nothing. It runs TRL with a separate
 interpreter, a venv beside the checkout holding TRL, the torch and transformers builds of `.venv` (same
@@ -215,10 +217,10 @@ def trl_config(out: Path, steps: int, seed: int):
 def run_trl(work: Path, model: Path, args: argparse.Namespace, seed: int) -> dict:
     cmd = [str(args.trl_python), str(Path(__file__).resolve()), "--trl-child", str(work), "--model", str(model),
            "--steps", str(args.steps), "--seed", str(seed)]
-    wall, peak = run_measured(cmd, work)
+    wall, peak, pss = run_measured(cmd, work)
     loop = json.loads((work / "trl.json").read_text())
     return {"whole_s": wall, "loop_s": loop["loop_s"], "completions_s": loop["trained"] / loop["loop_s"],
-            "pass1": eval_pass1(work / "model", args.eval_limit), "peak_mib": peak}
+            "pass1": eval_pass1(work / "model", args.eval_limit), "peak_mib": peak, "pss_mib": pss}
 
 
 # ------------------------------------------------------------------------------------------- our side
@@ -227,12 +229,12 @@ def run_ours(row: str, work: Path, args: argparse.Namespace, seed: int) -> dict:
     seeds = [f"{k}={seed}" for k in ("seed", "generator.seed", "buffer.seed", "learner.seed")]
     cmd = [sys.executable, "-m", "cluster.cli", "train", "name=peer", f"checkpoint.runs_root={work}",
            f"total_steps={args.steps}", *OURS_COMMON, *seeds, *OURS_ROWS[row][1]]
-    wall, peak = run_measured(cmd, work)
+    wall, peak, pss = run_measured(cmd, work)
     state = json.loads((work / "peer" / "state.json").read_text())
     loop_s, trained = loop_from_mlflow(work, state["mlflow_run_id"])
     final = Path(state["checkpoints"][-1]) / "learner" / "model"
     return {"whole_s": wall, "loop_s": loop_s, "completions_s": trained / loop_s,
-            "pass1": eval_pass1(final, args.eval_limit), "peak_mib": peak}
+            "pass1": eval_pass1(final, args.eval_limit), "peak_mib": peak, "pss_mib": pss}
 
 
 def loop_from_mlflow(runs_root: Path, run_id: str) -> tuple[float, float]:
@@ -260,40 +262,43 @@ def child_env() -> dict[str, str]:
             "TRANSFORMERS_VERBOSITY": "error"}
 
 
-def run_measured(cmd: list[str], work: Path) -> tuple[float, float]:
-    """Run `cmd` to the end: (wall s, peak MiB of RSS summed over it and its descendants). Exits on failure."""
+def run_measured(cmd: list[str], work: Path) -> tuple[float, float, float]:
+    """Run `cmd` to the end: (wall s, peak MiB of RSS and of PSS summed over it and its descendants). Exits on
+    failure."""
     import psutil
 
     log = work / "command.log"
     t0 = time.monotonic()
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
-        peak = 0
+        peak = peak_pss = 0
         while proc.poll() is None:
-            peak = max(peak, tree_rss(psutil.Process(proc.pid)))
+            rss, pss = tree_memory(psutil.Process(proc.pid))
+            peak, peak_pss = max(peak, rss), max(peak_pss, pss)
             time.sleep(SAMPLE_EVERY_S)
     wall = time.monotonic() - t0
     if proc.returncode != 0:
         tail = log.read_text()[-3000:]
         raise SystemExit(f"{shlex.join(cmd)} exited with {proc.returncode}:\n{tail}")
-    return wall, peak / 2**20
+    return wall, peak / 2**20, peak_pss / 2**20
 
 
-def tree_rss(root) -> int:
-    """RSS bytes of `root` and its descendants (processes that end while being read count 0)."""
+def tree_memory(root) -> tuple[int, int]:
+    """(RSS, PSS) bytes of `root` and its descendants (processes that end while being read count 0)."""
     import psutil
 
-    total = 0
+    rss = pss = 0
     try:
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
+        return 0, 0
     for p in procs:
         try:
-            total += p.memory_info().rss
+            m = p.memory_full_info()  # reads smaps: PSS needs it
+            rss, pss = rss + m.rss, pss + m.pss
         except psutil.NoSuchProcess:
             pass  # ended between listing and reading: it holds no memory any more
-    return total
+    return rss, pss
 
 
 def eval_pass1(model: Path, limit: int | None) -> float:
@@ -310,7 +315,7 @@ def eval_pass1(model: Path, limit: int | None) -> float:
 def table(results: dict[str, list[dict]]) -> str:
     cols = [("whole_s", "whole command s", "{:.1f}"), ("loop_s", "training loop s", "{:.1f}"),
             ("completions_s", "completions/s", "{:.0f}"), ("pass1", "held-out pass@1 after", "{:.3f}"),
-            ("peak_mib", "peak memory MiB", "{:.0f}")]
+            ("peak_mib", "peak memory MiB", "{:.0f}"), ("pss_mib", "peak PSS MiB", "{:.0f}")]
     lines = ["| system | " + " | ".join(c[1] for c in cols) + " |", "|---|" + "---:|" * len(cols)]
     for row, runs in results.items():
         label = TRL_LABEL if row == "trl" else OURS_ROWS[row][0]
