@@ -222,16 +222,19 @@ MECHANISM = {
 }
 """Per run, read back from MLflow: what replay changed. A fresh group is a question issued as new (its count
 bounds the distinct questions seen in a first epoch); a group with no signal has all rewards equal (o*
-included), so its advantage is 0; the replayed-token share is o*'s tokens over all tokens trained."""
+included), so its advantage is 0; the replayed-token share is o*'s tokens over all tokens trained. The switch
+step is left out (—) for a run that replayed nothing: GRPO's buffer switches too, but has nothing to replay."""
 
 
 def _mechanism(client, run_id: str) -> dict[str, float]:
+    def history(key: str) -> list:
+        return client.get_metric_history(run_id, key)
+
     m = client.get_run(run_id).data.metrics
-    total = lambda key: sum(x.value for x in client.get_metric_history(run_id, key))  # noqa: E731
-    on = [x.step for x in client.get_metric_history(run_id, "train/mixed_mode") if x.value > 0]
+    on = [x.step for x in history("train/mixed_mode") if x.value > 0]
     trained, mixed = m.get("buffer/trained", 0.0), m.get("buffer/trained_mixed", 0.0)
-    replay = total("learner/replay_tokens")
-    both = replay + total("learner/fresh_tokens")
+    replay = sum(x.value for x in history("learner/replay_tokens"))
+    both = replay + sum(x.value for x in history("learner/fresh_tokens"))
     nan = float("nan")
     return {"switch_step": float(min(on)) if on and mixed else nan, "fresh_groups": trained - mixed,
             "mixed_groups": mixed, "retired": m.get("buffer/retired", 0.0),
@@ -256,8 +259,12 @@ def _update_state(folder: Path, **kv: Any) -> None:
 # ------------------------------------------------------------------------------------------ results
 
 
+def _finite(xs: list[float]) -> list[float]:
+    return [x for x in xs if not math.isnan(x)]
+
+
 def _mean_sd(xs: list[float]) -> str:
-    xs = [x for x in xs if not math.isnan(x)]
+    xs = _finite(xs)
     if not xs:
         return "—"
     sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
@@ -281,8 +288,7 @@ def table(spec: ExperimentSpec, results: list[RunResult]) -> str:
         ok = [r for r in results if r.variant == variant and r.ok]
         cells = []
         for key in MECHANISM:
-            xs = [r.mechanism.get(key, float("nan")) for r in ok]
-            xs = [x for x in xs if not math.isnan(x)]
+            xs = _finite([r.mechanism.get(key, float("nan")) for r in ok])
             fmt = "{:.2f}" if key in ("zero_signal", "replay_tokens") else "{:.0f}"
             cells.append(fmt.format(statistics.fmean(xs)) if xs else "—")
         rows.append(f"| {variant} | " + " | ".join(cells) + " |")

@@ -22,8 +22,8 @@ parameters cast to `dtype` for the forward and backward, and gradients are reduc
 float32 into the float32 shards. Log-probs, entropies and the loss are computed in float32 from the
 low-precision logits (`learner.loss`). Publications are cast to `publish_dtype` on every rank before the
 gather (the driver passes the engines' dtype: a bfloat16 run moves half the bytes, and the engine gets
-exactly what it would have cast to itself); `state_dict()` carries the float32 master weights. float16 trains without loss scaling: prefer
-bfloat16. A single float32 rank is not wrapped in FSDP at all (nothing to shard or cast).
+exactly what it would have cast to itself); `state_dict()` carries the float32 master weights. float16
+trains without loss scaling: prefer bfloat16. A single float32 rank is not wrapped in FSDP at all (nothing to shard or cast).
 """
 
 from __future__ import annotations

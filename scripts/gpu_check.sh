@@ -25,6 +25,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
     if [ -x .venv/bin/exgrpo ]; then
         .venv/bin/exgrpo config "${OVERRIDES[@]}" >/dev/null
         echo "gpu-check: config OK (bfloat16, vLLM engine, NCCL learner and weight sync)" >&2
+    else
+        echo "gpu-check: config not checked (no .venv here: run make setup first)" >&2
     fi
     echo "gpu-check: SKIPPED - nvidia-smi does not see a GPU on $(hostname); nothing was run." >&2
     exit 0
