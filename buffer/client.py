@@ -257,33 +257,38 @@ class BufferClient:
         return merge_accounting([unpack(r) for r in self._get([s.accounting.remote() for s in self.shards],
                                                               "accounting")])
 
-    def snapshot(self, dir: str) -> None:
+    def snapshot(self, dir: str) -> dict[str, int]:
         """Every shard writes buffer-shard-<i>.msgpack into `dir` (each file atomic); the client adds
-        the run-wide switch state (switch.msgpack)."""
-        self._get([s.snapshot.remote(str(dir)) for s in self.shards], "snapshot", timeout_s=max(self.call_timeout_s, 600))
+        the run-wide switch state (switch.msgpack). Returns the summed accounting of exactly the states
+        written (each shard's counts are taken under the lock that takes its state)."""
+        counts = self._get([s.snapshot.remote(str(dir)) for s in self.shards], "snapshot",
+                           timeout_s=max(self.call_timeout_s, 600))
         state = dict(self.switch.state(), zero_signal_seen=self._zero_signal_seen)
         path = Path(dir) / SWITCH_FILE
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(pack(state))
         tmp.replace(path)
+        return merge_accounting([unpack(c) for c in counts])
 
-    def restore(self, dir: str, expire_leases: bool = False) -> None:
+    def restore(self, dir: str, expire_leases: bool = False) -> int:
         """Every shard replaces its state with its file in `dir` (validated first; a bad file changes nothing).
 
         `expire_leases=True` (resuming a run) ends the snapshot's outstanding leases at once — their
         generators are gone — so their questions are reissued now and counted as lost, not after
-        `lease_timeout_s`."""
+        `lease_timeout_s`. Returns how many leases were ended that way: exactly the snapshot's
+        `outstanding` count (see `snapshot`)."""
         path = Path(dir) / SWITCH_FILE
         try:
             state = unpack(path.read_bytes())
         except FileNotFoundError:
             raise BufferUnavailableError(f"buffer snapshot {dir} has no {SWITCH_FILE} (written by an older version?)") from None
-        self._get([s.restore.remote(str(dir), expire_leases) for s in self.shards], "restore",
-                  timeout_s=max(self.call_timeout_s, 600))
+        expired = self._get([s.restore.remote(str(dir), expire_leases) for s in self.shards], "restore",
+                            timeout_s=max(self.call_timeout_s, 600))
         self.switch.load_state(state)
         self._zero_signal_seen = list(state["zero_signal_seen"])
         if self.switch.on:
             self._get([s.set_mixed_mode.remote() for s in self.shards], "set_mixed_mode")
+        return sum(expired)
 
     def shutdown(self) -> None:
         for s in self.shards:

@@ -145,24 +145,28 @@ class BufferShard:
         with self.lock:
             return pack(self.core.accounting())
 
-    def snapshot(self, folder: str | None = None) -> str:
+    def snapshot(self, folder: str | None = None) -> bytes:
+        """Write the shard's state to `folder`; returns the accounting of that very state (msgpack), taken
+        under the same lock, so that a checkpoint records the counts its snapshot holds (generators keep
+        leasing and submitting while a checkpoint is written)."""
         folder = folder or self.snapshot_dir
         if not folder:
             raise ValueError(f"buffer shard {self.shard} has no snapshot_dir; pass a folder to snapshot()")
         with self.lock:
             state = self.core.state()
-        path = snapshot_path(folder, self.shard)
-        write_snapshot(path, state)
-        return str(path)
+            counts = self.core.accounting()
+        write_snapshot(snapshot_path(folder, self.shard), state)
+        return pack(counts)
 
-    def restore(self, folder: str, expire_leases: bool = False) -> str:
+    def restore(self, folder: str, expire_leases: bool = False) -> int:
+        """Replace the state with the snapshot in `folder`; returns how many of its outstanding leases were
+        ended as expired (`expire_leases`; 0 otherwise)."""
         core = load_core(self.cfg, self.questions, snapshot_path(folder, self.shard), batch_share=self.batch_share)
-        if expire_leases:  # the generators that held them are gone: reissue now, not after the deadline
-            core.expire(all_leases=True)
+        expired = core.expire(all_leases=True) if expire_leases else 0  # their generators are gone: reissue now
         with self.cond:
             self.core = core
             self.cond.notify_all()
-        return str(snapshot_path(folder, self.shard))
+        return expired
 
     def ping(self) -> int:
         return self.shard

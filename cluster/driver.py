@@ -121,7 +121,9 @@ class Trainer:
         with phase("start-up: restore checkpoint"):
             if checkpoint is not None:
                 self.learner.load_checkpoint(checkpoint / "learner")
-                self.buffer.restore(str(checkpoint / "buffer"), expire_leases=True)
+                ended = self.buffer.restore(str(checkpoint / "buffer"), expire_leases=True)
+                log.info("resumed the buffer of %s: the %d lease(s) it held outstanding were ended as expired "
+                         "and their questions reissued", checkpoint.name, ended)
             self.buffer.set_version(self.learner.version)
         with phase("start-up: publish the first weights"):
             self.learner.publish()  # version 0 (or the checkpoint's) before any generator starts
@@ -336,9 +338,9 @@ class Trainer:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         self.learner.save_checkpoint(tmp / "learner")
-        self.buffer.snapshot(str(tmp / "buffer"))
+        # the counts of exactly the states written: generators keep leasing and submitting meanwhile
+        self.state.accounting = self.buffer.snapshot(str(tmp / "buffer"))
         self.state.rng = _rng_state()
-        self.state.accounting = self.buffer.accounting()
         (tmp / "driver.json").write_text(json.dumps(self.state.__dict__, default=str))
         self.tracker.log_metrics(_prefixed("accounting/", self.state.accounting), self.state.step)
         # The metrics of the steps up to this one reach MLflow before the checkpoint exists: a run killed

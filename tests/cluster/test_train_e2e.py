@@ -223,7 +223,12 @@ def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothi
     assert {s for s, _ in history(client, run_id, "train/reward_mean")} == set(range(1, 25))
     acc = accounting(run.data.metrics)
     assert_balanced(acc)
-    # Everything the checkpoint held is accounted for after the resume: its leases were declared lost
-    # and reissued at once, its ready groups trained, queued or dropped as stale (and reissued).
+    # Everything the checkpoint held is accounted for after the resume. driver.json holds the counts of
+    # exactly the buffer states the checkpoint wrote (taken under each shard's lock with its state; before,
+    # they were read in a second call while generators went on leasing, and could disagree with the
+    # snapshot). The resume ends exactly the checkpoint's outstanding leases as expired and reissues their
+    # questions; its ready groups are trained, queued or dropped as stale (and reissued).
+    assert (f"resumed the buffer of {Path(ckpts[-1]).name}: the {at_ckpt['outstanding']} lease(s) it held "
+            "outstanding were ended as expired") in r.stdout, r.stdout[-4000:]
     assert ckpt_step < 24 and acc["issued"] >= at_ckpt["issued"] and acc["trained"] > at_ckpt["trained"]
     assert acc["expired"] >= at_ckpt["expired"] + at_ckpt["outstanding"]
