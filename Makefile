@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up .venv first (idempotent, instant when done).
-.PHONY: setup train test gpu-check
+.PHONY: setup train test gpu-check stress
 
 setup:
 	@bash scripts/setup.sh
@@ -13,3 +13,7 @@ test: setup
 # bf16 + vLLM on GPU + NCCL weight sync, a short run (skipped, exit 0, without a GPU)
 gpu-check:
 	bash scripts/gpu_check.sh $(STEPS)
+
+# The end-to-end files N times (default 3), optionally beside LOAD busy processes: pass counts per test
+stress: setup
+	bash scripts/stress_suite.sh -n $(or $(N),3) -l $(or $(LOAD),0) $(FILES)

@@ -136,7 +136,7 @@ class Trainer:
         self.components_built = True
         now = time.monotonic()
         self.watch = StallWatch(cfg.cluster.stall_report_s, cfg.cluster.stall_timeout_s, now)
-        self._pool_reported, self._zero_hinted = now, False
+        self._pool_reported, self._zero_hinted = None, False  # None: not yet reported (at the first batch)
 
     def _everything_fits(self) -> bool:
         """The learner ranks, all generators asked for and the evaluator fit in the cluster's free CPUs and GPUs."""
@@ -275,12 +275,13 @@ class Trainer:
             self.watch.progress(time.monotonic())
 
     def _report_waiting_generators(self) -> None:
-        """While batches arrive, generators still waiting for resources or restarting are reported
-        every `stall_report_s` (while none arrive, the stall report says it)."""
+        """While batches arrive, generators still waiting for resources or restarting are reported at
+        the first batch and then every `stall_report_s` (while none arrive, the stall report says it)."""
         now = time.monotonic()
         st = self.generators.status()
+        last = self._pool_reported
         if (st["pending"] or st["restarting"] or st["respawn"]) and \
-                now - self._pool_reported >= self.cfg.cluster.stall_report_s:
+                (last is None or now - last >= self.cfg.cluster.stall_report_s):
             self._pool_reported = now
             log.warning("%s", self.generators.describe())
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def train_cmd(runs_root: Path, name: str, *overrides: str, resume: Path | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "cluster.cli", "train"]
     if resume is not None:
-        return cmd + ["--resume", str(resume)]
+        return cmd + ["--resume", str(resume), *overrides]
     return cmd + [f"name={name}", f"checkpoint.runs_root={runs_root}", *overrides]
 
 

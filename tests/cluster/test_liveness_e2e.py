@@ -66,9 +66,11 @@ def test_a_config_never_placed_is_refused_and_sigterm_during_start_stops_the_run
     a flag that the training loop, not yet running, would check. (The refused run has its own runs root: two
     processes never share one MLflow SQLite file.)"""
     with train_process(tmp_path, "one-cpu", "cluster.num_cpus=1", "total_steps=2") as refused, \
-            train_process(runs_root, "term", "total_steps=2") as p:
+            train_process(runs_root, "term", "total_steps=100000") as p:
+        # the start (learner ranks import torch and load the model) takes seconds on any machine: a 50 ms
+        # poll sends the signal inside it
         wait_for(lambda: "starting 1 buffer shard" in read_log(runs_root, "term") or p.poll() is not None, 300,
-                 "the start of the components")
+                 "the start of the components", poll_s=0.05)
         p.send_signal(signal.SIGTERM)
         rc = p.wait(120)
         refused_rc = refused.wait(300)
