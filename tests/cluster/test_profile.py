@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from cluster.profile import Profile
@@ -23,7 +24,7 @@ def test_phases_add_up_to_the_whole_command_and_generator_time_is_shown(tmp_path
     parts = sum(s for name, (s, _) in rows.items() if name != "whole command")
     assert abs(parts - rows["whole command"][0]) < 1e-3  # `other` is what no phase measured
     table = p.table("exgrpo train --profile")
-    assert table.startswith("$ exgrpo train --profile") and "| step: learner compute | 0.0" in table
+    assert table.startswith("$ exgrpo train --profile") and re.search(r"\| step: learner compute \| \d+\.\d+", table)
     assert "| engine busy (samples in flight) | 9.00 | 90.0 |" in table and "over 2 generator(s)" in table
     p.save(tmp_path / "profile.json")
     saved = json.loads((tmp_path / "profile.json").read_text())
