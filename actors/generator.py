@@ -58,6 +58,8 @@ from common.messages import Rollout, ScoredGroup, WorkItem, float32_array, int32
 
 log = logging.getLogger(__name__)
 
+_ABANDON_JOIN_S = 10.0  # after stop_timeout_s: how long the loop gets to notice that scoring was abandoned
+
 RETRYABLE = (RuntimeError, TimeoutError, ConnectionError, ray.exceptions.RayError)
 """Errors of a remote buffer / weight-store call that mean "not now" (BufferUnavailableError is a RuntimeError)."""
 
@@ -87,6 +89,7 @@ class GeneratorStats:
     source_errors: int = 0
     groups_dropped: int = 0
     leases_returned: int = 0
+    scoring_abandoned: int = 0  # groups whose scoring a stop abandoned (their leases returned)
     submit: dict[str, int] = field(default_factory=dict)
 
 
@@ -187,14 +190,19 @@ class GeneratorWorker:
         self._return_in_flight = not drain
         self._stop.set()
         self._wake.set()
+        if not drain and self.rewards is not None:  # a reward call may never end: stop scoring now
+            self.rewards.abandon()
         thread = self._thread
         if thread is not None:
             thread.join(timeout=self.cfg.stop_timeout_s)
             if thread.is_alive():
+                if self.rewards is not None:
+                    self.rewards.abandon()
                 items = self._unfinished()
                 log.error("generator %s: work in flight did not finish within stop_timeout_s=%.0fs; "
                           "returning its %d leases", self.generator_id, self.cfg.stop_timeout_s, len(items))
                 self._return_leases(items)
+                thread.join(timeout=_ABANDON_JOIN_S)
         unregister = getattr(self.weight_source, "unregister", None)
         if unregister is not None:
             try:
@@ -213,9 +221,12 @@ class GeneratorWorker:
             raise RuntimeError(f"generator {self.generator_id} loop failed: {self._failure}")
         return self.generator_id
 
-    def last_sample(self) -> dict | None:
+    def last_sample(self, kind: str = "scored") -> dict | None:
         """The last response this generator scored: question id, response text, reference answer,
-        reward and reward error (None before the first group)."""
+        reward and reward error (None before the first group). `kind="timeout"`: the first reward call
+        that timed out, the same fields (seen while its batch is still being scored)."""
+        if kind == "timeout":
+            return self.rewards.first_timeout if self.rewards is not None else None
         return self._last_sample
 
     def metrics(self) -> dict[str, float]:
@@ -254,6 +265,13 @@ class GeneratorWorker:
             "uptime_s": wall,
         }
         out.update({f"submit_{k}": float(v) for k, v in s.submit.items()})
+        out["scoring_abandoned"] = float(s.scoring_abandoned)
+        rewards = self.rewards
+        if rewards is not None:  # live, also while a batch is being scored
+            r = rewards.stats()
+            out.update(reward_in_flight=float(r["in_flight"]), reward_timeouts=float(r["timeouts"]),
+                       reward_oldest_s=float(r["oldest_s"]), reward_call_p50_s=float(r["call_p50_s"]),
+                       reward_call_max_s=float(r["call_max_s"]))
         return out
 
     # --------------------------------------------------------------------------------- engine thread
@@ -384,6 +402,8 @@ class GeneratorWorker:
     # --------------------------------------------------------------------------------- scorer thread
 
     def _score_loop(self) -> None:
+        from common.rewards import ScoringAbandoned
+
         try:
             done = False
             while not done:
@@ -405,7 +425,18 @@ class GeneratorWorker:
                 if self._return_in_flight:
                     self._return_leases([g.item for g in batch])
                 else:
-                    self._submit(self._score(batch), [g.item for g in batch])
+                    try:
+                        scored = self._score(batch)
+                    except ScoringAbandoned as e:  # a stop gave up on the reward: nothing of the batch is submitted
+                        self.stats.scoring_abandoned += len(batch)
+                        with self._lock:  # unless stop() already took them (`_unfinished`)
+                            mine, self._scoring = self._scoring is batch, []
+                        log.warning("generator %s: stopping; abandoned scoring %d group(s) (%s); %s", self.generator_id,
+                                    len(batch), e, "returning their leases" if mine else "their leases were returned")
+                        if mine:
+                            self._return_leases([g.item for g in batch])
+                    else:
+                        self._submit(scored, [g.item for g in batch])
                 with self._lock:
                     self._scoring = []
                     self._unsubmitted -= len(batch)

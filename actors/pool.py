@@ -37,11 +37,11 @@ log = logging.getLogger(__name__)
 _SUM = ("batches", "groups", "rollouts", "tokens", "tokens_per_s", "rollouts_per_s", "wall_tokens_per_s", "generate_s",
         "score_s", "wait_s", "weight_loads", "weight_load_s", "reward_errors", "rewarded", "source_errors",
         "groups_dropped", "leases_returned", "running", "in_flight", "loads_in_flight", "rollouts_spanning",
-        "uptime_s")
+        "uptime_s", "reward_in_flight", "reward_timeouts", "scoring_abandoned")
 _MEAN = ("wait_fraction", "busy_fraction", "version_lag_mean", "weight_load_s_last", "startup_s", "version")
-_MAX = ("version_lag_max",)
+_MAX = ("version_lag_max", "reward_oldest_s", "reward_call_p50_s", "reward_call_max_s")  # p50: the slowest generator's
 _PENDING_STATES = ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
-_FAST_STOP_S = 10.0  # a stop without drain (a signal): leases not returned by then expire and are reissued
+FAST_STOP_S = 10.0  # a stop without drain (a signal): leases not returned by then expire and are reissued
 
 
 class GeneratorsFailed(RuntimeError):
@@ -250,13 +250,14 @@ class GeneratorPool:
             line += f"; last death: {gid}: {why[:120]}"
         return line
 
-    def last_sample(self) -> dict | None:
-        """The last scored sample of a running generator (question, response, reward), or None."""
+    def last_sample(self, kind: str = "scored") -> dict | None:
+        """The last scored sample of a running generator (question, response, reward), or None;
+        `kind="timeout"`: its first reward call that timed out (the same fields)."""
         for i, actor in sorted(self.actors.items()):
             if self.state.get(i) != "running":
                 continue
             try:
-                s = ray.get(actor.last_sample.remote(), timeout=self.call_timeout_s)
+                s = ray.get(actor.last_sample.remote(kind), timeout=self.call_timeout_s)
             except (ray.exceptions.RayError, TimeoutError) as e:
                 log.warning("generator %s did not return its last sample (%s)", self.generator_id(i), type(e).__name__)
                 continue
@@ -269,20 +270,26 @@ class GeneratorPool:
         for i in indices:
             self.state.pop(i, None)
         refs = [a.stop.remote(drain=drain) for a in actors]
-        deadline = time.monotonic() + (self.cfg.stop_timeout_s + 30 if drain else _FAST_STOP_S)
+        deadline = time.monotonic() + (self.cfg.stop_timeout_s + 30 if drain else FAST_STOP_S)
+        returned = abandoned = 0.0
         for i, a, ref in zip(indices, actors, refs):
             try:
                 final = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
                 self._remember(final)
+                returned += final.get("leases_returned", 0.0)
+                abandoned += final.get("scoring_abandoned", 0.0)
             except (ray.exceptions.RayError, TimeoutError) as e:  # its leases expire and are reissued
                 log.error("generator %s did not stop cleanly (%s: %s); killing it, its leases will expire",
                           self.generator_id(i), type(e).__name__, _first_line(e))
                 self.removed_metrics["unclean_stops"] = self.removed_metrics.get("unclean_stops", 0.0) + 1
             ray.kill(a, no_restart=True)
-        log.info("generator pool: removed %s (size %d)", [self.generator_id(i) for i in indices], self.size)
+        log.info("generator pool: removed %s (size %d)%s", [self.generator_id(i) for i in indices], self.size,
+                 f"; abandoned scoring {abandoned:.0f} group(s) in a reward call (leases returned: {returned:.0f})"
+                 if abandoned else "")
 
     def _remember(self, final: dict[str, float]) -> None:
-        for k in ("batches", "groups", "rollouts", "tokens", "reward_errors", "groups_dropped", "leases_returned"):
+        for k in ("batches", "groups", "rollouts", "tokens", "reward_errors", "groups_dropped", "leases_returned",
+                  "scoring_abandoned"):
             self.removed_metrics[f"removed_{k}"] = self.removed_metrics.get(f"removed_{k}", 0.0) + final.get(k, 0.0)
 
     def metrics(self) -> dict[str, float]:

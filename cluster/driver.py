@@ -36,8 +36,8 @@ import numpy as np
 
 from cluster.profile import Profile
 from cluster.liveness import (
-    EXIT_CONFIG, EXIT_FAILED, EXIT_STALLED, NOTHING_LEFT, RunStopped, StallWatch, check_placement, diagnose,
-    sample_text,
+    EXIT_CONFIG, EXIT_FAILED, EXIT_STALLED, NOTHING_LEFT, ErrorWindow, RunStopped, StallWatch, check_placement,
+    diagnose, sample_text, zero_reward_hint,
 )
 from common.config import ConfigError, ObjectStoreSyncConfig, RunConfig, flatten, to_yaml
 from common.messages import TrainingBatch
@@ -45,6 +45,7 @@ from common.messages import TrainingBatch
 log = logging.getLogger("exgrpo")
 
 BATCH_WAIT_S = 2.0
+REWARD_ERROR_WINDOW = 10  # learner steps over which reward.max_error_fraction is measured
 """How long one get_batch call waits before the driver checks signals, generators and scaling."""
 
 
@@ -80,6 +81,8 @@ class Trainer:
         self._pending = None
         self._publish_s = 0.0
         self._ingest_mark: tuple[float, float] | None = None  # (time, groups accepted by the buffer)
+        self._reward_errors = ErrorWindow(REWARD_ERROR_WINDOW)
+        self._errors_warned_at = -REWARD_ERROR_WINDOW
 
     # ------------------------------------------------------------------------------------- build
 
@@ -137,6 +140,7 @@ class Trainer:
         now = time.monotonic()
         self.watch = StallWatch(cfg.cluster.stall_report_s, cfg.cluster.stall_timeout_s, now)
         self._pool_reported, self._zero_hinted = None, False  # None: not yet reported (at the first batch)
+        self._timeout_shown = False
 
     def _everything_fits(self) -> bool:
         """The learner ranks, all generators asked for and the evaluator fit in the cluster's free CPUs and GPUs."""
@@ -206,8 +210,11 @@ class Trainer:
             self.state.rollouts += sum(len(g.rollouts) for g in batch.groups)  # fresh ones (o* joins in the learner)
             with phase("step: metrics, MLflow, progress"):
                 metrics = self._metrics(batch, result, time.monotonic() - t0, buffer_metrics)
+                too_many_errors = self._check_reward_errors(metrics)
                 self.tracker.log_metrics(metrics, self.state.step)
                 progress.update(self.state.step, {**metrics, **(self.evaluation.last if self.evaluation else {})})
+                if too_many_errors is not None:
+                    raise too_many_errors
                 if self.evaluation is not None:
                     self.evaluation.after_step(self.state.step)
             if cfg.checkpoint.every_steps and self.state.step % cfg.checkpoint.every_steps == 0:
@@ -296,9 +303,12 @@ class Trainer:
             return
         d = diagnose(self.watch.seconds(now), self.state.step, self.cfg.total_steps, self.generators.status(),
                      self.generators.describe(), buf, self.generators.metrics(), len(self.questions),
-                     self.cfg.reward.name)
+                     self.cfg.reward.name, self.cfg.reward.timeout_s)
         self.tracker.log_metrics(d.metrics, self.state.step)
-        if d.all_rewards_zero and (not self._zero_hinted or expired):
+        if d.scoring_holds and (not self._timeout_shown or expired):
+            self._timeout_shown = True
+            d.hints.append("the first reward call that timed out: " + sample_text(self.generators.last_sample("timeout")))
+        elif d.all_rewards_zero and (not self._zero_hinted or expired):
             self._zero_hinted = True
             d.hints.append(sample_text(self.generators.last_sample()))
         if d.nothing_left:
@@ -311,12 +321,39 @@ class Trainer:
         log.warning("%s", text)
 
     def _hint_if_all_zero(self, batch: TrainingBatch) -> None:
-        """The first batch whose rewards are all 0 names the reward function and shows one response."""
+        """The first batch whose rewards are all 0 names the reward function (leading with its errors when
+        they explain the zeros) and shows one response."""
         if self._zero_hinted or any(r.reward > 0 for g in batch.groups for r in g.rollouts):
             return
         self._zero_hinted = True
-        log.warning("every reward in this batch is 0: check that reward.name=%s matches the data's answers and "
-                    "the responses' format; %s", self.cfg.reward.name, sample_text(self.generators.last_sample()))
+        m = self.generators.metrics()
+        hint = zero_reward_hint(self.cfg.reward.name, m.get("rollouts", 0.0), m.get("reward_errors", 0.0),
+                                m.get("reward_timeouts", 0.0))
+        log.warning("every reward in this batch is 0; %s; %s", hint.removeprefix("every reward so far is 0, and ")
+                    .removeprefix("every reward so far is 0 "), sample_text(self.generators.last_sample()))
+
+    def _check_reward_errors(self, metrics: dict[str, float]) -> RunStopped | None:
+        """Past `reward.max_error_fraction` of the last steps' rollouts scored as reward errors, the stop to
+        raise once the step is logged; without it, warn (at most once per window) when more than half were.
+        Adds `train/reward_error_fraction` to `metrics`."""
+        g = lambda k: metrics.get(f"generator/{k}", 0.0) + metrics.get(f"generator/removed_{k}", 0.0)  # noqa: E731
+        errors, rollouts = self._reward_errors.observe(g("reward_errors"), g("rollouts"))
+        limit = self.cfg.reward.max_error_fraction
+        metrics["train/reward_error_fraction"] = errors / rollouts if rollouts else 0.0
+        if not rollouts or errors / rollouts <= (0.5 if limit is None else limit):
+            return None
+        what = (f"{errors:.0f} of the {rollouts:.0f} rollouts of the last {len(self._reward_errors.window)} steps "
+                f"were reward errors scored 0 ({g('reward_timeouts'):.0f} timeouts so far) with "
+                f"reward.name={self.cfg.reward.name}")
+        if limit is not None:
+            return RunStopped(f"{what}: above reward.max_error_fraction={limit:g}; stopping instead of training on "
+                              f"zeros: fix the reward function; {sample_text(self.generators.last_sample())}",
+                              EXIT_FAILED)
+        if self.state.step - self._errors_warned_at >= REWARD_ERROR_WINDOW:
+            self._errors_warned_at = self.state.step
+            log.warning("%s: training goes on with those zeros (set reward.max_error_fraction to stop instead); %s",
+                        what, sample_text(self.generators.last_sample()))
+        return None
 
     def stop_with(self, e: RunStopped) -> None:
         """Say why the run stops (console, MLflow) and write a checkpoint when it can be written."""
@@ -426,9 +463,25 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------- teardown
 
+    def _stop_generators(self) -> None:
+        """Stop the generators without draining, and say what they gave up."""
+        from actors.pool import FAST_STOP_S
+
+        pool = self.generators
+        before = {k: _removed(pool, k) for k in ("leases_returned", "scoring_abandoned")}
+        unclean = pool.removed_metrics.get("unclean_stops", 0.0)
+        pool.shutdown(drain=False)
+        returned, abandoned = (_removed(pool, k) - v for k, v in before.items())
+        killed = pool.removed_metrics.get("unclean_stops", 0.0) - unclean
+        log.info("generators stopped: %.0f lease(s) returned (their questions are reissued on resume)%s%s", returned,
+                 f"; abandoned the reward calls of {abandoned:.0f} group(s) in scoring" if abandoned else "",
+                 f"; {killed:.0f} did not answer within {FAST_STOP_S:g} s and were killed" if killed else "")
+
     def close(self) -> None:
-        """Stop every component. After a signal (`interrupted`) generators return their leases instead
-        of finishing their batch, and a further signal abandons the rest to ray.shutdown()."""
+        """Stop every component; a further signal abandons the rest to ray.shutdown(). Generators return their
+        leases at once instead of finishing their work (nothing trains on it: the last checkpoint is written) and
+        abandon any reward call in progress, so the stop is bounded whatever the reward function does: at most
+        ~10 s for the generators, then they are killed (README, "Stopping is bounded")."""
         import ray
 
         self.phase = "close"
@@ -437,8 +490,11 @@ class Trainer:
                 obj = getattr(self, part, None)
                 if obj is None:
                     continue
-                try:
-                    obj.shutdown(drain=not self.interrupted) if part == "generators" else obj.shutdown()
+                try:  # generators return their leases rather than finish work nothing will train on
+                    if part == "generators":
+                        self._stop_generators()
+                    else:
+                        obj.shutdown()
                 except ray.exceptions.RayError as e:
                     log.warning("shutting down %s: %s", part, str(e).splitlines()[0] if str(e) else type(e).__name__)
             ctl = getattr(self, "control", None)
@@ -447,6 +503,10 @@ class Trainer:
             _wait_names_released(self.run_dir.name, self.cfg.cluster.namespace, 10.0 if self.interrupted else 60.0)
         except KeyboardInterrupt:
             log.warning("shutdown interrupted: the remaining actors end with Ray")
+
+
+def _removed(pool, key: str) -> float:
+    return pool.removed_metrics.get(f"removed_{key}", 0.0)
 
 
 def _wait_names_released(run: str, namespace: str, timeout_s: float = 60.0) -> None:
@@ -625,7 +685,7 @@ def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, pr
                       cfg.cluster.max_restarts)
             state.__dict__.update(_load_driver_state(run_dir).__dict__)
         finally:
-            with profile.phase("shutdown: components (drain generators, stop actors)"):
+            with profile.phase("shutdown: components (stop generators and actors)"):
                 trainer.close()
             restore_signals()
 

@@ -151,15 +151,42 @@ class Diagnosis:
     metrics: dict[str, float] = field(default_factory=dict)
     nothing_left: bool = False  # every training question is retired: waiting cannot help
     all_rewards_zero: bool = False
+    scoring_holds: bool = False  # reward calls hang or time out: the reward function holds the run
 
 
 NOTHING_LEFT = "every training question is retired (solved in all K samples): nothing left to train on"
 
 
+def scoring_holds(gen: dict[str, float], reward_timeout_s: float) -> bool:
+    """Reward calls are in flight and hang or time out: the generators' scoring is what holds the run."""
+    return gen.get("reward_in_flight", 0.0) > 0 and (
+        gen.get("reward_timeouts", 0.0) > 0 or gen.get("reward_oldest_s", 0.0) >= reward_timeout_s)
+
+
+def reward_calls_text(gen: dict[str, float]) -> str:
+    """The reward calls of `gen` (GeneratorPool.metrics()) for a console line."""
+    return (f"reward calls in flight {gen.get('reward_in_flight', 0.0):.0f} (oldest "
+            f"{gen.get('reward_oldest_s', 0.0):.0f}s), timed out {gen.get('reward_timeouts', 0.0):.0f}, per call p50 "
+            f"{gen.get('reward_call_p50_s', 0.0):.2f}s max {gen.get('reward_call_max_s', 0.0):.2f}s")
+
+
+def zero_reward_hint(reward_name: str, rollouts: float, errors: float, timeouts: float) -> str:
+    """Why every reward is 0: the reward errors first when they explain the zeros (at least half of the
+    rollouts), else the data/format mismatch."""
+    if errors + timeouts > 0 and errors >= rollouts / 2:
+        return (f"every reward so far is 0, and {errors:.0f} of {rollouts:.0f} rollouts were reward errors "
+                f"({timeouts:.0f} timeouts) scored 0: reward.name={reward_name} fails or hangs; fix it (its first "
+                "error is in the console above and the generator logs) before looking at the data")
+    return (f"every reward so far is 0 ({rollouts:.0f} rollouts): check that reward.name={reward_name} "
+            "matches the data's answer field and the responses' format")
+
+
 def diagnose(seconds: float, step: int, total_steps: int, pool: dict[str, list[str]], pool_line: str,
-             buf: dict[str, float], gen: dict[str, float], n_questions: int, reward_name: str) -> Diagnosis:
+             buf: dict[str, float], gen: dict[str, float], n_questions: int, reward_name: str,
+             reward_timeout_s: float = 5.0) -> Diagnosis:
     """Explain a wait from numbers: `pool` is GeneratorPool.status(), `pool_line` its describe(),
-    `buf` BufferClient.metrics(), `gen` GeneratorPool.metrics() (counters summed over generators)."""
+    `buf` BufferClient.metrics(), `gen` GeneratorPool.metrics() (counters summed over generators; the
+    reward_* ones are live, read while a batch is being scored)."""
     def b(key: str) -> float:
         return float(buf.get(key, 0.0))
 
@@ -167,18 +194,30 @@ def diagnose(seconds: float, step: int, total_steps: int, pool: dict[str, list[s
     dropped = {"zero-signal": b("zero_signal"), "stale": b("stale_dropped"), "rejected": b("rejected"),
                "expired leases": b("expired")}
     reward_errors, rollouts, rewarded = gen.get("reward_errors", 0.0), gen.get("rollouts", 0.0), gen.get("rewarded")
+    timeouts = gen.get("reward_timeouts", 0.0)
     line = (f"no learner step for {seconds:.0f}s (step {step}/{total_steps}): {pool_line}; "
             f"leases outstanding {b('leases_outstanding'):.0f}, ready groups {ready:.0f}, "
             f"groups accepted {b('accepted'):.0f}; dropped so far: "
             + ", ".join(f"{k} {v:.0f}" for k, v in dropped.items())
-            + f"; reward errors {reward_errors:.0f}; retired {b('retired'):.0f}/{n_questions}")
+            + f"; reward errors {reward_errors:.0f}; {reward_calls_text(gen)}; retired {b('retired'):.0f}/{n_questions}")
     d = Diagnosis(line=line)
     d.metrics = {"stall/seconds": seconds, "stall/ready_groups": ready, "stall/reward_errors": reward_errors,
                  "stall/leases_outstanding": b("leases_outstanding"), "stall/zero_signal": b("zero_signal"),
                  "stall/stale_dropped": b("stale_dropped"), "stall/rejected": b("rejected"),
-                 "stall/expired": b("expired"), "stall/retired": b("retired")}
+                 "stall/expired": b("expired"), "stall/retired": b("retired"),
+                 "stall/reward_in_flight": gen.get("reward_in_flight", 0.0), "stall/reward_timeouts": timeouts,
+                 "stall/reward_oldest_s": gen.get("reward_oldest_s", 0.0),
+                 "stall/reward_call_max_s": gen.get("reward_call_max_s", 0.0)}
     for state, ids in pool.items():
         d.metrics[f"stall/generators_{state}"] = float(len(ids))
+    if scoring_holds(gen, reward_timeout_s):
+        d.scoring_holds = True
+        d.line = f"scoring holds the run: {d.line}"
+        d.hints.append(f"the reward function holds the run: reward.name={reward_name} has "
+                       f"{gen.get('reward_in_flight', 0.0):.0f} call(s) in flight, the oldest for "
+                       f"{gen.get('reward_oldest_s', 0.0):.0f}s, and {timeouts:.0f} timed out after reward.timeout_s="
+                       f"{reward_timeout_s:g}s (each scores 0 and replaces its worker); a batch of hanging calls takes "
+                       f"calls x timeout per worker: fix the function, lower reward.timeout_s or raise reward.num_workers")
     if n_questions and b("retired") >= n_questions:
         d.nothing_left = True
         d.hints.append(NOTHING_LEFT)
@@ -189,16 +228,33 @@ def diagnose(seconds: float, step: int, total_steps: int, pool: dict[str, list[s
                        "generator.num_gpus")
     if rollouts > 0 and rewarded == 0:
         d.all_rewards_zero = True
-        d.hints.append(f"every reward so far is 0 ({rollouts:.0f} rollouts): check that reward.name={reward_name} "
-                       "matches the data's answer field and the responses' format")
+        d.hints.append(zero_reward_hint(reward_name, rollouts, reward_errors, timeouts))
     elif b("zero_signal") > 0 and b("accepted") == 0:
         d.hints.append(f"every group so far got equal rewards in all K samples (zero signal, {b('zero_signal'):.0f} "
                        "dropped): the questions are all too hard or all too easy for this model")
     if b("stale_dropped") > 0 and b("stale_dropped") >= b("accepted"):
         d.hints.append("most groups arrive older than buffer.max_lag: raise buffer.max_lag or add generators")
-    if reward_errors > 0:
+    if reward_errors > 0 and not d.all_rewards_zero:
         d.hints.append(f"the reward function failed {reward_errors:.0f} times (errors score 0; see the generator logs)")
     return d
+
+
+class ErrorWindow:
+    """The share of rollouts scored as reward errors over the last `steps` learner steps, from the
+    generators' running totals (a total that goes down, a generator restarting, starts a new count)."""
+
+    def __init__(self, steps: int = 10):
+        self.steps = steps
+        self.last = (0.0, 0.0)
+        self.window: list[tuple[float, float]] = []  # (errors, rollouts) per step
+
+    def observe(self, errors_total: float, rollouts_total: float) -> tuple[float, float]:
+        """Add one step's totals; returns (errors, rollouts) over the window."""
+        if errors_total >= self.last[0] and rollouts_total >= self.last[1]:
+            self.window.append((errors_total - self.last[0], rollouts_total - self.last[1]))
+            self.window = self.window[-self.steps:]
+        self.last = (errors_total, rollouts_total)
+        return sum(e for e, _ in self.window), sum(r for _, r in self.window)
 
 
 def sample_text(sample: dict | None, limit: int = 300) -> str:

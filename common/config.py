@@ -203,6 +203,10 @@ class RewardConfig(Section):
     """Address-space limit of each reward worker process (0: none); a memory bomb fails inside the worker."""
     worker_start_timeout_s: float = Field(60.0, gt=0, le=3600)
     """A reward worker that has not imported its function within this is reported and its items score 0."""
+    max_error_fraction: float | None = Field(None, gt=0, le=1)
+    """Stop the run (exit 1, after a checkpoint) when more than this share of the rollouts of the last 10 learner
+    steps were reward errors (raised, hung past `timeout_s`, bad value: each scored 0) instead of training on
+    zeros. None: warn when more than half were, and go on."""
 
     @field_validator("name")
     @classmethod
@@ -867,6 +871,7 @@ RESUMABLE_FIELDS = (
     "generator.retry_backoff_s", "generator.start_timeout_s", "generator.replace_budget",
     "generator.replace_window_s", "generator.idle_sleep_s",
     "reward.num_workers", "reward.timeout_s", "reward.worker_memory_mb", "reward.worker_start_timeout_s",
+    "reward.max_error_fraction",
     "buffer.call_timeout_s", "buffer.lease_timeout_s", "buffer.snapshot_every_s", "buffer.max_restarts",
     "buffer.max_concurrency",
     "learner.publish_timeout_s", "learner.start_timeout_s", "learner.placement", "learner.num_cpus",

@@ -23,7 +23,15 @@ A reward function is `fn(response_text: str, answer: str) -> float in [0, 1]`. T
 
 Every response is cut to its last `max_response_chars` characters first. A call that raises, hangs,
 crashes its worker or returns anything but a real number in [0, 1] scores 0; the error is counted in
-`stats()` and logged with the question id. `score` itself never raises for a bad reward function.
+`stats()` and logged with the question id (the first timeout with the start of its response).
+`score` itself never raises for a bad reward function.
+
+`stats()` is live and may be read from another thread while `score` runs: calls done, errors,
+timeouts, worker restarts, the calls of the current batch still in flight and how long the oldest has
+been waiting, and the time per call (p50/max over the last `CALL_WINDOW` calls) — what a stall report
+needs to say that scoring holds the run. `abandon()` (any thread) makes the current or next `score`
+raise `ScoringAbandoned` within ~0.2 s, killing the workers: how a stopping generator bounds its wait
+for a reward that hangs.
 """
 
 from __future__ import annotations
@@ -35,8 +43,10 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import unicodedata
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -160,16 +170,30 @@ def check_task_matches(reward_name: str, task_name: str | None) -> None:
 # -------------------------------------------------------------------------------------------- pool
 
 
+CALL_WINDOW = 256  # recent calls whose durations give the p50/max of `RewardPool.stats()`
+ABANDON_POLL_S = 0.2  # how often a waiting `score` looks at `abandon()`
+
+
+class ScoringAbandoned(Exception):
+    """`RewardPool.abandon()` was called while (or before) `score` ran: its batch has no results."""
+
+    def __init__(self, scored: int, total: int):
+        super().__init__(f"scoring abandoned with {scored} of {total} responses scored")
+        self.scored, self.total = scored, total
+
+
 class RewardPool:
     """Scores batches of responses with a per-call timeout; see the module docstring.
 
         pool = RewardPool(cfg.reward, task_name="countdown")
         results = pool.score([ScoreRequest(q.id, text, q.answer) for ...])   # one call per batch
-        pool.stats()   # {"calls", "errors", "timeouts", "worker_restarts"}
+        pool.stats()   # live: calls, errors, timeouts, worker_restarts, in_flight, oldest_s, call_p50_s, ...
+        pool.abandon() # from another thread: the running `score` raises ScoringAbandoned
         pool.close()
 
-    Not thread-safe: one `score` call at a time (a generator scores its batches in turn). Workers start
-    on the first call that needs them and live until `close()` (also called on garbage collection).
+    One `score` call at a time (a generator scores its batches in turn); `stats` and `abandon` may be
+    called from any thread. Workers start on the first call that needs them and live until `close()`
+    (also called on garbage collection).
     """
 
     def __init__(self, reward_cfg: RewardConfig, task_name: str | None = None):
@@ -179,21 +203,58 @@ class RewardPool:
         check_task_matches(reward_cfg.name, task_name)
         self._workers = [None] * reward_cfg.num_workers
         self._stats = {"calls": 0, "errors": 0, "timeouts": 0, "worker_restarts": 0}
+        self._lock = threading.Lock()  # guards _stats, _durations, _in_flight, _started (read by stats())
+        self._durations: deque[float] = deque(maxlen=CALL_WINDOW)  # seconds per finished call
+        self._in_flight = 0  # calls of the running batch without a result yet
+        self._started: dict[int, float] = {}  # job worker -> when its current call started (monotonic)
+        self._abandon = threading.Event()
+        self._batch_ids: list[str] = []  # question ids of the running batch (for the first timeout's message)
+        self.first_timeout: dict | None = None  # the first call that timed out: question_id, response, answer, ...
 
     def score(self, items: list[ScoreRequest]) -> list[ScoreResult]:
-        """One result per request, in order. Never raises for a bad reward function."""
+        """One result per request, in order. Never raises for a bad reward function; raises
+        `ScoringAbandoned` after `abandon()`."""
+        if self._abandon.is_set():
+            raise ScoringAbandoned(0, len(items))
         limit = self.cfg.max_response_chars
         pairs = [(_tail(r.response_text, limit), r.answer) for r in items]
+        self._batch_ids = [r.question_id for r in items]
         if self._in_process:
-            raw = [score_one(self._fn, resp, ans) for resp, ans in pairs]
+            raw = []
+            for resp, ans in pairs:
+                t0 = time.monotonic()
+                raw.append(score_one(self._fn, resp, ans))
+                with self._lock:
+                    self._durations.append(time.monotonic() - t0)
         else:
-            raw = self._score_in_workers(pairs)
-        self._stats["calls"] += len(items)
+            with self._lock:
+                self._in_flight = len(pairs)
+            try:
+                raw = self._score_in_workers(pairs)
+            finally:
+                with self._lock:
+                    self._in_flight, self._started = 0, {}
+        with self._lock:
+            self._stats["calls"] += len(items)
         return [self._result(req, reward, error) for req, (reward, error) in zip(items, raw)]
 
-    def stats(self) -> dict[str, int]:
-        """Counters since construction: calls, errors (all forced zeros), timeouts, worker_restarts."""
-        return dict(self._stats)
+    def stats(self) -> dict[str, float]:
+        """Live counters since construction: calls, errors (all forced zeros), timeouts, worker_restarts;
+        the running batch's calls in flight and the age of the oldest running call (`oldest_s`); seconds
+        per call over the last CALL_WINDOW calls (`call_p50_s`, `call_max_s`, 0 before any)."""
+        with self._lock:
+            out: dict[str, float] = dict(self._stats)
+            durations = sorted(self._durations)
+            out["in_flight"] = self._in_flight
+            oldest = min(self._started.values(), default=None)
+        out["oldest_s"] = time.monotonic() - oldest if oldest is not None else 0.0
+        out["call_p50_s"] = durations[len(durations) // 2] if durations else 0.0
+        out["call_max_s"] = durations[-1] if durations else 0.0
+        return out
+
+    def abandon(self) -> None:
+        """Stop scoring for good (thread-safe): the running or next `score` raises `ScoringAbandoned`."""
+        self._abandon.set()
 
     def close(self) -> None:
         """Stop the worker processes (idempotent)."""
@@ -216,9 +277,31 @@ class RewardPool:
     def _result(self, req: ScoreRequest, reward: float | None, error: str | None) -> ScoreResult:
         if error is None and reward is not None:
             return ScoreResult(reward)
-        self._stats["errors"] += 1
-        log.warning("reward %s on question %s: %s (scored 0)", self.cfg.name, req.question_id, error)
+        with self._lock:
+            self._stats["errors"] += 1
+        if not (error or "").startswith("timed out"):  # timeouts: the first is printed when it happens
+            log.warning("reward %s on question %s: %s (scored 0)", self.cfg.name, req.question_id, error)
         return ScoreResult(0.0, error)
+
+    def _call_started(self, job: _Job) -> None:
+        """The job's worker begins its next item: a new per-call deadline and start time."""
+        now = time.monotonic()
+        job.deadline = now + self.cfg.timeout_s
+        with self._lock:
+            if job.done:
+                self._started.pop(job.worker, None)
+            else:
+                self._started[job.worker] = now
+
+    def _call_ended(self, job: _Job, results, result: tuple[float | None, str | None]) -> None:
+        """Record the result of the job's current item (and its duration), move to the next."""
+        results[job.indices[job.pos]] = result
+        job.pos += 1
+        with self._lock:
+            self._in_flight -= 1
+            start = self._started.get(job.worker)
+            if start is not None:
+                self._durations.append(time.monotonic() - start)
 
     def _score_in_workers(self, pairs: list[tuple[str, str]]) -> list[tuple[float | None, str | None]]:
         results: list[tuple[float | None, str | None]] = [(None, "not scored")] * len(pairs)
@@ -229,6 +312,12 @@ class RewardPool:
         for job in jobs:
             self._send(job, pairs, results)
         while any(not j.done for j in jobs):
+            if self._abandon.is_set():
+                for w in range(n):  # a worker may be inside a call that never ends: kill them all
+                    if self._workers[w] is not None:
+                        self._workers[w].stop()
+                        self._workers[w] = None
+                raise ScoringAbandoned(sum(j.pos for j in jobs), len(pairs))
             if not self._collect(jobs, pairs, results):
                 self._expire_one(jobs, pairs, results)
         return results
@@ -248,24 +337,27 @@ class RewardPool:
         """Send the job's remaining items to its worker; on a dead worker, fail them all."""
         w = self._workers[job.worker]
         if w.failure is not None:
-            for i in job.indices[job.pos:]:
-                results[i] = (None, f"reward worker unavailable: {w.failure}")
-            job.pos = len(job.indices)
+            while not job.done:
+                self._call_ended(job, results, (None, f"reward worker unavailable: {w.failure}"))
+            self._call_started(job)
             return
         try:
             w.send([list(pairs[i]) for i in job.indices[job.pos:]])
         except OSError as e:
             w.failure = f"cannot send to the worker ({e})"
             return self._send(job, pairs, results)
-        job.deadline = time.monotonic() + self.cfg.timeout_s
+        self._call_started(job)
 
     def _replace(self, job: _Job, pairs, results) -> None:
         """Kill the job's worker, start a new one and resend what is left."""
         self._workers[job.worker].stop()
         self._workers[job.worker] = None
         if job.done:
+            with self._lock:
+                self._started.pop(job.worker, None)
             return
-        self._stats["worker_restarts"] += 1
+        with self._lock:
+            self._stats["worker_restarts"] += 1
         self._start_missing([job.worker])
         self._send(job, pairs, results)
 
@@ -277,20 +369,20 @@ class RewardPool:
         """
         active = {self._workers[j.worker].fd: j for j in jobs if not j.done}
         wait = max(0.0, min(j.deadline for j in active.values()) - time.monotonic())
-        readable, _, _ = select.select(list(active), [], [], wait)
+        readable, _, _ = select.select(list(active), [], [], min(wait, ABANDON_POLL_S))
+        if not readable and wait > ABANDON_POLL_S:
+            return True  # no deadline passed yet: the caller looks at abandon() and waits again
         for fd in readable:
             job = active[fd]
             messages, eof = self._workers[job.worker].read()
             for reward, error in messages:
                 if job.done:
                     break
-                results[job.indices[job.pos]] = (reward, error) if error else check_value(reward)
-                job.pos += 1
-                job.deadline = time.monotonic() + self.cfg.timeout_s
+                self._call_ended(job, results, (reward, error) if error else check_value(reward))
+                self._call_started(job)
             if eof and not job.done:
                 code = self._workers[job.worker].exit_code()
-                results[job.indices[job.pos]] = (None, f"reward worker died (exit code {code})")
-                job.pos += 1
+                self._call_ended(job, results, (None, f"reward worker died (exit code {code})"))
                 self._replace(job, pairs, results)
         return bool(readable)
 
@@ -299,9 +391,19 @@ class RewardPool:
         now = time.monotonic()
         for job in jobs:
             if not job.done and now >= job.deadline:
-                self._stats["timeouts"] += 1
-                results[job.indices[job.pos]] = (None, f"timed out after {self.cfg.timeout_s:g} s")
-                job.pos += 1
+                i = job.indices[job.pos]
+                self._call_ended(job, results, (None, f"timed out after {self.cfg.timeout_s:g} s"))
+                with self._lock:
+                    self._stats["timeouts"] += 1
+                    first = self._stats["timeouts"] == 1
+                if first:
+                    response, answer = pairs[i]
+                    self.first_timeout = {"question_id": self._batch_ids[i], "response": response, "answer": answer,
+                                          "reward": 0.0, "error": f"timed out after {self.cfg.timeout_s:g} s"}
+                    head = response[:200] + ("..." if len(response) > 200 else "")
+                    log.warning("reward %s timed out on question %s after reward.timeout_s=%g s (scored 0, its worker "
+                                "replaced; later timeouts are counted, not printed): response %r, reference answer "
+                                "%r", self.cfg.name, self._batch_ids[i], self.cfg.timeout_s, head, answer[:200])
                 self._replace(job, pairs, results)
                 return
 

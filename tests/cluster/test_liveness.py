@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from cluster.liveness import NOTHING_LEFT, StallWatch, check_placement, diagnose, sample_text
+from cluster.liveness import (
+    NOTHING_LEFT, ErrorWindow, StallWatch, check_placement, diagnose, sample_text, zero_reward_hint,
+)
 from common.config import GeneratorConfig, LearnerConfig
 
 GEN, LEARNER = GeneratorConfig(), LearnerConfig()  # 1 CPU per generator, 1 learner rank of 1 CPU
@@ -78,6 +80,41 @@ def test_all_zero_rewards_name_the_reward_function():
     d = diagnose(30, 0, 10, POOL, "", {"zero_signal": 8}, gen, 100, "countdown")
     assert d.all_rewards_zero and any("every reward so far is 0 (64 rollouts)" in h and "reward.name=countdown" in h
                                       for h in d.hints)
+
+
+def test_a_hanging_reward_is_named_first_with_calls_in_flight_timeouts_and_time_per_call():
+    gen = {"reward_errors": 0, "rollouts": 0, "rewarded": 0, "reward_in_flight": 57, "reward_timeouts": 7,
+           "reward_oldest_s": 4.2, "reward_call_p50_s": 5.0, "reward_call_max_s": 5.01}
+    d = diagnose(40, 0, 2, POOL, "generators: 1 running", {"leases_outstanding": 32}, gen, 100, "m:sleeps", 5.0)
+    assert d.scoring_holds and d.line.startswith("scoring holds the run: no learner step for 40s")
+    assert "reward calls in flight 57 (oldest 4s), timed out 7, per call p50 5.00s max 5.01s" in d.line
+    assert d.hints[0].startswith("the reward function holds the run: reward.name=m:sleeps has 57 call(s) in flight, "
+                                 "the oldest for 4s, and 7 timed out after reward.timeout_s=5s")
+    assert d.metrics["stall/reward_timeouts"] == 7 and d.metrics["stall/reward_in_flight"] == 57
+    # no timeout yet, but the oldest call is past the timeout: also held by scoring
+    assert diagnose(40, 0, 2, POOL, "", {}, {**gen, "reward_timeouts": 0, "reward_oldest_s": 6}, 100, "m", 5).scoring_holds
+    # calls in flight that are quick: not what holds the run
+    quick = {**gen, "reward_timeouts": 0, "reward_oldest_s": 0.1, "reward_call_max_s": 0.2}
+    assert not diagnose(40, 0, 2, POOL, "", {}, quick, 100, "m", 5).scoring_holds
+
+
+def test_all_zero_rewards_lead_with_the_reward_errors_when_they_explain_them():
+    assert zero_reward_hint("m:f", 64, 60, 8).startswith("every reward so far is 0, and 60 of 64 rollouts were reward "
+                                                         "errors (8 timeouts) scored 0: reward.name=m:f fails or hangs")
+    assert zero_reward_hint("m:f", 64, 3, 0).startswith("every reward so far is 0 (64 rollouts): check that "
+                                                        "reward.name=m:f matches the data's answer field")
+    d = diagnose(30, 0, 10, POOL, "", {}, {"reward_errors": 64, "rollouts": 64, "rewarded": 0}, 100, "m:f")
+    assert d.all_rewards_zero and "64 of 64 rollouts were reward errors" in d.hints[0]
+    assert not any("failed 64 times" in h for h in d.hints)  # said once, first
+
+
+def test_error_window_counts_the_last_steps_and_survives_a_generator_restart():
+    w = ErrorWindow(steps=2)
+    assert w.observe(0, 64) == (0, 64)
+    assert w.observe(64, 128) == (64, 128)  # step 2: every rollout an error
+    assert w.observe(64, 192) == (64, 128)  # step 1 left the window
+    assert w.observe(10, 20) == (64, 128)  # totals went down (a generator restarted): a new count, nothing added
+    assert w.observe(20, 84) == (10, 128)
 
 
 def test_every_question_retired_means_nothing_left():

@@ -85,3 +85,46 @@ def test_a_config_never_placed_is_refused_and_sigterm_during_start_stops_the_run
     log = read_log(runs_root, "term")
     assert rc == 0, log[-4000:]
     assert "SIGTERM during start: stopping now" in log and "Traceback" not in log
+
+
+def test_a_reward_that_sleeps_is_named_in_the_stall_report_and_the_stop_is_bounded(runs_root):
+    """Before: every call of the batch waited out its 5 s timeout in turn inside one `score`, the stall report
+    said `reward errors 0`, and close waited for that batch to drain (generator.stop_timeout_s). Here the drain
+    bound is an hour: the run still ends (exit 3) right after its checkpoint, because close abandons the
+    reward call and returns the leases instead of draining."""
+    r = run_train(runs_root, "sleeps", f"reward.name={FNS}:sleeps", "total_steps=2", "cluster.stall_report_s=10",
+                  "cluster.stall_timeout_s=30", "generator.stop_timeout_s=3600", timeout_s=900)
+    assert r.returncode == 3, r.stdout[-4000:]
+    assert "scoring holds the run: no learner step for" in r.stdout
+    assert f"the reward function holds the run: reward.name={FNS}:sleeps has" in r.stdout
+    assert "timed out after reward.timeout_s=5s" in r.stdout
+    assert "the first reward call that timed out: a sample: question" in r.stdout
+    assert "(reward error: timed out after 5 s)" in r.stdout
+    assert "stopping after cluster.stall_timeout_s=30s without progress" in r.stdout
+    assert "generators stopped: " in r.stdout and "abandoned the reward calls of" in r.stdout
+    assert "Traceback" not in r.stdout
+    m = _metrics(runs_root, "sleeps")
+    assert m["stall/reward_timeouts"] >= 1 and m["stall/reward_in_flight"] >= 1
+    assert state(runs_root / "sleeps")["checkpoints"], "a stalled run writes a checkpoint before it stops"
+
+
+def test_a_reward_that_hangs_on_some_inputs_trains_on_with_timeouts_counted(runs_root):
+    r = run_train(runs_root, "sometimes", f"reward.name={FNS}:hangs_sometimes", "total_steps=3",
+                  "reward.timeout_s=1", "reward.num_workers=2", "checkpoint.every_steps=0")
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "step 3/3" in r.stdout
+    client = mlflow_client(runs_root)
+    run_id = state(runs_root / "sometimes")["mlflow_run_id"]
+    m = client.get_run(run_id).data.metrics
+    assert m["generator/reward_timeouts"] > 0 and m["generator/reward_errors"] > 0
+    fractions = [x.value for x in client.get_metric_history(run_id, "train/reward_error_fraction")]
+    assert len(fractions) == 3 and all(0 < f < 0.5 for f in fractions), fractions
+
+
+def test_reward_errors_past_max_error_fraction_stop_the_run(runs_root):
+    r = run_train(runs_root, "errors", f"reward.name={FNS}:raises", "total_steps=10", "reward.max_error_fraction=0.5")
+    assert r.returncode == 1, r.stdout[-4000:]
+    assert "were reward errors scored 0" in r.stdout and "above reward.max_error_fraction=0.5" in r.stdout
+    assert "(reward error: raised RuntimeError: broken on" in r.stdout  # the error itself, with its sample
+    assert "step 1/10" in r.stdout and "step 2/10" not in r.stdout
+    assert state(runs_root / "errors")["checkpoints"]

@@ -96,3 +96,20 @@ def slow_exact(response: str, answer: str) -> float:
     """A reward that takes 20 ms (a verifier with real work to do)."""
     time.sleep(0.02)
     return 1.0 if response.strip() == answer else 0.0
+
+
+def sleeps(response: str, answer: str) -> float:
+    """A verifier that hangs on every input (sympy on a pathological answer, say)."""
+    time.sleep(60)
+    return 1.0
+
+
+def hangs_sometimes(response: str, answer: str) -> float:
+    """The countdown verifier, except that it hangs on about one response in sixteen."""
+    import zlib
+
+    from common.tasks import verify_countdown
+
+    if zlib.crc32(response.encode()) % 16 == 0:
+        time.sleep(3600)
+    return verify_countdown(response, answer)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 
 import pytest
 
 from common.config import RewardConfig
-from common.rewards import (RewardPool, ScoreRequest, ScoreResult, exact_reward, math_reward, math_think_reward,
-                            resolve_reward)
+from common.rewards import (RewardPool, ScoreRequest, ScoreResult, ScoringAbandoned, exact_reward, math_reward,
+                            math_think_reward, resolve_reward)
 
 FNS = "tests.common.reward_fns"
 
@@ -22,12 +24,17 @@ def _score(pool: RewardPool, pairs: list[tuple[str, str]]) -> list[ScoreResult]:
     return pool.score([ScoreRequest(f"q{i}", r, a) for i, (r, a) in enumerate(pairs)])
 
 
+def _counts(pool: RewardPool) -> dict[str, float]:
+    return {k: v for k, v in pool.stats().items() if k in ("calls", "errors", "timeouts", "worker_restarts",
+                                                            "in_flight")}
+
+
 def test_builtin_task_rewards_run_in_process():
     answer = json.dumps({"target": 29, "numbers": [3, 7, 8]})
     with RewardPool(RewardConfig(name="countdown"), task_name="countdown") as pool:
         res = _score(pool, [("3*7+8", answer), ("3+7+8", answer), ("9**9**9**9", answer), ("x" * 1_000_000, answer)])
         assert [r.reward for r in res] == [1.0, 0.0, 0.0, 0.0] and all(r.error is None for r in res)
-        assert pool.stats() == {"calls": 4, "errors": 0, "timeouts": 0, "worker_restarts": 0}
+        assert _counts(pool) == {"calls": 4, "errors": 0, "timeouts": 0, "worker_restarts": 0, "in_flight": 0}
         assert pool._workers == [None]  # no worker process was started
     with RewardPool(RewardConfig(name="arithmetic"), task_name="arithmetic") as pool:
         assert [r.reward for r in _score(pool, [("357", "357"), ("35", "357")])] == [1.0, 0.0]
@@ -110,10 +117,49 @@ def test_hanging_call_times_out_and_its_worker_is_replaced():
         res = _score(pool, [("a", ""), ("hang", ""), ("b", ""), ("hang", ""), ("c", "")])
         assert [r.reward for r in res] == [1.0, 0.0, 1.0, 0.0, 1.0]
         assert res[1].error == "timed out after 1 s"
-        assert pool.stats() == {"calls": 5, "errors": 2, "timeouts": 2, "worker_restarts": 2}
+        assert _counts(pool) == {"calls": 5, "errors": 2, "timeouts": 2, "worker_restarts": 2, "in_flight": 0}
+        # the two timed-out calls took at least their timeout each; three of five were quick
+        stats = pool.stats()
+        assert stats["call_max_s"] >= 1.0 and stats["call_p50_s"] < 1.0 and stats["oldest_s"] == 0
         first_pid = pool._workers[0].proc.pid
         assert [r.reward for r in _score(pool, [("d", "")])] == [1.0]
         assert pool._workers[0].proc.pid == first_pid  # a healthy worker is reused across batches
+
+
+def test_stats_are_live_during_a_hanging_batch_and_abandon_ends_it(caplog):
+    """While a batch of hanging calls runs (each past its 2 s timeout in turn, so the batch would take
+    ~16 s), another thread sees the calls in flight, the oldest call's age and the timeouts so far;
+    `abandon()` then ends the batch at once (ScoringAbandoned) and kills the worker. Driven by what the
+    pool reports, not by the clock: the abandon comes after the second timeout is seen."""
+    pool = _pool(f"{FNS}:hangs", timeout_s=2.0)
+    out: dict = {}
+
+    def run():
+        try:
+            _score(pool, [("hang", "")] * 8)
+        except ScoringAbandoned as e:
+            out["abandoned"] = e
+
+    with caplog.at_level(logging.WARNING, logger="common.rewards"):
+        t = threading.Thread(target=run)
+        t.start()
+        seen = []
+        while t.is_alive() and pool.stats()["timeouts"] < 2:
+            seen.append(pool.stats())
+            time.sleep(0.05)
+        live = pool.stats()
+        pool.abandon()
+        t.join(60)
+    assert not t.is_alive(), "abandon() did not end the running batch"
+    assert live["timeouts"] == 2 and live["in_flight"] == 6 and live["calls"] == 0  # calls count finished batches
+    assert any(s["in_flight"] == 8 and s["oldest_s"] > 0 for s in seen)
+    assert out["abandoned"].scored == 2 and out["abandoned"].total == 8
+    assert pool._workers == [None]  # killed, not left inside the hanging call
+    with pytest.raises(ScoringAbandoned):  # for good
+        _score(pool, [("a", "")])
+    first = [r.message for r in caplog.records if "timed out" in r.message]
+    assert len(first) == 1 and "reward.timeout_s=2 s" in first[0] and "response 'hang'" in first[0], first
+    pool.close()
 
 
 def test_hung_worker_process_is_gone():
