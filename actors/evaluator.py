@@ -48,7 +48,7 @@ class EvaluatorWorker:
         """Load the newest published version (if newer) and measure it. The driver asks right after a
         step, while that step's publication may still be in flight: wait up to `wait_s` for
         `min_version` to be announced, then measure the newest one there is (the report names it)."""
-        from cluster.evaluate import evaluate_engine
+        from actors.evaluation import evaluate_engine
 
         t0 = time.monotonic()
         ann = self.weights.latest()

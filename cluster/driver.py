@@ -28,13 +28,13 @@ import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from cluster.profile import Profile
+from cluster.state import DriverState
 from cluster.liveness import (
     EXIT_CONFIG, EXIT_FAILED, EXIT_STALLED, NOTHING_LEFT, ErrorWindow, RunStopped, StallWatch, check_placement,
     diagnose, sample_text, zero_reward_hint,
@@ -45,22 +45,8 @@ from common.messages import TrainingBatch
 log = logging.getLogger("exgrpo")
 
 BATCH_WAIT_S = 2.0
-REWARD_ERROR_WINDOW = 10  # learner steps over which reward.max_error_fraction is measured
 """How long one get_batch call waits before the driver checks signals, generators and scaling."""
-
-
-@dataclass
-class DriverState:
-    """What the driver itself must carry across a checkpoint."""
-
-    step: int = 0
-    mlflow_run_id: str | None = None
-    generators: int = 1
-    rng: dict[str, Any] = field(default_factory=dict)
-    wait_s: float = 0.0
-    train_s: float = 0.0
-    accounting: dict[str, int] = field(default_factory=dict)  # the buffer's counts at this checkpoint
-    rollouts: int = 0  # generated (fresh) rollouts trained so far: the budget `total_rollouts` counts
+REWARD_ERROR_WINDOW = 10  # learner steps over which reward.max_error_fraction is measured
 
 
 class Trainer:

@@ -69,7 +69,7 @@ def load_tokenizer(path: Path, field: str = "model.path"):
 def check_reward(reward_name: str, task: str | None) -> None:
     """The reward resolves here as it will in the generators (a user module imports, the function
     exists) and can score the task; BadInput otherwise."""
-    from common.rewards import check_task_matches, resolve_reward
+    from common.reward_registry import check_task_matches, resolve_reward
 
     try:
         resolve_reward(reward_name)
@@ -91,7 +91,7 @@ def checkpoint_problem(ckpt: Path, num_shards: int) -> str | None:
 
 
 def _driver_problem(path: Path) -> str | None:
-    from cluster.driver import DriverState
+    from cluster.state import DriverState
 
     try:
         DriverState(**json.loads(path.read_text()))

@@ -212,7 +212,7 @@ class RewardConfig(Section):
     @classmethod
     def _known_reward(cls, v: str) -> str:
         """A registry name, or the form of a user function (importing it is checked when a run starts)."""
-        from common.rewards import BUILTIN_NAMES, SIMULATION_NAMES  # here: common.rewards imports this module
+        from common.reward_registry import BUILTIN_NAMES, SIMULATION_NAMES
 
         module, sep, attr = v.partition(":")
         user_fn = sep and attr.isidentifier() and all(p.isidentifier() for p in module.split("."))
@@ -743,7 +743,7 @@ class RunConfig(Section):
 def _task_problems(data: DataConfig, reward_name: str, builtin_model: bool) -> list[str]:
     """A built-in reward that cannot read the task's answers; a prompt encoding its built-in model was not
     trained on."""
-    from common.rewards import BUILTIN_NAMES  # here: common.rewards imports this module
+    from common.reward_registry import BUILTIN_NAMES
     from common.tasks import get_task
 
     task, problems = get_task(data.task), []

@@ -61,7 +61,7 @@ def main(spec: str) -> None:
     sys.stdout = sys.stderr
     _limit_memory()
     try:
-        from common.rewards import BUILTIN_NAMES, resolve_reward
+        from common.reward_registry import BUILTIN_NAMES, resolve_reward
 
         fn, _ = resolve_reward(spec)
         if spec in BUILTIN_NAMES:

@@ -1,9 +1,10 @@
 """Reward functions and the pool that runs them safely.
 
-A reward function is `fn(response_text: str, answer: str) -> float in [0, 1]`. The registry:
+A reward function is `fn(response_text: str, answer: str) -> float in [0, 1]`, named in the registry
+(`common.reward_registry`):
 - `countdown`, `arithmetic`: the built-in tasks' verifiers (`common.tasks`);
 - `exact`: normalised string match (Unicode NFKC, case-folded, whitespace collapsed, surrounding `$`
-  and a trailing period dropped);
+  and a trailing period dropped) (`common.verifiers`, as the next two);
 - `math`: math-verify parses the reference answer and the response's final answer and compares them;
 - `math_think`: the official ExGRPO format: 0 unless the response closes its reasoning with
   `</think>`; then `math` on the text after it (up to a second `</think>`, as the official code splits);
@@ -36,7 +37,6 @@ for a reward that hangs.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import select
@@ -45,20 +45,16 @@ import subprocess
 import sys
 import threading
 import time
-import unicodedata
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgpack
 
 from common.config import RewardConfig
+from common.reward_registry import check_task_matches, resolve_reward
 from common.reward_worker import check_value, score_one
 
 log = logging.getLogger(__name__)
-
-RewardFn = Callable[[str, str], float]
-
 
 @dataclass(frozen=True, slots=True)
 class ScoreRequest:
@@ -75,96 +71,6 @@ class ScoreResult:
 
     reward: float
     error: str | None = None
-
-
-# ------------------------------------------------------------------------------------------ registry
-
-
-def exact_reward(response: str, answer: str) -> float:
-    """1.0 when the normalised response equals the normalised answer."""
-    return 1.0 if normalize_text(response) == normalize_text(answer) else 0.0
-
-
-def normalize_text(text: str) -> str:
-    """NFKC, case-folded, whitespace collapsed, surrounding `$` and one trailing period removed."""
-    t = " ".join(unicodedata.normalize("NFKC", text).casefold().split())
-    t = t.strip("$").strip()
-    return t[:-1].rstrip() if t.endswith(".") else t
-
-
-def math_reward(response: str, answer: str) -> float:
-    """math-verify: 1.0 when the response's final answer is mathematically equal to the reference."""
-    from math_verify import parse, verify
-
-    gold = parse(answer) or parse(f"${answer}$")
-    pred = parse(response)
-    if not gold or not pred:
-        return 0.0
-    return 1.0 if verify(gold, pred) else 0.0
-
-
-def math_think_reward(response: str, answer: str) -> float:
-    """The official ExGRPO math reward: the answer must follow `</think>`; the reasoning is not graded."""
-    if "</think>" not in response:
-        return 0.0
-    return math_reward(response.split("</think>")[1], answer)
-
-
-def synthetic_reward(response: str, answer: str) -> float:
-    """SIMULATION ONLY (`generator.engine.kind: synthetic`): 1 for the engine's `correct` text, in constant time."""
-    return float(response == "correct")
-
-
-BUILTIN_NAMES = ("countdown", "arithmetic", "exact", "math", "math_think")
-SIMULATION_NAMES = ("synthetic",)
-"""Rewards of the simulation engine only: accepted by RewardConfig, never offered to users, refused by `exgrpo train`."""
-
-
-def _builtin() -> dict[str, tuple[RewardFn, bool]]:
-    """name -> (function, runs in-process)."""
-    from common.tasks import verify_arithmetic, verify_countdown
-
-    return {
-        "countdown": (verify_countdown, True),
-        "arithmetic": (verify_arithmetic, True),
-        "exact": (exact_reward, True),
-        "math": (math_reward, False),
-        "math_think": (math_think_reward, False),
-        "synthetic": (synthetic_reward, True),
-    }
-
-
-def resolve_reward(name: str) -> tuple[RewardFn, bool]:
-    """(function, runs in-process) for a registry name or `package.module:function`.
-
-    Raises ValueError that says what to change for an unknown name, a module that does not import,
-    or an attribute that is missing or not callable.
-    """
-    builtin = _builtin()
-    if name in builtin:
-        return builtin[name]
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward.name: unknown reward {name!r}; use one of {sorted(builtin)} "
-                         "or a user function written package.module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward.name: cannot import module {module_name!r} ({e}); "
-                         "check the spelling and that it is on PYTHONPATH") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward.name: {module_name} has no callable {attr!r}")
-    return fn, False
-
-
-def check_task_matches(reward_name: str, task_name: str | None) -> None:
-    """A built-in task's verifier must not score another built-in task's questions."""
-    from common.tasks import TASKS
-
-    if task_name in TASKS and reward_name in TASKS and reward_name != task_name:
-        raise ValueError(f"reward.name: {reward_name!r} cannot score questions of task {task_name!r}; "
-                         f"set reward.name={task_name}")
 
 
 # -------------------------------------------------------------------------------------------- pool

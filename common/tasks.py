@@ -386,7 +386,7 @@ def think_arith_solutions(question: str, answer: str) -> list[str]:
 
 @lru_cache(maxsize=65_536)
 def _math_after_think(tail: str, answer: str) -> float:
-    from common.rewards import math_reward  # at call time: common.rewards imports this module's registry
+    from common.verifiers import math_reward  # at call time: math-verify imports sympy
 
     return math_reward(tail, answer)
 

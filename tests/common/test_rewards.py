@@ -10,8 +10,9 @@ import time
 import pytest
 
 from common.config import RewardConfig
-from common.rewards import (RewardPool, ScoreRequest, ScoreResult, ScoringAbandoned, exact_reward, math_reward,
-                            math_think_reward, resolve_reward)
+from common.reward_registry import resolve_reward
+from common.rewards import RewardPool, ScoreRequest, ScoreResult, ScoringAbandoned
+from common.verifiers import exact_reward, math_reward, math_think_reward
 
 FNS = "tests.common.reward_fns"
 

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from common.config import TASK_DEFAULTS, ConfigError, DataConfig, load_config, resume_config, yaml_value
 from common.data import load_questions
 from common.modeling import CHAT_TEMPLATE, train_bpe_tokenizer
-from common.rewards import math_think_reward
+from common.verifiers import math_think_reward
 from common.tasks import _read_chain, get_task, think_arith_paths, think_arith_response, verify_think_arith
 
 TASK = get_task("think_arith")

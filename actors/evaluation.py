@@ -1,0 +1,66 @@
+"""Accuracy of a loaded engine on questions: greedy, sampled pass@1 and pass@k, scored by a reward pool.
+
+Used by the in-run evaluator actor (`actors.evaluator`) and by `exgrpo eval` (`cluster.evaluate`), which
+loads the engine itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+GREEDY_TEMPERATURE = 0.0
+"""Temperature 0 is greedy decoding in both engines (vLLM: greedy sampler; transformers: argmax)."""
+
+
+@dataclass
+class EvalResult:
+    questions: int
+    greedy_accuracy: float
+    pass_at_1: float  # mean accuracy of sampled responses
+    pass_at_k: float  # fraction of questions with at least one correct sample
+    k: int
+    temperature: float
+    seconds: float
+
+    def table(self, model: str) -> str:
+        rows = [("model", model), ("questions", str(self.questions)),
+                ("greedy accuracy", f"{self.greedy_accuracy:.3f}"),
+                (f"pass@1 (T={self.temperature}, {self.k} samples)", f"{self.pass_at_1:.3f}"),
+                (f"pass@{self.k}", f"{self.pass_at_k:.3f}"), ("seconds", f"{self.seconds:.1f}")]
+        w = max(len(a) for a, _ in rows)
+        return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
+
+
+def evaluate_engine(engine, pool, questions, *, samples: int, temperature: float, seed: int,
+                    threshold: float) -> EvalResult:
+    """The measurement itself, on an engine that is already loaded (also used by the in-run evaluator)."""
+    t0 = time.monotonic()
+    prompts = [q.prompt_ids for q in questions]
+    base = engine.sampling
+    try:  # one engine, two settings: engines read `sampling` at every generate() call
+        engine.sampling = dataclasses.replace(base, temperature=GREEDY_TEMPERATURE)
+        greedy = _score(pool, questions, engine.generate(prompts, [1] * len(prompts), seed), threshold)
+        engine.sampling = dataclasses.replace(base, temperature=temperature)
+        sampled = _score(pool, questions, engine.generate(prompts, [samples] * len(prompts), seed), threshold)
+    finally:
+        engine.sampling = base
+    correct = np.array(sampled, dtype=np.float64)  # [Q, k]
+    return EvalResult(
+        questions=len(questions),
+        greedy_accuracy=float(np.mean([g[0] for g in greedy])) if questions else 0.0,
+        pass_at_1=float(correct.mean()) if questions else 0.0,
+        pass_at_k=float(correct.max(axis=1).mean()) if questions else 0.0,
+        k=samples, temperature=temperature, seconds=time.monotonic() - t0,
+    )
+
+
+def _score(pool, questions, outputs, threshold: float) -> list[list[bool]]:
+    from common.rewards import ScoreRequest
+
+    reqs = [ScoreRequest(q.id, s.text, q.answer) for q, outs in zip(questions, outputs) for s in outs]
+    results = iter(pool.score(reqs))
+    return [[next(results).reward >= threshold for _ in outs] for outs in outputs]
