@@ -184,7 +184,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from cluster.auth import use_token_auth_when_connecting
 
         use_token_auth_when_connecting()  # joining cluster.address needs it; an embedded Ray sets it anyway
-        from cluster.driver import train_main
+        from cluster.run import train_main
 
         command = "exgrpo " + " ".join(sys.argv[1:])
         if args.resume:

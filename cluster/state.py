@@ -1,10 +1,13 @@
-"""The driver's own state in a checkpoint (`driver.json`): read by the driver, which writes it, and by the
-start-up checks, which validate a checkpoint before resuming from it."""
+"""The driver's own state in a checkpoint (`driver.json`): read by the driver, which writes it, by the run
+(`cluster.run`), which restores it, and by the start-up checks, which validate a checkpoint before resuming."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -19,3 +22,17 @@ class DriverState:
     train_s: float = 0.0
     accounting: dict[str, int] = field(default_factory=dict)  # the buffer's counts at the checkpoint's snapshot
     rollouts: int = 0  # generated (fresh) rollouts trained so far: the budget `total_rollouts` counts
+
+
+def rng_state() -> dict[str, list]:
+    """The driver process's Python and NumPy RNG states as JSON-ready lists."""
+    v, internal, gauss = random.getstate()
+    n = np.random.get_state()
+    return {"python": [v, list(internal), gauss], "numpy": [n[0], n[1].tolist(), n[2], n[3], n[4]]}
+
+
+def set_rng_state(rng: dict[str, list]) -> None:
+    v, internal, gauss = rng["python"]
+    random.setstate((v, tuple(internal), gauss))
+    n = rng["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.driver import autoscale_target
+from cluster.autoscale import autoscale_target
 from common.config import AutoscaleConfig
 
 A = AutoscaleConfig(enabled=True, min_generators=1, max_generators=3, learner_wait_fraction_up=0.5,

@@ -203,7 +203,7 @@ def test_resume_refuses_settings_the_checkpoint_was_built_with(capsys, run):
 
 
 def test_resume_applies_safe_overrides_and_keeps_them(run):
-    from cluster.driver import _prepare
+    from cluster.run import _prepare
     from cluster.runtime import RunDir
 
     cfg, rd, state, _, _ = _prepare(None, str(run), ["total_steps=6", "generator.num_generators=3",
@@ -213,7 +213,7 @@ def test_resume_applies_safe_overrides_and_keeps_them(run):
 
 
 def test_resume_falls_back_from_a_corrupt_newest_checkpoint(run, caplog):
-    from cluster.driver import _prepare
+    from cluster.run import _prepare
     from cluster.runtime import RunDir
 
     (run / "checkpoints" / "step-000002" / "learner" / "meta.json").write_text('{"format": 1, "st')

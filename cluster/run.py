@@ -1,0 +1,290 @@
+"""The run around the training loop: `exgrpo train` checks its inputs, creates or reopens the run folder
+(`--resume` with the fields that may change), starts Ray and MLflow, trains with bounded self-restarts from
+the last checkpoint, stops on signals, and reports.
+
+    train_main(cfg | None, resume, overrides) -> exit code
+        _prepare: config, run folder, DriverState, model, questions (resume: the run's own, changed fields)
+        _train_with_restarts: Trainer(...).build(latest checkpoint); .run(); on a component failure,
+            restart from the last checkpoint (cluster.max_restarts); on RunStopped, checkpoint and stop
+        _stop_on_signals: SIGTERM / Ctrl-C finish the step (or stop at once during start and shutdown)
+
+The loop itself, one attempt's components and its checkpoints are `cluster.driver.Trainer`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from cluster.driver import Trainer
+from cluster.liveness import EXIT_CONFIG, EXIT_FAILED, RunStopped
+from cluster.profile import Profile
+from cluster.state import DriverState, set_rng_state
+from common.config import ConfigError, RunConfig, flatten, to_yaml
+
+log = logging.getLogger("exgrpo")
+
+
+def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list[str] | None = None, *,
+               show_profile: bool = False, command: str = "exgrpo train") -> int:
+    """`exgrpo train` (or `--resume RUN` with `overrides`): check every input, create or reopen the run
+    folder, train with bounded self-restarts, report. Returns the exit code (2: bad input, nothing created).
+    The run's wall-time profile is saved as profile.json in the run folder (`show_profile`: printed too)."""
+    from cluster.console import Progress, setup_logging
+    from cluster.preflight import BadInput
+    from cluster.runtime import start_ray
+    from cluster.tracking import default_tracking_uri
+
+    profile = Profile()
+    setup_logging(None)  # the console only, until the run folder exists
+    try:
+        with profile.phase("start-up: model + data"):
+            cfg, run_dir, state, model_path, questions = _prepare(cfg, resume, overrides or [])
+    except BadInput as e:
+        print(e, file=sys.stderr)
+        return 2
+    setup_logging(run_dir.path / "logs")
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    if state.rng:  # resuming: continue the checkpoint's random streams
+        set_rng_state(state.rng)
+    uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
+
+    # MLflow (imports, store migrations: CPU in this process) starts beside Ray (mostly waiting for its processes).
+    with ThreadPoolExecutor(1, thread_name_prefix="mlflow-start") as pool:
+        tracking = pool.submit(_start_tracking, cfg, run_dir, state, uri, resume)
+        with profile.phase("start-up: Ray (MLflow starts beside it)"):
+            start_ray(cfg.cluster, run_dir.path)
+        with profile.phase("start-up: MLflow (the rest of its start)"):
+            tracker = tracking.result()
+    run_dir.update_state(mlflow_run_id=state.mlflow_run_id, status="RUNNING")
+    log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, uri, state.mlflow_run_id)
+
+    progress = Progress(cfg.total_steps, start=state.step)
+    status, stopped = "FAILED", None
+    try:
+        status = _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress, profile)
+    except RunStopped as e:  # said why already; the run folder and MLflow lines still follow
+        stopped = e
+    finally:
+        progress.close()
+        with profile.phase("shutdown: plots, MLflow, Ray"):
+            if cfg.tracking.log_plots:
+                tracker.log_plots(run_dir.path / "plots")
+            tracker.finish(status)
+            run_dir.update_state(status=status, step=state.step)
+            _shutdown_ray()
+    if stopped is not None and stopped.code == EXIT_CONFIG and not resume and state.step == 0:
+        shutil.rmtree(run_dir.path, ignore_errors=True)  # refused before training: the name stays free
+        print(f"nothing was trained; removed {run_dir.path} so that name={run_dir.path.name} can be used again",
+              file=sys.stderr)
+        return stopped.code
+    if run_dir.path.exists():
+        profile.save(run_dir.path / "profile.json")
+    if show_profile:
+        print(profile.table(command))
+    print(f"run folder: {run_dir.path}\nMLflow: mlflow ui --backend-store-uri {uri}  (run id {state.mlflow_run_id})")
+    if stopped is not None:
+        return stopped.code
+    return 0 if status in ("FINISHED", "KILLED") else 1
+
+
+def _start_tracking(cfg: RunConfig, run_dir, state: DriverState, uri: str, resume: str | None):
+    """Open the run's MLflow run (a new one, or the resumed run's) and, for a new run, log its config."""
+    from cluster.tracking import Tracker
+
+    tracker = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled)
+    parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None
+    state.mlflow_run_id = tracker.start(run_dir.name, run_id=state.mlflow_run_id, tags=parent)
+    if not resume:
+        tracker.log_params(flatten(cfg))
+        tracker.log_text(to_yaml(cfg), "config.yaml")
+    return tracker
+
+
+def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress, profile) -> str:
+    """Build and train, restarting from the last checkpoint after a component failure (bounded).
+
+    Returns FINISHED or KILLED (a signal); raises RunStopped (exit code 1 or 3, after a checkpoint
+    when one can be written) when the run cannot go on."""
+    import ray
+
+    from actors.pool import GeneratorsFailed
+    from buffer.client import BufferUnavailableError
+    from learner.weights import WeightSyncTimeout
+
+    component_failures = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, BufferUnavailableError,
+                          WeightSyncTimeout)
+
+    attempts = 0
+    while True:
+        trainer = Trainer(cfg, run_dir, state, model_path, questions, tracker, profile)
+        restore_signals = _stop_on_signals(trainer)
+        try:
+            trainer.build(run_dir.latest_checkpoint())
+            trainer.phase = "train"
+            trainer.run(progress)
+            return "KILLED" if trainer.stop_flag else "FINISHED"
+        except KeyboardInterrupt:
+            ckpt = run_dir.latest_checkpoint()
+            log.warning("stopped during %s; %s", trainer.phase, f"the last checkpoint is {ckpt}" if ckpt else
+                        "no checkpoint was written yet")
+            return "KILLED"
+        except RunStopped as e:
+            trainer.stop_with(e)
+            raise
+        except GeneratorsFailed as e:
+            stop = RunStopped(f"generators keep dying: {e}", EXIT_FAILED)
+            trainer.stop_with(stop)
+            raise stop from None
+        except component_failures as e:
+            attempts += 1
+            if attempts > cfg.cluster.max_restarts:
+                log.error("component failure (%s); restarts exhausted (%d)", e, cfg.cluster.max_restarts)
+                raise
+            log.error("component failure (%s: %s); restarting from the last checkpoint (%d/%d)",
+                      type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", attempts,
+                      cfg.cluster.max_restarts)
+            state.__dict__.update(_load_driver_state(run_dir).__dict__)
+        finally:
+            with profile.phase("shutdown: components (stop generators and actors)"):
+                trainer.close()
+            restore_signals()
+
+
+def _stop_on_signals(trainer: Trainer):
+    """SIGTERM / Ctrl-C: while training, finish the step, checkpoint and stop; during start or shutdown,
+    or a second time, stop at once (KeyboardInterrupt out of whatever waits). Returns a function that
+    puts the previous handlers back."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if trainer.phase == "train" and not trainer.stop_flag:
+            trainer.stop_flag = True
+            log.warning("%s: stopping after the current step, with a checkpoint (again: stop at once)", name)
+            return
+        trainer.interrupted = True
+        log.warning("%s during %s: stopping now", name, trainer.phase)
+        raise KeyboardInterrupt
+
+    for s in previous:
+        signal.signal(s, handler)
+    return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+
+def _load_driver_state(run_dir) -> DriverState:
+    base = run_dir.read_state()
+    ckpt = run_dir.latest_checkpoint()
+    if ckpt is None:
+        cfg = run_dir.config()
+        return DriverState(mlflow_run_id=base.get("mlflow_run_id"), generators=cfg.generator.num_generators)
+    d = json.loads((ckpt / "driver.json").read_text())
+    d["mlflow_run_id"] = base.get("mlflow_run_id") or d.get("mlflow_run_id")
+    return DriverState(**d)
+
+
+def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str]):
+    """Check the model folder, reward and data, then create the run folder (or, resuming, apply the
+    overrides and pick the newest usable checkpoint): a bad input leaves nothing behind and the same
+    `name=` free. Returns (cfg, run_dir, state, model_path, questions); BadInput says what to change."""
+    from cluster.preflight import BadInput, check_reward
+    from cluster.runtime import RunDir, RunFolderError
+
+    try:
+        if resume:
+            run_dir, cfg, changes = _reopen(resume, overrides)
+        else:
+            assert cfg is not None
+            run_dir, changes = RunDir.planned(cfg), {}
+        check_reward(cfg.reward.name, cfg.data.task if cfg.data.train_path is None else None)
+        model_path = _resolve_model(cfg)  # may build the built-in model (minutes): after the quick checks
+        questions = _load_train_questions(cfg, model_path)
+        if not resume:
+            return cfg, run_dir.make(cfg), DriverState(generators=cfg.generator.num_generators), model_path, questions
+        run_dir.usable_checkpoint(cfg.buffer.num_shards)
+    except RunFolderError as e:
+        raise BadInput(f"error: {e}") from None
+    state = _load_driver_state(run_dir)
+    if state.step >= cfg.total_steps:
+        raise BadInput(f"error: run {run_dir.name} already reached total_steps={cfg.total_steps}; to train further "
+                       f"raise it: exgrpo train --resume {run_dir.path} total_steps={cfg.total_steps * 2}")
+    if cfg.total_rollouts is not None and state.rollouts >= cfg.total_rollouts:
+        raise BadInput(f"error: run {run_dir.name} already spent total_rollouts={cfg.total_rollouts} ({state.rollouts} "
+                       f"trained); to train further raise it: exgrpo train --resume {run_dir.path} "
+                       f"total_rollouts={cfg.total_rollouts * 2}")
+    if "generator.num_generators" in changes:
+        state.generators = cfg.generator.num_generators
+    if changes:
+        run_dir.save_config(cfg)
+        log.info("resume: %s", ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items()))
+    return cfg, run_dir, state, model_path, questions
+
+
+def _reopen(resume: str, overrides: list[str]):
+    """A run folder to resume, its saved config with `overrides` applied, and {field: (old, new)}."""
+    from cluster.preflight import BadInput
+    from cluster.runtime import RunDir
+    from common.config import resume_config
+
+    run_dir = RunDir(resume)
+    run_dir.read_state()  # RunFolderError: not a run folder, or a damaged state.json
+    try:
+        saved = run_dir.config()
+    except ConfigError as e:
+        raise BadInput(f"error: {run_dir.path} holds an unusable config.yaml:", *e.lines) from None
+    try:
+        cfg, changes = resume_config(saved, overrides)
+    except ConfigError as e:
+        raise BadInput("invalid configuration:", *e.lines) from None
+    return run_dir, cfg, changes
+
+
+def _resolve_model(cfg: RunConfig) -> Path:
+    """The model folder (the built-in model is built once and cached); BadInput when it is unusable."""
+    from cluster.preflight import BadInput, model_folder_problem
+
+    if cfg.model.path is None:
+        from common.toy_model import ensure_toy_model
+
+        return ensure_toy_model(cfg.model, cfg.data, verbose=True)
+    p = Path(cfg.model.path).expanduser()
+    problem = model_folder_problem(p)
+    if problem is not None:
+        raise BadInput("invalid configuration:", problem)
+    return p
+
+
+def _load_train_questions(cfg: RunConfig, model_path: Path):
+    """The training questions, checked before any actor starts; BadInput when none is usable."""
+    from cluster.preflight import BadInput, load_tokenizer
+    from common.data import DataError, load_questions
+
+    tokenizer = load_tokenizer(model_path)
+    try:
+        questions, report = load_questions(cfg.data, tokenizer, "train")
+    except DataError as e:
+        raise BadInput("invalid data:", str(e)) from None
+    if not questions:
+        hint = ([f"data.question_field / data.answer_field name the fields of each row (now {cfg.data.question_field!r} "
+                 f"/ {cfg.data.answer_field!r})"] if any("missing field" in p for p in report.problems) else [])
+        raise BadInput("invalid data:", f"data: no usable training questions ({report.summary()})",
+                       *report.problems[:3], *hint)
+    if report.skipped:
+        log.warning("data: %s; first problems: %s", report.summary(), "; ".join(report.problems[:5]))
+    log.info("data: %s", report.summary())
+    return questions
+
+
+def _shutdown_ray() -> None:
+    from cluster.runtime import shutdown_ray
+
+    shutdown_ray()
