@@ -32,6 +32,8 @@ from common.config import ConfigError, RunConfig, flatten, to_yaml
 
 log = logging.getLogger("exgrpo")
 
+PROMPT_FILE = "prompt_example.txt"
+
 
 def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list[str] | None = None, *,
                show_profile: bool = False, command: str = "exgrpo train") -> int:
@@ -67,6 +69,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
             tracker = tracking.result()
     run_dir.update_state(mlflow_run_id=state.mlflow_run_id, status="RUNNING")
     log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, uri, state.mlflow_run_id)
+    _show_prompt(run_dir, questions, model_path, tracker)
 
     progress = Progress(cfg.total_steps, start=state.step)
     status, stopped = "FAILED", None
@@ -282,6 +285,23 @@ def _load_train_questions(cfg: RunConfig, model_path: Path):
         log.warning("data: %s; first problems: %s", report.summary(), "; ".join(report.problems[:5]))
     log.info("data: %s", report.summary())
     return questions
+
+
+def prompt_example(questions, tokenizer) -> str:
+    """What the model sees for the first training question: its prompt ids decoded (special tokens kept)."""
+    q = questions[0]
+    return (f"question {q.id} ({len(q.prompt_ids)} prompt tokens; the model sees exactly this text, special tokens "
+            f"included):\n{tokenizer.decode(list(q.prompt_ids), skip_special_tokens=False)}")
+
+
+def _show_prompt(run_dir, questions, model_path: Path, tracker) -> None:
+    """Print the prompt of the first question once, and save it in the run folder and MLflow."""
+    from cluster.preflight import load_tokenizer
+
+    text = prompt_example(questions, load_tokenizer(model_path))
+    log.info("the model's prompt, %s", text)
+    (run_dir.path / PROMPT_FILE).write_text(text + "\n")
+    tracker.log_text(text + "\n", PROMPT_FILE)
 
 
 def _shutdown_ray() -> None:

@@ -111,6 +111,13 @@ class DataConfig(Section):
     use_chat_template: bool = False
     """Wrap each question with the tokenizer's chat template (with the built-in model: true exactly for a chat
     task, `think_arith`)."""
+    system_prompt: str | None = None
+    """A system message put before every question (chat template only)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables passed to `apply_chat_template` (chat template only), e.g. Qwen3's
+    `{enable_thinking: false}`."""
+    chat_template_path: str | None = None
+    """A Jinja chat template file used instead of the tokenizer's own (chat template only)."""
     max_prompt_tokens: int = Field(1024, ge=1, le=1_000_000)
     """Longer prompts are skipped and counted."""
     max_question_chars: int = Field(100_000, ge=1)
@@ -123,6 +130,17 @@ class DataConfig(Section):
     """Questions generated for a built-in task's held-out split."""
     seed: int = Field(0, ge=0)
     """Seed of the built-in task generator."""
+
+    @model_validator(mode="after")
+    def _chat_settings_need_the_template(self) -> DataConfig:
+        given = [k for k in ("system_prompt", "chat_template_path") if getattr(self, k) is not None]
+        given += ["chat_template_kwargs"] if self.chat_template_kwargs else []
+        if given and not self.use_chat_template:
+            raise ValueError(f"{', '.join('data.' + k for k in given)} only apply to the chat template; set "
+                             "data.use_chat_template=true")
+        if self.chat_template_path is not None and not Path(self.chat_template_path).expanduser().is_file():
+            raise ValueError(f"data.chat_template_path: {self.chat_template_path} is not a file")
+        return self
 
 
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {

@@ -15,9 +15,10 @@ across processes and runs (never Python's salted `hash()`).
 
 Prompt encoding (`encode_prompt`): without a chat template the prompt is the question text and its
 ids are the tokenizer's BOS (when it defines one) followed by the text's tokens without other special
-tokens; with `data.use_chat_template` the prompt is the rendered template (generation prompt added)
-and its ids are exactly that text's tokens (templates write their own BOS). The built-in model is
-trained on this same encoding.
+tokens; with `data.use_chat_template` the prompt is the rendered template (generation prompt added;
+`data.system_prompt` as a system message first, `data.chat_template_kwargs` passed to the template,
+`data.chat_template_path` instead of the tokenizer's template) and its ids are exactly that text's
+tokens (templates write their own BOS). The built-in model is trained on this same encoding.
 """
 
 from __future__ import annotations
@@ -49,9 +50,13 @@ class LoadReport:
     loaded: int = 0
     skipped: int = 0
     problems: list[str] = field(default_factory=list)
+    too_long: int = 0  # of the skipped rows: prompts over data.max_prompt_tokens
+    max_prompt_tokens: int = 0
 
     def summary(self) -> str:
-        return f"{self.loaded}/{self.total} questions loaded, {self.skipped} rows skipped"
+        long = (f" ({self.too_long} of them with a prompt over data.max_prompt_tokens={self.max_prompt_tokens})"
+                if self.too_long else "")
+        return f"{self.loaded}/{self.total} questions loaded, {self.skipped} rows skipped{long}"
 
 
 def load_questions(
@@ -132,13 +137,14 @@ def _parquet_rows(p: Path) -> Iterator[tuple[int, Any]]:
 def _build(
     numbered: Iterator[tuple[int, Any]], cfg: DataConfig, tokenizer: Any, source: str, task: str, *, builtin: bool
 ) -> tuple[list[Question], LoadReport]:
-    report = LoadReport()
+    report = LoadReport(max_prompt_tokens=cfg.max_prompt_tokens)
     questions: list[Question] = []
     seen: set[str] = set()
+    template = _chat_template(cfg)
     for n, row in numbered:
         report.total += 1
         try:
-            q = _question(row, cfg, tokenizer, task, builtin)
+            q = _question(row, cfg, tokenizer, task, builtin, template)
             if q.id in seen:
                 raise _RowError(f"duplicate id {q.id!r}")
         except _RowError as e:
@@ -146,6 +152,7 @@ def _build(
             if cfg.strict:
                 raise DataError(f"{problem} (strict mode rejects the whole file; fix the row or set data.strict=false)")
             report.skipped += 1
+            report.too_long += isinstance(e, _TooLong)
             if len(report.problems) < MAX_REPORTED_PROBLEMS:
                 report.problems.append(problem)
             continue
@@ -161,7 +168,22 @@ class _RowError(ValueError):
     pass
 
 
-def _question(row: Any, cfg: DataConfig, tokenizer: Any, task: str, builtin: bool) -> Question:
+class _TooLong(_RowError):
+    pass
+
+
+def _chat_template(cfg: DataConfig) -> str | None:
+    """The chat template file's text (`data.chat_template_path`), None for the tokenizer's own."""
+    if cfg.chat_template_path is None:
+        return None
+    try:
+        return Path(cfg.chat_template_path).expanduser().read_text()
+    except OSError as e:
+        raise DataError(f"data.chat_template_path: cannot read {cfg.chat_template_path} ({e})") from None
+
+
+def _question(row: Any, cfg: DataConfig, tokenizer: Any, task: str, builtin: bool,
+              template: str | None = None) -> Question:
     if isinstance(row, _BadRow):
         raise _RowError(row.problem)
     if not isinstance(row, dict):
@@ -170,9 +192,10 @@ def _question(row: Any, cfg: DataConfig, tokenizer: Any, task: str, builtin: boo
     question = _text_field(row, qf, cfg.max_question_chars, allow_numbers=False)
     answer = _text_field(row, af, cfg.max_question_chars, allow_numbers=True)
     qid = _id_field(row, idf) or content_id(question, answer)
-    prompt, prompt_ids = encode_prompt(tokenizer, question, cfg.use_chat_template)
+    prompt, prompt_ids = encode_prompt(tokenizer, question, cfg.use_chat_template, system_prompt=cfg.system_prompt,
+                                       template_kwargs=cfg.chat_template_kwargs, chat_template=template)
     if len(prompt_ids) > cfg.max_prompt_tokens:
-        raise _RowError(f"prompt has {len(prompt_ids)} tokens, above data.max_prompt_tokens={cfg.max_prompt_tokens}")
+        raise _TooLong(f"prompt has {len(prompt_ids)} tokens, above data.max_prompt_tokens={cfg.max_prompt_tokens}")
     return Question(id=qid, prompt=prompt, answer=answer, prompt_ids=prompt_ids, task=task)
 
 
@@ -211,14 +234,22 @@ def content_id(question: str, answer: str) -> str:
     return "q-" + h.hexdigest()
 
 
-def encode_prompt(tokenizer: Any, question: str, use_chat_template: bool) -> tuple[str, Any]:
-    """(prompt text, int32 prompt ids) for a question; see the module docstring for BOS handling."""
+def encode_prompt(tokenizer: Any, question: str, use_chat_template: bool, *, system_prompt: str | None = None,
+                  template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> tuple[str, Any]:
+    """(prompt text, int32 prompt ids) for a question; see the module docstring for BOS handling and the
+    chat-template settings."""
     if use_chat_template:
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError("data.use_chat_template is set but the tokenizer has no chat template; set it to false")
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-        )
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise DataError("data.use_chat_template is set but the tokenizer has no chat template; set it to false "
+                            "or give one with data.chat_template_path")
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        messages.append({"role": "user", "content": question})
+        try:
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                   chat_template=chat_template, **(template_kwargs or {}))
+        except Exception as e:  # a Jinja error in the user's template: say which setting to fix
+            raise DataError(f"the chat template failed to render ({type(e).__name__}: {e}); check "
+                            "data.chat_template_path / data.chat_template_kwargs / data.system_prompt") from None
         return prompt, int32_array(tokenizer.encode(prompt, add_special_tokens=False))
     ids = tokenizer.encode(question, add_special_tokens=False)
     bos = tokenizer.bos_token_id

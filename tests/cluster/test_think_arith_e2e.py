@@ -54,3 +54,7 @@ def test_think_arith_trains_with_the_chat_template_and_math_verify(tmp_path, sta
     # the weak start solves some rollouts: `</think>` survived decoding and math-verify read the boxed answers
     assert 0 < max(rewards) < 0.6, rewards
     assert [s for s, _ in history(client, run_id, "eval/pass_at_1")] == [3]
+    # what the model sees is printed once at start and kept in the run folder: the rendered chat template
+    shown = (tmp_path / "think" / "prompt_example.txt").read_text()
+    assert "<|user|>What is" in shown and shown.rstrip().endswith("<|assistant|>") and "prompt tokens" in shown
+    assert "the model's prompt, question" in r.stdout and "<|user|>What is" in r.stdout

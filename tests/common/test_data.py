@@ -142,6 +142,7 @@ def test_builtin_tasks_go_through_the_same_loader(tok):
     short = cfg.model_copy(update={"max_prompt_tokens": 5})
     _, rep = load_questions(short, tok, "train")
     assert rep.skipped == 100 and "above data.max_prompt_tokens=5" in rep.problems[0]
+    assert rep.too_long == 100 and "(100 of them with a prompt over data.max_prompt_tokens=5)" in rep.summary()
 
 
 def test_chat_template(tmp_path, tok):
@@ -153,3 +154,27 @@ def test_chat_template(tmp_path, tok):
     qs, _ = load_questions(_cfg(path, use_chat_template=True), tok2, "train")
     assert qs[0].prompt == "<s>U:1+1=A:"
     assert qs[0].prompt_ids.tolist() == [tok2.bos_token_id] + tok2.encode("U:1+1=A:", add_special_tokens=False)
+
+
+def test_system_prompt_template_kwargs_and_a_template_file(tmp_path, tok):
+    """The system message, extra template variables (as Qwen3's enable_thinking) and a template file that
+    replaces the tokenizer's, each reaching the rendered prompt; each refused without the chat template."""
+    path = _write_jsonl(tmp_path / "d.jsonl", GOOD)
+    tok2 = build_char_tokenizer()
+    tok2.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}"
+                          "{% if enable_thinking is defined and not enable_thinking %}N{% endif %}A:")
+    cfg = _cfg(path, use_chat_template=True, system_prompt="Be brief.", chat_template_kwargs={"enable_thinking": False})
+    qs, _ = load_questions(cfg, tok2, "train")
+    assert qs[0].prompt == "s:Be brief.;u:1+1=;NA:"
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}=")
+    qs, _ = load_questions(_cfg(path, use_chat_template=True, chat_template_path=str(template)), tok, "train")
+    assert qs[0].prompt == "<1+1=>="  # the char tokenizer has no template of its own: the file is used
+    for kw in ({"system_prompt": "x"}, {"chat_template_kwargs": {"a": 1}}, {"chat_template_path": str(template)}):
+        with pytest.raises(ValueError, match="only apply to the chat template; set data.use_chat_template=true"):
+            _cfg(path, **kw)
+    with pytest.raises(ValueError, match="data.chat_template_path: .*nope.jinja is not a file"):
+        _cfg(path, use_chat_template=True, chat_template_path=str(tmp_path / "nope.jinja"))
+    template.write_text("{% for m in messages %}{{ m.content | nofilter }}{% endfor %}")
+    with pytest.raises(DataError, match="the chat template failed to render .*check data.chat_template_path"):
+        load_questions(_cfg(path, use_chat_template=True, chat_template_path=str(template)), tok, "train")
