@@ -436,6 +436,7 @@ class Trainer:
             "driver/weight_publish_s": self._publish_s,
         }
         out.update({f"staleness/lag_{k}": float(v) for k, v in lags.items()})
+        out.update(length_metrics(fresh, self.cfg.generator.max_new_tokens))
         out.update(_prefixed("learner/", result.metrics))
         buf = _prefixed("buffer/", buffer_metrics)
         now, accepted = time.monotonic(), buf.get("buffer/accepted", 0.0) + buf.get("buffer/zero_signal_seen", 0.0)
@@ -488,6 +489,27 @@ class Trainer:
             _wait_names_released(self.run_dir.name, self.cfg.cluster.namespace, 10.0 if self.interrupted else 60.0)
         except KeyboardInterrupt:
             log.warning("shutdown interrupted: the remaining actors end with Ray")
+
+
+def length_metrics(rollouts, max_new_tokens: int) -> dict[str, float]:
+    """Response lengths of a batch's fresh rollouts (tokens): mean, p90, max; the share truncated at
+    `max_new_tokens` (finish reason `length`) and the mean reward of truncated and untruncated ones
+    (NaN when there are none: not logged)."""
+    if not rollouts:
+        return {}
+    lengths = np.array([len(r.response_ids) for r in rollouts], dtype=np.float64)  # [N]
+    cut = np.array([r.finish_reason == "length" for r in rollouts])  # [N]
+    rewards = np.array([r.reward for r in rollouts], dtype=np.float64)  # [N]
+    nan = float("nan")
+    return {
+        "train/response_length_mean": float(lengths.mean()),
+        "train/response_length_p90": float(np.percentile(lengths, 90)),
+        "train/response_length_max": float(lengths.max()),
+        "train/truncated_fraction": float(cut.mean()),
+        "train/reward_truncated": float(rewards[cut].mean()) if cut.any() else nan,
+        "train/reward_untruncated": float(rewards[~cut].mean()) if (~cut).any() else nan,
+        "train/max_new_tokens": float(max_new_tokens),
+    }
 
 
 def _removed(pool, key: str) -> float:

@@ -83,5 +83,7 @@ def draw_all(history: History, out_dir: Path) -> list[Path]:
         _staleness_hist(history, out_dir / "staleness_hist.png"),
         _line_plot(history, ["learner/entropy_fresh", "learner/entropy_replayed"],
                    "Token entropy: fresh vs replayed", "nats/token", out_dir / "entropy.png"),
+        _line_plot(history, ["train/response_length_mean", "train/response_length_p90", "train/response_length_max"],
+                   "Response length (fresh rollouts)", "tokens", out_dir / "response_length.png"),
     ]
     return [p for p in made if p is not None]

@@ -29,7 +29,7 @@ REQUIRED_METRICS = [
     "staleness/mean", "learner/fresh_ratio_mean", "learner/replay_weight_mean", "learner/entropy_fresh",
     "learner/entropy_replayed", "generator/rollouts_per_s", "generator/tokens_per_s", "learner/tokens_per_s",
     "buffer/groups_per_s", "driver/learner_wait_fraction", "driver/weight_publish_s", "generator/weight_load_s_last",
-    "accounting/issued",
+    "accounting/issued", "train/response_length_mean", "train/response_length_p90", "train/truncated_fraction",
 ]
 
 
@@ -102,7 +102,7 @@ def test_train_improves_heldout_accuracy_logs_everything_and_balances(runs_root,
     assert run.data.params["buffer.group_size"] == "8"
     plots = {a.path for a in client.list_artifacts(run_id, "plots")}
     assert plots >= {"plots/bucket_occupancy.png", "plots/reward_accuracy.png", "plots/staleness_hist.png",
-                     "plots/entropy.png"}
+                     "plots/entropy.png", "plots/response_length.png"}
     assert "config.yaml" in {a.path for a in client.list_artifacts(run_id)}
     acc = accounting(run.data.metrics)
     assert_balanced(acc)
