@@ -12,6 +12,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.config import RewardConfig
+
+
+@dataclass
+class EvalSet:
+    """One set an evaluator measures.  # driver -> evaluator actor"""
+
+    name: str  # "" for the held-out split (metrics `eval/...`), else `eval/<name>/...`
+    questions: bytes  # codec.encode_list(list[Question], Question)
+    reward: RewardConfig
+    samples: int
+    temperature: float
+    task: str | None = None  # the built-in task its questions come from (its verifier must match the reward)
+
 GREEDY_TEMPERATURE = 0.0
 """Temperature 0 is greedy decoding in both engines (vLLM: greedy sampler; transformers: argmax)."""
 
@@ -20,19 +34,29 @@ GREEDY_TEMPERATURE = 0.0
 class EvalResult:
     questions: int
     greedy_accuracy: float
-    pass_at_1: float  # mean accuracy of sampled responses
+    pass_at_1: float  # mean accuracy of sampled responses (mean@k)
     pass_at_k: float  # fraction of questions with at least one correct sample
     k: int
     temperature: float
     seconds: float
+    response_length_mean: float = 0.0  # tokens per sampled response
 
-    def table(self, model: str) -> str:
-        rows = [("model", model), ("questions", str(self.questions)),
+    def table(self, model: str, name: str = "") -> str:
+        rows = [("model", model), *([("set", name)] if name else []), ("questions", str(self.questions)),
                 ("greedy accuracy", f"{self.greedy_accuracy:.3f}"),
                 (f"pass@1 (T={self.temperature}, {self.k} samples)", f"{self.pass_at_1:.3f}"),
-                (f"pass@{self.k}", f"{self.pass_at_k:.3f}"), ("seconds", f"{self.seconds:.1f}")]
+                (f"pass@{self.k}", f"{self.pass_at_k:.3f}"),
+                ("mean response length", f"{self.response_length_mean:.1f} tokens"), ("seconds", f"{self.seconds:.1f}")]
         w = max(len(a) for a, _ in rows)
         return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
+
+    def metrics(self, name: str = "") -> dict[str, float]:
+        """MLflow metrics under `eval/<name>/` (the held-out split, no name: `eval/`): pass_at_1 (= mean@k),
+        mean_at_<k>, pass_at_<k>, greedy_accuracy, response_length_mean, questions."""
+        p = f"eval/{name}/" if name else "eval/"
+        return {f"{p}greedy_accuracy": self.greedy_accuracy, f"{p}pass_at_1": self.pass_at_1,
+                f"{p}mean_at_{self.k}": self.pass_at_1, f"{p}pass_at_{self.k}": self.pass_at_k,
+                f"{p}response_length_mean": self.response_length_mean, f"{p}questions": float(self.questions)}
 
 
 def evaluate_engine(engine, pool, questions, *, samples: int, temperature: float, seed: int,
@@ -48,19 +72,22 @@ def evaluate_engine(engine, pool, questions, *, samples: int, temperature: float
         sampled = _score(pool, questions, engine.generate(prompts, [samples] * len(prompts), seed), threshold)
     finally:
         engine.sampling = base
-    correct = np.array(sampled, dtype=np.float64)  # [Q, k]
+    correct = np.array([c for c, _ in sampled], dtype=np.float64)  # [Q, k]
+    lengths = [n for _, ns in sampled for n in ns]
     return EvalResult(
         questions=len(questions),
-        greedy_accuracy=float(np.mean([g[0] for g in greedy])) if questions else 0.0,
+        greedy_accuracy=float(np.mean([g[0][0] for g in greedy])) if questions else 0.0,
         pass_at_1=float(correct.mean()) if questions else 0.0,
         pass_at_k=float(correct.max(axis=1).mean()) if questions else 0.0,
         k=samples, temperature=temperature, seconds=time.monotonic() - t0,
+        response_length_mean=float(np.mean(lengths)) if lengths else 0.0,
     )
 
 
-def _score(pool, questions, outputs, threshold: float) -> list[list[bool]]:
+def _score(pool, questions, outputs, threshold: float) -> list[tuple[list[bool], list[int]]]:
+    """Per question: whether each response is correct, and its length in tokens."""
     from common.rewards import ScoreRequest
 
     reqs = [ScoreRequest(q.id, s.text, q.answer) for q, outs in zip(questions, outputs) for s in outs]
     results = iter(pool.score(reqs))
-    return [[next(results).reward >= threshold for _ in outs] for outs in outputs]
+    return [([next(results).reward >= threshold for _ in outs], [len(s.token_ids) for s in outs]) for outs in outputs]

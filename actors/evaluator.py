@@ -1,13 +1,13 @@
 """The evaluator actor: held-out accuracy of published policy versions, off the training path.
 
     ev = Evaluator.options(name=actor_name(run, "evaluator"), **evaluator_options(eval_cfg, gen_cfg)).remote(
-        eval_cfg, gen_cfg, reward_cfg, model_path, encoded_questions, weight_source, task_name)
-    report = ray.get(ev.evaluate.remote(min_version=7))   # version 7 or newer: {"version", "greedy_accuracy", ...}
+        eval_cfg, gen_cfg, model_path, sets, weight_source)          # sets: list[EvalSet]
+    report = ray.get(ev.evaluate.remote(min_version=7))   # {"version", "seconds", "eval/pass_at_1", ...}
 
-It owns one engine (the generators' engine settings) and one reward pool, loads the newest published
-weights from the weight store before each evaluation (it never acknowledges: publications do not
-wait for it), and measures greedy accuracy, pass@1 and pass@k on a fixed set of held-out questions
-with a fixed seed, so successive reports compare policy versions and nothing else. It is stopped
+It owns one engine (the generators' engine settings) and one reward pool per set, loads the newest
+published weights from the weight store before each evaluation (it never acknowledges: publications do
+not wait for it), and measures greedy accuracy, mean@k, pass@k and the mean response length of every
+set with a fixed seed, so successive reports compare policy versions and nothing else. It is stopped
 with `ray.kill`; its reward workers end with it (they watch their parent, `common.reward_worker`).
 """
 
@@ -18,8 +18,9 @@ import time
 
 import ray
 
+from actors.evaluation import EvalSet
 from common import codec
-from common.config import EvalConfig, GeneratorConfig, RewardConfig
+from common.config import EvalConfig, GeneratorConfig
 from common.interfaces import WeightSource
 from common.messages import Question
 
@@ -33,19 +34,19 @@ normally takes well under a second; past this the newest published one is measur
 class EvaluatorWorker:
     """The body of the `Evaluator` actor (a plain class: it also runs in-process)."""
 
-    def __init__(self, eval_cfg: EvalConfig, gen_cfg: GeneratorConfig, reward_cfg: RewardConfig, model_path: str,
-                 questions: bytes, weight_source: WeightSource, task_name: str | None):
+    def __init__(self, eval_cfg: EvalConfig, gen_cfg: GeneratorConfig, model_path: str, sets: list[EvalSet],
+                 weight_source: WeightSource):
         from actors.engines import make_engine
         from common.rewards import RewardPool
 
-        self.cfg, self.reward_cfg, self.weights = eval_cfg, reward_cfg, weight_source
-        self.questions = codec.decode_list(questions, Question)
+        self.cfg, self.sets, self.weights = eval_cfg, sets, weight_source
+        self.questions = [codec.decode_list(s.questions, Question) for s in sets]
         self.engine = make_engine(gen_cfg, model_path, seed=eval_cfg.seed)
-        self.pool = RewardPool(reward_cfg, task_name)
+        self.pools = [RewardPool(s.reward, s.task) for s in sets]
         self.version = 0
 
     def evaluate(self, min_version: int = 0, wait_s: float = MIN_VERSION_WAIT_S) -> dict[str, float]:
-        """Load the newest published version (if newer) and measure it. The driver asks right after a
+        """Load the newest published version (if newer) and measure every set. The driver asks right after a
         step, while that step's publication may still be in flight: wait up to `wait_s` for
         `min_version` to be announced, then measure the newest one there is (the report names it)."""
         from actors.evaluation import evaluate_engine
@@ -61,11 +62,13 @@ class EvaluatorWorker:
         if ann is not None and ann.version != self.version:
             self.engine.load_weights(self.weights.fetch(ann), ann.version)
             self.version = ann.version
-        r = evaluate_engine(self.engine, self.pool, self.questions, samples=self.cfg.samples,
-                            temperature=self.cfg.temperature, seed=self.cfg.seed,
-                            threshold=self.reward_cfg.correct_threshold)
-        return {"version": float(self.version), "greedy_accuracy": r.greedy_accuracy, "pass_at_1": r.pass_at_1,
-                f"pass_at_{r.k}": r.pass_at_k, "questions": float(r.questions), "seconds": time.monotonic() - t0}
+        out = {"version": float(self.version)}
+        for s, questions, pool in zip(self.sets, self.questions, self.pools):
+            r = evaluate_engine(self.engine, pool, questions, samples=s.samples, temperature=s.temperature,
+                                seed=self.cfg.seed, threshold=s.reward.correct_threshold)
+            out.update(r.metrics(s.name))
+        out["seconds"] = time.monotonic() - t0
+        return out
 
 
 def evaluator_options(eval_cfg: EvalConfig, gen_cfg: GeneratorConfig) -> dict:

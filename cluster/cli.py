@@ -28,12 +28,13 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     m.add_argument("--force", action="store_true", help="rebuild even when cached")
 
-    e = sub.add_parser("eval", help="greedy and sampled accuracy of a model on a test split")
+    e = sub.add_parser("eval", help="greedy and sampled accuracy of a model on a test split or the eval.sets")
     e.add_argument("--model", required=True, help="Hugging Face model folder")
     e.add_argument("--task", choices=["countdown", "arithmetic", "think_arith"],
                    help="built-in task (default: the config's); its reward and chat settings come with it")
     e.add_argument("--data", help="JSONL/Parquet test file (instead of a built-in task)")
-    e.add_argument("--samples", type=_positive, default=8, help="samples per question for pass@k")
+    e.add_argument("--samples", type=_positive, default=None,
+                   help="samples per question for pass@k (default: 8, or each eval.sets entry's own)")
     e.add_argument("--limit", type=_positive, default=None, help="evaluate at most this many questions")
     e.add_argument("config", nargs="?", help="YAML config file (optional)")
     e.add_argument("overrides", nargs="*", help="dotted.key=value overrides")

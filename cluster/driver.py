@@ -226,8 +226,11 @@ class Trainer:
             return
         for step, m in self.evaluation.poll() if reports is None else reports:
             self.tracker.log_metrics(m, step)
-            log.info("eval of step %d: greedy %.3f  pass@1 %.3f  (%d held-out questions, %.0fs)", step,
-                     m["eval/greedy_accuracy"], m["eval/pass_at_1"], self.evaluation.num_questions, m["eval/seconds"])
+            per_set = sorted({k.split("/")[1] for k in m if k.count("/") == 2})
+            parts = [(f"{name}: " if name else "") + f"greedy {m[p + 'greedy_accuracy']:.3f}  pass@1 "
+                     f"{m[p + 'pass_at_1']:.3f}" for name, p in ([(n, f"eval/{n}/") for n in per_set] or [("", "eval/")])]
+            log.info("eval of step %d: %s  (%d questions, %.0fs)", step, "; ".join(parts),
+                     self.evaluation.num_questions, m["eval/seconds"])
 
     def _finish_publish(self) -> None:
         """Wait for the publication in flight (WeightSyncTimeout names the version) and time it."""

@@ -9,19 +9,25 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from actors.evaluation import EvalResult, evaluate_engine
-from common.config import RunConfig
+from common.config import RewardConfig, RunConfig
+
+_RUN_TASK = object()
+
 
 def evaluate(model_path: str, cfg: RunConfig, questions, *, samples: int = 8, temperature: float = 0.6,
-             seed: int = 1234) -> EvalResult:
-    """Greedy accuracy, sampled pass@1 and pass@k of `model_path` on `questions`."""
+             seed: int = 1234, task: str | None | object = _RUN_TASK) -> EvalResult:
+    """Greedy accuracy, sampled pass@1 and pass@k of `model_path` on `questions`, scored by cfg.reward;
+    `task`: the built-in task the questions come from (default: the run's; None: a file)."""
     from actors.engines import make_engine
     from common.rewards import RewardPool
 
     t0 = time.monotonic()
-    task = cfg.data.task if cfg.data.train_path is None else None
+    if task is _RUN_TASK:
+        task = cfg.data.task if cfg.data.train_path is None else None
     pool = RewardPool(cfg.reward, task)
     try:
         engine = make_engine(cfg.generator, model_path, seed=seed)
@@ -31,6 +37,46 @@ def evaluate(model_path: str, cfg: RunConfig, questions, *, samples: int = 8, te
         pool.close()
     result.seconds = time.monotonic() - t0
     return result
+
+
+@dataclass
+class SetSpec:
+    """An evaluation set, loaded: `name` "" is the held-out split."""
+
+    name: str
+    questions: list
+    reward: RewardConfig
+    samples: int
+    temperature: float
+    task: str | None
+
+
+def eval_sets(cfg: RunConfig, tokenizer, *, limit: int | None = None) -> list[SetSpec]:
+    """`eval.sets` loaded (each file with the data.* field names and prompt settings, its own reward, samples,
+    temperature), or, without sets, the held-out split (its first eval.questions, or `limit`). ValueError
+    (what to change) for a set with no usable question."""
+    from common.data import load_questions
+
+    if not cfg.eval.sets:
+        questions, report = load_questions(cfg.data, tokenizer, "test")
+        questions = questions[: limit or cfg.eval.questions]
+        if not questions:
+            raise ValueError(f"eval: no usable held-out questions ({report.summary()}); set data.test_path, "
+                             "eval.sets, or eval.every_steps=0")
+        return [SetSpec("", questions, cfg.reward, cfg.eval.samples, cfg.eval.temperature,
+                        cfg.data.task if cfg.data.train_path is None else None)]
+    out = []
+    for name, st in cfg.eval.sets.items():
+        data = cfg.data.model_copy(update={"train_path": st.path, "test_path": st.path})
+        questions, report = load_questions(data, tokenizer, "test")
+        questions = questions[: limit or st.questions or len(questions)]
+        if not questions:
+            raise ValueError(f"eval.sets.{name}: no usable questions in {st.path} ({report.summary()}; "
+                             f"{'; '.join(report.problems[:3])})")
+        reward = cfg.reward.model_copy(update={"name": st.reward}) if st.reward else cfg.reward
+        out.append(SetSpec(name, questions, reward, st.samples or cfg.eval.samples,
+                           st.temperature or cfg.eval.temperature, None))
+    return out
 
 
 def quiet_inprocess_vllm() -> None:
@@ -43,7 +89,7 @@ def quiet_inprocess_vllm() -> None:
 def eval_main(args, cfg: RunConfig) -> int:
     quiet_inprocess_vllm()
     from cluster.preflight import BadInput, check_reward, load_tokenizer, model_folder_problem
-    from common.data import DataError, load_questions
+    from common.data import DataError
 
     model = Path(args.model).expanduser()
     problem = model_folder_problem(model, field="--model")
@@ -58,34 +104,43 @@ def eval_main(args, cfg: RunConfig) -> int:
     cfg = cfg.model_copy(update={"data": data})
     if args.task and not args.data and cfg.reward.name in ("countdown", "arithmetic"):
         cfg = cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"name": args.task})})
+    use_sets = bool(cfg.eval.sets) and not (args.data or args.task)
     try:
         tok = load_tokenizer(model, field="--model")
-        check_reward(cfg.reward.name, data.task if data.train_path is None else None)
-        questions, report = load_questions(data, tok, "test")
+        if use_sets:  # the config's eval.sets, each with its reward, samples and temperature
+            sets = eval_sets(cfg, tok, limit=args.limit)
+            for st in sets:
+                check_reward(st.reward.name, None)
+        else:
+            check_reward(cfg.reward.name, data.task if data.train_path is None else None)
+            sets = eval_sets(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"sets": {}})}), tok,
+                             limit=args.limit or 10**9)
     except BadInput as e:
         print(e, file=sys.stderr)
         return 2
-    except DataError as e:
+    except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.limit:
-        questions = questions[: args.limit]
-    if not questions:
-        print(f"error: no test questions ({report.summary()})", file=sys.stderr)
-        return 2
-    result = evaluate(str(model), cfg, questions, samples=args.samples)
-    print(result.table(str(model)))
+    results = []
+    for st in sets:
+        run_cfg = cfg.model_copy(update={"reward": st.reward})
+        samples = args.samples or (st.samples if st.name else 8)
+        result = evaluate(str(model), run_cfg, st.questions, samples=samples,
+                          temperature=st.temperature if st.name else 0.6, task=st.task)
+        print(result.table(str(model), st.name))
+        results.append((st.name, result))
     if cfg.tracking.enabled:
-        _log_eval(cfg, str(model), result)
+        _log_eval(cfg, str(model), results)
     return 0
 
 
-def _log_eval(cfg: RunConfig, model: str, r: EvalResult) -> None:
+def _log_eval(cfg: RunConfig, model: str, results: list[tuple[str, EvalResult]]) -> None:
     from cluster.tracking import Tracker, default_tracking_uri
 
     tr = Tracker(cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root), cfg.tracking.experiment)
     tr.start(f"eval {Path(model).name}", tags={"exgrpo.kind": "eval", "exgrpo.model": model})
-    tr.log_params({"model": model, "samples": r.k, "temperature": r.temperature, "questions": r.questions})
-    tr.log_metrics({"eval/greedy_accuracy": r.greedy_accuracy, "eval/pass_at_1": r.pass_at_1,
-                    f"eval/pass_at_{r.k}": r.pass_at_k}, 0)
+    tr.log_params({"model": model, **{f"{name or 'heldout'}.{k}": v for name, r in results
+                                      for k, v in (("samples", r.k), ("temperature", r.temperature),
+                                                   ("questions", r.questions))}})
+    tr.log_metrics({k: v for name, r in results for k, v in r.metrics(name).items()}, 0)
     tr.finish()

@@ -36,27 +36,26 @@ class InRunEval:
     def create(cls, cfg: RunConfig, model_path: Path, *, run: str, namespace: str | None) -> InRunEval | None:
         if not cfg.eval.every_steps:
             return None
+        from actors.evaluation import EvalSet
         from actors.evaluator import Evaluator, evaluator_options
+        from cluster.evaluate import eval_sets
         from common import codec
-        from common.data import load_questions
         from common.interfaces import actor_name
         from common.messages import Question
         from common.tokenizer import auto_tokenizer
         from learner.weights import ObjectStoreWeightSource
 
-        questions, report = load_questions(cfg.data, auto_tokenizer(model_path), "test")
-        questions = questions[: cfg.eval.questions]
-        if not questions:
-            raise ValueError(f"eval: no usable held-out questions ({report.summary()}); set data.test_path or "
-                             "eval.every_steps=0")
-        task = cfg.data.task if cfg.data.train_path is None else None
+        sets = eval_sets(cfg, auto_tokenizer(model_path))
         actor = Evaluator.options(name=actor_name(run, "evaluator"), namespace=namespace,
                                   **evaluator_options(cfg.eval, cfg.generator)).remote(
-            cfg.eval, cfg.generator, cfg.reward, str(model_path), codec.encode_list(questions, Question),
-            ObjectStoreWeightSource(run, namespace), task)
-        log.info("in-run evaluation every %d steps on %d held-out questions (%d samples, T=%.1f)",
-                 cfg.eval.every_steps, len(questions), cfg.eval.samples, cfg.eval.temperature)
-        return cls(cfg, actor, len(questions))
+            cfg.eval, cfg.generator, str(model_path),
+            [EvalSet(s.name, codec.encode_list(s.questions, Question), s.reward, s.samples, s.temperature, s.task)
+             for s in sets], ObjectStoreWeightSource(run, namespace))
+        for s in sets:
+            log.info("in-run evaluation every %d steps on %s: %d questions (%d samples, T=%.1f, reward %s)",
+                     cfg.eval.every_steps, f"eval set {s.name}" if s.name else "the held-out split",
+                     len(s.questions), s.samples, s.temperature, s.reward.name)
+        return cls(cfg, actor, sum(len(s.questions) for s in sets))
 
     def after_step(self, step: int) -> None:
         """Ask for an evaluation of the newest published version every `every_steps` steps."""
@@ -83,7 +82,8 @@ class InRunEval:
                       str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
             return []
         step = self.last_version = int(report.pop("version"))
-        self.last = {f"eval/{k}": v for k, v in report.items()}
+        report["eval/seconds"] = report.pop("seconds")
+        self.last = report
         return [(step, {**self.last, **self._counters()})]
 
     def _counters(self) -> dict[str, float]:

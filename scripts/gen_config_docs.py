@@ -40,6 +40,11 @@ def _rows(model: type[BaseModel], prefix: str, out: list[str], sections: list[tu
             sections.append((prefix + name, sub))
             continue
         args = typing.get_args(ann)
+        if typing.get_origin(ann) is dict and isinstance(args[1], type) and issubclass(args[1], BaseModel):
+            doc = (f.description or "").replace("|", "\\|").replace("\n", " ")
+            out.append(f"| `{prefix}{name}` | `dict[str, {args[1].__name__}]` | `{{}}` |  | {doc} |")
+            sections.append((f"{prefix}{name}.<name>", args[1]))
+            continue
         variants = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
         if variants:
             for v in variants:

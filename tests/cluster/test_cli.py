@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,30 @@ def test_eval_prints_a_table_for_a_model_folder(capsys, tiny_model_dir, tmp_path
     out = capsys.readouterr().out
     assert "greedy accuracy" in out and "pass@2" in out and "questions                       6" not in out
     assert any(line.split()[:1] == ["questions"] and line.split()[-1] == "6" for line in out.splitlines())
+
+
+def test_eval_reports_every_eval_set_with_its_own_reward_and_samples(capsys, tiny_model_dir, tmp_path):
+    from common.tasks import get_task
+    from tests.cluster.runs import mlflow_client
+
+    _, test = get_task("arithmetic").generate(0, 50, 10)
+    path = tmp_path / "arith.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in test))
+    code = main(["eval", "--model", str(tiny_model_dir), "generator.engine.kind=transformers",
+                 f"checkpoint.runs_root={tmp_path}", f"eval.sets.arith.path={path}", "eval.sets.arith.reward=arithmetic",
+                 "eval.sets.arith.samples=2", f"eval.sets.exact.path={path}", "eval.sets.exact.reward=exact",
+                 "eval.sets.exact.samples=3", "eval.sets.exact.questions=4"])
+    assert code == 0
+    out = capsys.readouterr().out
+    sets = [line.split() for line in out.splitlines() if line.startswith("set ")]
+    assert sets == [["set", "arith"], ["set", "exact"]], out
+    assert "pass@2" in out and "pass@3" in out and "mean response length" in out
+    client = mlflow_client(tmp_path)
+    (run,) = client.search_runs([client.get_experiment_by_name("exgrpo").experiment_id])
+    m = run.data.metrics
+    assert {"eval/arith/pass_at_2", "eval/arith/mean_at_2", "eval/exact/pass_at_3", "eval/exact/response_length_mean"} \
+        <= set(m)
+    assert m["eval/arith/questions"] == 10 and m["eval/exact/questions"] == 4
 
 
 def test_eval_with_missing_model_folder_exits_2(capsys, tmp_path):

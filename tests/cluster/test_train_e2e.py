@@ -156,18 +156,31 @@ def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_st
 
 
 def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root):
+    """Also in-run evaluation on two named eval sets: one file, scored by the task's verifier (2 samples) and by
+    exact match at T=1 (3 samples), each under eval/<set>/."""
+    from common.tasks import get_task
+
+    _, test = get_task("countdown").generate(0, 2000, 200)  # the default run's own held-out questions
+    heldout = runs_root / "sync-heldout.jsonl"
+    heldout.write_text("".join(json.dumps(row) + "\n" for row in test[:16]))
     r = run_train(runs_root, "sync", "total_steps=6", "buffer.max_lag=0", "checkpoint.every_steps=0",
-                  "eval.every_steps=3", "eval.questions=16", "eval.samples=2")
+                  "eval.every_steps=3", "eval.samples=2", f"eval.sets.countdown.path={heldout}",
+                  f"eval.sets.strict.path={heldout}", "eval.sets.strict.reward=exact", "eval.sets.strict.samples=3",
+                  "eval.sets.strict.temperature=1.0")
     assert r.returncode == 0, r.stdout[-4000:]
     client = mlflow_client(runs_root)
-    lags = history(client, _run_id(runs_root, "sync"), "staleness/mean")
+    run_id = _run_id(runs_root, "sync")
+    lags = history(client, run_id, "staleness/mean")
     assert len(lags) == 6 and all(v == 0 for _, v in lags)
     # in-run evaluation (an evaluator actor, off the training path): logged at the step it measured;
     # synchronous mode publishes before the request, so it measured exactly steps 3 and 6
-    evals = history(client, _run_id(runs_root, "sync"), "eval/pass_at_1")
+    evals = history(client, run_id, "eval/countdown/pass_at_1")
     assert [s for s, _ in evals] == [3, 6] and all(0 <= v <= 1 for _, v in evals)
-    assert len(history(client, _run_id(runs_root, "sync"), "eval/greedy_accuracy")) == 2
-    assert "eval of step 6: greedy" in r.stdout
+    assert [s for s, _ in history(client, run_id, "eval/countdown/pass_at_2")] == [3, 6]
+    assert [s for s, _ in history(client, run_id, "eval/strict/mean_at_3")] == [3, 6]
+    assert all(v > 0 for _, v in history(client, run_id, "eval/strict/response_length_mean"))
+    assert not history(client, run_id, "eval/pass_at_1")  # the sets replace the held-out split
+    assert "eval of step 6: countdown: greedy" in r.stdout and "; strict: greedy" in r.stdout
     acc = accounting(_final_metrics(runs_root, "sync"))
     assert_balanced(acc)
     # nothing is leased before the next version is published, and generators load it before generating
