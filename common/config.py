@@ -494,7 +494,18 @@ class LearnerConfig(Section):
     placement: Literal["pack", "spread", "none"] = "pack"
     """Placement group of the ranks: pack (together, fast collectives), spread (across nodes) or none."""
     lr: float = Field(1e-4, gt=0, le=1)
-    """AdamW learning rate (the paper uses 1e-6 for 1.5B-8B models)."""
+    """AdamW learning rate (the paper uses 1e-6 for 1.5B-8B models); the peak of `lr_schedule`."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warmup: constant `lr`, or linear / cosine decay from `lr` to `min_lr` at `lr_decay_steps`."""
+    warmup_steps: int = Field(0, ge=0, le=10_000_000)
+    """Learner steps of linear warmup from lr/warmup_steps to `lr` (0: none)."""
+    warmup_ratio: float | None = Field(None, ge=0, lt=1)
+    """Warmup as a share of `lr_decay_steps` (resolved into warmup_steps at start; not both)."""
+    min_lr: float = Field(0.0, ge=0, le=1)
+    """Where the linear and cosine decays end (held after `lr_decay_steps`)."""
+    lr_decay_steps: int | None = Field(None, ge=1, le=10_000_000)
+    """Learner steps from the start to the end of the decay (None: the run's total_steps, resolved at start and
+    saved, so a resume that raises total_steps keeps the schedule)."""
     weight_decay: float = Field(0.01, ge=0, le=1)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -753,6 +764,24 @@ class RunConfig(Section):
         return _fill_task_defaults(raw) if isinstance(raw, dict) else raw
 
     @model_validator(mode="after")
+    def _lr_schedule(self) -> RunConfig:
+        """The schedule's horizon and warmup in steps, resolved once so the saved config carries them."""
+        lc = self.learner
+        if lc.warmup_ratio is not None and lc.warmup_steps:
+            raise ValueError("learner.warmup_ratio and learner.warmup_steps: set one of them")
+        if lc.min_lr > lc.lr:
+            raise ValueError(f"learner.min_lr: {lc.min_lr:g} is above learner.lr {lc.lr:g}")
+        update: dict[str, Any] = {}
+        horizon = lc.lr_decay_steps or self.total_steps
+        if lc.lr_decay_steps is None and (lc.lr_schedule != "constant" or lc.warmup_ratio is not None):
+            update["lr_decay_steps"] = horizon
+        if lc.warmup_ratio is not None:
+            update.update(warmup_steps=round(lc.warmup_ratio * horizon), warmup_ratio=None)
+        if update:
+            self.learner = lc.model_copy(update=update)
+        return self
+
+    @model_validator(mode="after")
     def _generator_dtype(self) -> RunConfig:
         """generator.dtype None means model.dtype: resolved here so the generators' section carries it."""
         if self.generator.dtype is None:
@@ -777,7 +806,8 @@ class RunConfig(Section):
         if self.buffer.replay_ratio > 0 and not self.buffer.collect:
             problems.append("buffer.collect: false leaves nothing to replay while buffer.replay_ratio > 0; "
                             "set buffer.replay_ratio=0 for plain GRPO")
-        if self.eval.every_steps and self.data.train_path is not None and self.data.test_path is None:
+        if self.eval.every_steps and self.data.train_path is not None and self.data.test_path is None \
+                and not self.eval.sets:
             problems.append("eval.every_steps: in-run evaluation needs held-out questions; set data.test_path "
                             "or eval.every_steps=0")
         if self.data.task is None and self.data.train_path is None:

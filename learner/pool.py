@@ -46,6 +46,7 @@ from common.config import LearnerConfig
 from common.interfaces import actor_name
 from common.messages import LearnerFeedback, TrainingBatch, WeightsAnnouncement, float32_array
 from learner import checkpoint as ck
+from learner.schedule import learning_rate
 from learner.step import RankStats, TrainStep, merge_rank_stats
 from learner.weights import WeightSyncTimeout, get_or_create_store, make_publisher, wait_for_acks
 
@@ -125,8 +126,12 @@ class LearnerRank:
                                  max_new_tokens=self.max_new_tokens, ref_model=ref)
 
     def train(self, payload: bytes) -> RankStats:
-        """One step on a msgpack-encoded TrainingBatch (the driver puts it once; every rank reads it)."""
-        return self.trainer.run(codec.decode(payload, TrainingBatch))
+        """One step on a msgpack-encoded TrainingBatch (the driver puts it once; every rank reads it), at the
+        learning rate of the schedule for the batch's version (the learner step it trains)."""
+        batch = codec.decode(payload, TrainingBatch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(self.cfg, batch.version)
+        return self.trainer.run(batch)
 
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Collective: every rank must call it; rank 0 gets the full CPU state dict (HF names; the fp32
@@ -331,6 +336,7 @@ class LearnerPool:
         self.skipped_updates += stats[0].skipped
         self.steps += 1
         metrics["learner/version"] = float(self.version)
+        metrics["learner/lr"] = learning_rate(self.cfg, version_trained)
         metrics["learner/skipped_updates_total"] = float(self.skipped_updates)
         fb = LearnerFeedback(version=version_trained, keys=sfb.keys, entropies=float32_array(sfb.entropies),
                              chosen=sfb.chosen)

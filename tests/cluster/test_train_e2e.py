@@ -164,7 +164,7 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root):
     heldout = runs_root / "sync-heldout.jsonl"
     heldout.write_text("".join(json.dumps(row) + "\n" for row in test[:16]))
     r = run_train(runs_root, "sync", "total_steps=6", "buffer.max_lag=0", "checkpoint.every_steps=0",
-                  "eval.every_steps=3", "eval.samples=2", f"eval.sets.countdown.path={heldout}",
+                  "learner.lr_schedule=cosine", "learner.warmup_steps=2", "learner.min_lr=1e-5", "eval.every_steps=3", "eval.samples=2", f"eval.sets.countdown.path={heldout}",
                   f"eval.sets.strict.path={heldout}", "eval.sets.strict.reward=exact", "eval.sets.strict.samples=3",
                   "eval.sets.strict.temperature=1.0")
     assert r.returncode == 0, r.stdout[-4000:]
@@ -181,6 +181,15 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root):
     assert all(v > 0 for _, v in history(client, run_id, "eval/strict/response_length_mean"))
     assert not history(client, run_id, "eval/pass_at_1")  # the sets replace the held-out split
     assert "eval of step 6: countdown: greedy" in r.stdout and "; strict: greedy" in r.stdout
+    # the learning-rate schedule: warmup over 2 steps, then cosine to min_lr at total_steps (logged per step)
+    from common.config import LearnerConfig
+    from learner.schedule import learning_rate
+
+    lc = LearnerConfig(lr_schedule="cosine", warmup_steps=2, min_lr=1e-5, lr_decay_steps=6)
+    lrs = history(client, run_id, "learner/lr")
+    assert [s for s, _ in lrs] == list(range(1, 7))
+    assert [v for _, v in lrs] == pytest.approx([learning_rate(lc, s - 1) for s, _ in lrs])
+    assert lrs[1][1] == pytest.approx(1e-4) and lrs[-1][1] < lrs[2][1]  # the peak after the warmup, then lower
     acc = accounting(_final_metrics(runs_root, "sync"))
     assert_balanced(acc)
     # nothing is leased before the next version is published, and generators load it before generating
@@ -208,7 +217,8 @@ def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothi
     (it cannot end before the kill on a fast machine); the resume sets where it ends."""
     run_dir = runs_root / "resume"
     with train_process(runs_root, "resume", "total_steps=100000", "checkpoint.every_steps=4",
-                       "checkpoint.keep_last=10", "cluster.max_restarts=2") as p:
+                       "checkpoint.keep_last=10", "cluster.max_restarts=2", "learner.lr_schedule=linear",
+                       "learner.warmup_steps=3", "learner.lr_decay_steps=20") as p:
         wait_for(lambda: len(state(run_dir).get("checkpoints", [])) >= 1 or p.poll() is not None, 600,
                  "the first checkpoint")
         ranks = _learner_ranks(p.pid)
@@ -244,6 +254,14 @@ def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothi
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"  # the same MLflow run continued
     assert {s for s, _ in history(client, run_id, "train/reward_mean")} == set(range(1, total + 1))
+    # the schedule goes on exactly where the checkpoint left it (a pure function of the restored version)
+    from common.config import LearnerConfig
+    from learner.schedule import learning_rate
+
+    lc = LearnerConfig(lr_schedule="linear", warmup_steps=3, lr_decay_steps=20)
+    lrs = history(client, run_id, "learner/lr")
+    assert {s for s, _ in lrs} == set(range(1, total + 1))
+    assert all(v == pytest.approx(learning_rate(lc, s - 1)) for s, v in lrs), lrs
     acc = accounting(run.data.metrics)
     assert_balanced(acc)
     # Everything the checkpoint held is accounted for after the resume. driver.json holds the counts of
