@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -47,9 +46,7 @@ def test_tiny_build_is_a_hugging_face_folder(tiny_folder):
 def test_second_call_is_cached_and_force_rebuilds(tiny_folder):
     cfg, folder = tiny_folder
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
-    start = time.monotonic()
-    assert ensure_toy_model(cfg, TINY_DATA) == folder
-    assert time.monotonic() - start < 1.0
+    assert ensure_toy_model(cfg, TINY_DATA) == folder  # cached: the file is not rewritten
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
     assert ensure_toy_model(cfg, TINY_DATA, force=True) == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns != stamp
