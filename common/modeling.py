@@ -16,7 +16,7 @@ import torch
 from collections.abc import Iterable
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]
@@ -117,6 +117,47 @@ def init_tiny_llama(
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
+
+
+QWEN2_VOCAB_ROWS = 151_936  # Qwen2 / Qwen2.5 embedding rows (the tokenizer has fewer tokens; the rest are padding)
+
+
+def init_tiny_qwen2(
+    vocab_size: int = QWEN2_VOCAB_ROWS,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int | None = None,
+    max_positions: int = 10_240,
+    rope_theta: float = 1_000_000.0,
+    seed: int = 0,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+    pad_token_id: int = 0,
+) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2 (float32) with Qwen2.5's architecture at tiny width: grouped-query
+    attention (`num_kv_heads` < `num_heads`), RoPE base 1e6, tied input/output embeddings, a real vocabulary
+    (151,936 rows) and long positions, so that the logits and lengths cost what they cost in a real run."""
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 3 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        rope_theta=rope_theta,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg)
 
 
 def save_model_folder(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: str | Path) -> Path:
