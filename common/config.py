@@ -514,7 +514,19 @@ class LearnerConfig(Section):
     """Optimizer updates per learner step (the paper: 2). Groups are shuffled, fresh and mixed evenly, before
     the split. The policy version still advances by 1 per step."""
     micro_batch_rows: int = Field(64, ge=1, le=100_000)
-    """Rows per forward/backward (gradient accumulation inside a mini-batch)."""
+    """Rows per forward/backward (gradient accumulation inside a mini-batch); with `micro_batch_tokens`, a cap."""
+    micro_batch_tokens: int | None = Field(None, ge=1, le=100_000_000)
+    """Padded tokens (rows x longest row) per forward/backward: each rank's rows, sorted by length, are packed
+    greedily up to it, so memory follows the budget, not the longest response. Must hold one row of
+    data.max_prompt_tokens + generator.max_new_tokens. None: `micro_batch_rows` rows (docs/cluster.md, Memory)."""
+    logits_chunk_tokens: int | None = Field(None, ge=0, le=1_000_000)
+    """Response tokens per chunk of the LM head: log-probs and entropies are computed from the final hidden
+    states a chunk at a time and recomputed in the backward, so no [rows, length, vocabulary] tensor exists.
+    None: about 32M logits per chunk (220 tokens at a 152k vocabulary). 0: full logits (the old path; its
+    memory grows with rows x length x vocabulary; for comparison only)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (about 1/3 more
+    compute, activation memory of one layer instead of all)."""
     clip_low: float = Field(0.2, ge=0, le=1)
     """PPO ratio clip below 1 for fresh tokens."""
     clip_high: float = Field(0.2, ge=0, le=100)
@@ -818,6 +830,10 @@ class RunConfig(Section):
             problems.append("generator.engine.kind / reward.name: synthetic is a simulation for bench/cluster_sim.py; "
                             "its random tokens cannot train a model: use engine kind vllm, transformers or auto "
                             "and the task's reward")
+        budget, longest = self.learner.micro_batch_tokens, self.data.max_prompt_tokens + self.generator.max_new_tokens
+        if budget is not None and budget < longest:
+            problems.append(f"learner.micro_batch_tokens: {budget} cannot hold one row of data.max_prompt_tokens + "
+                            f"generator.max_new_tokens = {longest} tokens; raise it to at least {longest}")
         ws = self.learner.weight_sync
         if isinstance(ws, CollectiveSyncConfig) and ws.backend == "nccl" and (
                 self.generator.num_gpus == 0 or self.learner.num_gpus == 0):

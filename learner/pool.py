@@ -47,7 +47,7 @@ from common.interfaces import actor_name
 from common.messages import LearnerFeedback, TrainingBatch, WeightsAnnouncement, float32_array
 from learner import checkpoint as ck
 from learner.schedule import learning_rate
-from learner.step import RankStats, TrainStep, merge_rank_stats
+from learner.step import RankStats, TrainStep, merge_rank_stats, prepare_model
 from learner.weights import WeightSyncTimeout, get_or_create_store, make_publisher, wait_for_acks
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,8 @@ class LearnerRank:
         np.random.seed(self.cfg.seed + self.rank)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
         self.model_config = model.config
+        c = self.cfg
+        prepare_model(model, c)  # before sharding: FSDP then manages the new head's (tied) weight as before
         mesh = init_device_mesh(self.device.type, (self.world,))
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         if self.dtype == torch.float16 and self.rank == 0:
@@ -113,12 +115,12 @@ class LearnerRank:
                 fully_shard(layer, mesh=mesh, mp_policy=mp)
             fully_shard(model, mesh=mesh, mp_policy=mp)
         self.model = model
-        c = self.cfg
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
         ref = None
         if c.kl_coef > 0:
             ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
             ref.requires_grad_(False)
+            prepare_model(ref, c, trainable=False)
         pad = model.config.pad_token_id
         self.trainer = TrainStep(model, self.optimizer, c, rank=self.rank, world=self.world, device=self.device,
                                  pad_id=0 if pad is None else int(pad),

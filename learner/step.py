@@ -14,9 +14,14 @@ Mini-batches: groups are shuffled with a seed derived from the batch version (th
 rank), mixed and fresh groups separately, and dealt round-robin, so that every optimizer update sees
 both kinds in proportion whenever both exist (never "all replay, then all fresh"). Within a mini-batch,
 rows are sorted by length and dealt round-robin to the ranks (rank r takes rows r, r+W, ...), then
-cut into micro-batches of `micro_batch_rows`. Every rank runs the same number of micro-batches
-(a rank that has run out runs an all-masked dummy row whose loss is 0 * logits, so its backward
-still reaches every parameter) because each FSDP forward/backward is a collective.
+cut into micro-batches of `micro_batch_rows`, or packed greedily up to `micro_batch_tokens` padded
+tokens. Every rank runs the same number of micro-batches (a rank that has run out runs an all-masked
+dummy row whose loss is 0 * anchor, so its backward still reaches every parameter) because each FSDP
+forward/backward is a collective.
+
+Memory: log-probs and entropies come from the final hidden states through the chunked LM head of
+`learner.token_stats` (training, candidate scoring, TIS old log-probs and the reference KL alike), so
+no [rows, length, vocabulary] logits exist; `learner.logits_chunk_tokens=0` restores full logits.
 
 Loss scaling: the normalizer (token count of the mini-batch, or a constant) is global, so the
 per-rank losses add up to the mini-batch loss; FSDP averages gradients over ranks, so each rank's
@@ -47,6 +52,7 @@ from torch import Tensor
 from common.config import LearnerConfig
 from common.messages import Rollout, TrainGroup, TrainingBatch
 from learner import loss as L
+from learner.token_stats import TokenStatsHead, install_token_stats_head, token_stats
 
 
 class BatchError(ValueError):
@@ -127,13 +133,38 @@ def split_mini_batches(rows: list[Row], n: int, seed: int = 0) -> list[list[Row]
     return out
 
 
-def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int) -> list[list[Row]]:
-    """This rank's micro-batches of a mini-batch; equally many on every rank (padded with [])."""
+def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int,
+                       micro_tokens: int | None = None) -> list[list[Row]]:
+    """This rank's micro-batches of a mini-batch; equally many on every rank (padded with []).
+
+    Rows are sorted by length (longest first) and dealt round-robin to the ranks. Without a token budget
+    each rank cuts its rows into chunks of `micro_rows`. With `micro_tokens`, each rank packs its rows
+    greedily: a micro-batch takes the next row while (rows + 1) x its first (longest) row's length stays
+    within the budget and it has fewer than `micro_rows` rows; a row longer than the budget is a
+    micro-batch of its own. Every rank computes every rank's packing (all see all rows), so all agree on
+    the count."""
     ordered = sorted(rows, key=lambda r: (-r.length, r.group))
-    mine = ordered[rank::world]
-    n_micro = max(1, math.ceil(math.ceil(len(rows) / world) / micro_rows))
-    chunks = [mine[i * micro_rows:(i + 1) * micro_rows] for i in range(n_micro)]
-    return chunks
+    if micro_tokens is None:
+        mine = ordered[rank::world]
+        n_micro = max(1, math.ceil(math.ceil(len(rows) / world) / micro_rows))
+        return [mine[i * micro_rows:(i + 1) * micro_rows] for i in range(n_micro)]
+    packs = [pack_by_tokens(ordered[k::world], micro_tokens, micro_rows) for k in range(world)]
+    n_micro = max(1, max(len(p) for p in packs))
+    return packs[rank] + [[] for _ in range(n_micro - len(packs[rank]))]
+
+
+def pack_by_tokens(rows: list[Row], budget: int, max_rows: int) -> list[list[Row]]:
+    """Greedy packing of rows sorted longest first into micro-batches of at most `budget` padded tokens."""
+    out: list[list[Row]] = []
+    cur: list[Row] = []
+    for r in rows:
+        if cur and ((len(cur) + 1) * cur[0].length > budget or len(cur) >= max_rows):
+            out.append(cur)
+            cur = []
+        cur.append(r)
+    if cur:
+        out.append(cur)
+    return out
 
 
 def candidate_rows(batch: TrainingBatch) -> list[tuple[int, int, Row]]:
@@ -241,7 +272,7 @@ def collate(rows: list[Row], pad_id: int, device: torch.device) -> MicroBatch:
 def response_logprobs_and_entropy(logits: Tensor, mb: MicroBatch) -> tuple[Tensor, Tensor]:
     """Log-probs of the targets and token entropies at response positions only; zeros elsewhere.
 
-    logits [R, L, V] -> ([R, L-1], [R, L-1]). Prompt and padding positions are skipped, not computed.
+    logits [R, L, V] -> ([R, L-1], [R, L-1]). The full-logits path (`learner.logits_chunk_tokens=0`).
     """
     sel = mb.response_mask > 0  # [R, L-1]
     picked = logits[:, :-1][sel]  # [N, V]
@@ -250,6 +281,29 @@ def response_logprobs_and_entropy(logits: Tensor, mb: MicroBatch) -> tuple[Tenso
     idx = sel.nonzero(as_tuple=True)
     zeros = torch.zeros(sel.shape, dtype=torch.float32, device=logits.device)  # [R, L-1]
     return zeros.index_put(idx, lp), zeros.index_put(idx, ent)
+
+
+def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, *, trainable: bool = True) -> torch.nn.Module:
+    """The learner's changes to a freshly loaded model, before any sharding: the chunked LM head (unless
+    `logits_chunk_tokens=0`) and, on the trained model, per-layer activation checkpointing."""
+    if cfg.logits_chunk_tokens != 0:
+        install_token_stats_head(model, cfg.logits_chunk_tokens)
+    if trainable and cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def forward_stats(model: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-probs [R, L-1], entropies [R, L-1], anchor) of a micro-batch's response tokens.
+
+    With the chunked head installed (`learner.token_stats`; the default) no [R, L, V] tensor exists;
+    otherwise full logits are computed. `anchor` is a scalar reaching every parameter the forward used:
+    `0 * anchor` lets an all-masked dummy micro-batch run the backward FSDP's collectives wait for."""
+    if isinstance(getattr(model, "lm_head", None), TokenStatsHead):
+        return token_stats(model, mb.input_ids, mb.attention_mask, mb.targets, mb.response_mask)
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # [R, L, V]
+    logp, ent = response_logprobs_and_entropy(logits, mb)
+    return logp, ent, logits.sum()
 
 
 SUM_KEYS = ("loss", "pg_loss", "fresh_loss", "replay_loss", "entropy_loss", "kl_loss", "clipped_tokens",
@@ -399,7 +453,7 @@ class TrainStep:
             if normalizer == 0:  # no response tokens at all: nothing to learn from this mini-batch
                 stats.skipped += 1
                 continue
-            for chunk in rank_micro_batches(mini, self.rank, self.world, cfg.micro_batch_rows):
+            for chunk in self._micro_batches(mini):
                 self._micro_step(collate(chunk, self.pad_id, self.device), normalizer, stats, first=i == 0)
             self._optimizer_step(stats)
         stats.seconds = time.perf_counter() - t0
@@ -421,10 +475,9 @@ class TrainStep:
         index = {id(r): i for i, r in enumerate(rows)}
         ent = torch.zeros(len(rows), dtype=torch.float32, device=self.device)  # [N]
         self.model.eval()
-        for chunk in rank_micro_batches(rows, self.rank, self.world, self.cfg.micro_batch_rows):
+        for chunk in self._micro_batches(rows):
             mb = collate(chunk, self.pad_id, self.device)
-            logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # [R, L, V]
-            _, h = response_logprobs_and_entropy(logits, mb)  # [R, L-1]
+            _, h, _ = forward_stats(self.model, mb)  # [R, L-1]
             for r, v in zip(chunk, L.row_mean(h, mb.response_mask).tolist()):
                 ent[index[id(r)]] = 0.0 if math.isnan(v) else v  # an empty response has entropy 0
         if self.world > 1:
@@ -439,14 +492,16 @@ class TrainStep:
         Collective (FSDP forwards): the same micro-batches as training, so every rank runs as many."""
         self.model.eval()
         for mini in minis:
-            for chunk in rank_micro_batches(mini, self.rank, self.world, self.cfg.micro_batch_rows):
+            for chunk in self._micro_batches(mini):
                 mb = collate(chunk, self.pad_id, self.device)
-                logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # [R, L, V]
-                lp, _ = response_logprobs_and_entropy(logits, mb)  # [R, L-1]
+                lp, _, _ = forward_stats(self.model, mb)  # [R, L-1]
                 lp = lp.cpu().numpy()
                 for i, r in enumerate(chunk):
                     p, t = len(r.prompt_ids), len(r.response_ids)
                     r.old_logprobs = lp[i, p - 1:p - 1 + t].copy()  # [T]
+
+    def _micro_batches(self, rows: list[Row]) -> list[list[Row]]:
+        return rank_micro_batches(rows, self.rank, self.world, self.cfg.micro_batch_rows, self.cfg.micro_batch_tokens)
 
     def _normalizer(self, mini: list[Row]) -> float:
         tokens = sum(len(r.response_ids) for r in mini)
@@ -461,8 +516,7 @@ class TrainStep:
         update yet), where the fresh tokens' train/inference gap is measured, and where the forward itself
         gives TIS its start-of-step log-probs (later mini-batches use `record_old_logprobs`)."""
         cfg = self.cfg
-        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # [R, L, V]
-        logp, ent = response_logprobs_and_entropy(logits, mb)  # [R, L-1] each
+        logp, ent, anchor = forward_stats(self.model, mb)  # [R, L-1] each
         fresh = mb.response_mask * (1.0 - mb.replay_mask)  # [R, L-1]
         if first:
             stats.add_gap(L.logprob_gap(logp, mb.behaviour_logprobs, fresh, mb.lag0_mask))
@@ -480,13 +534,12 @@ class TrainStep:
         kl_term = torch.zeros((), device=self.device)
         if cfg.kl_coef > 0 and self.ref_model is not None and mb.rows:
             with torch.no_grad():
-                ref_logits = self.ref_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-                ref_logp, _ = response_logprobs_and_entropy(ref_logits, mb)
+                ref_logp, _, _ = forward_stats(self.ref_model, mb)
             kl_term = L.kl_penalty(logp, ref_logp, mb.response_mask, cfg.kl_coef, normalizer)
         total = pg + ent_term + kl_term
-        # 0 * logits keeps every parameter in the graph: a rank whose micro-batch is an all-masked dummy
+        # 0 * anchor keeps every parameter in the graph: a rank whose micro-batch is an all-masked dummy
         # (fewer rows than ranks) still runs the backward that FSDP's gradient collectives wait for.
-        ((total + 0.0 * logits.sum()) * self.world).backward()
+        ((total + 0.0 * anchor) * self.world).backward()
         parts = {"loss": float(total.detach()), "entropy_loss": float(ent_term.detach()),
                  "kl_loss": float(kl_term.detach())}
         stats.add_micro(metrics, parts, ent.detach(), mb)

@@ -8,8 +8,8 @@ import torch
 
 from common.config import LearnerConfig
 from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
-from learner.step import (BatchError, RankStats, TrainStep, batch_rows, collate, complete_groups, rank_micro_batches,
-                          split_mini_batches)
+from learner.step import (BatchError, RankStats, TrainStep, batch_rows, collate, complete_groups, prepare_model,
+                          rank_micro_batches, split_mini_batches)
 from tests.learner.batches import make_batch, with_own_logprobs
 
 
@@ -118,8 +118,8 @@ def test_collate_aligns_response_tokens():
 def plain_step(model_dir, **overrides):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = LearnerConfig(micro_batch_rows=4, **overrides)
+    cfg = LearnerConfig(**{"micro_batch_rows": 4, **overrides})
+    model = prepare_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     return model, TrainStep(model, opt, cfg, rank=0, world=1, device=torch.device("cpu"), pad_id=0,
                             max_positions=512, max_new_tokens=12)
@@ -146,7 +146,8 @@ def test_kl_term_and_constant_normalizer(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     model, step = plain_step(tiny_model_dir, kl_coef=0.5, loss_agg="constant", loss_constant=1000.0)
-    step.ref_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    step.ref_model = prepare_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval(),
+                                   step.cfg, trainable=False)
     stats = step.run(make_batch(0))
     # the policy starts equal to the reference: KL (k3) is exactly 0 on the first and only update
     assert stats.updates == 1 and stats.sums["kl_loss"] == pytest.approx(0.0, abs=1e-7)
@@ -187,3 +188,66 @@ def test_tis_without_mismatch_is_the_plain_update(tiny_model_dir):
     assert all(torch.allclose(states[0][k], states[1][k], atol=1e-6) for k in states[0])
     assert metrics[1]["tis_weight_sum"] == pytest.approx(metrics[1]["fresh_tokens"], rel=1e-5)
     assert metrics[1]["tis_truncated_tokens"] == 0
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tis_cap": 2.0}, {"kl_coef": 0.5}, {"entropy_coef": 0.1}])
+def test_chunked_head_step_equals_the_full_logits_step(tiny_model_dir, overrides):
+    """The default path (chunked LM head, any chunk size) trains exactly what full logits train: candidate
+    scores, feedback, metrics and the weights after 2 updates. KL: a reference model on either path."""
+    from transformers import AutoModelForCausalLM
+
+    results = []
+    for chunk in (0, None, 3):
+        model, step = plain_step(tiny_model_dir, mini_batches=2, logits_chunk_tokens=chunk, **overrides)
+        step.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the (clipped) gradient itself
+        if overrides.get("kl_coef"):
+            ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+            ref.model.layers[0].mlp.up_proj.weight.data.mul_(1.1)  # a reference that differs: KL > 0
+            step.ref_model = prepare_model(ref, step.cfg, trainable=False)
+        stats = step.run(with_own_logprobs(make_batch(3, candidates=3, vocab=60), model))
+        results.append((stats, {k: v.clone() for k, v in model.state_dict().items()}))
+    (full, full_sd), rest = results[0], results[1:]
+    assert full.updates == 2 and full.candidates_scored > 0
+    for stats, sd in rest:
+        assert stats.feedback.keys == full.feedback.keys and stats.feedback.chosen == full.feedback.chosen
+        assert stats.feedback.entropies == pytest.approx(full.feedback.entropies, rel=1e-5)
+        for k in ("loss", "entropy_loss", "kl_loss", "fresh_entropy_sum", "tis_weight_sum", "gap_abs_sum"):
+            assert stats.sums[k] == pytest.approx(full.sums[k], rel=1e-4, abs=1e-6), k
+        for k in full_sd:
+            torch.testing.assert_close(sd[k], full_sd[k], rtol=1e-4, atol=1e-6)
+    if overrides.get("kl_coef"):
+        assert full.sums["kl_loss"] > 0
+
+
+def test_token_budget_packs_every_row_once_with_equal_counts_per_rank():
+    """The paper's settings (2 mini-batches, 2 ranks): each mini-batch's rows are packed on every rank
+    within the budget, each row exactly once, and both ranks run as many micro-batches."""
+    rows = batch_rows(complete_groups(make_batch(2, groups=8, group_size=8, candidates=1, response_len=(1, 60),
+                                                 prompt_len=(4, 30)), {})[0], std_normalize=False,
+                      max_positions=512)
+    longest = max(r.length for r in rows)
+    for budget in (longest, 2 * longest + 1, 300, 10_000):
+        for mini in split_mini_batches(rows, 2, seed=1):
+            per_rank = [rank_micro_batches(mini, r, 2, micro_rows=64, micro_tokens=budget) for r in range(2)]
+            assert len(per_rank[0]) == len(per_rank[1])
+            dealt = [id(r) for mbs in per_rank for mb in mbs for r in mb]
+            assert sorted(dealt) == sorted(id(r) for r in mini)  # every row exactly once
+            for mb in (mb for mbs in per_rank for mb in mbs if mb):
+                assert len(mb) * max(r.length for r in mb) <= budget or len(mb) == 1
+    tight = [rank_micro_batches(rows, r, 2, micro_rows=64, micro_tokens=longest) for r in range(2)]
+    assert all(len(mb) <= 1 or len(mb) * mb[0].length <= longest for mbs in tight for mb in mbs)
+    assert len(rank_micro_batches(rows, 0, 2, micro_rows=5, micro_tokens=10 ** 6)) == -(-len(rows) // 2 // 5)
+    assert rank_micro_batches(rows[:1], 1, 2, micro_rows=4, micro_tokens=1000) == [[]]  # the other rank's dummy
+
+
+@pytest.mark.parametrize("overrides", [{"micro_batch_tokens": 60}, {"activation_checkpointing": True}])
+def test_token_budget_and_activation_checkpointing_train_the_same_update(tiny_model_dir, overrides):
+    states = []
+    for extra in ({}, overrides):
+        model, step = plain_step(tiny_model_dir, mini_batches=2, **extra)
+        step.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        stats = step.run(make_batch(4, candidates=2))
+        assert stats.updates == 2
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    for k in states[0]:
+        torch.testing.assert_close(states[1][k], states[0][k], rtol=1e-4, atol=1e-6)
