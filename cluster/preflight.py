@@ -46,6 +46,16 @@ def model_folder_problem(path: Path, field: str = "model.path") -> str | None:
     return None
 
 
+def model_max_positions(path: Path) -> int | None:
+    """The model's max_position_embeddings from its config.json (None when it does not say)."""
+    try:
+        d = json.loads((path / "config.json").read_text())
+    except (ValueError, OSError):
+        return None  # model_folder_problem reports an unreadable config
+    limit = d.get("max_position_embeddings") if isinstance(d, dict) else None
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
 def _nearby_model(path: Path) -> str:
     """A hint when `path` is a run checkpoint (or its learner folder) rather than the model inside it."""
     for sub in ("learner/model", "model"):

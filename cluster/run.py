@@ -210,6 +210,7 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str]):
             run_dir, changes = RunDir.planned(cfg), {}
         check_reward(cfg.reward.name, cfg.data.task if cfg.data.train_path is None else None)
         model_path = _resolve_model(cfg)  # may build the built-in model (minutes): after the quick checks
+        cfg = fit_lengths(cfg, model_path)
         questions = _load_train_questions(cfg, model_path)
         if not resume:
             return cfg, run_dir.make(cfg), DriverState(generators=cfg.generator.num_generators), model_path, questions
@@ -258,12 +259,47 @@ def _resolve_model(cfg: RunConfig) -> Path:
     if cfg.model.path is None:
         from common.toy_model import ensure_toy_model
 
-        return ensure_toy_model(cfg.model, cfg.data, verbose=True)
-    p = Path(cfg.model.path).expanduser()
-    problem = model_folder_problem(p)
-    if problem is not None:
-        raise BadInput("invalid configuration:", problem)
+        p = ensure_toy_model(cfg.model, cfg.data, verbose=True)
+    else:
+        p = Path(cfg.model.path).expanduser()
+        problem = model_folder_problem(p)
+        if problem is not None:
+            raise BadInput("invalid configuration:", problem)
     return p
+
+
+def fit_lengths(cfg: RunConfig, model_path: Path) -> RunConfig:
+    """Prompt and sequence lengths that the model's positions hold, resolved once (the saved config carries
+    them): data.max_prompt_tokens is lowered to max_position_embeddings - generator.max_new_tokens when
+    above it (longer prompts are skipped and counted, as always), and the vLLM engine's max_model_len,
+    when None, becomes data.max_prompt_tokens + generator.max_new_tokens. BadInput when the model cannot
+    hold max_new_tokens, or a max_model_len set by hand cannot hold a prompt and its response."""
+    from cluster.preflight import BadInput, model_max_positions
+
+    new, prompt = cfg.generator.max_new_tokens, cfg.data.max_prompt_tokens
+    limit = model_max_positions(model_path)
+    if limit is not None and new >= limit:
+        raise BadInput("invalid configuration:", f"generator.max_new_tokens: {new} does not fit the model's {limit} "
+                       f"positions (max_position_embeddings of {model_path}) with any prompt; lower it below {limit}, "
+                       "or use a model with longer positions")
+    if limit is not None and prompt + new > limit:
+        log.info("data.max_prompt_tokens: lowered from %d to %d (the model's %d positions - generator.max_new_tokens "
+                    "%d); longer prompts are skipped and counted", prompt, limit - new, limit, new)
+        prompt = limit - new
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_prompt_tokens": prompt})})
+    engine = cfg.generator.engine
+    vllm_cfg = getattr(engine, "vllm", engine)  # engine kind auto holds its vLLM settings in .vllm
+    if hasattr(vllm_cfg, "max_model_len"):
+        if vllm_cfg.max_model_len is None:
+            vllm_cfg = vllm_cfg.model_copy(update={"max_model_len": prompt + new})
+            engine = engine.model_copy(update={"vllm": vllm_cfg}) if engine is not vllm_cfg and hasattr(
+                engine, "vllm") else vllm_cfg
+            cfg = cfg.model_copy(update={"generator": cfg.generator.model_copy(update={"engine": engine})})
+        elif vllm_cfg.max_model_len < prompt + new:
+            raise BadInput("invalid configuration:", f"generator.engine.max_model_len: {vllm_cfg.max_model_len} cannot "
+                           f"hold data.max_prompt_tokens + generator.max_new_tokens = {prompt} + {new}; raise it to "
+                           f"{prompt + new} or unset it (None derives it)")
+    return cfg
 
 
 def _load_train_questions(cfg: RunConfig, model_path: Path):

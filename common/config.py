@@ -256,8 +256,9 @@ class VllmEngineConfig(Section):
     """Top-k log-probs requested per token to estimate the token entropy."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (faster start, needed on CPU)."""
-    max_model_len: int = Field(512, ge=16)
-    """Maximum prompt + response length."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Maximum prompt + response length. None: data.max_prompt_tokens + generator.max_new_tokens (resolved at
+    start; data.max_prompt_tokens is first lowered to what the model's positions leave)."""
     block_size: int | None = Field(None, ge=1)
     """KV cache block size; None = the platform's default (vLLM's CPU attention needs a multiple of 32)."""
     max_num_seqs: int = Field(256, ge=1, le=65_536)

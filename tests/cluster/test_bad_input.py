@@ -300,3 +300,27 @@ def test_mlflow_artifacts_stay_under_the_runs_root(tmp_path, monkeypatch):
     tracker.finish()
     assert list(cwd.iterdir()) == []
     assert (root / "mlartifacts" / "exp" / tracker.run_id / "artifacts" / "config.yaml").is_file()
+
+
+def test_lengths_the_model_cannot_hold_are_refused_or_fitted(capsys, runs, tmp_path, tiny_model_dir):
+    """max_new_tokens at or above the model's positions is refused before the run folder exists; a prompt cap
+    that the positions cannot hold with the response is lowered, and vLLM's max_model_len follows it."""
+    from cluster.preflight import BadInput
+    from cluster.run import fit_lengths
+    from common.config import load_config
+
+    limit = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    assert_refused(*train(capsys, runs, f"model.path={tiny_model_dir}", "data.task=arithmetic",
+                          f"generator.max_new_tokens={limit}"),
+                   f"generator.max_new_tokens: {limit} does not fit the model's {limit} positions")
+    assert not (runs / "r").exists()
+    cfg = load_config(None, ["data.task=arithmetic", "generator.max_new_tokens=100", "data.max_prompt_tokens=4096",
+                             "generator.engine.kind=vllm"])
+    fitted = fit_lengths(cfg, tiny_model_dir)
+    assert fitted.data.max_prompt_tokens == limit - 100 and fitted.generator.engine.max_model_len == limit
+    auto = fit_lengths(load_config(None, ["data.task=arithmetic", "data.max_prompt_tokens=64"]), tiny_model_dir)
+    assert auto.generator.engine.vllm.max_model_len == 64 + auto.generator.max_new_tokens
+    with pytest.raises(BadInput, match=r"generator.engine.max_model_len: 32 cannot hold .* raise it to 88"):
+        fit_lengths(load_config(None, ["data.task=arithmetic", "data.max_prompt_tokens=64", "generator.max_new_tokens=24",
+                                       "generator.engine.kind=vllm", "generator.engine.max_model_len=32"]),
+                    tiny_model_dir)

@@ -1,0 +1,137 @@
+"""Real shapes: peak memory and speed of one learner step at real vocabularies and response lengths.
+
+    python bench/shapes_bench.py [--vocab 32000 151936] [--lengths 512 2048 8192] [--tokens 8192]
+                                 [--budget 16384] [--old-limit-gib 16]
+
+Model: a tiny Qwen2 (hidden 64, 2 layers, GQA 2/1 heads, tied embeddings, 10,240 positions) with the
+vocabulary given, so that the LM head and the lengths dominate as they do for a real model's logits.
+Each case runs in its own process (peak RSS = that process's ru_maxrss): one warm-up step, then one
+timed `TrainStep.run` (1 rank, float32, AdamW) over a batch of `--tokens` response tokens (rows of
+64 prompt + LENGTH response tokens, groups of 4 with 0/1 rewards).
+
+- old: full [R, L, V] logits (`learner.logits_chunk_tokens=0`) with `micro_batch_rows=1`, its most
+  frugal setting. A case whose estimated peak (7 x rows x length x vocabulary x 4 bytes) is above
+  `--old-limit-gib` is not run and shows the estimate.
+- new: the chunked LM head (default chunk) and `micro_batch_tokens=--budget`.
+
+Columns: peak RSS (GiB), tokens/s (response tokens trained per second of the timed step), and
+new/old ratios. `--case JSON` runs one case and prints its JSON line (tests use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = 64
+GIB = 1024 ** 3
+
+
+def run_case(case: dict) -> dict:
+    """One learner step in this process; the keys of `case`: vocab, length, tokens, path (old|new), budget."""
+    sys.path.insert(0, str(ROOT))
+    import numpy as np
+    import torch
+
+    from common.config import LearnerConfig
+    from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
+    from common.modeling import init_tiny_qwen2
+    from learner.step import TrainStep, prepare_model
+
+    torch.set_num_threads(int(case.get("threads", 1)))
+    vocab, length = int(case["vocab"]), int(case["length"])
+    rows = max(1, int(case["tokens"]) // length)
+    if case["path"] == "old":
+        cfg = LearnerConfig(logits_chunk_tokens=0, micro_batch_rows=1, lr=1e-5)
+    else:
+        cfg = LearnerConfig(micro_batch_tokens=int(case["budget"]), micro_batch_rows=100_000, lr=1e-5,
+                            activation_checkpointing=bool(case.get("checkpointing", False)))
+    model = prepare_model(init_tiny_qwen2(vocab, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                                          max_positions=max(10_240, PROMPT + length)), cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    step = TrainStep(model, opt, cfg, rank=0, world=1, device=torch.device("cpu"), pad_id=0,
+                     max_positions=model.config.max_position_embeddings, max_new_tokens=length)
+    rng = np.random.default_rng(0)
+
+    def batch(version: int) -> TrainingBatch:
+        groups = []
+        for g in range(-(-rows // 4)):
+            n = min(4, rows - 4 * g)
+            ros = [Rollout(response_ids=int32_array(rng.integers(3, vocab, length)),
+                           logprobs=float32_array(np.full(length, -np.log(vocab))), reward=float(i % 2),
+                           correct=bool(i % 2), entropy=1.0, version=version, finish_reason="length", key=f"{g}-{i}")
+                   for i in range(n)]
+            groups.append(TrainGroup(question_id=f"q{g}", prompt_ids=int32_array(rng.integers(3, vocab, PROMPT)),
+                                     rollouts=ros))
+        return TrainingBatch(groups=groups, version=version)
+
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    step.run(batch(0))  # warm-up
+    t0 = time.perf_counter()
+    stats = step.run(batch(1))
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    tokens = stats.sums["fresh_tokens"]
+    return {**case, "rows": rows, "tokens_trained": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1), "peak_rss_gib": round(peak / GIB, 3),
+            "base_rss_gib": round(base / GIB, 3), "updates": stats.updates}
+
+
+def spawn(case: dict) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(case.get("threads", 1))}
+    out = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True, text=True,
+                         env=env, cwd=ROOT)
+    if out.returncode != 0:
+        return {**case, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def old_estimate_gib(vocab: int, length: int) -> float:
+    return 7 * (PROMPT + length) * vocab * 4 / GIB  # one row per micro-batch: ~7 copies of its logits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, nargs="+", default=[32_000, 151_936])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--tokens", type=int, default=8192, help="response tokens per step")
+    ap.add_argument("--budget", type=int, default=16_384, help="learner.micro_batch_tokens of the new path")
+    ap.add_argument("--old-limit-gib", type=float, default=16.0)
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:
+        print(json.dumps(run_case(json.loads(args.case))))
+        return
+    print("command: python bench/shapes_bench.py " + " ".join(sys.argv[1:]))
+    print(f"one TrainStep.run, 1 rank, float32, {args.tokens} response tokens per step, prompts {PROMPT} tokens; "
+          f"old = full logits, micro_batch_rows=1; new = chunked head, micro_batch_tokens={args.budget}\n")
+    print("| vocab | response | rows | old peak GiB | new peak GiB | new/old | old tok/s | new tok/s | new/old |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for vocab in args.vocab:
+        for length in args.lengths:
+            case = {"vocab": vocab, "length": length, "tokens": args.tokens, "budget": args.budget}
+            new = spawn({**case, "path": "new"})
+            est = old_estimate_gib(vocab, length)
+            old = spawn({**case, "path": "old"}) if est <= args.old_limit_gib else {"skipped": est}
+            if "error" in new or "error" in old:
+                print(f"| {vocab} | {length} | error: {new.get('error') or old.get('error')} |")
+                continue
+            if "skipped" in old:
+                print(f"| {vocab:,} | {length:,} | {new['rows']} | not run (~{est:.0f} GiB estimated) | "
+                      f"{new['peak_rss_gib']:.2f} | < {new['peak_rss_gib'] / est:.3f} | — | "
+                      f"{new['tokens_per_s']:,.0f} | — |")
+                continue
+            print(f"| {vocab:,} | {length:,} | {new['rows']} | {old['peak_rss_gib']:.2f} | {new['peak_rss_gib']:.2f} | "
+                  f"{new['peak_rss_gib'] / old['peak_rss_gib']:.3f} | {old['tokens_per_s']:,.0f} | "
+                  f"{new['tokens_per_s']:,.0f} | {new['tokens_per_s'] / old['tokens_per_s']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
