@@ -14,7 +14,8 @@ timed `TrainStep.run` (1 rank, float32, AdamW) over a batch of `--tokens` respon
   `--old-limit-gib` is not run and shows the estimate.
 - new: the chunked LM head (default chunk) and `micro_batch_tokens=--budget`.
 
-Columns: peak RSS (GiB), tokens/s (response tokens trained per second of the timed step), and
+Columns: peak RSS (GiB) and, in brackets, the step's own memory (peak minus the RSS before the first
+step: interpreter, torch, model), tokens/s (response tokens trained per second of the timed step), and
 new/old ratios. `--case JSON` runs one case and prints its JSON line (tests use it).
 """
 
@@ -69,7 +70,7 @@ def run_case(case: dict) -> dict:
                            correct=bool(i % 2), entropy=1.0, version=version, finish_reason="length", key=f"{g}-{i}")
                    for i in range(n)]
             groups.append(TrainGroup(question_id=f"q{g}", prompt_ids=int32_array(rng.integers(3, vocab, PROMPT)),
-                                     rollouts=ros))
+                                     rollouts=ros, mixed=False))
         return TrainingBatch(groups=groups, version=version)
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -112,7 +113,8 @@ def main() -> None:
     print("command: python bench/shapes_bench.py " + " ".join(sys.argv[1:]))
     print(f"one TrainStep.run, 1 rank, float32, {args.tokens} response tokens per step, prompts {PROMPT} tokens; "
           f"old = full logits, micro_batch_rows=1; new = chunked head, micro_batch_tokens={args.budget}\n")
-    print("| vocab | response | rows | old peak GiB | new peak GiB | new/old | old tok/s | new tok/s | new/old |")
+    print("| vocab | response | rows | old peak GiB (step) | new peak GiB (step) | new/old step memory | "
+          "old tok/s | new tok/s | new/old tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for vocab in args.vocab:
         for length in args.lengths:
@@ -121,16 +123,20 @@ def main() -> None:
             est = old_estimate_gib(vocab, length)
             old = spawn({**case, "path": "old"}) if est <= args.old_limit_gib else {"skipped": est}
             if "error" in new or "error" in old:
-                print(f"| {vocab} | {length} | error: {new.get('error') or old.get('error')} |")
+                print(f"| {vocab:,} | {length:,} | error: {new.get('error') or old.get('error')} |", flush=True)
                 continue
+            new_step = new["peak_rss_gib"] - new["base_rss_gib"]
+            cells = [f"{vocab:,}", f"{length:,}", str(new["rows"])]
             if "skipped" in old:
-                print(f"| {vocab:,} | {length:,} | {new['rows']} | not run (~{est:.0f} GiB estimated) | "
-                      f"{new['peak_rss_gib']:.2f} | < {new['peak_rss_gib'] / est:.3f} | — | "
-                      f"{new['tokens_per_s']:,.0f} | — |")
-                continue
-            print(f"| {vocab:,} | {length:,} | {new['rows']} | {old['peak_rss_gib']:.2f} | {new['peak_rss_gib']:.2f} | "
-                  f"{new['peak_rss_gib'] / old['peak_rss_gib']:.3f} | {old['tokens_per_s']:,.0f} | "
-                  f"{new['tokens_per_s']:,.0f} | {new['tokens_per_s'] / old['tokens_per_s']:.2f} |", flush=True)
+                cells += [f"not run (~{est:.0f} GiB estimated)", f"{new['peak_rss_gib']:.2f} ({new_step:.2f})",
+                          f"< {new_step / est:.3f}", "—", f"{new['tokens_per_s']:,.0f}", "—"]
+            else:
+                old_step = old["peak_rss_gib"] - old["base_rss_gib"]
+                cells += [f"{old['peak_rss_gib']:.2f} ({old_step:.2f})", f"{new['peak_rss_gib']:.2f} ({new_step:.2f})",
+                          f"{new_step / old_step:.3f}", f"{old['tokens_per_s']:,.0f}", f"{new['tokens_per_s']:,.0f}",
+                          f"{new['tokens_per_s'] / old['tokens_per_s']:.2f}"]
+            print("| " + " | ".join(cells) + " |", flush=True)
+    print("\n(step) = peak RSS minus the RSS before the first step (interpreter, torch, model, batch)")
 
 
 if __name__ == "__main__":

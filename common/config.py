@@ -60,9 +60,20 @@ class ToyModelConfig(Section):
     them are the RL training split, none are in the test split). More than the RL split helps it generalise."""
     threads: int = Field(1, ge=1, le=256)
     """torch threads while building (restored afterwards)."""
+    architecture: Literal["llama", "qwen2"] = "llama"
+    """llama, or qwen2: Qwen2.5's architecture at this width (grouped-query attention with one KV head, RoPE
+    base 1e6, tied input/output embeddings)."""
+    vocab_rows: int | None = Field(None, ge=16, le=1_000_000)
+    """Embedding rows, padded past the tokenizer's tokens as real models pad theirs (Qwen2.5: 151936). The padded
+    rows are set after training so that the model gives them no probability. None: the tokenizer's size."""
+    max_positions: int = Field(512, ge=64, le=1_000_000)
+    """max_position_embeddings of the built model (prompt + response must fit)."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ToyModelConfig:
+        if self.architecture == "qwen2" and self.num_heads < 2:
+            raise ValueError("model.toy.num_heads: the qwen2 architecture shares one KV head between at least 2 "
+                             "query heads; set num_heads >= 2")
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads not in (32, 64, 128):
             raise ValueError(
                 f"hidden_size / num_heads = {self.hidden_size}/{self.num_heads} must be 32, 64 or 128 "

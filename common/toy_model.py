@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -46,6 +47,10 @@ CHAT_RECIPE_VERSION = 1
 """Also in the cache key of chat tasks' models (their tokenizer and format): bump when those change."""
 BPE_VOCAB_SIZE = 320
 """Vocabulary of a chat task's BPE tokenizer (bytes, specials and the merges the corpus offers, at most)."""
+NEW_SETTINGS = ("architecture", "vocab_rows", "max_positions")
+"""Settings added after models were cached: in the cache key only when changed from their defaults."""
+PADDED_MASS = 1e-6
+"""The padded vocabulary rows get at most this much probability in total on the build's probe tokens."""
 INFO_FILE = "exgrpo_toy.json"
 """Written last into a finished folder: the build's settings and measured spread."""
 
@@ -98,6 +103,9 @@ def ensure_toy_model(model_cfg: ModelConfig, data_cfg: DataConfig, force: bool =
 def cache_key(toy: ToyModelConfig, data_cfg: DataConfig) -> str:
     """16 hex chars of blake2b over the settings that change the built model (not `threads`)."""
     toy_settings = toy.model_dump(mode="json", exclude={"threads"})
+    for name in NEW_SETTINGS:  # at their defaults they leave the key (and every cached model) as it was
+        if toy_settings[name] == ToyModelConfig.model_fields[name].default:
+            del toy_settings[name]
     relevant = {"recipe": RECIPE_VERSION, "toy": toy_settings, "task": data_cfg.task,
                 "seed": data_cfg.seed, "num_train": data_cfg.num_train, "num_test": data_cfg.num_test}
     if _is_chat_task(data_cfg.task):  # only there: the keys of the character-level models stay as they were
@@ -110,7 +118,7 @@ def cache_key(toy: ToyModelConfig, data_cfg: DataConfig) -> str:
 
 def build_toy_model(toy: ToyModelConfig, data_cfg: DataConfig, out: Path, *, verbose: bool = False) -> dict:
     """Train and save the model into `out`; return the info dict (settings, steps, measured spreads)."""
-    from common.modeling import init_tiny_llama, save_model_folder
+    from common.modeling import init_tiny_llama, init_tiny_qwen2, save_model_folder
     from common.tasks import get_task
 
     threads = torch.get_num_threads()
@@ -122,9 +130,11 @@ def build_toy_model(toy: ToyModelConfig, data_cfg: DataConfig, out: Path, *, ver
         supervised, test_rows = task.generate(data_cfg.seed, n_supervised, data_cfg.num_test)
         train_rows = supervised[: data_cfg.num_train]  # the RL training split (a prefix: same stream)
         tok = _tokenizer(task, supervised)
-        model = init_tiny_llama(len(tok), hidden_size=toy.hidden_size, num_layers=toy.num_layers,
-                                num_heads=toy.num_heads, seed=toy.seed, bos_token_id=tok.bos_token_id,
-                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        init = init_tiny_qwen2 if toy.architecture == "qwen2" else init_tiny_llama
+        extra = {"num_kv_heads": 1} if toy.architecture == "qwen2" else {}
+        model = init(len(tok), hidden_size=toy.hidden_size, num_layers=toy.num_layers, num_heads=toy.num_heads,
+                     max_positions=toy.max_positions, seed=toy.seed, bos_token_id=tok.bos_token_id,
+                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **extra)
         examples = _examples(task, supervised, tok)
         probe = random.Random(toy.seed).sample(train_rows, min(toy.probe_questions, len(train_rows)))
         budget = max(12, max(len(r) for _, rs in examples for r in rs) + 4)
@@ -133,6 +143,9 @@ def build_toy_model(toy: ToyModelConfig, data_cfg: DataConfig, out: Path, *, ver
         train_probe = train_rows[: 2 * toy.probe_questions]
         train_spread = measure_spread(model, tok, task, train_probe, toy.samples, toy.seed + 1, budget)
         test_spread = measure_spread(model, tok, task, test_rows, toy.samples, toy.seed + 2, budget)
+        padded_mass = None  # after the spreads: at most PADDED_MASS of probability moves, and sampling stays cheap
+        if toy.vocab_rows is not None and toy.vocab_rows > len(tok):
+            padded_mass = pad_vocabulary(model, toy.vocab_rows, examples[: toy.probe_questions], tok.pad_token_id)
         save_model_folder(model, tok, out)
         seconds = time.monotonic() - start
         if verbose:
@@ -141,9 +154,63 @@ def build_toy_model(toy: ToyModelConfig, data_cfg: DataConfig, out: Path, *, ver
                   f"  train {train_spread.line()}\n  test  {test_spread.line()}")
         return {"task": task.name, "settings": toy.model_dump(mode="json"), "chosen_step": best[0], "steps": steps,
                 "seconds": round(seconds, 1), "max_new_tokens": budget, "vocab_size": len(tok),
+                "vocab_rows": model.config.vocab_size, "padded_mass_max": padded_mass,
                 "train_spread": asdict(train_spread), "test_spread": asdict(test_spread)}
     finally:
         torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def pad_vocabulary(model, rows: int, examples, pad_id: int) -> float:
+    """Grow the vocabulary to `rows` embedding rows (tied or not) whose logits stay far below the real ones.
+
+    A real model's padded rows were trained never to be sampled; here they are set to -beta * u, with u the
+    unit mean direction of the final hidden states on the examples, and beta the smallest scale that keeps
+    the padded rows' total probability under `PADDED_MASS` on every example token. Returns the largest
+    such total measured afterwards; RuntimeError when no direction separates them (never seen)."""
+    model.eval()
+    old = model.config.vocab_size
+    ids, mask, labels = _batch(examples, list(range(len(examples))), random.Random(0), pad_id)
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    keep = mask.bool()
+    h = out.hidden_states[-1][keep]  # [N, H] final hidden states (after the final norm)
+    lse = torch.logsumexp(out.logits[keep].float(), dim=-1)  # [N]
+    u = _separating_direction(h)
+    m = h @ u  # [N]
+    if float(m.min()) <= 0:
+        raise RuntimeError("model.toy.vocab_rows: no direction has every final hidden state on its positive side; "
+                           "the padded rows cannot be kept unlikely (use vocab_rows: null)")
+    n_pad = rows - old
+    # n_pad * exp(-beta * m_i) <= PADDED_MASS * exp(lse_i) for every token i (e: a margin for the noise below)
+    target = math.log(n_pad) - math.log(PADDED_MASS) + 1.0
+    beta = max(0.0, float(((target - lse) / m).max()))
+    model.resize_token_embeddings(rows, mean_resizing=False)
+    emb = model.get_input_embeddings().weight
+    g = torch.Generator().manual_seed(0)
+    emb[old:] = -beta * u + 1e-3 * torch.randn(n_pad, emb.shape[1], generator=g)
+    if model.get_output_embeddings().weight is not emb:
+        model.get_output_embeddings().weight[old:] = emb[old:]
+    logits = model(input_ids=ids, attention_mask=mask).logits[keep].float()  # [N, rows]
+    mass = torch.softmax(logits, dim=-1)[:, old:].sum(-1)  # [N]
+    return float(mass.max())
+
+
+def _separating_direction(h: torch.Tensor, steps: int = 2000) -> torch.Tensor:
+    """A unit vector u with min_i h_i . u as large as found: the mean direction, then gradient ascent on a
+    soft minimum of the margins (the hard-margin problem through the origin). h [N, H] -> [H]."""
+    x = h.double() / h.double().norm(dim=-1, keepdim=True)  # [N, H] unit rows: the margin of the worst row
+    u = x.mean(0)
+    u = (u / u.norm()).requires_grad_(True)
+    opt = torch.optim.Adam([u], lr=0.01)
+    with torch.enable_grad():
+        for _ in range(steps):
+            m = x @ (u / u.norm())  # [N]
+            loss = torch.logsumexp(-m / 0.01, dim=0)  # soft max of -margin
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    u = u.detach() / u.detach().norm()
+    return u.to(h.dtype)
 
 
 def _is_chat_task(name: str | None) -> bool:

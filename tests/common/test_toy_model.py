@@ -126,3 +126,37 @@ def test_vllm_loads_the_built_in_model_and_agrees_with_transformers(default_mode
         hf = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=8,
                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         assert list(out.outputs[0].token_ids) == hf[0, len(prompt_ids):].tolist()
+
+
+REAL_SHAPES = TINY.model_copy(update={"architecture": "qwen2", "num_heads": 2, "hidden_size": 64,
+                                      "vocab_rows": 151_936, "max_positions": 10_240})
+
+
+@pytest.fixture(scope="module")
+def real_shaped_folder(tmp_path_factory):
+    cfg = ModelConfig(cache_dir=str(tmp_path_factory.mktemp("cache-real")), toy=REAL_SHAPES)
+    return ensure_toy_model(cfg, DataConfig(task="think_arith", num_train=64, num_test=16, use_chat_template=True))
+
+
+def test_real_shaped_recipe_is_qwen2_with_a_padded_vocabulary_it_never_samples(real_shaped_folder):
+    """model.toy.architecture=qwen2 + vocab_rows=151936 + max_positions=10240: Qwen2.5's layout at tiny width;
+    the padded rows carry at most 1e-6 of the probability on the probe tokens, and sampling never picks them."""
+    config = json.loads((real_shaped_folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["vocab_size"] == 151_936
+    assert config["tie_word_embeddings"] is True and config["max_position_embeddings"] == 10_240
+    assert config["num_attention_heads"] == 2 and config["num_key_value_heads"] == 1
+    info = json.loads((real_shaped_folder / INFO_FILE).read_text())
+    assert info["vocab_rows"] == 151_936 and info["vocab_size"] < 1000 and 0 <= info["padded_mass_max"] <= 1e-6
+    tok = AutoTokenizer.from_pretrained(real_shaped_folder)
+    model = AutoModelForCausalLM.from_pretrained(real_shaped_folder)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 3+4?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    torch.manual_seed(0)
+    out = model.generate(ids.repeat(16, 1), do_sample=True, max_new_tokens=24, pad_token_id=tok.pad_token_id)
+    assert int(out[:, ids.shape[1]:].max()) < len(tok)  # 384 samples, none from the padded rows
+
+
+def test_new_settings_at_their_defaults_keep_the_cache_keys():
+    assert cache_key(TINY, TINY_DATA) == cache_key(TINY.model_copy(update={"architecture": "llama"}), TINY_DATA)
+    assert cache_key(TINY, TINY_DATA) != cache_key(REAL_SHAPES, TINY_DATA)
