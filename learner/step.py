@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from common.config import LearnerConfig
-from common.messages import Rollout, TrainGroup, TrainingBatch
+from common.messages import Rollout, TrainingBatch
 from learner import loss as L
 from learner.token_stats import TokenStatsHead, install_token_stats_head, token_stats
 

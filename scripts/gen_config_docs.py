@@ -58,7 +58,7 @@ def _rows(model: type[BaseModel], prefix: str, out: list[str], sections: list[tu
 
 def render() -> str:
     lines = ["# Configuration reference", "",
-             "Generated from `common/config.py` by `python scripts/gen_config_docs.py`; do not edit by hand.",
+             "Generated from `common/config/` by `python scripts/gen_config_docs.py`; do not edit by hand.",
              "Set fields in a YAML file or as `dotted.key=value` overrides: "
              "`exgrpo train config.yaml buffer.max_lag=0 learner.lr=1e-5`.",
              "`exgrpo config [...]` prints the resolved configuration.", ""]

@@ -1,0 +1,79 @@
+"""The `buffer` section."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from common.config.base import Section
+
+
+class BufferConfig(Section):
+    """The experience buffer: sharding, buckets, replay, leases, batches."""
+
+    num_shards: int = Field(1, ge=1, le=1024)
+    """Buffer shard actors; questions are partitioned by a stable hash of their id."""
+    group_size: int = Field(8, ge=2, le=1024)
+    """K: rollouts per question group (a mixed group is K-1 fresh + 1 replayed)."""
+    batch_questions: int = Field(16, ge=1, le=100_000)
+    """B: groups per learner batch."""
+    replay_ratio: float = Field(0.5, ge=0, lt=1)
+    """rho: fraction of each batch made of mixed (replayed) groups once mixed mode is on."""
+    question_sampler: Literal["gaussian", "uniform"] = "gaussian"
+    """Replay question sampling: Gaussian over accuracy buckets, or uniform over questions (ablation)."""
+    bucket_mean: float = Field(0.5, ge=0, le=1)
+    """mu of the bucket weight N(b/K; mu, sigma)."""
+    bucket_std: float = Field(0.125, gt=0, le=10)
+    """sigma of the bucket weight."""
+    trajectory_selector: Literal["lowest_entropy", "random"] = "lowest_entropy"
+    """Which stored trajectory completes a mixed group. lowest_entropy (official): the buffer ships the
+    question's stored trajectories and the learner picks the one with the lowest mean token entropy under
+    the policy it is training (one no-grad forward per candidate). random (ablation): one at random."""
+    collect: bool = True
+    """Manage experience: store correct rollouts of partly solved questions and retire solved ones.
+    `collect=false` with `replay_ratio=0` is plain on-policy GRPO with the same components."""
+    collect_before_mixed: bool = False
+    """Store experience before mixed mode switches on (the official code does not)."""
+    mixed_switch_accuracy: float = Field(0.35, ge=0, le=1)
+    """Mixed mode switches on, once and for good for the whole run, when the moving accuracy of the
+    fresh groups of trained batches exceeds this (checked once per batch)."""
+    switch_window: int | None = Field(None, ge=1, le=1_000_000)
+    """Moving-average window of that accuracy, in fresh groups; None = one batch (batch_questions).
+    Must be at least one batch, so that the switch follows the batch accuracy as in the official code."""
+    max_lag: int = Field(1, ge=0, le=1000)
+    """Maximum age of a rollout in a batch, in learner steps (policy versions; one per batch whatever
+    learner.mini_batches is); 0 = synchronous training."""
+    drop_zero_signal: bool = False
+    """Keep groups whose rewards are all equal (no GRPO signal) out of batches (DAPO-style dynamic
+    sampling). Off by default: the official code trains on them with advantage 0."""
+    lease_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    """A lease not returned within this is expired and its question issued again."""
+    max_traj_per_question: int = Field(8, ge=1, le=10_000)
+    """Stored trajectories per question (on overflow the highest-entropy go first, see docs/algorithm.md);
+    also the most candidates the learner scores for one mixed group."""
+    max_traj_total: int = Field(1_000_000, ge=1)
+    """Stored trajectories in a shard (least recently refreshed questions evicted first)."""
+    snapshot_every_s: float = Field(30.0, gt=0)
+    """Background snapshot period of each shard (for restart after a crash)."""
+    seed: int = Field(0, ge=0)
+    """Seed of per-epoch shuffling and sampling."""
+    call_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """The client raises BufferUnavailableError when a shard does not answer within this (e.g. while it restarts)."""
+    max_restarts: int = Field(10, ge=-1, le=10_000)
+    """Automatic restarts of a crashed shard actor (-1 = unlimited); each restart restores the latest snapshot."""
+    max_concurrency: int = Field(16, ge=2, le=1024)
+    """Threads of each shard actor (lease, submit and batch requests run concurrently)."""
+
+    @model_validator(mode="after")
+    def _window_covers_a_batch(self) -> BufferConfig:
+        if self.switch_window is not None and self.switch_window < self.batch_questions:
+            raise ValueError(
+                f"buffer.switch_window: {self.switch_window} fresh groups is less than one batch "
+                f"(buffer.batch_questions={self.batch_questions}); use at least {self.batch_questions} or leave it unset")
+        return self
+
+    @property
+    def switch_groups(self) -> int:
+        """The switch window in fresh groups (one batch unless configured)."""
+        return self.switch_window or self.batch_questions

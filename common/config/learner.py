@@ -1,0 +1,139 @@
+"""The `learner` section and its weight-sync backends."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from common.config.base import Section
+
+
+class ObjectStoreSyncConfig(Section):
+    """Publish weights through Ray's object store via a named weight-store actor (CPU and any cluster)."""
+
+    kind: Literal["object_store"] = "object_store"
+
+
+class CollectiveSyncConfig(Section):
+    """Learner rank 0 serves each generator over its own 2-process channel (gloo/NCCL); see learner.collective."""
+
+    kind: Literal["collective"] = "collective"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Channel transport: auto = nccl when learner rank 0 and the generator both see CUDA, else gloo."""
+    bucket_mb: float = Field(64.0, gt=0, le=16_384)
+    """Size of the flat buffers the state dict is sent in (MiB; a larger tensor gets a buffer of its own)."""
+    timeout_s: float = Field(60.0, gt=0, le=3600)
+    """Upper bound on every send/receive of a transfer and on opening a channel (capped by
+    learner.publish_timeout_s); the error names the generator and the version."""
+    port: int = Field(0, ge=0, le=65535)
+    """TCP port of the rendezvous store on learner rank 0 (0 = a free port, announced to the generators)."""
+    keep_versions: int = Field(2, ge=1, le=16)
+    """Published versions rank 0 keeps packed (memory: this many copies of the state dict), so a generator
+    that read an announcement just before the next publication still receives that version."""
+
+
+WeightSyncConfig = Annotated[ObjectStoreSyncConfig | CollectiveSyncConfig, Field(discriminator="kind")]
+
+
+class LearnerConfig(Section):
+    """The learner pool: objective, optimisation, distribution, weight publication."""
+
+    num_ranks: int = Field(1, ge=1, le=4096)
+    """FSDP ranks (Ray actors joined by torch.distributed)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend (auto: nccl with GPUs, else gloo)."""
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs per rank."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per rank."""
+    placement: Literal["pack", "spread", "none"] = "pack"
+    """Placement group of the ranks: pack (together, fast collectives), spread (across nodes) or none."""
+    lr: float = Field(1e-4, gt=0, le=1)
+    """AdamW learning rate (the paper uses 1e-6 for 1.5B-8B models); the peak of `lr_schedule`."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warmup: constant `lr`, or linear / cosine decay from `lr` to `min_lr` at `lr_decay_steps`."""
+    warmup_steps: int = Field(0, ge=0, le=10_000_000)
+    """Learner steps of linear warmup from lr/warmup_steps to `lr` (0: none)."""
+    warmup_ratio: float | None = Field(None, ge=0, lt=1)
+    """Warmup as a share of `lr_decay_steps` (resolved into warmup_steps at start; not both)."""
+    min_lr: float = Field(0.0, ge=0, le=1)
+    """Where the linear and cosine decays end (held after `lr_decay_steps`)."""
+    lr_decay_steps: int | None = Field(None, ge=1, le=10_000_000)
+    """Learner steps from the start to the end of the decay (None: the run's total_steps, resolved at start and
+    saved, so a resume that raises total_steps keeps the schedule)."""
+    weight_decay: float = Field(0.01, ge=0, le=1)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas (beta1, beta2), each in [0, 1)."""
+    mini_batches: int = Field(1, ge=1, le=1024)
+    """Optimizer updates per learner step (the paper: 2). Groups are shuffled, fresh and mixed evenly, before
+    the split. The policy version still advances by 1 per step."""
+    micro_batch_rows: int = Field(64, ge=1, le=100_000)
+    """Rows per forward/backward (gradient accumulation inside a mini-batch); with `micro_batch_tokens`, a cap."""
+    micro_batch_tokens: int | None = Field(None, ge=1, le=100_000_000)
+    """Padded tokens (rows x longest row) per forward/backward: each rank's rows, sorted by length, are packed
+    greedily up to it, so memory follows the budget, not the longest response. Must hold one row of
+    data.max_prompt_tokens + generator.max_new_tokens. None: `micro_batch_rows` rows (docs/cluster.md, Memory)."""
+    logits_chunk_tokens: int | None = Field(None, ge=0, le=1_000_000)
+    """Response tokens per chunk of the LM head: log-probs and entropies are computed from the final hidden
+    states a chunk at a time and recomputed in the backward, so no [rows, length, vocabulary] tensor exists.
+    None: about 32M logits per chunk (220 tokens at a 152k vocabulary). 0: full logits (the old path; its
+    memory grows with rows x length x vocabulary; for comparison only)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (about 1/3 more
+    compute, activation memory of one layer instead of all)."""
+    clip_low: float = Field(0.2, ge=0, le=1)
+    """PPO ratio clip below 1 for fresh tokens."""
+    clip_high: float = Field(0.2, ge=0, le=100)
+    """PPO ratio clip above 1 for fresh tokens."""
+    clip_fresh: bool = True
+    """Clip fresh tokens' ratio (the official code removes clipping after the switch)."""
+    shaping_beta: float | None = Field(0.1, gt=0)
+    """Policy-shaping beta for replayed tokens: -A*w/(w+beta). None = plain importance-weighted (ablation)."""
+    entropy_coef: float = Field(0.001, ge=0, le=1)
+    """Entropy bonus coefficient."""
+    kl_coef: float = Field(0.0, ge=0, le=10)
+    """KL-to-reference coefficient (0: no reference model is kept)."""
+    std_normalize: bool = False
+    """Divide advantages by the group's std."""
+    loss_agg: Literal["token_mean", "constant"] = "token_mean"
+    """Token mean, or sum divided by a constant (Dr. GRPO)."""
+    loss_constant: float | None = Field(None, gt=0)
+    """Divisor for loss_agg=constant (default: batch rows x max_new_tokens)."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Gradient-norm clip."""
+    skip_grad_norm: float = Field(500.0, gt=0)
+    """Skip (and count) an update whose gradient norm is above this or non-finite."""
+    tis_cap: float | None = Field(None, ge=1, le=1000)
+    """Truncated importance sampling of fresh tokens (verl/OpenRLHF TIS; e.g. 2): the PPO ratio is taken
+    against the learner's own log-probs at the start of the step, and each fresh token's loss is multiplied
+    by min(exp(logp_learner_start - logp_behaviour), tis_cap), which corrects train/inference mismatch and
+    staleness. None: the ratio is taken against the behaviour log-probs (no correction)."""
+    weight_sync: WeightSyncConfig = ObjectStoreSyncConfig()
+    """Weight sync backend (both the learner's and the generators' side), chosen by `kind`: object_store |
+    collective."""
+    start_timeout_s: float = Field(900.0, gt=0, le=86_400)
+    """The learner ranks must have loaded and sharded the model and joined their process group within this
+    (the error names the ranks that did not)."""
+    publish_timeout_s: float = Field(60.0, gt=0, le=3600)
+    """A weight publication or acknowledgement slower than this fails loudly."""
+    seed: int = Field(0, ge=0)
+    """Learner seed."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_below_one(cls, v: tuple[float, float]) -> tuple[float, float]:
+        for i, b in enumerate(v):
+            if not 0 <= b < 1:
+                raise ValueError(f"beta{i + 1} = {b} is outside [0, 1); AdamW's usual values are [0.9, 0.999]")
+        return v
+
+    @field_validator("weight_sync", mode="before")
+    @classmethod
+    def _no_nccl_kind(cls, v: Any) -> Any:
+        kind = v.get("kind") if isinstance(v, dict) else None
+        if kind == "nccl":
+            raise ValueError("kind: nccl was replaced by the collective backend: use "
+                             "{kind: collective, backend: nccl} (or backend: auto)")
+        return v
