@@ -179,6 +179,7 @@ class ShardCore:
             make_trajectory_selector(cfg.trajectory_selector),
             max_per_question=cfg.max_traj_per_question,
             max_total=cfg.max_traj_total,
+            max_bytes=cfg.max_bytes,
         )
         self.rng = random.Random(cfg.seed * 1_000_003 + shard)
         self.epoch, self.cursor = 0, 0
@@ -569,7 +570,7 @@ def finish_metrics(m: dict[str, float]) -> dict[str, float]:
     return m
 
 
-_MAX_KEYS = ("mixed_mode", "version", "epoch")
+_MAX_KEYS = ("mixed_mode", "version", "epoch", "stored_bytes_max")  # stored_bytes_max: the fullest shard
 _DERIVED = ("replay_fraction", "entropy_chosen_mean", "entropy_available_mean")
 
 

@@ -124,18 +124,20 @@ class ExperienceStore:
         *,
         max_per_question: int,
         max_total: int,
+        max_bytes: int | None = None,
     ):
         if group_size < 2:
             raise ValueError(f"group_size must be >= 2, got {group_size}")
         self.k_max = group_size
         self.sampler, self.selector = sampler, selector
-        self.max_per_question, self.max_total = max_per_question, max_total
+        self.max_per_question, self.max_total, self.max_bytes = max_per_question, max_total, max_bytes
         self.entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU order: least recently refreshed first
         self.buckets: dict[int, IndexedSet] = {b: IndexedSet() for b in range(1, group_size)}
         self.retired: set[str] = set()
         self.total = 0
+        self.bytes = 0  # sum of the stored records' sizes (tokens, log-probs and header: ~8 bytes per token)
         self.replay_hist = [0] * 5  # stored trajectories by times replayed: 0, 1, 2, 3, 4+
-        self.c = dict(stored=0, deduplicated=0, evicted=0, evicted_questions=0, deleted_on_retire=0,
+        self.c = dict(stored=0, deduplicated=0, evicted=0, evicted_questions=0, evicted_for_bytes=0, deleted_on_retire=0,
                       feedback_applied=0, feedback_ignored=0, feedback_older=0, late_for_retired=0,
                       chosen=0, chosen_measured=0, chosen_gone=0)
         self.entropy_chosen_sum = 0.0
@@ -185,6 +187,7 @@ class ExperienceStore:
             e.recs.append(pack_record(r, d))
             e.ents.append(r.entropy)
             self.total += 1
+            self.bytes += e.recs[-1].nbytes
             self.replay_hist[0] += 1
             self.c["stored"] += 1
 
@@ -197,6 +200,7 @@ class ExperienceStore:
     def _drop_recs(self, recs: list[np.ndarray]) -> None:
         for r in recs:
             self.replay_hist[min(record_times_replayed(r), 4)] -= 1
+            self.bytes -= r.nbytes
         self.total -= len(recs)
 
     def _trim_question(self, e: _Entry) -> None:
@@ -209,10 +213,16 @@ class ExperienceStore:
             self.c["evicted"] += len(dropped)
 
     def _evict_total(self) -> None:
-        while self.total > self.max_total and self.entries:
+        """Whole questions, least recently refreshed first, until the shard holds at most `max_total`
+        trajectories and `max_bytes` bytes of records (retired questions hold none: deleted on retiring)."""
+        while self.entries and (self.total > self.max_total or (self.max_bytes is not None
+                                                                and self.bytes > self.max_bytes)):
             qid = next(iter(self.entries))
-            self.c["evicted"] += len(self.entries[qid].recs)
+            n = len(self.entries[qid].recs)
+            self.c["evicted"] += n
             self.c["evicted_questions"] += 1
+            if self.total <= self.max_total:
+                self.c["evicted_for_bytes"] += n
             self._remove(qid)
 
     def _remove(self, qid: str) -> None:
@@ -311,6 +321,7 @@ class ExperienceStore:
     def metrics(self) -> dict[str, float]:
         m: dict[str, float] = {f"bucket_{b}": float(len(s)) for b, s in self.buckets.items()}
         m.update(stored_trajectories=float(self.total), stored_questions=float(len(self.entries)),
+                 stored_bytes=float(self.bytes), stored_bytes_max=float(self.bytes),
                  retired=float(len(self.retired)),
                  entropy_chosen_sum=self.entropy_chosen_sum, entropy_available_sum=self.entropy_available_sum)
         for i, label in enumerate(("0", "1", "2", "3", "4plus")):
@@ -340,6 +351,7 @@ class ExperienceStore:
             self.total += len(e.recs)
             for r in e.recs:
                 self.replay_hist[min(record_times_replayed(r), 4)] += 1
+                self.bytes += r.nbytes
         self.retired = set(s["retired"])
         self.c.update({k: int(v) for k, v in s["counters"].items() if k in self.c})
         self.entropy_chosen_sum, self.entropy_available_sum = (float(x) for x in s["entropy_sums"])

@@ -54,6 +54,10 @@ class BufferConfig(Section):
     also the most candidates the learner scores for one mixed group."""
     max_traj_total: int = Field(1_000_000, ge=1)
     """Stored trajectories in a shard (least recently refreshed questions evicted first)."""
+    max_bytes: int | None = Field(None, ge=1 << 20)
+    """Bytes of stored trajectories in a shard (about 8 per response token: token ids and log-probs); past it,
+    whole questions are evicted, least recently refreshed first (`buffer/evicted_for_bytes`). None: bounded by
+    max_traj_total only. 46k questions x 8 trajectories x 8k tokens is ~24 GB: set it at real lengths."""
     snapshot_every_s: float = Field(30.0, gt=0)
     """Background snapshot period of each shard (for restart after a crash)."""
     seed: int = Field(0, ge=0)

@@ -89,6 +89,28 @@ def test_total_cap_evicts_least_recently_refreshed_question():
     assert "b" not in s.buckets[2]
 
 
+def test_byte_limit_evicts_least_recently_refreshed_questions_and_reports_them():
+    """A record is 8 int32 of header + 2 per token: a 1,000-token trajectory is 8,032 bytes."""
+    s = ExperienceStore(8, GaussianBuckets(8), LowestEntropy(), max_per_question=8, max_total=1000,
+                        max_bytes=3 * 8032)
+    long = lambda base, n: [rollout(list(range(base + j, base + j + 1000)), 1.0) for j in range(n)]  # noqa: E731
+    s.observe("a", 2, long(0, 2), collect=True)
+    assert s.bytes == 2 * 8032 and s.metrics()["stored_bytes"] == 2 * 8032
+    s.observe("b", 1, long(10, 1), collect=True)
+    assert s.bytes == 3 * 8032 and s.c["evicted"] == 0  # at the limit, not past it
+    s.observe("b", 1, [], collect=True)  # refreshes b: a is now least recent
+    s.observe("c", 1, long(20, 1), collect=True)
+    assert set(s.entries) == {"b", "c"} and s.bytes == 2 * 8032 and s.total == 2
+    m = s.metrics()
+    assert m["evicted_for_bytes"] == 2 and m["evicted_questions"] == 1 and m["stored_bytes_max"] == 2 * 8032
+    restored = ExperienceStore(8, GaussianBuckets(8), LowestEntropy(), max_per_question=8, max_total=1000,
+                               max_bytes=3 * 8032)
+    restored.load_state(s.state())
+    assert restored.bytes == s.bytes
+    s.observe("c", 8, [], collect=True)  # c retires (all 8 correct): its bytes go with it
+    assert s.bytes == 8032
+
+
 def test_sample_ships_candidates_and_feedback_counts_replays():
     s = make_store()
     rs = [rollout([j], 1.0, entropy=e) for j, e in enumerate([0.5, 0.2, 0.9])]
