@@ -17,6 +17,12 @@ timed `TrainStep.run` (1 rank, float32, AdamW) over a batch of `--tokens` respon
 Columns: peak RSS (GiB) and, in brackets, the step's own memory (peak minus the RSS before the first
 step: interpreter, torch, model), tokens/s (response tokens trained per second of the timed step), and
 new/old ratios. `--case JSON` runs one case and prints its JSON line (tests use it).
+
+`--publication`: learner rank 0's memory during one publication of a ~105M-parameter Llama (vocabulary
+32,000, hidden 640, 12 layers, float32) from 2 FSDP ranks over gloo: the private memory (RssAnon,
+sampled every 2 ms) it gains above its resident shard, for the streamed object-store publication (one
+object per `bucket_mb` bucket) and for assembling the whole state dict (what every publication did
+before, and what the collective backend and the checkpoint export still do).
 """
 
 from __future__ import annotations
@@ -105,10 +111,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192, help="response tokens per step")
     ap.add_argument("--budget", type=int, default=16_384, help="learner.micro_batch_tokens of the new path")
     ap.add_argument("--old-limit-gib", type=float, default=16.0)
+    ap.add_argument("--publication", action="store_true", help="only the publication measurement")
+    ap.add_argument("--bucket-mb", type=float, default=32.0)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
         print(json.dumps(run_case(json.loads(args.case))))
+        return
+    if args.publication:
+        publication(args.bucket_mb)
         return
     print("command: python bench/shapes_bench.py " + " ".join(sys.argv[1:]))
     print(f"one TrainStep.run, 1 rank, float32, {args.tokens} response tokens per step, prompts {PROMPT} tokens; "
@@ -137,6 +148,85 @@ def main() -> None:
                           f"{new['tokens_per_s'] / old['tokens_per_s']:.2f}"]
             print("| " + " | ".join(cells) + " |", flush=True)
     print("\n(step) = peak RSS minus the RSS before the first step (interpreter, torch, model, batch)")
+
+
+def _probe(rank, version: int, streamed: bool) -> dict:
+    """Runs inside learner rank 0 (`__ray_call__`): its RssAnon before and at peak during the publication."""
+    import threading
+
+    def anon() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+    shard = sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
+                for t in rank.model.state_dict().values())
+    base = anon()
+    peak, stop = [base], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], anon())
+            time.sleep(0.002)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        if streamed:
+            rank.publish(version)
+        else:
+            held = rank.full_state_dict(rank.publish_dtype)
+            peak[0] = max(peak[0], anon())
+            del held
+    finally:
+        stop.set()
+        t.join()
+    return {"base": base, "peak": peak[0], "shard": shard}
+
+
+def publication(bucket_mb: float) -> None:
+    sys.path.insert(0, str(ROOT))
+    import tempfile
+
+    import ray
+
+    from common.config import LearnerConfig, ObjectStoreSyncConfig
+    from common.modeling import build_char_tokenizer, init_tiny_llama, save_model_folder
+    from learner.pool import LearnerPool
+
+    mb = 1 << 20
+    with tempfile.TemporaryDirectory() as tmp:
+        model = init_tiny_llama(32_000, hidden_size=640, num_layers=12, num_heads=10)
+        params = sum(p.numel() for p in model.parameters())
+        largest = max(p.numel() * 4 for p in model.parameters())
+        save_model_folder(model, build_char_tokenizer(), Path(tmp) / "m")
+        del model
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 _temp_dir=str(Path(tmp) / "ray"))
+        try:
+            cfg = LearnerConfig(num_ranks=2, weight_sync=ObjectStoreSyncConfig(bucket_mb=bucket_mb))
+            pool = LearnerPool(cfg, str(Path(tmp) / "m"), run="pub", namespace="bench", max_new_tokens=8)
+            rows = []
+            for version, streamed in ((1, True), (2, False), (3, True)):
+                import ray as _ray
+                others = [r.publish.remote(version) if streamed else r.full_state_dict.remote(None)
+                          for r in pool.ranks[1:]]
+                res = _ray.get(pool.ranks[0].__ray_call__.remote(_probe, version, streamed))
+                _ray.get(others)
+                rows.append((streamed, res))
+            pool.shutdown()
+        finally:
+            ray.shutdown()
+    full = params * 4
+    bucket = max(bucket_mb, largest / mb)  # a tensor larger than bucket_mb is an object of its own
+    print(f"command: python bench/shapes_bench.py --publication --bucket-mb {bucket_mb:g}")
+    print(f"rank 0 of 2 FSDP ranks, {params / 1e6:.0f}M parameters, float32 ({full / mb:.0f} MiB); buckets of "
+          f"{bucket_mb:g} MiB, the largest tensor {largest / mb:.0f} MiB\n")
+    print("| publication | rank 0 shard MiB | rank 0 private memory above the shard, peak MiB | in buckets |")
+    print("|---|---|---|---|")
+    for streamed, r in rows[1:]:  # the first streamed run warms up the object store connection
+        extra = (r["peak"] - r["base"]) / mb
+        name = "streamed, an object per bucket" if streamed else "whole state dict (before)"
+        print(f"| {name} | {r['shard'] / mb:.0f} | {extra:.0f} | {extra / bucket:.1f} |")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ so no sizes need to be exchanged. A parameter with any other placement falls bac
 
 from __future__ import annotations
 
+import ctypes
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,24 @@ def shard_rows(n: int, world: int, rank: int) -> int:
     """Rows of a dim-0 size-n parameter held by `rank` under FSDP2's even chunking."""
     c = math.ceil(n / world) if n else 0
     return max(0, min(n, (rank + 1) * c) - rank * c)
+
+
+def release_freed_memory() -> None:
+    """Give freed heap memory back to the OS (glibc `malloc_trim`; nothing elsewhere). Freed buckets otherwise
+    stay in the process's resident memory: glibc raises its mmap threshold after large frees, so later
+    buckets come from the heap and a streamed gather would keep growing as if nothing were released."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
 
 
 def _is_dim0_shard(t) -> bool:
@@ -48,24 +68,50 @@ def _buckets(items: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[l
     return out
 
 
-def gather_full_state(model: torch.nn.Module, rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Collective (every rank calls it): rank 0 gets {name: full CPU tensor}, the others {}.
-    `dtype`: floating-point entries are cast to it before they move (a bfloat16 publication gathers and
-    carries half the bytes of the float32 master weights); None keeps each entry's own dtype."""
+def iter_full_state(model: torch.nn.Module, rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Collective, streamed: every rank iterates it to the end; rank 0 receives {name: full CPU tensor}
+    one bucket at a time (first the replicated entries, then each gathered bucket), the others nothing.
+    A consumer that drops each bucket before taking the next (a `ray.put` per bucket) holds at most one
+    or two buckets beside its shard, never the whole model. `dtype`: floating-point entries are cast to it
+    before they move (a bfloat16 publication gathers and carries half the bytes of the float32 masters)."""
     sd = model.state_dict()
     if dtype is not None:
         sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
     sharded = [(k, v) for k, v in sd.items() if _is_dim0_shard(v)]
-    out: dict[str, torch.Tensor] = {}
-    for k, v in sd.items():  # replicated entries (and any unusual placement): no bucket needed
-        if not _is_dim0_shard(v):
-            full = v.full_tensor() if hasattr(v, "full_tensor") else v
-            if rank == 0:
-                out[k] = full.detach().to("cpu", copy=True)
+    replicated: dict[str, torch.Tensor] = {}
+    size = 0
+    for k, v in list(sd.items()):  # replicated entries (and any unusual placement): copied, in bucket-sized chunks
+        if _is_dim0_shard(v):
+            continue
+        full = v.full_tensor() if hasattr(v, "full_tensor") else v
+        if rank == 0:
+            replicated[k] = full.detach().to("cpu", copy=True)
+            size += replicated[k].numel() * replicated[k].element_size()
+            if size >= bucket_bytes:
+                yield replicated
+                replicated, size = {}, 0
+    del sd
+    if replicated:
+        yield replicated
+    del replicated
     for bucket in _buckets(sharded, bucket_bytes):
+        out: dict[str, torch.Tensor] = {}
         _gather_bucket(bucket, rank, world, out)
-    return {k: out[k] for k in sd} if rank == 0 else {}
+        if rank == 0:
+            yield out
+        del out
+        release_freed_memory()
+
+
+def gather_full_state(model: torch.nn.Module, rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Collective (every rank calls it): rank 0 gets {name: full CPU tensor} in state-dict order, the
+    others {}. `iter_full_state` merged (see there for `dtype`)."""
+    out: dict[str, torch.Tensor] = {}
+    for chunk in iter_full_state(model, rank, world, bucket_bytes, dtype):
+        out.update(chunk)
+    return {k: out[k] for k in model.state_dict() if k in out} if rank == 0 else {}
 
 
 def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], rank: int, world: int, out: dict) -> None:
@@ -82,12 +128,15 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], rank: int, world: int
     dist.gather(send, gather_list=recv, dst=0)
     if rank != 0:
         return
-    flat = [r.to("cpu") for r in recv]  # world x [width]
+    del send
     offsets = [0] * world
     for (name, _), shape, e in zip(bucket, shapes, row):
-        parts = []
+        full = torch.empty(math.prod(shape), dtype=dtype)  # [numel] on the CPU, filled rank by rank
+        pos = 0
         for r in range(world):
             n = shard_rows(shape[0], world, r) * e
-            parts.append(flat[r][offsets[r]: offsets[r] + n])
+            full[pos: pos + n].copy_(recv[r][offsets[r]: offsets[r] + n])
             offsets[r] += n
-        out[name] = torch.cat(parts).reshape(shape).clone()
+            pos += n
+        out[name] = full.reshape(shape)
+    del recv

@@ -34,8 +34,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
+import numpy as np
 import ray
 import torch
 
@@ -46,6 +48,27 @@ from common.messages import WeightsAnnouncement
 
 class WeightSyncTimeout(TimeoutError):
     """A publication or acknowledgement did not complete in time (the message names version and generators)."""
+
+
+def to_wire(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[str, np.ndarray]]:
+    """{name: (torch dtype name, numpy view of the CPU tensor's bytes)}: Ray writes numpy buffers into the
+    object store without the intermediate copy that pickling a torch tensor makes (bfloat16, which numpy
+    lacks, travels as its int16 bit pattern)."""
+    out = {}
+    for k, t in state_dict.items():
+        t = t.detach().cpu().contiguous()
+        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        out[k] = (str(t.dtype).removeprefix("torch."), raw.numpy())
+    return out
+
+
+def from_wire(wire: dict[str, tuple[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """`to_wire` reversed, as writable tensors of their own (the object store's buffers are read-only)."""
+    out = {}
+    for k, (dtype, arr) in wire.items():
+        t = torch.from_numpy(arr.copy())
+        out[k] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
+    return out
 
 
 def state_dict_bytes(state_dict: dict[str, torch.Tensor]) -> int:
@@ -68,7 +91,7 @@ class WeightStore:
         self.changed = asyncio.Condition()
 
     async def put(self, ann: WeightsAnnouncement, refs: list) -> None:
-        """Store `refs` ([ObjectRef of the state dict] for the object store) as version `ann.version`."""
+        """Store `refs` (the object store: an ObjectRef per bucket of the state dict) as version `ann.version`."""
         newest = max(self.versions, default=-1)
         if ann.version <= newest:
             raise ValueError(f"version {ann.version} published after version {newest}: versions must increase")
@@ -160,12 +183,21 @@ class ObjectStorePublisher:
         self.cfg, self.timeout_s = cfg, timeout_s
         self.store = get_or_create_store(run, namespace)
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> WeightsAnnouncement:
-        ref = ray.put(state_dict)
-        ann = WeightsAnnouncement(version=version, location="object_store", num_bytes=state_dict_bytes(state_dict),
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]
+                ) -> WeightsAnnouncement:
+        """`state_dict`: the whole dict, or its buckets as an iterable (`learner.gather.iter_full_state`): each
+        bucket is `ray.put` as its own object and dropped before the next is taken, so the publishing rank
+        holds one bucket at a time. Generators merge the buckets in order (`ObjectStoreWeightSource.fetch`)."""
+        buckets = [state_dict] if isinstance(state_dict, dict) else state_dict
+        refs, num_bytes = [], 0
+        for bucket in buckets:
+            refs.append(ray.put(to_wire(bucket)))  # numpy views: written straight into the object store
+            num_bytes += state_dict_bytes(bucket)
+            del bucket
+        ann = WeightsAnnouncement(version=version, location="object_store", num_bytes=num_bytes,
                                   created_at=time.time())
         try:
-            ray.get(self.store.put.remote(ann, [ref]), timeout=self.timeout_s)
+            ray.get(self.store.put.remote(ann, refs), timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError as e:
             raise WeightSyncTimeout(f"weight store did not accept version {version} within {self.timeout_s:.1f}s "
                                     f"(is the actor {self.store} alive and responsive?)") from e
@@ -214,7 +246,10 @@ class ObjectStoreWeightSource:
     def fetch(self, ann: WeightsAnnouncement) -> dict[str, torch.Tensor]:
         """The state dict of `ann.version` (HF names, CPU tensors). KeyError when the store dropped it."""
         refs = self._get(self._handle().get.remote(ann.version))
-        return self._get(refs[0])
+        out: dict[str, torch.Tensor] = {}
+        for ref in refs:  # one object per bucket (a single one for a whole-dict publication)
+            out.update(from_wire(self._get(ref)))
+        return out
 
     def ack(self, generator_id: str, version: int) -> None:
         """Record that `generator_id` now serves `version` (also registers it)."""

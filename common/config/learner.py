@@ -13,6 +13,9 @@ class ObjectStoreSyncConfig(Section):
     """Publish weights through Ray's object store via a named weight-store actor (CPU and any cluster)."""
 
     kind: Literal["object_store"] = "object_store"
+    bucket_mb: float = Field(256.0, gt=0, le=16_384)
+    """A publication is gathered and put into the object store in objects of about this size; learner rank 0
+    holds one at a time beside its shard (a tensor larger than this is an object of its own)."""
 
 
 class CollectiveSyncConfig(Section):
