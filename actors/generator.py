@@ -75,6 +75,7 @@ class GeneratorStats:
     tokens: int = 0
     generate_s: float = 0.0  # engine busy: inside engine.step() (samples in flight)
     score_s: float = 0.0
+    steps_while_scoring: int = 0  # engine steps taken while a scoring call was in progress (streaming overlap)
     wait_s: float = 0.0  # engine idle: nothing in flight (no work leased, waiting for a submit or a backoff)
     lag_sum: int = 0
     lag_max: int = 0
@@ -116,6 +117,7 @@ class GeneratorWorker:
         self._stop = threading.Event()
         self._wake = threading.Event()  # ends the engine thread's idle wait early (stop, a finished submit)
         self._return_in_flight = False
+        self._scoring = 0  # scoring calls in progress (read by the engine thread: a plain int is enough)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the three places a leased item can be in
@@ -245,6 +247,7 @@ class GeneratorWorker:
             "wall_tokens_per_s": s.tokens / wall,
             "generate_s": s.generate_s,
             "score_s": s.score_s,
+            "steps_while_scoring": float(s.steps_while_scoring),
             "wait_s": s.wait_s,
             "wait_fraction": s.wait_s / wall,
             "busy_fraction": s.generate_s / wall,
@@ -360,6 +363,7 @@ class GeneratorWorker:
 
     def _step_engine(self) -> None:
         t0 = time.monotonic()
+        self.stats.steps_while_scoring += self._scoring > 0
         finished = self.engine.step()
         self.stats.generate_s += time.monotonic() - t0
         for rid, sample in finished:
@@ -453,7 +457,11 @@ class GeneratorWorker:
 
         t0 = time.monotonic()
         requests = [ScoreRequest(g.item.question.id, s.text, g.item.question.answer) for g in batch for s in g.samples]
-        scores = self.rewards.score(requests)
+        self._scoring += 1
+        try:
+            scores = self.rewards.score(requests)
+        finally:
+            self._scoring -= 1
         self.stats.score_s += time.monotonic() - t0
         if requests:
             last, res = requests[-1], scores[-1]

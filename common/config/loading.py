@@ -146,7 +146,7 @@ def resume_config(saved: RunConfig, overrides: list[str]) -> tuple[RunConfig, di
     that changes a field outside RESUMABLE_FIELDS, e.g. "buffer.group_size cannot change on resume: the
     checkpoint's buffer was built with 8". An override that repeats the saved value is no change."""
     # Defaults left out, so that switching a backend (generator.engine.kind=...) does not meet the old one's fields.
-    new = _validate(apply_overrides(_pin_task_defaults(saved.model_dump(mode="json", exclude_defaults=True), saved),
+    new = _validate(apply_overrides(_pin_task_defaults(_given_values(saved), saved),
                                     overrides))
     old_flat, new_flat = flatten(saved), flatten(new)
     changes = {k: (old_flat.get(k), new_flat.get(k)) for k in {**old_flat, **new_flat}
@@ -166,6 +166,23 @@ def resume_config(saved: RunConfig, overrides: list[str]) -> tuple[RunConfig, di
         raise ConfigError(refused + ["fields that may change on resume: " + ", ".join(
             f + ".*" if f in ("cluster", "eval") else f for f in RESUMABLE_FIELDS)])
     return new, changes
+
+
+def _given_values(cfg: BaseModel) -> dict[str, Any]:
+    """The values that differ from the defaults, as nested plain data, with the `kind` of every union section
+    kept (`generator.engine: {vllm: {max_model_len: 1048}}` alone would not say which engine it is)."""
+    full = cfg.model_dump(mode="json")
+    sparse = cfg.model_dump(mode="json", exclude_defaults=True)
+
+    def keep_kinds(node: dict, ref: dict) -> dict:
+        for k, v in node.items():
+            if isinstance(v, dict) and isinstance(ref.get(k), dict):
+                keep_kinds(v, ref[k])
+                if "kind" in ref[k] and "kind" not in v:
+                    v["kind"] = ref[k]["kind"]
+        return node
+
+    return keep_kinds(sparse, full)
 
 
 def _pin_task_defaults(raw: dict[str, Any], saved: RunConfig) -> dict[str, Any]:

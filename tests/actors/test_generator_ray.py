@@ -252,9 +252,9 @@ def _serve_batches(buffer, until, timeout_s: float) -> int:
 
 @pytest.mark.parametrize("streaming", [True, False])
 def test_scoring_runs_beside_generation(ray_cluster, tiny_model_dir, streaming):
-    """A slow verifier (20 ms a response): streaming keeps the engine generating while groups are scored, so engine
-    time and scoring time overlap — their sum exceeds the generator's uptime, which one thread doing both (batch-at-a-
-    time) can never reach."""
+    """A slow verifier (20 ms a response): streaming keeps the engine generating while groups are scored (engine
+    steps taken during a scoring call), which one thread doing both (batch-at-a-time) never does. Counted by the
+    generator, not timed: the outcome does not depend on the machine's speed or load."""
     run = f"slow-{streaming}"
     buffer = make_buffer(tiny_model_dir, run, max_lag=1000)
     cfg = GEN_CFG.model_copy(update={"streaming": streaming, "max_in_flight": 8})
@@ -265,11 +265,10 @@ def test_scoring_runs_beside_generation(ray_cluster, tiny_model_dir, streaming):
     ray.get(gen.start.remote(), timeout=300)
     _serve_batches(buffer, lambda: ray.get(gen.metrics.remote())["groups"] >= 32, 300)
     m = ray.get(gen.stop.remote(drain=True), timeout=120)
-    overlap = m["generate_s"] + m["score_s"] - m["uptime_s"]
     if streaming:
-        assert overlap > 0, m
+        assert m["steps_while_scoring"] > 0, m
     else:
-        assert overlap <= 0.01, m
+        assert m["steps_while_scoring"] == 0, m
     assert m["reward_errors"] == 0
     acc = buffer.accounting()
     assert acc["outstanding"] == 0 and acc["balance"] == 0, acc

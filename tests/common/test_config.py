@@ -104,3 +104,26 @@ def test_cli_missing_config_file_exits_2(tmp_path, capsys):
         main(["config", str(tmp_path / "missing.yaml")])
     assert e.value.code == 2
     assert "config file not found" in capsys.readouterr().err
+
+
+def test_resume_keeps_the_kind_of_a_union_section_whose_fields_changed():
+    """A resolved engine setting (max_model_len, fitted at start) under the default engine kind: the resumed
+    config still knows which kind it is (the saved file holds it; the overrides are applied on top)."""
+    from common.config import resume_config
+
+    cfg = load_config(None, ["data.task=arithmetic"])
+    engine = cfg.generator.engine.model_copy(update={"vllm": cfg.generator.engine.vllm.model_copy(
+        update={"max_model_len": 1048})})
+    cfg = cfg.model_copy(update={"generator": cfg.generator.model_copy(update={"engine": engine})})
+    new, changes = resume_config(load_config_text(to_yaml(cfg)), ["total_steps=100"])
+    assert changes == {"total_steps": (cfg.total_steps, 100)}
+    assert new.generator.engine.kind == "auto" and new.generator.engine.vllm.max_model_len == 1048
+
+
+def load_config_text(text: str):
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp()) / "config.yaml"
+    path.write_text(text)
+    return load_config(path)

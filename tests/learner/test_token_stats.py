@@ -158,6 +158,7 @@ FSDP_SCRIPT = textwrap.dedent("""
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     if rank == 0:
         torch.save({"lp": lp.detach(), "ent": ent.detach(), "grads": grads}, out)
+    dist.barrier()  # neither rank tears gloo down while the other still uses it
     dist.destroy_process_group()
 """)
 
