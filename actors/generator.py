@@ -117,7 +117,7 @@ class GeneratorWorker:
         self._stop = threading.Event()
         self._wake = threading.Event()  # ends the engine thread's idle wait early (stop, a finished submit)
         self._return_in_flight = False
-        self._scoring = 0  # scoring calls in progress (read by the engine thread: a plain int is enough)
+        self._reward_calls = 0  # reward calls in progress (read by the engine thread: a plain int is enough)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the three places a leased item can be in
@@ -363,7 +363,7 @@ class GeneratorWorker:
 
     def _step_engine(self) -> None:
         t0 = time.monotonic()
-        self.stats.steps_while_scoring += self._scoring > 0
+        self.stats.steps_while_scoring += self._reward_calls > 0
         finished = self.engine.step()
         self.stats.generate_s += time.monotonic() - t0
         for rid, sample in finished:
@@ -457,11 +457,11 @@ class GeneratorWorker:
 
         t0 = time.monotonic()
         requests = [ScoreRequest(g.item.question.id, s.text, g.item.question.answer) for g in batch for s in g.samples]
-        self._scoring += 1
+        self._reward_calls += 1
         try:
             scores = self.rewards.score(requests)
         finally:
-            self._scoring -= 1
+            self._reward_calls -= 1
         self.stats.score_s += time.monotonic() - t0
         if requests:
             last, res = requests[-1], scores[-1]
