@@ -17,6 +17,8 @@ weighted -A*w. Aggregation is a token mean, or a sum divided by a constant (Dr. 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -62,6 +64,9 @@ def policy_loss(
     normalizer: float | None = None,
     old_logprobs: Tensor | None = None,
     tis_cap: float | None = None,
+    icepop_band: tuple[float, float] | None = None,
+    mis: str = "none",
+    mis_cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The mixed-policy surrogate. Returns (loss, metrics) with metrics as detached 0-d tensors.
 
@@ -77,13 +82,21 @@ def policy_loss(
     - replayed tokens (replay_mask 1): w = exp(logp - logp_stored), loss_t = -A w / (w + beta),
       no clipping; beta None gives -A w. TIS does not apply to them: w already weights against the
       stored log-probs.
+    - mismatch corrections of fresh tokens beside TIS, all from m_t = exp(logp_old - logp_behaviour)
+      (detached, so `old_logprobs` is required): `icepop_band` (low, high) multiplies a token's loss by
+      0 when m_t is outside [low, high] (IcePop); `mis` (sequence level, rho = prod_t m_t over a row's fresh
+      tokens) "truncate" multiplies the row's fresh loss by min(rho, mis_cap), "mask" by 0 when rho is
+      outside [1/mis_cap, mis_cap]. With `old_logprobs` the trust region is centred on it as for TIS.
     The loss is aggregated over all masked tokens (see `aggregate`); `fresh_loss` + `replay_loss`
     = `loss`. Metrics: clip_frac (fraction of fresh tokens where the clipped branch is active),
     mean/max ratio of fresh tokens, mean/max weight of replayed tokens, token counts; with `tis_cap`
     also tis_weight_mean (mean c over fresh tokens) and tis_truncated_frac (fraction with c = tis_cap).
     """
-    if tis_cap is not None and old_logprobs is None:
-        raise ValueError("policy_loss: tis_cap needs old_logprobs (the learner's log-probs at the start of the step)")
+    if (tis_cap is not None or icepop_band is not None or mis != "none") and old_logprobs is None:
+        raise ValueError("policy_loss: tis_cap, icepop_band and mis need old_logprobs (the learner's log-probs at "
+                         "the start of the step)")
+    if mis not in ("none", "truncate", "mask"):
+        raise ValueError(f"policy_loss: mis must be none, truncate or mask, got {mis!r}")
     mask = response_mask.to(logprobs.dtype)
     replay = replay_mask.to(logprobs.dtype) * mask  # [R, T]
     fresh = mask - replay  # [R, T]
@@ -91,12 +104,22 @@ def policy_loss(
     # Masked positions may hold garbage (padding): zero the log-ratio there so exp() stays finite.
     log_ratio = torch.where(mask > 0, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))  # [R, T]
     ratio = torch.exp(log_ratio)  # [R, T] against the behaviour log-probs
-    fresh_ratio, tis = ratio, None
-    if tis_cap is not None:
+    fresh_ratio, tis, keep, row_w = ratio, None, None, None
+    if old_logprobs is not None and (tis_cap is not None or icepop_band is not None or mis != "none"):
         old = old_logprobs.detach()
         fresh_ratio = torch.exp(torch.where(mask > 0, logprobs - old, torch.zeros_like(logprobs)))  # [R, T]
-        tis_log = torch.where(mask > 0, old - behaviour_logprobs, torch.zeros_like(logprobs))  # [R, T]
-        tis = torch.exp(tis_log).clamp(max=tis_cap)  # [R, T] detached: old carries no gradient
+        mm_log = torch.where(fresh > 0, old - behaviour_logprobs, torch.zeros_like(logprobs))  # [R, T] detached
+        if tis_cap is not None:
+            tis = torch.exp(mm_log).clamp(max=tis_cap)  # [R, T]
+        if icepop_band is not None:
+            mm = torch.exp(mm_log)
+            keep = ((mm >= icepop_band[0]) & (mm <= icepop_band[1])).to(logprobs.dtype)  # [R, T]
+        if mis != "none":
+            seq_log = mm_log.sum(-1)  # [R] log rho of each row's fresh tokens
+            if mis == "truncate":
+                row_w = torch.exp(seq_log.clamp(max=math.log(mis_cap)))  # [R] min(rho, cap)
+            else:
+                row_w = ((seq_log >= -math.log(mis_cap)) & (seq_log <= math.log(mis_cap))).to(logprobs.dtype)
 
     pg_loss1 = -adv * fresh_ratio
     if clip_fresh:
@@ -108,6 +131,10 @@ def policy_loss(
         clipped = torch.zeros_like(ratio)
     if tis is not None:
         fresh_loss_t = tis * fresh_loss_t
+    if keep is not None:
+        fresh_loss_t = keep * fresh_loss_t
+    if row_w is not None:
+        fresh_loss_t = row_w.unsqueeze(-1) * fresh_loss_t
     replay_loss_t = -adv * ratio if shaping_beta is None else -adv * ratio / (ratio + shaping_beta)  # [R, T]
 
     fresh_loss = aggregate(fresh_loss_t, fresh, normalizer if normalizer is not None else mask.sum().clamp(min=1))
@@ -130,6 +157,11 @@ def policy_loss(
             "fresh_tokens": n_fresh,
             "replay_tokens": n_replay,
         }
+        if keep is not None:
+            metrics["icepop_masked_frac"] = ((1 - keep) * fresh).sum() / n_fresh.clamp(min=1)
+        if row_w is not None:  # token-weighted: each fresh token carries its row's weight
+            metrics["mis_weight_mean"] = (row_w.unsqueeze(-1) * fresh).sum() / n_fresh.clamp(min=1)
+            metrics["mis_masked_frac"] = ((row_w.unsqueeze(-1) == 0).to(r.dtype) * fresh).sum() / n_fresh.clamp(min=1)
         if tis is not None:
             metrics["tis_weight_mean"] = (tis * fresh).sum() / n_fresh.clamp(min=1)
             metrics["tis_truncated_frac"] = ((tis >= tis_cap).to(r.dtype) * fresh).sum() / n_fresh.clamp(min=1)
@@ -212,3 +244,12 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, response_mask: Tensor, co
     mask = response_mask.to(logprobs.dtype)
     d = torch.where(mask > 0, ref_logprobs - logprobs, torch.zeros_like(logprobs))  # [R, T]
     return coef * aggregate(torch.exp(d) - d - 1.0, mask, normalizer)
+
+
+def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int) -> Tensor:
+    """DAPO's soft overlong penalty per response: 0 for length <= L - b, (L - b - length) / b above it
+    (reaching -1 at length L = max_new_tokens), -1 beyond. lengths [R] -> [R] float32."""
+    b = max(1, min(buffer, max_new_tokens))
+    start = max_new_tokens - b
+    pen = (start - lengths.to(torch.float32)) / b  # [R]
+    return pen.clamp(min=-1.0, max=0.0)

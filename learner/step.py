@@ -32,7 +32,8 @@ the gap between its log-probs and the behaviour log-probs of fresh tokens (`lear
 see `_mismatch_metrics`). With `learner.tis_cap`, fresh tokens are trained with decoupled PPO and
 truncated importance sampling (`loss.policy_loss`), whose start-of-step log-probs come from the first
 mini-batch's own forward and, for later mini-batches, from one extra no-grad forward before the first
-update (`record_old_logprobs`).
+update (`record_old_logprobs`). `learner.icepop_band` (token masking outside a ratio band) and `learner.mis`
+(sequence-level truncation or masking) use the same start-of-step log-probs (`loss.policy_loss`).
 
 `TrainStep.run` returns `RankStats` (sums, not means) so that the pool can merge ranks exactly with
 `merge_rank_stats`.
@@ -72,14 +73,18 @@ class Row:
     group: int  # index of the group in the batch
     lag: int = 0  # batch version - rollout version, in learner steps (0: sampled by the weights being trained)
     old_logprobs: np.ndarray | None = None  # [T] float32 learner log-probs at the start of the step (TIS only)
+    truncated: bool = False  # cut at max_new_tokens (finish reason "length")
+    penalty: float = 0.0  # the overlong penalty added to its reward (learner.overlong=penalty)
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
 
-def batch_rows(batch: TrainingBatch, *, std_normalize: bool, max_positions: int) -> list[Row]:
-    """Flatten a batch into rows with group advantages; refuse rows the model cannot take."""
+def batch_rows(batch: TrainingBatch, *, std_normalize: bool, max_positions: int, overlong: str = "none",
+               max_new_tokens: int = 0, overlong_buffer: int = 1) -> list[Row]:
+    """Flatten a batch into rows with group advantages; refuse rows the model cannot take. With
+    `overlong="penalty"` each row's reward gets `loss.overlong_penalty` of its length before the advantages."""
     if not batch.groups:
         raise BatchError("TrainingBatch has no groups: the driver must not call step() with an empty batch")
     rows: list[Row] = []
@@ -103,9 +108,14 @@ def batch_rows(batch: TrainingBatch, *, std_normalize: bool, max_positions: int)
                 raise BatchError(f"{where}: behaviour log-probs contain NaN/inf")
             rows.append(Row(np.asarray(group.prompt_ids), np.asarray(ro.response_ids),
                             np.asarray(ro.logprobs, dtype=np.float32), 0.0, bool(ro.replayed), ro.key, g,
-                            lag=batch.version - ro.version))
+                            lag=batch.version - ro.version, truncated=ro.finish_reason == "length"))
             rewards.append(float(ro.reward))
             group_ids.append(g)
+    if overlong == "penalty":
+        pen = L.overlong_penalty(torch.tensor([len(r.response_ids) for r in rows]), max_new_tokens, overlong_buffer)
+        for row, p in zip(rows, pen.tolist()):
+            row.penalty = p
+        rewards = [r + p for r, p in zip(rewards, pen.tolist())]
     adv = L.group_advantages(torch.tensor(rewards), torch.tensor(group_ids), std_normalize=std_normalize)  # [N]
     for row, a in zip(rows, adv.tolist()):
         row.advantage = a
@@ -309,7 +319,8 @@ def forward_stats(model: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tenso
 SUM_KEYS = ("loss", "pg_loss", "fresh_loss", "replay_loss", "entropy_loss", "kl_loss", "clipped_tokens",
             "fresh_ratio_sum", "replay_weight_sum", "fresh_entropy_sum", "replay_entropy_sum", "fresh_tokens",
             "replay_tokens", "rows", "abs_adv_sum", "tis_weight_sum", "tis_truncated_tokens",
-            "gap_abs_sum", "gap_tokens", "gap_ratio_sum", "gap_ratio_sq_sum", "gap_lag0_tokens")
+            "gap_abs_sum", "gap_tokens", "gap_ratio_sum", "gap_ratio_sq_sum", "gap_lag0_tokens",
+            "icepop_masked_tokens", "mis_weight_sum", "mis_masked_tokens", "icepop_tokens", "mis_tokens")
 MAX_KEYS = ("fresh_ratio_max", "replay_weight_max", "gap_abs_max")
 
 
@@ -326,6 +337,9 @@ class RankStats:
     feedback: StepFeedback = field(default_factory=StepFeedback)  # the same on every rank
     candidates_scored: int = 0
     selection_s: float = 0.0
+    overlong_masked: int = 0  # truncated rows left out of the loss (learner.overlong=mask)
+    overlong_penalty_sum: float = 0.0  # sum of the overlong penalties over the batch's rows
+    overlong_rows: int = 0
     seconds: float = 0.0
 
     def add_micro(self, metrics: dict[str, Tensor], parts: dict[str, float], ent: Tensor, mb: MicroBatch) -> None:
@@ -349,6 +363,13 @@ class RankStats:
         s["replay_entropy_sum"] += float((ent * replay).sum())
         self.maxes["fresh_ratio_max"] = max(self.maxes["fresh_ratio_max"], m["fresh_ratio_max"])
         self.maxes["replay_weight_max"] = max(self.maxes["replay_weight_max"], m["replay_weight_max"])
+        if "icepop_masked_frac" in m:
+            s["icepop_masked_tokens"] += m["icepop_masked_frac"] * nf
+            s["icepop_tokens"] += nf
+        if "mis_weight_mean" in m:
+            s["mis_weight_sum"] += m["mis_weight_mean"] * nf
+            s["mis_masked_tokens"] += m["mis_masked_frac"] * nf
+            s["mis_tokens"] += nf
         if "tis_weight_mean" in m:
             s["tis_weight_sum"] += m["tis_weight_mean"] * nf
             s["tis_truncated_tokens"] += m["tis_truncated_frac"] * nf
@@ -398,6 +419,8 @@ def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeed
         "learner/tokens_per_s": tokens / seconds if seconds > 0 else nan,
         "learner/candidates_scored": float(lead.candidates_scored),
         "learner/selection_s": max(st.selection_s for st in stats),
+        "learner/overlong_masked": float(lead.overlong_masked),
+        "learner/overlong_penalty_mean": lead.overlong_penalty_sum / lead.overlong_rows if lead.overlong_rows else 0.0,
         **_mismatch_metrics(s, mx),
     }
     return metrics, lead.feedback
@@ -419,6 +442,9 @@ def _mismatch_metrics(s: dict[str, float], mx: dict[str, float]) -> dict[str, fl
         "learner/lag0_tokens": n0,
         "learner/tis_weight_mean": s["tis_weight_sum"] / s["fresh_tokens"] if has_tis else nan,
         "learner/tis_truncated_frac": s["tis_truncated_tokens"] / s["fresh_tokens"] if has_tis else nan,
+        "learner/icepop_masked_frac": s["icepop_masked_tokens"] / s["icepop_tokens"] if s["icepop_tokens"] else nan,
+        "learner/mis_weight_mean": s["mis_weight_sum"] / s["mis_tokens"] if s["mis_tokens"] else nan,
+        "learner/mis_masked_frac": s["mis_masked_tokens"] / s["mis_tokens"] if s["mis_tokens"] else nan,
     }
 
 
@@ -442,9 +468,16 @@ class TrainStep:
         stats = RankStats()
         scores = self.score_candidates(batch, stats)
         batch, stats.feedback = complete_groups(batch, scores)
-        rows = batch_rows(batch, std_normalize=cfg.std_normalize, max_positions=self.max_positions)
+        rows = batch_rows(batch, std_normalize=cfg.std_normalize, max_positions=self.max_positions,
+                          overlong=cfg.overlong, max_new_tokens=self.max_new_tokens,
+                          overlong_buffer=cfg.overlong_buffer or max(1, self.max_new_tokens // 5))
+        stats.overlong_penalty_sum = sum(r.penalty for r in rows)
+        stats.overlong_rows = len(rows)
+        if cfg.overlong == "mask":  # after the advantages: a truncated row still counts in its group's mean
+            stats.overlong_masked = sum(r.truncated for r in rows)
+            rows = [r for r in rows if not r.truncated]
         minis = split_mini_batches(rows, cfg.mini_batches, seed=cfg.seed * 1_000_003 + batch.version)
-        if cfg.tis_cap is not None:
+        if cfg.needs_old_logprobs:
             self.record_old_logprobs(minis[1:])  # the first mini-batch's forward is itself at the start weights
         self.model.train()
         for i, mini in enumerate(minis):
@@ -521,15 +554,16 @@ class TrainStep:
         if first:
             stats.add_gap(L.logprob_gap(logp, mb.behaviour_logprobs, fresh, mb.lag0_mask))
         old = None
-        if cfg.tis_cap is not None:
+        if cfg.needs_old_logprobs:
             old = mb.old_logprobs if (mb.rows and not first) else logp.detach()
             if old is None:
-                raise RuntimeError("learner.tis_cap: a later mini-batch has no start-of-step log-probs "
-                                   "(record_old_logprobs must run before the first update)")
+                raise RuntimeError("learner.tis_cap/icepop_band/mis: a later mini-batch has no start-of-step "
+                                   "log-probs (record_old_logprobs must run before the first update)")
         pg, metrics = L.policy_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.response_mask, mb.replay_mask,
                                     clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_fresh=cfg.clip_fresh,
                                     shaping_beta=cfg.shaping_beta, normalizer=normalizer,
-                                    old_logprobs=old, tis_cap=cfg.tis_cap)
+                                    old_logprobs=old, tis_cap=cfg.tis_cap, icepop_band=cfg.icepop_band,
+                                    mis=cfg.mis, mis_cap=cfg.mis_cap)
         ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.entropy_coef, normalizer)
         kl_term = torch.zeros((), device=self.device)
         if cfg.kl_coef > 0 and self.ref_model is not None and mb.rows:

@@ -113,6 +113,25 @@ class LearnerConfig(Section):
     against the learner's own log-probs at the start of the step, and each fresh token's loss is multiplied
     by min(exp(logp_learner_start - logp_behaviour), tis_cap), which corrects train/inference mismatch and
     staleness. None: the ratio is taken against the behaviour log-probs (no correction)."""
+    icepop_band: tuple[float, float] | None = None
+    """IcePop-style token masking (e.g. [0.5, 2.0]): a fresh token whose train/inference ratio
+    exp(logp_learner_start - logp_behaviour) lies outside [low, high] takes no part in the loss
+    (`learner/icepop_masked_frac`). Uses the learner's start-of-step log-probs, like tis_cap."""
+    mis: Literal["none", "truncate", "mask"] = "none"
+    """Sequence-level mismatch correction (MIS) of fresh rows, with rho = exp(sum over the row's tokens of
+    logp_learner_start - logp_behaviour): truncate multiplies the row's loss by min(rho, mis_cap); mask leaves
+    rows with rho outside [1/mis_cap, mis_cap] out (`learner/mis_weight_mean`, `learner/mis_masked_frac`)."""
+    mis_cap: float = Field(2.0, gt=1, le=1000)
+    """The cap of `mis` (truncate: the largest weight; mask: the band [1/mis_cap, mis_cap])."""
+    overlong: Literal["none", "mask", "penalty"] = "none"
+    """Responses cut at generator.max_new_tokens (finish reason "length"): none trains them as scored; mask
+    leaves them out of the loss (DAPO's overlong filtering; they still count in their group's advantages);
+    penalty adds DAPO's soft overlong penalty to every response's reward before the advantages (the buffer keeps
+    the verifier's reward): 0 up to max_new_tokens - overlong_buffer tokens, then falling linearly to -1 at
+    max_new_tokens. Metrics: learner/overlong_masked, learner/overlong_penalty_mean."""
+    overlong_buffer: int | None = Field(None, ge=1, le=1_000_000)
+    """Tokens before max_new_tokens where the soft penalty ramps (DAPO: 4,096 of 20,480). None: a fifth of
+    generator.max_new_tokens."""
     weight_sync: WeightSyncConfig = ObjectStoreSyncConfig()
     """Weight sync backend (both the learner's and the generators' side), chosen by `kind`: object_store |
     collective."""
@@ -123,6 +142,18 @@ class LearnerConfig(Section):
     """A weight publication or acknowledgement slower than this fails loudly."""
     seed: int = Field(0, ge=0)
     """Learner seed."""
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether a step needs the learner's own start-of-step log-probs (TIS, IcePop, MIS)."""
+        return self.tis_cap is not None or self.icepop_band is not None or self.mis != "none"
+
+    @field_validator("icepop_band")
+    @classmethod
+    def _band_ordered(cls, v: tuple[float, float] | None) -> tuple[float, float] | None:
+        if v is not None and not 0 < v[0] < 1 < v[1]:
+            raise ValueError(f"[{v[0]}, {v[1]}] must satisfy 0 < low < 1 < high (e.g. [0.5, 2.0])")
+        return v
 
     @field_validator("betas")
     @classmethod

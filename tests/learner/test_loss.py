@@ -223,3 +223,32 @@ def test_logprob_gap_by_hand():
     assert g["tokens"].item() == 5 and g["lag0_tokens"].item() == 3
     assert g["ratio_sum"].item() == pytest.approx(3.0, abs=1e-6)
     assert g["ratio_sq_sum"].item() == pytest.approx(3.5, abs=1e-6)
+
+
+def test_icepop_and_sequence_level_mis_by_hand():
+    # As in the TIS case: mismatch m = exp(old - behaviour) = [[1.5, 1, 0.5], [4, 1, (masked)]], proximal
+    # ratio r = [[1, 1, 1], [0.375, 0.5]], per-token PPO loss row 0 (A=+1) [-1, -1, -1], row 1 (A=-.5) [0.4, 0.4].
+    raw = torch.tensor([[1.5, 1.0, 0.5], [4.0, 1.0, 1.0]])
+    old = BEHAVIOUR + torch.log(raw)
+    fresh_only = torch.zeros(2, 3)
+    # IcePop band [0.6, 2]: row 0 token 2 (0.5) and row 1 token 0 (4) are masked -> -1 - 1 + 0.4 = -1.6, /5
+    loss, m = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, old_logprobs=old, icepop_band=(0.6, 2.0))
+    assert loss.item() == pytest.approx(-0.32, abs=1e-6) and m["icepop_masked_frac"].item() == pytest.approx(2 / 5)
+    # MIS truncate, cap 2: rho row 0 = 1.5 * 1 * 0.5 = 0.75, row 1 = 4 * 1 = 4 -> weights 0.75 and 2:
+    # 0.75 * -3 + 2 * 0.8 = -0.65, /5; token-weighted mean weight (0.75 * 3 + 2 * 2) / 5 = 1.25
+    loss, m = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, old_logprobs=old, mis="truncate", mis_cap=2.0)
+    assert loss.item() == pytest.approx(-0.13, abs=1e-6)
+    assert m["mis_weight_mean"].item() == pytest.approx(1.25) and m["mis_masked_frac"].item() == 0.0
+    # MIS mask, band [1/2, 2]: row 0 (0.75) stays, row 1 (4) is out -> -3 / 5; 2 of 5 fresh tokens masked
+    loss, m = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, old_logprobs=old, mis="mask", mis_cap=2.0)
+    assert loss.item() == pytest.approx(-0.6, abs=1e-6) and m["mis_masked_frac"].item() == pytest.approx(2 / 5)
+    # the weights carry no gradient: row 1 masked -> its tokens get none; row 0 token 1 gets -A r / 5 = -0.2
+    lp = LOGPROBS.clone().requires_grad_(True)
+    L.policy_loss(lp, BEHAVIOUR, ADV, MASK, fresh_only, old_logprobs=old, mis="mask", mis_cap=2.0)[0].backward()
+    assert lp.grad[1].abs().sum().item() == 0.0 and lp.grad[0, 1].item() == pytest.approx(-0.2, abs=1e-6)
+    # without mismatch every correction is the identity: the plain clipped loss -0.31
+    for kw in ({"icepop_band": (0.5, 2.0)}, {"mis": "truncate"}, {"mis": "mask"}):
+        loss, _ = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, old_logprobs=BEHAVIOUR, **kw)
+        assert loss.item() == pytest.approx(-0.31, abs=1e-6), kw
+    with pytest.raises(ValueError, match="old_logprobs"):
+        L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, mis="mask")

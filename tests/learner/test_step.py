@@ -251,3 +251,68 @@ def test_token_budget_and_activation_checkpointing_train_the_same_update(tiny_mo
         states.append({k: v.clone() for k, v in model.state_dict().items()})
     for k in states[0]:
         torch.testing.assert_close(states[1][k], states[0][k], rtol=1e-4, atol=1e-6)
+
+
+def test_overlong_penalty_is_dapos_soft_ramp():
+    from learner.loss import overlong_penalty
+
+    pen = overlong_penalty(torch.tensor([0, 50, 80, 81, 90, 100]), max_new_tokens=100, buffer=20)
+    assert pen.tolist() == pytest.approx([0.0, 0.0, 0.0, -0.05, -0.5, -1.0])
+
+
+def _overlong_batch() -> TrainingBatch:
+    """One group of 4: two correct answers (one cut at 12 = max_new_tokens), two wrong (one cut)."""
+    def ro(n, reward, finish):
+        return Rollout(response_ids=int32_array(list(range(5, 5 + n))), logprobs=float32_array([-1.0] * n),
+                       reward=reward, correct=reward >= 1, entropy=1.0, version=0, finish_reason=finish)
+    return TrainingBatch(groups=[TrainGroup("q", int32_array([5, 6, 7]), [
+        ro(12, 1.0, "length"), ro(4, 1.0, "stop"), ro(12, 0.0, "length"), ro(6, 0.0, "stop")], mixed=False)],
+        version=0)
+
+
+def test_overlong_penalty_shapes_the_advantages():
+    rows = batch_rows(_overlong_batch(), std_normalize=False, max_positions=64, overlong="penalty", max_new_tokens=12,
+                      overlong_buffer=4)
+    # rewards 1, 1, 0, 0 with penalties -1, 0, -1, 0 -> 0, 1, -1, 0; mean 0
+    assert [r.penalty for r in rows] == [-1.0, 0.0, -1.0, 0.0]
+    assert [r.advantage for r in rows] == pytest.approx([0.0, 1.0, -1.0, 0.0])
+    plain = batch_rows(_overlong_batch(), std_normalize=False, max_positions=64)
+    assert [r.advantage for r in plain] == pytest.approx([0.5, 0.5, -0.5, -0.5]) and not any(r.penalty for r in plain)
+
+
+def test_overlong_mask_leaves_truncated_rows_out_of_the_loss(tiny_model_dir):
+    from learner.step import merge_rank_stats
+
+    _, step = plain_step(tiny_model_dir, overlong="mask")
+    stats = step.run(_overlong_batch())
+    m, _ = merge_rank_stats([stats])
+    assert m["learner/overlong_masked"] == 2 and m["learner/rows"] == 2
+    assert m["learner/fresh_tokens"] == 4 + 6  # only the untruncated responses are trained
+    # their advantages still come from the whole group (mean 0.5): +0.5 and -0.5
+    assert m["learner/advantage_abs_mean"] == pytest.approx(0.5)
+    _, step = plain_step(tiny_model_dir, overlong="penalty", overlong_buffer=4)
+    m, _ = merge_rank_stats([step.run(_overlong_batch())])
+    assert m["learner/overlong_masked"] == 0 and m["learner/overlong_penalty_mean"] == pytest.approx(-0.5)
+
+
+@pytest.mark.parametrize("overrides, key, value", [
+    ({"icepop_band": (0.5, 2.0)}, "learner/icepop_masked_frac", 0.0),
+    ({"mis": "truncate"}, "learner/mis_weight_mean", 1.0),
+    ({"mis": "mask"}, "learner/mis_masked_frac", 0.0),
+])
+def test_mismatch_corrections_without_mismatch_are_the_plain_update(tiny_model_dir, overrides, key, value):
+    """Behaviour = the learner's start-of-step log-probs: IcePop keeps every token and MIS weighs every row 1,
+    in the second mini-batch too (its start-of-step log-probs come from `record_old_logprobs`)."""
+    from learner.step import merge_rank_stats
+
+    states, metrics = [], []
+    for extra in ({}, overrides):
+        model, step = plain_step(tiny_model_dir, mini_batches=2, **extra)
+        step.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient (AdamW would
+        stats = step.run(with_own_logprobs(make_batch(0), model))    # magnify float32 noise of ~0 gradients)
+        assert stats.updates == 2
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+        metrics.append(merge_rank_stats([stats])[0])
+    for k in states[0]:
+        torch.testing.assert_close(states[1][k], states[0][k], rtol=1e-4, atol=1e-6)
+    assert metrics[1][key] == pytest.approx(value, abs=1e-5) and np.isnan(metrics[0][key])
