@@ -207,11 +207,10 @@ def publication(bucket_mb: float) -> None:
             pool = LearnerPool(cfg, str(Path(tmp) / "m"), run="pub", namespace="bench", max_new_tokens=8)
             rows = []
             for version, streamed in ((1, True), (2, False), (3, True)):
-                import ray as _ray
                 others = [r.publish.remote(version) if streamed else r.full_state_dict.remote(None)
                           for r in pool.ranks[1:]]
-                res = _ray.get(pool.ranks[0].__ray_call__.remote(_probe, version, streamed))
-                _ray.get(others)
+                res = ray.get(pool.ranks[0].__ray_call__.remote(_probe, version, streamed))
+                ray.get(others)
                 rows.append((streamed, res))
             pool.shutdown()
         finally:

@@ -288,12 +288,12 @@ def fit_lengths(cfg: RunConfig, model_path: Path) -> RunConfig:
         prompt = limit - new
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_prompt_tokens": prompt})})
     engine = cfg.generator.engine
-    vllm_cfg = getattr(engine, "vllm", engine)  # engine kind auto holds its vLLM settings in .vllm
+    nested = hasattr(engine, "vllm")  # engine kind auto holds its vLLM settings in .vllm
+    vllm_cfg = engine.vllm if nested else engine
     if hasattr(vllm_cfg, "max_model_len"):
         if vllm_cfg.max_model_len is None:
             vllm_cfg = vllm_cfg.model_copy(update={"max_model_len": prompt + new})
-            engine = engine.model_copy(update={"vllm": vllm_cfg}) if engine is not vllm_cfg and hasattr(
-                engine, "vllm") else vllm_cfg
+            engine = engine.model_copy(update={"vllm": vllm_cfg}) if nested else vllm_cfg
             cfg = cfg.model_copy(update={"generator": cfg.generator.model_copy(update={"engine": engine})})
         elif vllm_cfg.max_model_len < prompt + new:
             raise BadInput("invalid configuration:", f"generator.engine.max_model_len: {vllm_cfg.max_model_len} cannot "

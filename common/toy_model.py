@@ -190,9 +190,12 @@ def pad_vocabulary(model, rows: int, examples, pad_id: int) -> float:
     emb[old:] = -beta * u + 1e-3 * torch.randn(n_pad, emb.shape[1], generator=g)
     if model.get_output_embeddings().weight is not emb:
         model.get_output_embeddings().weight[old:] = emb[old:]
-    logits = model(input_ids=ids, attention_mask=mask).logits[keep].float()  # [N, rows]
-    mass = torch.softmax(logits, dim=-1)[:, old:].sum(-1)  # [N]
-    return float(mass.max())
+    # padded mass = 1 / (1 + exp(lse_real - lse_padded)), the padded logits a chunk of tokens at a time:
+    # the probe's [N, rows] logits at a 152k vocabulary would be gigabytes
+    pad = emb[old:]  # [n_pad, H]
+    lse_pad = torch.cat([torch.logsumexp((h[i:i + 256] @ pad.T).float(), dim=-1)
+                         for i in range(0, len(h), 256)])  # [N]
+    return float(torch.sigmoid(lse_pad - lse).max())
 
 
 def _separating_direction(h: torch.Tensor, steps: int = 2000) -> torch.Tensor:
