@@ -23,6 +23,11 @@ new/old ratios. `--case JSON` runs one case and prints its JSON line (tests use 
 sampled every 2 ms) it gains above its resident shard, for the streamed object-store publication (one
 object per `bucket_mb` bucket) and for assembling the whole state dict (what every publication did
 before, and what the collective backend and the checkpoint export still do).
+
+`--snapshot`: one buffer shard holding `--trajectories` stored trajectories of `--traj-tokens` tokens (8 per
+question, real `ExperienceStore.observe`), snapshotted in full, then again after `--changed` of them changed
+(as many new lower-entropy trajectories as that share, each evicting one at the per-question cap, and learner
+feedback with replays for as many others), then restored. Time and bytes written of each, and the restore.
 """
 
 from __future__ import annotations
@@ -113,6 +118,11 @@ def main() -> None:
     ap.add_argument("--old-limit-gib", type=float, default=16.0)
     ap.add_argument("--publication", action="store_true", help="only the publication measurement")
     ap.add_argument("--bucket-mb", type=float, default=32.0)
+    ap.add_argument("--snapshot", action="store_true", help="only the buffer snapshot measurement")
+    ap.add_argument("--trajectories", type=int, default=1_000_000)
+    ap.add_argument("--traj-tokens", type=int, default=1000)
+    ap.add_argument("--changed", type=float, default=0.01)
+    ap.add_argument("--dir", help="where the snapshot measurement writes (default: a temp folder)")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
@@ -120,6 +130,9 @@ def main() -> None:
         return
     if args.publication:
         publication(args.bucket_mb)
+        return
+    if args.snapshot:
+        snapshot(args.trajectories, args.traj_tokens, args.changed, args.dir)
         return
     print("command: python bench/shapes_bench.py " + " ".join(sys.argv[1:]))
     print(f"one TrainStep.run, 1 rank, float32, {args.tokens} response tokens per step, prompts {PROMPT} tokens; "
@@ -226,6 +239,81 @@ def publication(bucket_mb: float) -> None:
         extra = (r["peak"] - r["base"]) / mb
         name = "streamed, an object per bucket" if streamed else "whole state dict (before)"
         print(f"| {name} | {r['shard'] / mb:.0f} | {extra:.0f} | {extra / bucket:.1f} |")
+
+
+def snapshot(trajectories: int, tokens: int, changed: float, folder: str | None) -> None:
+    sys.path.insert(0, str(ROOT))
+    import random
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    from buffer.core import ShardCore
+    from buffer.keys import make_key
+    from buffer.snapshot import load_core, save_core, snapshot_path
+    from buffer.store import record_digest
+    from common.config import BufferConfig
+    from common.messages import Question, Rollout, int32_array
+
+    per_q = 8
+    n_q = trajectories // per_q
+    questions = [Question(id=f"q{i}", prompt="p", answer="0", prompt_ids=int32_array([1, 2])) for i in range(n_q)]
+    cfg = BufferConfig(group_size=16, batch_questions=4, max_traj_per_question=per_q, max_traj_total=trajectories,
+                       seed=0)
+    core = ShardCore(cfg, questions)
+    rng = np.random.default_rng(0)
+    lp = np.full(tokens, -0.5, dtype=np.float32)
+
+    def rollouts(n: int, entropy: float) -> list[Rollout]:
+        ids = rng.integers(0, 150_000, size=(n, tokens), dtype=np.int32)
+        return [Rollout(response_ids=ids[j], logprobs=lp, reward=1.0, correct=True, entropy=entropy + 0.01 * j,
+                        version=0, finish_reason="stop") for j in range(n)]
+
+    t0 = time.perf_counter()
+    for q in questions:
+        core.store.observe(q.id, per_q, rollouts(per_q, 1.0), collect=True)
+    build_s = time.perf_counter() - t0
+    tmp = tempfile.mkdtemp(dir=folder, prefix="snapshot-bench-")
+    rows = []
+
+    def timed_save(name: str) -> None:
+        before = {p: p.stat().st_ino for p in Path(tmp).iterdir()}
+        t = time.perf_counter()
+        save_core(core, tmp)
+        dt = time.perf_counter() - t
+        written = sum(p.stat().st_size for p in Path(tmp).iterdir() if before.get(p) != p.stat().st_ino)
+        rows.append((name, dt, written))
+
+    try:
+        timed_save("first (everything)")
+        n = int(trajectories * changed)
+        pick = random.Random(0).sample(range(n_q), min(n_q, 2 * n))
+        for q in pick[:n]:  # a new trajectory, lower entropy than the stored ones: it evicts one at the cap
+            core.store.observe(f"q{q}", per_q, rollouts(1, 0.5), collect=True)
+        keys = [make_key(f"q{q}", record_digest(core.store.entries[f"q{q}"].recs[0])) for q in pick[n:]]
+        core.store.feedback(keys, [0.3] * len(keys), version=1, chosen=keys)
+        timed_save(f"after {changed:.0%} changed")
+        total, stored = core.store.total, core.store.bytes
+        del core  # the restore builds a second store of the same size
+        t = time.perf_counter()
+        back = load_core(cfg, questions, snapshot_path(tmp, 0))
+        load_s = time.perf_counter() - t
+        assert back.store.total == total and back.store.bytes == stored
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    full = rows[0]
+    print(f"command: python bench/shapes_bench.py --snapshot --trajectories {trajectories} --traj-tokens {tokens} "
+          f"--changed {changed:g}")
+    print(f"one buffer shard, {trajectories:,} stored trajectories of {tokens:,} tokens ({stored / GIB:.2f} GiB "
+          f"of records; built in {build_s:.0f}s); changed: {n:,} new trajectories (each evicting one) and learner "
+          f"feedback + a replay for {len(keys):,} others\n")
+    print("| snapshot | seconds | bytes written | vs first: time | vs first: bytes |")
+    print("|---|---|---|---|---|")
+    for name, dt, written in rows:
+        print(f"| {name} | {dt:.2f} | {written / 2**20:,.0f} MiB | {dt / full[1]:.3f} | {written / full[2]:.3f} |")
+    print(f"| restore (read + verify + rebuild) | {load_s:.2f} | — | — | — |")
+    print(f"\npeak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")
 
 
 if __name__ == "__main__":

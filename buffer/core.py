@@ -56,12 +56,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from buffer.sampling import make_question_sampler, make_trajectory_selector
-from buffer.store import ExperienceStore, record_from_bytes, record_to_rollout
+from buffer.store import ExperienceStore, SnapshotPlan, record_from_bytes, record_to_rollout
 from common import codec
 from common.config import BufferConfig
 from common.messages import LearnerFeedback, Question, ReplayRef, Rollout, ScoredGroup, TrainGroup, WorkItem
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 log = logging.getLogger(__name__)
 
 
@@ -485,8 +485,14 @@ class ShardCore:
 
     # ------------------------------------------------------------------------------------ snapshots
 
-    def state(self) -> dict:
-        """The whole shard state as msgpack-ready plain data."""
+    def snapshot_state(self, target) -> tuple[dict, SnapshotPlan]:
+        """The manifest of a snapshot into the folder of `target` (segment name -> path there) and the store's
+        plan for it (`ExperienceStore.plan_snapshot`); write both with `buffer.snapshot.write_shard_snapshot`."""
+        plan = self.store.plan_snapshot(target)
+        return self.state(self.store.state(plan)), plan
+
+    def state(self, store: dict) -> dict:
+        """The whole shard state as msgpack-ready plain data, with `store` (a store manifest) inside."""
         rs = self.rng.getstate()
         return {
             "state_version": STATE_VERSION, "shard": self.shard, "fingerprint": self.fingerprint,
@@ -499,13 +505,14 @@ class ShardCore:
                         [r.tobytes() for r in x.candidates]] for x in self.leases.values()],
             "ready_fresh": codec.encode_list([x.group for x in self.ready_fresh], TrainGroup),
             "ready_mixed": codec.encode_list([x.group for x in self.ready_mixed], TrainGroup),
-            "store": self.store.state(),
+            "store": store,
         }
 
     @classmethod
-    def from_state(cls, cfg: BufferConfig, questions: list[Question], state: dict, *,
+    def from_state(cls, cfg: BufferConfig, questions: list[Question], state: dict, *, open_segment,
                    batch_share: int | None = None) -> ShardCore:
-        """A new core holding `state`; raises ValueError when the state does not fit this shard."""
+        """A new core holding `state`; `open_segment(name, size, digest)` gives a store segment's bytes
+        (`buffer.snapshot.load_core`). Raises ValueError when the state does not fit this shard."""
         if state.get("state_version") != STATE_VERSION:
             raise ValueError(f"shard state version {state.get('state_version')!r} is not {STATE_VERSION}")
         core = cls(cfg, questions, shard=state["shard"], batch_share=batch_share)
@@ -532,7 +539,7 @@ class ShardCore:
         for name in ("ready_fresh", "ready_mixed"):
             for g in codec.decode_list(state[name], TrainGroup):
                 getattr(core, name).append(Ready(g, min(r.version for r in g.rollouts)))
-        core.store.load_state(state["store"])
+        core.store.load_state(state["store"], open_segment)
         return core
 
 
@@ -570,7 +577,7 @@ def finish_metrics(m: dict[str, float]) -> dict[str, float]:
     return m
 
 
-_MAX_KEYS = ("mixed_mode", "version", "epoch", "stored_bytes_max")  # stored_bytes_max: the fullest shard
+_MAX_KEYS = ("mixed_mode", "version", "epoch", "stored_bytes_max", "snapshot_last_s")  # the fullest/slowest shard
 _DERIVED = ("replay_fraction", "entropy_chosen_mean", "entropy_available_mean")
 
 

@@ -22,7 +22,7 @@ import msgpack
 import ray
 
 from buffer.core import ShardCore
-from buffer.snapshot import load_core, snapshot_path, write_snapshot
+from buffer.snapshot import load_core, segment_target, snapshot_path, write_shard_snapshot
 from common import codec
 from common.config import BufferConfig
 from common.messages import LearnerFeedback, Question, ScoredGroup, TrainGroup, WorkItem
@@ -49,6 +49,8 @@ class BufferShard:
         self.cond = threading.Condition(self.lock)
         self.restored_from = ""
         self.snapshot_errors = 0
+        self.snapshot_lock = threading.Lock()  # one snapshot at a time (periodic and checkpoint ones)
+        self.last_snapshot = {"snapshot_last_s": 0.0, "snapshot_last_bytes": 0.0, "snapshots": 0.0}
         path = snapshot_path(snapshot_dir, shard) if snapshot_dir else None
         if path is not None and path.exists():
             self.core = load_core(self.cfg, self.questions, path, batch_share=batch_share)
@@ -138,6 +140,7 @@ class BufferShard:
         with self.lock:
             m = self.core.metrics()
         m["snapshot_errors"] = float(self.snapshot_errors)
+        m.update(self.last_snapshot)
         m["restored"] = float(bool(self.restored_from))
         return pack(m)
 
@@ -152,10 +155,20 @@ class BufferShard:
         folder = folder or self.snapshot_dir
         if not folder:
             raise ValueError(f"buffer shard {self.shard} has no snapshot_dir; pass a folder to snapshot()")
-        with self.lock:
-            state = self.core.state()
-            counts = self.core.accounting()
-        write_snapshot(snapshot_path(folder, self.shard), state)
+        target = segment_target(folder, self.shard)
+        with self.snapshot_lock:
+            t0 = time.perf_counter()
+            with self.lock:
+                core = self.core
+                state, plan = core.snapshot_state(target)
+                counts = core.accounting()
+            written = write_shard_snapshot(folder, self.shard, state, plan)
+            with self.lock:
+                core.store.mark_written(plan, written, target)  # a core replaced meanwhile is simply dropped
+            self.last_snapshot["snapshot_last_s"] = time.perf_counter() - t0
+            self.last_snapshot["snapshot_last_bytes"] = float(snapshot_path(folder, self.shard).stat().st_size
+                                                              + sum(v[1] for v in written.values()))
+            self.last_snapshot["snapshots"] += 1
         return pack(counts)
 
     def restore(self, folder: str, expire_leases: bool = False) -> int:

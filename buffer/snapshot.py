@@ -1,7 +1,14 @@
-"""Shard snapshots: msgpack files written atomically, with a checksum, refused whole when damaged.
+"""Shard snapshots: a manifest written atomically plus append-only segment files, all checksummed, refused
+whole when damaged.
 
-File layout: MAGIC (8 bytes) | blake2b-256 of the body (32 bytes) | body length (8 bytes, little
-endian) | body = msgpack of the shard state (`ShardCore.state()`).
+A shard's snapshot in a folder is `buffer-shard-<i>.msgpack` (the manifest: the whole shard state except
+the stored trajectories, which it locates) and `buffer-shard-<i>.<name>.seg` files holding the trajectory
+records (see `buffer.store`, snapshots section). A snapshot writes only the records added since the last
+one; the segments it keeps are hard-linked into the folder (copied across file systems), so every folder
+is complete on its own and deleting one never breaks another.
+
+Manifest layout: MAGIC (8 bytes) | blake2b-256 of the body (32 bytes) | body length (8 bytes, little
+endian) | body = msgpack of the shard state (`ShardCore.snapshot_state`).
 
 `write_snapshot` writes a temp file in the same folder, fsyncs it and renames it over the target, so a
 crash leaves either the old or the new file. `read_snapshot` checks magic, length, checksum and
@@ -12,14 +19,16 @@ leaves the running state untouched.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
+import shutil
 import struct
 import tempfile
 from pathlib import Path
 
 import msgpack
 
-MAGIC = b"EXGRPOB\x01"
+MAGIC = b"EXGRPOB\x02"
 """The last byte is the file format version."""
 _HEADER = len(MAGIC) + 32 + 8
 
@@ -82,18 +91,131 @@ def read_snapshot(path: str | os.PathLike) -> dict:
 
 
 def save_core(core, folder: str | os.PathLike) -> Path:
-    """Write `core`'s state to `folder`/buffer-shard-<i>.msgpack."""
-    path = snapshot_path(folder, core.shard)
-    write_snapshot(path, core.state())
-    return path
+    """Snapshot `core` into `folder` (single-threaded use: plan, write, mark). Returns the manifest's path."""
+    target = segment_target(folder, core.shard)
+    state, plan = core.snapshot_state(target)
+    written = write_shard_snapshot(folder, core.shard, state, plan)
+    core.store.mark_written(plan, written, target)
+    return snapshot_path(folder, core.shard)
+
+
+def segment_target(folder: str | os.PathLike, shard: int):
+    """segment name -> its file in `folder` (shard `shard`)."""
+    folder = Path(folder)
+    return lambda name: folder / f"buffer-shard-{shard}.{name}.seg"
+
+
+def write_shard_snapshot(folder: str | os.PathLike, shard: int, state: dict, plan) -> dict[int, tuple[str, int, str]]:
+    """Write what `plan` (`ExperienceStore.plan_snapshot`) asks into `folder`: its new segments (fsynced),
+    links (or copies, across file systems) of the old segments it keeps, then the manifest `state`
+    atomically, then remove this shard's segments the manifest no longer references. A crash at any point
+    leaves the previous manifest and every segment it references. Returns new segment id -> (name, size,
+    digest), for `ExperienceStore.mark_written`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = segment_target(folder, shard)
+    written = {sid: (plan.names[sid], *_write_segment(target(plan.names[sid]), recs)) for sid, recs in plan.new.items()}
+    for sid, src in plan.keep.items():
+        if src is not None:
+            _link(src, target(state["store"]["segments"][sid][0]))
+    state["store"]["segments"].update({sid: list(v) for sid, v in written.items()})
+    write_snapshot(snapshot_path(folder, shard), state)
+    referenced = {target(v[0]).name for v in state["store"]["segments"].values()}
+    for f in folder.glob(f"buffer-shard-{shard}.*.seg"):
+        if f.name not in referenced:
+            f.unlink(missing_ok=True)
+    return written
+
+
+def _write_segment(path: Path, recs) -> tuple[int, str]:
+    from buffer.store import SEGMENT_MAGIC
+
+    h = hashlib.blake2b(digest_size=32)
+    size = 0
+    with open(path, "wb") as f:
+        for chunk in _segment_chunks(SEGMENT_MAGIC, recs):
+            f.write(chunk)
+            h.update(chunk)
+            size += len(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    return size, h.hexdigest()
+
+
+def _segment_chunks(magic: bytes, recs, chunk_bytes: int = 4 << 20):
+    """The segment's bytes in chunks of ~4 MiB (one write and hash call per chunk, not per record)."""
+    buf = bytearray(magic)
+    for r in recs:
+        buf += struct.pack("<I", r.size)
+        buf += r.tobytes()
+        if len(buf) >= chunk_bytes:
+            yield bytes(buf)
+            buf.clear()
+    if buf:
+        yield bytes(buf)
+
+
+def _link(src: str, dst: Path) -> None:
+    if dst.is_file() and dst.stat().st_size == os.path.getsize(src):
+        return  # same name, same content: written once, linked since
+    tmp = dst.with_name(dst.name + f".{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:  # another file system (or no hard links): copy
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def open_segment(path: Path, size: int, digest: str) -> mmap.mmap:
+    """A segment file mapped read-only, after checking its size, magic bytes and checksum."""
+    from buffer.store import SEGMENT_MAGIC
+
+    try:
+        actual = path.stat().st_size
+    except FileNotFoundError:
+        raise SnapshotError(f"buffer snapshot segment {path} is missing (the snapshot folder was copied "
+                            "without its .seg files?)") from None
+    if actual != size:
+        raise SnapshotError(f"buffer snapshot segment {path} has {actual} bytes, its manifest says {size} "
+                            "(truncated or overwritten)")
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if mm[: len(SEGMENT_MAGIC)] != SEGMENT_MAGIC or hashlib.blake2b(mm, digest_size=32).hexdigest() != digest:
+        mm.close()
+        raise SnapshotError(f"buffer snapshot segment {path} is corrupt (bad magic bytes or checksum mismatch)")
+    return mm
+
+
+def check_snapshot(folder: str | os.PathLike, shard: int) -> None:
+    """Cheap validation (manifest checksum, every referenced segment present at its size); SnapshotError."""
+    path = snapshot_path(folder, shard)
+    state = read_snapshot(path)
+    target = segment_target(folder, shard)
+    try:
+        segments = state["store"]["segments"].values()
+    except (KeyError, AttributeError, TypeError):
+        raise SnapshotError(f"buffer snapshot {path} does not hold a shard state") from None
+    for name, size, _ in segments:
+        seg = target(name)
+        if not seg.is_file() or seg.stat().st_size != size:
+            raise SnapshotError(f"buffer snapshot segment {seg} is missing or has the wrong size")
 
 
 def load_core(cfg, questions, path: str | os.PathLike, *, batch_share: int | None = None):
-    """A new ShardCore from a snapshot file; SnapshotError on anything wrong (no partial state)."""
+    """A new ShardCore from a snapshot manifest and its segments; SnapshotError on anything wrong (no
+    partial state)."""
     from buffer.core import ShardCore
 
+    path = Path(path)
     state = read_snapshot(path)
+    target = segment_target(path.parent, state.get("shard"))
     try:
-        return ShardCore.from_state(cfg, questions, state, batch_share=batch_share)
-    except (KeyError, TypeError, ValueError) as e:
+        core = ShardCore.from_state(cfg, questions, state, batch_share=batch_share,
+                                    open_segment=lambda name, size, digest: open_segment(target(name), size, digest))
+    except (KeyError, TypeError, ValueError, struct.error) as e:
+        if isinstance(e, SnapshotError):
+            raise
         raise SnapshotError(f"buffer snapshot {path} does not fit this shard: {type(e).__name__}: {e}") from None
+    core.store.opened_from(target)
+    return core

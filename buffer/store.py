@@ -24,13 +24,24 @@ Eviction order (capacity limits):
 Memory: a trajectory is ONE int32 numpy array (a "record") holding a small header and its token ids
 and log-probs (log-probs as float32 bits), so its cost is ~112 bytes of array header + 4 bytes per
 token + 32 bytes of header, and its key string is rebuilt on demand from the digest in the header.
+Its mutable header words (entropy, entropy version, times replayed) are mirrored in per-question columns,
+with where the record lies in the snapshot segments (~30 bytes per record).
+
+Snapshots are incremental: see the snapshots section below and `buffer.snapshot`.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import secrets
+import struct
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -70,14 +81,6 @@ def record_entropy(rec: np.ndarray) -> float:
     return float(rec.view(np.float32)[3])
 
 
-def record_version(rec: np.ndarray) -> int:
-    return int(rec[2])
-
-
-def record_times_replayed(rec: np.ndarray) -> int:
-    return int(rec[5])
-
-
 def record_to_rollout(rec: np.ndarray, question_id: str) -> Rollout:
     """The stored trajectory as the replayed rollout of a mixed group (views, no copy)."""
     t = (len(rec) - _H) // 2
@@ -102,15 +105,33 @@ def record_from_bytes(b: bytes) -> np.ndarray:
 
 
 class _Entry:
-    """A stored question: its bucket, its records and their entropy estimates (parallel, 4 bytes each,
-    mirrored from the records' headers so selection reads no numpy scalars)."""
+    """A stored question: its bucket, its records and, parallel to them (4-8 bytes each), the records'
+    mutable header words (entropy estimate, its policy version, times replayed: mirrored from the headers so
+    selection and snapshots read no numpy scalars) and where each record lies in the snapshot segments
+    (`segs[i] = -1`: not written yet)."""
 
-    __slots__ = ("bucket", "recs", "ents")
+    __slots__ = ("bucket", "recs", "ents", "evers", "times", "segs", "offs")
 
     def __init__(self, bucket: int):
         self.bucket = bucket
         self.recs: list[np.ndarray] = []
-        self.ents = array("f")
+        self.ents, self.evers, self.times = array("f"), array("i"), array("i")
+        self.segs, self.offs = array("i"), array("q")
+
+    def append(self, rec: np.ndarray, seg: int = -1, off: int = 0) -> None:
+        self.recs.append(rec)
+        self.ents.append(record_entropy(rec))
+        self.evers.append(int(rec[4]))
+        self.times.append(int(rec[5]))
+        self.segs.append(seg)
+        self.offs.append(off)
+
+    def keep(self, idx: list[int]) -> None:
+        """Keep only the records at `idx` (in that order)."""
+        self.recs = [self.recs[i] for i in idx]
+        for name, code in (("ents", "f"), ("evers", "i"), ("times", "i"), ("segs", "i"), ("offs", "q")):
+            col = getattr(self, name)
+            setattr(self, name, array(code, (col[i] for i in idx)))
 
 
 class ExperienceStore:
@@ -142,6 +163,11 @@ class ExperienceStore:
                       chosen=0, chosen_measured=0, chosen_gone=0)
         self.entropy_chosen_sum = 0.0
         self.entropy_available_sum = 0.0
+        # snapshot segments (see `plan_snapshot`): id -> segment; questions with records not written yet
+        self.segments: dict[int, _Segment] = {}
+        self.dirty: set[str] = set()
+        self.next_segment = 0
+        self.segment_prefix = secrets.token_hex(4)  # this store's segment names never collide with another's
 
     # ------------------------------------------------------------------------------------- writing
 
@@ -170,22 +196,22 @@ class ExperienceStore:
             self._set_bucket(question_id, e, k)
         if collect:
             digests = [response_digest(r.response_ids) for r in correct]
-            self._add(e, correct, digests)
+            self._add(question_id, e, correct, digests)
             self._trim_question(e)
             self._evict_total()
             have = {record_digest(r) for r in e.recs} if question_id in self.entries else set()
             keys = [make_key(question_id, d) if d in have else "" for d in digests]
         return keys
 
-    def _add(self, e: _Entry, correct: list[Rollout], digests: list[bytes]) -> None:
+    def _add(self, qid: str, e: _Entry, correct: list[Rollout], digests: list[bytes]) -> None:
         have = {record_digest(r) for r in e.recs}
         for r, d in zip(correct, digests):
             if d in have:
                 self.c["deduplicated"] += 1
                 continue
             have.add(d)
-            e.recs.append(pack_record(r, d))
-            e.ents.append(r.entropy)
+            e.append(pack_record(r, d))
+            self.dirty.add(qid)
             self.total += 1
             self.bytes += e.recs[-1].nbytes
             self.replay_hist[0] += 1
@@ -197,20 +223,22 @@ class ExperienceStore:
             self.buckets[k].add(qid)
             e.bucket = k
 
-    def _drop_recs(self, recs: list[np.ndarray]) -> None:
-        for r in recs:
-            self.replay_hist[min(record_times_replayed(r), 4)] -= 1
+    def _drop_recs(self, e: _Entry, idx) -> None:
+        """Account for dropping e's records at `idx` (the caller removes them from `e`)."""
+        for i in idx:
+            r = e.recs[i]
+            self.replay_hist[min(e.times[i], 4)] -= 1
             self.bytes -= r.nbytes
-        self.total -= len(recs)
+            self.total -= 1
+            if e.segs[i] >= 0:
+                self.segments[e.segs[i]].live -= _LEN + r.nbytes
 
     def _trim_question(self, e: _Entry) -> None:
         if len(e.recs) > self.max_per_question:
-            order = sorted(range(len(e.recs)), key=lambda i: (int(e.recs[i][4]) == ENGINE_ESTIMATE, e.ents[i]))
-            dropped = [e.recs[i] for i in order[self.max_per_question :]]
-            keep = order[: self.max_per_question]
-            e.recs, e.ents = [e.recs[i] for i in keep], array("f", (e.ents[i] for i in keep))
-            self._drop_recs(dropped)
-            self.c["evicted"] += len(dropped)
+            order = sorted(range(len(e.recs)), key=lambda i: (e.evers[i] == ENGINE_ESTIMATE, e.ents[i]))
+            self._drop_recs(e, order[self.max_per_question :])
+            self.c["evicted"] += len(order) - self.max_per_question
+            e.keep(order[: self.max_per_question])
 
     def _evict_total(self) -> None:
         """Whole questions, least recently refreshed first, until the shard holds at most `max_total`
@@ -229,8 +257,9 @@ class ExperienceStore:
         e = self.entries.pop(qid, None)
         if e is None:
             return
-        self._drop_recs(e.recs)
+        self._drop_recs(e, range(len(e.recs)))
         self.buckets[e.bucket].discard(qid)
+        self.dirty.discard(qid)
 
     def _retire(self, qid: str) -> None:
         e = self.entries.get(qid)
@@ -281,12 +310,12 @@ class ExperienceStore:
             ent = float(ent)
             by_key[key] = ent
             measured.setdefault(split_key(key)[0], []).append(ent)
-            if version < e.recs[i][4]:
+            if version < e.evers[i]:
                 self.c["feedback_older"] += 1
                 continue
             e.recs[i].view(np.float32)[3] = ent
             e.recs[i][4] = version
-            e.ents[i] = ent
+            e.ents[i], e.evers[i] = ent, version
             self.c["feedback_applied"] += 1
         for key in chosen:
             found = self._find(key)
@@ -294,11 +323,10 @@ class ExperienceStore:
                 self.c["chosen_gone"] += 1
                 continue
             e, i = found
-            rec = e.recs[i]
-            t = int(rec[5])
+            t = e.times[i]
             self.replay_hist[min(t, 4)] -= 1
             self.replay_hist[min(t + 1, 4)] += 1
-            rec[5] = t + 1
+            e.recs[i][5] = e.times[i] = t + 1
             self.c["chosen"] += 1
             if key in by_key:
                 ents = measured[split_key(key)[0]]
@@ -330,28 +358,174 @@ class ExperienceStore:
         return m
 
     # ----------------------------------------------------------------------------------- snapshots
+    #
+    # A snapshot is a small manifest (buckets, header columns, where each record lies, counters) plus
+    # append-only segment files holding the records. Records never change after they are written (their
+    # mutable header words travel in the manifest), so a snapshot writes only the records added since the
+    # last one, and links the segments it still references into its folder. A segment whose live bytes
+    # fall under half its size, or one no folder holds any more, is compacted: its live records are
+    # rewritten into the new segment. A snapshot therefore costs what changed plus the manifest (~40 bytes
+    # per record), not the whole store.
 
-    def state(self) -> dict:
+    def plan_snapshot(self, target: Callable[[str], Path]) -> SnapshotPlan:
+        """What a snapshot into the folder of `target` (segment name -> its path there) writes, links and
+        records. Call under the same lock as the writes; nothing changes until `mark_written`."""
+        keep: dict[int, str | None] = {}  # kept segment -> a copy to link from (None: already in the folder)
+        rewrite: set[int] = set()
+        for sid, g in self.segments.items():
+            if g.live <= 0:
+                continue
+            if 2 * g.live < g.size:
+                rewrite.add(sid)
+                continue
+            there = target(g.name)
+            if there.is_file() and there.stat().st_size == g.size:
+                keep[sid] = None
+            else:
+                src = next((p for p in g.paths if os.path.isfile(p) and os.path.getsize(p) == g.size), None)
+                (rewrite.add(sid) if src is None else keep.__setitem__(sid, src))
+        for sid in sorted(keep, key=lambda x: self.segments[x].size)[: max(0, len(keep) - MAX_SEGMENTS + 1)]:
+            del keep[sid]  # too many segments: the smallest are merged into the new one
+            rewrite.add(sid)
+        qids = set(self.dirty)
+        if rewrite:
+            qids.update(q for q, e in self.entries.items() if any(x in rewrite for x in e.segs))
+        plan = SnapshotPlan(keep=keep)
+        sid, off = -1, SEGMENT_BYTES
+        for qid in qids:
+            e = self.entries.get(qid)
+            if e is None:
+                continue
+            segs, offs = array("i", e.segs), array("q", e.offs)
+            for i, r in enumerate(e.recs):
+                if segs[i] >= 0 and segs[i] not in rewrite:
+                    continue
+                if off + _LEN + r.nbytes > SEGMENT_BYTES and off > len(SEGMENT_MAGIC):
+                    sid, off = self.next_segment, len(SEGMENT_MAGIC)
+                    self.next_segment += 1
+                    plan.names[sid] = f"{self.segment_prefix}-{sid:06d}"
+                    plan.new[sid] = []
+                plan.new[sid].append(r)
+                plan.moves.append((qid, r, sid, off))
+                segs[i], offs[i] = sid, off
+                off += _LEN + r.nbytes
+            plan.placed[qid] = (segs, offs)
+        plan.rows = [[q, e.bucket, *(x.tobytes() for x in plan.placed.get(q, (e.segs, e.offs))),
+                      e.ents.tobytes(), e.evers.tobytes(), e.times.tobytes()] for q, e in self.entries.items()]
+        return plan
+
+    def state(self, plan: SnapshotPlan) -> dict:
+        """The manifest part of a snapshot made by `plan` (the writer adds the new segments' sizes and digests)."""
         return {
-            "entries": [[q, e.bucket, [r.tobytes() for r in e.recs]] for q, e in self.entries.items()],
+            "rows": plan.rows,
+            "segments": {sid: [self.segments[sid].name, self.segments[sid].size, self.segments[sid].digest]
+                         for sid in plan.keep},
+            "next_segment": self.next_segment,
             "retired": sorted(self.retired),
             "counters": dict(self.c),
             "entropy_sums": [self.entropy_chosen_sum, self.entropy_available_sum],
         }
 
-    def load_state(self, s: dict) -> None:
-        """Fill an EMPTY store from `state()` (the caller builds a new store, so failure leaves no partial state)."""
-        for qid, bucket, recs in s["entries"]:
-            if not 1 <= bucket <= self.k_max - 1:
-                raise ValueError(f"snapshot puts question {qid!r} in bucket {bucket}, outside 1..{self.k_max - 1}")
-            e = self.entries[qid] = _Entry(bucket)
-            e.recs = [record_from_bytes(b) for b in recs]
-            e.ents = array("f", (record_entropy(r) for r in e.recs))
-            self.buckets[bucket].add(qid)
-            self.total += len(e.recs)
-            for r in e.recs:
-                self.replay_hist[min(record_times_replayed(r), 4)] += 1
-                self.bytes += r.nbytes
+    def mark_written(self, plan: SnapshotPlan, written: dict[int, tuple[str, int, str]],
+                     target: Callable[[str], Path]) -> None:
+        """The snapshot of `plan` is on disk: its new segments (`written`: id -> name, size, digest) hold the
+        planned records. Records dropped since the plan are skipped; ones added since stay unwritten."""
+        for sid, (name, size, digest) in written.items():
+            self.segments[sid] = _Segment(name, size, digest, 0, [str(target(name))])
+        for sid in plan.keep:
+            path = str(target(self.segments[sid].name))
+            if path not in self.segments[sid].paths:
+                self.segments[sid].paths.append(path)
+        for qid, rec, sid, off in plan.moves:
+            e = self.entries.get(qid)
+            i = next((j for j, r in enumerate(e.recs) if r is rec), None) if e is not None else None
+            if i is None:
+                continue
+            if e.segs[i] >= 0:
+                self.segments[e.segs[i]].live -= _LEN + rec.nbytes
+            e.segs[i], e.offs[i] = sid, off
+            self.segments[sid].live += _LEN + rec.nbytes
+        for qid in plan.placed:
+            e = self.entries.get(qid)
+            if e is None or min(e.segs, default=0) >= 0:
+                self.dirty.discard(qid)
+        for sid in [sid for sid, g in self.segments.items() if g.live <= 0]:
+            del self.segments[sid]
+
+    def load_state(self, s: dict, open_segment: Callable[[str, int, str], Any]) -> None:
+        """Fill an EMPTY store from a manifest (`state`); `open_segment(name, size, digest)` returns a
+        segment's verified bytes (a buffer). ValueError when the manifest does not fit; the caller builds a
+        new store, so failure leaves no partial state."""
+        segments = {int(sid): v for sid, v in s["segments"].items()}
+        data = {sid: open_segment(*v) for sid, v in segments.items()}
+        try:
+            for qid, bucket, segs, offs, ents, evers, times in s["rows"]:
+                if not 1 <= bucket <= self.k_max - 1:
+                    raise ValueError(f"snapshot puts question {qid!r} in bucket {bucket}, outside 1..{self.k_max - 1}")
+                cols = [array(c) for c in "iqfii"]
+                for col, b in zip(cols, (segs, offs, ents, evers, times)):
+                    col.frombytes(b)
+                if len({len(c) for c in cols}) != 1:
+                    raise ValueError(f"snapshot row of question {qid!r} has columns of different lengths")
+                e = self.entries[qid] = _Entry(bucket)
+                for sid, off, ent, ever, t in zip(*cols):
+                    if sid not in data or not len(SEGMENT_MAGIC) <= off <= len(data[sid]) - _LEN:
+                        raise ValueError(f"snapshot row of question {qid!r} points outside its segments "
+                                         f"(segment {sid}, offset {off})")
+                    (n,) = struct.unpack_from("<I", data[sid], off)
+                    if off + _LEN + 4 * n > len(data[sid]):
+                        raise ValueError(f"record of question {qid!r} runs past the end of segment {sid}")
+                    rec = record_from_bytes(data[sid][off + _LEN : off + _LEN + 4 * n])
+                    rec.view(np.float32)[3], rec[4], rec[5] = ent, ever, t
+                    e.append(rec, sid, off)
+                    self.total += 1
+                    self.bytes += rec.nbytes
+                    self.replay_hist[min(t, 4)] += 1
+                self.buckets[bucket].add(qid)
+        finally:
+            for d in data.values():
+                getattr(d, "close", lambda: None)()
+        for sid, (name, size, digest) in segments.items():
+            self.segments[sid] = _Segment(name, int(size), digest, 0, [])
+        for e in self.entries.values():
+            for sid, r in zip(e.segs, e.recs):
+                self.segments[sid].live += _LEN + r.nbytes
+        self.next_segment = int(s["next_segment"])
         self.retired = set(s["retired"])
         self.c.update({k: int(v) for k, v in s["counters"].items() if k in self.c})
         self.entropy_chosen_sum, self.entropy_available_sum = (float(x) for x in s["entropy_sums"])
+
+    def opened_from(self, target: Callable[[str], Path]) -> None:
+        """The segments this store was loaded from lie at `target(name)` (a later snapshot links them)."""
+        for g in self.segments.values():
+            g.paths.append(str(target(g.name)))
+
+
+SEGMENT_MAGIC = b"EXGRPOS\x01"
+"""A segment file: these 8 bytes, then records, each a little-endian uint32 word count and the record."""
+SEGMENT_BYTES = 256 << 20
+"""New records are written into segments of at most this size (a loaded snapshot maps one at a time)."""
+MAX_SEGMENTS = 64
+"""Past this many segments a snapshot merges the smallest into its new one."""
+_LEN = 4  # the word-count prefix of a record in a segment
+
+
+@dataclass
+class _Segment:
+    name: str
+    size: int  # file size in bytes
+    digest: str  # blake2b-256 of the file, hex
+    live: int  # bytes of the records still stored (prefix included)
+    paths: list[str]  # files that hold a copy (one per snapshot folder it was written or linked into)
+
+
+@dataclass
+class SnapshotPlan:
+    """See `ExperienceStore.plan_snapshot`."""
+
+    keep: dict[int, str | None]  # old segment -> a copy to link from, None when already in the folder
+    names: dict[int, str] = field(default_factory=dict)  # new segment -> name
+    new: dict[int, list[np.ndarray]] = field(default_factory=dict)  # new segment -> its records, in order
+    moves: list[tuple[str, np.ndarray, int, int]] = field(default_factory=list)  # (question, record, segment, offset)
+    placed: dict[str, tuple[array, array]] = field(default_factory=dict)  # question -> planned (segs, offs)
+    rows: list = field(default_factory=list)

@@ -138,7 +138,7 @@ def _learner_problem(path: Path) -> str | None:
 def _buffer_problem(path: Path, num_shards: int) -> str | None:
     from buffer.client import SWITCH_FILE
     from buffer.shard import unpack
-    from buffer.snapshot import SnapshotError, read_snapshot, snapshot_path
+    from buffer.snapshot import SnapshotError, check_snapshot
 
     try:
         unpack((path / SWITCH_FILE).read_bytes())
@@ -148,7 +148,7 @@ def _buffer_problem(path: Path, num_shards: int) -> str | None:
         return f"{path / SWITCH_FILE} is corrupt ({e})"
     for shard in range(num_shards):
         try:
-            read_snapshot(snapshot_path(path, shard))
+            check_snapshot(path, shard)
         except SnapshotError as e:
             return str(e)
     return None

@@ -170,7 +170,7 @@ def make_checkpoint(run: Path, step: int) -> Path:
     (c / "learner" / "model" / "config.json").write_text('{"model_type": "llama"}')
     (c / "learner" / "rng" / "rank0.json").write_text("{}")
     ck.write_meta(c / "learner", step=step, version=step, num_ranks=1)
-    write_snapshot(snapshot_path(c / "buffer", 0), {"shard": 0})
+    write_snapshot(snapshot_path(c / "buffer", 0), {"shard": 0, "store": {"segments": {}}})
     (c / "buffer" / SWITCH_FILE).write_bytes(pack({"on": False}))
     (c / "driver.json").write_text(json.dumps({"step": step, "generators": 1, "rollouts": 128 * step}))
     return c
