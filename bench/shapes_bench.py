@@ -22,7 +22,7 @@ new/old ratios. `--case JSON` runs one case and prints its JSON line (tests use 
 32,000, hidden 640, 12 layers, float32) from 2 FSDP ranks over gloo: the private memory (RssAnon,
 sampled every 2 ms) it gains above its resident shard, for the streamed object-store publication (one
 object per `bucket_mb` bucket) and for assembling the whole state dict (what every publication did
-before, and what the collective backend and the checkpoint export still do).
+before, and what the collective backend still does), and for the checkpoint's streamed model export.
 
 `--snapshot`: one buffer shard holding `--trajectories` stored trajectories of `--traj-tokens` tokens (8 per
 question, real `ExperienceStore.observe`), snapshotted in full, then again after `--changed` of them changed
@@ -163,7 +163,7 @@ def main() -> None:
     print("\n(step) = peak RSS minus the RSS before the first step (interpreter, torch, model, batch)")
 
 
-def _probe(rank, version: int, streamed: bool) -> dict:
+def _probe(rank, version: int, streamed: bool, export: str | None = None) -> dict:
     """Runs inside learner rank 0 (`__ray_call__`): its RssAnon before and at peak during the publication."""
     import threading
 
@@ -184,7 +184,9 @@ def _probe(rank, version: int, streamed: bool) -> dict:
     t = threading.Thread(target=watch)
     t.start()
     try:
-        if streamed:
+        if export:
+            rank.export_model(export)
+        elif streamed:
             rank.publish(version)
         else:
             held = rank.full_state_dict(rank.publish_dtype)
@@ -224,7 +226,12 @@ def publication(bucket_mb: float) -> None:
                           for r in pool.ranks[1:]]
                 res = ray.get(pool.ranks[0].__ray_call__.remote(_probe, version, streamed))
                 ray.get(others)
-                rows.append((streamed, res))
+                rows.append(("streamed, an object per bucket" if streamed else "whole state dict (before)", res))
+            out = str(Path(tmp) / "export")
+            others = [r.export_model.remote(out) for r in pool.ranks[1:]]
+            rows.append(("checkpoint's model folder (streamed into model.safetensors)",
+                         ray.get(pool.ranks[0].__ray_call__.remote(_probe, 4, True, out))))
+            ray.get(others)
             pool.shutdown()
         finally:
             ray.shutdown()
@@ -235,9 +242,8 @@ def publication(bucket_mb: float) -> None:
           f"{bucket_mb:g} MiB, the largest tensor {largest / mb:.0f} MiB\n")
     print("| publication | rank 0 shard MiB | rank 0 private memory above the shard, peak MiB | in buckets |")
     print("|---|---|---|---|")
-    for streamed, r in rows[1:]:  # the first streamed run warms up the object store connection
+    for name, r in rows[1:]:  # the first streamed run warms up the object store connection
         extra = (r["peak"] - r["base"]) / mb
-        name = "streamed, an object per bucket" if streamed else "whole state dict (before)"
         print(f"| {name} | {r['shard'] / mb:.0f} | {extra:.0f} | {extra / bucket:.1f} |")
 
 

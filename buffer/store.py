@@ -454,42 +454,43 @@ class ExperienceStore:
 
     def load_state(self, s: dict, open_segment: Callable[[str, int, str], Any]) -> None:
         """Fill an EMPTY store from a manifest (`state`); `open_segment(name, size, digest)` returns a
-        segment's verified bytes (a buffer). ValueError when the manifest does not fit; the caller builds a
-        new store, so failure leaves no partial state."""
+        segment's verified bytes (a buffer with `close`). Segments are read one at a time, so a restore holds
+        the store plus one segment. ValueError when the manifest does not fit; the caller builds a new store,
+        so failure leaves no partial state."""
         segments = {int(sid): v for sid, v in s["segments"].items()}
-        data = {sid: open_segment(*v) for sid, v in segments.items()}
-        try:
-            for qid, bucket, segs, offs, ents, evers, times in s["rows"]:
-                if not 1 <= bucket <= self.k_max - 1:
-                    raise ValueError(f"snapshot puts question {qid!r} in bucket {bucket}, outside 1..{self.k_max - 1}")
-                cols = [array(c) for c in "iqfii"]
-                for col, b in zip(cols, (segs, offs, ents, evers, times)):
-                    col.frombytes(b)
-                if len({len(c) for c in cols}) != 1:
-                    raise ValueError(f"snapshot row of question {qid!r} has columns of different lengths")
-                e = self.entries[qid] = _Entry(bucket)
-                for sid, off, ent, ever, t in zip(*cols):
-                    if sid not in data or not len(SEGMENT_MAGIC) <= off <= len(data[sid]) - _LEN:
-                        raise ValueError(f"snapshot row of question {qid!r} points outside its segments "
-                                         f"(segment {sid}, offset {off})")
-                    (n,) = struct.unpack_from("<I", data[sid], off)
-                    if off + _LEN + 4 * n > len(data[sid]):
+        wanted: dict[int, list[tuple[str, _Entry, int, int]]] = {sid: [] for sid in segments}
+        for qid, bucket, segs, offs, ents, evers, times in s["rows"]:
+            if not 1 <= bucket <= self.k_max - 1:
+                raise ValueError(f"snapshot puts question {qid!r} in bucket {bucket}, outside 1..{self.k_max - 1}")
+            e = self.entries[qid] = _Entry(bucket)
+            for name, b in zip(("segs", "offs", "ents", "evers", "times"), (segs, offs, ents, evers, times)):
+                getattr(e, name).frombytes(b)
+            if len({len(e.segs), len(e.offs), len(e.ents), len(e.evers), len(e.times)}) != 1:
+                raise ValueError(f"snapshot row of question {qid!r} has columns of different lengths")
+            e.recs = [None] * len(e.segs)
+            for j, (sid, off) in enumerate(zip(e.segs, e.offs)):
+                if sid not in wanted:
+                    raise ValueError(f"snapshot row of question {qid!r} points to segment {sid}, which it does not list")
+                wanted[sid].append((qid, e, j, off))
+            self.buckets[bucket].add(qid)
+        for sid, refs in wanted.items():
+            data = open_segment(*segments[sid])
+            try:
+                for qid, e, j, off in refs:
+                    if not len(SEGMENT_MAGIC) <= off <= len(data) - _LEN:
+                        raise ValueError(f"snapshot row of question {qid!r} points outside segment {sid} (offset {off})")
+                    (n,) = struct.unpack_from("<I", data, off)
+                    if off + _LEN + 4 * n > len(data):
                         raise ValueError(f"record of question {qid!r} runs past the end of segment {sid}")
-                    rec = record_from_bytes(data[sid][off + _LEN : off + _LEN + 4 * n])
-                    rec.view(np.float32)[3], rec[4], rec[5] = ent, ever, t
-                    e.append(rec, sid, off)
+                    rec = e.recs[j] = record_from_bytes(data[off + _LEN : off + _LEN + 4 * n])
+                    rec.view(np.float32)[3], rec[4], rec[5] = e.ents[j], e.evers[j], e.times[j]
                     self.total += 1
                     self.bytes += rec.nbytes
-                    self.replay_hist[min(t, 4)] += 1
-                self.buckets[bucket].add(qid)
-        finally:
-            for d in data.values():
-                getattr(d, "close", lambda: None)()
-        for sid, (name, size, digest) in segments.items():
-            self.segments[sid] = _Segment(name, int(size), digest, 0, [])
-        for e in self.entries.values():
-            for sid, r in zip(e.segs, e.recs):
-                self.segments[sid].live += _LEN + r.nbytes
+                    self.replay_hist[min(e.times[j], 4)] += 1
+            finally:
+                data.close()
+            live = sum(_LEN + e.recs[j].nbytes for _, e, j, _ in refs)
+            self.segments[sid] = _Segment(segments[sid][0], int(segments[sid][1]), segments[sid][2], live, [])
         self.next_segment = int(s["next_segment"])
         self.retired = set(s["retired"])
         self.c.update({k: int(v) for k, v in s["counters"].items() if k in self.c})

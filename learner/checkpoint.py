@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 FORMAT = 1
 MODEL_DIR, OPTIM_DIR, RNG_DIR, META = "model", "optimizer", "rng", "meta.json"
@@ -67,23 +67,82 @@ def commit(tmp: Path, final: str | Path) -> Path:
     return final
 
 
-def write_hf_folder(state_dict: dict[str, torch.Tensor], model_config, source_dir: str | Path, out: Path,
-                    dtype: torch.dtype = torch.float32) -> None:
-    """config.json + model.safetensors from `state_dict` with floating tensors cast to `dtype` (config.json's
-    `dtype` set to match); tokenizer/generation files copied from `source_dir`."""
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def tensor_specs(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple]]:
+    """name -> (dtype once floating entries are cast to `dtype`, full shape): read from a (sharded) state
+    dict's metadata, so every rank knows the export's layout before any tensor is gathered."""
+    return {k: (dtype if v.is_floating_point() else v.dtype, tuple(v.shape)) for k, v in state_dict.items()}
+
+
+class SafetensorsWriter:
+    """One `.safetensors` file written as its tensors arrive, in any order and a bucket at a time: the header
+    (every name, dtype, shape and offset, from `specs`) first, then each tensor at its offset. The writer
+    holds no tensor; `close` refuses a file with a tensor missing. Readers see the standard format."""
+
+    def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, tuple]]):
+        header, off = {"__metadata__": {"format": "pt"}}, 0
+        self.offsets: dict[str, tuple[int, int]] = {}
+        self.specs = specs
+        for name in sorted(specs):
+            dt, shape = specs[name]
+            n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
+            header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(shape), "data_offsets": [off, off + n]}
+            self.offsets[name] = (off, n)
+            off += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self.base = 8 + len(raw)
+        self.path, self.f = Path(path), open(path, "wb")
+        self.f.write(len(raw).to_bytes(8, "little") + raw)
+        self.f.truncate(self.base + off)
+        self.written: set[str] = set()
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
+            if name not in self.specs:
+                raise ValueError(f"{self.path.name}: tensor {name!r} is not in the export's layout")
+            dt, shape = self.specs[name]
+            if t.dtype != dt or tuple(t.shape) != shape:
+                raise ValueError(f"{self.path.name}: tensor {name!r} is {t.dtype} {tuple(t.shape)}, "
+                                 f"the layout says {dt} {shape}")
+            off, n = self.offsets[name]
+            data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            assert data.nbytes == n
+            self.f.seek(self.base + off)
+            self.f.write(memoryview(data))
+            self.written.add(name)
+
+    def close(self) -> None:
+        missing = sorted(set(self.specs) - self.written)
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        if missing:
+            raise ValueError(f"{self.path.name}: {len(missing)} tensor(s) never arrived, e.g. {missing[:3]}")
+
+
+def write_hf_folder(buckets, specs: dict[str, tuple[torch.dtype, tuple]], model_config, source_dir: str | Path,
+                    out: Path, dtype: torch.dtype = torch.float32) -> None:
+    """config.json + model.safetensors from `buckets` (an iterable of {name: tensor} dicts whose floating
+    entries are already `dtype`: `learner.gather.iter_full_state(..., dtype=dtype)`, or a whole state dict
+    in a list), written bucket by bucket in the layout `specs` (`tensor_specs`), so the writer never holds
+    more than one bucket; config.json's `dtype` says `dtype`; tokenizer/generation files copied from
+    `source_dir`."""
     out.mkdir(parents=True, exist_ok=True)
     model_config = copy.deepcopy(model_config)
     model_config.dtype = dtype
     model_config.save_pretrained(out)
-    seen: set[int] = set()
-    tensors = {}
-    for k, v in state_dict.items():  # safetensors refuses shared storage (tied weights): copy duplicates
-        v = v.detach().contiguous()
-        if v.is_floating_point() and v.dtype != dtype:
-            v = v.to(dtype)  # a new tensor: duplicates below are then distinct storages
-        tensors[k] = v.clone() if v.data_ptr() in seen else v
-        seen.add(v.data_ptr())
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    writer = SafetensorsWriter(out / "model.safetensors", specs)
+    try:
+        for bucket in buckets:
+            writer.write(bucket)
+            del bucket
+    finally:
+        writer.close()
     for f in Path(source_dir).iterdir():
         if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(f, out / f.name)

@@ -170,6 +170,21 @@ class LearnerRank:
         sd = self.full_state_dict()
         return sd if self.rank == 0 else None
 
+    def export_model(self, out: Path) -> None:
+        """Collective: the Hugging Face model folder `out` in the compute dtype, written by rank 0. It streams:
+        gathered a bucket (`weight_sync.bucket_mb`) at a time, already cast, each bucket written at its offset in model.safetensors,
+        so rank 0 never holds the whole model beside its shard."""
+        from learner.gather import iter_full_state
+
+        chunks = iter_full_state(self.model, self.rank, self.world, dtype=self.dtype,
+                                 bucket_bytes=int(self.cfg.weight_sync.bucket_mb * (1 << 20)))
+        if self.rank == 0:
+            ck.write_hf_folder(chunks, ck.tensor_specs(self.model.state_dict(), self.dtype), self.model_config,
+                               self.model_path, Path(out), dtype=self.dtype)
+        else:
+            for _ in chunks:  # the gathers are collectives: every rank runs them
+                pass
+
     def save(self, tmp: str) -> None:
         """The model folder in the compute dtype; AdamW state and, below float32, the float32 master
         weights in the DCP folder (see `learner.checkpoint`)."""
@@ -177,9 +192,7 @@ class LearnerRank:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         tmp_path = Path(tmp)
-        sd = self.full_state_dict()
-        if self.rank == 0:
-            ck.write_hf_folder(sd, self.model_config, self.model_path, tmp_path / ck.MODEL_DIR, dtype=self.dtype)
+        self.export_model(tmp_path / ck.MODEL_DIR)
         state = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
         if self.dtype != torch.float32:
             state[ck.MASTER_KEY] = get_model_state_dict(self.model)  # float32 shards, each rank its own
