@@ -98,6 +98,7 @@ class GeneratorWorker:
         self._unsubmitted = 0  # groups complete but not yet submitted (queued or being scored)
         self._known_version = 0  # newest version the weight store announced
         self._load_pending = False  # a newer version waits for the samples in flight (in_flight_updates=false)
+        self._torn = False  # a load failed part-way: the engine holds parts of two versions and must not step
         self._next_poll = 0.0
         self._next_lease = 0.0
         self._samples_per_item = 1  # samples per leased question (K or K-1), learned from the last lease
@@ -219,7 +220,7 @@ class GeneratorWorker:
         try:
             while not self._stop.is_set():
                 self._iterate()
-            if self._return_in_flight:
+            if self._return_in_flight or self._torn:  # (never finish samples on half-loaded weights)
                 with self._lock:
                     groups, self._groups = list(self._groups.values()), {}
                 self.engine.abort([self._request_id(g.item, j) for g in groups for j in range(len(g.samples))])
@@ -246,6 +247,9 @@ class GeneratorWorker:
         """One engine-thread iteration: weights, leases, one engine step (or an idle wait)."""
         self._check_scorer()
         self._sync_weights(poll=False)
+        if self._torn:  # nothing generates on half-loaded weights: retry the load after a backoff
+            self._stop.wait(self.cfg.retry_backoff_s)
+            return
         leased = self._top_up()
         if self.engine.in_flight():
             self._step_engine()
@@ -258,7 +262,7 @@ class GeneratorWorker:
 
     def _top_up(self) -> bool:
         """Lease more questions when there is room (streaming) or when the last batch is submitted (batch mode)."""
-        if self._load_pending or time.monotonic() < self._next_lease:
+        if self._load_pending or self._torn or time.monotonic() < self._next_lease:
             return False
         if self._unsubmitted >= self.cfg.max_in_flight:  # the scorer is behind: do not pile up finished groups
             return False
@@ -470,26 +474,36 @@ class GeneratorWorker:
         `poll=False` asks the weight store at most every `weight_poll_s`. With samples in flight the load
         happens now (`in_flight_updates`) or once they are done (leasing pauses meanwhile)."""
         now = time.monotonic()
-        if not poll and not self._load_pending and now < self._next_poll:
+        if not poll and not self._load_pending and not self._torn and now < self._next_poll:
             return
-        if not self._load_pending or self.engine.in_flight() == 0:
+        if self._torn or not self._load_pending or self.engine.in_flight() == 0:
             self._next_poll = now + self.cfg.weight_poll_s
             ann = self._call("latest", self.weight_source.latest, required=required)
             if ann is None:
                 return
             self._known_version = max(self._known_version, ann.version)
-            if ann.version <= self.engine.version:
+            if ann.version <= self.engine.version and not self._torn:
                 self._load_pending = False
                 return
             in_flight = self.engine.in_flight()
-            if in_flight and not self.cfg.in_flight_updates:
+            if in_flight and not self.cfg.in_flight_updates and not self._torn:
                 self._load_pending = True  # leasing pauses; the samples in flight finish under the old version
                 return
             t0 = time.monotonic()
-            state_dict = self._call("fetch", self.weight_source.fetch, ann, required=required)
-            if state_dict is None:
+            buckets = self._call("fetch", self.weight_source.fetch_buckets, ann, required=required)
+            if buckets is None:
                 return
-            self.engine.load_weights(state_dict, ann.version)
+            try:
+                self.engine.load_weights(buckets, ann.version)  # bucket by bucket, each fetched as it is loaded
+            except RETRYABLE as e:
+                self._torn = True
+                self.stats.loads_torn += 1
+                self.stats.source_errors += 1
+                log.error("generator %s: loading version %d failed part-way (%s: %s); the engine holds parts of "
+                          "two versions and generates nothing until a whole version has loaded", self.generator_id,
+                          ann.version, type(e).__name__, e)
+                return
+            self._torn = False
             dt = time.monotonic() - t0
             self._load_pending = False
             self.stats.weight_loads += 1

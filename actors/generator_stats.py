@@ -25,6 +25,7 @@ class GeneratorStats:
     weight_load_s: float = 0.0
     weight_load_s_last: float = 0.0
     loads_in_flight: int = 0  # weight loads with samples in flight (partial rollouts)
+    loads_torn: int = 0  # loads that failed part-way (a bucket did not arrive): reloaded whole before generating
     rollouts_spanning: int = 0  # rollouts whose tokens come from more than one policy version
     startup_s: float = 0.0
     reward_errors: int = 0
@@ -62,6 +63,7 @@ class GeneratorStats:
             "weight_load_s": s.weight_load_s,
             "weight_load_s_last": s.weight_load_s_last,
             "loads_in_flight": float(s.loads_in_flight),
+            "loads_torn": float(s.loads_torn),
             "rollouts_spanning": float(s.rollouts_spanning),
             "startup_s": s.startup_s,
             "reward_errors": float(s.reward_errors),

@@ -283,7 +283,7 @@ def snapshot(trajectories: int, tokens: int, changed: float, folder: str | None)
     tmp = tempfile.mkdtemp(dir=folder, prefix="snapshot-bench-")
     rows = []
 
-    def timed_save(name: str) -> None:
+    def timed_save(name: str, core: ShardCore) -> None:
         before = {p: p.stat().st_ino for p in Path(tmp).iterdir()}
         t = time.perf_counter()
         save_core(core, tmp)
@@ -292,14 +292,14 @@ def snapshot(trajectories: int, tokens: int, changed: float, folder: str | None)
         rows.append((name, dt, written))
 
     try:
-        timed_save("first (everything)")
+        timed_save("first (everything)", core)
         n = int(trajectories * changed)
         pick = random.Random(0).sample(range(n_q), min(n_q, 2 * n))
         for q in pick[:n]:  # a new trajectory, lower entropy than the stored ones: it evicts one at the cap
             core.store.observe(f"q{q}", per_q, rollouts(1, 0.5), collect=True)
         keys = [make_key(f"q{q}", record_digest(core.store.entries[f"q{q}"].recs[0])) for q in pick[n:]]
         core.store.feedback(keys, [0.3] * len(keys), version=1, chosen=keys)
-        timed_save(f"after {changed:.0%} changed")
+        timed_save(f"after {changed:.0%} changed", core)
         total, stored = core.store.total, core.store.bytes
         del core  # the restore builds a second store of the same size
         t = time.perf_counter()

@@ -7,6 +7,7 @@ single-process objects and for their Ray-actor-backed clients alike.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -52,13 +53,15 @@ class WeightSource(Protocol):
 
         ann = source.latest()
         if ann is not None and ann.version > engine.version:
-            engine.load_weights(source.fetch(ann), ann.version)
+            engine.load_weights(source.fetch_buckets(ann), ann.version)   # or source.fetch(ann): one dict
             source.ack(generator_id, ann.version)
     """
 
     def latest(self) -> WeightsAnnouncement | None: ...
 
     def fetch(self, ann: WeightsAnnouncement) -> dict[str, torch.Tensor]: ...
+
+    def fetch_buckets(self, ann: WeightsAnnouncement) -> Iterator[dict[str, torch.Tensor]]: ...
 
     def ack(self, generator_id: str, version: int) -> None: ...
 
@@ -72,7 +75,8 @@ class Engine(Protocol):
     Streaming use (the generator loop; one sample per request, any number in flight):
         engine.add(request_id, prompt_ids, seed)
         for request_id, sample in engine.step(): ...   # the samples that finished in this step
-        engine.load_weights(state_dict, version)       # between steps, also with samples in flight
+        engine.load_weights(state_dict, version)       # between steps, also with samples in flight; a dict
+                                                       # or an iterable of dicts (buckets, loaded as they come)
         engine.abort(request_ids); engine.in_flight()
     """
 
@@ -89,7 +93,7 @@ class Engine(Protocol):
 
     def in_flight(self) -> int: ...
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
+    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], version: int) -> None: ...
 
 
 class Sample(Protocol):

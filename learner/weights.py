@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -245,11 +245,22 @@ class ObjectStoreWeightSource:
 
     def fetch(self, ann: WeightsAnnouncement) -> dict[str, torch.Tensor]:
         """The state dict of `ann.version` (HF names, CPU tensors). KeyError when the store dropped it."""
-        refs = self._get(self._handle().get.remote(ann.version))
         out: dict[str, torch.Tensor] = {}
-        for ref in refs:  # one object per bucket (a single one for a whole-dict publication)
-            out.update(from_wire(self._get(ref)))
+        for bucket in self.fetch_buckets(ann):
+            out.update(bucket)
         return out
+
+    def fetch_buckets(self, ann: WeightsAnnouncement) -> Iterator[dict[str, torch.Tensor]]:
+        """`ann.version` a published bucket at a time, each fetched only when the consumer asks for it (an
+        engine loading bucket by bucket holds one beside its weights). KeyError at once when the store
+        dropped the version; from then on the references held here keep every bucket in the object store."""
+        refs = self._get(self._handle().get.remote(ann.version))
+
+        def buckets() -> Iterator[dict[str, torch.Tensor]]:
+            for ref in refs:  # one object per bucket (a single one for a whole-dict publication)
+                yield from_wire(self._get(ref))
+
+        return buckets()
 
     def ack(self, generator_id: str, version: int) -> None:
         """Record that `generator_id` now serves `version` (also registers it)."""
@@ -322,6 +333,10 @@ class CollectiveWeightSource:
 
     def latest(self) -> WeightsAnnouncement | None:
         return self.store.latest()
+
+    def fetch_buckets(self, ann: WeightsAnnouncement) -> Iterator[dict[str, torch.Tensor]]:
+        """The whole state dict as one bucket (rank 0 keeps whole packed versions; see `fetch`)."""
+        return iter([self.fetch(ann)])
 
     def fetch(self, ann: WeightsAnnouncement) -> dict[str, torch.Tensor]:
         """The state dict of `ann.version`; KeyError when rank 0 no longer holds it, WeightSyncError

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from actors.engines.base import GenSample, Sampling
+from actors.engines.base import GenSample, Sampling, weight_buckets
 from common.config import SyntheticEngineConfig
 
 
@@ -51,8 +52,10 @@ class SyntheticEngine:
 
     # ------------------------------------------------------------------------------------ weights
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Takes `load_s` (simulated); samples in flight continue under the new version."""
+    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        """Takes `load_s` (simulated) after taking every bucket; samples in flight continue under the new version."""
+        for _ in weight_buckets(weights):  # fetched for real (a source error propagates, as for the real engines)
+            pass
         self._advance()
         time.sleep(self.cfg.load_s)
         self._tick = time.monotonic()  # no decoding while loading

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
-from actors.engines.base import GenSample, Sampling, derive_seed, stop_cut
+from actors.engines.base import GenSample, Sampling, derive_seed, stop_cut, weight_buckets
 from common.config import TransformersEngineConfig
 
 log = logging.getLogger(__name__)
@@ -54,18 +55,22 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------------------------ weights
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Replace all parameters (Hugging Face names), cast to the engine's dtype; missing or unknown names
-        are an error."""
+    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        """Replace all parameters (Hugging Face names; a state dict or buckets of one, loaded as they arrive),
+        cast to the engine's dtype; missing or unknown names are an error."""
         t0 = time.perf_counter()
-        state_dict = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-        result = self.model.load_state_dict(state_dict, strict=False)
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for bucket in weight_buckets(weights):
+            bucket = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in bucket.items()}
+            unexpected += self.model.load_state_dict(bucket, strict=False).unexpected_keys
+            loaded.update(bucket)
         # Tied or non-persistent entries may legitimately be absent; real parameters may not.
-        missing = [k for k in result.missing_keys if not k.endswith("rotary_emb.inv_freq")]
-        if missing or result.unexpected_keys:
+        missing = [k for k in self.model.state_dict() if k not in loaded and not k.endswith("rotary_emb.inv_freq")]
+        if missing or unexpected:
             raise ValueError(
                 f"weights for version {version} do not fit the model: missing {missing[:5]}, "
-                f"unexpected {result.unexpected_keys[:5]} (publish a full state dict with Hugging Face names)"
+                f"unexpected {unexpected[:5]} (publish a full state dict with Hugging Face names)"
             )
         self.version = version
         self.last_load_s = time.perf_counter() - t0

@@ -29,11 +29,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 
-from actors.engines.base import GenSample, Partial, Sampling, derive_seed, topk_entropy_estimate
+from actors.engines.base import GenSample, Partial, Sampling, derive_seed, topk_entropy_estimate, weight_buckets
 from common.config import VllmEngineConfig
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,13 @@ class VllmEngine:
 
     # ------------------------------------------------------------------------------------ weights
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Reload all weights in place (Hugging Face names), then drop every cached KV block."""
+    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        """Reload all weights in place (Hugging Face names; a state dict, or buckets of one loaded as they
+        arrive, so the engine holds one bucket beside its weights), then drop every cached KV block. When a
+        bucket fails to arrive the error propagates and the engine holds parts of two versions: the caller
+        must load a whole version before generating again (`GeneratorWorker` does)."""
         t0 = time.perf_counter()
-        self.reload_without_cache_reset(state_dict)
+        self.reload_without_cache_reset(weights)
         if not self.llm.reset_prefix_cache(reset_running_requests=bool(self._live)):
             raise RuntimeError(
                 f"vLLM refused reset_prefix_cache while loading version {version}: requests are still running; "
@@ -92,13 +96,18 @@ class VllmEngine:
             p.mark_version(version)
         self.last_load_s = time.perf_counter() - t0
 
-    def reload_without_cache_reset(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def reload_without_cache_reset(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]) -> None:
         """The first half of `load_weights` (exposed so a test can show the cache reset matters). Floating
-        tensors are cast to the engine's dtype (the learner publishes in generator.dtype)."""
+        tensors are cast to the engine's dtype (the learner publishes in generator.dtype). vLLM consumes the
+        iterator lazily, a bucket at a time (the engine core runs in this process: nothing is pickled)."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        weights = [(k, v.detach().to(device, self.dtype if v.is_floating_point() else v.dtype))
-                   for k, v in state_dict.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+
+        def items() -> Iterator[tuple[str, torch.Tensor]]:
+            for bucket in weight_buckets(weights):
+                for k, v in bucket.items():
+                    yield k, v.detach().to(device, self.dtype if v.is_floating_point() else v.dtype)
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items()})
 
     # ---------------------------------------------------------------------------------- streaming
 

@@ -21,6 +21,7 @@ from common.config import (BufferConfig, DataConfig, GeneratorConfig, ObjectStor
                            TransformersEngineConfig)
 from common.data import load_questions
 from common.interfaces import actor_name
+from common.messages import WeightsAnnouncement
 from tests.actors.engine_checks import perturbed_state_dict
 
 K = 4
@@ -89,6 +90,59 @@ def test_generator_streams_into_buffer_and_follows_weights(ray_cluster, tiny_mod
     assert acc["outstanding"] == 0 and acc["lost"] == 0 and acc["balance"] == 0, acc
     assert acc["issued"] == final["groups"]
     ray.kill(gen, no_restart=True)
+    buffer.shutdown()
+
+
+@ray.remote(num_cpus=0)
+def bucket_that_never_arrives() -> dict:
+    time.sleep(3600)  # a slow or cut-off sender: the fetch of this bucket times out
+    return {}
+
+
+def test_a_load_that_fails_part_way_generates_nothing_until_a_whole_version_loads(ray_cluster, tiny_model_dir):
+    """The engine loads bucket by bucket as they are fetched; when a bucket does not arrive within the weight
+    source's timeout the engine holds parts of two versions: no rollout may come from it."""
+    from learner.weights import ObjectStorePublisher, ObjectStoreWeightSource
+
+    run = "torn"
+    buffer = make_buffer(tiny_model_dir, run)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    publisher = ObjectStorePublisher(ObjectStoreSyncConfig(), run=run, namespace=None, timeout_s=30)
+    publisher.publish(1, perturbed_state_dict(base, seed=1, scale=0.1))
+    gid = actor_name(run, "generator", 0)
+    gen = Generator.options(name=gid, **actor_options(GEN_CFG)).remote(
+        gid, GEN_CFG, REWARD_CFG, str(tiny_model_dir), buffer, ObjectStoreWeightSource(run, timeout_s=2.0),
+        "arithmetic")
+    assert ray.get(gen.start.remote(), timeout=300)["version"] == 1.0
+    assert buffer.get_batch(1, timeout_s=120) is not None
+    from learner.weights import to_wire
+
+    items = list(perturbed_state_dict(base, seed=2, scale=0.1).items())
+    stuck = bucket_that_never_arrives.remote()
+    refs = [ray.put(to_wire(dict(items[: len(items) // 2]))), stuck]  # the first bucket loads, the second never comes
+    ann = WeightsAnnouncement(version=2, location="object_store", num_bytes=1, created_at=time.time())
+    ray.get(ray.get_actor(actor_name(run, "weights")).put.remote(ann, refs), timeout=60)
+    buffer.set_version(2)
+    wait_until(lambda: ray.get(gen.metrics.remote())["loads_torn"] >= 1, 120, "a load that failed part-way")
+    publisher.publish(3, perturbed_state_dict(base, seed=3, scale=0.1))
+    buffer.set_version(3)
+
+    versions: set[int] = set()
+
+    def version3_batch():
+        b = buffer.get_batch(3, timeout_s=30)
+        versions.update(r.version for g in (b.groups if b else []) for r in g.rollouts)
+        return 3 in versions
+
+    wait_until(version3_batch, 120, "rollouts of version 3 after the torn load")
+    assert 2 not in versions, "rollouts were generated on half-loaded weights"
+    m = ray.get(gen.metrics.remote())
+    assert m["version"] == 3.0 and m["loads_torn"] >= 1 and m["rollouts_spanning"] == 0
+    ray.get(gen.stop.remote(drain=True), timeout=120)
+    acc = buffer.accounting()
+    assert acc["outstanding"] == 0 and acc["balance"] == 0, acc
+    ray.kill(gen, no_restart=True)
+    ray.cancel(stuck, force=True)
     buffer.shutdown()
 
 
