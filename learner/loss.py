@@ -86,7 +86,8 @@ def policy_loss(
       (detached, so `old_logprobs` is required): `icepop_band` (low, high) multiplies a token's loss by
       0 when m_t is outside [low, high] (IcePop); `mis` (sequence level, rho = prod_t m_t over a row's fresh
       tokens) "truncate" multiplies the row's fresh loss by min(rho, mis_cap), "mask" by 0 when rho is
-      outside [1/mis_cap, mis_cap]. With `old_logprobs` the trust region is centred on it as for TIS.
+      outside [1/mis_cap, mis_cap]. Whenever `old_logprobs` is given (also alone: learner.recompute_old_logprobs)
+      the trust region is centred on it, r = exp(logp - logp_old).
     The loss is aggregated over all masked tokens (see `aggregate`); `fresh_loss` + `replay_loss`
     = `loss`. Metrics: clip_frac (fraction of fresh tokens where the clipped branch is active),
     mean/max ratio of fresh tokens, mean/max weight of replayed tokens, token counts; with `tis_cap`
@@ -105,7 +106,7 @@ def policy_loss(
     log_ratio = torch.where(mask > 0, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))  # [R, T]
     ratio = torch.exp(log_ratio)  # [R, T] against the behaviour log-probs
     fresh_ratio, tis, keep, row_w = ratio, None, None, None
-    if old_logprobs is not None and (tis_cap is not None or icepop_band is not None or mis != "none"):
+    if old_logprobs is not None:  # recomputed pi_old: the trust region is centred on it
         old = old_logprobs.detach()
         fresh_ratio = torch.exp(torch.where(mask > 0, logprobs - old, torch.zeros_like(logprobs)))  # [R, T]
         mm_log = torch.where(fresh > 0, old - behaviour_logprobs, torch.zeros_like(logprobs))  # [R, T] detached

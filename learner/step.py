@@ -340,6 +340,7 @@ class RankStats:
     overlong_masked: int = 0  # truncated rows left out of the loss (learner.overlong=mask)
     overlong_penalty_sum: float = 0.0  # sum of the overlong penalties over the batch's rows
     overlong_rows: int = 0
+    clip_fresh: float = 1.0  # 1 when this step clipped fresh tokens' ratio (learner.clip_fresh, auto: before mixed mode)
     seconds: float = 0.0
 
     def add_micro(self, metrics: dict[str, Tensor], parts: dict[str, float], ent: Tensor, mb: MicroBatch) -> None:
@@ -420,6 +421,7 @@ def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeed
         "learner/candidates_scored": float(lead.candidates_scored),
         "learner/selection_s": max(st.selection_s for st in stats),
         "learner/overlong_masked": float(lead.overlong_masked),
+        "learner/clip_fresh": lead.clip_fresh,
         "learner/overlong_penalty_mean": lead.overlong_penalty_sum / lead.overlong_rows if lead.overlong_rows else 0.0,
         **_mismatch_metrics(s, mx),
     }
@@ -479,6 +481,9 @@ class TrainStep:
         minis = split_mini_batches(rows, cfg.mini_batches, seed=cfg.seed * 1_000_003 + batch.version)
         if cfg.needs_old_logprobs:
             self.record_old_logprobs(minis[1:])  # the first mini-batch's forward is itself at the start weights
+        # clip_fresh auto: clipped until the buffer's mixed mode starts (the official schedule)
+        clip = (not batch.stats.get("mixed_mode", 0.0)) if cfg.clip_fresh == "auto" else cfg.clip_fresh
+        stats.clip_fresh = float(clip)
         self.model.train()
         for i, mini in enumerate(minis):
             stats.mini_batches += 1
@@ -486,8 +491,10 @@ class TrainStep:
             if normalizer == 0:  # no response tokens at all: nothing to learn from this mini-batch
                 stats.skipped += 1
                 continue
+            tokens = float(sum(len(r.response_ids) for r in mini))
             for chunk in self._micro_batches(mini):
-                self._micro_step(collate(chunk, self.pad_id, self.device), normalizer, stats, first=i == 0)
+                self._micro_step(collate(chunk, self.pad_id, self.device), normalizer, stats, first=i == 0,
+                                 clip=clip, tokens=tokens)
             self._optimizer_step(stats)
         stats.seconds = time.perf_counter() - t0
         return stats
@@ -544,10 +551,13 @@ class TrainStep:
             return float(self.cfg.loss_constant or len(mini) * self.max_new_tokens)
         return float(tokens)
 
-    def _micro_step(self, mb: MicroBatch, normalizer: float, stats: RankStats, first: bool = False) -> None:
+    def _micro_step(self, mb: MicroBatch, normalizer: float, stats: RankStats, first: bool = False,
+                    clip: bool = True, tokens: float | None = None) -> None:
         """Forward, loss, backward of one micro-batch. `first`: part of the step's first mini-batch (no
         update yet), where the fresh tokens' train/inference gap is measured, and where the forward itself
-        gives TIS its start-of-step log-probs (later mini-batches use `record_old_logprobs`)."""
+        gives TIS its start-of-step log-probs (later mini-batches use `record_old_logprobs`). `clip`: clip
+        fresh tokens' ratio. `tokens`: response tokens of the whole mini-batch, the entropy bonus's divisor (a
+        masked token mean under either loss_agg, as the official code; None: `normalizer`)."""
         cfg = self.cfg
         logp, ent, anchor = forward_stats(self.model, mb)  # [R, L-1] each
         fresh = mb.response_mask * (1.0 - mb.replay_mask)  # [R, L-1]
@@ -557,14 +567,15 @@ class TrainStep:
         if cfg.needs_old_logprobs:
             old = mb.old_logprobs if (mb.rows and not first) else logp.detach()
             if old is None:
-                raise RuntimeError("learner.tis_cap/icepop_band/mis: a later mini-batch has no start-of-step "
+                raise RuntimeError("learner.recompute_old_logprobs/tis_cap/icepop_band/mis: a later mini-batch has "
+                                   "no start-of-step "
                                    "log-probs (record_old_logprobs must run before the first update)")
         pg, metrics = L.policy_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.response_mask, mb.replay_mask,
-                                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_fresh=cfg.clip_fresh,
+                                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_fresh=clip,
                                     shaping_beta=cfg.shaping_beta, normalizer=normalizer,
                                     old_logprobs=old, tis_cap=cfg.tis_cap, icepop_band=cfg.icepop_band,
                                     mis=cfg.mis, mis_cap=cfg.mis_cap)
-        ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.entropy_coef, normalizer)
+        ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.entropy_coef, tokens if tokens else normalizer)
         kl_term = torch.zeros((), device=self.device)
         if cfg.kl_coef > 0 and self.ref_model is not None and mb.rows:
             with torch.no_grad():

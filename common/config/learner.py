@@ -90,8 +90,9 @@ class LearnerConfig(Section):
     """PPO ratio clip below 1 for fresh tokens."""
     clip_high: float = Field(0.2, ge=0, le=100)
     """PPO ratio clip above 1 for fresh tokens."""
-    clip_fresh: bool = True
-    """Clip fresh tokens' ratio (the official code removes clipping after the switch)."""
+    clip_fresh: bool | Literal["auto"] = True
+    """Clip fresh tokens' PPO ratio. auto: clip until the buffer's mixed mode starts, not after (the official
+    ExGRPO schedule: the policy-shaped replayed tokens take over the role of the trust region); false: never."""
     shaping_beta: float | None = Field(0.1, gt=0)
     """Policy-shaping beta for replayed tokens: -A*w/(w+beta). None = plain importance-weighted (ablation)."""
     entropy_coef: float = Field(0.001, ge=0, le=1)
@@ -108,6 +109,13 @@ class LearnerConfig(Section):
     """Gradient-norm clip."""
     skip_grad_norm: float = Field(500.0, gt=0)
     """Skip (and count) an update whose gradient norm is above this or non-finite."""
+    recompute_old_logprobs: bool = False
+    """Centre the fresh tokens' PPO ratio on the learner's own log-probs at the start of the step (pi_old
+    recomputed with one extra no-grad forward through the chunked path, as the official code and verl do),
+    instead of the generator's log-probs. Under asynchrony the generator's log-probs come from an older policy
+    (and another engine): the default ratio then also measures staleness and train/inference mismatch, so
+    clipping bites sooner; recomputing clips only the step's own update and leaves the gap uncorrected
+    (add tis_cap to correct it). tis_cap, icepop_band and mis imply it."""
     tis_cap: float | None = Field(None, ge=1, le=1000)
     """Truncated importance sampling of fresh tokens (verl/OpenRLHF TIS; e.g. 2): the PPO ratio is taken
     against the learner's own log-probs at the start of the step, and each fresh token's loss is multiplied
@@ -145,8 +153,9 @@ class LearnerConfig(Section):
 
     @property
     def needs_old_logprobs(self) -> bool:
-        """Whether a step needs the learner's own start-of-step log-probs (TIS, IcePop, MIS)."""
-        return self.tis_cap is not None or self.icepop_band is not None or self.mis != "none"
+        """Whether a step needs the learner's own start-of-step log-probs (recomputed pi_old, TIS, IcePop, MIS)."""
+        return (self.recompute_old_logprobs or self.tis_cap is not None or self.icepop_band is not None
+                or self.mis != "none")
 
     @field_validator("icepop_band")
     @classmethod

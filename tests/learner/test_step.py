@@ -316,3 +316,52 @@ def test_mismatch_corrections_without_mismatch_are_the_plain_update(tiny_model_d
     for k in states[0]:
         torch.testing.assert_close(states[1][k], states[0][k], rtol=1e-4, atol=1e-6)
     assert metrics[1][key] == pytest.approx(value, abs=1e-5) and np.isnan(metrics[0][key])
+
+
+def _sgd_state(model_dir, batch_fn, **overrides) -> tuple[dict, RankStats]:
+    model, step = plain_step(model_dir, mini_batches=2, **overrides)
+    step.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient itself
+    stats = step.run(batch_fn(model))
+    return {k: v.clone() for k, v in model.state_dict().items()}, stats
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+
+
+def test_recomputed_old_logprobs_centre_the_ratio_on_the_learner(tiny_model_dir):
+    """recompute_old_logprobs: the ratio is taken against the learner's own start-of-step log-probs, so far-off
+    generator log-probs train exactly what the learner's own would have (fresh groups only)."""
+    far = lambda model: make_batch(0, mixed_every=0)  # noqa: E731  behaviour log-probs of another policy
+    own = lambda model: with_own_logprobs(make_batch(0, mixed_every=0), model)  # noqa: E731
+    recomputed, stats = _sgd_state(tiny_model_dir, far, recompute_old_logprobs=True)
+    reference, _ = _sgd_state(tiny_model_dir, own)
+    plain, _ = _sgd_state(tiny_model_dir, far)
+    assert stats.updates == 2 and _same(recomputed, reference)
+    assert not _same(plain, reference)  # without it the far-off log-probs change the update (clipping bites)
+
+
+def test_clip_fresh_auto_clips_until_mixed_mode(tiny_model_dir):
+    def batch(mixed: bool):
+        def make(model):
+            b = make_batch(0)
+            b.stats["mixed_mode"] = float(mixed)
+            return b
+        return make
+
+    clipped, _ = _sgd_state(tiny_model_dir, batch(False), clip_fresh=True)
+    unclipped, _ = _sgd_state(tiny_model_dir, batch(False), clip_fresh=False)
+    assert not _same(clipped, unclipped)  # the batch's ratios reach the clip range
+    before, s0 = _sgd_state(tiny_model_dir, batch(False), clip_fresh="auto")
+    after, s1 = _sgd_state(tiny_model_dir, batch(True), clip_fresh="auto")
+    assert _same(before, clipped) and s0.clip_fresh == 1.0
+    assert _same(after, unclipped) and s1.clip_fresh == 0.0
+
+
+def test_entropy_bonus_is_a_token_mean_under_constant_aggregation(tiny_model_dir):
+    """loss_agg=constant divides the policy loss by a constant; the entropy bonus stays a masked token mean
+    (as the official code), not entropy_sum / constant."""
+    model, step = plain_step(tiny_model_dir, loss_agg="constant", loss_constant=1000.0, entropy_coef=0.1)
+    s = step.run(make_batch(0)).sums
+    mean_entropy = (s["fresh_entropy_sum"] + s["replay_entropy_sum"]) / (s["fresh_tokens"] + s["replay_tokens"])
+    assert -s["entropy_loss"] / 0.1 == pytest.approx(mean_entropy, rel=1e-5)
