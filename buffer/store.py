@@ -14,10 +14,13 @@ not read them at all (the learner scores every candidate under the policy it tra
 `buffer.core`); they order eviction and feed metrics.
 
 Eviction order (capacity limits):
-1. Per question (`max_per_question`): learner-measured trajectories are kept before unmeasured ones,
-   each kind lowest entropy first; the rest go (highest-entropy unmeasured first). Every candidate is
-   measured the first time its question is replayed, so in steady state this keeps the
-   lowest-entropy trajectories under a recent policy — the ones replay prefers.
+1. Per question, two kinds never ranked together. Learner-measured trajectories: at most
+   `max_per_question`, lowest measured entropy kept, trimmed when a measurement arrives (`feedback`).
+   Unmeasured ones ("pending": just stored, with the generator's estimate): at most `group_size`, lowest
+   estimate kept, trimmed when a group arrives (`observe`). The learner measures a fresh correct rollout
+   when it trains its group (its exact mean entropy comes back with the step's feedback) and every
+   candidate when its question is replayed, so a new correct rollout always competes with the stored
+   ones under a recent policy; it is never evicted against measured values before it has been measured.
 2. In total (`max_total`): whole questions, least recently refreshed first (refreshed = a group of
    the question was observed), until the total fits. Their bucket entry goes with them.
 
@@ -158,7 +161,8 @@ class ExperienceStore:
         self.total = 0
         self.bytes = 0  # sum of the stored records' sizes (tokens, log-probs and header: ~8 bytes per token)
         self.replay_hist = [0] * 5  # stored trajectories by times replayed: 0, 1, 2, 3, 4+
-        self.c = dict(stored=0, deduplicated=0, evicted=0, evicted_questions=0, evicted_for_bytes=0, deleted_on_retire=0,
+        self.c = dict(stored=0, deduplicated=0, evicted=0, evicted_measured=0, evicted_questions=0, evicted_for_bytes=0,
+                      deleted_on_retire=0,
                       feedback_applied=0, feedback_ignored=0, feedback_older=0, late_for_retired=0,
                       chosen=0, chosen_measured=0, chosen_gone=0)
         self.entropy_chosen_sum = 0.0
@@ -197,7 +201,7 @@ class ExperienceStore:
         if collect:
             digests = [response_digest(r.response_ids) for r in correct]
             self._add(question_id, e, correct, digests)
-            self._trim_question(e)
+            self._trim_pending(e)
             self._evict_total()
             have = {record_digest(r) for r in e.recs} if question_id in self.entries else set()
             keys = [make_key(question_id, d) if d in have else "" for d in digests]
@@ -233,12 +237,24 @@ class ExperienceStore:
             if e.segs[i] >= 0:
                 self.segments[e.segs[i]].live -= _LEN + r.nbytes
 
-    def _trim_question(self, e: _Entry) -> None:
-        if len(e.recs) > self.max_per_question:
-            order = sorted(range(len(e.recs)), key=lambda i: (e.evers[i] == ENGINE_ESTIMATE, e.ents[i]))
-            self._drop_recs(e, order[self.max_per_question :])
-            self.c["evicted"] += len(order) - self.max_per_question
-            e.keep(order[: self.max_per_question])
+    def _trim_pending(self, e: _Entry) -> None:
+        """At most `group_size` unmeasured trajectories: the ones with the highest estimates go."""
+        pending = [i for i in range(len(e.recs)) if e.evers[i] == ENGINE_ESTIMATE]
+        if len(pending) > self.k_max:
+            drop = set(sorted(pending, key=lambda i: e.ents[i])[self.k_max :])
+            self._drop_recs(e, drop)
+            self.c["evicted"] += len(drop)
+            e.keep([i for i in range(len(e.recs)) if i not in drop])
+
+    def _trim_measured(self, e: _Entry) -> None:
+        """At most `max_per_question` measured trajectories: the ones with the highest entropy go."""
+        measured = [i for i in range(len(e.recs)) if e.evers[i] != ENGINE_ESTIMATE]
+        if len(measured) > self.max_per_question:
+            drop = set(sorted(measured, key=lambda i: e.ents[i])[self.max_per_question :])
+            self._drop_recs(e, drop)
+            self.c["evicted"] += len(drop)
+            self.c["evicted_measured"] += len(drop)
+            e.keep([i for i in range(len(e.recs)) if i not in drop])
 
     def _evict_total(self) -> None:
         """Whole questions, least recently refreshed first, until the shard holds at most `max_total`
@@ -296,9 +312,11 @@ class ExperienceStore:
         return self.total > 0
 
     def feedback(self, keys: list[str], entropies, version: int, chosen: list[str] = ()) -> None:
-        """Learner -> buffer: exact entropies of `keys` under policy `version`, and the `chosen` keys
-        (trained as o*; each counts one replay). Keys of evicted or retired trajectories are ignored and
-        counted; an estimate from an older policy version than the stored one is skipped."""
+        """Learner -> buffer: exact entropies of `keys` under policy `version` (replay candidates it scored and
+        fresh correct rollouts it trained), and the `chosen` keys (trained as o*; each counts one replay). Keys
+        of evicted or retired trajectories are ignored and counted; an estimate from an older policy version
+        than the stored one is skipped. Then each question measured is trimmed to `max_per_question` measured
+        trajectories (lowest entropy kept); a chosen trajectory evicted there still counts as replayed."""
         measured: dict[str, list[float]] = {}
         by_key: dict[str, float] = {}
         for key, ent in zip(keys, entropies):
@@ -333,6 +351,10 @@ class ExperienceStore:
                 self.entropy_chosen_sum += by_key[key]
                 self.entropy_available_sum += sum(ents) / len(ents)
                 self.c["chosen_measured"] += 1
+        for qid in measured:
+            e = self.entries.get(qid)
+            if e is not None:
+                self._trim_measured(e)
 
     def _find(self, key: str) -> tuple[_Entry, int] | None:
         try:

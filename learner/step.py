@@ -192,7 +192,7 @@ def candidate_rows(batch: TrainingBatch) -> list[tuple[int, int, Row]]:
 class StepFeedback:
     """What the step tells the buffer about stored trajectories (identical on every rank)."""
 
-    keys: list[str] = field(default_factory=list)  # every scored candidate
+    keys: list[str] = field(default_factory=list)  # every scored candidate (and, merged, the stored fresh rows)
     entropies: list[float] = field(default_factory=list)  # their mean token entropy under the step's policy
     chosen: list[str] = field(default_factory=list)  # the o* of each mixed group
 
@@ -341,6 +341,8 @@ class RankStats:
     overlong_penalty_sum: float = 0.0  # sum of the overlong penalties over the batch's rows
     overlong_rows: int = 0
     clip_fresh: float = 1.0  # 1 when this step clipped fresh tokens' ratio (learner.clip_fresh, auto: before mixed mode)
+    fresh_keys: list[str] = field(default_factory=list)  # this rank's trained fresh rows the buffer stored
+    fresh_entropies: list[float] = field(default_factory=list)  # their mean token entropy, from the training forward
     seconds: float = 0.0
 
     def add_micro(self, metrics: dict[str, Tensor], parts: dict[str, float], ent: Tensor, mb: MicroBatch) -> None:
@@ -360,7 +362,14 @@ class RankStats:
         s["rows"] += len(mb.rows)
         s["abs_adv_sum"] += float(mb.advantages.abs().sum()) if mb.rows else 0.0
         replay = mb.replay_mask * mb.response_mask
-        s["fresh_entropy_sum"] += float((ent * (mb.response_mask - replay)).sum())
+        fresh = mb.response_mask - replay  # [R, L-1]
+        if any(r.key and not r.replayed for r in mb.rows):  # stored fresh rows: their entropy is measured here
+            means = ((ent * fresh).sum(-1) / fresh.sum(-1).clamp(min=1)).tolist()  # [R]
+            for r, h in zip(mb.rows, means):
+                if r.key and not r.replayed:
+                    self.fresh_keys.append(r.key)
+                    self.fresh_entropies.append(h)
+        s["fresh_entropy_sum"] += float((ent * fresh).sum())
         s["replay_entropy_sum"] += float((ent * replay).sum())
         self.maxes["fresh_ratio_max"] = max(self.maxes["fresh_ratio_max"], m["fresh_ratio_max"])
         self.maxes["replay_weight_max"] = max(self.maxes["replay_weight_max"], m["replay_weight_max"])
@@ -425,7 +434,11 @@ def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeed
         "learner/overlong_penalty_mean": lead.overlong_penalty_sum / lead.overlong_rows if lead.overlong_rows else 0.0,
         **_mismatch_metrics(s, mx),
     }
-    return metrics, lead.feedback
+    # the scored candidates (the same on every rank) and each rank's trained fresh rows that the buffer stored
+    fb = StepFeedback(keys=lead.feedback.keys + [k for st in stats for k in st.fresh_keys],
+                      entropies=lead.feedback.entropies + [h for st in stats for h in st.fresh_entropies],
+                      chosen=lead.feedback.chosen)
+    return metrics, fb
 
 
 def _mismatch_metrics(s: dict[str, float], mx: dict[str, float]) -> dict[str, float]:

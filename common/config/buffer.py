@@ -50,8 +50,9 @@ class BufferConfig(Section):
     lease_timeout_s: float = Field(120.0, gt=0, le=86_400)
     """A lease not returned within this is expired and its question issued again."""
     max_traj_per_question: int = Field(8, ge=1, le=10_000)
-    """Stored trajectories per question (on overflow the highest-entropy go first, see docs/algorithm.md);
-    also the most candidates the learner scores for one mixed group."""
+    """Learner-measured trajectories kept per question (on overflow the highest measured entropy goes, see
+    docs/algorithm.md). New correct rollouts wait beside them, up to group_size, until the learner has measured
+    them (when it trains their group); so a mixed group ships at most this + group_size candidates to score."""
     max_traj_total: int = Field(1_000_000, ge=1)
     """Stored trajectories in a shard (least recently refreshed questions evicted first)."""
     max_bytes: int | None = Field(None, ge=1 << 20)

@@ -63,20 +63,37 @@ def test_k_zero_keeps_previous_bucket_and_k_moves_bucket():
     assert "q2" not in s.entries
 
 
-def test_per_question_cap_keeps_lowest_entropy():
+def test_per_question_cap_keeps_the_lowest_measured_entropy():
     s = make_store(max_per_question=2)
-    s.observe("q1", 4, [rollout([j], 1.0, entropy=e) for j, e in enumerate([0.7, 0.1, 0.9, 0.3])], collect=True)
+    keys = s.observe("q1", 4, [rollout([j], 1.0, entropy=1.0) for j in range(4)], collect=True)
+    assert s.total == 4 and s.c["evicted"] == 0  # unmeasured: nothing to rank them by yet
+    s.feedback(keys, [0.7, 0.1, 0.9, 0.3], version=1)  # the learner measured them
     assert sorted(record_entropy(r) for r in s.entries["q1"].recs) == pytest.approx([0.1, 0.3])
-    assert s.total == 2 and s.c["evicted"] == 2
+    assert s.total == 2 and s.c["evicted"] == 2 and s.c["evicted_measured"] == 2
 
 
-def test_per_question_cap_never_ranks_engine_estimates_with_learner_values():
-    s = make_store(max_per_question=2)
-    keys = s.observe("q1", 2, [rollout([1], 1.0, entropy=0.5), rollout([2], 1.0, entropy=0.6)], collect=True)
-    s.feedback(keys, [0.8, 0.9], version=1)  # measured by the learner: exact values, higher than the estimates
-    s.observe("q1", 3, [rollout([3], 1.0, entropy=0.05)], collect=True)  # a new engine lower-bound estimate
-    # the two measured trajectories are kept; the unmeasured one (a lower bound, not comparable) goes
-    assert sorted(record_entropy(r) for r in s.entries["q1"].recs) == pytest.approx([0.8, 0.9])
+def test_unmeasured_trajectories_are_capped_at_a_group_by_their_estimates():
+    s = make_store(max_per_question=2)  # group_size 8
+    s.observe("q1", 5, [rollout([j], 1.0, entropy=0.1 * j) for j in range(5)], collect=True)
+    s.observe("q1", 5, [rollout([10 + j], 1.0, entropy=0.05 + 0.1 * j) for j in range(5)], collect=True)
+    assert s.total == 8 and s.c["evicted"] == 2  # 10 pending > 8: the two highest estimates (0.4, 0.45) go
+    assert max(record_entropy(r) for r in s.entries["q1"].recs) == pytest.approx(0.35)
+
+
+def test_a_new_correct_rollout_competes_with_measured_ones_once_measured():
+    """The issue's reproduction: 8 stored and measured by a replay, then new correct rollouts arrive. Before,
+    each was evicted in the very call that stored it (unmeasured < measured); now it waits for the learner's
+    measurement (its fresh group's training) and is kept when its entropy is lower."""
+    s = make_store(max_per_question=8)
+    old = s.observe("q1", 7, [rollout([j], 1.0, entropy=1.0) for j in range(7)], collect=True)
+    old += s.observe("q1", 1, [rollout([7], 1.0, entropy=1.0)], collect=True)
+    s.feedback(old, [1.0 + 0.1 * j for j in range(8)], version=1, chosen=[old[0]])  # a replay measured all 8
+    new = s.observe("q1", 6, [rollout([20 + j], 1.0, entropy=0.01) for j in range(6)], collect=True)
+    assert all(new) and s.total == 14 and s.c["evicted"] == 0  # kept, waiting for their measurement
+    s.feedback(new, [0.5, 0.5, 0.5, 2.0, 2.0, 2.0], version=2)  # the learner trained their group
+    kept = sorted(record_entropy(r) for r in s.entries["q1"].recs)
+    assert s.total == 8 and s.c["evicted"] == 6  # the 3 higher new ones and the 3 highest old ones
+    assert kept == pytest.approx([0.5, 0.5, 0.5, 1.0, 1.1, 1.2, 1.3, 1.4])
 
 
 def test_total_cap_evicts_least_recently_refreshed_question():

@@ -365,3 +365,24 @@ def test_entropy_bonus_is_a_token_mean_under_constant_aggregation(tiny_model_dir
     s = step.run(make_batch(0)).sums
     mean_entropy = (s["fresh_entropy_sum"] + s["replay_entropy_sum"]) / (s["fresh_tokens"] + s["replay_tokens"])
     assert -s["entropy_loss"] / 0.1 == pytest.approx(mean_entropy, rel=1e-5)
+
+
+def test_trained_fresh_rows_the_buffer_stored_come_back_measured(tiny_model_dir):
+    """Every fresh row with a key (a correct rollout the buffer stored) reports its exact mean token entropy from
+    the training forward, so the buffer can rank new trajectories against measured ones."""
+    from learner.step import merge_rank_stats
+
+    model, step = plain_step(tiny_model_dir)
+    batch = make_batch(0, mixed_every=0)
+    expected = {}
+    with torch.no_grad():
+        for g in batch.groups:
+            for ro in g.rollouts:
+                ids = torch.tensor([list(g.prompt_ids) + list(ro.response_ids)])  # [1, P+T]
+                logits = model(input_ids=ids).logits[0, len(g.prompt_ids) - 1:-1].float()  # [T, V]
+                p = torch.softmax(logits, -1)
+                expected[ro.key] = float(-(p * torch.log_softmax(logits, -1)).sum(-1).mean())
+    _, fb = merge_rank_stats([step.run(batch)])  # one mini-batch: the forward is at the start weights
+    assert sorted(fb.keys) == sorted(expected) and not fb.chosen
+    for key, h in zip(fb.keys, fb.entropies):
+        assert h == pytest.approx(expected[key], rel=1e-4), key
