@@ -86,7 +86,7 @@ class BufferClient:
             parts[shard_of(q.id, cfg.num_shards)].append(q)
         shares = batch_shares([len(p) for p in parts], cfg.batch_questions)
         shards = [
-            make_shard_actor(cfg, parts[i], shard=i, batch_share=shares[i], name=actor_name(run, "buffer", i),
+            make_shard_actor(cfg, parts[i], shard=i, shares=shares, name=actor_name(run, "buffer", i),
                              namespace=namespace, snapshot_dir=snapshot_dir)
             for i in range(cfg.num_shards)
         ]

@@ -95,6 +95,28 @@ def mixed_target(batch_questions: int, replay_ratio: float) -> int:
     return min(batch_questions, math.ceil(replay_ratio * batch_questions - 1e-9))
 
 
+def mixed_shares(shares: list[int], target: int, version: int = 0) -> list[int]:
+    """The batch's `target` mixed groups split over the shards in proportion to their batch shares: each shard
+    the floor of its exact part, and the groups left over go, in turn (rotating with `version`), to the shards
+    with a fractional part. They sum to `target`, so the shards' replay quotas add up to the whole batch's,
+    where a per-shard floor(rho * share) loses groups (shares 6/5/5 at rho 0.5: 7 of 8; shares of 1: none);
+    the rotation keeps every shard's long-run share at rho and never leaves one shard replay-only for good
+    (its fresh questions would never be issued)."""
+    total = sum(shares)
+    if total == 0:
+        return [0] * len(shares)
+    target = min(target, total)
+    exact = [target * s / total for s in shares]
+    out = [math.floor(x + 1e-9) for x in exact]
+    frac = [i for i in range(len(shares)) if exact[i] - out[i] > 1e-9]
+    extra = target - sum(out)
+    if frac and extra > 0:
+        k = (version * extra) % len(frac)
+        for i in (frac[k:] + frac[:k])[:extra]:
+            out[i] += 1
+    return out
+
+
 class MixedSwitch:
     """The delayed start: one decision for the whole run, made once per batch.
 
@@ -161,7 +183,8 @@ def plan_take(counts: list[tuple], have_fresh: int, have_mixed: int, batch_quest
 class ShardCore:
     """The state of one shard. Not thread-safe: the actor serialises calls with a lock."""
 
-    def __init__(self, cfg: BufferConfig, questions: list[Question], *, shard: int = 0, batch_share: int | None = None):
+    def __init__(self, cfg: BufferConfig, questions: list[Question], *, shard: int = 0, batch_share: int | None = None,
+                 shares: list[int] | None = None):
         ids = [q.id for q in questions]
         if len(set(ids)) != len(ids):
             raise ValueError("question ids must be unique within a shard; fix the dataset's id field")
@@ -170,6 +193,7 @@ class ShardCore:
         self.batch_share = cfg.batch_questions if batch_share is None else batch_share
         if self.batch_share < 0:
             raise ValueError(f"batch_share must be >= 0, got {self.batch_share}")
+        self.shares = shares  # every shard's batch share (None: this shard alone), for its part of the replays
         self.questions = {q.id: q for q in questions}
         self.order_ids = sorted(self.questions)
         self.fingerprint = question_fingerprint(self.order_ids)
@@ -214,11 +238,19 @@ class ShardCore:
         of which (v's) may already be taken. Counting it means a synchronous run (max_lag = 0) leases
         nothing between taking batch v and the learner publishing v + 1 — work leased then would only be
         generated with the old weights and dropped as stale. Replay items are further limited to
-        floor(rho * capacity), so fresh slots always remain. With the batch taking ceil(rho * B) mixed
-        groups, a shard full of ready groups can always contribute to a batch: no state in which every
-        shard is full but no batch can be formed (max_lag = 0 included).
+        floor(rho_i * capacity), rho_i = mixed_share() / batch_share, where the shards' mixed shares sum to
+        the batch's ceil(rho * B) mixed groups: together the shards can always lease a whole batch's replays. With
+        the batch taking ceil(rho * B) mixed groups, a shard full of ready groups can always contribute to a
+        batch: no state in which every shard is full but no batch can be formed (max_lag = 0 included).
         """
         return max(0, (self.cfg.max_lag + 1) * self.batch_share - min(self.taken_at_version, self.batch_share))
+
+    def mixed_share(self) -> int:
+        """This shard's part of the batch's ceil(rho * B) mixed groups at the current version (`mixed_shares`)."""
+        if self.shares is None:
+            return mixed_target(self.batch_share, self.cfg.replay_ratio)
+        return mixed_shares(self.shares, mixed_target(self.cfg.batch_questions, self.cfg.replay_ratio),
+                            self.version)[self.shard]
 
     def live(self) -> int:
         return len(self.leases) + len(self.ready_fresh) + len(self.ready_mixed)
@@ -261,10 +293,11 @@ class ShardCore:
             return []
         n_replay = 0
         if self.mixed_mode and (self.store.has_replay() or self.reissue_replay):
-            quota = math.floor(self.cfg.replay_ratio * self.capacity())
+            ratio = self.mixed_share() / self.batch_share if self.batch_share else 0.0
+            quota = math.floor(ratio * self.capacity() + 1e-9)
             mixed, total = self._mixed_live(), self.live()
-            for _ in range(n):  # keep the live mix at ratio rho, within the replay quota
-                if mixed < quota and mixed < self.cfg.replay_ratio * (total + 1):
+            for _ in range(n):  # keep the live mix at this shard's ratio, within its replay quota
+                if mixed < quota and mixed < ratio * (total + 1) + 1e-9:
                     n_replay += 1
                     mixed += 1
                 total += 1
@@ -510,12 +543,12 @@ class ShardCore:
 
     @classmethod
     def from_state(cls, cfg: BufferConfig, questions: list[Question], state: dict, *, open_segment,
-                   batch_share: int | None = None) -> ShardCore:
+                   batch_share: int | None = None, shares: list[int] | None = None) -> ShardCore:
         """A new core holding `state`; `open_segment(name, size, digest)` gives a store segment's bytes
         (`buffer.snapshot.load_core`). Raises ValueError when the state does not fit this shard."""
         if state.get("state_version") != STATE_VERSION:
             raise ValueError(f"shard state version {state.get('state_version')!r} is not {STATE_VERSION}")
-        core = cls(cfg, questions, shard=state["shard"], batch_share=batch_share)
+        core = cls(cfg, questions, shard=state["shard"], batch_share=batch_share, shares=shares)
         if state["fingerprint"] != core.fingerprint:
             raise ValueError(f"snapshot of shard {state['shard']} was taken with a different question set "
                              "(dataset or num_shards changed); restore it with the same data and shard count")

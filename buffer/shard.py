@@ -41,10 +41,11 @@ def unpack(data: bytes):
 class BufferShard:
     """One shard. Create with `make_shard_actor` (named `actor_name(run, "buffer", i)`)."""
 
-    def __init__(self, cfg: dict, questions: bytes, shard: int, batch_share: int, snapshot_dir: str | None):
+    def __init__(self, cfg: dict, questions: bytes, shard: int, shares: list[int], snapshot_dir: str | None):
         self.cfg = BufferConfig(**cfg)
         self.questions = codec.decode_list(questions, Question)
-        self.shard, self.batch_share, self.snapshot_dir = shard, batch_share, snapshot_dir
+        self.shard, self.shares, self.snapshot_dir = shard, shares, snapshot_dir
+        self.batch_share = batch_share = shares[shard]
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.restored_from = ""
@@ -53,11 +54,11 @@ class BufferShard:
         self.last_snapshot = {"snapshot_last_s": 0.0, "snapshot_last_bytes": 0.0, "snapshots": 0.0}
         path = snapshot_path(snapshot_dir, shard) if snapshot_dir else None
         if path is not None and path.exists():
-            self.core = load_core(self.cfg, self.questions, path, batch_share=batch_share)
+            self.core = load_core(self.cfg, self.questions, path, batch_share=batch_share, shares=shares)
             self.restored_from = str(path)
             log.warning("buffer shard %d restored from %s", shard, path)
         else:
-            self.core = ShardCore(self.cfg, self.questions, shard=shard, batch_share=batch_share)
+            self.core = ShardCore(self.cfg, self.questions, shard=shard, batch_share=batch_share, shares=shares)
         self._stop = threading.Event()
         if snapshot_dir:
             threading.Thread(target=self._snapshot_loop, name=f"buffer-{shard}-snapshots", daemon=True).start()
@@ -174,7 +175,8 @@ class BufferShard:
     def restore(self, folder: str, expire_leases: bool = False) -> int:
         """Replace the state with the snapshot in `folder`; returns how many of its outstanding leases were
         ended as expired (`expire_leases`; 0 otherwise)."""
-        core = load_core(self.cfg, self.questions, snapshot_path(folder, self.shard), batch_share=self.batch_share)
+        core = load_core(self.cfg, self.questions, snapshot_path(folder, self.shard), batch_share=self.batch_share,
+                         shares=self.shares)
         expired = core.expire(all_leases=True) if expire_leases else 0  # their generators are gone: reissue now
         with self.cond:
             self.core = core
@@ -188,12 +190,12 @@ class BufferShard:
         self._stop.set()
 
 
-def make_shard_actor(cfg: BufferConfig, questions: list[Question], *, shard: int, batch_share: int, name: str,
+def make_shard_actor(cfg: BufferConfig, questions: list[Question], *, shard: int, shares: list[int], name: str,
                      namespace: str | None, snapshot_dir: str | None):
     """Start one named shard actor (restarts from its snapshot up to `cfg.max_restarts` times)."""
     actor_cls = ray.remote(BufferShard)
     return actor_cls.options(
         name=name, namespace=namespace, max_restarts=cfg.max_restarts, max_task_retries=0,
         max_concurrency=cfg.max_concurrency, num_cpus=0, lifetime=None,
-    ).remote(cfg.model_dump(), codec.encode_list(questions, Question), shard, batch_share, snapshot_dir)
+    ).remote(cfg.model_dump(), codec.encode_list(questions, Question), shard, shares, snapshot_dir)
 

@@ -202,7 +202,8 @@ def check_snapshot(folder: str | os.PathLike, shard: int) -> None:
             raise SnapshotError(f"buffer snapshot segment {seg} is missing or has the wrong size")
 
 
-def load_core(cfg, questions, path: str | os.PathLike, *, batch_share: int | None = None):
+def load_core(cfg, questions, path: str | os.PathLike, *, batch_share: int | None = None,
+              shares: list[int] | None = None):
     """A new ShardCore from a snapshot manifest and its segments; SnapshotError on anything wrong (no
     partial state)."""
     from buffer.core import ShardCore
@@ -211,7 +212,7 @@ def load_core(cfg, questions, path: str | os.PathLike, *, batch_share: int | Non
     state = read_snapshot(path)
     target = segment_target(path.parent, state.get("shard"))
     try:
-        core = ShardCore.from_state(cfg, questions, state, batch_share=batch_share,
+        core = ShardCore.from_state(cfg, questions, state, batch_share=batch_share, shares=shares,
                                     open_segment=lambda name, size, digest: open_segment(target(name), size, digest))
     except (KeyError, TypeError, ValueError, struct.error) as e:
         if isinstance(e, SnapshotError):

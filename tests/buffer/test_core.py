@@ -5,7 +5,7 @@ import random
 import pytest
 
 from buffer.client import batch_shares
-from buffer.core import MixedSwitch, ShardCore, plan_take
+from buffer.core import MixedSwitch, ShardCore, mixed_shares, mixed_target, plan_take
 from buffer.keys import shard_of
 from learner.step import batch_rows, complete_groups, split_mini_batches
 from common.config import BufferConfig
@@ -289,7 +289,8 @@ class SimRun:
         for q in questions:
             parts[shard_of(q.id, bcfg.num_shards)].append(q)
         shares = batch_shares([len(p) for p in parts], bcfg.batch_questions)
-        self.cores = [ShardCore(bcfg, parts[i], shard=i, batch_share=shares[i]) for i in range(bcfg.num_shards)]
+        self.cores = [ShardCore(bcfg, parts[i], shard=i, batch_share=shares[i], shares=shares)
+                      for i in range(bcfg.num_shards)]
         self.cfg, self.mini_batches = bcfg, mini_batches
         self.switch = MixedSwitch(bcfg.switch_groups, bcfg.mixed_switch_accuracy)
         self.zero_seen = (0, 0)
@@ -351,13 +352,14 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
     """Generators with random delays, failures and zero-signal groups; a learner that steps the version
     by one per batch. Checked after every step: accounting balances; no question replayed twice in a
     batch; every trained rollout within max_lag steps; the switch fires exactly when the windowed
-    batch accuracy first crosses; every mini-batch mixes fresh and mixed groups when both exist."""
+    batch accuracy first crosses; every mini-batch mixes fresh and mixed groups when both exist; every
+    batch holds ceil(rho * B) mixed groups once the store has filled (most batches with lagging generators)."""
     rng = random.Random(seed)
     bcfg = cfg(num_shards=shards, max_lag=max_lag, replay_ratio=replay_ratio, batch_questions=8, group_size=4,
                lease_timeout_s=5.0, max_traj_per_question=3)
     sim = SimRun(bcfg, make_questions(120), mini_batches)
     skill = {f"q{i}": rng.uniform(0.05, 0.7) for i in range(120)}
-    version, now, in_flight, batches, mixed_trained = 0, NOW, [], 0, 0
+    version, now, in_flight, batches, mixed_trained, mixed_per_batch = 0, NOW, [], 0, 0, []
     for _ in range(2500):
         now += 0.1
         in_flight += [(it, version) for it in sim.lease(rng.randint(0, 6), now)]
@@ -376,6 +378,9 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
         batch = sim.batch(version, batches)
         if batch:
             assert len(batch) == 8
+            if sim.switch.on:  # (mixed groups, whether every shard had experience for its whole replay quota)
+                plenty = all(len(c.store.entries) >= 2 * (max_lag + 1) * c.mixed_share() for c in sim.cores)
+                mixed_per_batch.append((sum(g.mixed for g in batch), plenty))
             replayed = [g.question_id for g in batch if g.mixed]
             assert len(replayed) == len(set(replayed)), replayed
             assert all(version - r.version <= max_lag for g in batch for r in g.rollouts)
@@ -399,6 +404,15 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
     store_chosen = sum(c.store.c["chosen"] + c.store.c["chosen_gone"] for c in sim.cores)
     assert store_chosen == mixed_trained == sum(c.n["trained_mixed"] for c in sim.cores) > 0
     trained = sum(c.n["trained"] for c in sim.cores)
+    # the replay share at every batch once the store has filled (3 batches after the switch): ceil(rho * B) mixed
+    # groups whenever the generators keep up; with generators dying and lagging, short only now and then
+    target = mixed_target(8, replay_ratio)
+    settled = [m for m, plenty in mixed_per_batch[3:] if plenty]
+    assert len(settled) > 20, mixed_per_batch
+    if fast or max_lag == 0:
+        assert all(m == target for m in settled), mixed_per_batch
+    else:
+        assert sum(settled) >= 0.85 * target * len(settled), mixed_per_batch  # per-shard floors: 5 of 6 (0.83)
     assert batches > 40, [c.accounting() for c in sim.cores]
     if fast and max_lag >= 1:  # generators keep up: (almost) nothing goes stale
         assert sum(c.n["stale_dropped"] for c in sim.cores) <= 0.02 * trained, (sum(c.n["stale_dropped"] for c in sim.cores), trained)
@@ -446,3 +460,39 @@ def test_a_batch_over_shards_takes_the_oldest_groups_of_all_shards_first():
     assert plan_take(counts, 0, 0, 6, 0.0, False) == [(3, 0), (3, 0)]
     assert plan_take(counts, 0, 0, 9, 0.0, False) is None
     assert plan_take([(2, 0), (2, 0)], 0, 0, 3, 0.0, False) == [(2, 0), (1, 0)]  # no versions: in order
+
+
+def test_mixed_shares_sum_to_the_batch_target():
+    assert sum(mixed_shares([6, 5, 5], 8)) == 8 and mixed_shares([1, 1, 1, 1], 2).count(1) == 2
+    assert mixed_shares([16], 8) == [8] and mixed_shares([1, 0, 3], 4) == [1, 0, 3]
+    assert all(m <= s for m, s in zip(mixed_shares([2, 7, 1], 9), [2, 7, 1]))
+    # shares 3/3/2 at 6 mixed: the left-over group rotates, so no shard is replay-only for good
+    per_version = [mixed_shares([3, 3, 2], 6, v) for v in range(6)]
+    assert all(sum(m) == 6 for m in per_version) and per_version[0] != per_version[1]
+    assert [sum(m[i] for m in per_version) for i in range(3)] == [14, 14, 8]  # exact: 13.5, 13.5, 9 over 6
+
+
+@pytest.mark.parametrize("per_shard, batch", [(30, 16), (5, 4)])  # shares 6/5/5, and shares of 1 (4 shards)
+def test_the_shards_together_lease_a_whole_batch_of_replays(per_shard, batch):
+    """The replay quota is global: the shards' quotas sum to ceil(rho * B), so a synchronous batch has ceil(rho * B)
+    mixed groups when every shard has experience. Before, each shard leased at most floor(rho * share): 7 of 8 at
+    shares 6/5/5, none at all at shares of 1."""
+    shards = 3 if per_shard == 30 else 4
+    bcfg = cfg(num_shards=shards, max_lag=0, replay_ratio=0.5, batch_questions=batch, group_size=4,
+               collect_before_mixed=True)
+    sim = SimRun(bcfg, make_questions(per_shard * shards * 3), mini_batches=1)
+    assert sorted(c.batch_share for c in sim.cores) == ([5, 5, 6] if shards == 3 else [1, 1, 1, 1])
+    for version in range(3):  # fresh batches: every shard stores experience (2 of 4 correct)
+        items = [it for c in sim.cores for it in c.lease("g", 100, now=NOW)]
+        sim.submit([group_for(it, 2, version=version) for it in items], NOW)
+        assert len(sim.batch(version, version)) == batch
+        for c in sim.cores:
+            c.set_version(version + 1)
+    for c in sim.cores:
+        c.set_mixed_mode()
+    sim.switch.on = True
+    items = [it for c in sim.cores for it in c.lease("g", 100, now=NOW)]
+    assert sum(1 for it in items if it.replay is not None) == mixed_target(batch, 0.5)
+    sim.submit([group_for(it, 2, version=3) for it in items], NOW)
+    got = sim.batch(3, 3)
+    assert len(got) == batch and sum(g.mixed for g in got) == mixed_target(batch, 0.5)
