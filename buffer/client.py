@@ -27,7 +27,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from buffer.core import MixedSwitch, merge_accounting, merge_metrics, plan_take
+from buffer.core import MixedSwitch, merge_accounting, merge_metrics, plan_take, zero_signal_news
 from buffer.keys import shard_of, split_key
 from buffer.shard import make_shard_actor, pack, unpack
 from common import codec
@@ -72,7 +72,8 @@ class BufferClient:
         self.batch_questions, self.replay_ratio, self.call_timeout_s = cfg.batch_questions, cfg.replay_ratio, cfg.call_timeout_s
         self.group_size = cfg.group_size
         self.switch = MixedSwitch(cfg.switch_groups, cfg.mixed_switch_accuracy)
-        self._zero_signal_seen = [0, 0]  # shards' cumulative (fresh groups kept out, of which all correct)
+        self._zero_signal_seen: list[list[int]] | None = None  # per shard: cumulative (fresh groups kept out, of
+        # which all correct) at the last batch
         self._rr = 0
 
     # ----------------------------------------------------------------------------------- building
@@ -158,10 +159,10 @@ class BufferClient:
             by_shard[self._lease_shard(lid, "")].append(lid)
         self._get([self.shards[i].return_leases.remote(ids) for i, ids in by_shard.items()], "return_leases")
 
-    def _observe_switch(self, batch: list[TrainGroup], zero_signal: tuple[int, int]) -> None:
-        """Feed the run-wide switch with this batch's fresh groups; switch every shard on when it fires."""
-        n_zero, n_zero_correct = (zero_signal[0] - self._zero_signal_seen[0], zero_signal[1] - self._zero_signal_seen[1])
-        self._zero_signal_seen = list(zero_signal)
+    def _observe_switch(self, batch: list[TrainGroup], zero_signal: list[tuple[int, int]]) -> None:
+        """Feed the run-wide switch with this batch's fresh groups and the zero-signal groups the shards kept out
+        since the last batch (`zero_signal`: per shard, cumulative); switch every shard on when it fires."""
+        n_zero, n_zero_correct, self._zero_signal_seen = zero_signal_news(self._zero_signal_seen, zero_signal)
         if self.switch.on:
             return
         acc = [1.0] * n_zero_correct + [0.0] * (n_zero - n_zero_correct)
@@ -188,7 +189,11 @@ class BufferClient:
             plan = plan_take([tuple(c[:4]) for c in counts], len(got) - have_m, have_m, b, self.replay_ratio,
                              self.switch.on)
             if plan is not None:
-                refs = [(i, self.shards[i].take.remote(version, f, m)) for i, (f, m) in enumerate(plan) if f or m]
+                # a second round never replays a question the batch already replays (a shard that restarted
+                # from an older snapshot may have re-leased one taken in the first round)
+                replayed = [g.question_id for g in got if g.mixed]
+                refs = [(i, self.shards[i].take.remote(version, f, m, replayed)) for i, (f, m) in enumerate(plan)
+                        if f or m]
                 for r in self._get([r for _, r in refs], "get_batch"):
                     got.extend(codec.decode_list(r, TrainGroup))
                 if len(got) >= b:
@@ -199,7 +204,7 @@ class BufferClient:
                 return None
         if self.switch.on and not all(c[6] for c in counts):  # a shard restarted from an older snapshot
             self._get([s.set_mixed_mode.remote() for s in self.shards], "set_mixed_mode")
-        self._observe_switch(got, (sum(c[4] for c in counts), sum(c[5] for c in counts)))
+        self._observe_switch(got, [(c[4], c[5]) for c in counts])
         n_mixed = sum(1 for g in got if g.mixed)
         stats = {"batch_mixed": float(n_mixed), "batch_fresh": float(len(got) - n_mixed),
                  "batch_wait_s": time.monotonic() - t0, "batch_short": float(b - len(got)),
@@ -285,7 +290,8 @@ class BufferClient:
         expired = self._get([s.restore.remote(str(dir), expire_leases) for s in self.shards], "restore",
                             timeout_s=max(self.call_timeout_s, 600))
         self.switch.load_state(state)
-        self._zero_signal_seen = list(state["zero_signal_seen"])
+        seen = state["zero_signal_seen"]  # per shard; a summed pair from an older version cannot be matched: []
+        self._zero_signal_seen = seen if seen and isinstance(seen[0], list) else []
         if self.switch.on:
             self._get([s.set_mixed_mode.remote() for s in self.shards], "set_mixed_mode")
         return sum(expired)

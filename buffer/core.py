@@ -117,6 +117,24 @@ def mixed_shares(shares: list[int], target: int, version: int = 0) -> list[int]:
     return out
 
 
+def zero_signal_news(seen: list[list[int]] | None, counts: list[tuple[int, int]]) -> tuple[int, int, list[list[int]]]:
+    """(zero-signal fresh groups, of which all correct) counted by the shards since `seen` (per shard, as
+    returned last time; None: nothing seen yet, every count is new; of another length: a state that cannot be
+    matched to the shards, nothing counted this time), and the new `seen`. A shard whose counters went back (it
+    restarted from an older snapshot) contributes nothing this time: what it counted since its snapshot cannot
+    be told apart from what was already seen, and a negative difference would feed spurious zeros to the switch."""
+    if seen is None:
+        seen = [[0, 0] for _ in counts]
+    elif len(seen) != len(counts):
+        seen = [list(c) for c in counts]
+    n_zero = n_correct = 0
+    for (was_zero, was_correct), (zero, correct) in zip(seen, counts):
+        if zero >= was_zero and correct >= was_correct:
+            n_zero += zero - was_zero
+            n_correct += correct - was_correct
+    return n_zero, n_correct, [list(c) for c in counts]
+
+
 class MixedSwitch:
     """The delayed start: one decision for the whole run, made once per batch.
 
@@ -473,10 +491,15 @@ class ShardCore:
         f, m = self.ready_counts(version)
         return f, m, _per_version(self.ready_fresh), _per_version(self.ready_mixed)
 
-    def take(self, version: int, n_fresh: int, n_mixed: int) -> list[TrainGroup]:
-        """Up to n_fresh fresh and n_mixed mixed ready groups (oldest first), after dropping stale ones."""
+    def take(self, version: int, n_fresh: int, n_mixed: int, exclude: frozenset[str] | set[str] = frozenset()
+             ) -> list[TrainGroup]:
+        """Up to n_fresh fresh and n_mixed mixed ready groups (oldest first), after dropping stale ones. Mixed
+        groups of questions in `exclude` (already replayed in the batch being assembled) stay ready."""
         self.ready_counts(version)
-        self.ready_mixed, mixed = _take_oldest(self.ready_mixed, n_mixed)
+        held = deque(x for x in self.ready_mixed if x.group.question_id in exclude)
+        allowed = deque(x for x in self.ready_mixed if x.group.question_id not in exclude)
+        allowed, mixed = _take_oldest(allowed, n_mixed)
+        self.ready_mixed = held + allowed
         self.ready_fresh, fresh = _take_oldest(self.ready_fresh, n_fresh)
         out = mixed + fresh
         self.n["trained"] += len(out)

@@ -105,9 +105,9 @@ class BufferShard:
                             int(self.core.mixed_mode)]
                 self.cond.wait(min(left, 0.05))  # also wakes to expire leases and see new versions
 
-    def take(self, version: int, n_fresh: int, n_mixed: int) -> bytes:
+    def take(self, version: int, n_fresh: int, n_mixed: int, exclude: list[str] = ()) -> bytes:
         with self.lock:
-            groups = self.core.take(version, n_fresh, n_mixed)
+            groups = self.core.take(version, n_fresh, n_mixed, frozenset(exclude))
         return codec.encode_list(groups, TrainGroup)
 
     def feedback(self, fb: bytes) -> None:

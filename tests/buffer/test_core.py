@@ -496,3 +496,36 @@ def test_the_shards_together_lease_a_whole_batch_of_replays(per_shard, batch):
     sim.submit([group_for(it, 2, version=3) for it in items], NOW)
     got = sim.batch(3, 3)
     assert len(got) == batch and sum(g.mixed for g in got) == mixed_target(batch, 0.5)
+
+
+def test_a_shard_restarted_from_an_older_snapshot_feeds_no_spurious_zeros_to_the_switch():
+    from buffer.core import zero_signal_news
+
+    n_zero, n_correct, seen = zero_signal_news(None, [(3, 1), (2, 2)])
+    assert (n_zero, n_correct) == (5, 3)
+    # shard 1 restarted from a snapshot taken before two of its zero-signal groups: its counters went back
+    n_zero, n_correct, seen = zero_signal_news(seen, [(4, 1), (1, 1)])
+    assert (n_zero, n_correct) == (1, 0)  # before: 0 - 1 = -1 all-correct and 1 - 2 = -1 groups (spurious zeros)
+    n_zero, n_correct, _ = zero_signal_news(seen, [(4, 1), (3, 2)])
+    assert (n_zero, n_correct) == (2, 1)  # counted from where it restarted
+    assert zero_signal_news([], [(4, 1)])[:2] == (0, 0)  # an unmatched (older) state: nothing counted once
+
+
+def test_a_second_take_round_never_replays_a_question_already_in_the_batch():
+    """A shard that restarted from an older snapshot may hold a re-leased replay of a question the batch already
+    took in its first round: `take` with that question excluded leaves it ready (for a later batch)."""
+    core = ShardCore(cfg(collect_before_mixed=True, max_lag=1, batch_questions=4), make_questions(30))
+    items = core.lease("g", 4, now=NOW)
+    core.submit([group_for(it, 2) for it in items], now=NOW)
+    core.take(0, 4, 0)
+    core.set_mixed_mode()
+    core.set_version(1)
+    replay = [it for it in core.lease("g", 8, now=NOW) if it.replay is not None]
+    core.submit([group_for(it, 2, version=1) for it in replay], now=NOW)
+    qids = [it.question.id for it in replay]
+    assert len(qids) >= 2
+    got = core.take(1, 0, 8, exclude={qids[0]})
+    assert qids[0] not in [g.question_id for g in got] and all(g.mixed for g in got)
+    assert [x.group.question_id for x in core.ready_mixed] == [qids[0]]  # still ready
+    assert [g.question_id for g in core.take(1, 0, 8)] == [qids[0]]
+    balanced(core)
