@@ -40,28 +40,41 @@ class EvalResult:
     temperature: float
     seconds: float
     response_length_mean: float = 0.0  # tokens per sampled response
+    reasoning_checked: int = 0  # correct sampled responses whose reasoning the task checked
+    valid_given_correct: float = float("nan")  # share of those with valid reasoning (the task's exact check)
 
     def table(self, model: str, name: str = "") -> str:
         rows = [("model", model), *([("set", name)] if name else []), ("questions", str(self.questions)),
                 ("greedy accuracy", f"{self.greedy_accuracy:.3f}"),
                 (f"pass@1 (T={self.temperature}, {self.k} samples)", f"{self.pass_at_1:.3f}"),
                 (f"pass@{self.k}", f"{self.pass_at_k:.3f}"),
-                ("mean response length", f"{self.response_length_mean:.1f} tokens"), ("seconds", f"{self.seconds:.1f}")]
+                ("mean response length", f"{self.response_length_mean:.1f} tokens"),
+                *([("valid reasoning | correct", f"{self.valid_given_correct:.3f} of {self.reasoning_checked}")]
+                  if self.reasoning_checked else []),
+                ("seconds", f"{self.seconds:.1f}")]
         w = max(len(a) for a, _ in rows)
         return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
 
     def metrics(self, name: str = "") -> dict[str, float]:
         """MLflow metrics under `eval/<name>/` (the held-out split, no name: `eval/`): pass_at_1 (= mean@k),
-        mean_at_<k>, pass_at_<k>, greedy_accuracy, response_length_mean, questions."""
+        mean_at_<k>, pass_at_<k>, greedy_accuracy, response_length_mean, questions; where the task checks
+        reasoning, valid_given_correct (share of correct sampled responses whose every reasoning step holds)."""
         p = f"eval/{name}/" if name else "eval/"
-        return {f"{p}greedy_accuracy": self.greedy_accuracy, f"{p}pass_at_1": self.pass_at_1,
-                f"{p}mean_at_{self.k}": self.pass_at_1, f"{p}pass_at_{self.k}": self.pass_at_k,
-                f"{p}response_length_mean": self.response_length_mean, f"{p}questions": float(self.questions)}
+        out = {f"{p}greedy_accuracy": self.greedy_accuracy, f"{p}pass_at_1": self.pass_at_1,
+               f"{p}mean_at_{self.k}": self.pass_at_1, f"{p}pass_at_{self.k}": self.pass_at_k,
+               f"{p}response_length_mean": self.response_length_mean, f"{p}questions": float(self.questions)}
+        if self.reasoning_checked:
+            out[f"{p}valid_given_correct"] = self.valid_given_correct
+        return out
 
 
 def evaluate_engine(engine, pool, questions, *, samples: int, temperature: float, seed: int,
-                    threshold: float) -> EvalResult:
-    """The measurement itself, on an engine that is already loaded (also used by the in-run evaluator)."""
+                    threshold: float, task: str | None = None) -> EvalResult:
+    """The measurement itself, on an engine that is already loaded (also used by the in-run evaluator).
+    `task`: the built-in task of the questions; where it checks reasoning, correct sampled responses are checked."""
+    from common.tasks import TASKS
+
+    reasoning = TASKS[task].reasoning if task in TASKS else None
     t0 = time.monotonic()
     prompts = [q.prompt_ids for q in questions]
     base = engine.sampling
@@ -69,9 +82,13 @@ def evaluate_engine(engine, pool, questions, *, samples: int, temperature: float
         engine.sampling = dataclasses.replace(base, temperature=GREEDY_TEMPERATURE)
         greedy = _score(pool, questions, engine.generate(prompts, [1] * len(prompts), seed), threshold)
         engine.sampling = dataclasses.replace(base, temperature=temperature)
-        sampled = _score(pool, questions, engine.generate(prompts, [samples] * len(prompts), seed), threshold)
+        outputs = engine.generate(prompts, [samples] * len(prompts), seed)
+        sampled = _score(pool, questions, outputs, threshold)
     finally:
         engine.sampling = base
+    checks = [reasoning(s.text, q.prompt, q.answer) for q, outs, (ok, _) in zip(questions, outputs, sampled)
+              for s, c in zip(outs, ok) if c] if reasoning is not None else []
+    checks = [c for c in checks if c is not None]
     correct = np.array([c for c, _ in sampled], dtype=np.float64)  # [Q, k]
     lengths = [n for _, ns in sampled for n in ns]
     return EvalResult(
@@ -81,6 +98,7 @@ def evaluate_engine(engine, pool, questions, *, samples: int, temperature: float
         pass_at_k=float(correct.max(axis=1).mean()) if questions else 0.0,
         k=samples, temperature=temperature, seconds=time.monotonic() - t0,
         response_length_mean=float(np.mean(lengths)) if lengths else 0.0,
+        reasoning_checked=len(checks), valid_given_correct=float(np.mean(checks)) if checks else float("nan"),
     )
 
 

@@ -65,7 +65,7 @@ class EvaluatorWorker:
         out = {"version": float(self.version)}
         for s, questions, pool in zip(self.sets, self.questions, self.pools):
             r = evaluate_engine(self.engine, pool, questions, samples=s.samples, temperature=s.temperature,
-                                seed=self.cfg.seed, threshold=s.reward.correct_threshold)
+                                seed=self.cfg.seed, threshold=s.reward.correct_threshold, task=s.task)
             out.update(r.metrics(s.name))
         out["seconds"] = time.monotonic() - t0
         return out

@@ -82,6 +82,10 @@ class GeneratorWorker:
         self.generator_id = generator_id
         self.cfg, self.reward_cfg, self.model_path = gen_cfg, reward_cfg, model_path
         self.work_source, self.weight_source, self.task_name = work_source, weight_source, task_name
+        from common.tasks import TASKS
+
+        # the task's exact reasoning check of correct responses (Rollout.valid), where it has one
+        self._reasoning = TASKS[task_name].reasoning if task_name in TASKS else None
         self.engine: Engine | None = None
         self.rewards = None
         self.stats = GeneratorStats()
@@ -415,10 +419,15 @@ class GeneratorWorker:
                 self.stats.rewarded += res.reward > 0
                 oldest, newest = s.versions
                 self.stats.rollouts_spanning += newest != oldest
+                correct = bool(res.reward >= self.reward_cfg.correct_threshold)
+                valid = self._reasoning(s.text, g.item.question.prompt, g.item.question.answer) \
+                    if correct and self._reasoning is not None else None
+                self.stats.reasoning_checked += valid is not None
+                self.stats.reasoning_valid += bool(valid)
                 rollouts.append(Rollout(
                     response_ids=int32_array(s.token_ids), logprobs=float32_array(s.logprobs),
-                    reward=float(res.reward), correct=bool(res.reward >= self.reward_cfg.correct_threshold),
-                    entropy=float(s.entropy), version=oldest, finish_reason=s.finish_reason, newest_version=newest,
+                    reward=float(res.reward), correct=correct, entropy=float(s.entropy), version=oldest,
+                    finish_reason=s.finish_reason, newest_version=newest, valid=-1 if valid is None else int(valid),
                 ))
                 self.stats.tokens += len(s.token_ids)
             if rollouts:

@@ -30,6 +30,8 @@ class GeneratorStats:
     startup_s: float = 0.0
     reward_errors: int = 0
     rewarded: int = 0  # rollouts with a reward above 0 (none at all: the reward function or data is wrong)
+    reasoning_checked: int = 0  # correct rollouts whose reasoning the task checked (see common.tasks Task.reasoning)
+    reasoning_valid: int = 0  # ... and found valid
     source_errors: int = 0
     groups_dropped: int = 0
     leases_returned: int = 0
@@ -68,6 +70,8 @@ class GeneratorStats:
             "startup_s": s.startup_s,
             "reward_errors": float(s.reward_errors),
             "rewarded": float(s.rewarded),
+            "reasoning_checked": float(s.reasoning_checked),
+            "reasoning_valid": float(s.reasoning_valid),
             "source_errors": float(s.source_errors),
             "groups_dropped": float(s.groups_dropped),
             "leases_returned": float(s.leases_returned),

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 _SUM = ("batches", "groups", "rollouts", "tokens", "tokens_per_s", "rollouts_per_s", "wall_tokens_per_s", "generate_s",
         "score_s", "wait_s", "weight_loads", "weight_load_s", "reward_errors", "rewarded", "source_errors",
         "groups_dropped", "leases_returned", "running", "in_flight", "loads_in_flight", "rollouts_spanning",
-        "uptime_s", "reward_in_flight", "reward_timeouts", "scoring_abandoned")
+        "uptime_s", "reward_in_flight", "reward_timeouts", "scoring_abandoned", "loads_torn", "reasoning_checked",
+        "reasoning_valid")
 _MEAN = ("wait_fraction", "busy_fraction", "version_lag_mean", "weight_load_s_last", "startup_s", "version")
 _MAX = ("version_lag_max", "reward_oldest_s", "reward_call_p50_s", "reward_call_max_s")  # p50: the slowest generator's
 _PENDING_STATES = ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
@@ -321,6 +322,9 @@ class GeneratorPool:
             for k, v in m.items():
                 if k.startswith("submit_"):
                     out[k] = out.get(k, 0.0) + v
+        # correct fresh rollouts with valid reasoning, of those checked (cumulative over the live generators)
+        out["valid_given_correct"] = (out["reasoning_valid"] / out["reasoning_checked"] if out["reasoning_checked"]
+                                      else float("nan"))
         return out
 
     def shutdown(self, *, drain: bool = True) -> None:

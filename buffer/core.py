@@ -617,7 +617,7 @@ def _take_oldest(q: deque[Ready], n: int) -> tuple[deque[Ready], list[TrainGroup
 
 def _with_key(r: Rollout, key: str) -> Rollout:
     return Rollout(r.response_ids, r.logprobs, r.reward, r.correct, r.entropy, r.version, r.finish_reason, key, r.replayed,
-                   r.newest_version)
+                   r.newest_version, r.valid)
 
 
 def balance(a: dict[str, int]) -> int:

@@ -52,7 +52,8 @@ from buffer.keys import make_key, response_digest, split_key
 from buffer.sampling import IndexedSet, QuestionSampler, TrajectorySelector
 from common.messages import Rollout
 
-# record header (int32 words): digest(2) | version | entropy(f32) | entropy_version | times_replayed | reward(f32) | finish
+# record header (int32 words): digest(2) | version | entropy(f32) | entropy_version | times_replayed | reward(f32) |
+# finish index + 256 * (reasoning check + 1)
 _H = 8
 _FINISH = ("stop", "length", "abort")
 ENGINE_ESTIMATE = -1
@@ -70,7 +71,7 @@ def pack_record(r: Rollout, digest: bytes) -> np.ndarray:
     rec[4] = ENGINE_ESTIMATE
     rec[5] = 0
     f[6] = r.reward
-    rec[7] = _FINISH.index(r.finish_reason) if r.finish_reason in _FINISH else 2
+    rec[7] = (_FINISH.index(r.finish_reason) if r.finish_reason in _FINISH else 2) + 256 * (int(r.valid) + 1)
     rec[_H : _H + t] = r.response_ids
     f[_H + t :] = r.logprobs
     return rec
@@ -95,9 +96,10 @@ def record_to_rollout(rec: np.ndarray, question_id: str) -> Rollout:
         correct=True,
         entropy=float(f[3]),
         version=int(rec[2]),
-        finish_reason=_FINISH[int(rec[7])],
+        finish_reason=_FINISH[int(rec[7]) % 256],
         key=make_key(question_id, record_digest(rec)),
         replayed=True,
+        valid=int(rec[7]) // 256 - 1,
     )
 
 

@@ -32,7 +32,7 @@ def evaluate(model_path: str, cfg: RunConfig, questions, *, samples: int = 8, te
     try:
         engine = make_engine(cfg.generator, model_path, seed=seed)
         result = evaluate_engine(engine, pool, questions, samples=samples, temperature=temperature, seed=seed,
-                                 threshold=cfg.reward.correct_threshold)
+                                 threshold=cfg.reward.correct_threshold, task=task)
     finally:
         pool.close()
     result.seconds = time.monotonic() - t0

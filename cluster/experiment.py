@@ -219,11 +219,21 @@ MECHANISM = {
     "retired": "questions retired",
     "zero_signal": "groups with no signal",
     "replay_tokens": "replayed-token share",
+    "valid_heldout": "held-out valid reasoning | correct",
+    "valid_fresh": "fresh valid | correct",
+    "valid_chosen": "o* valid",
+    "valid_candidates": "candidates valid",
+    "entropy_valid_corr": "corr(entropy, valid)",
 }
 """Per run, read back from MLflow: what replay changed. A fresh group is a question issued as new (its count
 bounds the distinct questions seen in a first epoch); a group with no signal has all rewards equal (o*
 included), so its advantage is 0; the replayed-token share is o*'s tokens over all tokens trained. The switch
-step is left out (—) for a run that replayed nothing: GRPO's buffer switches too, but has nothing to replay."""
+step is left out (—) for a run that replayed nothing: GRPO's buffer switches too, but has nothing to replay.
+Where the task checks reasoning (think_arith: every equation of the reasoning holds): the share of correct
+responses with valid reasoning on the held-out set (last evaluation) and among fresh training rollouts (whole
+run); for mixed groups, the share of chosen o* with valid reasoning against the mean share over the candidates
+it was chosen from (what a random choice gives), and the mean per-step correlation between a scored
+candidate's entropy and its validity (negative: lower entropy, more often valid)."""
 
 
 def _mechanism(client, run_id: str) -> dict[str, float]:
@@ -236,10 +246,22 @@ def _mechanism(client, run_id: str) -> dict[str, float]:
     replay = sum(x.value for x in history("learner/replay_tokens"))
     both = replay + sum(x.value for x in history("learner/fresh_tokens"))
     nan = float("nan")
+
+    def weighted(key: str) -> float:  # a per-step share, weighted by the groups it was measured on
+        w = {x.step: x.value for x in history("learner/replay_valid_groups")}
+        pairs = [(x.value, w.get(x.step, 0.0)) for x in history(key) if not math.isnan(x.value)]
+        total = sum(n for _, n in pairs)
+        return sum(v * n for v, n in pairs) / total if total else nan
+
+    corr = _finite([x.value for x in history("learner/entropy_valid_corr")])
     return {"switch_step": float(min(on)) if on and mixed else nan, "fresh_groups": trained - mixed,
             "mixed_groups": mixed, "retired": m.get("buffer/retired", 0.0),
             "zero_signal": m.get("buffer/zero_signal_seen", 0.0) / trained if trained else nan,
-            "replay_tokens": replay / both if both else nan}
+            "replay_tokens": replay / both if both else nan,
+            "valid_heldout": m.get("eval/valid_given_correct", nan), "valid_fresh": m.get("generator/valid_given_correct", nan),
+            "valid_chosen": weighted("learner/replay_valid_chosen"),
+            "valid_candidates": weighted("learner/replay_valid_candidates"),
+            "entropy_valid_corr": statistics.fmean(corr) if corr else nan}
 
 
 def _state(folder: Path) -> dict:
@@ -289,7 +311,7 @@ def table(spec: ExperimentSpec, results: list[RunResult]) -> str:
         cells = []
         for key in MECHANISM:
             xs = _finite([r.mechanism.get(key, float("nan")) for r in ok])
-            fmt = "{:.2f}" if key in ("zero_signal", "replay_tokens") else "{:.0f}"
+            fmt = "{:.0f}" if key in ("switch_step", "fresh_groups", "mixed_groups", "retired") else "{:.2f}"
             cells.append(fmt.format(statistics.fmean(xs)) if xs else "—")
         rows.append(f"| {variant} | " + " | ".join(cells) + " |")
     for r in results:

@@ -87,6 +87,7 @@ class Rollout:
     key: str = ""  # trajectory key, set by the buffer for stored/replayed trajectories
     replayed: bool = False  # True for the stored trajectory of a mixed group
     newest_version: int = -1  # newest policy version that sampled a token (> version: a partial rollout); -1: version
+    valid: int = -1  # the task's reasoning check of a correct response: 1 valid, 0 invalid, -1 not checked / unknown
 
     def __post_init__(self) -> None:
         if self.newest_version < 0:

@@ -33,6 +33,7 @@ import hashlib
 import itertools
 import json
 import random
+import re
 from collections import Counter
 from functools import lru_cache
 from collections.abc import Callable
@@ -64,6 +65,9 @@ class Task:
     """Its built-in model is a chat model: a BPE tokenizer with a chat template, trained on prompts the
     template renders (runs need data.use_chat_template=true). Otherwise: the character tokenizer, plain prompts."""
     max_attempts_per_question: int = 50
+    reasoning: Callable[[str, str, str], bool | None] | None = None
+    """`reasoning(response_text, prompt, answer)`: whether a response's reasoning is valid (checked exactly;
+    None when it cannot be told); None for a task without such a check."""
 
     def generate(self, seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
         """Deterministic in `seed`; the two splits are disjoint and each holds unique questions."""
@@ -399,6 +403,34 @@ def verify_think_arith(response: str, answer: str) -> float:
     return _math_after_think(response.split("</think>")[1], answer)
 
 
+_THINK_ARITH_QUESTION = re.compile(r"What is ([0-9+\-*() ]+)\?")
+
+
+def think_arith_reasoning_valid(response: str, prompt: str, answer: str) -> bool | None:
+    """Whether every step of a think_arith response's reasoning is true: the text inside <think>...</think> is
+    a chain `E1=E2=...=En` of at least one equation, every Ei evaluates to the question's value and En is that
+    value (`24+4*6=24+16=48` reaches 48 through a false step: invalid). None when the prompt holds no
+    think_arith question or the response has no reasoning block."""
+    m = _THINK_ARITH_QUESTION.search(prompt or "")
+    if m is None or not isinstance(response, str) or "<think>" not in response or "</think>" not in response:
+        return None
+    try:
+        value = _evaluate(_parse(m.group(1)))
+    except _ParseError:
+        return None
+    parts = response.split("<think>", 1)[1].split("</think>", 1)[0].split("=")
+    if len(parts) < 2 or parts[-1].strip() != str(value) or str(value) != answer.strip():
+        return False
+    for part in parts:
+        text = part.strip()
+        try:
+            if _evaluate(_parse("0" + text if text.startswith("-") else text)) != value:
+                return False
+        except _ParseError:
+            return False
+    return True
+
+
 # ----------------------------------------------------------------------------------------- registry
 
 TASKS: dict[str, Task] = {
@@ -407,7 +439,7 @@ TASKS: dict[str, Task] = {
     "countdown": Task("countdown", _countdown_question, verify_countdown, countdown_solutions,
                       rewards=("countdown",)),
     "think_arith": Task("think_arith", _think_arith_question, verify_think_arith, think_arith_solutions,
-                        rewards=("math_think", "math"), chat=True),
+                        rewards=("math_think", "math"), chat=True, reasoning=think_arith_reasoning_valid),
 }
 
 

@@ -195,6 +195,10 @@ class StepFeedback:
     keys: list[str] = field(default_factory=list)  # every scored candidate (and, merged, the stored fresh rows)
     entropies: list[float] = field(default_factory=list)  # their mean token entropy under the step's policy
     chosen: list[str] = field(default_factory=list)  # the o* of each mixed group
+    # the task's reasoning check (Rollout.valid) where known: per mixed group (o* valid, mean over its candidates),
+    # and (entropy, valid) of every scored candidate
+    valid_chosen: list[tuple[int, float]] = field(default_factory=list)
+    valid_scored: list[tuple[float, int]] = field(default_factory=list)
 
 
 def complete_groups(batch: TrainingBatch, scores: dict[tuple[int, int], float]) -> tuple[TrainingBatch, StepFeedback]:
@@ -214,8 +218,13 @@ def complete_groups(batch: TrainingBatch, scores: dict[tuple[int, int], float]) 
             for ro, h in zip(group.candidates, ents):
                 fb.keys.append(ro.key)
                 fb.entropies.append(h)
+                if ro.valid >= 0:
+                    fb.valid_scored.append((h, ro.valid))
         chosen: Rollout = group.candidates[best]
         fb.chosen.append(chosen.key)
+        known = [ro.valid for ro in group.candidates if ro.valid >= 0]
+        if chosen.valid >= 0:
+            fb.valid_chosen.append((chosen.valid, sum(known) / len(known)))
         groups.append(replace(group, rollouts=list(group.rollouts) + [chosen], candidates=[]))
     return replace(batch, groups=groups), fb
 
@@ -434,11 +443,29 @@ def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeed
         "learner/overlong_penalty_mean": lead.overlong_penalty_sum / lead.overlong_rows if lead.overlong_rows else 0.0,
         **_mismatch_metrics(s, mx),
     }
+    metrics.update(reasoning_metrics(lead.feedback))
     # the scored candidates (the same on every rank) and each rank's trained fresh rows that the buffer stored
     fb = StepFeedback(keys=lead.feedback.keys + [k for st in stats for k in st.fresh_keys],
                       entropies=lead.feedback.entropies + [h for st in stats for h in st.fresh_entropies],
                       chosen=lead.feedback.chosen)
     return metrics, fb
+
+
+def reasoning_metrics(fb: StepFeedback) -> dict[str, float]:
+    """Where the task checks reasoning (Rollout.valid): the share of mixed groups' o* with valid reasoning, the
+    mean share over their candidates (what a random choice would give), and the correlation between a scored
+    candidate's entropy and its validity (negative: lower entropy, more often valid). NaN where undefined."""
+    nan = float("nan")
+    out = {"learner/replay_valid_groups": float(len(fb.valid_chosen)),
+           "learner/replay_valid_chosen": nan, "learner/replay_valid_candidates": nan, "learner/entropy_valid_corr": nan}
+    if fb.valid_chosen:
+        out["learner/replay_valid_chosen"] = float(np.mean([c for c, _ in fb.valid_chosen]))
+        out["learner/replay_valid_candidates"] = float(np.mean([m for _, m in fb.valid_chosen]))
+    if len(fb.valid_scored) >= 2:
+        h, v = np.array(fb.valid_scored, dtype=np.float64).T
+        if h.std() > 0 and v.std() > 0:
+            out["learner/entropy_valid_corr"] = float(np.corrcoef(h, v)[0, 1])
+    return out
 
 
 def _mismatch_metrics(s: dict[str, float], mx: dict[str, float]) -> dict[str, float]:

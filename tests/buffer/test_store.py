@@ -158,3 +158,15 @@ def test_times_replayed_histogram():
         s.feedback([], [], version=0, chosen=[key])
     m = s.metrics()
     assert m["times_replayed_4plus"] == 1 and m["times_replayed_0"] == 0
+
+
+def test_a_record_keeps_the_reasoning_check():
+    from buffer.keys import response_digest
+    from buffer.store import pack_record
+
+    for valid in (-1, 0, 1):
+        for finish in ("stop", "length"):
+            r = rollout([1, 2, 3], 1.0)
+            r.valid, r.finish_reason = valid, finish
+            back = record_to_rollout(pack_record(r, response_digest(r.response_ids)), "q")
+            assert (back.valid, back.finish_reason) == (valid, finish)

@@ -200,3 +200,21 @@ def test_mixed_up_settings_are_refused(overrides, expected):
 def test_own_models_may_use_any_encoding():
     cfg = load_config(None, ["data.task=think_arith", "data.use_chat_template=false", "model.path=/m"])
     assert not cfg.data.use_chat_template and DataConfig(task="think_arith").task == "think_arith"
+
+
+def test_the_reasoning_check_accepts_every_path_and_refuses_a_false_step():
+    from common.tasks import TASKS, think_arith_reasoning_valid as valid
+
+    task = TASKS["think_arith"]
+    assert task.reasoning is valid and TASKS["countdown"].reasoning is None
+    train, _ = task.generate(0, 40, 0)
+    for row in train:  # every reasoning path the task knows is valid, in the chat-rendered prompt too
+        for sol in task.solutions(row["question"], row["answer"]):
+            assert valid(sol, f"<|user|>{row['question']}<|assistant|>", row["answer"]), sol
+    q = "What is 24+4*6?"
+    assert valid("<think>24+24=48</think>\\boxed{48}", q, "48")
+    assert not valid("<think>24+4*6=24+16=48</think>\\boxed{48}", q, "48")  # right answer, a false step
+    assert not valid("<think>48</think>\\boxed{48}", q, "48")  # no reasoning at all
+    assert not valid("<think>24+24=4 8</think>\\boxed{48}", q, "48") and not valid("<think>x=48</think>", q, "48")
+    assert valid("<think>-7+3=-4</think>\\boxed{-4}", "What is 2-9+3?", "-4")  # a leading negative number
+    assert valid("\\boxed{48}", q, "48") is None and valid("<think>1=1</think>", "no question", "1") is None

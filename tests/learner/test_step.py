@@ -386,3 +386,21 @@ def test_trained_fresh_rows_the_buffer_stored_come_back_measured(tiny_model_dir)
     assert sorted(fb.keys) == sorted(expected) and not fb.chosen
     for key, h in zip(fb.keys, fb.entropies):
         assert h == pytest.approx(expected[key], rel=1e-4), key
+
+
+def test_reasoning_metrics_of_the_chosen_trajectories():
+    """o* validity against its candidates' mean, and the entropy-validity correlation of scored candidates."""
+    import dataclasses
+
+    from learner.step import reasoning_metrics
+
+    batch = make_batch(0, groups=4, mixed_every=2, candidates=3)  # groups 0 and 2 are mixed
+    for g in batch.groups:
+        g.candidates = [dataclasses.replace(c, valid=v) for c, v in zip(g.candidates, (1, 0, 0))]
+    scores = {(g, c): h for g in (0, 2) for c, h in enumerate((0.1, 0.5, 0.9))}  # the valid one is lowest
+    _, fb = complete_groups(batch, scores)
+    m = reasoning_metrics(fb)
+    assert m["learner/replay_valid_groups"] == 2 and m["learner/replay_valid_chosen"] == 1.0
+    assert m["learner/replay_valid_candidates"] == pytest.approx(1 / 3)
+    assert m["learner/entropy_valid_corr"] < -0.8
+    assert np.isnan(reasoning_metrics(type(fb)())["learner/replay_valid_chosen"])  # nothing checked: NaN
