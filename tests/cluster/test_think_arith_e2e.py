@@ -54,6 +54,11 @@ def test_think_arith_trains_with_the_chat_template_and_math_verify(tmp_path, sta
     # the weak start solves some rollouts: `</think>` survived decoding and math-verify read the boxed answers
     assert 0 < max(rewards) < 0.6, rewards
     assert [s for s, _ in history(client, run_id, "eval/pass_at_1")] == [3]
+    # the task's exact reasoning check reaches MLflow: fresh rollouts (generators) and the held-out evaluation
+    m = client.get_run(run_id).data.metrics
+    assert m["generator/reasoning_checked"] >= m["generator/reasoning_valid"] > 0
+    assert 0 < m["generator/valid_given_correct"] <= 1
+    assert 0 <= m.get("eval/valid_given_correct", 0.0) <= 1  # (logged when an evaluated answer was correct)
     # what the model sees is printed once at start and kept in the run folder: the rendered chat template
     shown = (tmp_path / "think" / "prompt_example.txt").read_text()
     assert "<|user|>What is" in shown and shown.rstrip().endswith("<|assistant|>") and "prompt tokens" in shown
