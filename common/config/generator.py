@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from common.config.base import Section
 
@@ -119,7 +119,11 @@ class GeneratorConfig(Section):
     num_cpus: float = Field(1.0, ge=0)
     """CPUs reserved per generator actor."""
     num_gpus: float = Field(0.0, ge=0)
-    """GPUs reserved per generator actor."""
+    """GPUs reserved per generator actor (with tensor_parallel_size > 1: per tensor-parallel worker, 1)."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """GPUs one generator's vLLM engine spans (tensor parallelism). Above 1 each generator reserves a Ray
+    placement group of this many bundles of one GPU on one node (STRICT_PACK; the first bundle also holds
+    num_cpus), and vLLM places its workers in it. Needs generator.num_gpus=1 and the vllm engine."""
     seed: int = Field(0, ge=0)
     """Base sampling seed (each generator adds its index)."""
     idle_sleep_s: float = Field(0.05, gt=0, le=60)
@@ -141,3 +145,15 @@ class GeneratorConfig(Section):
     actors; one death more than this within `replace_window_s` stops the run, naming the last errors."""
     replace_window_s: float = Field(600.0, gt=0, le=604_800)
     """Sliding window (seconds) over which `replace_budget` counts deaths."""
+
+    @model_validator(mode="after")
+    def _tensor_parallel(self) -> GeneratorConfig:
+        tp = self.tensor_parallel_size
+        if tp > 1:
+            if self.num_gpus != 1:
+                raise ValueError(f"generator.tensor_parallel_size={tp} gives each of a generator's {tp} engine "
+                                 f"workers one whole GPU: set generator.num_gpus=1 (it is {self.num_gpus:g})")
+            if self.engine.kind == "transformers":
+                raise ValueError(f"generator.tensor_parallel_size={tp}: the transformers engine runs on one device; "
+                                 "use generator.engine.kind=vllm (or auto)")
+        return self

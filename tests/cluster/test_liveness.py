@@ -46,6 +46,16 @@ def test_a_generator_larger_than_any_node_is_refused():
     assert "a generator needs 4 CPU" in p.refuse and "the largest node has 2 CPU" in p.refuse
 
 
+def test_a_tensor_parallel_generator_needs_its_gpus_on_one_node():
+    gen = GeneratorConfig(num_gpus=1, tensor_parallel_size=4, engine={"kind": "vllm"})
+    learner = LearnerConfig(num_gpus=1)
+    p = check_placement(gen, learner, 1, {"CPU": 16, "GPU": 8}, {"CPU": 8, "GPU": 3}, fixed=True)
+    assert "a generator needs 4 GPU (generator.num_gpus x generator.tensor_parallel_size=4)" in p.refuse
+    assert "the largest node has 3 GPU" in p.refuse
+    p = check_placement(gen, learner, 2, {"CPU": 16, "GPU": 8}, {"CPU": 8, "GPU": 4}, fixed=True)
+    assert p.fit == 1 and p.refuse is None  # 8 GPUs: the learner's 1 and one generator's 4 (two would need 9)
+
+
 def test_a_joined_cluster_may_grow_so_it_is_a_warning_there():
     p = _place(1, 1, fixed=False)
     assert p.refuse is None and p.fit == 0 and "waiting for nodes to join" in p.warning
