@@ -24,6 +24,10 @@ sampled every 2 ms) it gains above its resident shard, for the streamed object-s
 object per `bucket_mb` bucket) and for assembling the whole state dict (what every publication did
 before, and what the collective backend still does), and for the checkpoint's streamed model export.
 
+`--loading`: each of 2 FSDP ranks' private memory (RssAnon, sampled every 2 ms) while it loads the same ~105M
+float32 model and shards it, the old way (`from_pretrained` on every rank, then `fully_shard`) and the new one
+(`learner.loading`: built without weights, sharded, each rank reading only its rows).
+
 `--snapshot`: one buffer shard holding `--trajectories` stored trajectories of `--traj-tokens` tokens (8 per
 question, real `ExperienceStore.observe`), snapshotted in full, then again after `--changed` of them changed
 (as many new lower-entropy trajectories as that share, each evicting one at the per-question cap, and learner
@@ -119,6 +123,7 @@ def main() -> None:
     ap.add_argument("--publication", action="store_true", help="only the publication measurement")
     ap.add_argument("--bucket-mb", type=float, default=32.0)
     ap.add_argument("--snapshot", action="store_true", help="only the buffer snapshot measurement")
+    ap.add_argument("--loading", action="store_true", help="only the learner loading measurement")
     ap.add_argument("--trajectories", type=int, default=1_000_000)
     ap.add_argument("--traj-tokens", type=int, default=1000)
     ap.add_argument("--changed", type=float, default=0.01)
@@ -130,6 +135,9 @@ def main() -> None:
         return
     if args.publication:
         publication(args.bucket_mb)
+        return
+    if args.loading:
+        loading()
         return
     if args.snapshot:
         snapshot(args.trajectories, args.traj_tokens, args.changed, args.dir)
@@ -320,6 +328,94 @@ def snapshot(trajectories: int, tokens: int, changed: float, folder: str | None)
         print(f"| {name} | {dt:.2f} | {written / 2**20:,.0f} MiB | {dt / full[1]:.3f} | {written / full[2]:.3f} |")
     print(f"| restore (read + verify + rebuild) | {load_s:.2f} | — | — | — |")
     print(f"\npeak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")
+
+
+def _load_rank(rank: int, folder: str, port: int, sharded_load: bool, out: str) -> None:
+    """One of 2 gloo ranks: its peak private memory above its start while it loads and shards the model."""
+    import threading
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from learner.loading import build_empty, load_shards, materialize
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+    def anon() -> int:
+        return status("RssAnon")
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    base, peak, stop = anon(), [0], threading.Event()
+    rss0 = status("VmRSS")
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], anon())
+            time.sleep(0.002)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    model = build_empty(folder) if sharded_load else AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if sharded_load:
+        materialize(model, torch.device("cpu"))
+        load_shards(model, folder, rank, 2)
+    import gc
+
+    gc.collect()
+    stop.set()
+    t.join()
+    shard = sum(p.to_local().numel() * 4 for p in model.parameters())
+    Path(out).write_text(json.dumps({"base": base, "peak": max(peak[0], anon()), "shard": shard,
+                                     "rss_peak": status("VmHWM") - rss0}))
+    torch.distributed.destroy_process_group()
+
+
+def loading() -> None:
+    sys.path.insert(0, str(ROOT))
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from common.modeling import build_char_tokenizer, init_tiny_llama, save_model_folder
+
+    mb = 1 << 20
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = init_tiny_llama(32_000, hidden_size=640, num_layers=12, num_heads=10)
+        params = sum(p.numel() for p in model.parameters())
+        folder = str(save_model_folder(model, build_char_tokenizer(), Path(tmp) / "m"))
+        del model
+        for sharded_load in (False, True):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            outs = [str(Path(tmp) / f"r{r}-{int(sharded_load)}.json") for r in range(2)]
+            ctx = mp.get_context("spawn")
+            procs = [ctx.Process(target=_load_rank, args=(r, folder, port, sharded_load, outs[r])) for r in range(2)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+            rows.append((sharded_load, [json.loads(Path(o).read_text()) for o in outs]))
+    print("command: python bench/shapes_bench.py --loading")
+    print(f"2 FSDP ranks (gloo), a {params / 1e6:.0f}M-parameter Llama, float32 ({params * 4 / mb:.0f} MiB)\n")
+    print("| loading | rank | shard MiB | peak private memory above the start, MiB | peak resident above the "
+          "start (mapped weight file included), MiB | resident in shards |")
+    print("|---|---|---|---|---|---|")
+    for sharded_load, res in rows:
+        name = "sharded (learner.loading)" if sharded_load else "whole model per rank (before)"
+        for r, x in enumerate(res):
+            extra, rss, shard = (x["peak"] - x["base"]) / mb, x["rss_peak"] / mb, x["shard"] / mb
+            print(f"| {name} | {r} | {shard:.0f} | {extra:.0f} | {rss:.0f} | {rss / shard:.2f} |")
 
 
 if __name__ == "__main__":

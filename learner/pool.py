@@ -47,6 +47,7 @@ from common.interfaces import actor_name
 from common.messages import LearnerFeedback, TrainingBatch, WeightsAnnouncement, float32_array
 from learner import checkpoint as ck
 from learner.schedule import learning_rate
+from learner.loading import build_empty, load_shards, materialize
 from learner.step import RankStats, TrainStep, merge_rank_stats, prepare_model
 from learner.weights import WeightSyncTimeout, get_or_create_store, make_publisher, wait_for_acks
 
@@ -99,7 +100,12 @@ class LearnerRank:
                                              world_size=self.world, timeout=datetime.timedelta(minutes=10))
         torch.manual_seed(self.cfg.seed + self.rank)
         np.random.seed(self.cfg.seed + self.rank)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
+        # One float32 rank has nothing to shard or cast: FSDP2 would only add its unshard/reshard hooks
+        # (~10% of a step on the built-in model). Same math, and the state-dict/DCP paths take plain tensors.
+        sharded = self.world > 1 or self.dtype != torch.float32
+        # sharded: built without weights and filled shard by shard (a rank holds its shards, never the model)
+        model = build_empty(self.model_path) if sharded else \
+            AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
         self.model_config = model.config
         c = self.cfg
         prepare_model(model, c)  # before sharding: FSDP then manages the new head's (tied) weight as before
@@ -108,12 +114,12 @@ class LearnerRank:
         if self.dtype == torch.float16 and self.rank == 0:
             log.warning("model.dtype=float16: the learner trains without loss scaling (gradients may underflow); "
                         "use bfloat16 where the hardware has it")
-        # One float32 rank has nothing to shard or cast: FSDP2 would only add its unshard/reshard hooks
-        # (~10% of a step on the built-in model). Same math, and the state-dict/DCP paths take plain tensors.
-        if self.world > 1 or self.dtype != torch.float32:
+        if sharded:
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh, mp_policy=mp)
             fully_shard(model, mesh=mesh, mp_policy=mp)
+            materialize(model, self.device)
+            load_shards(model, self.model_path, self.rank, self.world)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
         ref = None

@@ -300,3 +300,27 @@ def test_streamed_publication_is_an_object_per_bucket_and_equals_the_full_state(
         assert max(sizes) <= 0.05 * (1 << 20) + max(v.numel() * v.element_size() for v in full.values())
     finally:
         pool.shutdown()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_sharded_ranks_load_exactly_the_model_folder(ray_cluster, tmp_path, model_dir, tied):
+    """2 ranks build the model without weights and read only their own rows of each tensor (learner.loading):
+    the gathered state equals the folder's weights bit for bit, tied embeddings (one tensor, two names) too."""
+    from safetensors.torch import load_file
+
+    from common.modeling import build_char_tokenizer, init_tiny_qwen2, save_model_folder
+
+    folder = model_dir
+    if tied:
+        tok = build_char_tokenizer()
+        folder = save_model_folder(init_tiny_qwen2(300, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                                                   seed=3, max_positions=256), tok, tmp_path / "qwen2")
+    pool = make_pool(folder, f"load{int(tied)}", 2)
+    try:
+        loaded = pool.state_dict()
+    finally:
+        pool.shutdown()
+    on_disk = load_file(str(folder / "model.safetensors"))
+    assert on_disk.keys() <= loaded.keys()
+    for k, v in on_disk.items():
+        assert torch.equal(loaded[k], v.float()), k
