@@ -212,7 +212,7 @@ def publication(bucket_mb: float) -> None:
 
     import ray
 
-    from common.config import LearnerConfig, ObjectStoreSyncConfig
+    from common.config import CollectiveSyncConfig, LearnerConfig, ObjectStoreSyncConfig
     from common.modeling import build_char_tokenizer, init_tiny_llama, save_model_folder
     from learner.pool import LearnerPool
 
@@ -239,6 +239,14 @@ def publication(bucket_mb: float) -> None:
             others = [r.export_model.remote(out) for r in pool.ranks[1:]]
             rows.append(("checkpoint's model folder (streamed into model.safetensors)",
                          ray.get(pool.ranks[0].__ray_call__.remote(_probe, 4, True, out))))
+            ray.get(others)
+            pool.shutdown()
+            # the collective backend keeps the packed version for its channels: the gather is packed as it comes
+            cfg = LearnerConfig(num_ranks=2, weight_sync=CollectiveSyncConfig(bucket_mb=bucket_mb, keep_versions=1))
+            pool = LearnerPool(cfg, str(Path(tmp) / "m"), run="pubc", namespace="bench", max_new_tokens=8)
+            others = [r.publish.remote(1) for r in pool.ranks[1:]]  # the first version: nothing older is kept
+            rows.append(("collective: packed as gathered, then kept for the channels",
+                         ray.get(pool.ranks[0].__ray_call__.remote(_probe, 1, True))))
             ray.get(others)
             pool.shutdown()
         finally:

@@ -40,6 +40,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -71,24 +72,43 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
-def pack(version: int, state_dict: dict[str, torch.Tensor], bucket_bytes: int, device: torch.device) -> Packed:
-    """Copy `state_dict` into uint8 buckets of up to `bucket_bytes` (a larger tensor gets a bucket of its own)."""
-    plan, sizes, used = [], [], bucket_bytes  # `used` >= bucket_bytes forces a new bucket for the first tensor
-    for name, t in state_dict.items():
-        nbytes = t.numel() * t.element_size()
-        offset = -(-used // ALIGN) * ALIGN
-        if not sizes or (offset + nbytes > bucket_bytes and used > 0):
-            sizes.append(0)
-            offset = 0
-        plan.append([name, list(t.shape), str(t.dtype).removeprefix("torch."), len(sizes) - 1, offset, nbytes])
-        used = offset + nbytes
-        sizes[-1] = used
-    buckets = [torch.empty(max(s, 1), dtype=torch.uint8, device=device) for s in sizes]
-    for (name, _, _, b, off, nbytes), t in zip(plan, state_dict.values()):
-        if nbytes:
-            buckets[b][off:off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+def pack(version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], bucket_bytes: int,
+         device: torch.device) -> Packed:
+    """Copy `state_dict` (a dict, or its chunks as they come: `learner.gather.iter_full_state`) into uint8 buckets
+    of up to `bucket_bytes` (a larger tensor gets a bucket of its own). Streamed: a bucket is allocated and filled
+    when it closes, so the packer holds the packed version plus the open bucket's tensors, never a whole second
+    copy of the model."""
+    plan, buckets = [], []
+    pending: list[tuple[torch.Tensor, int, int]] = []  # the open bucket's (tensor, offset, bytes)
+    size: int | None = None  # bytes used in the open bucket; None: none open
+
+    def close() -> None:
+        buf = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+        for t, off, nbytes in pending:
+            if nbytes:
+                buf[off:off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        buckets.append(buf)
+        pending.clear()
+
+    for chunk in ([state_dict] if isinstance(state_dict, dict) else state_dict):
+        for name, t in chunk.items():
+            nbytes = t.numel() * t.element_size()
+            offset = 0 if size is None else -(-size // ALIGN) * ALIGN
+            if size is not None and offset + nbytes > bucket_bytes and size > 0:
+                close()
+                size, offset = None, 0
+            plan.append([name, list(t.shape), str(t.dtype).removeprefix("torch."), len(buckets), offset, nbytes])
+            pending.append((t, offset, nbytes))
+            size = offset + nbytes
+    if size is not None:
+        close()
     meta = torch.frombuffer(bytearray(json.dumps({"tensors": plan}).encode()), dtype=torch.uint8)
     return Packed(version, meta.to(device), buckets)
+
+
+def packed_bytes(p: Packed) -> int:
+    """The payload bytes of a packed version (its tensors, without alignment padding)."""
+    return sum(entry[5] for entry in json.loads(bytes(p.meta.cpu().numpy()))["tensors"])
 
 
 def unpack(meta: bytes, buckets: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -160,7 +180,9 @@ class CollectiveServer:
         self.closed = threading.Event()
         threading.Thread(target=self._accept, name="weights-acceptor", daemon=True).start()
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]) -> int:
+        """Pack `version` (a dict or its chunks, packed as they come) and hold it for the channels; returns its
+        payload bytes."""
         packed = pack(version, state_dict, int(self.cfg.bucket_mb * (1 << 20)), self.device)
         with self.lock:
             if self.versions and version <= max(self.versions):
@@ -168,6 +190,7 @@ class CollectiveServer:
             self.versions[version] = packed
             for v in sorted(self.versions)[:-self.cfg.keep_versions]:
                 del self.versions[v]
+        return packed_bytes(packed)
 
     def status(self) -> dict:
         with self.lock:

@@ -42,7 +42,7 @@ import ray
 import torch
 
 from common import codec
-from common.config import LearnerConfig, ObjectStoreSyncConfig
+from common.config import LearnerConfig
 from common.interfaces import actor_name
 from common.messages import LearnerFeedback, TrainingBatch, WeightsAnnouncement, float32_array
 from learner import checkpoint as ck
@@ -149,23 +149,21 @@ class LearnerRank:
         return gather_full_state(self.model, self.rank, self.world, dtype=dtype)
 
     def publish(self, version: int) -> WeightsAnnouncement | None:
-        """Collective. The object store takes the gather as it streams, one object per bucket (rank 0 holds
-        its shard and about one bucket); the collective backend keeps whole versions for its channels."""
+        """Collective. The gather streams into the publisher bucket by bucket: the object store puts one object
+        per bucket (rank 0 holds its shard and about one bucket); the collective backend packs the buckets as they
+        come into the version it keeps for its channels (rank 0 holds its shard, that version and one bucket)."""
         from learner.gather import iter_full_state
 
         if self.rank == 0 and self.publisher is None:
             self.publisher = make_publisher(self.cfg.weight_sync, run=self.run, namespace=self.namespace,
                                             timeout_s=self.cfg.publish_timeout_s)
-        if isinstance(self.cfg.weight_sync, ObjectStoreSyncConfig):
-            chunks = iter_full_state(self.model, self.rank, self.world, dtype=self.publish_dtype,
-                                     bucket_bytes=int(self.cfg.weight_sync.bucket_mb * (1 << 20)))
-            if self.rank != 0:
-                for _ in chunks:  # the gathers are collectives: every rank runs them
-                    pass
-                return None
-            return self.publisher.publish(version, chunks)
-        sd = self.full_state_dict(self.publish_dtype)
-        return self.publisher.publish(version, sd) if self.rank == 0 else None
+        chunks = iter_full_state(self.model, self.rank, self.world, dtype=self.publish_dtype,
+                                 bucket_bytes=int(self.cfg.weight_sync.bucket_mb * (1 << 20)))
+        if self.rank != 0:
+            for _ in chunks:  # the gathers are collectives: every rank runs them
+                pass
+            return None
+        return self.publisher.publish(version, chunks)
 
     def weight_sync_status(self) -> dict:
         """The publisher's view (collective: channels served, failed channels with generator ids); {} elsewhere."""

@@ -291,10 +291,12 @@ class CollectivePublisher:
         self.store = get_or_create_store(run, namespace)
         self.server = CollectiveServer(cfg, timeout_s=timeout_s, host=host or ray.util.get_node_ip_address())
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> WeightsAnnouncement:
-        self.server.publish(version, state_dict)
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]
+                ) -> WeightsAnnouncement:
+        """`state_dict`: the whole dict or its buckets as they are gathered (packed as they come)."""
+        num_bytes = self.server.publish(version, state_dict)
         ann = WeightsAnnouncement(version=version, location=f"collective:{self.server.address}",
-                                  num_bytes=state_dict_bytes(state_dict), created_at=time.time())
+                                  num_bytes=num_bytes, created_at=time.time())
         try:
             ray.get(self.store.put.remote(ann, []), timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError as e:

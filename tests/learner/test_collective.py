@@ -13,7 +13,7 @@ import ray
 import torch
 
 from common.config import CollectiveSyncConfig, LearnerConfig
-from learner.collective import pack, unpack
+from learner.collective import pack, packed_bytes, unpack
 from learner.pool import LearnerPool
 from learner.weights import CollectiveWeightSource, WeightSyncTimeout, make_publisher, make_weight_source
 from tests.learner.batches import make_batch
@@ -204,3 +204,19 @@ def test_vllm_generator_loads_collective_weights(ray_cluster, tiny_model_dir):
             ray.kill(gen, no_restart=True)
         buffer.shutdown()
         pool.shutdown()
+
+
+def test_pack_streams_chunks_into_the_same_layout():
+    """Packed as the gather's chunks come (learner.gather.iter_full_state), the version is laid out exactly as the
+    whole dict would be: rank 0 never holds the state dict and its packed copy at once."""
+    sd = {"w": torch.randn(3, 4), "h": torch.randn(5).bfloat16(), "empty": torch.zeros(0), "s": torch.tensor(2.5),
+          "i": torch.arange(10)}
+    whole = pack(7, sd, bucket_bytes=64, device=torch.device("cpu"))
+    items = list(sd.items())
+    streamed = pack(7, iter([dict(items[:2]), dict(items[2:4]), dict(items[4:])]), bucket_bytes=64,
+                    device=torch.device("cpu"))
+    assert bytes(streamed.meta.numpy()) == bytes(whole.meta.numpy())  # the same plan: buckets, offsets
+    assert [b.numel() for b in streamed.buckets] == [b.numel() for b in whole.buckets]
+    out = unpack(bytes(streamed.meta.numpy()), streamed.buckets)  # (alignment gaps are left uninitialised)
+    assert all(torch.equal(out[k], sd[k]) and out[k].dtype == sd[k].dtype for k in sd)
+    assert packed_bytes(whole) == 48 + 10 + 0 + 4 + 80
