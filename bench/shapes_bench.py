@@ -5,7 +5,7 @@
 
 Model: a tiny Qwen2 (hidden 64, 2 layers, GQA 2/1 heads, tied embeddings, 10,240 positions) with the
 vocabulary given, so that the LM head and the lengths dominate as they do for a real model's logits.
-Each case runs in its own process (peak RSS = that process's ru_maxrss): one warm-up step, then one
+Each case runs in its own process (peak RSS = that process's VmHWM): one warm-up step, then one
 timed `TrainStep.run` (1 rank, float32, AdamW) over a batch of `--tokens` response tokens (rows of
 64 prompt + LENGTH response tokens, groups of 4 with 0/1 rewards).
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -48,6 +47,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = 64
 GIB = 1024 ** 3
+
+
+def peak_rss() -> int:
+    """This process's peak resident bytes (VmHWM). Not ru_maxrss: Linux carries that across exec, so a case spawned
+    by a large process (the test suite's, after it loaded engines) would report the parent's peak as its own."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def run_case(case: dict) -> dict:
@@ -88,12 +94,12 @@ def run_case(case: dict) -> dict:
                                      rollouts=ros, mixed=False))
         return TrainingBatch(groups=groups, version=version)
 
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = peak_rss()
     step.run(batch(0))  # warm-up
     t0 = time.perf_counter()
     stats = step.run(batch(1))
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     tokens = stats.sums["fresh_tokens"]
     return {**case, "rows": rows, "tokens_trained": tokens, "seconds": round(seconds, 2),
             "tokens_per_s": round(tokens / seconds, 1), "peak_rss_gib": round(peak / GIB, 3),
@@ -335,7 +341,7 @@ def snapshot(trajectories: int, tokens: int, changed: float, folder: str | None)
     for name, dt, written in rows:
         print(f"| {name} | {dt:.2f} | {written / 2**20:,.0f} MiB | {dt / full[1]:.3f} | {written / full[2]:.3f} |")
     print(f"| restore (read + verify + rebuild) | {load_s:.2f} | — | — | — |")
-    print(f"\npeak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")
+    print(f"\npeak RSS of this process: {peak_rss() / GIB:.1f} GiB")
 
 
 def _load_rank(rank: int, folder: str, port: int, sharded_load: bool, out: str) -> None:
