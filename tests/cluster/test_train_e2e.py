@@ -228,13 +228,17 @@ def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothi
                  "the first checkpoint")
         ranks = _learner_ranks(p.pid)
         assert ranks, "no learner rank process found"
-        before = len(state(run_dir)["checkpoints"])
         for q in ranks:
             q.kill()
-        wait_for(lambda: "restarting from the last checkpoint (1/2)" in read_log(runs_root, "resume")
-                 or p.poll() is not None, 300, "the restart")
-        wait_for(lambda: len(state(run_dir).get("checkpoints", [])) > before or p.poll() is not None, 600,
-                 "a checkpoint of the restarted attempt")
+        # the restarted attempt says which checkpoint it resumed; a checkpoint after that one is its own (the
+        # first attempt may still commit one between the kill and its detection: counting them would race)
+        resumed = r"resumed the buffer of step-(\d+)"
+        wait_for(lambda: re.search(resumed, read_log(runs_root, "resume")) or p.poll() is not None, 300,
+                 "the restarted attempt's resume")
+        assert p.poll() is None, read_log(runs_root, "resume")
+        resumed_step = int(re.search(resumed, read_log(runs_root, "resume"))[1])
+        wait_for(lambda: max(int(Path(c).name.removeprefix("step-")) for c in state(run_dir)["checkpoints"])
+                 > resumed_step or p.poll() is not None, 600, "a checkpoint of the restarted attempt")
         assert p.poll() is None, read_log(runs_root, "resume")
         os.kill(p.pid, signal.SIGKILL)  # kill -9 the driver only
         p.wait(30)
