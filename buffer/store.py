@@ -407,7 +407,10 @@ class ExperienceStore:
                 keep[sid] = None
             else:
                 src = next((p for p in g.paths if os.path.isfile(p) and os.path.getsize(p) == g.size), None)
-                (rewrite.add(sid) if src is None else keep.__setitem__(sid, src))
+                if src is None:
+                    rewrite.add(sid)
+                else:
+                    keep[sid] = src
         for sid in sorted(keep, key=lambda x: self.segments[x].size)[: max(0, len(keep) - MAX_SEGMENTS + 1)]:
             del keep[sid]  # too many segments: the smallest are merged into the new one
             rewrite.add(sid)
