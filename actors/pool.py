@@ -35,6 +35,7 @@ from common.config import GeneratorConfig, RewardConfig
 from common.interfaces import WeightSource, WorkSource, actor_name
 
 log = logging.getLogger(__name__)
+console = logging.getLogger("exgrpo")  # what the user sees on the console (cluster/console.py)
 
 _SUM = ("batches", "groups", "rollouts", "tokens", "tokens_per_s", "rollouts_per_s", "wall_tokens_per_s", "generate_s",
         "score_s", "wait_s", "weight_loads", "weight_load_s", "reward_errors", "rewarded", "source_errors",
@@ -199,8 +200,12 @@ class GeneratorPool:
             st, why = _gcs_state(actor)
             if st == "DEAD":
                 self._died(i, why)
+            elif st == "ALIVE":
+                if self.state.get(i) == "restarting":  # e.g. placed again after its node was lost
+                    console.warning("generator %s is running again (Ray restarted it)", self.generator_id(i))
+                self.state[i] = "running"
             else:
-                self.state[i] = "running" if st == "ALIVE" else "restarting"
+                self.state[i] = "restarting"
 
     def _finish_start(self, i: int, actor, ref, t0: float) -> None:
         try:
@@ -220,6 +225,10 @@ class GeneratorPool:
         del self.starting[i]
         self.placed_at.pop(i, None)
         self.state[i] = "running"
+        gid = self.generator_id(i)
+        if gid in self.last_error:  # a replacement (e.g. placed again after its node was lost)
+            console.warning("generator %s is running again, %.0fs after its replacement was requested", gid,
+                        time.monotonic() - t0)
 
     def _died(self, i: int, why: str) -> None:
         """Forget actor `i` (killing what is left of it), count the death, replace it within the budget."""

@@ -25,6 +25,7 @@ from buffer.core import ShardCore
 from buffer.snapshot import load_core, segment_target, snapshot_path, write_shard_snapshot
 from common import codec
 from common.config import BufferConfig
+from common.interfaces import near_caller
 from common.messages import LearnerFeedback, Question, ScoredGroup, TrainGroup, WorkItem
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,6 @@ def make_shard_actor(cfg: BufferConfig, questions: list[Question], *, shard: int
     actor_cls = ray.remote(BufferShard)
     return actor_cls.options(
         name=name, namespace=namespace, max_restarts=cfg.max_restarts, max_task_retries=0,
-        max_concurrency=cfg.max_concurrency, num_cpus=0, lifetime=None,
+        max_concurrency=cfg.max_concurrency, num_cpus=0, lifetime=None, **near_caller(),
     ).remote(cfg.model_dump(), codec.encode_list(questions, Question), shard, shares, snapshot_dir)
 

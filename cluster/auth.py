@@ -1,4 +1,13 @@
-"""Ray token authentication for processes that join a cluster. Imports nothing heavy (no ray)."""
+"""Ray token authentication for processes that join a cluster. Imports nothing heavy (no ray).
+
+A joining process must use the cluster's own mode. Ray 2.60's `ray start` turns token auth on when a token
+exists (~/.ray/auth_token), but a cluster made another way (`ray.cluster_utils.Cluster`, a `ray start` with
+RAY_AUTH_MODE=disabled, an older Ray) runs without it. Both directions of a mismatch fail badly inside Ray:
+a joining driver without the token retries its connection until it times out; a driver in token mode joining
+a cluster without auth connects, but its own RPC server then refuses the cluster's unauthenticated calls, so
+the cluster believes the driver died and cancels every actor it creates (`SchedulingCancelled`). So the mode
+is asked of the cluster itself (one RPC to the GCS) before Ray is imported.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +15,62 @@ import os
 from pathlib import Path
 
 
-def use_token_auth_when_connecting() -> None:
-    """Ray 2.60 starts clusters with token auth on, but a process that *joins* one sends its token
-    (~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH) only when RAY_AUTH_MODE=token; without
-    it the connection retries until it times out. Set it when a token is available and the user chose
-    nothing. Ray reads the mode when it is imported, so call this before the first `import ray`."""
-    if "RAY_AUTH_MODE" in os.environ:
-        return
-    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or (
-        Path.home() / ".ray" / "auth_token"
-    ).is_file():
+class ClusterAuthError(Exception):
+    """The cluster's authentication and this process's settings cannot work together; the message says what
+    to change."""
+
+
+def _token_available() -> bool:
+    return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+                or (Path.home() / ".ray" / "auth_token").is_file())
+
+
+def cluster_auth_mode(address: str, timeout_s: float = 5.0) -> str | None:
+    """"token" when the GCS at host:port refuses a call without a token, "none" when it answers one, None when
+    it cannot be asked (unreachable, not host:port, or an unexpected answer: the caller decides as before)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return None
+    import grpc
+
+    channel = grpc.insecure_channel(address)
+    try:
+        # Any GCS method works: the token check runs before the method; GetClusterId is cheap and ungated.
+        call = channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")
+        call(b"", timeout=timeout_s)
+        return "none"
+    except grpc.RpcError as e:
+        code = e.code()
+        return "token" if code == grpc.StatusCode.UNAUTHENTICATED else None
+    finally:
+        channel.close()
+
+
+def use_token_auth_when_connecting(address: str | None = None) -> None:
+    """Set RAY_AUTH_MODE for joining the cluster at `address` to the mode that cluster uses. Ray reads the
+    mode when it is imported, so call this before the first `import ray`.
+
+    With no address (an embedded Ray: Ray turns token auth on itself) or a cluster that cannot be asked, token
+    mode is chosen when a token is available and the user chose nothing. ClusterAuthError when the user's
+    RAY_AUTH_MODE contradicts the cluster, or the cluster wants a token and none is available."""
+    asked = cluster_auth_mode(address) if address else None
+    chosen = os.environ.get("RAY_AUTH_MODE")
+    if chosen is not None:
+        if chosen.lower() == "token" and asked == "none":
+            raise ClusterAuthError(
+                f"the Ray cluster at {address} runs without token authentication, but RAY_AUTH_MODE=token is set "
+                "here; unset RAY_AUTH_MODE to join it (or restart the cluster with token authentication)")
+        if chosen.lower() != "token" and asked == "token":
+            raise ClusterAuthError(
+                f"the Ray cluster at {address} requires token authentication, but RAY_AUTH_MODE={chosen} is set "
+                "here; set RAY_AUTH_MODE=token and provide the cluster's token (~/.ray/auth_token, RAY_AUTH_TOKEN "
+                "or RAY_AUTH_TOKEN_PATH)")
+    elif asked == "none":
+        return  # Ray never turns token auth on by itself for an explicit address
+    elif _token_available():
         os.environ["RAY_AUTH_MODE"] = "token"
+    if asked == "token" and not _token_available():
+        raise ClusterAuthError(
+            f"the Ray cluster at {address} requires token authentication and no token is available here; copy "
+            "the cluster's token to ~/.ray/auth_token (`ray get-auth-token` on its head node prints it) or set "
+            "RAY_AUTH_TOKEN")

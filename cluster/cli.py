@@ -160,6 +160,17 @@ def _resume_overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
+def _resumed_address(args: argparse.Namespace) -> str | None:
+    """cluster.address of the run `--resume` continues (None when its config cannot be read: train reports why)."""
+    from common.config import ConfigError, load_config, resume_config
+
+    try:
+        saved = load_config(Path(args.resume) / "config.yaml")
+        return resume_config(saved, _split_config_args(args)[1])[0].cluster.address
+    except (ConfigError, OSError, ValueError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -182,16 +193,21 @@ def _dispatch(args: argparse.Namespace) -> int:
         ensure_toy_model(cfg.model, cfg.data, force=args.force, verbose=True)
         return 0
     if args.command == "train":
-        from cluster.auth import use_token_auth_when_connecting
+        from cluster.auth import ClusterAuthError, use_token_auth_when_connecting
 
-        use_token_auth_when_connecting()  # joining cluster.address needs it; an embedded Ray sets it anyway
+        cfg = None if args.resume else _load(args)
+        try:  # before ray is imported: join cluster.address in the mode that cluster uses
+            use_token_auth_when_connecting(cfg.cluster.address if cfg else _resumed_address(args))
+        except ClusterAuthError as e:
+            print(f"error: cluster.address: {e}", file=sys.stderr)
+            return 2
         from cluster.run import train_main
 
         command = "exgrpo " + " ".join(sys.argv[1:])
         if args.resume:
             return train_main(None, resume=args.resume, overrides=_resume_overrides(args), show_profile=args.profile,
                               command=command)
-        return train_main(_load(args), show_profile=args.profile, command=command)
+        return train_main(cfg, show_profile=args.profile, command=command)
     if args.command == "eval":
         from cluster.evaluate import eval_main
 

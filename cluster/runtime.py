@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from common.config import ClusterConfig, RunConfig, load_config, to_yaml
-from common.interfaces import actor_name
+from common.interfaces import actor_name, near_caller
 
 log = logging.getLogger("exgrpo")
 
@@ -240,4 +240,5 @@ class Control:
 
 
 def create_control(run: str, namespace: str, generators: int):
-    return Control.options(name=actor_name(run, "control"), namespace=namespace, lifetime=None).remote(generators)
+    return Control.options(name=actor_name(run, "control"), namespace=namespace, lifetime=None,
+                           **near_caller()).remote(generators)

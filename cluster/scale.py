@@ -58,14 +58,18 @@ def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
 
 
 def scale_main(args) -> int:
-    from cluster.auth import use_token_auth_when_connecting
+    from cluster.auth import ClusterAuthError, use_token_auth_when_connecting
 
-    use_token_auth_when_connecting()  # before ray is imported
+    address, state = _address(args), _run_state(args)
+    try:
+        use_token_auth_when_connecting(address)  # before ray is imported
+    except ClusterAuthError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import ray
 
     from common.interfaces import actor_name
 
-    address, state = _address(args), _run_state(args)
     if state is not None and state.get("status", "RUNNING") != "RUNNING":
         print(f"error: {_not_running(args, state)}", file=sys.stderr)
         return 2

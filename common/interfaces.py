@@ -113,3 +113,16 @@ class Sample(Protocol):
 def actor_name(run: str, role: str, index: int | None = None) -> str:
     """Name of a run's Ray actor in the run's namespace, e.g. `myrun/buffer-0`, `myrun/weights`."""
     return f"{run}/{role}" if index is None else f"{run}/{role}-{index}"
+
+
+def near_caller() -> dict:
+    """Actor options that place a run's stateful singletons (buffer shards, weight store, control) on the node
+    of the process that creates them (the driver): a worker node that is lost or scaled away then takes only
+    generators or learner ranks with it, which the run replaces. The affinity is hard: Ray 2.60 treats a soft
+    one as a mere hint and placed these 0-CPU actors on either node of a two-node cluster; and when the
+    driver's node is lost, the run is lost with it anyway."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}

@@ -42,7 +42,7 @@ import ray
 import torch
 
 from common.config import CollectiveSyncConfig, ObjectStoreSyncConfig, WeightSyncConfig
-from common.interfaces import actor_name
+from common.interfaces import actor_name, near_caller
 from common.messages import WeightsAnnouncement
 
 
@@ -150,7 +150,7 @@ class WeightStore:
 def get_or_create_store(run: str, namespace: str | None) -> ray.actor.ActorHandle:
     """The run's weight store, created if absent (detached from no one: lives as long as its creator's job)."""
     return WeightStore.options(name=actor_name(run, "weights"), namespace=namespace, get_if_exists=True,
-                               lifetime=None).remote()
+                               lifetime=None, **near_caller()).remote()
 
 
 def wait_for_acks(store: ray.actor.ActorHandle, version: int, timeout_s: float) -> None:

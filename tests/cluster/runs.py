@@ -24,18 +24,19 @@ def train_cmd(runs_root: Path, name: str, *overrides: str, resume: Path | None =
 
 
 def start_train(runs_root: Path, name: str, *overrides: str, resume: Path | None = None,
-                log_name: str = "train") -> subprocess.Popen:
-    """Start `exgrpo train` in its own process group (so that kill -9 hits the driver only)."""
+                log_name: str = "train", env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `exgrpo train` in its own process group (so that kill -9 hits the driver only); `env`: its
+    environment (default: this process's)."""
     log = open(runs_root / f"{name}-{log_name}.log", "w")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     return subprocess.Popen(train_cmd(runs_root, name, *overrides, resume=resume), cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 @contextmanager
-def train_process(runs_root: Path, name: str, *overrides: str):
+def train_process(runs_root: Path, name: str, *overrides: str, env: dict[str, str] | None = None):
     """`start_train` whose process group is killed on leaving the block if it still runs (test failed)."""
-    p = start_train(runs_root, name, *overrides)
+    p = start_train(runs_root, name, *overrides, env=env)
     try:
         yield p
     finally:
@@ -44,8 +45,9 @@ def train_process(runs_root: Path, name: str, *overrides: str):
 
 
 def run_train(runs_root: Path, name: str, *overrides: str, timeout_s: float = 900,
-              resume: Path | None = None, log_name: str = "train") -> subprocess.CompletedProcess:
-    p = start_train(runs_root, name, *overrides, resume=resume, log_name=log_name)
+              resume: Path | None = None, log_name: str = "train", env: dict[str, str] | None = None
+              ) -> subprocess.CompletedProcess:
+    p = start_train(runs_root, name, *overrides, resume=resume, log_name=log_name, env=env)
     try:
         rc = p.wait(timeout_s)
     except subprocess.TimeoutExpired:

@@ -1,0 +1,157 @@
+"""`exgrpo train` on a multi-node Ray cluster made with Ray's own test utility (`ray.cluster_utils.Cluster`,
+run in a process of its own: tests/cluster/cluster_nodes.py), as a user joins a cluster with `cluster.address`:
+
+- a run joins a cluster that was not started by `ray start` (no token authentication) and trains;
+- a process in token mode is told at once that the cluster runs without it (Ray itself would cancel every actor
+  it creates: the cluster cannot call back into a driver that demands a token);
+- a worker node lost mid-run (its raylet and workers killed) is reported, the run trains on with what is left,
+  and when a new node joins, the lost generators run again there. The faults follow the run's checkpoints and
+  log lines, never the clock.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.runs import (
+    ROOT, accounting, assert_balanced, mlflow_client, read_log, run_train, state, train_cmd, train_process, wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+HEAD_CPUS = 3  # the learner rank (1 CPU) and 2 generators; a 4-generator run needs a worker node for the rest
+
+
+class Nodes:
+    """The cluster helper process: `add(cpus)` a worker node, `remove()` the newest one (a node loss)."""
+
+    def __init__(self, temp_dir: str):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.cluster.cluster_nodes", str(HEAD_CPUS), temp_dir],
+                                     cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.address = self._answer("address", 300)
+
+    def _answer(self, word: str, timeout_s: float) -> str:
+        """The rest of the helper's next line, which must start with `word` (within `timeout_s`)."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        assert line.startswith(word + " "), f"cluster helper: expected {word!r}, got {line!r} (rc {self.proc.poll()})"
+        return line.split(maxsplit=1)[1].strip()
+
+    def _ask(self, cmd: str, word: str) -> str:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self._answer(word, 300)
+
+    def add(self, cpus: int) -> str:
+        return self._ask(f"add {cpus}", "added")
+
+    def remove(self) -> str:
+        return self._ask("remove", "removed")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    temp = tempfile.mkdtemp(prefix="exgrpo-ray-", dir="/tmp")
+    n = Nodes(temp)
+    try:
+        yield n
+    finally:
+        n.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+def _env(**kv: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    return dict(env, PYTHONUNBUFFERED="1", **kv)
+
+
+def test_train_joins_a_cluster_made_by_ray_cluster_utils(nodes, runs_root):
+    # as a user's shell: no RAY_AUTH_MODE chosen, a token in ~/.ray (Ray made one): the run asks the cluster
+    r = run_train(runs_root, "joined", f"cluster.address={nodes.address}", "total_steps=4",
+                  "generator.num_generators=2", "generator.engine.kind=transformers", timeout_s=600, env=_env())
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "SchedulingCancelled" not in r.stdout and "Traceback" not in r.stdout, r.stdout[-4000:]
+    run = mlflow_client(runs_root).get_run(state(runs_root / "joined")["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert_balanced(accounting(run.data.metrics))
+
+
+def test_token_mode_against_a_cluster_without_authentication_says_what_to_change(nodes, runs_root):
+    r = subprocess.run(train_cmd(runs_root, "token", f"cluster.address={nodes.address}"), cwd=ROOT,
+                       env=_env(RAY_AUTH_MODE="token"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "runs without token authentication" in r.stderr and "unset RAY_AUTH_MODE" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (runs_root / "token").exists()  # refused before anything was created
+
+
+def _checkpointed(run_dir: Path) -> int:
+    return max((int(Path(c).name.removeprefix("step-")) for c in state(run_dir).get("checkpoints", [])), default=0)
+
+
+def test_a_lost_worker_node_is_reported_and_its_generators_run_again_on_a_node_that_joins(nodes, runs_root):
+    name = "nodeloss"
+    nodes.add(2)
+    run_dir = runs_root / name
+    with train_process(runs_root, name, f"cluster.address={nodes.address}", "total_steps=100000",
+                       "generator.num_generators=4", "generator.engine.kind=transformers",
+                       "checkpoint.every_steps=10", "checkpoint.keep_last=3", "cluster.stall_report_s=5",
+                       env=_env()) as p:
+        def alive(what):
+            return lambda: what() or p.poll() is not None
+
+        wait_for(alive(lambda: _checkpointed(run_dir)), 600, "the first checkpoint")
+        assert p.poll() is None, read_log(runs_root, name)[-4000:]
+        before = len(read_log(runs_root, name))
+        lost = nodes.remove()
+        # the generators of the lost node are reported as waiting (Ray restarts them, or the pool replaces them)
+        wait_for(alive(lambda: re.search(r"generators: .*(restarting|pending)",
+                                         read_log(runs_root, name)[before:])), 600,
+                 f"the report of generators lost with node {lost[:8]}")
+        done = _checkpointed(run_dir)
+        wait_for(alive(lambda: _checkpointed(run_dir) > done), 600, "a checkpoint with a node lost")
+        mark = len(read_log(runs_root, name))
+        nodes.add(2)
+        # the head holds 2 generators beside the learner rank, so 2 ran on the lost node
+        wait_for(alive(lambda: len(re.findall(r"generator \S+ is running again", read_log(runs_root, name)[mark:])) >= 2),
+                 600, "both lost generators running again on the new node")
+        done = _checkpointed(run_dir)
+        wait_for(alive(lambda: _checkpointed(run_dir) > done), 600, "a checkpoint after the node joined")
+        assert p.poll() is None, read_log(runs_root, name)[-4000:]
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(600)
+    log = read_log(runs_root, name)
+    assert rc == 0, log[-4000:]
+    assert "restarting from the last checkpoint" not in log, log[-4000:]  # the run itself never restarted
+    run = mlflow_client(runs_root).get_run(state(run_dir)["mlflow_run_id"])
+    assert run.info.status == "KILLED"  # stopped by SIGTERM, with a final checkpoint
+    acc = accounting(run.data.metrics)
+    assert_balanced(acc)
+    assert acc["trained"] > 0
+    m = run.data.metrics
+    assert m["generator/generators"] == 4, {k: v for k, v in m.items() if k.startswith("generator/generators")}
