@@ -210,11 +210,14 @@ class GeneratorWorker:
     def metrics(self) -> dict[str, float]:
         """Counters and rates of this incarnation (all floats; see `GeneratorStats.as_metrics`)."""
         rewards, engine = self.rewards, self.engine  # read once: another thread may replace them
-        return self.stats.as_metrics(
+        out = self.stats.as_metrics(
             running=self._thread is not None and self._thread.is_alive(),
             version=engine.version if engine is not None else -1,
             in_flight=len(self._groups),
             rewards=rewards.stats() if rewards is not None else None)
+        delta = getattr(self.weight_source, "delta_stats", None)  # weight_sync.delta: loads from deltas
+        out.update({f"weights_{k}": float(v) for k, v in (delta() if delta is not None else {}).items()})
+        return out
 
     # --------------------------------------------------------------------------------- engine thread
 

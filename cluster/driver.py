@@ -65,6 +65,7 @@ class Trainer:
         self.evaluation = None
         self._pending = None
         self._publish_s = 0.0
+        self._publish_bytes = (0.0, 0.0)  # the last publication: bytes whole, bytes of its delta (0: none)
         self._ingest_mark: tuple[float, float] | None = None  # (time, groups accepted by the buffer)
         self._reward_errors = ErrorWindow(REWARD_ERROR_WINDOW)
         self._errors_warned_at = -REWARD_ERROR_WINDOW
@@ -237,8 +238,9 @@ class Trainer:
         if self._pending is None:
             return
         pending, started = self._pending
-        pending.result()
+        ann = pending.result()
         self._publish_s = time.monotonic() - started
+        self._publish_bytes = (float(ann.num_bytes), float(ann.delta_bytes)) if ann is not None else (0.0, 0.0)
         self._pending = None
 
     def _next_batch(self) -> TrainingBatch | None:
@@ -437,6 +439,9 @@ class Trainer:
             "driver/generators": float(self.generators.running),
             "policy/version": float(result.version),
             "driver/weight_publish_s": self._publish_s,
+            # bytes of the last publication, whole and (learner.weight_sync.delta) as a delta from the one before
+            "weights/bytes_full": self._publish_bytes[0],
+            "weights/bytes_delta": self._publish_bytes[1],
         }
         out.update({f"staleness/lag_{k}": float(v) for k, v in lags.items()})
         out.update(length_metrics(fresh, self.cfg.generator.max_new_tokens))

@@ -139,6 +139,7 @@ class WeightsAnnouncement:
     num_bytes: int
     created_at: float  # unix time of publication
     checksum: str = ""  # optional content hash of the safetensors payload
+    delta_bytes: int = 0  # > 0: a delta from version - 1 was published too, of this many payload bytes
 
 
 @dataclass(slots=True)

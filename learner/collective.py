@@ -17,8 +17,9 @@ and starts one serving thread per channel; each side builds a standalone 2-rank 
 rank 1 the generator. No world-wide group exists, so generators join and leave at any time.
 
 Pull protocol on a channel (all tensors; int64 unless said):
-    generator -> rank 0   request [2]: (OP_PULL, version) or (OP_CLOSE, 0)
-    rank 0 -> generator   header  [3]: (version or -1 when not held, meta bytes, buckets)
+    generator -> rank 0   request [3]: (OP_PULL, version, version it holds or -1) or (OP_CLOSE, 0, -1)
+    rank 0 -> generator   header  [4]: (version or -1 when not held, meta bytes, buckets, base)
+                          base = the held version when a delta follows (`weight_sync.delta`), else -1
     rank 0 -> generator   meta    uint8 [meta bytes]: JSON plan (name, shape, dtype, bucket, offset, nbytes)
     rank 0 -> generator   bucket  uint8 [size] for each bucket (`bucket_mb`; tensors 64-byte aligned)
 
@@ -47,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import CollectiveSyncConfig
+from learner.delta import DeltaEncoder
 
 log = logging.getLogger(__name__)
 
@@ -72,38 +74,54 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
+class Packer:
+    """Streams state-dict chunks into uint8 buckets of up to `bucket_bytes` (a larger tensor gets a bucket of its
+    own): a bucket is allocated and filled when it closes, so the packer holds the packed buckets plus the open
+    bucket's tensors, never a whole second copy of the model. `add` chunks, then `finish`."""
+
+    def __init__(self, version: int, bucket_bytes: int, device: torch.device):
+        self.version, self.bucket_bytes, self.device = version, bucket_bytes, device
+        self.plan: list[list] = []
+        self.buckets: list[torch.Tensor] = []
+        self.pending: list[tuple[torch.Tensor, int, int]] = []  # the open bucket's (tensor, offset, bytes)
+        self.size: int | None = None  # bytes used in the open bucket; None: none open
+
+    def _close(self) -> None:
+        buf = torch.empty(max(self.size, 1), dtype=torch.uint8, device=self.device)
+        for t, off, nbytes in self.pending:
+            if nbytes:
+                buf[off:off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        self.buckets.append(buf)
+        self.pending.clear()
+        self.size = None
+
+    def add(self, chunk: dict[str, torch.Tensor]) -> None:
+        for name, t in chunk.items():
+            nbytes = t.numel() * t.element_size()
+            offset = 0 if self.size is None else -(-self.size // ALIGN) * ALIGN
+            if self.size is not None and offset + nbytes > self.bucket_bytes and self.size > 0:
+                self._close()
+                offset = 0
+            self.plan.append([name, list(t.shape), str(t.dtype).removeprefix("torch."), len(self.buckets), offset,
+                              nbytes])
+            self.pending.append((t, offset, nbytes))
+            self.size = offset + nbytes
+
+    def finish(self) -> Packed:
+        if self.size is not None:
+            self._close()
+        meta = torch.frombuffer(bytearray(json.dumps({"tensors": self.plan}).encode()), dtype=torch.uint8)
+        return Packed(self.version, meta.to(self.device), self.buckets)
+
+
 def pack(version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], bucket_bytes: int,
          device: torch.device) -> Packed:
     """Copy `state_dict` (a dict, or its chunks as they come: `learner.gather.iter_full_state`) into uint8 buckets
-    of up to `bucket_bytes` (a larger tensor gets a bucket of its own). Streamed: a bucket is allocated and filled
-    when it closes, so the packer holds the packed version plus the open bucket's tensors, never a whole second
-    copy of the model."""
-    plan, buckets = [], []
-    pending: list[tuple[torch.Tensor, int, int]] = []  # the open bucket's (tensor, offset, bytes)
-    size: int | None = None  # bytes used in the open bucket; None: none open
-
-    def close() -> None:
-        buf = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
-        for t, off, nbytes in pending:
-            if nbytes:
-                buf[off:off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        buckets.append(buf)
-        pending.clear()
-
+    of up to `bucket_bytes` (see `Packer`)."""
+    packer = Packer(version, bucket_bytes, device)
     for chunk in ([state_dict] if isinstance(state_dict, dict) else state_dict):
-        for name, t in chunk.items():
-            nbytes = t.numel() * t.element_size()
-            offset = 0 if size is None else -(-size // ALIGN) * ALIGN
-            if size is not None and offset + nbytes > bucket_bytes and size > 0:
-                close()
-                size, offset = None, 0
-            plan.append([name, list(t.shape), str(t.dtype).removeprefix("torch."), len(buckets), offset, nbytes])
-            pending.append((t, offset, nbytes))
-            size = offset + nbytes
-    if size is not None:
-        close()
-    meta = torch.frombuffer(bytearray(json.dumps({"tensors": plan}).encode()), dtype=torch.uint8)
-    return Packed(version, meta.to(device), buckets)
+        packer.add(chunk)
+    return packer.finish()
 
 
 def packed_bytes(p: Packed) -> int:
@@ -174,23 +192,39 @@ class CollectiveServer:
         self.address = f"{host}:{self.store.port}"
         self.lock = threading.Lock()
         self.versions: dict[int, Packed] = {}
+        self.deltas: dict[int, Packed] = {}  # version -> its delta from version - 1 (cfg.delta)
+        self.encoder = DeltaEncoder() if cfg.delta else None
         self.channels: dict[str, str] = {}  # channel id -> generator id, while its thread serves
         self.failures: list[dict] = []  # {"generator", "channel", "version", "error", "at"}
         self.served = 0  # transfers completed
         self.closed = threading.Event()
         threading.Thread(target=self._accept, name="weights-acceptor", daemon=True).start()
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]) -> int:
-        """Pack `version` (a dict or its chunks, packed as they come) and hold it for the channels; returns its
-        payload bytes."""
-        packed = pack(version, state_dict, int(self.cfg.bucket_mb * (1 << 20)), self.device)
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]
+                ) -> tuple[int, int]:
+        """Pack `version` (a dict or its chunks, packed as they come) and hold it for the channels, with its delta
+        from the previous version when `cfg.delta`; returns (payload bytes, delta payload bytes or 0)."""
+        chunks = [state_dict] if isinstance(state_dict, dict) else state_dict
+        bucket_bytes = int(self.cfg.bucket_mb * (1 << 20))
+        full, delta = Packer(version, bucket_bytes, self.device), Packer(version, bucket_bytes, self.device)
+        has_delta = False
+        pairs = ((c, None) for c in chunks) if self.encoder is None else self.encoder.tee(version, chunks)
+        for chunk, d in pairs:
+            full.add(chunk)
+            if d is not None:
+                delta.add(d)
+                has_delta = True
+        packed, packed_delta = full.finish(), delta.finish() if has_delta else None
         with self.lock:
             if self.versions and version <= max(self.versions):
                 raise ValueError(f"version {version} published after {max(self.versions)}: versions must increase")
             self.versions[version] = packed
+            if packed_delta is not None:
+                self.deltas[version] = packed_delta
             for v in sorted(self.versions)[:-self.cfg.keep_versions]:
                 del self.versions[v]
-        return packed_bytes(packed)
+                self.deltas.pop(v, None)
+        return packed_bytes(packed), packed_bytes(packed_delta) if packed_delta is not None else 0
 
     def status(self) -> dict:
         with self.lock:
@@ -216,14 +250,14 @@ class CollectiveServer:
             self.channels[cid] = gen
         try:
             ch = Channel(self.store, cid, 0, self.store.get(f"{cid}/backend").decode(), self.host, self.timeout_s)
-            req = torch.zeros(2, dtype=torch.int64, device=ch.device)  # [op, version]
+            req = torch.zeros(3, dtype=torch.int64, device=ch.device)  # [op, version, version held or -1]
             while not self.closed.is_set():
                 ch.recv(req, IDLE_S)
-                op, version = req.tolist()
+                op, version, held = req.tolist()
                 if op == OP_CLOSE:
                     log.info("weight channel %s: generator %s left", cid, gen)
                     return
-                self._reply(ch, version)
+                self._reply(ch, version, held)
         except RuntimeError as e:  # gloo/NCCL: closed connection or timeout; only this channel is affected
             with self.lock:
                 self.failures.append({"generator": gen, "channel": cid, "version": version, "error": str(e)[:500],
@@ -234,13 +268,16 @@ class CollectiveServer:
             with self.lock:
                 self.channels.pop(cid, None)
 
-    def _reply(self, ch: Channel, version: int) -> None:
+    def _reply(self, ch: Channel, version: int, held: int) -> None:
+        """`version` whole, or its delta when the generator holds `version - 1` and the delta is kept."""
         with self.lock:
-            packed = self.versions.get(version)
+            packed, base = self.versions.get(version), -1
+            if packed is not None and held == version - 1 and version in self.deltas:
+                packed, base = self.deltas[version], held
         if packed is None:
-            ch.send(torch.tensor([-1, 0, 0], dtype=torch.int64, device=ch.device), self.timeout_s)
+            ch.send(torch.tensor([-1, 0, 0, -1], dtype=torch.int64, device=ch.device), self.timeout_s)
             return
-        header = torch.tensor([version, packed.meta.numel(), len(packed.buckets)], dtype=torch.int64)
+        header = torch.tensor([version, packed.meta.numel(), len(packed.buckets), base], dtype=torch.int64)
         ch.send(header.to(ch.device), self.timeout_s)
         ch.send(packed.meta.to(ch.device), self.timeout_s)
         for b in packed.buckets:  # a gloo channel of a CUDA-packed version sends host copies
@@ -265,13 +302,14 @@ class ChannelClient:
         self.store.set(f"index/{self.store.add('channels', 1)}", self.cid)
         self.channel = Channel(self.store, self.cid, 1, backend, host, self.timeout_s)
 
-    def pull(self, version: int) -> dict[str, torch.Tensor]:
-        """The state dict of `version` (views into fresh buckets on the channel's device); KeyError if not held."""
+    def pull(self, version: int, held: int = -1) -> tuple[dict[str, torch.Tensor], int]:
+        """(the state dict of `version`, -1) or, when this generator holds `held` = version - 1 and rank 0 kept a
+        delta, (the delta, `held`): views into fresh buckets on the channel's device. KeyError if not held."""
         ch, t = self.channel, self.timeout_s
-        ch.send(torch.tensor([OP_PULL, version], dtype=torch.int64, device=ch.device), t)
-        header = torch.zeros(3, dtype=torch.int64, device=ch.device)  # [version, meta bytes, buckets]
+        ch.send(torch.tensor([OP_PULL, version, held], dtype=torch.int64, device=ch.device), t)
+        header = torch.zeros(4, dtype=torch.int64, device=ch.device)  # [version, meta bytes, buckets, base]
         ch.recv(header, t)
-        got, meta_len, n = header.tolist()
+        got, meta_len, n, base = header.tolist()
         if got < 0:
             raise KeyError(f"weights version {version} is no longer held by learner rank 0 ({self.address}); "
                            "call latest() again")
@@ -284,12 +322,12 @@ class ChannelClient:
         buckets = [torch.empty(max(s, 1), dtype=torch.uint8, device=ch.device) for s in sizes]
         for b in buckets:
             ch.recv(b, t)
-        return unpack(bytes(meta.cpu().numpy()), buckets)
+        return unpack(bytes(meta.cpu().numpy()), buckets), base
 
     def close(self) -> None:
         """Tell rank 0 this generator leaves (best effort: a dead rank 0 cannot be told)."""
         try:
-            self.channel.send(torch.tensor([OP_CLOSE, 0], dtype=torch.int64, device=self.channel.device), 5.0)
+            self.channel.send(torch.tensor([OP_CLOSE, 0, -1], dtype=torch.int64, device=self.channel.device), 5.0)
         except RuntimeError as e:
             log.info("generator %s: closing weight channel %s: %s", self.generator_id, self.cid, e)
         self.channel = None

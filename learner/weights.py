@@ -87,23 +87,29 @@ class WeightStore:
             raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
         self.keep = keep_versions
         self.versions: dict[int, tuple[WeightsAnnouncement, list]] = {}
+        self.deltas: dict[int, list] = {}  # version -> refs of its delta from version - 1 (weight_sync.delta)
         self.acked: dict[str, int] = {}  # generator id -> newest acknowledged version (-1: none yet)
         self.changed = asyncio.Condition()
 
-    async def put(self, ann: WeightsAnnouncement, refs: list) -> None:
-        """Store `refs` (the object store: an ObjectRef per bucket of the state dict) as version `ann.version`."""
+    async def put(self, ann: WeightsAnnouncement, refs: list, delta_refs: list | None = None) -> None:
+        """Store `refs` (the object store: an ObjectRef per bucket of the state dict) as version `ann.version`,
+        and `delta_refs` (its delta from the previous version, when published)."""
         newest = max(self.versions, default=-1)
         if ann.version <= newest:
             raise ValueError(f"version {ann.version} published after version {newest}: versions must increase")
         self.versions[ann.version] = (ann, refs)
+        if delta_refs:
+            self.deltas[ann.version] = delta_refs
         for v in sorted(self.versions)[:-self.keep]:
             del self.versions[v]
+            self.deltas.pop(v, None)
         async with self.changed:
             self.changed.notify_all()
 
     async def reset(self) -> None:
         """Forget published versions and acknowledgements (a new learner pool starts, e.g. after a resume)."""
         self.versions.clear()
+        self.deltas.clear()
         self.acked = {g: -1 for g in self.acked}
 
     async def latest(self) -> WeightsAnnouncement | None:
@@ -114,6 +120,10 @@ class WeightStore:
             raise KeyError(f"weights version {version} is no longer (or not yet) held by the weight store; "
                            f"held: {sorted(self.versions)}; call latest() again")
         return self.versions[version][1]
+
+    async def get_delta(self, version: int) -> list | None:
+        """The refs of `version`'s delta from `version - 1`; None when none is held (the caller takes `get`)."""
+        return self.deltas.get(version)
 
     async def register(self, generator_id: str) -> None:
         self.acked.setdefault(generator_id, -1)
@@ -180,24 +190,32 @@ class ObjectStorePublisher:
     """
 
     def __init__(self, cfg: ObjectStoreSyncConfig, *, run: str, namespace: str | None, timeout_s: float):
+        from learner.delta import DeltaEncoder
+
         self.cfg, self.timeout_s = cfg, timeout_s
         self.store = get_or_create_store(run, namespace)
+        self.encoder = DeltaEncoder() if cfg.delta else None
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]
                 ) -> WeightsAnnouncement:
         """`state_dict`: the whole dict, or its buckets as an iterable (`learner.gather.iter_full_state`): each
         bucket is `ray.put` as its own object and dropped before the next is taken, so the publishing rank
-        holds one bucket at a time. Generators merge the buckets in order (`ObjectStoreWeightSource.fetch`)."""
+        holds one bucket at a time. Generators merge the buckets in order (`ObjectStoreWeightSource.fetch`).
+        With `delta`, each bucket's delta from the previous version is put beside it."""
         buckets = [state_dict] if isinstance(state_dict, dict) else state_dict
-        refs, num_bytes = [], 0
-        for bucket in buckets:
+        pairs = ((b, None) for b in buckets) if self.encoder is None else self.encoder.tee(version, buckets)
+        refs, delta_refs, num_bytes, delta_bytes = [], [], 0, 0
+        for bucket, delta in pairs:
             refs.append(ray.put(to_wire(bucket)))  # numpy views: written straight into the object store
             num_bytes += state_dict_bytes(bucket)
-            del bucket
+            if delta is not None:
+                delta_refs.append(ray.put(to_wire(delta)))
+                delta_bytes += state_dict_bytes(delta)
+            del bucket, delta
         ann = WeightsAnnouncement(version=version, location="object_store", num_bytes=num_bytes,
-                                  created_at=time.time())
+                                  created_at=time.time(), delta_bytes=delta_bytes if delta_refs else 0)
         try:
-            ray.get(self.store.put.remote(ann, refs), timeout=self.timeout_s)
+            ray.get(self.store.put.remote(ann, refs, delta_refs or None), timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError as e:
             raise WeightSyncTimeout(f"weight store did not accept version {version} within {self.timeout_s:.1f}s "
                                     f"(is the actor {self.store} alive and responsive?)") from e
@@ -214,12 +232,15 @@ class ObjectStoreWeightSource:
     passed to generator actors and survives a store restart.
     """
 
-    def __init__(self, run: str, namespace: str | None = None, timeout_s: float = 60.0):
-        self.run, self.namespace, self.timeout_s = run, namespace, timeout_s
+    def __init__(self, run: str, namespace: str | None = None, timeout_s: float = 60.0, delta: bool = False):
+        from learner.delta import HeldWeights
+
+        self.run, self.namespace, self.timeout_s, self.delta = run, namespace, timeout_s, delta
         self._store = None
+        self.held = HeldWeights() if delta else None
 
     def __getstate__(self) -> dict:
-        return {"run": self.run, "namespace": self.namespace, "timeout_s": self.timeout_s}
+        return {"run": self.run, "namespace": self.namespace, "timeout_s": self.timeout_s, "delta": self.delta}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
@@ -253,14 +274,25 @@ class ObjectStoreWeightSource:
     def fetch_buckets(self, ann: WeightsAnnouncement) -> Iterator[dict[str, torch.Tensor]]:
         """`ann.version` a published bucket at a time, each fetched only when the consumer asks for it (an
         engine loading bucket by bucket holds one beside its weights). KeyError at once when the store
-        dropped the version; from then on the references held here keep every bucket in the object store."""
+        dropped the version; from then on the references held here keep every bucket in the object store.
+        With `delta`: the delta from the version this source last loaded whole, when it is exactly one behind
+        and the delta verifies (`learner.delta.HeldWeights`); else the full version."""
+        held = self.held
+        if held is not None and ann.delta_bytes and held.version == ann.version - 1:
+            delta_refs = self._get(self._handle().get_delta.remote(ann.version))
+            if delta_refs is not None and held.apply(ann.version, (from_wire(self._get(r)) for r in delta_refs)):
+                return held.buckets()
         refs = self._get(self._handle().get.remote(ann.version))
 
         def buckets() -> Iterator[dict[str, torch.Tensor]]:
             for ref in refs:  # one object per bucket (a single one for a whole-dict publication)
                 yield from_wire(self._get(ref))
 
-        return buckets()
+        return buckets() if held is None else held.keep(ann.version, buckets())
+
+    def delta_stats(self) -> dict[str, int]:
+        """Loads from a delta, full loads, and deltas that did not verify (`learner.delta.HeldWeights.stats`)."""
+        return {} if self.held is None else self.held.stats()
 
     def ack(self, generator_id: str, version: int) -> None:
         """Record that `generator_id` now serves `version` (also registers it)."""
@@ -294,9 +326,9 @@ class CollectivePublisher:
     def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]
                 ) -> WeightsAnnouncement:
         """`state_dict`: the whole dict or its buckets as they are gathered (packed as they come)."""
-        num_bytes = self.server.publish(version, state_dict)
+        num_bytes, delta_bytes = self.server.publish(version, state_dict)
         ann = WeightsAnnouncement(version=version, location=f"collective:{self.server.address}",
-                                  num_bytes=num_bytes, created_at=time.time())
+                                  num_bytes=num_bytes, created_at=time.time(), delta_bytes=delta_bytes)
         try:
             ray.get(self.store.put.remote(ann, []), timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError as e:
@@ -322,10 +354,13 @@ class CollectiveWeightSource:
     """
 
     def __init__(self, cfg: CollectiveSyncConfig, run: str, namespace: str | None = None, timeout_s: float = 60.0):
+        from learner.delta import HeldWeights
+
         self.cfg, self.run, self.namespace, self.timeout_s = cfg, run, namespace, timeout_s
         self.store = ObjectStoreWeightSource(run, namespace, timeout_s)
         self.generator_id: str | None = None
         self.client = None
+        self.held = HeldWeights() if cfg.delta else None
 
     def __getstate__(self) -> dict:
         return {"cfg": self.cfg, "run": self.run, "namespace": self.namespace, "timeout_s": self.timeout_s}
@@ -342,7 +377,29 @@ class CollectiveWeightSource:
 
     def fetch(self, ann: WeightsAnnouncement) -> dict[str, torch.Tensor]:
         """The state dict of `ann.version`; KeyError when rank 0 no longer holds it, WeightSyncError
-        (a RuntimeError: the generator retries at its next safe point) when the transfer failed."""
+        (a RuntimeError: the generator retries at its next safe point) when the transfer failed. With `delta`:
+        pulled as a delta when this source holds `ann.version - 1` whole (verified; a mismatch pulls it whole)."""
+        held = self.held
+        if held is None:
+            return self._pull(ann, -1)[0]
+        whole = None
+        if held.version is not None and held.version == ann.version - 1 and ann.delta_bytes:
+            got, base = self._pull(ann, held.version)
+            if base < 0:  # rank 0 no longer keeps that delta: it sent the version whole
+                whole = got
+            elif held.apply(ann.version, [got]):
+                return dict(held.tensors)
+        if whole is None:
+            whole, _ = self._pull(ann, -1)
+        for _ in held.keep(ann.version, [whole]):  # a host copy: the base of the next delta
+            pass
+        return whole
+
+    def delta_stats(self) -> dict[str, int]:
+        """Loads from a delta, full loads, and deltas that did not verify (`learner.delta.HeldWeights.stats`)."""
+        return {} if self.held is None else self.held.stats()
+
+    def _pull(self, ann: WeightsAnnouncement, held: int) -> tuple[dict[str, torch.Tensor], int]:
         from learner.collective import ChannelClient, WeightSyncError
 
         if not ann.location.startswith("collective:"):
@@ -355,7 +412,7 @@ class CollectiveWeightSource:
                 self._close()
                 self.client = ChannelClient(address, gid, self.cfg, self.timeout_s,
                                             host=ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
-            return self.client.pull(ann.version)
+            return self.client.pull(ann.version, held)
         except RuntimeError as e:  # gloo/NCCL/TCPStore errors and timeouts: drop the channel, reopen next time
             self.client = None
             raise WeightSyncError(f"generator {gid}: pulling weights version {ann.version} from learner rank 0 at "
@@ -396,7 +453,7 @@ def make_weight_source(cfg: WeightSyncConfig, *, run: str, namespace: str | None
     """The configured backend's receiving side (picklable: pass it to generator actors)."""
     match cfg:
         case ObjectStoreSyncConfig():
-            return ObjectStoreWeightSource(run, namespace, timeout_s)
+            return ObjectStoreWeightSource(run, namespace, timeout_s, delta=cfg.delta)
         case CollectiveSyncConfig():
             return CollectiveWeightSource(cfg, run, namespace, timeout_s)
     raise TypeError(f"unknown weight_sync config {type(cfg).__name__}")

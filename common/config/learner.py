@@ -16,6 +16,12 @@ class ObjectStoreSyncConfig(Section):
     bucket_mb: float = Field(256.0, gt=0, le=16_384)
     """A publication is gathered and put into the object store in objects of about this size; learner rank 0
     holds one at a time beside its shard (a tensor larger than this is an object of its own)."""
+    delta: bool = False
+    """Publish only what changed since the previous version (per tensor: the positions whose bits changed and
+    their values, or the whole tensor when that is smaller; with a checksum), beside the full version. A
+    generator holding the previous version applies the delta (bit-exact, verified); one that joins, is more
+    than one version behind, or finds a checksum mismatch gets the full copy. Costs a host copy of the
+    published weights on learner rank 0 and on each generator. Bytes per publication: docs/cluster.md."""
 
 
 class CollectiveSyncConfig(Section):
@@ -34,6 +40,12 @@ class CollectiveSyncConfig(Section):
     keep_versions: int = Field(2, ge=1, le=16)
     """Published versions rank 0 keeps packed (memory: this many copies of the state dict), so a generator
     that read an announcement just before the next publication still receives that version."""
+    delta: bool = False
+    """Publish only what changed since the previous version (per tensor: the positions whose bits changed and
+    their values, or the whole tensor when that is smaller; with a checksum), beside the full version. A
+    generator holding the previous version applies the delta (bit-exact, verified); one that joins, is more
+    than one version behind, or finds a checksum mismatch gets the full copy. Costs a host copy of the
+    published weights on learner rank 0 and on each generator. Bytes per publication: docs/cluster.md."""
 
 
 WeightSyncConfig = Annotated[ObjectStoreSyncConfig | CollectiveSyncConfig, Field(discriminator="kind")]

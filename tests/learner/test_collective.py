@@ -61,8 +61,8 @@ class Receiver:
 
         ann = self.source.latest()
         c = ChannelClient(ann.location.removeprefix("collective:"), self.gid, self.source.cfg, 20)
-        c.channel.send(torch.tensor([OP_PULL, ann.version]), 20)
-        c.channel.recv(torch.zeros(3, dtype=torch.int64), 20)
+        c.channel.send(torch.tensor([OP_PULL, ann.version, -1]), 20)
+        c.channel.recv(torch.zeros(4, dtype=torch.int64), 20)
         os._exit(1)
 
 

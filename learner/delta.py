@@ -1,0 +1,170 @@
+"""Delta weight publications: only the weights that changed since the previous version travel.
+
+At RL learning rates (the paper's 1e-6) most bf16 weights keep their exact bits from one version to the next,
+so a publication can carry, per tensor, the positions whose bits changed and their new values (sparse
+index/value), or the whole tensor when that is smaller, plus a checksum of the tensor's new bits. The result of
+applying a delta is bit-exact: the engine-dtype weights of the new version.
+
+    enc = DeltaEncoder()                                # learner rank 0, one per publisher
+    for full, delta in enc.tee(version, chunks):        # chunks: the gathered buckets, as they come
+        ...                                             # publish `full`; and `delta` (None: no base for it)
+    held = HeldWeights()                                # a generator, one per weight source
+    if held.version == ann.version - 1 and held.apply(ann.version, delta_chunks):
+        engine.load_weights(held.buckets(), ann.version)
+    else:
+        engine.load_weights(held.keep(ann.version, full_chunks), ann.version)
+
+Encoding of a delta chunk (a plain state dict, so both backends move it as they move weights):
+`<name>` the whole new tensor; or `<name>@i` (int32 or int64 flat positions) and `<name>@v` (the new values
+there, in the tensor's dtype) and `<name>@s` (int64 [numel, *shape]); always `<name>@c` (int64 [1]: the
+checksum of the new tensor's bits). Only the publisher keeps a host copy of the last published version
+(engine dtype: 2 bytes per parameter in bf16) to compare against; each generator keeps one of its last loaded
+version to apply to.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SEP = "@"
+_CHUNK = 1 << 22  # elements per step of the checksum (bounds its int64 temporaries to 32 MiB)
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class DeltaMismatch(ValueError):
+    """A delta does not apply to the held weights (missing tensor, wrong shape, or a checksum differs)."""
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits as a flat integer tensor of the same element size (no copy when contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(_INT[t.element_size()])
+
+
+def checksum(t: torch.Tensor) -> int:
+    """A position-weighted sum of the tensor's bits (int64, wrapping): equal tensors give equal sums, a changed,
+    moved or swapped element almost surely changes it. Runs on the tensor's device, a chunk at a time."""
+    b = _bits(t)
+    total = torch.zeros((), dtype=torch.int64, device=b.device)
+    for start in range(0, b.numel(), _CHUNK):
+        part = b[start:start + _CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=b.device) % 65_521 + 1
+        total += (part * weights).sum()
+    return int(total) ^ b.numel()
+
+
+def encode(prev: dict[str, torch.Tensor], chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The delta of `chunk` against `prev` (same names; tensors on any device, compared on the chunk's)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, new in chunk.items():
+        out[f"{name}{SEP}c"] = torch.tensor([checksum(new)], dtype=torch.int64)
+        old = prev.get(name)
+        if old is None or old.shape != new.shape or old.dtype != new.dtype:
+            out[name] = new
+            continue
+        nb = _bits(new)
+        idx = (nb != _bits(old.to(new.device))).nonzero().reshape(-1)
+        idx = idx.to(torch.int32) if new.numel() < 2**31 else idx
+        if idx.numel() * (idx.element_size() + new.element_size()) + 16 >= new.numel() * new.element_size():
+            out[name] = new  # denser than the tensor itself
+            continue
+        out[f"{name}{SEP}i"] = idx
+        out[f"{name}{SEP}v"] = new.detach().contiguous().reshape(-1)[idx.long()]
+        out[f"{name}{SEP}s"] = torch.tensor([new.numel(), *new.shape], dtype=torch.int64)
+    return out
+
+
+def payload_bytes(chunk: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in chunk.values())
+
+
+class DeltaEncoder:
+    """Rank 0's side: a host copy of the last published version and the delta of each new one against it."""
+
+    def __init__(self):
+        self.prev: dict[str, torch.Tensor] = {}
+        self.version: int | None = None  # the version `prev` holds completely; None while none or mid-publication
+        self.last_full_bytes = self.last_delta_bytes = 0
+
+    def tee(self, version: int, chunks: Iterable[dict[str, torch.Tensor]]
+            ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]]:
+        """(full chunk, its delta against version-1 or None when this encoder does not hold version-1), chunk by
+        chunk; the host copy becomes `version` once every chunk was taken."""
+        base_ok, self.version = self.version == version - 1, None
+        self.last_full_bytes = self.last_delta_bytes = 0
+        for chunk in chunks:
+            delta = encode(self.prev, chunk) if base_ok else None
+            for name, t in chunk.items():
+                self.prev[name] = t.detach().to("cpu", copy=True)
+            self.last_full_bytes += payload_bytes(chunk)
+            self.last_delta_bytes += payload_bytes(delta) if delta is not None else 0
+            yield chunk, delta
+        self.version = version
+
+
+class HeldWeights:
+    """A generator's side: a host copy of the last version it loaded completely (the base deltas apply to)."""
+
+    def __init__(self):
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        self.delta_loads = self.full_loads = self.mismatches = 0
+
+    def apply(self, version: int, delta_chunks: Iterable[dict[str, torch.Tensor]]) -> bool:
+        """Apply every chunk of the delta `version-1 -> version` in place and verify each tensor's checksum; True
+        when the held copy is now exactly `version`. False (the copy is then unusable: the next load must be
+        full) on any mismatch. Nothing is handed to the engine before every chunk was verified."""
+        if self.version != version - 1:
+            return False
+        self.version = None  # torn until every chunk is applied and verified
+        try:
+            for chunk in delta_chunks:
+                self._apply_chunk(chunk)
+        except DeltaMismatch as e:
+            log.warning("weights version %d: the delta from version %d does not apply (%s); taking the full copy",
+                        version, version - 1, e)
+            self.mismatches += 1
+            self.tensors.clear()
+            return False
+        self.version = version
+        self.delta_loads += 1
+        return True
+
+    def _apply_chunk(self, chunk: dict[str, torch.Tensor]) -> None:
+        names = {k.rsplit(SEP, 1)[0] for k in chunk if k.endswith(f"{SEP}c")}
+        for name in names:
+            if name in chunk:  # sent whole
+                self.tensors[name] = chunk[name].detach().to("cpu", copy=True)
+            else:
+                held = self.tensors.get(name)
+                numel, *shape = chunk[f"{name}{SEP}s"].tolist()
+                if held is None or held.numel() != numel or list(held.shape) != shape:
+                    raise DeltaMismatch(f"{name}: the held copy has no tensor of shape {shape}")
+                flat = held.reshape(-1)
+                flat[chunk[f"{name}{SEP}i"].long()] = chunk[f"{name}{SEP}v"].to(held.dtype)
+            if checksum(self.tensors[name]) != int(chunk[f"{name}{SEP}c"][0]):
+                raise DeltaMismatch(f"{name}: checksum differs after applying the delta")
+
+    def stats(self) -> dict[str, int]:
+        """Loads from a delta, full loads, and deltas that did not verify (each then loaded the full copy)."""
+        return {"delta_loads": self.delta_loads, "full_loads": self.full_loads, "delta_mismatches": self.mismatches}
+
+    def buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The held version as one bucket (views of the held tensors: the engine copies them when it loads)."""
+        return iter([dict(self.tensors)])
+
+    def keep(self, version: int, chunks: Iterable[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+        """Pass a full version through to the engine, keeping a host copy of each chunk; the copy is `version`
+        once the engine took every chunk (a load that stops part-way leaves no usable base)."""
+        self.version = None
+        self.tensors.clear()
+        for chunk in chunks:
+            for name, t in chunk.items():
+                self.tensors[name] = t.detach().to("cpu", copy=True)
+            yield chunk
+        self.version = version
+        self.full_loads += 1
