@@ -285,7 +285,13 @@ class GeneratorWorker:
             if self._groups or self._unsubmitted:
                 return False
             room = self.cfg.questions_per_lease
-        items = self._call("lease", self.work_source.lease, self.generator_id, min(room, self.cfg.questions_per_lease))
+        # nothing in flight: wait for work at the buffer (one long-poll call) rather than poll every idle_sleep_s
+        wait = self.cfg.lease_wait_s if self.engine.in_flight() == 0 and not self._stop.is_set() else 0.0
+        t0 = time.monotonic()
+        items = self._call("lease", self.work_source.lease, self.generator_id, min(room, self.cfg.questions_per_lease),
+                           wait)
+        if wait:  # time waiting for work counts as idle (generator/wait_fraction, which the autoscaler reads)
+            self.stats.wait_s += time.monotonic() - t0
         if not items:
             self._next_lease = time.monotonic() + self.cfg.idle_sleep_s
             return False

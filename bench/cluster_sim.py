@@ -115,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-s", type=float, default=0.05, help="synthetic weight load")
     p.add_argument("--weight-poll-s", type=float, default=0.25)
     p.add_argument("--idle-sleep-s", type=float, default=0.2)
+    p.add_argument("--lease-wait-s", type=float, default=1.0, help="generator.lease_wait_s (long-poll lease)")
+    p.add_argument("--idle", action="store_true",
+                   help="only (f): calls/s per shard with every generator idle, polling vs long-poll lease")
     p.add_argument("--flat-s", type=float, default=4.0, help="measured seconds of each flat-out run (after 2 s)")
     p.add_argument("--sweep-step-s", type=float, nargs="*", default=[],
                    help="(e): more learner step times, sync vs the largest lag, at the middle N")
@@ -138,7 +141,7 @@ def make_questions(n: int):
             for i in range(n)]
 
 
-def gen_cfg(args, streaming: bool):
+def gen_cfg(args, streaming: bool, lease_wait_s: float | None = None):
     from common.config import GeneratorConfig, SyntheticEngineConfig
 
     engine = SyntheticEngineConfig(tokens_per_s=args.tokens_per_s, max_num_seqs=args.max_num_seqs, length="lognormal",
@@ -147,7 +150,8 @@ def gen_cfg(args, streaming: bool):
     return GeneratorConfig(engine=engine, max_new_tokens=args.max_new_tokens, streaming=streaming,
                            max_in_flight=args.max_in_flight, questions_per_lease=args.questions_per_lease,
                            weight_poll_s=args.weight_poll_s, idle_sleep_s=args.idle_sleep_s, num_cpus=0,
-                           retry_backoff_s=0.5, stop_timeout_s=60)
+                           retry_backoff_s=0.5, stop_timeout_s=60,
+                           lease_wait_s=args.lease_wait_s if lease_wait_s is None else lease_wait_s)
 
 
 def buffer_cfg(args, max_lag: int):
@@ -295,6 +299,7 @@ class Case:
     streaming: bool
     flat: bool = False  # generators flat out, no learner: measure (b) and (c)
     learner_step_s: float | None = None  # None: --learner-step-s; else a row of the sweep (e)
+    idle_wait_s: float | None = None  # (f): every generator idle (no learner); generator.lease_wait_s
 
 
 def run_case(case: Case, actors, publisher, args, index: int) -> dict:
@@ -308,13 +313,18 @@ def run_case(case: Case, actors, publisher, args, index: int) -> dict:
                                  snapshot_dir=None)
     ray.get(publisher.store.reset.remote())
     source = ObjectStoreWeightSource(WEIGHTS_RUN)
-    cfg = gen_cfg(args, case.streaming)
+    cfg = gen_cfg(args, case.streaming, case.idle_wait_s)
     gens = actors[: case.n]
     ray.get([a.rebind.remote(cfg, buffer, source) for a in gens])
     ray.get([a.start.remote() for a in gens])
     cpu, t0 = CpuMeter(), time.monotonic()
     out = dict(n=case.n, max_lag=case.max_lag, streaming=case.streaming, learner_step_s=case.learner_step_s)
-    if case.flat:
+    if case.idle_wait_s is not None:  # no learner: the window of max_lag 0 fills, then every generator is idle
+        time.sleep(3.0)
+        c0, t_0 = shard_calls(buffer), time.monotonic()
+        time.sleep(args.flat_s)
+        out.update(calls_s=(shard_calls(buffer) - c0) / (time.monotonic() - t_0) / args.shards)
+    elif case.flat:
         time.sleep(2.0)  # leases out, engines full
         m0, s0, c0 = ray.get([a.metrics.remote() for a in gens]), shard_submitted(buffer), time.monotonic()
         time.sleep(args.flat_s)
@@ -342,6 +352,12 @@ def run_case(case: Case, actors, publisher, args, index: int) -> dict:
         raise RuntimeError(f"buffer accounting does not balance after {case}: {acc}")
     buffer.shutdown()
     return out
+
+
+def shard_calls(buffer) -> float:
+    """Generator-side calls the shards answered so far (lease, long-poll lease, submit), summed."""
+    return sum(m.get("calls_lease", 0.0) + m.get("calls_lease_wait", 0.0) + m.get("calls_submit", 0.0)
+               for m in buffer.shard_metrics())
 
 
 def shard_submitted(buffer) -> float:
@@ -442,7 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         ray.get([a.ping.remote() for a in actors], timeout=900)
         print(f"  {len(actors)} generator actors up in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
         cases = []
-        for n in args.generators:
+        if args.idle:
+            cases = [Case(n, 0, True, idle_wait_s=w) for n in args.generators for w in (0.0, args.lease_wait_s)]
+        for n in ([] if args.idle else args.generators):
             cases += [Case(n, lag, True) for lag in [0, *args.lags]]
             if not args.no_flat:
                 cases += [Case(n, FLAT_LAG, True, flat=True), Case(n, FLAT_LAG, False, flat=True)]
@@ -458,6 +476,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
+    if args.idle:
+        print("$ " + shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
+        print(f"\n(f) calls/s per shard with every generator idle (no learner: the max_lag 0 window is full), "
+              f"{args.shards} shards, idle_sleep_s {args.idle_sleep_s:g}, {args.flat_s:g} s measured\n")
+        rows = [[str(r["n"]), "poll every idle_sleep_s" if not c.idle_wait_s else f"long-poll {c.idle_wait_s:g} s",
+                 f"{r['calls_s']:,.1f}", f"{r['cpu']:.0%}"] for c, r in results]
+        print(markdown(["N", "idle generators", "calls/s per shard", "cpu"], rows))
+        return 0
     train = [r for c, r in results if not c.flat and c.learner_step_s is None]
     sweep = [r for c, r in results if c.learner_step_s is not None]
     if sweep:

@@ -59,7 +59,7 @@ HARDWARE = {
     "fs_bytes_per_s_per_node": (2e9, "B/s", "checkpoint write bandwidth of one node to shared storage"),
     "fs_bytes_per_s_total": (40e9, "B/s", "shared storage aggregate write bandwidth"),
     "delta_fraction": (0.08, "x", "bytes of a delta publication vs a full one at lr 1e-6 (sparse index+value); "
-                                  "NOT measured here yet: peers report 20-100x fewer bytes"),
+                                  "measured here: 6.6% at lr 1e-6 on 0.4M and 10M models, bench/weights_bench.py --delta"),
     "bucket_bytes": (256 * 2**20, "B", "weight-sync bucket (learner.weight_sync.bucket_mb)"),
 }
 
@@ -88,6 +88,7 @@ class Run:
     questions: int = 46_000  # the paper's training set
     shards: int = 2
     idle_sleep_s: float = 0.05  # generator.idle_sleep_s
+    lease_wait_s: float = 1.0  # generator.lease_wait_s (long-poll lease; 0: poll every idle_sleep_s)
     weight_poll_s: float = 0.1  # generator.weight_poll_s
     leases_per_group: float = 1 / 8  # questions_per_lease 8
 
@@ -156,11 +157,14 @@ def buffer(m: Model, r: Run, step_s: float) -> dict[str, float]:
 def calls(r: Run, step_s: float) -> dict[str, float]:
     """Idle generators ask every shard each idle_sleep_s and the weight store each weight_poll_s; busy ones lease
     and submit per lease; the driver makes a handful of calls per step."""
-    idle_per_shard = r.gen_gpus / r.idle_sleep_s  # each idle generator asks every shard
+    idle_per_shard = r.gen_gpus / r.idle_sleep_s  # polling: each idle generator asks every shard
+    # long-poll: per lease_wait_s, one ask of every shard and one waiting call at one of them
+    long_poll_per_shard = r.gen_gpus * (1 + 1 / r.shards) / r.lease_wait_s if r.lease_wait_s else idle_per_shard
     store = r.gen_gpus / r.weight_poll_s
     busy_per_shard = 2 * r.batch_questions * r.leases_per_group / step_s  # a lease and a submit reach every shard
     cap = _c(MEASURED, "actor_calls_per_s")
-    return {"idle_calls_per_s_per_shard": idle_per_shard, "weight_store_calls_per_s": store,
+    return {"idle_calls_per_s_per_shard": idle_per_shard, "long_poll_calls_per_s_per_shard": long_poll_per_shard,
+            "weight_store_calls_per_s": store,
             "busy_calls_per_s_per_shard": busy_per_shard, "actor_capacity_calls_per_s": cap,
             "driver_handover_s": _c(MEASURED, "handover_s")}
 
@@ -219,8 +223,10 @@ def target_table(m: Model, r: Run) -> list[tuple[str, str, str]]:
          f"{_fmt(b['stored_bytes'], 'B')}, {_fmt(b['stored_bytes_per_shard'], 'B')}"),
         ("buffer", "snapshot full / incremental (1% changed) / restore, per shard",
          f"{_fmt(b['snapshot_full_s'], 's')} / {_fmt(b['snapshot_incremental_s'], 's')} / {_fmt(b['restore_s'], 's')}"),
-        ("calls", f"idle generators -> each shard (every {r.idle_sleep_s}s, every shard asked)",
+        ("calls", f"idle generators -> each shard, polling (every {r.idle_sleep_s}s, every shard asked)",
          f"{c['idle_calls_per_s_per_shard']:,.0f}/s vs ~{c['actor_capacity_calls_per_s']:,.0f}/s per actor"),
+        ("calls", f"idle generators -> each shard, long-poll lease (lease_wait_s {r.lease_wait_s:g}, the default)",
+         f"{c['long_poll_calls_per_s_per_shard']:,.0f}/s"),
         ("calls", f"weight-store polls (every {r.weight_poll_s}s)", f"{c['weight_store_calls_per_s']:,.0f}/s"),
         ("calls", "busy: lease + submit per shard", f"{c['busy_calls_per_s_per_shard']:.1f}/s"),
         ("checkpoint", "sharded (fp32 master + Adam) / HF export (bf16)",
@@ -239,7 +245,8 @@ def sweep_table(m: Model, base: Run, ns: list[int]) -> list[list[str]]:
         c = calls(r, step)
         out.append([str(n), _fmt(g["throughput_s"], "s"), _fmt(lr["step_s"], "s"), _fmt(p["star_s"], "s"),
                     f"{p['star_s'] / step:.2f}", _fmt(p["relay_s"], "s"), _fmt(p["relay_delta_s"], "s"),
-                    f"{c['idle_calls_per_s_per_shard']:,.0f}"])
+                    f"{c['idle_calls_per_s_per_shard']:,.0f} / {c['long_poll_calls_per_s_per_shard']:,.0f}",
+                    f"{c['weight_store_calls_per_s']:,.0f}"])
     return out
 
 
@@ -303,8 +310,9 @@ def main() -> None:
         print("| " + " | ".join(row) + " |")
     print("\nsweep: N generator GPUs = N learner GPUs; publication per version; `star/step` >= 1: publishing a "
           "version takes longer than a step\n")
-    print("| N | generation s | learner s | publish star | star/step | relay | relay+delta | idle calls/s per shard |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| N | generation s | learner s | publish star | star/step | relay | relay+delta | idle calls/s per shard: "
+          "poll / long-poll | weight-store polls/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in sweep_table(m, run, args.gpus):
         print("| " + " | ".join(row) + " |")
     print("\nconstants (MEASURED on the 2-CPU development machine; HARDWARE assumed):")

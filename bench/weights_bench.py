@@ -32,6 +32,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--delta", action="store_true",
+                    help="instead: delta publications vs whole ones, bf16, over real learner steps at lr 1e-6 and 1e-4")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="model.dtype of the learner = the dtype publications carry")
     args = ap.parse_args()
@@ -71,6 +73,8 @@ def main() -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="bench",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     backends = {"object_store": ObjectStoreSyncConfig(), "collective (gloo)": CollectiveSyncConfig()}
+    if args.delta:
+        return delta_table(args, tmp, Gen)
     rows = []
     for name, size in MODELS.items():
         path = make_tiny_model_folder(tmp / name.split()[0], **size)
@@ -118,6 +122,65 @@ def main() -> None:
     print("|" + "|".join("---" for _ in head) + "|")
     for name, n, r, b, p, f, ratio in rows:
         print(f"| {name} | {n / 1e6:.2f}M | {r} | {b} | {p:.1f} | {f:.1f} | {ratio:.2f}x |")
+
+
+def delta_table(args, tmp: Path, Gen) -> None:
+    """Per model, learning rate and backend: `--repeats` publications after real learner steps (bf16 compute and
+    publications, 2 ranks), whole (delta off) and as deltas (delta on, each generator one version behind);
+    bytes per publication from the announcements, publish+load time as in the main table."""
+    import ray
+
+    from common.config import CollectiveSyncConfig, LearnerConfig, ObjectStoreSyncConfig
+    from common.modeling import make_tiny_model_folder
+    from learner.pool import LearnerPool
+    from learner.weights import make_weight_source
+    from tests.learner.batches import make_batch
+
+    rows = []
+    for name, size in MODELS.items():
+        path = make_tiny_model_folder(tmp / name.split()[0], **size)
+        for lr in (1e-6, 1e-4):
+            for bname, kind in (("object_store", ObjectStoreSyncConfig), ("collective (gloo)", CollectiveSyncConfig)):
+                res = {}
+                for delta in (False, True):
+                    sync = kind(delta=delta)
+                    cfg = LearnerConfig(num_ranks=2, micro_batch_rows=8, mini_batches=1, lr=lr, weight_sync=sync)
+                    run = f"wdelta-{len(rows)}-{delta}"
+                    pool = LearnerPool(cfg, str(path), run=run, namespace="bench", max_new_tokens=12,
+                                       dtype="bfloat16", publish_dtype="bfloat16")
+                    gen = None
+                    try:
+                        pool.publish()
+                        gen = Gen.remote(make_weight_source(sync, run=run, namespace="bench"), str(path))
+                        ray.get(gen.pull.remote())
+                        times, sent = [], []
+                        for i in range(args.repeats + 1):
+                            pool.step(make_batch(i, groups=2, group_size=2))
+                            t0 = time.perf_counter()
+                            ann = pool.publish()
+                            assert ray.get(gen.pull.remote()) == pool.version
+                            if i:
+                                times.append(time.perf_counter() - t0)
+                                # what a generator one version behind receives (a delta not offered: whole)
+                                sent.append(ann.delta_bytes if delta and ann.delta_bytes else ann.num_bytes)
+                        res[delta] = (statistics.median(sent), statistics.median(times))
+                    finally:
+                        if gen is not None:
+                            ray.kill(gen)
+                        pool.shutdown()
+                (fb, ft), (db, dt) = res[False], res[True]
+                rows.append((name, lr, bname, fb, db, fb / max(db, 1), ft * 1e3, dt * 1e3))
+                print(rows[-1], flush=True)
+    ray.shutdown()
+    cmd = "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:])
+    print(f"\n$ {cmd}    (2 learner ranks, bf16 compute and publications, real learner steps between publications;"
+          f" median of {args.repeats})\n")
+    head = ("model", "lr", "backend", "bytes whole", "bytes delta", "fewer bytes", "publish+load ms whole",
+            "publish+load ms delta")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    for name, lr, b, fb, db, ratio, ft, dt in rows:
+        print(f"| {name} | {lr:g} | {b} | {fb / 1e6:.2f} MB | {db / 1e6:.3f} MB | {ratio:.1f}x | {ft:.1f} | {dt:.1f} |")
 
 
 if __name__ == "__main__":

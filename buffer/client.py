@@ -75,6 +75,7 @@ class BufferClient:
         self._zero_signal_seen: list[list[int]] | None = None  # per shard: cumulative (fresh groups kept out, of
         # which all correct) at the last batch
         self._rr = 0
+        self._wait_rr = -1  # the shard the last long-poll lease waited at
 
     # ----------------------------------------------------------------------------------- building
 
@@ -122,8 +123,10 @@ class BufferClient:
 
     # --------------------------------------------------------------------------------- WorkSource
 
-    def lease(self, generator_id: str, max_items: int) -> list[WorkItem]:
-        """Split `max_items` round-robin over the shards (rotating start); one call per shard asked."""
+    def lease(self, generator_id: str, max_items: int, wait_s: float = 0.0) -> list[WorkItem]:
+        """Split `max_items` round-robin over the shards (rotating start); one call per shard asked. When none has
+        work and `wait_s` > 0: one long-poll call to the next shard in turn, answered as soon as it has work or
+        after `wait_s` (every shard's back-pressure opens at once, when the learner takes a batch)."""
         s = len(self.shards)
         quota = [0] * s
         for j in range(max_items):
@@ -131,7 +134,13 @@ class BufferClient:
         self._rr = (self._rr + max_items) % s
         asked = [i for i in range(s) if quota[i]]
         replies = self._get([self.shards[i].lease.remote(generator_id, quota[i]) for i in asked], "lease")
-        return [item for r in replies for item in codec.decode_list(r, WorkItem)]
+        items = [item for r in replies for item in codec.decode_list(r, WorkItem)]
+        if items or wait_s <= 0:
+            return items
+        self._wait_rr = (self._wait_rr + 1) % s
+        reply = self._get([self.shards[self._wait_rr].lease_wait.remote(generator_id, max_items, wait_s)], "lease",
+                          timeout_s=wait_s + self.call_timeout_s)[0]
+        return codec.decode_list(reply, WorkItem)
 
     def submit(self, groups: list[ScoredGroup]) -> dict[str, int]:
         """Route groups to the shard that leased them (the lease id's shard prefix), one call per shard."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 
 import msgpack
 import ray
@@ -61,6 +62,7 @@ class BufferShard:
         else:
             self.core = ShardCore(self.cfg, self.questions, shard=shard, batch_share=batch_share, shares=shares)
         self._stop = threading.Event()
+        self.calls: Counter[str] = Counter()  # generator-side calls answered: lease, lease_wait, submit
         if snapshot_dir:
             threading.Thread(target=self._snapshot_loop, name=f"buffer-{shard}-snapshots", daemon=True).start()
 
@@ -76,19 +78,37 @@ class BufferShard:
 
     def lease(self, generator_id: str, max_items: int) -> bytes:
         with self.lock:
+            self.calls["lease"] += 1
             items = self.core.lease(generator_id, max_items)
         return codec.encode_list(items, WorkItem)
+
+    @ray.method(concurrency_group="lease_wait")
+    def lease_wait(self, generator_id: str, max_items: int, wait_s: float) -> bytes:
+        """`lease`, but with nothing to lease wait up to `wait_s` for work (a long-poll: woken when the learner
+        takes a batch, a version advances, groups come in or leases come back; on its own threads)."""
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            self.calls["lease_wait"] += 1
+            while True:
+                items = self.core.lease(generator_id, max_items)
+                left = deadline - time.monotonic()
+                if items or left <= 0 or self._stop.is_set():
+                    return codec.encode_list(items, WorkItem)
+                self.cond.wait(min(left, 0.25))  # also wakes to see leases expire
 
     def submit(self, groups: bytes) -> bytes:
         decoded = codec.decode_list(groups, ScoredGroup)
         with self.cond:
+            self.calls["submit"] += 1
             out = self.core.submit(decoded)
             self.cond.notify_all()
         return pack(out)
 
     def return_leases(self, lease_ids: list[str]) -> int:
-        with self.lock:
-            return self.core.return_leases(list(lease_ids))
+        with self.cond:
+            n = self.core.return_leases(list(lease_ids))
+            self.cond.notify_all()
+            return n
 
     # -------------------------------------------------------------------------------- learner side
 
@@ -107,8 +127,9 @@ class BufferShard:
                 self.cond.wait(min(left, 0.05))  # also wakes to expire leases and see new versions
 
     def take(self, version: int, n_fresh: int, n_mixed: int, exclude: list[str] = ()) -> bytes:
-        with self.lock:
+        with self.cond:
             groups = self.core.take(version, n_fresh, n_mixed, frozenset(exclude))
+            self.cond.notify_all()  # the back-pressure window opened: long-poll leases may find work
         return codec.encode_list(groups, TrainGroup)
 
     def feedback(self, fb: bytes) -> None:
@@ -142,6 +163,7 @@ class BufferShard:
         with self.lock:
             m = self.core.metrics()
         m["snapshot_errors"] = float(self.snapshot_errors)
+        m.update({f"calls_{k}": float(v) for k, v in self.calls.items()})
         m.update(self.last_snapshot)
         m["restored"] = float(bool(self.restored_from))
         return pack(m)
@@ -194,7 +216,7 @@ class BufferShard:
 def make_shard_actor(cfg: BufferConfig, questions: list[Question], *, shard: int, shares: list[int], name: str,
                      namespace: str | None, snapshot_dir: str | None):
     """Start one named shard actor (restarts from its snapshot up to `cfg.max_restarts` times)."""
-    actor_cls = ray.remote(BufferShard)
+    actor_cls = ray.remote(concurrency_groups={"lease_wait": cfg.lease_wait_threads})(BufferShard)
     return actor_cls.options(
         name=name, namespace=namespace, max_restarts=cfg.max_restarts, max_task_retries=0,
         max_concurrency=cfg.max_concurrency, num_cpus=0, lifetime=None, **near_caller(),

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import CollectiveSyncConfig
-from learner.delta import DeltaEncoder
+from learner.delta import DELTA_WORTH, DeltaEncoder
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +215,8 @@ class CollectiveServer:
                 delta.add(d)
                 has_delta = True
         packed, packed_delta = full.finish(), delta.finish() if has_delta else None
+        if packed_delta is not None and packed_bytes(packed_delta) > DELTA_WORTH * packed_bytes(packed):
+            packed_delta = None  # nearly everything changed (a high learning rate): whole only
         with self.lock:
             if self.versions and version <= max(self.versions):
                 raise ValueError(f"version {version} published after {max(self.versions)}: versions must increase")

@@ -25,14 +25,17 @@ version to apply to.
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
 SEP = "@"
-_CHUNK = 1 << 22  # elements per step of the checksum (bounds its int64 temporaries to 32 MiB)
+DELTA_WORTH = 0.8
+"""A delta larger than this share of the whole version is not offered (applying it would cost more than it saves)."""
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -46,15 +49,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def checksum(t: torch.Tensor) -> int:
-    """A position-weighted sum of the tensor's bits (int64, wrapping): equal tensors give equal sums, a changed,
-    moved or swapped element almost surely changes it. Runs on the tensor's device, a chunk at a time."""
-    b = _bits(t)
-    total = torch.zeros((), dtype=torch.int64, device=b.device)
-    for start in range(0, b.numel(), _CHUNK):
-        part = b[start:start + _CHUNK].to(torch.int64)
-        weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=b.device) % 65_521 + 1
-        total += (part * weights).sum()
-    return int(total) ^ b.numel()
+    """CRC-32 of the tensor's bytes, computed on a host copy (both ends hold host copies: rank 0 its last
+    publication, a generator its last load), so a GPU and a CPU end agree."""
+    return zlib.crc32(_bits(t).cpu().numpy().view(np.uint8))
 
 
 def encode(prev: dict[str, torch.Tensor], chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

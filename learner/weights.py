@@ -43,6 +43,7 @@ import torch
 
 from common.config import CollectiveSyncConfig, ObjectStoreSyncConfig, WeightSyncConfig
 from common.interfaces import actor_name, near_caller
+from learner.delta import DELTA_WORTH
 from common.messages import WeightsAnnouncement
 
 
@@ -212,6 +213,8 @@ class ObjectStorePublisher:
                 delta_refs.append(ray.put(to_wire(delta)))
                 delta_bytes += state_dict_bytes(delta)
             del bucket, delta
+        if delta_bytes > DELTA_WORTH * num_bytes:  # nearly everything changed (a high learning rate): whole only
+            delta_refs, delta_bytes = [], 0
         ann = WeightsAnnouncement(version=version, location="object_store", num_bytes=num_bytes,
                                   created_at=time.time(), delta_bytes=delta_bytes if delta_refs else 0)
         try:

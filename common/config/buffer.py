@@ -69,6 +69,10 @@ class BufferConfig(Section):
     """Automatic restarts of a crashed shard actor (-1 = unlimited); each restart restores the latest snapshot."""
     max_concurrency: int = Field(16, ge=2, le=1024)
     """Threads of each shard actor (lease, submit and batch requests run concurrently)."""
+    lease_wait_threads: int = Field(128, ge=1, le=4096)
+    """Threads of each shard actor for idle generators' long-poll leases (generator.lease_wait_s), apart from
+    max_concurrency so that waiting generators never hold up the learner's calls. More idle generators than
+    this queue at the shard (each still returns within its bound)."""
 
     @model_validator(mode="after")
     def _window_covers_a_batch(self) -> BufferConfig:

@@ -128,6 +128,10 @@ class GeneratorConfig(Section):
     """Base sampling seed (each generator adds its index)."""
     idle_sleep_s: float = Field(0.05, gt=0, le=60)
     """Sleep between lease attempts when the buffer has no work."""
+    lease_wait_s: float = Field(1.0, ge=0, le=60)
+    """A generator with nothing in flight that finds no work waits at one shard (rotating) up to this long for
+    some (a long-poll lease: one call, answered as soon as the learner takes a batch or work comes back) instead
+    of asking every shard each idle_sleep_s. 0: poll. A stop or a new weight version waits at most this long."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Engine dtype; None = model.dtype (filled in when the run config is validated). The learner publishes
     weights in this dtype (its float32 master weights cast once, before the gather)."""

@@ -174,3 +174,30 @@ def test_client_in_a_remote_task_and_connect_by_name(ray_cluster):
     with pytest.raises(BufferUnavailableError, match="not found"):
         BufferClient.connect("nope", None, 1)
     client.shutdown()
+
+
+def test_an_idle_generator_long_polls_one_shard_and_gets_work_as_soon_as_it_comes_back(ray_cluster):
+    """With no work anywhere, `lease(wait_s)` makes one waiting call to one shard (not a poll of every shard each
+    idle_sleep_s) and returns the work that comes back meanwhile; with none, it returns [] after its bound."""
+    client = BufferClient.create(small_cfg(num_shards=1, batch_questions=4, max_lag=0), make_questions(4), run="longpoll",
+                                 namespace=None, snapshot_dir=None)
+    taken = client.lease("g0", 8)
+    assert len(taken) == 4 and client.lease("g1", 4) == []  # the window (one batch at max_lag 0) is all leased
+    assert client.lease("g1", 4, wait_s=0.3) == []  # nothing came back within the bound
+    before = client.shard_metrics()[0]
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.extend(client.lease("g1", 4, wait_s=120)))
+    waiter.start()
+    # driven by progress: the waiting call has reached the shard, then g0 gives its leases back
+    deadline = time.monotonic() + 120
+    while client.shard_metrics()[0].get("calls_lease_wait", 0) <= before.get("calls_lease_wait", 0):
+        assert time.monotonic() < deadline, "the long-poll lease never reached the shard"
+        time.sleep(0.05)
+    client.return_leases([it.lease_id for it in taken[:2]])
+    waiter.join(120)
+    assert not waiter.is_alive()
+    assert sorted(it.question.id for it in got) == sorted(it.question.id for it in taken[:2])
+    after = client.shard_metrics()[0]
+    # one non-waiting ask and one waiting call for the whole wait, whatever its length
+    assert after["calls_lease_wait"] - before["calls_lease_wait"] == 1
+    assert after["calls_lease"] - before["calls_lease"] == 1

@@ -107,6 +107,11 @@ def test_generators_load_deltas_and_whole_versions_exactly(ray_cluster, sync):
         steady.held.tensors["head"].view(-1)[7] += 1
         assert _equal_bits(load(steady, anns[4]), versions[4])
         assert steady.delta_stats() == {"delta_loads": 3, "full_loads": 2, "delta_mismatches": 1}
+        # everything changed (a high learning rate): no delta is offered, the version goes whole
+        v5 = {k: t + 1 for k, t in versions[4].items()}
+        ann = pub.publish(5, chunks(v5))
+        assert ann.delta_bytes == 0 and _equal_bits(load(steady, ann), v5)
+        assert steady.delta_stats() == {"delta_loads": 3, "full_loads": 3, "delta_mismatches": 1}
     finally:
         pub.close()
         ray.kill(pub.store)
