@@ -191,4 +191,6 @@ class LearnerConfig(Section):
         if kind == "nccl":
             raise ValueError("kind: nccl was replaced by the collective backend: use "
                              "{kind: collective, backend: nccl} (or backend: auto)")
+        if isinstance(v, dict) and kind is None and v and set(v) <= set(ObjectStoreSyncConfig.model_fields):
+            v = {"kind": ObjectStoreSyncConfig.model_fields["kind"].default, **v}  # e.g. weight_sync.delta=true
         return v

@@ -116,8 +116,9 @@ def test_train_improves_heldout_accuracy_logs_everything_and_balances(runs_root,
 
 
 def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_stops_cleanly(runs_root):
-    """learner.mini_batches=2, 2 FSDP ranks, 2 buffer shards, rho 0.5, max_lag 1, delta weight publications, while
-    `exgrpo scale` takes the generators 1 -> 3 -> 1 and SIGTERM then stops the run: it trains, the version advances once per step, replay
+    """learner.mini_batches=2, 2 FSDP ranks, 2 buffer shards, rho 0.5, max_lag 1, the paper's lr 1e-6 with bf16
+    engines and delta weight publications, while `exgrpo scale` takes the generators 1 -> 3 -> 1 and SIGTERM then
+    stops the run: it trains, the version advances once per step, replay
     starts, the accounting balances, and it stops cleanly (final checkpoint, run marked KILLED, exit 0)."""
     client = mlflow_client(runs_root)
 
@@ -133,7 +134,8 @@ def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_st
 
     with train_process(runs_root, "paper", "total_steps=1000", "learner.mini_batches=2", "learner.num_ranks=2",
                        "buffer.num_shards=2", "cluster.num_cpus=5", "checkpoint.every_steps=0",
-                       "tracking.log_plots=false", "generator.engine.kind=vllm", "learner.weight_sync.delta=true") as p:
+                       "tracking.log_plots=false", "generator.engine.kind=vllm", "learner.weight_sync.delta=true",
+                       "learner.lr=1e-6", "generator.dtype=bfloat16") as p:
         wait_for(lambda: generators() == 1 or p.poll() is not None, 600, "the first logged step")
         assert p.poll() is None, read_log(runs_root, "paper")
         scale(3)
