@@ -574,8 +574,11 @@ def actor_options(gen_cfg: GeneratorConfig) -> dict:
     env = {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
     if isinstance(resolve_engine_config(gen_cfg), VllmEngineConfig):  # without the model: vLLM whenever it may be
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in the actor's process
-    return dict(num_cpus=gen_cfg.num_cpus, num_gpus=gen_cfg.num_gpus, max_restarts=gen_cfg.max_restarts,
+    opts = dict(num_cpus=gen_cfg.num_cpus, num_gpus=gen_cfg.num_gpus, max_restarts=gen_cfg.max_restarts,
                 max_task_retries=0, max_concurrency=4, runtime_env={"env_vars": env})
+    if gen_cfg.node_labels:  # only nodes of this group (a tensor-parallel generator's bundles carry it instead)
+        opts["label_selector"] = dict(gen_cfg.node_labels)
+    return opts
 
 
 Generator = ray.remote(max_concurrency=4, max_restarts=3, max_task_retries=0)(GeneratorWorker)

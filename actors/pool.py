@@ -129,6 +129,7 @@ class GeneratorPool:
         gid = self.generator_id(i)
         options = actor_options(self.cfg)
         if self.cfg.tensor_parallel_size > 1:  # its engine's workers go into the generator's placement group
+            options.pop("label_selector", None)  # its bundles carry the labels
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self._placement_group(i), placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
         try:
@@ -149,8 +150,10 @@ class GeneratorPool:
         if i not in self.placement_groups:
             tp = self.cfg.tensor_parallel_size
             bundles = [{"CPU": self.cfg.num_cpus, "GPU": 1.0}] + [{"GPU": 1.0} for _ in range(tp - 1)]
+            labels = [dict(self.cfg.node_labels) for _ in bundles] if self.cfg.node_labels else None
             self.placement_groups[i] = placement_group([{k: v for k, v in b.items() if v} for b in bundles],
-                                                       strategy="STRICT_PACK", name=f"{self.generator_id(i)}-tp")
+                                                       strategy="STRICT_PACK", name=f"{self.generator_id(i)}-tp",
+                                                       bundle_label_selector=labels)
         return self.placement_groups[i]
 
     def _release(self, indices) -> None:
@@ -281,7 +284,9 @@ class GeneratorPool:
             free = ray.available_resources()
             need = "; ".join(f"{v:g} {k}" for k, v in self.needs().items()) or "no resources"
             have = ", ".join(f"{free.get(k, 0.0):g} {k}" for k in self.needs()) or "-"
-            line += f" (each needs {need}; the cluster has {have} free)"
+            where = (" on a node labelled " + ", ".join(f"{k}={v}" for k, v in self.cfg.node_labels.items())
+                     if self.cfg.node_labels else "")
+            line += f" (each needs {need}{where}; the cluster has {have} free)"
         if self.last_error:
             gid, why = list(self.last_error.items())[-1]
             line += f"; last death: {gid}: {why[:120]}"

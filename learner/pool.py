@@ -266,7 +266,9 @@ def _learner_placement_group(cfg: LearnerConfig):
     bundle = _rank_bundle(cfg)
     if not bundle:
         return None
-    return placement_group([dict(bundle) for _ in range(cfg.num_ranks)], strategy=cfg.placement.upper())
+    labels = [dict(cfg.node_labels) for _ in range(cfg.num_ranks)] if cfg.node_labels else None
+    return placement_group([dict(bundle) for _ in range(cfg.num_ranks)], strategy=cfg.placement.upper(),
+                           bundle_label_selector=labels)
 
 
 def _rank_bundle(cfg: LearnerConfig) -> dict[str, float]:
@@ -280,10 +282,12 @@ def _wait_placed(pg, cfg: LearnerConfig) -> None:
     """Wait up to `publish_timeout_s` for the placement group; say which resources are missing otherwise."""
     ready, _ = ray.wait([pg.ready()], timeout=cfg.publish_timeout_s)
     if not ready:
+        where = (" on nodes labelled " + ", ".join(f"{k}={v}" for k, v in cfg.node_labels.items())
+                 if cfg.node_labels else "")
         raise RuntimeError(
-            f"learner placement group of {cfg.num_ranks} x {_rank_bundle(cfg)} ({cfg.placement}) could not be placed "
-            f"within {cfg.publish_timeout_s:.0f}s; the cluster has {ray.available_resources()} free. Lower "
-            "learner.num_ranks / num_cpus / num_gpus or add nodes")
+            f"learner placement group of {cfg.num_ranks} x {_rank_bundle(cfg)}{where} ({cfg.placement}) could not be "
+            f"placed within {cfg.publish_timeout_s:.0f}s; the cluster has {ray.available_resources()} free. Lower "
+            "learner.num_ranks / num_cpus / num_gpus, add nodes" + (", or check learner.node_labels" if where else ""))
 
 
 def _bundle(pg, index: int):
@@ -313,8 +317,9 @@ class LearnerPool:
         self.placement_group = _learner_placement_group(cfg)
         self.ranks = [
             actor.options(name=actor_name(run, "learner", r), namespace=namespace, num_cpus=cfg.num_cpus,
-                          num_gpus=cfg.num_gpus, max_restarts=0,
-                          scheduling_strategy=_bundle(self.placement_group, r)).remote(
+                          num_gpus=cfg.num_gpus, max_restarts=0, scheduling_strategy=_bundle(self.placement_group, r),
+                          **({"label_selector": dict(cfg.node_labels)}
+                             if cfg.node_labels and self.placement_group is None else {})).remote(
                 cfg, self.model_path, rank=r, world=cfg.num_ranks, max_new_tokens=max_new_tokens, run=run,
                 namespace=namespace, dtype=dtype, publish_dtype=publish_dtype)
             for r in range(cfg.num_ranks)

@@ -120,6 +120,12 @@ class GeneratorConfig(Section):
     """CPUs reserved per generator actor."""
     num_gpus: float = Field(0.0, ge=0)
     """GPUs reserved per generator actor (with tensor_parallel_size > 1: per tensor-parallel worker, 1)."""
+    node_labels: dict[str, str] = Field(default_factory=dict)
+    """Place generators only on Ray nodes with these labels (a Ray label selector), e.g.
+    `{ray.io/accelerator-type: H100}` or `{group: rollout}` for a node group started with
+    `ray start --labels='{"group": "rollout"}'` (KubeRay: the worker group's `rayStartParams.labels`). Values may
+    use Ray's operators: `!v`, `in(a,b)`, `!in(a,b)`. Until a matching node has room, generators are pending
+    (reported, never timed out). docs/cluster.md, node groups."""
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     """GPUs one generator's vLLM engine spans (tensor parallelism). Above 1 each generator reserves a Ray
     placement group of this many bundles of one GPU on one node (STRICT_PACK; the first bundle also holds

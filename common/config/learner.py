@@ -64,6 +64,9 @@ class LearnerConfig(Section):
     """GPUs per rank."""
     placement: Literal["pack", "spread", "none"] = "pack"
     """Placement group of the ranks: pack (together, fast collectives), spread (across nodes) or none."""
+    node_labels: dict[str, str] = Field(default_factory=dict)
+    """Place the learner ranks only on Ray nodes with these labels (a Ray label selector, as
+    `generator.node_labels`); with `placement: pack/spread` every bundle of the ranks' placement group carries it."""
     lr: float = Field(1e-4, gt=0, le=1)
     """AdamW learning rate (the paper uses 1e-6 for 1.5B-8B models); the peak of `lr_schedule`."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"

@@ -1,7 +1,7 @@
 """A multi-node Ray cluster on this machine, made with Ray's own test utility (`ray.cluster_utils.Cluster`) in a
 process of its own, driven over stdin by a test:
 
-    add <cpus>   add a worker node (a raylet of its own); prints "added <node id>"
+    add <cpus> [<labels json>]   add a worker node (a raylet of its own), with node labels; prints "added <node id>"
     remove       kill the newest worker node's raylet and workers (a node loss); prints "removed <node id>"
     quit         stop every node
 
@@ -13,6 +13,7 @@ authentication, its own temp folder) apart from the test process's Ray.
 
 from __future__ import annotations
 
+import json
 import sys
 
 
@@ -27,7 +28,8 @@ def main() -> None:
         for line in sys.stdin:
             cmd, *args = line.split()
             if cmd == "add":
-                workers.append(cluster.add_node(num_cpus=int(args[0]), temp_dir=temp_dir))
+                labels = json.loads(" ".join(args[1:])) if len(args) > 1 else None
+                workers.append(cluster.add_node(num_cpus=int(args[0]), temp_dir=temp_dir, labels=labels))
                 print("added", workers[-1].node_id, flush=True)
             elif cmd == "remove":
                 node = workers.pop()

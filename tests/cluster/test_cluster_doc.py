@@ -48,10 +48,13 @@ def test_run_config_block_loads_and_builds_both_weight_sync_ends(ray_cluster, tm
     from learner.weights import CollectivePublisher, CollectiveWeightSource, make_publisher, make_weight_source
 
     configs = run_configs()
-    assert len(configs) == 1
-    raw = configs[0]
+    for i, fragment in enumerate(configs):  # every run config shown loads (the node-group example is a fragment)
+        (tmp_path / f"block{i}.yaml").write_text(yaml.safe_dump(fragment))
+        load_config(tmp_path / f"block{i}.yaml")
+    full = [c for c in configs if "model" in c]
+    assert len(full) == 1  # the 1.5B config
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path.write_text(yaml.safe_dump(full[0]))
     cfg = load_config(path)  # paths to the model/data are checked when training starts, not here
     assert cfg.model.dtype == "bfloat16" and cfg.generator.engine.kind == "vllm"
     ws = cfg.learner.weight_sync

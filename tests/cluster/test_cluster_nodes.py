@@ -5,12 +5,15 @@ run in a process of its own: tests/cluster/cluster_nodes.py), as a user joins a 
 - a process in token mode is told at once that the cluster runs without it (Ray itself would cancel every actor
   it creates: the cluster cannot call back into a driver that demands a token);
 - a worker node lost mid-run (its raylet and workers killed) is reported, the run trains on with what is left,
-  and when a new node joins, the lost generators run again there. The faults follow the run's checkpoints and
-  log lines, never the clock.
+  and when a new node joins, the lost generators run again there;
+- generators pinned to a node group (`generator.node_labels`) wait, reported, while no node of the group exists,
+  though the head has room, and run once one joins.
+The faults follow the run's checkpoints and log lines, never the clock.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
@@ -53,8 +56,8 @@ class Nodes:
         self.proc.stdin.flush()
         return self._answer(word, 300)
 
-    def add(self, cpus: int) -> str:
-        return self._ask(f"add {cpus}", "added")
+    def add(self, cpus: int, labels: dict[str, str] | None = None) -> str:
+        return self._ask(f"add {cpus}" + (f" {json.dumps(labels)}" if labels else ""), "added")
 
     def remove(self) -> str:
         return self._ask("remove", "removed")
@@ -155,3 +158,25 @@ def test_a_lost_worker_node_is_reported_and_its_generators_run_again_on_a_node_t
     assert acc["trained"] > 0
     m = run.data.metrics
     assert m["generator/generators"] == 4, {k: v for k, v in m.items() if k.startswith("generator/generators")}
+
+
+def test_generators_pinned_to_a_node_group_wait_for_a_node_of_it(nodes, runs_root):
+    name = "groups"
+    with train_process(runs_root, name, f"cluster.address={nodes.address}", "total_steps=100000",
+                       "generator.num_generators=1", "generator.engine.kind=transformers",
+                       "generator.node_labels={group: rollout}", "checkpoint.every_steps=5", "cluster.stall_report_s=5",
+                       env=_env()) as p:
+        def alive(what):
+            return lambda: what() or p.poll() is not None
+
+        # the head and the worker left by the test above have room, but no node is of the group: pending, said so
+        wait_for(alive(lambda: "pending (each needs 1 CPU on a node labelled group=rollout"
+                       in read_log(runs_root, name)), 600, "the report of a generator waiting for its node group")
+        assert p.poll() is None and not _checkpointed(runs_root / name), read_log(runs_root, name)[-4000:]
+        nodes.add(1, {"group": "rollout"})
+        wait_for(alive(lambda: _checkpointed(runs_root / name)), 600, "a checkpoint once a node of the group joined")
+        assert p.poll() is None, read_log(runs_root, name)[-4000:]
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(600) == 0, read_log(runs_root, name)[-4000:]
+    run = mlflow_client(runs_root).get_run(state(runs_root / name)["mlflow_run_id"])
+    assert_balanced(accounting(run.data.metrics))
