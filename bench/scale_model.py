@@ -14,7 +14,6 @@ seconds; docs/scale.md walks through it.
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import sys
 import time
