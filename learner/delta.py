@@ -151,8 +151,10 @@ class HeldWeights:
         return {"delta_loads": self.delta_loads, "full_loads": self.full_loads, "delta_mismatches": self.mismatches}
 
     def buckets(self) -> Iterator[dict[str, torch.Tensor]]:
-        """The held version as one bucket (views of the held tensors: the engine copies them when it loads)."""
-        return iter([dict(self.tensors)])
+        """The held version a tensor at a time, each a copy made when the engine asks for it: an engine that kept
+        a tensor it was given (instead of copying it into its own) must not see the next delta applied to it."""
+        for name, t in list(self.tensors.items()):
+            yield {name: t.clone()}
 
     def keep(self, version: int, chunks: Iterable[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
         """Pass a full version through to the engine, keeping a host copy of each chunk; the copy is `version`

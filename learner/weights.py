@@ -374,29 +374,31 @@ class CollectiveWeightSource:
     def latest(self) -> WeightsAnnouncement | None:
         return self.store.latest()
 
-    def fetch_buckets(self, ann: WeightsAnnouncement) -> Iterator[dict[str, torch.Tensor]]:
-        """The whole state dict as one bucket (rank 0 keeps whole packed versions; see `fetch`)."""
-        return iter([self.fetch(ann)])
-
     def fetch(self, ann: WeightsAnnouncement) -> dict[str, torch.Tensor]:
-        """The state dict of `ann.version`; KeyError when rank 0 no longer holds it, WeightSyncError
-        (a RuntimeError: the generator retries at its next safe point) when the transfer failed. With `delta`:
-        pulled as a delta when this source holds `ann.version - 1` whole (verified; a mismatch pulls it whole)."""
+        """The state dict of `ann.version` (`fetch_buckets` merged)."""
+        out: dict[str, torch.Tensor] = {}
+        for bucket in self.fetch_buckets(ann):
+            out.update(bucket)
+        return out
+
+    def fetch_buckets(self, ann: WeightsAnnouncement) -> Iterator[dict[str, torch.Tensor]]:
+        """`ann.version`: the whole state dict as one bucket (rank 0 keeps whole packed versions); KeyError when
+        rank 0 no longer holds it, WeightSyncError (a RuntimeError: the generator retries at its next safe point)
+        when the transfer failed. With `delta`: pulled as a delta when this source holds `ann.version - 1` whole,
+        applied and verified before anything is handed on (a mismatch pulls the version whole)."""
         held = self.held
         if held is None:
-            return self._pull(ann, -1)[0]
+            return iter([self._pull(ann, -1)[0]])
         whole = None
         if held.version is not None and held.version == ann.version - 1 and ann.delta_bytes:
             got, base = self._pull(ann, held.version)
             if base < 0:  # rank 0 no longer keeps that delta: it sent the version whole
                 whole = got
             elif held.apply(ann.version, [got]):
-                return dict(held.tensors)
+                return held.buckets()
         if whole is None:
             whole, _ = self._pull(ann, -1)
-        for _ in held.keep(ann.version, [whole]):  # a host copy: the base of the next delta
-            pass
-        return whole
+        return held.keep(ann.version, [whole])  # a host copy as it passes: the base of the next delta
 
     def delta_stats(self) -> dict[str, int]:
         """Loads from a delta, full loads, and deltas that did not verify (`learner.delta.HeldWeights.stats`)."""
