@@ -104,6 +104,9 @@ class GeneratorWorker:
         self._load_pending = False  # a newer version waits for the samples in flight (in_flight_updates=false)
         self._torn = False  # a load failed part-way: the engine holds parts of two versions and must not step
         self._next_poll = 0.0
+        self._watcher: threading.Thread | None = None  # waits at the weight store for new versions (weight_wait_s)
+        self._watch_token = 0  # a watcher of an earlier start ends when it sees a newer token
+        self._announced = None  # the newest announcement the watcher saw
         self._next_lease = 0.0
         self._samples_per_item = 1  # samples per leased question (K or K-1), learned from the last lease
         self._requests = 0
@@ -148,6 +151,13 @@ class GeneratorWorker:
             self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._run, name=f"{self.generator_id}-loop", daemon=True)
             self._thread.start()
+            self._watch_token += 1
+            self._announced = None
+            self._watcher = None
+            if self.cfg.weight_wait_s > 0 and hasattr(self.weight_source, "wait_newer"):
+                self._watcher = threading.Thread(target=self._watch_weights, args=(self._watch_token,),
+                                                 name=f"{self.generator_id}-weights", daemon=True)
+                self._watcher.start()
             log.info("generator %s started at version %d in %.1fs", self.generator_id, self.engine.version,
                      self.stats.startup_s)
             return {"version": float(self.engine.version), "startup_s": self.stats.startup_s}
@@ -489,14 +499,17 @@ class GeneratorWorker:
     def _sync_weights(self, *, required: bool = False, poll: bool = True) -> None:
         """Load the newest published version if it is newer than the engine's.
 
-        `poll=False` asks the weight store at most every `weight_poll_s`. With samples in flight the load
-        happens now (`in_flight_updates`) or once they are done (leasing pauses meanwhile)."""
+        `poll=False` reads what the weight watcher learnt (`weight_wait_s`; no call), or asks the weight store at
+        most every `weight_poll_s`. With samples in flight the load happens now (`in_flight_updates`) or once they
+        are done (leasing pauses meanwhile)."""
         now = time.monotonic()
-        if not poll and not self._load_pending and not self._torn and now < self._next_poll:
-            return
+        watched = None if poll or self._load_pending or self._torn else self._watched()
+        if watched is False or (watched is None and not poll and not self._load_pending and not self._torn
+                                and now < self._next_poll):
+            return  # the watcher saw nothing newer than the engine's version, or the next poll is not due
         if self._torn or not self._load_pending or self.engine.in_flight() == 0:
             self._next_poll = now + self.cfg.weight_poll_s
-            ann = self._call("latest", self.weight_source.latest, required=required)
+            ann = watched or self._call("latest", self.weight_source.latest, required=required)
             if ann is None:
                 return
             self._known_version = max(self._known_version, ann.version)
@@ -531,6 +544,32 @@ class GeneratorWorker:
             self._call("ack", self.weight_source.ack, self.generator_id, ann.version, required=required)
             log.info("generator %s loaded weights version %d in %.2fs (%d samples in flight)", self.generator_id,
                      ann.version, dt, in_flight)
+
+    def _watched(self):
+        """With the weight watcher running: its newest announcement if newer than the engine's version, else False;
+        None without a watcher (the caller polls)."""
+        if self._watcher is None or not self._watcher.is_alive():
+            return None
+        ann = self._announced
+        return ann if ann is not None and ann.version > self.engine.version else False
+
+    def _watch_weights(self, token: int) -> None:
+        """The weight watcher: one long-poll call at the weight store at a time (`weight_wait_s`); a new version
+        is recorded for the engine loop, which is woken. Ends with the loop (stop) or when a newer watcher starts."""
+        known = -1
+        while not self._stop.is_set() and token == self._watch_token:
+            try:
+                ann = self.weight_source.wait_newer(known, self.cfg.weight_wait_s)
+            except (LookupError, *RETRYABLE) as e:  # the store restarts or is not there yet: ask again shortly
+                self.stats.source_errors += 1
+                log.info("generator %s: waiting for weights failed (%s: %s); retrying", self.generator_id,
+                         type(e).__name__, e)
+                self._stop.wait(self.cfg.retry_backoff_s)
+                continue
+            if ann is not None and ann.version != known:
+                known = ann.version
+                self._announced = ann
+                self._wake.set()
 
     def _call(self, what: str, fn, *args, required: bool = False):
         """A remote call that may fail transiently: log, count, back off; None when it failed.

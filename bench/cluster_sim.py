@@ -151,7 +151,10 @@ def gen_cfg(args, streaming: bool, lease_wait_s: float | None = None):
                            max_in_flight=args.max_in_flight, questions_per_lease=args.questions_per_lease,
                            weight_poll_s=args.weight_poll_s, idle_sleep_s=args.idle_sleep_s, num_cpus=0,
                            retry_backoff_s=0.5, stop_timeout_s=60,
-                           lease_wait_s=args.lease_wait_s if lease_wait_s is None else lease_wait_s)
+                           lease_wait_s=args.lease_wait_s if lease_wait_s is None else lease_wait_s,
+                           # (f) compares everything polling with both long-polls; elsewhere the product default
+                           weight_wait_s=0.0 if lease_wait_s == 0 else GeneratorConfig.model_fields[
+                               "weight_wait_s"].default)
 
 
 def buffer_cfg(args, max_lag: int):
@@ -321,9 +324,10 @@ def run_case(case: Case, actors, publisher, args, index: int) -> dict:
     out = dict(n=case.n, max_lag=case.max_lag, streaming=case.streaming, learner_step_s=case.learner_step_s)
     if case.idle_wait_s is not None:  # no learner: the window of max_lag 0 fills, then every generator is idle
         time.sleep(3.0)
-        c0, t_0 = shard_calls(buffer), time.monotonic()
+        c0, w0, t_0 = shard_calls(buffer), store_calls(publisher), time.monotonic()
         time.sleep(args.flat_s)
-        out.update(calls_s=(shard_calls(buffer) - c0) / (time.monotonic() - t_0) / args.shards)
+        dt = time.monotonic() - t_0
+        out.update(calls_s=(shard_calls(buffer) - c0) / dt / args.shards, store_calls_s=(store_calls(publisher) - w0) / dt)
     elif case.flat:
         time.sleep(2.0)  # leases out, engines full
         m0, s0, c0 = ray.get([a.metrics.remote() for a in gens]), shard_submitted(buffer), time.monotonic()
@@ -358,6 +362,13 @@ def shard_calls(buffer) -> float:
     """Generator-side calls the shards answered so far (lease, long-poll lease, submit), summed."""
     return sum(m.get("calls_lease", 0.0) + m.get("calls_lease_wait", 0.0) + m.get("calls_submit", 0.0)
                for m in buffer.shard_metrics())
+
+
+def store_calls(publisher) -> float:
+    """Version queries the weight store answered so far (latest, wait_newer)."""
+    import ray
+
+    return float(sum(ray.get(publisher.store.status.remote())["calls"].values()))
 
 
 def shard_submitted(buffer) -> float:
@@ -477,12 +488,16 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     if args.idle:
+        from common.config import GeneratorConfig
+
         print("$ " + shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
         print(f"\n(f) calls/s per shard with every generator idle (no learner: the max_lag 0 window is full), "
               f"{args.shards} shards, idle_sleep_s {args.idle_sleep_s:g}, {args.flat_s:g} s measured\n")
-        rows = [[str(r["n"]), "poll every idle_sleep_s" if not c.idle_wait_s else f"long-poll {c.idle_wait_s:g} s",
-                 f"{r['calls_s']:,.1f}", f"{r['cpu']:.0%}"] for c, r in results]
-        print(markdown(["N", "idle generators", "calls/s per shard", "cpu"], rows))
+        rows = [[str(r["n"]), f"poll (idle_sleep_s {args.idle_sleep_s:g}, weight_poll_s {args.weight_poll_s:g})"
+                 if not c.idle_wait_s else f"long-poll (lease_wait_s {c.idle_wait_s:g}, weight_wait_s "
+                 f"{GeneratorConfig.model_fields['weight_wait_s'].default:g})",
+                 f"{r['calls_s']:,.1f}", f"{r['store_calls_s']:,.1f}", f"{r['cpu']:.0%}"] for c, r in results]
+        print(markdown(["N", "idle generators", "calls/s per shard", "weight-store calls/s", "cpu"], rows))
         return 0
     train = [r for c, r in results if not c.flat and c.learner_step_s is None]
     sweep = [r for c, r in results if c.learner_step_s is not None]

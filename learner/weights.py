@@ -89,6 +89,7 @@ class WeightStore:
         self.keep = keep_versions
         self.versions: dict[int, tuple[WeightsAnnouncement, list]] = {}
         self.deltas: dict[int, list] = {}  # version -> refs of its delta from version - 1 (weight_sync.delta)
+        self.calls: dict[str, int] = {"latest": 0, "wait_newer": 0}  # generators' version queries answered
         self.acked: dict[str, int] = {}  # generator id -> newest acknowledged version (-1: none yet)
         self.changed = asyncio.Condition()
 
@@ -112,9 +113,33 @@ class WeightStore:
         self.versions.clear()
         self.deltas.clear()
         self.acked = {g: -1 for g in self.acked}
+        async with self.changed:
+            self.changed.notify_all()
 
     async def latest(self) -> WeightsAnnouncement | None:
+        self.calls["latest"] += 1
+        return self._newest()
+
+    def _newest(self) -> WeightsAnnouncement | None:
         return self.versions[max(self.versions)][0] if self.versions else None
+
+    async def wait_newer(self, known: int, timeout_s: float) -> WeightsAnnouncement | None:
+        """The newest announcement as soon as its version differs from `known` (newer, or lower after a `reset`),
+        else the newest after `timeout_s` (None: nothing published). A long-poll: awaiting costs no thread."""
+        self.calls["wait_newer"] += 1
+        deadline = time.monotonic() + timeout_s
+
+        def unchanged() -> bool:
+            ann = self._newest()
+            return (ann.version if ann is not None else -1) == known
+
+        async with self.changed:
+            while unchanged() and (left := deadline - time.monotonic()) > 0:
+                try:
+                    await asyncio.wait_for(self.changed.wait(), timeout=left)
+                except TimeoutError:
+                    break
+        return self._newest()
 
     async def get(self, version: int) -> list:
         if version not in self.versions:
@@ -155,7 +180,7 @@ class WeightStore:
         return missing()
 
     async def status(self) -> dict:
-        return {"versions": sorted(self.versions), "acked": dict(self.acked)}
+        return {"versions": sorted(self.versions), "acked": dict(self.acked), "calls": dict(self.calls)}
 
 
 def get_or_create_store(run: str, namespace: str | None) -> ray.actor.ActorHandle:
@@ -267,6 +292,15 @@ class ObjectStoreWeightSource:
         store = self._handle(required=False)
         return None if store is None else self._get(store.latest.remote())
 
+    def wait_newer(self, known: int, timeout_s: float) -> WeightsAnnouncement | None:
+        """The newest announcement once its version differs from `known`, or after `timeout_s` (one call that
+        waits at the store); None when nothing was published yet (or no learner exists yet)."""
+        store = self._handle(required=False)
+        if store is None:
+            time.sleep(min(timeout_s, 1.0))  # no learner pool yet: ask again shortly
+            return None
+        return ray.get(store.wait_newer.remote(known, timeout_s), timeout=timeout_s + self.timeout_s)
+
     def fetch(self, ann: WeightsAnnouncement) -> dict[str, torch.Tensor]:
         """The state dict of `ann.version` (HF names, CPU tensors). KeyError when the store dropped it."""
         out: dict[str, torch.Tensor] = {}
@@ -373,6 +407,9 @@ class CollectiveWeightSource:
 
     def latest(self) -> WeightsAnnouncement | None:
         return self.store.latest()
+
+    def wait_newer(self, known: int, timeout_s: float) -> WeightsAnnouncement | None:
+        return self.store.wait_newer(known, timeout_s)
 
     def fetch(self, ann: WeightsAnnouncement) -> dict[str, torch.Tensor]:
         """The state dict of `ann.version` (`fetch_buckets` merged)."""

@@ -115,7 +115,11 @@ class GeneratorConfig(Section):
     (partial rollouts; each token keeps the log-prob of the version that sampled it, a rollout's oldest version
     drives the staleness rule). False: stop leasing, finish what is in flight, then load."""
     weight_poll_s: float = Field(0.1, gt=0, le=60)
-    """Streaming: how often the weight store is asked for a newer version (one ~2 ms call)."""
+    """How often the weight store is asked for a newer version (one ~1 ms call) when `weight_wait_s` is 0."""
+    weight_wait_s: float = Field(2.0, ge=0, le=60)
+    """A thread of each generator waits at the weight store for a newer version (a long-poll: one call per
+    version, or per this many seconds when none comes) and the engine loop reads what it learnt, instead of asking
+    the store every `weight_poll_s` (10 calls/s per generator: 2,560/s at 256 generators, docs/scale.md). 0: poll."""
     num_cpus: float = Field(1.0, ge=0)
     """CPUs reserved per generator actor."""
     num_gpus: float = Field(0.0, ge=0)

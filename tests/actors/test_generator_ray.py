@@ -82,8 +82,12 @@ def test_generator_streams_into_buffer_and_follows_weights(ray_cluster, tiny_mod
     assert m["version"] == 2.0 and m["weight_loads"] >= 2 and m["weight_load_s"] > 0
     assert m["tokens_per_s"] > 0 and m["rollouts_per_s"] > 0 and m["rollouts"] >= 16 * K
     assert m["reward_errors"] == 0 and m["submit_accepted"] + m["submit_zero_signal"] == m["groups"]
-    acked = ray.get(ray.get_actor(actor_name(run, "weights")).status.remote())["acked"]
-    assert acked[gid] == 2
+    status = ray.get(ray.get_actor(actor_name(run, "weights")).status.remote())
+    assert status["acked"][gid] == 2
+    # the generator learnt of version 2 by waiting at the store (generator.weight_wait_s), not by polling it every
+    # weight_poll_s (which would be ~10 calls for every second of this test): `latest` is asked only at the start
+    # and when a lease carries a newer version than the engine's
+    assert status["calls"]["wait_newer"] >= 2 and status["calls"]["latest"] <= 10, status["calls"]
 
     final = ray.get(gen.stop.remote(drain=True), timeout=120)
     acc = buffer.accounting()

@@ -115,3 +115,30 @@ def test_generators_load_deltas_and_whole_versions_exactly(ray_cluster, sync):
     finally:
         pub.close()
         ray.kill(pub.store)
+
+
+def test_a_generator_waits_at_the_store_for_the_next_version(ray_cluster):
+    """`wait_newer` (generator.weight_wait_s): answers at once when the store's version differs from the one known,
+    and otherwise when the next one is published; with none, after its bound."""
+    import threading
+
+    run = "wait-newer"
+    pub = make_publisher(ObjectStoreSyncConfig(), run=run, namespace=NS, timeout_s=20)
+    src = make_weight_source(ObjectStoreSyncConfig(), run=run, namespace=NS, timeout_s=20)
+    try:
+        assert src.wait_newer(-1, 0.2) is None  # nothing published: None after the bound
+        pub.publish(0, {"w": torch.zeros(2)})
+        assert src.wait_newer(-1, 120).version == 0  # differs from what the caller knows: at once
+        assert src.wait_newer(0, 0.2).version == 0  # nothing newer within the bound
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(src.wait_newer(0, 120)))
+        waiter.start()
+        calls = lambda: ray.get(pub.store.status.remote())["calls"]["wait_newer"]  # noqa: E731
+        while calls() < 4:  # driven by progress: the waiting call reached the store
+            waiter.join(0.05)
+        pub.publish(1, {"w": torch.ones(2)})
+        waiter.join(120)
+        assert not waiter.is_alive() and got[0].version == 1
+    finally:
+        pub.close()
+        ray.kill(pub.store)
