@@ -88,7 +88,8 @@ class Run:
     shards: int = 2
     idle_sleep_s: float = 0.05  # generator.idle_sleep_s
     lease_wait_s: float = 1.0  # generator.lease_wait_s (long-poll lease; 0: poll every idle_sleep_s)
-    weight_poll_s: float = 0.1  # generator.weight_poll_s
+    weight_poll_s: float = 0.1  # generator.weight_poll_s (when weight_wait_s is 0)
+    weight_wait_s: float = 2.0  # generator.weight_wait_s (the weight watcher's long-poll; 0: poll)
     leases_per_group: float = 1 / 8  # questions_per_lease 8
 
 
@@ -159,11 +160,13 @@ def calls(r: Run, step_s: float) -> dict[str, float]:
     idle_per_shard = r.gen_gpus / r.idle_sleep_s  # polling: each idle generator asks every shard
     # long-poll: per lease_wait_s, one ask of every shard and one waiting call at one of them
     long_poll_per_shard = r.gen_gpus * (1 + 1 / r.shards) / r.lease_wait_s if r.lease_wait_s else idle_per_shard
-    store = r.gen_gpus / r.weight_poll_s
+    store = r.gen_gpus / r.weight_poll_s  # polling
+    # the watcher: one waiting call per generator, answered at each new version or after weight_wait_s
+    watched = r.gen_gpus / min(step_s, r.weight_wait_s) if r.weight_wait_s else store
     busy_per_shard = 2 * r.batch_questions * r.leases_per_group / step_s  # a lease and a submit reach every shard
     cap = _c(MEASURED, "actor_calls_per_s")
     return {"idle_calls_per_s_per_shard": idle_per_shard, "long_poll_calls_per_s_per_shard": long_poll_per_shard,
-            "weight_store_calls_per_s": store,
+            "weight_store_calls_per_s": store, "weight_store_watch_calls_per_s": watched,
             "busy_calls_per_s_per_shard": busy_per_shard, "actor_capacity_calls_per_s": cap,
             "driver_handover_s": _c(MEASURED, "handover_s")}
 
@@ -226,7 +229,8 @@ def target_table(m: Model, r: Run) -> list[tuple[str, str, str]]:
          f"{c['idle_calls_per_s_per_shard']:,.0f}/s vs ~{c['actor_capacity_calls_per_s']:,.0f}/s per actor"),
         ("calls", f"idle generators -> each shard, long-poll lease (lease_wait_s {r.lease_wait_s:g}, the default)",
          f"{c['long_poll_calls_per_s_per_shard']:,.0f}/s"),
-        ("calls", f"weight-store polls (every {r.weight_poll_s}s)", f"{c['weight_store_calls_per_s']:,.0f}/s"),
+        ("calls", f"weight store: polls (every {r.weight_poll_s}s) / watcher (weight_wait_s {r.weight_wait_s:g}, "
+                  "the default)", f"{c['weight_store_calls_per_s']:,.0f}/s / {c['weight_store_watch_calls_per_s']:,.0f}/s"),
         ("calls", "busy: lease + submit per shard", f"{c['busy_calls_per_s_per_shard']:.1f}/s"),
         ("checkpoint", "sharded (fp32 master + Adam) / HF export (bf16)",
          f"{_fmt(ck['sharded_bytes'], 'B')} in {_fmt(ck['sharded_s'], 's')} / "
@@ -245,7 +249,7 @@ def sweep_table(m: Model, base: Run, ns: list[int]) -> list[list[str]]:
         out.append([str(n), _fmt(g["throughput_s"], "s"), _fmt(lr["step_s"], "s"), _fmt(p["star_s"], "s"),
                     f"{p['star_s'] / step:.2f}", _fmt(p["relay_s"], "s"), _fmt(p["relay_delta_s"], "s"),
                     f"{c['idle_calls_per_s_per_shard']:,.0f} / {c['long_poll_calls_per_s_per_shard']:,.0f}",
-                    f"{c['weight_store_calls_per_s']:,.0f}"])
+                    f"{c['weight_store_calls_per_s']:,.0f} / {c['weight_store_watch_calls_per_s']:,.0f}"])
     return out
 
 
@@ -310,7 +314,7 @@ def main() -> None:
     print("\nsweep: N generator GPUs = N learner GPUs; publication per version; `star/step` >= 1: publishing a "
           "version takes longer than a step\n")
     print("| N | generation s | learner s | publish star | star/step | relay | relay+delta | idle calls/s per shard: "
-          "poll / long-poll | weight-store polls/s |")
+          "poll / long-poll | weight-store calls/s: poll / watcher |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in sweep_table(m, run, args.gpus):
         print("| " + " | ".join(row) + " |")
