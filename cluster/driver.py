@@ -287,13 +287,14 @@ class Trainer:
         `stall_report_s` (console and stall/* metrics); past `stall_timeout_s` stop with exit code 3."""
         now = time.monotonic()
         buf = self.buffer.metrics()
-        nothing_left = self.cfg.buffer.collect and buf.get("retired", 0.0) >= len(self.questions)
+        nothing_left = (self.cfg.buffer.collect and buf.get("retired", 0.0) >= len(self.questions)
+                        and buf.get("ready_fresh", 0.0) + buf.get("ready_mixed", 0.0) < self.cfg.buffer.batch_questions)
         due, expired = self.watch.report_due(now), self.watch.expired(now)
         if not (due or expired or nothing_left):
             return
         d = diagnose(self.watch.seconds(now), self.state.step, self.cfg.total_steps, self.generators.status(),
                      self.generators.describe(), buf, self.generators.metrics(), len(self.questions),
-                     self.cfg.reward.name, self.cfg.reward.timeout_s)
+                     self.cfg.reward.name, self.cfg.reward.timeout_s, self.cfg.buffer.batch_questions)
         self.tracker.log_metrics(d.metrics, self.state.step)
         if d.scoring_holds and (not self._timeout_shown or expired):
             self._timeout_shown = True

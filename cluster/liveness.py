@@ -186,10 +186,11 @@ def zero_reward_hint(reward_name: str, rollouts: float, errors: float, timeouts:
 
 def diagnose(seconds: float, step: int, total_steps: int, pool: dict[str, list[str]], pool_line: str,
              buf: dict[str, float], gen: dict[str, float], n_questions: int, reward_name: str,
-             reward_timeout_s: float = 5.0) -> Diagnosis:
+             reward_timeout_s: float = 5.0, batch_questions: int = 1) -> Diagnosis:
     """Explain a wait from numbers: `pool` is GeneratorPool.status(), `pool_line` its describe(),
     `buf` BufferClient.metrics(), `gen` GeneratorPool.metrics() (counters summed over generators; the
-    reward_* ones are live, read while a batch is being scored)."""
+    reward_* ones are live, read while a batch is being scored). Nothing is left to train on when every
+    question is retired and the ready groups cannot make a batch of `batch_questions` any more."""
     def b(key: str) -> float:
         return float(buf.get(key, 0.0))
 
@@ -221,7 +222,8 @@ def diagnose(seconds: float, step: int, total_steps: int, pool: dict[str, list[s
                        f"{gen.get('reward_oldest_s', 0.0):.0f}s, and {timeouts:.0f} timed out after reward.timeout_s="
                        f"{reward_timeout_s:g}s (each scores 0 and replaces its worker); a batch of hanging calls takes "
                        f"calls x timeout per worker: fix the function, lower reward.timeout_s or raise reward.num_workers")
-    if n_questions and b("retired") >= n_questions:
+    # the last groups may have come in after the batch wait ended: while they make a batch, the next one takes it
+    if n_questions and b("retired") >= n_questions and ready < batch_questions:
         d.nothing_left = True
         d.hints.append(NOTHING_LEFT)
     if not any(pool.values()):

@@ -132,6 +132,13 @@ def test_every_question_retired_means_nothing_left():
     assert d.nothing_left and NOTHING_LEFT in d.hints
 
 
+def test_retired_questions_whose_last_groups_still_make_a_batch_are_trained_first():
+    """The last groups can come in after a batch wait ended (seen in CI: the run stopped before its only step)."""
+    buf = {"retired": 16, "ready_fresh": 16}
+    assert not diagnose(3, 0, 50, POOL, "", buf, {}, 16, "x", batch_questions=16).nothing_left
+    assert diagnose(3, 0, 50, POOL, "", {**buf, "ready_fresh": 15}, {}, 16, "x", batch_questions=16).nothing_left
+
+
 def test_no_generator_at_all_is_said():
     empty = {k: [] for k in POOL}
     d = diagnose(30, 0, 10, empty, "generators: none", {}, {}, 100, "x")
