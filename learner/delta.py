@@ -55,7 +55,7 @@ def checksum(t: torch.Tensor) -> int:
 
 
 def encode(prev: dict[str, torch.Tensor], chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The delta of `chunk` against `prev` (same names; tensors on any device, compared on the chunk's)."""
+    """The delta of `chunk` against `prev` (same names, same device)."""
     out: dict[str, torch.Tensor] = {}
     for name, new in chunk.items():
         out[f"{name}{SEP}c"] = torch.tensor([checksum(new)], dtype=torch.int64)
@@ -64,7 +64,7 @@ def encode(prev: dict[str, torch.Tensor], chunk: dict[str, torch.Tensor]) -> dic
             out[name] = new
             continue
         nb = _bits(new)
-        idx = (nb != _bits(old.to(new.device))).nonzero().reshape(-1)
+        idx = (nb != _bits(old)).nonzero().reshape(-1)
         idx = idx.to(torch.int32) if new.numel() < 2**31 else idx
         if idx.numel() * (idx.element_size() + new.element_size()) + 16 >= new.numel() * new.element_size():
             out[name] = new  # denser than the tensor itself
@@ -94,9 +94,9 @@ class DeltaEncoder:
         base_ok, self.version = self.version == version - 1, None
         self.last_full_bytes = self.last_delta_bytes = 0
         for chunk in chunks:
-            delta = encode(self.prev, chunk) if base_ok else None
-            for name, t in chunk.items():
-                self.prev[name] = t.detach().to("cpu", copy=True)
+            host = {name: t.detach().to("cpu", copy=True) for name, t in chunk.items()}  # the one host copy kept
+            delta = encode(self.prev, host) if base_ok else None  # compared and checksummed on the host
+            self.prev.update(host)
             self.last_full_bytes += payload_bytes(chunk)
             self.last_delta_bytes += payload_bytes(delta) if delta is not None else 0
             yield chunk, delta

@@ -127,18 +127,12 @@ class WeightStore:
         """The newest announcement as soon as its version differs from `known` (newer, or lower after a `reset`),
         else the newest after `timeout_s` (None: nothing published). A long-poll: awaiting costs no thread."""
         self.calls["wait_newer"] += 1
-        deadline = time.monotonic() + timeout_s
 
         def unchanged() -> bool:
             ann = self._newest()
             return (ann.version if ann is not None else -1) == known
 
-        async with self.changed:
-            while unchanged() and (left := deadline - time.monotonic()) > 0:
-                try:
-                    await asyncio.wait_for(self.changed.wait(), timeout=left)
-                except TimeoutError:
-                    break
+        await self._wait_while(unchanged, timeout_s)
         return self._newest()
 
     async def get(self, version: int) -> list:
@@ -166,18 +160,22 @@ class WeightStore:
 
     async def wait_for_acks(self, version: int, timeout_s: float) -> list[str]:
         """Wait until every registered generator acknowledged `version` or newer; return the ones that did not."""
-        deadline = time.monotonic() + timeout_s
 
         def missing() -> list[str]:
             return sorted(g for g, v in self.acked.items() if v < version)
 
+        await self._wait_while(missing, timeout_s)
+        return missing()
+
+    async def _wait_while(self, pending, timeout_s: float) -> None:
+        """Await `changed` while `pending()` is truthy, at most `timeout_s` in all (the caller reads the outcome)."""
+        deadline = time.monotonic() + timeout_s
         async with self.changed:
-            while missing() and (left := deadline - time.monotonic()) > 0:
+            while pending() and (left := deadline - time.monotonic()) > 0:
                 try:
                     await asyncio.wait_for(self.changed.wait(), timeout=left)
                 except TimeoutError:
                     break
-        return missing()
 
     async def status(self) -> dict:
         return {"versions": sorted(self.versions), "acked": dict(self.acked), "calls": dict(self.calls)}

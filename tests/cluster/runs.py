@@ -66,6 +66,12 @@ def state(run_dir: Path) -> dict:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
+def or_exited(p: subprocess.Popen):
+    """`or_exited(p)(pred)`: a wait_for predicate that also ends the wait when the run's process exited (the caller
+    then asserts on its log instead of timing out)."""
+    return lambda pred: (lambda: pred() or p.poll() is not None)
+
+
 def wait_for(pred, timeout_s: float, what: str, poll_s: float = 1.0):
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from tests.cluster.runs import (
-    accounting, assert_balanced, mlflow_client, read_log, state, train_process, wait_for,
+    accounting, assert_balanced, mlflow_client, or_exited, read_log, state, train_process, wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -67,8 +67,7 @@ def test_generators_killed_20_times_and_a_shard_once_the_run_trains_on_and_balan
                        "generator.num_cpus=0.5", "generator.engine.kind=transformers", "generator.max_restarts=1",
                        "generator.replace_budget=50", "buffer.lease_timeout_s=10", "checkpoint.every_steps=2",
                        "checkpoint.keep_last=10", "cluster.stall_report_s=15") as p:
-        def alive(what):
-            return lambda: what() or p.poll() is not None
+        alive = or_exited(p)
 
         wait_for(alive(lambda: _processes(p.pid, "ray::GeneratorWorker")), 600, "the first generator process")
         run_dir = runs_root / name

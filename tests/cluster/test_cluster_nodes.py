@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.runs import (
-    ROOT, accounting, assert_balanced, mlflow_client, read_log, run_train, state, train_cmd, train_process, wait_for,
+    ROOT, accounting, assert_balanced, mlflow_client, or_exited, read_log, run_train, state, train_cmd, train_process,
+    wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -125,8 +126,7 @@ def test_a_lost_worker_node_is_reported_and_its_generators_run_again_on_a_node_t
                        "generator.num_generators=4", "generator.engine.kind=transformers",
                        "checkpoint.every_steps=10", "checkpoint.keep_last=3", "cluster.stall_report_s=5",
                        env=_env()) as p:
-        def alive(what):
-            return lambda: what() or p.poll() is not None
+        alive = or_exited(p)
 
         wait_for(alive(lambda: _checkpointed(run_dir)), 600, "the first checkpoint")
         assert p.poll() is None, read_log(runs_root, name)[-4000:]
@@ -166,8 +166,7 @@ def test_generators_pinned_to_a_node_group_wait_for_a_node_of_it(nodes, runs_roo
                        "generator.num_generators=1", "generator.engine.kind=transformers",
                        "generator.node_labels={group: rollout}", "checkpoint.every_steps=5", "cluster.stall_report_s=5",
                        env=_env()) as p:
-        def alive(what):
-            return lambda: what() or p.poll() is not None
+        alive = or_exited(p)
 
         # the head and the worker left by the test above have room, but no node is of the group: pending, said so
         wait_for(alive(lambda: "pending (each needs 1 CPU on a node labelled group=rollout"
