@@ -176,6 +176,9 @@ def _stop_on_signals(trainer: Trainer):
             log.warning("%s: stopping after the current step, with a checkpoint (again: stop at once)", name)
             return
         trainer.interrupted = True
+        # the flag too: a KeyboardInterrupt raised inside a callback Python ignores (seen in CI: an import lock's
+        # weakref callback during start) is lost, and the loop must still stop at its next check
+        trainer.stop_flag = True
         log.warning("%s during %s: stopping now", name, trainer.phase)
         raise KeyboardInterrupt
 
