@@ -225,7 +225,7 @@ class GeneratorWorker:
             version=engine.version if engine is not None else -1,
             in_flight=len(self._groups),
             rewards=rewards.stats() if rewards is not None else None)
-        delta = getattr(self.weight_source, "delta_stats", None)  # weight_sync.delta: loads from deltas
+        delta = getattr(self.weight_source, "transfer_stats", None)  # delta loads, relay transfers
         out.update({f"weights_{k}": float(v) for k, v in (delta() if delta is not None else {}).items()})
         return out
 

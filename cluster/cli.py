@@ -46,7 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--rerun", action="store_true", help="rerun variants that already finished")
 
     s = sub.add_parser("scale", help="change the number of generator actors of a running job")
-    s.add_argument("--generators", type=_non_negative, required=True, help="target number of generators")
+    s.add_argument("--generators", type=_non_negative, default=None, help="target number of generators")
+    s.add_argument("--min-generators", type=_non_negative, default=None,
+                   help="new cluster.autoscale.min_generators of the running job")
+    s.add_argument("--max-generators", type=_non_negative, default=None,
+                   help="new cluster.autoscale.max_generators of the running job")
     s.add_argument("--run", required=True, help="run name (as printed by `exgrpo train`)")
     s.add_argument("--address", default=None,
                    help="Ray address of the running job (default: the one in its run folder, else auto)")

@@ -58,6 +58,7 @@ class Trainer:
         self._first_batch = False
         self.questions = questions
         self.stop_flag = False
+        self.autoscale_bounds: dict[str, int] = {}  # set while running: `exgrpo scale --min/--max-generators`
         self.phase = "start"  # start | train | close: what a signal interrupts (see cluster.run._stop_on_signals)
         self.interrupted = False  # stopped at once by a signal: no drain, no checkpoint
         self.staleness: Counter[int] = Counter()
@@ -395,6 +396,9 @@ class Trainer:
         ctl = ray.get(self.control.get.remote(), timeout=10)
         if ctl["stop"]:
             self.stop_flag = True
+        if ctl["bounds"] != self.autoscale_bounds:
+            log.info("autoscale bounds set to %s", ctl["bounds"])
+            self.autoscale_bounds = ctl["bounds"]
         if ctl["target"] != self.generators.size:
             log.info("scaling generators %d -> %d", self.generators.size, ctl["target"])
             self.generators.scale_to(ctl["target"], wait=False)  # never stalls the learner
@@ -406,10 +410,13 @@ class Trainer:
             return
         import ray
 
+        a = a.model_copy(update=self.autoscale_bounds)  # `exgrpo scale --min/--max-generators`
         n = self.generators.size
+        free = ray.available_resources().get("CPU", 0.0)
+        if a.grow_cluster:  # a pending generator makes the Ray autoscaler add a node; one at a time
+            free = 0.0 if self.generators.starting else float("inf")
         target = autoscale_target(a, n, metrics.get("driver/learner_wait_fraction", 0.0),
-                                  metrics.get("generator/wait_fraction", 0.0),
-                                  ray.available_resources().get("CPU", 0.0), self.cfg.generator.num_cpus)
+                                  metrics.get("generator/wait_fraction", 0.0), free, self.cfg.generator.num_cpus)
         if target != n:
             ray.get(self.control.set_target.remote(target))
             log.info("autoscale: generators %d -> %d (learner waits %.0f%%, generators wait %.0f%%)", n, target,
@@ -417,6 +424,13 @@ class Trainer:
                      100 * metrics.get("generator/wait_fraction", 0.0))
 
     # ------------------------------------------------------------------------------------ metrics
+
+    @staticmethod
+    def _alive_nodes() -> int:
+        """Ray nodes alive now (one GCS call; a cluster autoscaler adds and removes them)."""
+        import ray
+
+        return sum(1 for n in ray.nodes() if n.get("Alive"))
 
     def _metrics(self, batch: TrainingBatch, result, step_s: float, buffer_metrics: dict[str, float]
                  ) -> dict[str, float]:
@@ -438,6 +452,7 @@ class Trainer:
             "driver/step_s": step_s,
             "driver/learner_wait_fraction": self.state.wait_s / max(1e-9, self.state.wait_s + self.state.train_s),
             "driver/generators": float(self.generators.running),
+            "cluster/nodes": float(self._alive_nodes()),
             "policy/version": float(result.version),
             "driver/weight_publish_s": self._publish_s,
             # bytes of the last publication, whole and (learner.weight_sync.delta) as a delta from the one before

@@ -225,6 +225,7 @@ class Control:
     def __init__(self, generators: int):
         self.target = generators
         self.stop_requested = False
+        self.bounds: dict[str, int] = {}  # autoscale bounds set while the run goes on (min_generators, max_generators)
 
     def set_target(self, n: int) -> int:
         if n < 0:
@@ -232,8 +233,20 @@ class Control:
         self.target = n
         return n
 
+    def set_bounds(self, min_generators: int | None, max_generators: int | None) -> dict[str, int]:
+        """Change cluster.autoscale's bounds of the running job; returns them (only those ever set)."""
+        new = {**self.bounds, **{k: v for k, v in (("min_generators", min_generators),
+                                                    ("max_generators", max_generators)) if v is not None}}
+        if any(v < 0 for v in new.values()):
+            raise ValueError(f"autoscale bounds must be >= 0, got {new}")
+        if new.get("min_generators", 0) > new.get("max_generators", new.get("min_generators", 0)):
+            raise ValueError(f"--min-generators {new['min_generators']} exceeds --max-generators "
+                             f"{new['max_generators']}")
+        self.bounds = new
+        return new
+
     def get(self) -> dict[str, Any]:
-        return {"target": self.target, "stop": self.stop_requested}
+        return {"target": self.target, "stop": self.stop_requested, "bounds": dict(self.bounds)}
 
     def request_stop(self) -> None:
         self.stop_requested = True

@@ -1,4 +1,5 @@
-"""`exgrpo scale --generators N --run NAME`: ask a running job to resize its generator pool.
+"""`exgrpo scale --generators N --run NAME`: ask a running job to resize its generator pool
+(`--min-generators`/`--max-generators`: change the bounds of its `cluster.autoscale` instead).
 
 The job's driver polls its named control actor (`<run>/control`) between batches and scales the
 pool; new generators fetch the newest weights before leasing, removed ones return their leases.
@@ -58,6 +59,10 @@ def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
 
 
 def scale_main(args) -> int:
+    if args.generators is None and args.min_generators is None and args.max_generators is None:
+        print("error: exgrpo scale needs --generators N, or --min-generators/--max-generators (autoscale bounds)",
+              file=sys.stderr)
+        return 2
     from cluster.auth import ClusterAuthError, use_token_auth_when_connecting
 
     address, state = _address(args), _run_state(args)
@@ -91,9 +96,14 @@ def scale_main(args) -> int:
               f"{_not_running(args, state)}", file=sys.stderr)
         return 2
     try:
-        n = ray.get(ctl.set_target.remote(args.generators), timeout=30)
+        if args.generators is not None:
+            n = ray.get(ctl.set_target.remote(args.generators), timeout=30)
+            print(f"{args.run}: generator target set to {n}; the driver applies it before its next batch")
+        if args.min_generators is not None or args.max_generators is not None:
+            b = ray.get(ctl.set_bounds.remote(args.min_generators, args.max_generators), timeout=30)
+            print(f"{args.run}: autoscale bounds set to {', '.join(f'{k}={v}' for k, v in sorted(b.items()))}; "
+                  "the driver applies them at its next scaling decision (cluster.autoscale.enabled)")
     except ray.exceptions.RayTaskError as e:
         print(f"error: {e.cause}", file=sys.stderr)
         return 2
-    print(f"{args.run}: generator target set to {n}; the driver applies it before its next batch")
     return 0

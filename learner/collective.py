@@ -1,4 +1,4 @@
-"""Collective weight sync: learner rank 0 serves each generator over its own 2-process channel.
+"""Collective weight sync: learner rank 0 serves generators over 2-process channels, directly or through relays.
 
 The `collective` backend of `learner.weight_sync` (`CollectiveSyncConfig`). Both ends:
 
@@ -6,31 +6,42 @@ The `collective` backend of `learner.weight_sync` (`CollectiveSyncConfig`). Both
     server.publish(version, state_dict)                      # packs buckets, swaps them in; never waits on anyone
     ...
     client = ChannelClient(address, generator_id, cfg, 60)   # in a generator, when it first needs weights
-    state_dict = client.pull(version)                        # KeyError when rank 0 no longer holds `version`
+    state_dict, base = client.pull(version)                  # KeyError when rank 0 no longer holds `version`
+    ...
+    relay = RelayReceiver(cfg, generator_id, 60, host)       # instead, with cfg.relay_fanout = k >= 1
+    state_dict, base, source = relay.pull(address, version)  # from a generator before it in the tree, or rank 0
 
-Rendezvous: rank 0 hosts a `torch.distributed.TCPStore` (its `host:port` goes into every
-announcement's location, "collective:host:port"). A generator opens a channel by writing
-`<cid>/gen` and `<cid>/backend` under a fresh channel id, then appending the id to the store's channel
-list (`add("channels", 1)` -> n, `index/<n>` = cid). Rank 0's acceptor thread sees the counter grow
-and starts one serving thread per channel; each side builds a standalone 2-rank process group
-(`ProcessGroupGloo` or `ProcessGroupNCCL`) on `PrefixStore(cid, store)` - rank 0 is the learner,
-rank 1 the generator. No world-wide group exists, so generators join and leave at any time.
+Rendezvous: every channel server (rank 0's `CollectiveServer`, each relaying generator's `RelayServer`) hosts a
+`torch.distributed.TCPStore` (rank 0's `host:port` goes into every announcement's location,
+"collective:host:port"). A client opens a channel by writing `<cid>/gen` and `<cid>/backend` under a fresh
+channel id, then appending the id to the store's channel list (`add("channels", 1)` -> n, `index/<n>` = cid).
+The server's acceptor thread sees the counter grow and starts one serving thread per channel; each side builds
+a standalone 2-rank process group (`ProcessGroupGloo` or `ProcessGroupNCCL`) on `PrefixStore(cid, store)` -
+rank 0 is the server, rank 1 the client. No world-wide group exists, so generators join and leave at any time.
 
 Pull protocol on a channel (all tensors; int64 unless said):
-    generator -> rank 0   request [3]: (OP_PULL, version, version it holds or -1) or (OP_CLOSE, 0, -1)
-    rank 0 -> generator   header  [4]: (version or -1 when not held, meta bytes, buckets, base)
-                          base = the held version when a delta follows (`weight_sync.delta`), else -1
-    rank 0 -> generator   meta    uint8 [meta bytes]: JSON plan (name, shape, dtype, bucket, offset, nbytes)
-    rank 0 -> generator   bucket  uint8 [size] for each bucket (`bucket_mb`; tensors 64-byte aligned)
+    client -> server   request [4]: (OP_PULL, version, version it holds or -1, first bucket wanted) or OP_CLOSE
+    server -> client   header  [4]: (version or -1 when not held, meta bytes, buckets, base)
+                       base = the held version when a delta follows (`weight_sync.delta`), else -1
+    server -> client   meta    uint8 [meta bytes]: JSON plan (name, shape, dtype, bucket, offset, nbytes)
+    server -> client   per bucket from the first wanted: status [1] (1: the bucket follows; 0: the server gave up,
+                       its own transfer failed or stalled past the timeout), then uint8 [size] (`bucket_mb`;
+                       tensors 64-byte aligned)
 
-Because every generator pulls on its own thread of rank 0, a publication never waits for a generator,
-a slow generator delays only itself, and a dead one makes only its own thread fail (logged with the
-generator id and version, recorded in `status()["failures"]`, the channel dropped). Every send/receive
-of a transfer waits at most `timeout_s`; the serving thread's wait for the next request is unbounded
+Relays (`relay_fanout` = k): for each (version, held) a generator takes the next slot n on rank 0's store,
+publishes its own server's address there and pulls from slot (n - 1) // k (slot 0: rank 0), a tree of fan-out k
+in arrival order. It serves the version from the moment it asks for it: a child's request waits for each bucket
+to arrive, so buckets flow down the tree as they come (pipelined). A parent that dies, stalls past the timeout or
+gives up: the child resumes at rank 0 from its first missing bucket; its own children never notice.
+
+Because every channel is served on its own thread, a publication never waits for a generator, a slow generator
+delays only itself (and, with relays, its subtree until the timeout), and a dead one makes only its own thread
+fail (logged with the generator id and version, recorded in `status()["failures"]`, the channel dropped). Every
+send/receive of a transfer waits at most `timeout_s`; the serving thread's wait for the next request is unbounded
 only in the sense that it ends when the peer's socket closes (gloo reports a closed connection).
 
-NCCL (`backend: nccl`, or `auto` when both ends see CUDA): the same protocol on a `ProcessGroupNCCL`
-of 2 with CUDA tensors; UNTESTED here (no GPU on this machine).
+NCCL (`backend: nccl`, or `auto` when both ends see CUDA): the same protocol on a `ProcessGroupNCCL` of 2 with
+CUDA tensors; UNTESTED here (no GPU on this machine). A relay then holds its packed copy in GPU memory.
 """
 
 from __future__ import annotations
@@ -175,30 +186,157 @@ class Channel:
         self.pg.recv([t], self.peer, 0).wait(datetime.timedelta(seconds=timeout_s))
 
 
-class CollectiveServer:
-    """Rank 0's side: the TCPStore, an acceptor thread, and one serving thread per generator channel.
+class Payload:
+    """A packed version as a channel server serves it: complete on learner rank 0 (`Payload.of`), or filling
+    bucket by bucket on a relay while it is already being served onwards (`begin`, `arrived`, `fail`)."""
 
-    `publish` packs the new version and swaps it in (the newest `cfg.keep_versions` are held, so a
-    generator that read the announcement just before the next publication still gets its version).
-    """
+    def __init__(self, version: int):
+        self.version, self.base = version, -1  # base: the version a delta applies to, -1 for a whole version
+        self.meta: torch.Tensor | None = None
+        self.buckets: list[torch.Tensor] = []
+        self.count = 0  # buckets arrived (in order)
+        self.failed = False
+        self.cond = threading.Condition()
 
-    def __init__(self, cfg: CollectiveSyncConfig, *, timeout_s: float, host: str = "127.0.0.1"):
+    @classmethod
+    def of(cls, packed: Packed, base: int = -1) -> Payload:
+        p = cls(packed.version)
+        p.base, p.meta, p.buckets, p.count = base, packed.meta, list(packed.buckets), len(packed.buckets)
+        return p
+
+    @property
+    def done(self) -> bool:
+        return self.meta is not None and self.count == len(self.buckets)
+
+    def begin(self, base: int, meta: torch.Tensor, n: int, device: torch.device) -> None:
+        """The header and plan arrived: allocate the `n` buckets the plan describes."""
+        sizes = [0] * n
+        for _, _, _, b, off, nbytes in json.loads(bytes(meta.cpu().numpy()))["tensors"]:
+            sizes[b] = max(sizes[b], off + nbytes)
+        with self.cond:
+            self.base, self.meta = base, meta
+            self.buckets = [torch.empty(max(s, 1), dtype=torch.uint8, device=device) for s in sizes]
+            self.cond.notify_all()
+
+    def arrived(self, i: int) -> None:
+        with self.cond:
+            self.count = i + 1
+            self.cond.notify_all()
+
+    def fail(self) -> None:
+        """The transfer into this payload gave up: whoever is served from it is told so."""
+        with self.cond:
+            self.failed = True
+            self.cond.notify_all()
+
+    def wait(self, ready, timeout_s: float) -> bool:
+        """True once `ready()` holds; False when the payload failed or `timeout_s` passed first."""
+        with self.cond:
+            return self.cond.wait_for(lambda: ready() or self.failed, timeout_s) and not self.failed
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return unpack(bytes(self.meta.cpu().numpy()), self.buckets)
+
+
+class ChannelServer:
+    """A rendezvous `TCPStore`, an acceptor thread and one serving thread per channel, answering pull requests
+    from `_lookup(version, held)` (a `Payload`, possibly still arriving). Learner rank 0 (`CollectiveServer`)
+    and every relaying generator (`RelayServer`) run one."""
+
+    def __init__(self, cfg: CollectiveSyncConfig, *, timeout_s: float, host: str, port: int, cuda: bool):
         self.cfg, self.host, self.timeout_s = cfg, host, min(timeout_s, cfg.timeout_s)
-        self.cuda = torch.cuda.is_available() and cfg.backend != "gloo"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
-        self.store = dist.TCPStore(host, cfg.port, is_master=True, wait_for_workers=False,
+        self.cuda = cuda
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
-        self.store.set("server/cuda", "1" if self.cuda else "0")
+        self.store.set("server/cuda", "1" if cuda else "0")
         self.address = f"{host}:{self.store.port}"
         self.lock = threading.Lock()
-        self.versions: dict[int, Packed] = {}
-        self.deltas: dict[int, Packed] = {}  # version -> its delta from version - 1 (cfg.delta)
-        self.encoder = DeltaEncoder() if cfg.delta else None
         self.channels: dict[str, str] = {}  # channel id -> generator id, while its thread serves
         self.failures: list[dict] = []  # {"generator", "channel", "version", "error", "at"}
         self.served = 0  # transfers completed
         self.closed = threading.Event()
         threading.Thread(target=self._accept, name="weights-acceptor", daemon=True).start()
+
+    def _lookup(self, version: int, held: int) -> Payload | None:
+        raise NotImplementedError
+
+    def status(self) -> dict:
+        with self.lock:
+            return {"address": self.address, "channels": dict(self.channels), "failures": list(self.failures),
+                    "served": self.served}
+
+    def close(self) -> None:
+        """Stop accepting; serving threads are daemons blocked on their peers and end with the process."""
+        self.closed.set()
+
+    def _accept(self) -> None:
+        seen = 0
+        while not self.closed.wait(0.02):
+            n = self.store.add("channels", 0)
+            for k in range(seen + 1, n + 1):
+                cid = self.store.get(f"index/{k}").decode()
+                threading.Thread(target=self._serve, args=(cid,), name=f"weights-{cid}", daemon=True).start()
+            seen = n
+
+    def _serve(self, cid: str) -> None:
+        gen, version = self.store.get(f"{cid}/gen").decode(), None
+        with self.lock:
+            self.channels[cid] = gen
+        try:
+            ch = Channel(self.store, cid, 0, self.store.get(f"{cid}/backend").decode(), self.host, self.timeout_s)
+            req = torch.zeros(4, dtype=torch.int64, device=ch.device)  # [op, version, version held or -1, start]
+            while not self.closed.is_set():
+                ch.recv(req, IDLE_S)
+                op, version, held, start = req.tolist()
+                if op == OP_CLOSE:
+                    log.info("weight channel %s: generator %s left", cid, gen)
+                    return
+                self._reply(ch, version, held, start)
+        except RuntimeError as e:  # gloo/NCCL: closed connection or timeout; only this channel is affected
+            with self.lock:
+                self.failures.append({"generator": gen, "channel": cid, "version": version, "error": str(e)[:500],
+                                      "at": time.time()})
+            log.warning("weight channel %s of generator %s failed while serving version %s (%s: %s); channel closed",
+                        cid, gen, version, type(e).__name__, str(e)[:300])
+        finally:
+            with self.lock:
+                self.channels.pop(cid, None)
+
+    def _reply(self, ch: Channel, version: int, held: int, start: int) -> None:
+        """Buckets `start`.. of `version` (whole, or its delta when the generator holds `version - 1`), each sent as
+        soon as it is here; a payload that fails or stalls past the timeout sends status 0 instead of a bucket."""
+        p = self._lookup(version, held)
+        if p is None or not p.wait(lambda: p.meta is not None, self.timeout_s):
+            ch.send(torch.tensor([-1, 0, 0, -1], dtype=torch.int64, device=ch.device), self.timeout_s)
+            return
+        n = len(p.buckets)
+        ch.send(torch.tensor([version, p.meta.numel(), n, p.base], dtype=torch.int64).to(ch.device), self.timeout_s)
+        ch.send(p.meta.to(ch.device), self.timeout_s)
+        ok, bad = torch.ones(1, dtype=torch.int64, device=ch.device), torch.zeros(1, dtype=torch.int64,
+                                                                                  device=ch.device)
+        for i in range(start, n):
+            if not p.wait(lambda: p.count > i, self.timeout_s):
+                ch.send(bad, self.timeout_s)
+                return
+            ch.send(ok, self.timeout_s)
+            b = p.buckets[i]  # a gloo channel of a CUDA-packed version sends host copies
+            ch.send(b if b.device == ch.device else b.to(ch.device), self.timeout_s)
+        with self.lock:
+            self.served += 1
+
+
+class CollectiveServer(ChannelServer):
+    """Learner rank 0's side: `publish` packs the new version and swaps it in (the newest `cfg.keep_versions` are
+    held, so a generator that read the announcement just before the next publication still gets its version).
+    Its store also hands out the relay slots (`RelayReceiver`)."""
+
+    def __init__(self, cfg: CollectiveSyncConfig, *, timeout_s: float, host: str = "127.0.0.1"):
+        super().__init__(cfg, timeout_s=timeout_s, host=host, port=cfg.port,
+                         cuda=torch.cuda.is_available() and cfg.backend != "gloo")
+        self.versions: dict[int, Payload] = {}
+        self.deltas: dict[int, Payload] = {}  # version -> its delta from version - 1 (cfg.delta)
+        self.encoder = DeltaEncoder() if cfg.delta else None
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]
                 ) -> tuple[int, int]:
@@ -220,76 +358,68 @@ class CollectiveServer:
         with self.lock:
             if self.versions and version <= max(self.versions):
                 raise ValueError(f"version {version} published after {max(self.versions)}: versions must increase")
-            self.versions[version] = packed
+            self.versions[version] = Payload.of(packed)
             if packed_delta is not None:
-                self.deltas[version] = packed_delta
+                self.deltas[version] = Payload.of(packed_delta, version - 1)
             for v in sorted(self.versions)[:-self.cfg.keep_versions]:
                 del self.versions[v]
                 self.deltas.pop(v, None)
+                self._forget_slots(v)
         return packed_bytes(packed), packed_bytes(packed_delta) if packed_delta is not None else 0
 
+    def _lookup(self, version: int, held: int) -> Payload | None:
+        with self.lock:
+            if held == version - 1 and version in self.deltas:
+                return self.deltas[version]
+            return self.versions.get(version)
+
+    def _forget_slots(self, version: int) -> None:
+        """Drop the relay slots handed out for a version no longer held (`RelayReceiver.pull`)."""
+        for held in (-1, version - 1):
+            key = f"relay/{version}/{held}"
+            n = self.store.add(f"{key}/n", 0)
+            for k in range(1, n + 1):
+                self.store.delete_key(f"{key}/at/{k}")
+            self.store.delete_key(f"{key}/n")
+
     def status(self) -> dict:
+        out = super().status()
         with self.lock:
-            return {"address": self.address, "versions": sorted(self.versions), "channels": dict(self.channels),
-                    "failures": list(self.failures), "served": self.served}
+            out["versions"] = sorted(self.versions)
+        return out
 
-    def close(self) -> None:
-        """Stop accepting; serving threads are daemons blocked on their peers and end with the process."""
-        self.closed.set()
 
-    def _accept(self) -> None:
-        seen = 0
-        while not self.closed.wait(0.02):
-            n = self.store.add("channels", 0)
-            for k in range(seen + 1, n + 1):
-                cid = self.store.get(f"index/{k}").decode()
-                threading.Thread(target=self._serve, args=(cid,), name=f"weights-{cid}", daemon=True).start()
-            seen = n
-
-    def _serve(self, cid: str) -> None:
-        gen, version = self.store.get(f"{cid}/gen").decode(), None
-        with self.lock:
-            self.channels[cid] = gen
-        try:
-            ch = Channel(self.store, cid, 0, self.store.get(f"{cid}/backend").decode(), self.host, self.timeout_s)
-            req = torch.zeros(3, dtype=torch.int64, device=ch.device)  # [op, version, version held or -1]
-            while not self.closed.is_set():
-                ch.recv(req, IDLE_S)
-                op, version, held = req.tolist()
-                if op == OP_CLOSE:
-                    log.info("weight channel %s: generator %s left", cid, gen)
-                    return
-                self._reply(ch, version, held)
-        except RuntimeError as e:  # gloo/NCCL: closed connection or timeout; only this channel is affected
-            with self.lock:
-                self.failures.append({"generator": gen, "channel": cid, "version": version, "error": str(e)[:500],
-                                      "at": time.time()})
-            log.warning("weight channel %s of generator %s failed while serving version %s (%s: %s); channel closed",
-                        cid, gen, version, type(e).__name__, str(e)[:300])
-        finally:
-            with self.lock:
-                self.channels.pop(cid, None)
-
-    def _reply(self, ch: Channel, version: int, held: int) -> None:
-        """`version` whole, or its delta when the generator holds `version - 1` and the delta is kept."""
-        with self.lock:
-            packed, base = self.versions.get(version), -1
-            if packed is not None and held == version - 1 and version in self.deltas:
-                packed, base = self.deltas[version], held
-        if packed is None:
-            ch.send(torch.tensor([-1, 0, 0, -1], dtype=torch.int64, device=ch.device), self.timeout_s)
-            return
-        header = torch.tensor([version, packed.meta.numel(), len(packed.buckets), base], dtype=torch.int64)
-        ch.send(header.to(ch.device), self.timeout_s)
-        ch.send(packed.meta.to(ch.device), self.timeout_s)
-        for b in packed.buckets:  # a gloo channel of a CUDA-packed version sends host copies
-            ch.send(b if b.device == ch.device else b.to(ch.device), self.timeout_s)
-        with self.lock:
-            self.served += 1
+def receive(ch: Channel, into: Payload, version: int, held: int, timeout_s: float) -> bool:
+    """Pull `version` over `ch` into `into`, from its first missing bucket on (a transfer that broke resumes where
+    it stopped, from any server holding the same payload); False when the server does not hold it. Raises
+    WeightSyncError when the server gives up part-way or sends another payload than the one being resumed."""
+    start = into.count if into.meta is not None else 0
+    ch.send(torch.tensor([OP_PULL, version, held, start], dtype=torch.int64, device=ch.device), timeout_s)
+    header = torch.zeros(4, dtype=torch.int64, device=ch.device)  # [version, meta bytes, buckets, base]
+    ch.recv(header, timeout_s)
+    got, meta_len, n, base = header.tolist()
+    if got < 0:
+        return False
+    meta = torch.empty(meta_len, dtype=torch.uint8, device=ch.device)
+    ch.recv(meta, timeout_s)
+    if into.meta is None:
+        into.begin(base, meta, n, ch.device)
+    elif base != into.base or n != len(into.buckets) or not torch.equal(meta.cpu(), into.meta.cpu()):
+        raise WeightSyncError(f"resuming version {version}: the server sent another payload (base {base}, {n} "
+                              f"buckets) than the one begun (base {into.base}, {len(into.buckets)} buckets)")
+    status = torch.zeros(1, dtype=torch.int64, device=ch.device)
+    for i in range(start, n):
+        ch.recv(status, timeout_s)
+        if status.item() != 1:
+            raise WeightSyncError(f"the server gave up sending version {version} at bucket {i} of {n} "
+                                  "(its own transfer failed or stalled)")
+        ch.recv(into.buckets[i], timeout_s)
+        into.arrived(i)
+    return True
 
 
 class ChannelClient:
-    """A generator's side of one channel to rank 0 at `address` ("host:port")."""
+    """A generator's side of one channel to the channel server at `address` ("host:port")."""
 
     def __init__(self, address: str, generator_id: str, cfg: CollectiveSyncConfig, timeout_s: float,
                  host: str = "127.0.0.1"):
@@ -305,31 +435,118 @@ class ChannelClient:
         self.channel = Channel(self.store, self.cid, 1, backend, host, self.timeout_s)
 
     def pull(self, version: int, held: int = -1) -> tuple[dict[str, torch.Tensor], int]:
-        """(the state dict of `version`, -1) or, when this generator holds `held` = version - 1 and rank 0 kept a
+        """(the state dict of `version`, -1) or, when this generator holds `held` = version - 1 and the server kept a
         delta, (the delta, `held`): views into fresh buckets on the channel's device. KeyError if not held."""
-        ch, t = self.channel, self.timeout_s
-        ch.send(torch.tensor([OP_PULL, version, held], dtype=torch.int64, device=ch.device), t)
-        header = torch.zeros(4, dtype=torch.int64, device=ch.device)  # [version, meta bytes, buckets, base]
-        ch.recv(header, t)
-        got, meta_len, n, base = header.tolist()
-        if got < 0:
+        p = Payload(version)
+        if not receive(self.channel, p, version, held, self.timeout_s):
             raise KeyError(f"weights version {version} is no longer held by learner rank 0 ({self.address}); "
                            "call latest() again")
-        meta = torch.empty(meta_len, dtype=torch.uint8, device=ch.device)
-        ch.recv(meta, t)
-        plan = json.loads(bytes(meta.cpu().numpy()))["tensors"]
-        sizes = [0] * n
-        for _, _, _, b, off, nbytes in plan:
-            sizes[b] = max(sizes[b], off + nbytes)
-        buckets = [torch.empty(max(s, 1), dtype=torch.uint8, device=ch.device) for s in sizes]
-        for b in buckets:
-            ch.recv(b, t)
-        return unpack(bytes(meta.cpu().numpy()), buckets), base
+        return p.state_dict(), p.base
 
     def close(self) -> None:
-        """Tell rank 0 this generator leaves (best effort: a dead rank 0 cannot be told)."""
+        """Tell the server this generator leaves (best effort: a dead server cannot be told)."""
         try:
-            self.channel.send(torch.tensor([OP_CLOSE, 0, -1], dtype=torch.int64, device=self.channel.device), 5.0)
+            self.channel.send(torch.tensor([OP_CLOSE, 0, -1, 0], dtype=torch.int64, device=self.channel.device), 5.0)
         except RuntimeError as e:
             log.info("generator %s: closing weight channel %s: %s", self.generator_id, self.cid, e)
         self.channel = None
+
+
+class RelayServer(ChannelServer):
+    """A relaying generator's side: serves the newest version it received (or is receiving) to its children."""
+
+    def __init__(self, cfg: CollectiveSyncConfig, *, timeout_s: float, host: str, cuda: bool):
+        super().__init__(cfg, timeout_s=timeout_s, host=host, port=0, cuda=cuda)
+        self.payloads: dict[int, Payload] = {}
+
+    def hold(self, p: Payload) -> None:
+        """Serve `p` from now on (children asking before its buckets arrive wait for them); only the newest is
+        kept: one packed copy of the model per relaying generator."""
+        with self.lock:
+            self.payloads = {p.version: p}
+
+    def _lookup(self, version: int, held: int) -> Payload | None:
+        with self.lock:
+            p = self.payloads.get(version)
+        if p is None or not p.wait(lambda: p.meta is not None, self.timeout_s):
+            return None
+        return p if p.base in (-1, held) else None  # a delta only to a child that holds its base
+
+
+class RelayReceiver:
+    """A generator's weight path through the relay tree (`learner.weight_sync.relay_fanout` = k >= 1).
+
+    For each (version, held) a generator takes the next slot n on rank 0's store, writes its own relay address
+    there and pulls from slot (n - 1) // k (slot 0 is rank 0): a tree of fan-out k in arrival order (k = 1 is a
+    chain). Buckets are forwarded as they arrive, so the tree is pipelined: a version reaches the last generator
+    about one transfer plus one bucket per level after the first. When the parent dies, stalls past the timeout
+    or gives up, the transfer resumes at rank 0 from the first missing bucket (and the children, served from this
+    generator's payload as it fills, do not notice). `pull` returns (state dict, base, "relay" | "root").
+    """
+
+    def __init__(self, cfg: CollectiveSyncConfig, generator_id: str, timeout_s: float, host: str = "127.0.0.1"):
+        self.cfg, self.generator_id, self.host = cfg, generator_id, host
+        self.timeout_s = min(timeout_s, cfg.timeout_s)
+        self.root: ChannelClient | None = None
+        self.parent: ChannelClient | None = None
+        self.server: RelayServer | None = None
+        self.resumed = 0  # transfers a parent did not finish, completed at rank 0
+
+    def pull(self, root_address: str, version: int, held: int = -1) -> tuple[dict[str, torch.Tensor], int, str]:
+        if self.root is None or self.root.address != root_address:
+            self.close()
+            self.root = ChannelClient(root_address, self.generator_id, self.cfg, self.timeout_s, self.host)
+        if self.server is None:
+            self.server = RelayServer(self.cfg, timeout_s=self.timeout_s, host=self.host,
+                                      cuda=self.root.channel.device.type == "cuda")
+        p = Payload(version)
+        self.server.hold(p)
+        key = f"relay/{version}/{held}"
+        slot = self.root.store.add(f"{key}/n", 1)
+        self.root.store.set(f"{key}/at/{slot}", self.server.address)
+        up = (slot - 1) // self.cfg.relay_fanout
+        try:
+            if up > 0 and self._from_parent(self.root.store.get(f"{key}/at/{up}").decode(), p, version, held):
+                return p.state_dict(), p.base, "relay"
+            if not receive(self.root.channel, p, version, held, self.timeout_s):
+                raise KeyError(f"weights version {version} is no longer held by learner rank 0 ({root_address}); "
+                               "call latest() again")
+        except BaseException:
+            p.fail()
+            raise
+        return p.state_dict(), p.base, "root"
+
+    def _from_parent(self, address: str, p: Payload, version: int, held: int) -> bool:
+        """True when the parent at `address` delivered all of `p`; False (logged) when rank 0 must finish it."""
+        try:
+            if self.parent is None or self.parent.address != address:
+                self._drop_parent()
+                self.parent = ChannelClient(address, self.generator_id, self.cfg, self.timeout_s, self.host)
+            if receive(self.parent.channel, p, version, held, self.timeout_s):
+                return True
+            log.info("generator %s: relay %s no longer holds version %d; pulling from learner rank 0",
+                     self.generator_id, address, version)
+        except RuntimeError as e:  # dead, stalled or failed parent (gloo/NCCL/TCPStore errors, timeouts)
+            log.warning("generator %s: relay %s failed at bucket %d of version %d (%s: %s); resuming at learner "
+                        "rank 0", self.generator_id, address, p.count, version, type(e).__name__, str(e)[:200])
+            self._drop_parent()  # best effort: a dead parent cannot be told
+        if p.meta is not None and p.count:
+            self.resumed += 1
+        return False
+
+    def status(self) -> dict:
+        return {} if self.server is None else self.server.status()
+
+    def _drop_parent(self) -> None:
+        if self.parent is not None and self.parent.channel is not None:
+            self.parent.close()
+        self.parent = None
+
+    def close(self) -> None:
+        self._drop_parent()
+        if self.root is not None:
+            self.root.close()
+            self.root = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None

@@ -325,7 +325,7 @@ class ObjectStoreWeightSource:
 
         return buckets() if held is None else held.keep(ann.version, buckets())
 
-    def delta_stats(self) -> dict[str, int]:
+    def transfer_stats(self) -> dict[str, int]:
         """Loads from a delta, full loads, and deltas that did not verify (`learner.delta.HeldWeights.stats`)."""
         return {} if self.held is None else self.held.stats()
 
@@ -394,8 +394,9 @@ class CollectiveWeightSource:
         self.cfg, self.run, self.namespace, self.timeout_s = cfg, run, namespace, timeout_s
         self.store = ObjectStoreWeightSource(run, namespace, timeout_s)
         self.generator_id: str | None = None
-        self.client = None
+        self.client = None  # a ChannelClient to rank 0, or a RelayReceiver (relay_fanout)
         self.held = HeldWeights() if cfg.delta else None
+        self.sources = {"root": 0, "relay": 0}  # transfers by where they came from (relay_fanout)
 
     def __getstate__(self) -> dict:
         return {"cfg": self.cfg, "run": self.run, "namespace": self.namespace, "timeout_s": self.timeout_s}
@@ -435,26 +436,42 @@ class CollectiveWeightSource:
             whole, _ = self._pull(ann, -1)
         return held.keep(ann.version, [whole])  # a host copy as it passes: the base of the next delta
 
-    def delta_stats(self) -> dict[str, int]:
-        """Loads from a delta, full loads, and deltas that did not verify (`learner.delta.HeldWeights.stats`)."""
-        return {} if self.held is None else self.held.stats()
+    def transfer_stats(self) -> dict[str, int]:
+        """Loads from a delta, full loads, and deltas that did not verify (`learner.delta.HeldWeights.stats`); with
+        relays, transfers from a relay, from rank 0, and relay transfers that rank 0 finished."""
+        out = {} if self.held is None else self.held.stats()
+        if self.cfg.relay_fanout:
+            out.update({"from_relay": self.sources["relay"], "from_root": self.sources["root"],
+                        "relay_resumed": getattr(self.client, "resumed", 0)})
+        return out
+
+    def relay_status(self) -> dict:
+        """This generator's relay server (children served, failures), or {} without relays."""
+        status = getattr(self.client, "status", None)
+        return status() if status is not None else {}
 
     def _pull(self, ann: WeightsAnnouncement, held: int) -> tuple[dict[str, torch.Tensor], int]:
-        from learner.collective import ChannelClient, WeightSyncError
+        from learner.collective import ChannelClient, RelayReceiver, WeightSyncError
 
         if not ann.location.startswith("collective:"):
             raise ValueError(f"announcement of version {ann.version} has location {ann.location!r}: the learner "
                              "publishes with another weight_sync kind than this generator's (collective)")
         address = ann.location.removeprefix("collective:")
         gid = self.generator_id or f"pid{os.getpid()}"
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         try:
+            if self.cfg.relay_fanout:
+                if self.client is None:
+                    self.client = RelayReceiver(self.cfg, gid, self.timeout_s, host)
+                state_dict, base, source = self.client.pull(address, ann.version, held)
+                self.sources[source] += 1
+                return state_dict, base
             if self.client is None or self.client.address != address:
                 self._close()
-                self.client = ChannelClient(address, gid, self.cfg, self.timeout_s,
-                                            host=ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
+                self.client = ChannelClient(address, gid, self.cfg, self.timeout_s, host=host)
             return self.client.pull(ann.version, held)
         except RuntimeError as e:  # gloo/NCCL/TCPStore errors and timeouts: drop the channel, reopen next time
-            self.client = None
+            self._close()
             raise WeightSyncError(f"generator {gid}: pulling weights version {ann.version} from learner rank 0 at "
                                   f"{address} failed: {type(e).__name__}: {e}") from e
 
@@ -474,8 +491,10 @@ class CollectiveWeightSource:
 
     def _close(self) -> None:
         if self.client is not None:
-            self.client.close()
-            self.client = None
+            try:
+                self.client.close()
+            finally:
+                self.client = None
 
 
 def make_publisher(cfg: WeightSyncConfig, *, run: str, namespace: str | None, timeout_s: float) -> WeightPublisher:

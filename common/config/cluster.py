@@ -22,6 +22,10 @@ class AutoscaleConfig(Section):
     """Scale down when generators spent more than this fraction of recent time waiting for work."""
     cooldown_steps: int = Field(5, ge=1)
     """Learner steps between two scaling decisions."""
+    grow_cluster: bool = False
+    """The cluster has a Ray autoscaler (KubeRay, a cloud cluster launcher): scale up even when no CPUs are free,
+    so that the pending generator makes the autoscaler add a node; at most one generator waits for a node at a
+    time. Nodes left idle after a scale-down are removed by the autoscaler (its idle_timeout_minutes)."""
 
 
 class ClusterConfig(Section):

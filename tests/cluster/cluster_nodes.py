@@ -14,13 +14,17 @@ authentication, its own temp folder) apart from the test process's Ray.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
 def main() -> None:
+    import ray._private.utils
     from ray.cluster_utils import Cluster
 
     head_cpus, temp_dir = int(sys.argv[1]), sys.argv[2]
+    # Cluster writes the head's address to Ray's default temp folder (/tmp/ray), which a fresh machine lacks
+    os.makedirs(os.path.dirname(ray._private.utils.get_ray_address_file(None)), exist_ok=True)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "temp_dir": temp_dir})
     print("address", cluster.address, flush=True)
     workers = []

@@ -117,15 +117,20 @@ def test_train_improves_heldout_accuracy_logs_everything_and_balances(runs_root,
 
 def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_stops_cleanly(runs_root):
     """learner.mini_batches=2, 2 FSDP ranks, 2 buffer shards, rho 0.5, max_lag 1, the paper's lr 1e-6 with bf16
-    engines and delta weight publications, while `exgrpo scale` takes the generators 1 -> 3 -> 1 and SIGTERM then
-    stops the run: it trains, the version advances once per step, replay
-    starts, the accounting balances, and it stops cleanly (final checkpoint, run marked KILLED, exit 0)."""
+    engines and delta weight publications relayed between generators (collective, a chain), while `exgrpo scale`
+    takes the generators 1 -> 3 -> 1 and SIGTERM then stops the run: it trains, the version advances once per step,
+    versions are relayed, replay starts, the accounting balances, and it stops cleanly (final checkpoint, run marked
+    KILLED, exit 0)."""
     client = mlflow_client(runs_root)
 
     def generators() -> float | None:
         rid = state(runs_root / "paper").get("mlflow_run_id")
         h = history(client, rid, "driver/generators") if rid else []
         return h[-1][1] if h else None
+
+    def relayed() -> float:
+        rid = state(runs_root / "paper").get("mlflow_run_id")
+        return max((v for _, v in history(client, rid, "generator/weights_from_relay")), default=0.0) if rid else 0.0
 
     def scale(n: int) -> None:
         out = subprocess.run([sys.executable, "-m", "cluster.cli", "scale", "--run", "paper", "--generators", str(n),
@@ -134,12 +139,15 @@ def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_st
 
     with train_process(runs_root, "paper", "total_steps=1000", "learner.mini_batches=2", "learner.num_ranks=2",
                        "buffer.num_shards=2", "cluster.num_cpus=5", "checkpoint.every_steps=0",
-                       "tracking.log_plots=false", "generator.engine.kind=vllm", "learner.weight_sync.delta=true",
+                       "tracking.log_plots=false", "generator.engine.kind=vllm", "learner.weight_sync.kind=collective",
+                       "learner.weight_sync.relay_fanout=1", "learner.weight_sync.delta=true",
                        "learner.lr=1e-6", "generator.dtype=bfloat16") as p:
         wait_for(lambda: generators() == 1 or p.poll() is not None, 600, "the first logged step")
         assert p.poll() is None, read_log(runs_root, "paper")
         scale(3)
         wait_for(lambda: generators() == 3, 300, "3 running generators")
+        # collective weight sync through a relay chain: with 3 generators, 2 take each version from another one
+        wait_for(lambda: relayed() > 0 or p.poll() is not None, 300, "a version relayed between generators")
         scale(1)
         wait_for(lambda: generators() == 1, 300, "back to 1 generator")
         p.send_signal(signal.SIGTERM)  # stops cleanly: final checkpoint, run marked KILLED, exit 0
@@ -163,6 +171,7 @@ def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_st
     # bit-exact against its checksums; the generators that joined took whole versions
     assert m["weights/bytes_delta"] > 0 and m["generator/weights_delta_loads"] > 0, m
     assert m["generator/weights_delta_mismatches"] == 0
+    assert m["generator/weights_relay_resumed"] == 0  # no relay failed: nothing was finished at rank 0
     assert client.get_run(run_id).info.status == "KILLED"
 
 

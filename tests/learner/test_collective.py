@@ -60,7 +60,7 @@ class Receiver:
 
         ann = self.source.latest()
         c = ChannelClient(ann.location.removeprefix("collective:"), self.gid, self.source.cfg, 20)
-        c.channel.send(torch.tensor([OP_PULL, ann.version, -1]), 20)
+        c.channel.send(torch.tensor([OP_PULL, ann.version, -1, 0]), 20)
         c.channel.recv(torch.zeros(4, dtype=torch.int64), 20)
         os._exit(1)
 

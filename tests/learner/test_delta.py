@@ -92,26 +92,26 @@ def test_generators_load_deltas_and_whole_versions_exactly(ray_cluster, sync):
             anns.append(pub.publish(v, chunks(versions[v])))
             assert _equal_bits(load(steady, anns[-1]), versions[v])
         assert anns[0].delta_bytes == 0 and 0 < anns[1].delta_bytes < 0.3 * anns[1].num_bytes
-        assert steady.delta_stats() == {"delta_loads": 2, "full_loads": 1, "delta_mismatches": 0}
+        assert steady.transfer_stats() == {"delta_loads": 2, "full_loads": 1, "delta_mismatches": 0}
         # a generator that joins now gets the whole version
         joiner = make_weight_source(sync, run=run, namespace=NS, timeout_s=20)
         assert _equal_bits(load(joiner, anns[2]), versions[2])
-        assert joiner.delta_stats()["full_loads"] == 1
+        assert joiner.transfer_stats()["full_loads"] == 1
         # one that skips a version gets the whole of the next it asks for
         anns.append(pub.publish(3, chunks(versions[3])))
         anns.append(pub.publish(4, chunks(versions[4])))
         assert _equal_bits(load(joiner, anns[4]), versions[4])
-        assert joiner.delta_stats() == {"delta_loads": 0, "full_loads": 2, "delta_mismatches": 0}
+        assert joiner.transfer_stats() == {"delta_loads": 0, "full_loads": 2, "delta_mismatches": 0}
         # a held copy that went wrong: the delta does not verify, the whole version loads instead
         assert _equal_bits(load(steady, anns[3]), versions[3])
         steady.held.tensors["head"].view(-1)[7] += 1
         assert _equal_bits(load(steady, anns[4]), versions[4])
-        assert steady.delta_stats() == {"delta_loads": 3, "full_loads": 2, "delta_mismatches": 1}
+        assert steady.transfer_stats() == {"delta_loads": 3, "full_loads": 2, "delta_mismatches": 1}
         # everything changed (a high learning rate): no delta is offered, the version goes whole
         v5 = {k: t + 1 for k, t in versions[4].items()}
         ann = pub.publish(5, chunks(v5))
         assert ann.delta_bytes == 0 and _equal_bits(load(steady, ann), v5)
-        assert steady.delta_stats() == {"delta_loads": 3, "full_loads": 3, "delta_mismatches": 1}
+        assert steady.transfer_stats() == {"delta_loads": 3, "full_loads": 3, "delta_mismatches": 1}
     finally:
         pub.close()
         ray.kill(pub.store)
