@@ -64,9 +64,15 @@ class Network:
 
     @staticmethod
     def teardown() -> None:
+        """Remove the namespaces, the host ends of their links (a deleted namespace frees its links lazily) and the
+        bridge."""
         for ns in sh("ip", "netns", "list", check=False).stdout.split():
             if ns.startswith(PREFIX) and ns[len(PREFIX):].isdigit():
                 sh("ip", "netns", "del", ns, check=False)
+        for line in sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
+            name = line.split(":")[1].strip().split("@")[0]
+            if name.startswith(f"{PREFIX}h"):
+                sh("ip", "link", "del", name, check=False)
         sh("ip", "link", "del", BRIDGE, check=False)
 
 
@@ -78,7 +84,7 @@ def run_case(args, n: int, mode: str) -> list[float]:
         common = ["--model-mb", str(args.model_mb), "--bucket-mb", str(args.bucket_mb), "--fanout",
                   str(MODES[mode]), "--n", str(n), "--repeats", str(args.repeats)]
         me = [sys.executable, str(Path(__file__).resolve())]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
         root = subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}0", *me, "--role", "root", *common],
                                 stdout=subprocess.PIPE, text=True, env=env)
         procs.append(root)
