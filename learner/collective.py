@@ -41,7 +41,8 @@ send/receive of a transfer waits at most `timeout_s`; the serving thread's wait 
 only in the sense that it ends when the peer's socket closes (gloo reports a closed connection).
 
 NCCL (`backend: nccl`, or `auto` when both ends see CUDA): the same protocol on a `ProcessGroupNCCL` of 2 with
-CUDA tensors; UNTESTED here (no GPU on this machine). A relay then holds its packed copy in GPU memory.
+CUDA tensors; UNTESTED here (no GPU on this machine). Held versions (rank 0's, a relay's) stay in pinned host
+memory; each send and receive stages one bucket on the device.
 """
 
 from __future__ import annotations
@@ -81,6 +82,18 @@ class Packed:
     buckets: list[torch.Tensor]  # each [size] uint8
 
 
+def host_device() -> torch.device:
+    """Where held versions live: host memory, also on GPU machines (so rank 0 and relays keep no model copies in GPU
+    memory; an NCCL send stages one bucket at a time on the device)."""
+    return torch.device("cpu")
+
+
+def _buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 buffer; page-locked when on the host of a CUDA machine (fast, asynchronous copies to the device)."""
+    pin = device.type == "cpu" and torch.cuda.is_available()
+    return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+
+
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
@@ -98,7 +111,7 @@ class Packer:
         self.size: int | None = None  # bytes used in the open bucket; None: none open
 
     def _close(self) -> None:
-        buf = torch.empty(max(self.size, 1), dtype=torch.uint8, device=self.device)
+        buf = _buffer(max(self.size, 1), self.device)
         for t, off, nbytes in self.pending:
             if nbytes:
                 buf[off:off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
@@ -190,8 +203,9 @@ class Payload:
     """A packed version as a channel server serves it: complete on learner rank 0 (`Payload.of`), or filling
     bucket by bucket on a relay while it is already being served onwards (`begin`, `arrived`, `fail`)."""
 
-    def __init__(self, version: int):
+    def __init__(self, version: int, device: torch.device | None = None):
         self.version, self.base = version, -1  # base: the version a delta applies to, -1 for a whole version
+        self.device = device  # where the buckets go when they arrive (None: the channel's device)
         self.meta: torch.Tensor | None = None
         self.buckets: list[torch.Tensor] = []
         self.count = 0  # buckets arrived (in order)
@@ -215,7 +229,7 @@ class Payload:
             sizes[b] = max(sizes[b], off + nbytes)
         with self.cond:
             self.base, self.meta = base, meta
-            self.buckets = [torch.empty(max(s, 1), dtype=torch.uint8, device=device) for s in sizes]
+            self.buckets = [_buffer(max(s, 1), device) for s in sizes]
             self.cond.notify_all()
 
     def arrived(self, i: int) -> None:
@@ -245,8 +259,8 @@ class ChannelServer:
 
     def __init__(self, cfg: CollectiveSyncConfig, *, timeout_s: float, host: str, port: int, cuda: bool):
         self.cfg, self.host, self.timeout_s = cfg, host, min(timeout_s, cfg.timeout_s)
-        self.cuda = cuda
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.cuda = cuda  # channels may be NCCL; what the server holds stays in host memory (host_device)
+        self.device = host_device()
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
         self.store.set("server/cuda", "1" if cuda else "0")
@@ -320,7 +334,7 @@ class ChannelServer:
                 ch.send(bad, self.timeout_s)
                 return
             ch.send(ok, self.timeout_s)
-            b = p.buckets[i]  # a gloo channel of a CUDA-packed version sends host copies
+            b = p.buckets[i]  # held in host memory: an NCCL channel stages it on the device, one bucket at a time
             ch.send(b if b.device == ch.device else b.to(ch.device), self.timeout_s)
         with self.lock:
             self.served += 1
@@ -403,7 +417,7 @@ def receive(ch: Channel, into: Payload, version: int, held: int, timeout_s: floa
     meta = torch.empty(meta_len, dtype=torch.uint8, device=ch.device)
     ch.recv(meta, timeout_s)
     if into.meta is None:
-        into.begin(base, meta, n, ch.device)
+        into.begin(base, meta, n, into.device or ch.device)
     elif base != into.base or n != len(into.buckets) or not torch.equal(meta.cpu(), into.meta.cpu()):
         raise WeightSyncError(f"resuming version {version}: the server sent another payload (base {base}, {n} "
                               f"buckets) than the one begun (base {into.base}, {len(into.buckets)} buckets)")
@@ -413,7 +427,13 @@ def receive(ch: Channel, into: Payload, version: int, held: int, timeout_s: floa
         if status.item() != 1:
             raise WeightSyncError(f"the server gave up sending version {version} at bucket {i} of {n} "
                                   "(its own transfer failed or stalled)")
-        ch.recv(into.buckets[i], timeout_s)
+        dst = into.buckets[i]
+        if dst.device == ch.device:
+            ch.recv(dst, timeout_s)
+        else:  # a relay keeps its copy in host memory: an NCCL channel receives into a device bucket first
+            staged = torch.empty_like(dst, device=ch.device)
+            ch.recv(staged, timeout_s)
+            dst.copy_(staged)
         into.arrived(i)
     return True
 
@@ -499,7 +519,7 @@ class RelayReceiver:
         if self.server is None:
             self.server = RelayServer(self.cfg, timeout_s=self.timeout_s, host=self.host,
                                       cuda=self.root.channel.device.type == "cuda")
-        p = Payload(version)
+        p = Payload(version, host_device())  # held for the children: host memory, also on GPU machines
         self.server.hold(p)
         key = f"relay/{version}/{held}"
         slot = self.root.store.add(f"{key}/n", 1)

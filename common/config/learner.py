@@ -27,7 +27,7 @@ class ObjectStoreSyncConfig(Section):
     generators relay to each other in a pipelined tree of fan-out k in arrival order (1 = a chain), forwarding
     buckets as they arrive, so rank 0 sends about k copies and the time stays near one transfer as N grows. A
     relay that dies or stalls: its children resume at rank 0 from the first missing bucket. Costs each
-    generator one packed copy of the newest version (on the channel's device) and a port. Measured:
+    generator one packed copy of the newest version in host memory, and a port. Measured:
     docs/cluster.md ("Weight fan-out")."""
 
 
@@ -45,7 +45,8 @@ class CollectiveSyncConfig(Section):
     port: int = Field(0, ge=0, le=65535)
     """TCP port of the rendezvous store on learner rank 0 (0 = a free port, announced to the generators)."""
     keep_versions: int = Field(2, ge=1, le=16)
-    """Published versions rank 0 keeps packed (memory: this many copies of the state dict), so a generator
+    """Published versions rank 0 keeps packed (host memory, pinned on GPU machines: this many copies of the state
+    dict; none on the GPU), so a generator
     that read an announcement just before the next publication still receives that version."""
     delta: bool = False
     """Publish only what changed since the previous version (per tensor: the positions whose bits changed and
@@ -58,7 +59,7 @@ class CollectiveSyncConfig(Section):
     generators relay to each other in a pipelined tree of fan-out k in arrival order (1 = a chain), forwarding
     buckets as they arrive, so rank 0 sends about k copies and the time stays near one transfer as N grows. A
     relay that dies or stalls: its children resume at rank 0 from the first missing bucket. Costs each
-    generator one packed copy of the newest version (on the channel's device) and a port. Measured:
+    generator one packed copy of the newest version in host memory, and a port. Measured:
     docs/cluster.md ("Weight fan-out")."""
 
 
