@@ -77,6 +77,30 @@ class BufferClient:
         self._rr = 0
         self._wait_rr = -1  # the shard the last long-poll lease waited at
 
+    def __getstate__(self) -> dict:
+        """Pickled without the shards' handles (a generator actor gets the client as a constructor argument, and Ray
+        keeps arguments holding actor handles in its object store, which a restart would depend on): the copy finds
+        the shards by name when it first calls them."""
+        state = dict(self.__dict__)
+        state["_num_shards"] = len(self._shards) if self._shards is not None else state["_num_shards"]
+        state["_shards"] = None
+        return state
+
+    @property
+    def shards(self) -> list:
+        if self._shards is None:
+            try:
+                self._shards = [ray.get_actor(actor_name(self.run, "buffer", i), namespace=self.namespace)
+                                for i in range(self._num_shards)]
+            except ValueError as e:
+                raise BufferUnavailableError(f"buffer shards of run {self.run!r} not found in namespace "
+                                             f"{self.namespace!r}: {e}") from None
+        return self._shards
+
+    @shards.setter
+    def shards(self, shards: list) -> None:
+        self._shards, self._num_shards = list(shards), len(shards)
+
     # ----------------------------------------------------------------------------------- building
 
     @classmethod

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import msgpack
 import ray
@@ -43,8 +44,12 @@ def unpack(data: bytes):
 class BufferShard:
     """One shard. Create with `make_shard_actor` (named `actor_name(run, "buffer", i)`)."""
 
-    def __init__(self, cfg: dict, questions: bytes, shard: int, shares: list[int], snapshot_dir: str | None):
+    def __init__(self, cfg: dict, questions: bytes | str, shard: int, shares: list[int], snapshot_dir: str | None):
+        """`questions`: this shard's questions (`codec.encode_list`), or the path of a file holding them (what
+        `make_shard_actor` passes with a snapshot folder: a restart reads it again)."""
         self.cfg = BufferConfig(**cfg)
+        if isinstance(questions, str):
+            questions = Path(questions).read_bytes()
         self.questions = codec.decode_list(questions, Question)
         self.shard, self.shares, self.snapshot_dir = shard, shares, snapshot_dir
         self.batch_share = batch_share = shares[shard]
@@ -215,10 +220,22 @@ class BufferShard:
 
 def make_shard_actor(cfg: BufferConfig, questions: list[Question], *, shard: int, shares: list[int], name: str,
                      namespace: str | None, snapshot_dir: str | None):
-    """Start one named shard actor (restarts from its snapshot up to `cfg.max_restarts` times)."""
+    """Start one named shard actor (restarts from its snapshot up to `cfg.max_restarts` times).
+
+    With a snapshot folder the questions go into a file there (`questions-shard-<i>.msgpack`) and the actor gets
+    its path: constructor arguments stay small, so a restart never depends on an object in Ray's object store
+    (the shard runs on this node, see `near_caller`)."""
     actor_cls = ray.remote(concurrency_groups={"lease_wait": cfg.lease_wait_threads})(BufferShard)
+    data: bytes | str = codec.encode_list(questions, Question)
+    if snapshot_dir:
+        path = Path(snapshot_dir) / f"questions-shard-{shard}.msgpack"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        data = str(path)
     return actor_cls.options(
         name=name, namespace=namespace, max_restarts=cfg.max_restarts, max_task_retries=0,
         max_concurrency=cfg.max_concurrency, num_cpus=0, lifetime=None, **near_caller(),
-    ).remote(cfg.model_dump(), codec.encode_list(questions, Question), shard, shares, snapshot_dir)
+    ).remote(cfg.model_dump(), data, shard, shares, snapshot_dir)
 
