@@ -7,6 +7,7 @@ The `collective` backend of `learner.weight_sync` (`CollectiveSyncConfig`). Both
     ...
     client = ChannelClient(address, generator_id, cfg, 60)   # in a generator, when it first needs weights
     state_dict, base = client.pull(version)                  # KeyError when rank 0 no longer holds `version`
+    for bucket in client.pull_buckets(version): ...          # or a bucket's tensors at a time, as they arrive
     ...
     relay = RelayReceiver(cfg, generator_id, 60, host)       # instead, with cfg.relay_fanout = k >= 1
     state_dict, base, source = relay.pull(address, version)  # from a generator before it in the tree, or rank 0
@@ -53,7 +54,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -462,6 +463,39 @@ class ChannelClient:
             raise KeyError(f"weights version {version} is no longer held by learner rank 0 ({self.address}); "
                            "call latest() again")
         return p.state_dict(), p.base
+
+    def pull_buckets(self, version: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The whole `version`, a bucket's tensors at a time: the header is exchanged now (KeyError if not held),
+        each bucket is received when the iterator is advanced, so the caller holds one bucket (plus what it keeps).
+        The iterator must be run to its end before the channel carries another request."""
+        ch, t = self.channel, self.timeout_s
+        ch.send(torch.tensor([OP_PULL, version, -1, 0], dtype=torch.int64, device=ch.device), t)
+        header = torch.zeros(4, dtype=torch.int64, device=ch.device)
+        ch.recv(header, t)
+        got, meta_len, n, _ = header.tolist()
+        if got < 0:
+            raise KeyError(f"weights version {version} is no longer held by learner rank 0 ({self.address}); "
+                           "call latest() again")
+        meta = torch.empty(meta_len, dtype=torch.uint8, device=ch.device)
+        ch.recv(meta, t)
+        plan = json.loads(bytes(meta.cpu().numpy()))["tensors"]
+        sizes, members = [0] * n, [[] for _ in range(n)]
+        for entry in plan:
+            sizes[entry[3]] = max(sizes[entry[3]], entry[4] + entry[5])
+            members[entry[3]].append(entry)
+
+        def buckets() -> Iterator[dict[str, torch.Tensor]]:
+            status = torch.zeros(1, dtype=torch.int64, device=ch.device)
+            for i in range(n):
+                ch.recv(status, t)
+                if status.item() != 1:
+                    raise WeightSyncError(f"learner rank 0 gave up sending version {version} at bucket {i} of {n}")
+                buf = torch.empty(max(sizes[i], 1), dtype=torch.uint8, device=ch.device)
+                ch.recv(buf, t)
+                yield {name: buf[off:off + nbytes].view(_dtype(dtype)).reshape(shape)
+                       for name, shape, dtype, _, off, nbytes in members[i]}
+
+        return buckets()
 
     def close(self) -> None:
         """Tell the server this generator leaves (best effort: a dead server cannot be told)."""

@@ -418,23 +418,77 @@ class CollectiveWeightSource:
         return out
 
     def fetch_buckets(self, ann: WeightsAnnouncement) -> Iterator[dict[str, torch.Tensor]]:
-        """`ann.version`: the whole state dict as one bucket (rank 0 keeps whole packed versions); KeyError when
-        rank 0 no longer holds it, WeightSyncError (a RuntimeError: the generator retries at its next safe point)
-        when the transfer failed. With `delta`: pulled as a delta when this source holds `ann.version - 1` whole,
-        applied and verified before anything is handed on (a mismatch pulls the version whole)."""
+        """`ann.version` bucket by bucket: from rank 0 each bucket is received only when the consumer asks for it
+        (an engine loading bucket by bucket holds one beside its weights); through a relay the whole version
+        arrives first (the relay keeps it for its children). KeyError at once when rank 0 no longer holds it;
+        WeightSyncError (a RuntimeError: the generator retries at its next safe point) when the transfer failed,
+        also part-way. With `delta`: pulled as a delta when this source holds `ann.version - 1` whole, applied and
+        verified before anything is handed on (a mismatch pulls the version whole)."""
         held = self.held
-        if held is None:
-            return iter([self._pull(ann, -1)[0]])
         whole = None
-        if held.version is not None and held.version == ann.version - 1 and ann.delta_bytes:
+        if held is not None and held.version is not None and held.version == ann.version - 1 and ann.delta_bytes:
             got, base = self._pull(ann, held.version)
             if base < 0:  # rank 0 no longer keeps that delta: it sent the version whole
-                whole = got
+                whole = iter([got])
             elif held.apply(ann.version, [got]):
                 return held.buckets()
         if whole is None:
-            whole, _ = self._pull(ann, -1)
-        return held.keep(ann.version, [whole])  # a host copy as it passes: the base of the next delta
+            whole = iter([self._pull(ann, -1)[0]]) if self.cfg.relay_fanout else self._stream(ann)
+        return whole if held is None else held.keep(ann.version, whole)  # keep: the base of the next delta
+
+    def _stream(self, ann: WeightsAnnouncement) -> Iterator[dict[str, torch.Tensor]]:
+        """The whole version from rank 0, a bucket's tensors at a time (`ChannelClient.pull_buckets`)."""
+        from learner.collective import WeightSyncError
+
+        client = self._channel(ann)
+        try:
+            buckets = client.pull_buckets(ann.version)  # the header now: KeyError before anything is loaded
+        except RuntimeError as e:
+            self._drop(client)
+            raise WeightSyncError(f"generator {client.generator_id}: pulling weights version {ann.version} from "
+                                  f"learner rank 0 at {client.address} failed: {type(e).__name__}: {e}") from e
+
+        def stream() -> Iterator[dict[str, torch.Tensor]]:
+            done = False
+            try:
+                yield from buckets
+                done = True
+            except RuntimeError as e:
+                raise WeightSyncError(f"generator {client.generator_id}: weights version {ann.version} from learner "
+                                      f"rank 0 at {client.address} broke off: {type(e).__name__}: {e}") from e
+            finally:
+                if not done:  # the channel is in the middle of a transfer: it cannot carry the next request
+                    self._drop(client)
+
+        return stream()
+
+    def _channel(self, ann: WeightsAnnouncement):
+        """This source's channel to the rank 0 that published `ann` (opened, or reopened for a new address)."""
+        from learner.collective import ChannelClient, WeightSyncError
+
+        address = self._address(ann)
+        if self.client is None or self.client.address != address:
+            self._close()
+            gid = self.generator_id or f"pid{os.getpid()}"
+            host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            try:
+                self.client = ChannelClient(address, gid, self.cfg, self.timeout_s, host=host)
+            except RuntimeError as e:
+                raise WeightSyncError(f"generator {gid}: opening a weight channel to learner rank 0 at {address} "
+                                      f"failed: {type(e).__name__}: {e}") from e
+        return self.client
+
+    def _drop(self, client) -> None:
+        """Forget a channel left mid-transfer (no goodbye: rank 0's thread for it ends when its socket closes)."""
+        if self.client is client:
+            self.client = None
+
+    @staticmethod
+    def _address(ann: WeightsAnnouncement) -> str:
+        if not ann.location.startswith("collective:"):
+            raise ValueError(f"announcement of version {ann.version} has location {ann.location!r}: the learner "
+                             "publishes with another weight_sync kind than this generator's (collective)")
+        return ann.location.removeprefix("collective:")
 
     def transfer_stats(self) -> dict[str, int]:
         """Loads from a delta, full loads, and deltas that did not verify (`learner.delta.HeldWeights.stats`); with
@@ -451,25 +505,22 @@ class CollectiveWeightSource:
         return status() if status is not None else {}
 
     def _pull(self, ann: WeightsAnnouncement, held: int) -> tuple[dict[str, torch.Tensor], int]:
-        from learner.collective import ChannelClient, RelayReceiver, WeightSyncError
+        """The whole payload of `ann.version` (or its delta from `held`): (state dict, base), through the relay tree
+        with `relay_fanout`, else over this source's channel to rank 0."""
+        from learner.collective import RelayReceiver, WeightSyncError
 
-        if not ann.location.startswith("collective:"):
-            raise ValueError(f"announcement of version {ann.version} has location {ann.location!r}: the learner "
-                             "publishes with another weight_sync kind than this generator's (collective)")
-        address = ann.location.removeprefix("collective:")
+        address = self._address(ann)
         gid = self.generator_id or f"pid{os.getpid()}"
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        client = None if self.cfg.relay_fanout else self._channel(ann)
         try:
-            if self.cfg.relay_fanout:
+            if client is None:
                 if self.client is None:
                     self.client = RelayReceiver(self.cfg, gid, self.timeout_s, host)
                 state_dict, base, source = self.client.pull(address, ann.version, held)
                 self.sources[source] += 1
                 return state_dict, base
-            if self.client is None or self.client.address != address:
-                self._close()
-                self.client = ChannelClient(address, gid, self.cfg, self.timeout_s, host=host)
-            return self.client.pull(ann.version, held)
+            return client.pull(ann.version, held)
         except RuntimeError as e:  # gloo/NCCL/TCPStore errors and timeouts: drop the channel, reopen next time
             self._close()
             raise WeightSyncError(f"generator {gid}: pulling weights version {ann.version} from learner rank 0 at "

@@ -219,3 +219,31 @@ def test_pack_streams_chunks_into_the_same_layout():
     out = unpack(bytes(streamed.meta.numpy()), streamed.buckets)  # (alignment gaps are left uninitialised)
     assert all(torch.equal(out[k], sd[k]) and out[k].dtype == sd[k].dtype for k in sd)
     assert packed_bytes(whole) == 48 + 10 + 0 + 4 + 80
+
+
+def test_a_whole_version_streams_bucket_by_bucket_and_an_abandoned_stream_drops_only_its_channel():
+    from common.messages import WeightsAnnouncement
+    from learner.collective import CollectiveServer
+
+    cfg = CollectiveSyncConfig(timeout_s=20, bucket_mb=8 / 1024)
+    root = CollectiveServer(cfg, timeout_s=20)
+    g = torch.Generator().manual_seed(3)
+    sd = {f"w{i}": torch.randn(40, 64, generator=g).bfloat16() for i in range(6)} | {"norm": torch.randn(64)}
+    try:
+        root.publish(1, sd)
+        src = CollectiveWeightSource(cfg, run="stream")
+        ann = WeightsAnnouncement(version=1, location=f"collective:{root.address}", num_bytes=0, created_at=0.0)
+        chunks = list(src.fetch_buckets(ann))
+        assert len(chunks) == len(root.versions[1].buckets) > 3  # a bucket's tensors at a time
+        merged = {k: v for c in chunks for k, v in c.items()}
+        assert list(merged) == list(sd) and all(torch.equal(merged[k], sd[k]) for k in sd)
+        stream = src.fetch_buckets(ann)
+        next(stream)
+        stream.close()  # the engine stopped part-way: the channel is mid-transfer and is dropped
+        assert src.client is None
+        again = {k: v for c in src.fetch_buckets(ann) for k, v in c.items()}  # a new channel, the whole version
+        assert all(torch.equal(again[k], sd[k]) for k in sd)
+        with pytest.raises(KeyError, match="version 9 is no longer held"):
+            src.fetch_buckets(WeightsAnnouncement(version=9, location=ann.location, num_bytes=0, created_at=0.0))
+    finally:
+        root.close()
