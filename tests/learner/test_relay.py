@@ -171,3 +171,20 @@ def test_a_relay_that_dies_mid_transfer_its_child_resumes_at_rank_0_and_the_gran
         child.close()
         grandchild.close()
         root.close()
+
+
+def test_a_relay_gone_before_its_child_connects_sends_the_child_to_rank_0(ray_cluster):
+    cfg = CollectiveSyncConfig(bucket_mb=8 / 1024, relay_fanout=1, timeout_s=TIMEOUT)
+    root = CollectiveServer(cfg, timeout_s=TIMEOUT)
+    child = RelayReceiver(cfg, "orphan", TIMEOUT)
+    broken = BrokenRelay.remote(cfg, root.address)
+    try:
+        sd = state_dict(8)
+        root.publish(8, sd)
+        assert ray.get(broken.take_slot_and_stall.remote(8, 0), timeout=60) == 1  # slot 1, nothing received yet
+        ray.kill(broken)  # its address stays in slot 1: the child's parent refuses connections
+        got, base, src = child.pull(root.address, 8)
+        assert same(got, sd) and base == -1 and src == "root" and child.resumed == 0
+    finally:
+        child.close()
+        root.close()
