@@ -560,7 +560,7 @@ class RelayReceiver:
         self.root.store.set(f"{key}/at/{slot}", self.server.address)
         up = (slot - 1) // self.cfg.relay_fanout
         try:
-            if up > 0 and self._from_parent(self.root.store.get(f"{key}/at/{up}").decode(), p, version, held):
+            if up > 0 and self._from_parent(f"{key}/at/{up}", p, version, held):
                 return p.state_dict(), p.base, "relay"
             if not receive(self.root.channel, p, version, held, self.timeout_s):
                 raise KeyError(f"weights version {version} is no longer held by learner rank 0 ({root_address}); "
@@ -570,9 +570,12 @@ class RelayReceiver:
             raise
         return p.state_dict(), p.base, "root"
 
-    def _from_parent(self, address: str, p: Payload, version: int, held: int) -> bool:
-        """True when the parent at `address` delivered all of `p`; False (logged) when rank 0 must finish it."""
+    def _from_parent(self, slot_key: str, p: Payload, version: int, held: int) -> bool:
+        """True when the parent whose address is at `slot_key` delivered all of `p`; False (logged) when rank 0 must
+        finish it (also when the parent never wrote its address: it died between taking the slot and writing)."""
+        address = slot_key
         try:
+            address = self.root.store.get(slot_key).decode()
             if self.parent is None or self.parent.address != address:
                 self._drop_parent()
                 self.parent = ChannelClient(address, self.generator_id, self.cfg, self.timeout_s, self.host)
