@@ -219,15 +219,9 @@ class Payload:
         p.base, p.meta, p.buckets, p.count = base, packed.meta, list(packed.buckets), len(packed.buckets)
         return p
 
-    @property
-    def done(self) -> bool:
-        return self.meta is not None and self.count == len(self.buckets)
-
     def begin(self, base: int, meta: torch.Tensor, n: int, device: torch.device) -> None:
         """The header and plan arrived: allocate the `n` buckets the plan describes."""
-        sizes = [0] * n
-        for _, _, _, b, off, nbytes in json.loads(bytes(meta.cpu().numpy()))["tensors"]:
-            sizes[b] = max(sizes[b], off + nbytes)
+        sizes = [size for size, _ in _bucket_plan(meta, n)]
         with self.cond:
             self.base, self.meta = base, meta
             self.buckets = [_buffer(max(s, 1), device) for s in sizes]
@@ -404,19 +398,46 @@ class CollectiveServer(ChannelServer):
         return out
 
 
-def receive(ch: Channel, into: Payload, version: int, held: int, timeout_s: float) -> bool:
-    """Pull `version` over `ch` into `into`, from its first missing bucket on (a transfer that broke resumes where
-    it stopped, from any server holding the same payload); False when the server does not hold it. Raises
-    WeightSyncError when the server gives up part-way or sends another payload than the one being resumed."""
-    start = into.count if into.meta is not None else 0
+def _bucket_plan(meta: torch.Tensor, n: int) -> list[tuple[int, list]]:
+    """Per bucket of a plan: (its size in bytes, its tensors' plan entries)."""
+    out: list[tuple[int, list]] = [(0, []) for _ in range(n)]
+    for entry in json.loads(bytes(meta.cpu().numpy()))["tensors"]:
+        size, members = out[entry[3]]
+        out[entry[3]] = (max(size, entry[4] + entry[5]), members + [entry])
+    return out
+
+
+def _request(ch: Channel, version: int, held: int, start: int, timeout_s: float
+             ) -> tuple[int, torch.Tensor, int] | None:
+    """Ask for buckets `start`.. of `version`: (base, meta, buckets) from the header, or None when not held."""
     ch.send(torch.tensor([OP_PULL, version, held, start], dtype=torch.int64, device=ch.device), timeout_s)
     header = torch.zeros(4, dtype=torch.int64, device=ch.device)  # [version, meta bytes, buckets, base]
     ch.recv(header, timeout_s)
     got, meta_len, n, base = header.tolist()
     if got < 0:
-        return False
+        return None
     meta = torch.empty(meta_len, dtype=torch.uint8, device=ch.device)
     ch.recv(meta, timeout_s)
+    return base, meta, n
+
+
+def _expect_bucket(ch: Channel, status: torch.Tensor, version: int, i: int, n: int, timeout_s: float) -> None:
+    """Read the status before bucket `i`; WeightSyncError when the server gave up instead."""
+    ch.recv(status, timeout_s)
+    if status.item() != 1:
+        raise WeightSyncError(f"the server gave up sending version {version} at bucket {i} of {n} "
+                              "(its own transfer failed or stalled)")
+
+
+def receive(ch: Channel, into: Payload, version: int, held: int, timeout_s: float) -> bool:
+    """Pull `version` over `ch` into `into`, from its first missing bucket on (a transfer that broke resumes where
+    it stopped, from any server holding the same payload); False when the server does not hold it. Raises
+    WeightSyncError when the server gives up part-way or sends another payload than the one being resumed."""
+    start = into.count if into.meta is not None else 0
+    reply = _request(ch, version, held, start, timeout_s)
+    if reply is None:
+        return False
+    base, meta, n = reply
     if into.meta is None:
         into.begin(base, meta, n, into.device or ch.device)
     elif base != into.base or n != len(into.buckets) or not torch.equal(meta.cpu(), into.meta.cpu()):
@@ -424,10 +445,7 @@ def receive(ch: Channel, into: Payload, version: int, held: int, timeout_s: floa
                               f"buckets) than the one begun (base {into.base}, {len(into.buckets)} buckets)")
     status = torch.zeros(1, dtype=torch.int64, device=ch.device)
     for i in range(start, n):
-        ch.recv(status, timeout_s)
-        if status.item() != 1:
-            raise WeightSyncError(f"the server gave up sending version {version} at bucket {i} of {n} "
-                                  "(its own transfer failed or stalled)")
+        _expect_bucket(ch, status, version, i, n, timeout_s)
         dst = into.buckets[i]
         if dst.device == ch.device:
             ch.recv(dst, timeout_s)
@@ -469,31 +487,21 @@ class ChannelClient:
         each bucket is received when the iterator is advanced, so the caller holds one bucket (plus what it keeps).
         The iterator must be run to its end before the channel carries another request."""
         ch, t = self.channel, self.timeout_s
-        ch.send(torch.tensor([OP_PULL, version, -1, 0], dtype=torch.int64, device=ch.device), t)
-        header = torch.zeros(4, dtype=torch.int64, device=ch.device)
-        ch.recv(header, t)
-        got, meta_len, n, _ = header.tolist()
-        if got < 0:
+        reply = _request(ch, version, -1, 0, t)
+        if reply is None:
             raise KeyError(f"weights version {version} is no longer held by learner rank 0 ({self.address}); "
                            "call latest() again")
-        meta = torch.empty(meta_len, dtype=torch.uint8, device=ch.device)
-        ch.recv(meta, t)
-        plan = json.loads(bytes(meta.cpu().numpy()))["tensors"]
-        sizes, members = [0] * n, [[] for _ in range(n)]
-        for entry in plan:
-            sizes[entry[3]] = max(sizes[entry[3]], entry[4] + entry[5])
-            members[entry[3]].append(entry)
+        _, meta, n = reply
+        plan = _bucket_plan(meta, n)
 
         def buckets() -> Iterator[dict[str, torch.Tensor]]:
             status = torch.zeros(1, dtype=torch.int64, device=ch.device)
-            for i in range(n):
-                ch.recv(status, t)
-                if status.item() != 1:
-                    raise WeightSyncError(f"learner rank 0 gave up sending version {version} at bucket {i} of {n}")
-                buf = torch.empty(max(sizes[i], 1), dtype=torch.uint8, device=ch.device)
+            for i, (size, members) in enumerate(plan):
+                _expect_bucket(ch, status, version, i, n, t)
+                buf = torch.empty(max(size, 1), dtype=torch.uint8, device=ch.device)
                 ch.recv(buf, t)
                 yield {name: buf[off:off + nbytes].view(_dtype(dtype)).reshape(shape)
-                       for name, shape, dtype, _, off, nbytes in members[i]}
+                       for name, shape, dtype, _, off, nbytes in members}
 
         return buckets()
 

@@ -22,13 +22,6 @@ class ObjectStoreSyncConfig(Section):
     generator holding the previous version applies the delta (bit-exact, verified); one that joins, is more
     than one version behind, or finds a checksum mismatch gets the full copy. Costs a host copy of the
     published weights on learner rank 0 and on each generator. Bytes per publication: docs/cluster.md."""
-    relay_fanout: int = Field(0, ge=0, le=64)
-    """0: every generator pulls each version from learner rank 0 (a star: rank 0 sends N copies). k >= 1:
-    generators relay to each other in a pipelined tree of fan-out k in arrival order (1 = a chain), forwarding
-    buckets as they arrive, so rank 0 sends about k copies and the time stays near one transfer as N grows. A
-    relay that dies or stalls: its children resume at rank 0 from the first missing bucket. Costs each
-    generator one packed copy of the newest version in host memory, and a port. Measured:
-    docs/cluster.md ("Weight fan-out")."""
 
 
 class CollectiveSyncConfig(Section):
@@ -46,8 +39,8 @@ class CollectiveSyncConfig(Section):
     """TCP port of the rendezvous store on learner rank 0 (0 = a free port, announced to the generators)."""
     keep_versions: int = Field(2, ge=1, le=16)
     """Published versions rank 0 keeps packed (host memory, pinned on GPU machines: this many copies of the state
-    dict; none on the GPU), so a generator
-    that read an announcement just before the next publication still receives that version."""
+    dict; none on the GPU), so a generator that read an announcement just before the next publication still
+    receives that version."""
     delta: bool = False
     """Publish only what changed since the previous version (per tensor: the positions whose bits changed and
     their values, or the whole tensor when that is smaller; with a checksum), beside the full version. A
