@@ -81,10 +81,7 @@ class BufferClient:
         """Pickled without the shards' handles (a generator actor gets the client as a constructor argument, and Ray
         keeps arguments holding actor handles in its object store, which a restart would depend on): the copy finds
         the shards by name when it first calls them."""
-        state = dict(self.__dict__)
-        state["_num_shards"] = len(self._shards) if self._shards is not None else state["_num_shards"]
-        state["_shards"] = None
-        return state
+        return {**self.__dict__, "_shards": None}
 
     @property
     def shards(self) -> list:

@@ -147,7 +147,9 @@ class Trainer:
         from learner.weights import make_weight_source
 
         cfg, name, ns = self.cfg, self.run_dir.name, self.cfg.cluster.namespace
-        self.control = create_control(name, ns, self.state.generators)
+        a = cfg.cluster.autoscale
+        self.control = create_control(name, ns, self.state.generators,
+                                      {"min_generators": a.min_generators, "max_generators": a.max_generators})
         weights = make_weight_source(cfg.learner.weight_sync, run=name, namespace=ns,
                                      timeout_s=cfg.learner.publish_timeout_s)
         self.generators = GeneratorPool(cfg.generator, cfg.reward, str(self.model_path), self.buffer, weights,

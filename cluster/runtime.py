@@ -222,9 +222,10 @@ def atomic_write_text(path: Path, text: str) -> None:
 class Control:
     """Named per run (`<run>/control`): holds requests from outside the driver (scale, stop)."""
 
-    def __init__(self, generators: int):
+    def __init__(self, generators: int, configured: dict[str, int] | None = None):
         self.target = generators
         self.stop_requested = False
+        self.configured = dict(configured or {})  # cluster.autoscale's min_generators / max_generators at start
         self.bounds: dict[str, int] = {}  # autoscale bounds set while the run goes on (min_generators, max_generators)
 
     def set_target(self, n: int) -> int:
@@ -239,9 +240,10 @@ class Control:
                                                     ("max_generators", max_generators)) if v is not None}}
         if any(v < 0 for v in new.values()):
             raise ValueError(f"autoscale bounds must be >= 0, got {new}")
-        if new.get("min_generators", 0) > new.get("max_generators", new.get("min_generators", 0)):
-            raise ValueError(f"--min-generators {new['min_generators']} exceeds --max-generators "
-                             f"{new['max_generators']}")
+        lo, hi = ({**self.configured, **new}.get(k) for k in ("min_generators", "max_generators"))
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"min_generators {lo} would exceed max_generators {hi} (set with --min-generators / "
+                             "--max-generators, else from cluster.autoscale); change both together")
         self.bounds = new
         return new
 
@@ -252,6 +254,6 @@ class Control:
         self.stop_requested = True
 
 
-def create_control(run: str, namespace: str, generators: int):
+def create_control(run: str, namespace: str, generators: int, autoscale_bounds: dict[str, int] | None = None):
     return Control.options(name=actor_name(run, "control"), namespace=namespace, lifetime=None,
-                           **near_caller()).remote(generators)
+                           **near_caller()).remote(generators, autoscale_bounds)

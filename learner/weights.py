@@ -396,7 +396,7 @@ class CollectiveWeightSource:
         self.generator_id: str | None = None
         self.client = None  # a ChannelClient to rank 0, or a RelayReceiver (relay_fanout)
         self.held = HeldWeights() if cfg.delta else None
-        self.sources = {"root": 0, "relay": 0}  # transfers by where they came from (relay_fanout)
+        self.sources = {"root": 0, "relay": 0, "resumed": 0}  # relay_fanout: transfers by where they came from
 
     def __getstate__(self) -> dict:
         return {"cfg": self.cfg, "run": self.run, "namespace": self.namespace, "timeout_s": self.timeout_s}
@@ -496,13 +496,8 @@ class CollectiveWeightSource:
         out = {} if self.held is None else self.held.stats()
         if self.cfg.relay_fanout:
             out.update({"from_relay": self.sources["relay"], "from_root": self.sources["root"],
-                        "relay_resumed": getattr(self.client, "resumed", 0)})
+                        "relay_resumed": self.sources["resumed"]})
         return out
-
-    def relay_status(self) -> dict:
-        """This generator's relay server (children served, failures), or {} without relays."""
-        status = getattr(self.client, "status", None)
-        return status() if status is not None else {}
 
     def _pull(self, ann: WeightsAnnouncement, held: int) -> tuple[dict[str, torch.Tensor], int]:
         """The whole payload of `ann.version` (or its delta from `held`): (state dict, base), through the relay tree
@@ -517,8 +512,10 @@ class CollectiveWeightSource:
             if client is None:
                 if self.client is None:
                     self.client = RelayReceiver(self.cfg, gid, self.timeout_s, host)
-                state_dict, base, source = self.client.pull(address, ann.version, held)
+                relay, resumed = self.client, self.client.resumed
+                state_dict, base, source = relay.pull(address, ann.version, held)
                 self.sources[source] += 1
+                self.sources["resumed"] += relay.resumed - resumed  # (a receiver is replaced after a failure)
                 return state_dict, base
             return client.pull(ann.version, held)
         except RuntimeError as e:  # gloo/NCCL/TCPStore errors and timeouts: drop the channel, reopen next time

@@ -57,6 +57,9 @@ def test_pending_generators_make_ray_add_a_node_and_the_idle_node_is_removed_aft
         assert last("cluster/nodes") == 2 and len(cluster.nodes()) == 2
         assert "autoscale: generators 1 -> 2" in read_log(tmp_path, name)
 
+        bad = subprocess.run([sys.executable, "-m", "cluster.cli", "scale", "--run", name, "--min-generators", "3",
+                              "--runs-root", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and "min_generators 3 would exceed max_generators 2" in bad.stderr, bad.stderr
         out = subprocess.run([sys.executable, "-m", "cluster.cli", "scale", "--run", name, "--max-generators", "1",
                               "--runs-root", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0 and "max_generators=1" in out.stdout, out.stdout + out.stderr
