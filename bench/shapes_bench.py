@@ -28,6 +28,11 @@ before, and what the collective backend still does), and for the checkpoint's st
 float32 model and shards it, the old way (`from_pretrained` on every rank, then `fully_shard`) and the new one
 (`learner.loading`: built without weights, sharded, each rank reading only its rows).
 
+`--packing`: the new path padded vs packed without padding (`learner.padding_free=true`, the same budget) on
+responses of mixed lengths (uniform in [LENGTH/8, LENGTH], as reasoning responses vary), attention sdpa (on
+CPU the packed micro-batch carries a [tokens, tokens] block-diagonal mask; flash-attention's varlen kernel on
+GPU needs none). Columns: peak RSS (step), tokens/s, the share of forward tokens that were padding.
+
 `--snapshot`: one buffer shard holding `--trajectories` stored trajectories of `--traj-tokens` tokens (8 per
 question, real `ExperienceStore.observe`), snapshotted in full, then again after `--changed` of them changed
 (as many new lower-entropy trajectories as that share, each evicting one at the per-question cap, and learner
@@ -70,24 +75,31 @@ def run_case(case: dict) -> dict:
     torch.set_num_threads(int(case.get("threads", 1)))
     vocab, length = int(case["vocab"]), int(case["length"])
     rows = max(1, int(case["tokens"]) // length)
+    rng = np.random.default_rng(0)
+    lengths = [length] * rows
+    if case.get("mixed"):  # as many response tokens in all, in rows of lengths uniform in [length/8, length]
+        lengths = []
+        while sum(lengths) < int(case["tokens"]):
+            lengths.append(int(rng.integers(max(1, length // 8), length + 1)))
+        rows = len(lengths)
     if case["path"] == "old":
         cfg = LearnerConfig(logits_chunk_tokens=0, micro_batch_rows=1, lr=1e-5)
     else:
         cfg = LearnerConfig(micro_batch_tokens=int(case["budget"]), micro_batch_rows=100_000, lr=1e-5,
-                            activation_checkpointing=bool(case.get("checkpointing", False)))
+                            activation_checkpointing=bool(case.get("checkpointing", False)),
+                            padding_free=bool(case.get("padding_free", False)))
     model = prepare_model(init_tiny_qwen2(vocab, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                                           max_positions=max(10_240, PROMPT + length)), cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     step = TrainStep(model, opt, cfg, rank=0, world=1, device=torch.device("cpu"), pad_id=0,
                      max_positions=model.config.max_position_embeddings, max_new_tokens=length)
-    rng = np.random.default_rng(0)
 
     def batch(version: int) -> TrainingBatch:
         groups = []
         for g in range(-(-rows // 4)):
             n = min(4, rows - 4 * g)
-            ros = [Rollout(response_ids=int32_array(rng.integers(3, vocab, length)),
-                           logprobs=float32_array(np.full(length, -np.log(vocab))), reward=float(i % 2),
+            ros = [Rollout(response_ids=int32_array(rng.integers(3, vocab, lengths[4 * g + i])),
+                           logprobs=float32_array(np.full(lengths[4 * g + i], -np.log(vocab))), reward=float(i % 2),
                            correct=bool(i % 2), entropy=1.0, version=version, finish_reason="length", key=f"{g}-{i}")
                    for i in range(n)]
             groups.append(TrainGroup(question_id=f"q{g}", prompt_ids=int32_array(rng.integers(3, vocab, PROMPT)),
@@ -103,7 +115,8 @@ def run_case(case: dict) -> dict:
     tokens = stats.sums["fresh_tokens"]
     return {**case, "rows": rows, "tokens_trained": tokens, "seconds": round(seconds, 2),
             "tokens_per_s": round(tokens / seconds, 1), "peak_rss_gib": round(peak / GIB, 3),
-            "base_rss_gib": round(base / GIB, 3), "updates": stats.updates}
+            "base_rss_gib": round(base / GIB, 3), "updates": stats.updates,
+            "padding_frac": round(1 - stats.sums["row_tokens"] / stats.sums["forward_tokens"], 4)}
 
 
 def spawn(case: dict) -> dict:
@@ -129,6 +142,7 @@ def main() -> None:
     ap.add_argument("--publication", action="store_true", help="only the publication measurement")
     ap.add_argument("--bucket-mb", type=float, default=32.0)
     ap.add_argument("--snapshot", action="store_true", help="only the buffer snapshot measurement")
+    ap.add_argument("--packing", action="store_true", help="only padded vs padding-free micro-batches")
     ap.add_argument("--loading", action="store_true", help="only the learner loading measurement")
     ap.add_argument("--trajectories", type=int, default=1_000_000)
     ap.add_argument("--traj-tokens", type=int, default=1000)
@@ -147,6 +161,9 @@ def main() -> None:
         return
     if args.snapshot:
         snapshot(args.trajectories, args.traj_tokens, args.changed, args.dir)
+        return
+    if args.packing:
+        packing(args.vocab, args.lengths, args.tokens, args.budget)
         return
     print("command: python bench/shapes_bench.py " + " ".join(sys.argv[1:]))
     print(f"one TrainStep.run, 1 rank, float32, {args.tokens} response tokens per step, prompts {PROMPT} tokens; "
@@ -175,6 +192,28 @@ def main() -> None:
                           f"{new['tokens_per_s'] / old['tokens_per_s']:.2f}"]
             print("| " + " | ".join(cells) + " |", flush=True)
     print("\n(step) = peak RSS minus the RSS before the first step (interpreter, torch, model, batch)")
+
+
+def packing(vocabs: list[int], lengths: list[int], tokens: int, budget: int) -> None:
+    print("command: python bench/shapes_bench.py --packing " + " ".join(a for a in sys.argv[1:] if a != "--packing"))
+    print(f"one TrainStep.run, 1 rank, float32, sdpa, chunked head, micro_batch_tokens={budget}, about {tokens} "
+          f"response tokens per step in rows of mixed lengths (uniform in [max/8, max]), prompts {PROMPT} tokens\n")
+    print("| vocab | max response | rows | padded peak GiB (step) | packed peak GiB (step) | padded tok/s | "
+          "packed tok/s | packed/padded tok/s | padding share padded | packed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for vocab in vocabs:
+        for length in lengths:
+            case = {"vocab": vocab, "length": length, "tokens": tokens, "budget": budget, "path": "new", "mixed": True}
+            pad, packed = spawn(case), spawn({**case, "padding_free": True})
+            if "error" in pad or "error" in packed:
+                print(f"| {vocab:,} | {length:,} | error: {pad.get('error') or packed.get('error')} |", flush=True)
+                continue
+            step = [r["peak_rss_gib"] - r["base_rss_gib"] for r in (pad, packed)]
+            print(f"| {vocab:,} | {length:,} | {pad['rows']} | {pad['peak_rss_gib']:.2f} ({step[0]:.2f}) | "
+                  f"{packed['peak_rss_gib']:.2f} ({step[1]:.2f}) | {pad['tokens_per_s']:,.0f} | "
+                  f"{packed['tokens_per_s']:,.0f} | {packed['tokens_per_s'] / pad['tokens_per_s']:.2f} | "
+                  f"{pad['padding_frac']:.1%} | {packed['padding_frac']:.1%} |", flush=True)
+    print("\n(step) = peak RSS minus the RSS before the first step; padding share = padding tokens / forward tokens")
 
 
 def _probe(rank, version: int, streamed: bool, export: str | None = None) -> dict:

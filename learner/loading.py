@@ -41,13 +41,13 @@ def _parameters_on_meta():
         torch.nn.Module.register_parameter = register
 
 
-def build_empty(model_path: str | Path) -> torch.nn.Module:
+def build_empty(model_path: str | Path, attn_implementation: str | None = None) -> torch.nn.Module:
     """The model of `model_path` with float32 parameters on the meta device (no memory) and real buffers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     return model
 
 

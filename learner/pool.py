@@ -48,7 +48,7 @@ from common.messages import LearnerFeedback, TrainingBatch, WeightsAnnouncement,
 from learner import checkpoint as ck
 from learner.schedule import learning_rate
 from learner.loading import build_empty, load_shards, materialize
-from learner.step import RankStats, TrainStep, merge_rank_stats, prepare_model
+from learner.step import RankStats, TrainStep, check_packing, merge_rank_stats, prepare_model
 from learner.weights import WeightSyncTimeout, get_or_create_store, make_publisher, wait_for_acks
 
 log = logging.getLogger(__name__)
@@ -104,10 +104,18 @@ class LearnerRank:
         # (~10% of a step on the built-in model). Same math, and the state-dict/DCP paths take plain tensors.
         sharded = self.world > 1 or self.dtype != torch.float32
         # sharded: built without weights and filled shard by shard (a rank holds its shards, never the model)
-        model = build_empty(self.model_path) if sharded else \
-            AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
-        self.model_config = model.config
         c = self.cfg
+        attn = {"attn_implementation": c.attn_implementation}
+        try:
+            model = build_empty(self.model_path, **attn) if sharded else \
+                AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, **attn).to(self.device)
+        except (ImportError, ValueError) as e:
+            if c.attn_implementation is None:
+                raise
+            raise ValueError(f"learner.attn_implementation={c.attn_implementation} cannot load on this learner "
+                             f"({self.device.type}): {e} Set learner.attn_implementation to sdpa (or leave it unset), "
+                             "or install the kernel where the learner runs") from None
+        self.model_config = model.config
         prepare_model(model, c)  # before sharding: FSDP then manages the new head's (tied) weight as before
         mesh = init_device_mesh(self.device.type, (self.world,))
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
@@ -124,9 +132,14 @@ class LearnerRank:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
         ref = None
         if c.kl_coef > 0:
-            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **attn).to(self.device).eval()
             ref.requires_grad_(False)
             prepare_model(ref, c, trainable=False)
+        if c.packs_padding_free:
+            check_packing(model, self.device)  # collective under FSDP: every rank runs the same two forwards
+        if self.rank == 0:
+            log.info("learner micro-batches: %s (attention %s)",
+                     "padding-free packing" if c.packs_padding_free else "padded", model.config._attn_implementation)
         pad = model.config.pad_token_id
         self.trainer = TrainStep(model, self.optimizer, c, rank=self.rank, world=self.world, device=self.device,
                                  pad_id=0 if pad is None else int(pad),

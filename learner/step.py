@@ -144,27 +144,43 @@ def split_mini_batches(rows: list[Row], n: int, seed: int = 0) -> list[list[Row]
 
 
 def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int,
-                       micro_tokens: int | None = None) -> list[list[Row]]:
+                       micro_tokens: int | None = None, padding_free: bool = False) -> list[list[Row]]:
     """This rank's micro-batches of a mini-batch; equally many on every rank (padded with []).
 
     Rows are sorted by length (longest first) and dealt round-robin to the ranks. Without a token budget
     each rank cuts its rows into chunks of `micro_rows`. With `micro_tokens`, each rank packs its rows
-    greedily: a micro-batch takes the next row while (rows + 1) x its first (longest) row's length stays
-    within the budget and it has fewer than `micro_rows` rows; a row longer than the budget is a
-    micro-batch of its own. Every rank computes every rank's packing (all see all rows), so all agree on
-    the count."""
+    greedily (`pack_by_tokens`): padded, a micro-batch costs rows x its longest row; `padding_free`, the sum
+    of its rows' lengths. A row longer than the budget is a micro-batch of its own. Every rank computes
+    every rank's packing (all see all rows), so all agree on the count."""
     ordered = sorted(rows, key=lambda r: (-r.length, r.group))
     if micro_tokens is None:
         mine = ordered[rank::world]
         n_micro = max(1, math.ceil(math.ceil(len(rows) / world) / micro_rows))
         return [mine[i * micro_rows:(i + 1) * micro_rows] for i in range(n_micro)]
-    packs = [pack_by_tokens(ordered[k::world], micro_tokens, micro_rows) for k in range(world)]
+    packs = [pack_by_tokens(ordered[k::world], micro_tokens, micro_rows, padding_free) for k in range(world)]
     n_micro = max(1, max(len(p) for p in packs))
     return packs[rank] + [[] for _ in range(n_micro - len(packs[rank]))]
 
 
-def pack_by_tokens(rows: list[Row], budget: int, max_rows: int) -> list[list[Row]]:
-    """Greedy packing of rows sorted longest first into micro-batches of at most `budget` padded tokens."""
+def pack_by_tokens(rows: list[Row], budget: int, max_rows: int, padding_free: bool = False) -> list[list[Row]]:
+    """Rows sorted longest first into micro-batches of at most `budget` tokens and `max_rows` rows.
+
+    Padded (the cost is rows x the first, longest, row): a micro-batch takes the next row while it fits.
+    Padding-free (the cost is the sum of the lengths): first fit, each row into the first micro-batch with
+    room, which fills the gaps the long rows leave with short ones."""
+    if padding_free:
+        packs: list[list[Row]] = []
+        used: list[int] = []
+        for r in rows:
+            for i, pack in enumerate(packs):
+                if len(pack) < max_rows and used[i] + r.length <= budget:
+                    pack.append(r)
+                    used[i] += r.length
+                    break
+            else:
+                packs.append([r])
+                used.append(r.length)
+        return packs
     out: list[list[Row]] = []
     cur: list[Row] = []
     for r in rows:
@@ -230,6 +246,18 @@ def complete_groups(batch: TrainingBatch, scores: dict[tuple[int, int], float]) 
 
 
 @dataclass
+class Packing:
+    """A micro-batch's rows as one sequence without padding: the forward's layout (the loss keeps [R, L-1]).
+    Row i occupies tokens [o_i, o_i + len_i) with positions 0..len_i-1; the attention implementation
+    reads the restarts of `position_ids` as row boundaries (transformers' packed-sequence format)."""
+
+    input_ids: Tensor  # [1, T] the rows one after another, T = the sum of their lengths
+    position_ids: Tensor  # [1, T]
+    targets: Tensor  # [1, T-1] = input_ids[:, 1:]
+    mask: Tensor  # [1, T-1] 1 where the target is a response token (in row order, as response_mask's)
+
+
+@dataclass
 class MicroBatch:
     input_ids: Tensor  # [R, L] right-padded prompt+response
     attention_mask: Tensor  # [R, L]
@@ -241,10 +269,35 @@ class MicroBatch:
     rows: list[Row] = field(default_factory=list)
     lag0_mask: Tensor | None = None  # [R, L-1] 1 on the response tokens of fresh rows with lag 0
     old_logprobs: Tensor | None = None  # [R, L-1] rows' `old_logprobs` when every row has them, else None
+    packed: Packing | None = None  # the padding-free forward layout (learner.padding_free), else None
+
+    @property
+    def forward_tokens(self) -> int:
+        """Tokens the forward computes (padding included)."""
+        return int(self.packed.input_ids.numel() if self.packed is not None else self.input_ids.numel())
 
 
-def collate(rows: list[Row], pad_id: int, device: torch.device) -> MicroBatch:
-    """Right-pad rows into tensors; an empty list gives one all-masked dummy row (keeps FSDP in step)."""
+def pack_rows(rows: list[Row], device: torch.device) -> Packing:
+    """The rows as one padding-free sequence (see `Packing`)."""
+    total = sum(r.length for r in rows)
+    ids = np.empty(total, dtype=np.int64)  # [T]
+    pos = np.empty(total, dtype=np.int64)  # [T]
+    mask = np.zeros(total - 1, dtype=np.float32)  # [T-1]
+    o = 0
+    for r in rows:
+        p, t = len(r.prompt_ids), len(r.response_ids)
+        ids[o:o + p] = r.prompt_ids
+        ids[o + p:o + p + t] = r.response_ids
+        pos[o:o + p + t] = np.arange(p + t)
+        mask[o + p - 1:o + p - 1 + t] = 1.0  # token o+p+j is predicted at o+p+j-1, inside the row
+        o += p + t
+    ids_t = torch.from_numpy(ids).to(device)[None]  # [1, T]
+    return Packing(ids_t, torch.from_numpy(pos).to(device)[None], ids_t[:, 1:], torch.from_numpy(mask).to(device)[None])
+
+
+def collate(rows: list[Row], pad_id: int, device: torch.device, packed: bool = False) -> MicroBatch:
+    """Right-pad rows into tensors; an empty list gives one all-masked dummy row (keeps FSDP in step).
+    `packed`: the forward runs on the rows packed without padding (`pack_rows`); the loss tensors stay padded."""
     if not rows:
         z = torch.zeros(1, 1, device=device)
         ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)  # [1, 2]
@@ -285,17 +338,19 @@ def collate(rows: list[Row], pad_id: int, device: torch.device) -> MicroBatch:
         rows=rows,
         lag0_mask=torch.from_numpy(lag0).to(device),
         old_logprobs=None if old is None else torch.from_numpy(old).to(device),
+        packed=pack_rows(rows, device) if packed else None,
     )
 
 
-def response_logprobs_and_entropy(logits: Tensor, mb: MicroBatch) -> tuple[Tensor, Tensor]:
-    """Log-probs of the targets and token entropies at response positions only; zeros elsewhere.
+def response_logprobs_and_entropy(logits: Tensor, targets: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Log-probs of the targets and token entropies where `mask` > 0 only; zeros elsewhere.
 
-    logits [R, L, V] -> ([R, L-1], [R, L-1]). The full-logits path (`learner.logits_chunk_tokens=0`).
+    logits [R, L, V], targets and mask [R, L-1] -> ([R, L-1], [R, L-1]). The full-logits path
+    (`learner.logits_chunk_tokens=0`).
     """
-    sel = mb.response_mask > 0  # [R, L-1]
+    sel = mask > 0  # [R, L-1]
     picked = logits[:, :-1][sel]  # [N, V]
-    lp = L.token_logprobs(picked, mb.targets[sel])  # [N]
+    lp = L.token_logprobs(picked, targets[sel])  # [N]
     ent = L.token_entropy(picked)  # [N]
     idx = sel.nonzero(as_tuple=True)
     zeros = torch.zeros(sel.shape, dtype=torch.float32, device=logits.device)  # [R, L-1]
@@ -317,11 +372,65 @@ def forward_stats(model: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tenso
 
     With the chunked head installed (`learner.token_stats`; the default) no [R, L, V] tensor exists;
     otherwise full logits are computed. `anchor` is a scalar reaching every parameter the forward used:
-    `0 * anchor` lets an all-masked dummy micro-batch run the backward FSDP's collectives wait for."""
+    `0 * anchor` lets an all-masked dummy micro-batch run the backward FSDP's collectives wait for.
+    A packed micro-batch (`mb.packed`) runs the forward on its padding-free layout and returns the same
+    [R, L-1] tensors: its response tokens are in the same row order in both layouts."""
+    if mb.packed is None:
+        return _stats(model, mb.input_ids, mb.attention_mask, None, mb.targets, mb.response_mask)
+    p = mb.packed
+    logp, ent, anchor = _stats(model, p.input_ids, None, p.position_ids, p.targets, p.mask)  # [1, T-1] each
+    sel = p.mask[0] > 0  # [T-1]
+    idx = (mb.response_mask > 0).nonzero(as_tuple=True)
+    zeros = torch.zeros(mb.response_mask.shape, dtype=torch.float32, device=logp.device)  # [R, L-1]
+    return zeros.index_put(idx, logp[0][sel]), zeros.index_put(idx, ent[0][sel]), anchor
+
+
+class PackingError(RuntimeError):
+    """A model whose attention lets rows packed into one sequence see each other (learner.padding_free)."""
+
+
+@torch.no_grad()
+def check_packing(model: torch.nn.Module, device: torch.device, tolerance: float = 1e-3) -> float:
+    """Refuse a model that does not keep packed rows apart; returns the largest change measured (0 when exact).
+
+    Runs two rows packed, then again with every token of the first row changed: where the attention reads
+    the restarts of position_ids as boundaries, the second row's log-probs cannot change (up to rounding).
+    Collective under FSDP: every rank calls it."""
+    vocab = int(model.config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    lo, hi = min(3, vocab - 1), min(vocab, 1000)
+    first, second = torch.randint(lo, hi, (2, 9), generator=g).tolist()
+
+    def second_row_logprobs(first_ids: list[int]) -> Tensor:
+        rows = [Row(np.array(first_ids[:3]), np.array(first_ids[3:]), np.zeros(6, np.float32), 0.0, False, "", 0),
+                Row(np.array(second[:3]), np.array(second[3:]), np.zeros(6, np.float32), 0.0, False, "", 1)]
+        logp, _, _ = forward_stats(model, collate(rows, 0, device, packed=True))  # [2, 8]
+        return logp[1].float().cpu()
+
+    was_training = model.training
+    model.eval()
+    try:
+        changed = [(t - lo + 1 + (hi - lo) // 2) % (hi - lo) + lo for t in first]  # every token different
+        gap = float((second_row_logprobs(first) - second_row_logprobs(changed)).abs().max())
+    finally:
+        model.train(was_training)
+    if not gap <= tolerance:
+        raise PackingError(
+            f"{type(model).__name__} with attn_implementation={model.config._attn_implementation!r} lets rows "
+            f"packed into one sequence attend to each other (a row's log-probs moved by {gap:.3g} when the row "
+            "before it changed), so padding-free micro-batches would train on wrong log-probs: set "
+            "learner.padding_free=false, or an attention that reads position_ids as row boundaries "
+            "(learner.attn_implementation: sdpa, eager, flash_attention_2)")
+    return gap
+
+
+def _stats(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
+           targets: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if isinstance(getattr(model, "lm_head", None), TokenStatsHead):
-        return token_stats(model, mb.input_ids, mb.attention_mask, mb.targets, mb.response_mask)
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # [R, L, V]
-    logp, ent = response_logprobs_and_entropy(logits, mb)
+        return token_stats(model, input_ids, attention_mask, targets, mask, position_ids=position_ids)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits  # [R, L, V]
+    logp, ent = response_logprobs_and_entropy(logits, targets, mask)
     return logp, ent, logits.sum()
 
 
@@ -329,7 +438,8 @@ SUM_KEYS = ("loss", "pg_loss", "fresh_loss", "replay_loss", "entropy_loss", "kl_
             "fresh_ratio_sum", "replay_weight_sum", "fresh_entropy_sum", "replay_entropy_sum", "fresh_tokens",
             "replay_tokens", "rows", "abs_adv_sum", "tis_weight_sum", "tis_truncated_tokens",
             "gap_abs_sum", "gap_tokens", "gap_ratio_sum", "gap_ratio_sq_sum", "gap_lag0_tokens",
-            "icepop_masked_tokens", "mis_weight_sum", "mis_masked_tokens", "icepop_tokens", "mis_tokens")
+            "icepop_masked_tokens", "mis_weight_sum", "mis_masked_tokens", "icepop_tokens", "mis_tokens",
+            "forward_tokens", "row_tokens")
 MAX_KEYS = ("fresh_ratio_max", "replay_weight_max", "gap_abs_max")
 
 
@@ -349,6 +459,7 @@ class RankStats:
     overlong_masked: int = 0  # truncated rows left out of the loss (learner.overlong=mask)
     overlong_penalty_sum: float = 0.0  # sum of the overlong penalties over the batch's rows
     overlong_rows: int = 0
+    padding_free: float = 0.0  # 1 when the micro-batches ran packed without padding (learner.padding_free)
     clip_fresh: float = 1.0  # 1 when this step clipped fresh tokens' ratio (learner.clip_fresh, auto: before mixed mode)
     fresh_keys: list[str] = field(default_factory=list)  # this rank's trained fresh rows the buffer stored
     fresh_entropies: list[float] = field(default_factory=list)  # their mean token entropy, from the training forward
@@ -369,6 +480,8 @@ class RankStats:
         s["fresh_tokens"] += nf
         s["replay_tokens"] += nr
         s["rows"] += len(mb.rows)
+        s["forward_tokens"] += mb.forward_tokens
+        s["row_tokens"] += sum(r.length for r in mb.rows)
         s["abs_adv_sum"] += float(mb.advantages.abs().sum()) if mb.rows else 0.0
         replay = mb.replay_mask * mb.response_mask
         fresh = mb.response_mask - replay  # [R, L-1]
@@ -440,6 +553,8 @@ def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeed
         "learner/selection_s": max(st.selection_s for st in stats),
         "learner/overlong_masked": float(lead.overlong_masked),
         "learner/clip_fresh": lead.clip_fresh,
+        "learner/padding_free": lead.padding_free,
+        "learner/padding_frac": 1.0 - s["row_tokens"] / s["forward_tokens"] if s["forward_tokens"] else nan,
         "learner/overlong_penalty_mean": lead.overlong_penalty_sum / lead.overlong_rows if lead.overlong_rows else 0.0,
         **_mismatch_metrics(s, mx),
     }
@@ -507,7 +622,7 @@ class TrainStep:
     def run(self, batch: TrainingBatch) -> RankStats:
         t0 = time.perf_counter()
         cfg = self.cfg
-        stats = RankStats()
+        stats = RankStats(padding_free=float(cfg.packs_padding_free))
         scores = self.score_candidates(batch, stats)
         batch, stats.feedback = complete_groups(batch, scores)
         rows = batch_rows(batch, std_normalize=cfg.std_normalize, max_positions=self.max_positions,
@@ -533,7 +648,7 @@ class TrainStep:
                 continue
             tokens = float(sum(len(r.response_ids) for r in mini))
             for chunk in self._micro_batches(mini):
-                self._micro_step(collate(chunk, self.pad_id, self.device), normalizer, stats, first=i == 0,
+                self._micro_step(self._collate(chunk), normalizer, stats, first=i == 0,
                                  clip=clip, tokens=tokens)
             self._optimizer_step(stats)
         stats.seconds = time.perf_counter() - t0
@@ -556,7 +671,7 @@ class TrainStep:
         ent = torch.zeros(len(rows), dtype=torch.float32, device=self.device)  # [N]
         self.model.eval()
         for chunk in self._micro_batches(rows):
-            mb = collate(chunk, self.pad_id, self.device)
+            mb = self._collate(chunk)
             _, h, _ = forward_stats(self.model, mb)  # [R, L-1]
             for r, v in zip(chunk, L.row_mean(h, mb.response_mask).tolist()):
                 ent[index[id(r)]] = 0.0 if math.isnan(v) else v  # an empty response has entropy 0
@@ -573,7 +688,7 @@ class TrainStep:
         self.model.eval()
         for mini in minis:
             for chunk in self._micro_batches(mini):
-                mb = collate(chunk, self.pad_id, self.device)
+                mb = self._collate(chunk)
                 lp, _, _ = forward_stats(self.model, mb)  # [R, L-1]
                 lp = lp.cpu().numpy()
                 for i, r in enumerate(chunk):
@@ -581,7 +696,11 @@ class TrainStep:
                     r.old_logprobs = lp[i, p - 1:p - 1 + t].copy()  # [T]
 
     def _micro_batches(self, rows: list[Row]) -> list[list[Row]]:
-        return rank_micro_batches(rows, self.rank, self.world, self.cfg.micro_batch_rows, self.cfg.micro_batch_tokens)
+        return rank_micro_batches(rows, self.rank, self.world, self.cfg.micro_batch_rows, self.cfg.micro_batch_tokens,
+                                  self.cfg.packs_padding_free)
+
+    def _collate(self, rows: list[Row]) -> MicroBatch:
+        return collate(rows, self.pad_id, self.device, packed=self.cfg.packs_padding_free and bool(rows))
 
     def _normalizer(self, mini: list[Row]) -> float:
         tokens = sum(len(r.response_ids) for r in mini)

@@ -160,14 +160,16 @@ def install_token_stats_head(model: nn.Module, chunk_tokens: int | None = None) 
     return new
 
 
-def token_stats(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, targets: Tensor,
-                mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def token_stats(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, targets: Tensor,
+                mask: Tensor, position_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Log-probs of `targets` and entropies at the positions where `mask` > 0, zeros elsewhere.
 
     input_ids, attention_mask [R, L]; targets, mask [R, L-1] -> (logp [R, L-1], entropy [R, L-1],
     anchor), where `anchor` is a scalar that depends on every parameter the forward used: a rank whose
     micro-batch has no response token (the all-masked dummy) backpropagates `0 * anchor` to join FSDP's
-    gradient collectives. Such a batch computes one position, not full logits."""
+    gradient collectives. Such a batch computes one position, not full logits. `position_ids` with no
+    `attention_mask`: rows packed into one sequence (`learner.step.Packing`). No KV cache is built (a cache
+    would also turn off transformers' packed-sequence masking)."""
     head = model.lm_head
     if not isinstance(head, TokenStatsHead):
         raise HeadError("token_stats needs install_token_stats_head(model) first")
@@ -177,7 +179,8 @@ def token_stats(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, tar
         positions[0, 0] = True  # the dummy: one position keeps the head and every layer in the graph
     head.request = (targets, positions)
     try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [N, 2]
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    use_cache=False).logits  # [N, 2]
     finally:
         head.request = None
     idx = (mask > 0).nonzero(as_tuple=True)

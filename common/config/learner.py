@@ -98,9 +98,22 @@ class LearnerConfig(Section):
     micro_batch_rows: int = Field(64, ge=1, le=100_000)
     """Rows per forward/backward (gradient accumulation inside a mini-batch); with `micro_batch_tokens`, a cap."""
     micro_batch_tokens: int | None = Field(None, ge=1, le=100_000_000)
-    """Padded tokens (rows x longest row) per forward/backward: each rank's rows, sorted by length, are packed
-    greedily up to it, so memory follows the budget, not the longest response. Must hold one row of
+    """Padded tokens (rows x longest row; with `padding_free`, the rows' own tokens) per forward/backward: each
+    rank's rows, sorted by length, are packed greedily up to it, so memory follows the budget, not the longest
+    response. Must hold one row of
     data.max_prompt_tokens + generator.max_new_tokens. None: `micro_batch_rows` rows (docs/cluster.md, Memory)."""
+    padding_free: bool | Literal["auto"] = "auto"
+    """Pack each micro-batch's rows into one sequence without padding (position ids restart at every row; the
+    attention keeps rows apart), so `micro_batch_tokens` counts real tokens and no compute goes to padding.
+    auto: on where the attention is a variable-length kernel (`attn_implementation` flash_attention_2/3 or a
+    kernels-hub flash-attention), padded micro-batches elsewhere. true: also with sdpa/eager, which build a
+    [tokens, tokens] block-diagonal mask per micro-batch (exact; memory grows with the budget squared). The
+    learner checks at start that the model keeps packed rows apart and refuses it otherwise; the metric
+    `learner/padding_free` and the start log say which path ran (docs/cluster.md, Memory)."""
+    attn_implementation: str | None = None
+    """The learner model's attention (transformers' `attn_implementation`): sdpa, eager, flash_attention_2,
+    flash_attention_3, flex_attention or a kernels-hub repo such as kernels-community/flash-attn2. None:
+    transformers' default (sdpa). The generators' vLLM engines choose their own."""
     logits_chunk_tokens: int | None = Field(None, ge=0, le=1_000_000)
     """Response tokens per chunk of the LM head: log-probs and entropies are computed from the final hidden
     states a chunk at a time and recomputed in the backward, so no [rows, length, vocabulary] tensor exists.
@@ -179,6 +192,26 @@ class LearnerConfig(Section):
         """Whether a step needs the learner's own start-of-step log-probs (recomputed pi_old, TIS, IcePop, MIS)."""
         return (self.recompute_old_logprobs or self.tis_cap is not None or self.icepop_band is not None
                 or self.mis != "none")
+
+    @property
+    def varlen_attention(self) -> bool:
+        """Whether `attn_implementation` is a variable-length (flash-attention) kernel, which packs rows for free."""
+        impl = self.attn_implementation or ""
+        return impl.startswith("flash_attention") or ("flash" in impl and "/" in impl)
+
+    @property
+    def packs_padding_free(self) -> bool:
+        """Whether micro-batches are packed without padding (`padding_free`, auto resolved)."""
+        return self.varlen_attention if self.padding_free == "auto" else bool(self.padding_free)
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _known_attention(cls, v: str | None) -> str | None:
+        known = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+        if v is not None and v not in known and "/" not in v:
+            raise ValueError(f"{v!r} is not an attention implementation transformers knows: use one of "
+                             f"{', '.join(known)} or a kernels-hub repo (e.g. kernels-community/flash-attn2)")
+        return v
 
     @field_validator("icepop_band")
     @classmethod

@@ -39,6 +39,8 @@ def test_overrides_are_parsed_as_yaml_values():
          "reward.name: arithmetic cannot score the countdown task; set reward.name=countdown"),
         ("nonsense", "nonsense: an override is written key=value"),
         ("buffer.group_size.x=1", "buffer.group_size: Input should be a valid integer"),
+        ("learner.attn_implementation=flash2", "learner.attn_implementation: 'flash2' is not an "
+                                                "attention implementation transformers knows: use one of sdpa"),
     ],
 )
 def test_invalid_values_give_field_problem_lines(override, expected):
@@ -127,3 +129,11 @@ def load_config_text(text: str):
     path = Path(tempfile.mkdtemp()) / "config.yaml"
     path.write_text(text)
     return load_config(path)
+
+
+@pytest.mark.parametrize("attn, padding_free, packs", [
+    (None, "auto", False), ("sdpa", "auto", False), ("flash_attention_2", "auto", True),
+    ("kernels-community/flash-attn2", "auto", True), ("sdpa", True, True), ("flash_attention_3", False, False)])
+def test_padding_free_auto_follows_the_attention(attn, padding_free, packs):
+    cfg = load_config(None, [f"learner.attn_implementation={attn or 'null'}", f"learner.padding_free={padding_free}"])
+    assert cfg.learner.packs_padding_free is packs

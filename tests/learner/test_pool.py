@@ -40,16 +40,25 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def test_one_and_two_ranks_agree(ray_cluster, model_dir):
+    """One rank, two ranks, and two ranks packing their micro-batches without padding (each rank's forward is
+    one sequence; the start-up check that packed rows stay apart runs as an FSDP collective) train the same."""
     batch = make_batch(0)
     results, states = {}, {}
-    for n in (1, 2):
-        pool = make_pool(model_dir, f"eq{n}", n)
+    for n, extra in ((1, {}), (2, {}), ("2-packed", {"padding_free": True, "micro_batch_tokens": 64})):
+        pool = make_pool(model_dir, f"eq{n}", 2 if n == "2-packed" else n, **extra)
         try:
             initial = pool.state_dict()
             results[n] = pool.step(batch)
             states[n] = pool.state_dict()
         finally:
             pool.shutdown()
+    assert results["2-packed"].metrics["learner/padding_free"] == 1.0 and results[2].metrics["learner/padding_free"] == 0
+    # what a packed rank computes beyond its rows is only an all-masked 2-token dummy when it has run out
+    assert results["2-packed"].metrics["learner/padding_frac"] < 0.05 < results[2].metrics["learner/padding_frac"]
+    assert max_diff(states[1], states["2-packed"]) < 0.05 * LR
+    for key in ("learner/loss", "learner/entropy_fresh", "learner/grad_norm", "learner/tokens"):
+        assert results["2-packed"].metrics[key] == pytest.approx(results[1].metrics[key], rel=1e-4, abs=1e-6), key
+    assert results["2-packed"].feedback.chosen == results[1].feedback.chosen
     # one learner step -> version 1 (two mini-batches, both applied), and the parameters really moved
     assert results[1].version == results[2].version == 1
     assert results[1].metrics["learner/updates"] == 2

@@ -240,6 +240,96 @@ def test_token_budget_packs_every_row_once_with_equal_counts_per_rank():
     assert rank_micro_batches(rows[:1], 1, 2, micro_rows=4, micro_tokens=1000) == [[]]  # the other rank's dummy
 
 
+@pytest.mark.parametrize("budget", [None, 60, 300])
+def test_padding_free_packs_every_row_once_within_the_budget_of_real_tokens(budget):
+    """The paper's settings (2 mini-batches, 2 ranks), packed without padding: each row exactly once, both
+    ranks run as many micro-batches, and a micro-batch's real tokens stay within the budget (a longer row
+    alone), in no more micro-batches than the padded packing needs."""
+    rows = batch_rows(complete_groups(make_batch(2, groups=8, group_size=8, candidates=1, response_len=(1, 60),
+                                                 prompt_len=(4, 30)), {})[0], std_normalize=False,
+                      max_positions=512)
+    budget = budget or max(r.length for r in rows)
+    for mini in split_mini_batches(rows, 2, seed=1):
+        per_rank = [rank_micro_batches(mini, r, 2, micro_rows=64, micro_tokens=budget, padding_free=True)
+                    for r in range(2)]
+        padded = rank_micro_batches(mini, 0, 2, micro_rows=64, micro_tokens=budget)
+        assert len(per_rank[0]) == len(per_rank[1]) <= len(padded)
+        dealt = [id(r) for mbs in per_rank for mb in mbs for r in mb]
+        assert sorted(dealt) == sorted(id(r) for r in mini)
+        for mb in (mb for mbs in per_rank for mb in mbs if mb):
+            assert sum(r.length for r in mb) <= budget or len(mb) == 1
+    capped = rank_micro_batches(rows, 0, 1, micro_rows=3, micro_tokens=10 ** 6, padding_free=True)
+    assert [len(mb) for mb in capped] == [3] * (len(rows) // 3) + ([len(rows) % 3] if len(rows) % 3 else [])
+
+
+def test_packed_layout_keeps_rows_and_response_tokens_in_order():
+    batch = TrainingBatch(groups=[TrainGroup("q", int32_array([5, 6, 7]), [rollout([8, 9]), rollout([10], 0.0, True)],
+                                             mixed=True)], version=0)
+    mb = collate(batch_rows(batch, std_normalize=False, max_positions=16), pad_id=0, device=torch.device("cpu"),
+                 packed=True)
+    p = mb.packed
+    assert p.input_ids.tolist() == [[5, 6, 7, 8, 9, 5, 6, 7, 10]] and mb.forward_tokens == 9
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3]]
+    assert p.mask.tolist() == [[0, 0, 1, 1, 0, 0, 0, 1]]  # the boundary (9 predicts 5) is no target
+    assert (p.targets * p.mask.long()).tolist() == [[0, 0, 8, 9, 0, 0, 0, 10]]
+    assert mb.input_ids.shape == (2, 5) and mb.response_mask.tolist() == [[0, 0, 1, 1], [0, 0, 1, 0]]
+    assert collate([], pad_id=0, device=torch.device("cpu"), packed=True).packed is None  # the dummy stays padded
+
+
+@pytest.mark.parametrize("overrides", [{}, {"logits_chunk_tokens": 0, "tis_cap": 2.0}, {"kl_coef": 0.5},
+                                       {"micro_batch_tokens": 60, "entropy_coef": 0.1}])
+def test_padding_free_step_equals_the_padded_step(tiny_model_dir, overrides):
+    """Packed without padding, a step trains what the padded step trains: candidate scores (an eval forward,
+    where a KV cache would switch transformers' packed masking off), feedback, metrics, weights after 2
+    updates; chunked head or full logits, TIS's recorded log-probs, a reference model's KL."""
+    from transformers import AutoModelForCausalLM
+
+    results = []
+    for padding_free in (False, True):
+        model, step = plain_step(tiny_model_dir, mini_batches=2, padding_free=padding_free, **overrides)
+        step.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        if overrides.get("kl_coef"):
+            ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+            ref.model.layers[0].mlp.up_proj.weight.data.mul_(1.1)
+            step.ref_model = prepare_model(ref, step.cfg, trainable=False)
+        stats = step.run(with_own_logprobs(make_batch(3, candidates=3, vocab=60), model))
+        results.append((stats, {k: v.clone() for k, v in model.state_dict().items()}))
+    (padded, padded_sd), (packed, packed_sd) = results
+    assert packed.updates == padded.updates == 2 and packed.candidates_scored > 0
+    assert packed.padding_free == 1.0 and padded.padding_free == 0.0
+    assert packed.sums["row_tokens"] == packed.sums["forward_tokens"] < padded.sums["forward_tokens"]
+    assert packed.feedback.keys == padded.feedback.keys and packed.feedback.chosen == padded.feedback.chosen
+    assert packed.feedback.entropies == pytest.approx(padded.feedback.entropies, rel=1e-5)
+    for k in ("loss", "entropy_loss", "kl_loss", "fresh_entropy_sum", "tis_weight_sum", "gap_abs_sum"):
+        assert packed.sums[k] == pytest.approx(padded.sums[k], rel=1e-4, abs=1e-6), k
+    for k in padded_sd:
+        torch.testing.assert_close(packed_sd[k], padded_sd[k], rtol=1e-4, atol=1e-6)
+
+
+def test_a_model_that_lets_packed_rows_see_each_other_is_refused(tiny_model_dir):
+    """check_packing passes the built-in Qwen2 under sdpa and eager and refuses a model whose forward drops
+    position_ids (its packed rows would attend to each other), saying what to change."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.step import PackingError, check_packing
+
+    for impl in ("sdpa", "eager"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=impl)
+        model.train()
+        assert check_packing(prepare_model(model, LearnerConfig()), torch.device("cpu")) < 1e-5
+        assert model.training  # left as it was
+
+    base = type(model)
+
+    class DropsPositions(base):
+        def forward(self, *args, position_ids=None, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    blind = DropsPositions.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with pytest.raises(PackingError, match="attend to each other.*learner.padding_free=false"):
+        check_packing(prepare_model(blind, LearnerConfig()), torch.device("cpu"))
+
+
 @pytest.mark.parametrize("overrides", [{"micro_batch_tokens": 60}, {"activation_checkpointing": True}])
 def test_token_budget_and_activation_checkpointing_train_the_same_update(tiny_model_dir, overrides):
     states = []
