@@ -1,6 +1,7 @@
 """`exgrpo train` at real shapes: a Qwen2-architecture model with Qwen2.5's 151,936-row vocabulary (tied
 embeddings, GQA, 10,240 positions) at tiny width, the real vLLM engine generating 512-token responses, the
-chunked learner under a token budget, and weight sync of the real-vocabulary embeddings, end to end.
+chunked learner under a token budget, its micro-batches packed without padding, and weight sync of the
+real-vocabulary embeddings, end to end.
 
 The model is untrained (random weights): it almost never samples EOS, so every response runs to
 max_new_tokens, which is the shape under test. Its tokenizer is the built-in chat task's BPE tokenizer;
@@ -40,7 +41,7 @@ def real_shaped_model(tmp_path_factory) -> Path:
 def test_real_vocabulary_and_512_token_responses_train_end_to_end(tmp_path, real_shaped_model):
     r = run_train(tmp_path, "shapes", f"model.path={real_shaped_model}", "data.task=think_arith",
                   "generator.engine.kind=vllm", f"generator.max_new_tokens={NEW_TOKENS}", "buffer.batch_questions=2",
-                  "buffer.group_size=4", "learner.micro_batch_tokens=2048", "learner.mini_batches=2", "total_steps=2",
+                  "buffer.group_size=4", "learner.micro_batch_tokens=2048", "learner.padding_free=true", "learner.mini_batches=2", "total_steps=2",
                   "checkpoint.every_steps=0", "eval.every_steps=0", "tracking.log_plots=false")
     assert r.returncode == 0, r.stdout[-4000:]
     assert "step 2/2" in r.stdout
@@ -54,5 +55,8 @@ def test_real_vocabulary_and_512_token_responses_train_end_to_end(tmp_path, real
     tokens = [v for _, v in history(client, run_id, "learner/tokens")]
     assert min(tokens) >= 2 * 4 * (NEW_TOKENS - 8), tokens  # 8 rows of ~512 response tokens per step
     assert all(math.isfinite(v) for _, v in history(client, run_id, "learner/entropy_fresh"))
+    # the learner packed each micro-batch's rows into one sequence: no forward token was padding
+    assert [v for _, v in history(client, run_id, "learner/padding_free")] == [1.0, 1.0]
+    assert [v for _, v in history(client, run_id, "learner/padding_frac")] == [0.0, 0.0]
     # the learner's entropy is the full-vocabulary one: a random model spreads mass over ~152k rows
     assert min(v for _, v in history(client, run_id, "learner/entropy_fresh")) > 9.0
