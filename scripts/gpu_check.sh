@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU path in one command: bfloat16 learner (FSDP2 on NCCL), the vLLM GPU engine, and collective
-# weight sync over NCCL, on the built-in model and task. Prints step time, tokens/s and weight-sync
-# latency from the run's MLflow metrics.
+# The GPU path in one command: bfloat16 learner (FSDP2 on NCCL, micro-batches packed without padding on
+# CUDA sdpa), the vLLM GPU engine, and collective weight sync over NCCL, on the built-in model and task.
+# Prints step time, tokens/s, padding and weight-sync latency from the run's MLflow metrics.
 #
 #   bash scripts/gpu_check.sh [STEPS]          (or: make gpu-check)
 #
@@ -17,6 +17,7 @@ NAME=gpu-check-$(date +%Y%m%d-%H%M%S)
 OVERRIDES=(name="$NAME" checkpoint.runs_root="$ROOT" total_steps="$STEPS"
     model.dtype=bfloat16
     learner.num_gpus=0.5 learner.backend=nccl
+    learner.padding_free=true learner.micro_batch_tokens=4096
     generator.num_generators=1 generator.num_gpus=0.5
     'generator.engine={kind: vllm, gpu_memory_utilization: 0.3}'
     'learner.weight_sync={kind: collective, backend: nccl}')
@@ -61,6 +62,6 @@ print(f"\nrun {name}: {len(client.get_metric_history(run_id, 'driver/step_s'))} 
 print(f"  step time              {step_s:.3f} s")
 print(f"  learner tokens/s       {med('learner/tokens') / step_s:,.0f}")
 for key in sorted(metrics):
-    if any(w in key for w in ("tokens_per_s", "weight", "publish")):
+    if any(w in key for w in ("tokens_per_s", "weight", "publish", "padding")):
         print(f"  {key:<34} {med(key):.4f}")
 PY
