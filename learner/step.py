@@ -15,7 +15,8 @@ rank), mixed and fresh groups separately, and dealt round-robin, so that every o
 both kinds in proportion whenever both exist (never "all replay, then all fresh"). Within a mini-batch,
 rows are sorted by length and dealt round-robin to the ranks (rank r takes rows r, r+W, ...), then
 cut into micro-batches of `micro_batch_rows`, or packed greedily up to `micro_batch_tokens` padded
-tokens. Every rank runs the same number of micro-batches (a rank that has run out runs an all-masked
+tokens (with `learner.padding_free`: real tokens, each micro-batch's rows packed into one sequence for the
+forward, `Packing`). Every rank runs the same number of micro-batches (a rank that has run out runs an all-masked
 dummy row whose loss is 0 * anchor, so its backward still reaches every parameter) because each FSDP
 forward/backward is a collective.
 
