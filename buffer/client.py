@@ -114,7 +114,17 @@ class BufferClient:
             for i in range(cfg.num_shards)
         ]
         client = cls(shards, cfg=cfg, run=run, namespace=namespace)
-        client._get([s.ping.remote() for s in shards], "start")
+        pings = [s.ping.remote() for s in shards]
+        _, late = ray.wait(pings, num_returns=len(pings), timeout=cfg.start_timeout_s)
+        if late:
+            which = [i for i, ref in enumerate(pings) if ref in late]
+            for ref in late:
+                ray.cancel(ref)
+            raise BufferUnavailableError(
+                f"buffer start: shard(s) {which} of run {run!r} not ready within buffer.start_timeout_s="
+                f"{cfg.start_timeout_s:g}s (each starts a worker process, then restores its snapshot on resume); "
+                "see the run's logs/ray for the shard's own log, or raise buffer.start_timeout_s")
+        client._get(pings, "start")  # all answered: raises a shard's own start error, if any
         return client
 
     @classmethod

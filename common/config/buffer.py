@@ -65,6 +65,10 @@ class BufferConfig(Section):
     """Seed of per-epoch shuffling and sampling."""
     call_timeout_s: float = Field(30.0, gt=0, le=3600)
     """The client raises BufferUnavailableError when a shard does not answer within this (e.g. while it restarts)."""
+    start_timeout_s: float = Field(600.0, gt=0, le=86_400)
+    """Upper bound on the shards' start: a worker process each, and the restore of a snapshot on resume (a shard of
+    1M trajectories of 1k tokens restores in ~16 s; a busy node starts processes slowly). The error names the
+    shards not ready."""
     max_restarts: int = Field(10, ge=-1, le=10_000)
     """Automatic restarts of a crashed shard actor (-1 = unlimited); each restart restores the latest snapshot."""
     max_concurrency: int = Field(16, ge=2, le=1024)

@@ -90,6 +90,15 @@ def test_concurrent_producers_one_learner_and_exact_accounting(ray_cluster):
     client.shutdown()
 
 
+def test_shards_not_started_within_the_start_bound_are_named(ray_cluster):
+    """The start waits for the shards' workers (and a snapshot's restore) up to buffer.start_timeout_s, not the
+    per-call bound, and names the shards that were not ready (1 ms: no worker process starts that fast)."""
+    with pytest.raises(BufferUnavailableError, match=r"buffer start: shard\(s\) \[0, 1\] of run 'slow' not ready "
+                                                     r"within buffer.start_timeout_s=0.001s"):
+        BufferClient.create(small_cfg(start_timeout_s=0.001), make_questions(20), run="slow", namespace=None,
+                            snapshot_dir=None)
+
+
 def test_shard_killed_restores_from_snapshot_and_client_errors_clearly(ray_cluster, tmp_path):
     import ray
 
