@@ -51,6 +51,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -457,6 +458,20 @@ def receive(ch: Channel, into: Payload, version: int, held: int, timeout_s: floa
     return True
 
 
+PROBE_TIMEOUT_S = 10.0  # a relay's port that does not accept a TCP connection in this long is taken for gone
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Raise RuntimeError unless `address` ("host:port") accepts a TCP connection. A dead relay's port refuses at
+    once, where torch's TCPStore client would retry connecting for its whole timeout before giving up."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise RuntimeError(f"{address} does not accept connections ({e})") from None
+
+
 class ChannelClient:
     """A generator's side of one channel to the channel server at `address` ("host:port")."""
 
@@ -586,6 +601,7 @@ class RelayReceiver:
             address = self.root.store.get(slot_key).decode()
             if self.parent is None or self.parent.address != address:
                 self._drop_parent()
+                _check_reachable(address, min(self.timeout_s, PROBE_TIMEOUT_S))
                 self.parent = ChannelClient(address, self.generator_id, self.cfg, self.timeout_s, self.host)
             if receive(self.parent.channel, p, version, held, self.timeout_s):
                 return True

@@ -6,6 +6,7 @@ channel timeout."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -106,6 +107,18 @@ def test_deltas_travel_the_relay_to_generators_that_hold_the_base_and_whole_vers
         root.close()
 
 
+def wait_until_refused(address: str, bound_s: float = 60.0) -> None:
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+        except OSError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{address} still accepts connections {bound_s}s after its process was killed")
+
+
 @ray.remote(num_cpus=0)
 class BrokenRelay:
     """Takes slot 1 of a version's chain like a generator, serves what it has received, but stops after
@@ -183,6 +196,9 @@ def test_a_relay_gone_before_its_child_connects_sends_the_child_to_rank_0(ray_cl
         root.publish(8, sd)
         assert ray.get(broken.take_slot_and_stall.remote(8, 0), timeout=60) == 1  # slot 1, nothing received yet
         ray.kill(broken)  # its address stays in slot 1: the child's parent refuses connections
+        gone = root.store.get("relay/8/-1/at/1").decode()
+        wait_until_refused(gone)  # the process is gone (ray.kill returns before it is): a port that refuses is
+        # skipped at once (a TCPStore client would retry connecting to it for its whole timeout)
         got, base, src = child.pull(root.address, 8)
         assert same(got, sd) and base == -1 and src == "root" and child.resumed == 0
     finally:
