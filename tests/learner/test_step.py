@@ -190,6 +190,16 @@ def test_tis_without_mismatch_is_the_plain_update(tiny_model_dir):
     assert metrics[1]["tis_truncated_tokens"] == 0
 
 
+def assert_same_step(stats: RankStats, sd: dict, want: RankStats, want_sd: dict) -> None:
+    """Two steps trained the same: candidate feedback, loss sums and the weights after the updates."""
+    assert stats.feedback.keys == want.feedback.keys and stats.feedback.chosen == want.feedback.chosen
+    assert stats.feedback.entropies == pytest.approx(want.feedback.entropies, rel=1e-5)
+    for k in ("loss", "entropy_loss", "kl_loss", "fresh_entropy_sum", "tis_weight_sum", "gap_abs_sum"):
+        assert stats.sums[k] == pytest.approx(want.sums[k], rel=1e-4, abs=1e-6), k
+    for k in want_sd:
+        torch.testing.assert_close(sd[k], want_sd[k], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("overrides", [{}, {"tis_cap": 2.0}, {"kl_coef": 0.5}, {"entropy_coef": 0.1}])
 def test_chunked_head_step_equals_the_full_logits_step(tiny_model_dir, overrides):
     """The default path (chunked LM head, any chunk size) trains exactly what full logits train: candidate
@@ -209,12 +219,7 @@ def test_chunked_head_step_equals_the_full_logits_step(tiny_model_dir, overrides
     (full, full_sd), rest = results[0], results[1:]
     assert full.updates == 2 and full.candidates_scored > 0
     for stats, sd in rest:
-        assert stats.feedback.keys == full.feedback.keys and stats.feedback.chosen == full.feedback.chosen
-        assert stats.feedback.entropies == pytest.approx(full.feedback.entropies, rel=1e-5)
-        for k in ("loss", "entropy_loss", "kl_loss", "fresh_entropy_sum", "tis_weight_sum", "gap_abs_sum"):
-            assert stats.sums[k] == pytest.approx(full.sums[k], rel=1e-4, abs=1e-6), k
-        for k in full_sd:
-            torch.testing.assert_close(sd[k], full_sd[k], rtol=1e-4, atol=1e-6)
+        assert_same_step(stats, sd, full, full_sd)
     if overrides.get("kl_coef"):
         assert full.sums["kl_loss"] > 0
 
@@ -298,12 +303,7 @@ def test_padding_free_step_equals_the_padded_step(tiny_model_dir, overrides):
     assert packed.updates == padded.updates == 2 and packed.candidates_scored > 0
     assert packed.padding_free == 1.0 and padded.padding_free == 0.0
     assert packed.sums["row_tokens"] == packed.sums["forward_tokens"] < padded.sums["forward_tokens"]
-    assert packed.feedback.keys == padded.feedback.keys and packed.feedback.chosen == padded.feedback.chosen
-    assert packed.feedback.entropies == pytest.approx(padded.feedback.entropies, rel=1e-5)
-    for k in ("loss", "entropy_loss", "kl_loss", "fresh_entropy_sum", "tis_weight_sum", "gap_abs_sum"):
-        assert packed.sums[k] == pytest.approx(padded.sums[k], rel=1e-4, abs=1e-6), k
-    for k in padded_sd:
-        torch.testing.assert_close(packed_sd[k], padded_sd[k], rtol=1e-4, atol=1e-6)
+    assert_same_step(packed, packed_sd, padded, padded_sd)
 
 
 def test_a_model_that_lets_packed_rows_see_each_other_is_refused(tiny_model_dir):
