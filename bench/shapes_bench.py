@@ -70,7 +70,8 @@ def run_case(case: dict) -> dict:
     from common.config import LearnerConfig
     from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
     from common.modeling import init_tiny_qwen2
-    from learner.step import TrainStep, prepare_model
+    from learner.forward import prepare_model
+    from learner.step import TrainStep
 
     torch.set_num_threads(int(case.get("threads", 1)))
     vocab, length = int(case["vocab"]), int(case["length"])

@@ -48,7 +48,8 @@ from common.messages import LearnerFeedback, TrainingBatch, WeightsAnnouncement,
 from learner import checkpoint as ck
 from learner.schedule import learning_rate
 from learner.loading import build_empty, load_shards, materialize
-from learner.step import RankStats, TrainStep, check_packing, merge_rank_stats, prepare_model
+from learner.forward import check_packing, prepare_model
+from learner.step import RankStats, TrainStep, merge_rank_stats
 from learner.weights import WeightSyncTimeout, get_or_create_store, make_publisher, wait_for_acks
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ would keep several copies of them. Here:
   The matmul runs in the hidden states' dtype (bf16 under mixed precision, like `nn.Linear`), the
   softmax in float32; the weight gradient is accumulated over chunks in float32.
 
-Usage (what `learner.step` does):
+Usage (what `learner.forward` does):
 
     install_token_stats_head(model, chunk_tokens=None)          # once, before fully_shard
     logp, ent, anchor = token_stats(model, input_ids, attention_mask, targets, mask)  # [R, L-1] x2, scalar
@@ -168,7 +168,7 @@ def token_stats(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | No
     anchor), where `anchor` is a scalar that depends on every parameter the forward used: a rank whose
     micro-batch has no response token (the all-masked dummy) backpropagates `0 * anchor` to join FSDP's
     gradient collectives. Such a batch computes one position, not full logits. `position_ids` with no
-    `attention_mask`: rows packed into one sequence (`learner.step.Packing`). No KV cache is built (a cache
+    `attention_mask`: rows packed into one sequence (`learner.batching.Packing`). No KV cache is built (a cache
     would also turn off transformers' packed-sequence masking)."""
     head = model.lm_head
     if not isinstance(head, TokenStatsHead):

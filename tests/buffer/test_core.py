@@ -7,7 +7,8 @@ import pytest
 from buffer.client import batch_shares
 from buffer.core import MixedSwitch, ShardCore, mixed_shares, mixed_target, plan_take
 from buffer.keys import shard_of
-from learner.step import batch_rows, complete_groups, split_mini_batches
+from learner.batching import batch_rows, split_mini_batches
+from learner.step import complete_groups
 from common.config import BufferConfig
 from common.messages import LearnerFeedback, TrainingBatch, float32_array
 from tests.buffer.helpers import group_for, make_questions

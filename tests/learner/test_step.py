@@ -8,8 +8,9 @@ import torch
 
 from common.config import LearnerConfig
 from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
-from learner.step import (BatchError, RankStats, TrainStep, batch_rows, collate, complete_groups, prepare_model,
-                          rank_micro_batches, split_mini_batches)
+from learner.batching import BatchError, batch_rows, collate, rank_micro_batches, split_mini_batches
+from learner.forward import prepare_model
+from learner.step import RankStats, TrainStep, complete_groups
 from tests.learner.batches import make_batch, with_own_logprobs
 
 
@@ -311,7 +312,7 @@ def test_a_model_that_lets_packed_rows_see_each_other_is_refused(tiny_model_dir)
     position_ids (its packed rows would attend to each other), saying what to change."""
     from transformers import AutoModelForCausalLM
 
-    from learner.step import PackingError, check_packing
+    from learner.forward import PackingError, check_packing
 
     for impl in ("sdpa", "eager"):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=impl)

@@ -1,0 +1,265 @@
+"""Rows, mini-batches and micro-batches: how a `TrainingBatch` becomes the tensors of one rank's forwards.
+
+    rows = batch_rows(batch, std_normalize=..., max_positions=...)     # [Row], group advantages set
+    for mini in split_mini_batches(rows, cfg.mini_batches, seed):      # one optimizer update each
+        for chunk in rank_micro_batches(mini, rank, world, ...):       # equally many on every rank
+            mb = collate(chunk, pad_id, device, packed=...)            # MicroBatch (+ Packing)
+
+Mini-batches: groups are shuffled with a seed derived from the batch version (the same on every
+rank), mixed and fresh groups separately, and dealt round-robin, so that every optimizer update sees
+both kinds in proportion whenever both exist (never "all replay, then all fresh"). Within a mini-batch,
+rows are sorted by length and dealt round-robin to the ranks (rank r takes rows r, r+W, ...), then
+cut into micro-batches of `micro_batch_rows`, or packed greedily up to `micro_batch_tokens` padded
+tokens (with `learner.padding_free`: real tokens, each micro-batch's rows packed into one sequence for the
+forward, `Packing`). Every rank runs the same number of micro-batches (a rank that has run out runs an
+all-masked dummy row, `collate([])`) because each FSDP forward/backward is a collective.
+
+Pure: no model, no optimizer, no collective. Every rank computes the same split from the same batch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from common.messages import TrainingBatch
+from learner import loss as L
+
+
+class BatchError(ValueError):
+    """A TrainingBatch the learner cannot train on (the message says which group/rollout and why)."""
+
+
+@dataclass(slots=True)
+class Row:
+    """One rollout ready for training: prompt + response, with its advantage."""
+
+    prompt_ids: np.ndarray  # [P] int
+    response_ids: np.ndarray  # [T] int
+    behaviour_logprobs: np.ndarray  # [T] float32 (stored log-probs for a replayed rollout)
+    advantage: float
+    replayed: bool
+    key: str
+    group: int  # index of the group in the batch
+    lag: int = 0  # batch version - rollout version, in learner steps (0: sampled by the weights being trained)
+    old_logprobs: np.ndarray | None = None  # [T] float32 learner log-probs at the start of the step (TIS only)
+    truncated: bool = False  # cut at max_new_tokens (finish reason "length")
+    penalty: float = 0.0  # the overlong penalty added to its reward (learner.overlong=penalty)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def batch_rows(batch: TrainingBatch, *, std_normalize: bool, max_positions: int, overlong: str = "none",
+               max_new_tokens: int = 0, overlong_buffer: int = 1) -> list[Row]:
+    """Flatten a batch into rows with group advantages; refuse rows the model cannot take. With
+    `overlong="penalty"` each row's reward gets `loss.overlong_penalty` of its length before the advantages."""
+    if not batch.groups:
+        raise BatchError("TrainingBatch has no groups: the driver must not call step() with an empty batch")
+    rows: list[Row] = []
+    rewards, group_ids = [], []
+    for g, group in enumerate(batch.groups):
+        if len(group.prompt_ids) == 0:
+            raise BatchError(f"group {g} (question {group.question_id!r}) has an empty prompt")
+        if not group.rollouts:
+            raise BatchError(f"group {g} (question {group.question_id!r}) has no rollouts")
+        for i, ro in enumerate(group.rollouts):
+            where = f"group {g} (question {group.question_id!r}) rollout {i}"
+            if len(ro.logprobs) != len(ro.response_ids):
+                raise BatchError(f"{where}: {len(ro.logprobs)} log-probs for {len(ro.response_ids)} response tokens")
+            n = len(group.prompt_ids) + len(ro.response_ids)
+            if n > max_positions:
+                raise BatchError(
+                    f"{where}: prompt+response is {n} tokens, above the model's max_position_embeddings "
+                    f"{max_positions}; lower data.max_prompt_tokens or generator.max_new_tokens"
+                )
+            if not np.all(np.isfinite(ro.logprobs)):
+                raise BatchError(f"{where}: behaviour log-probs contain NaN/inf")
+            rows.append(Row(np.asarray(group.prompt_ids), np.asarray(ro.response_ids),
+                            np.asarray(ro.logprobs, dtype=np.float32), 0.0, bool(ro.replayed), ro.key, g,
+                            lag=batch.version - ro.version, truncated=ro.finish_reason == "length"))
+            rewards.append(float(ro.reward))
+            group_ids.append(g)
+    if overlong == "penalty":
+        pen = L.overlong_penalty(torch.tensor([len(r.response_ids) for r in rows]), max_new_tokens, overlong_buffer)
+        for row, p in zip(rows, pen.tolist()):
+            row.penalty = p
+        rewards = [r + p for r, p in zip(rewards, pen.tolist())]
+    adv = L.group_advantages(torch.tensor(rewards), torch.tensor(group_ids), std_normalize=std_normalize)  # [N]
+    for row, a in zip(rows, adv.tolist()):
+        row.advantage = a
+    return rows
+
+
+def split_mini_batches(rows: list[Row], n: int, seed: int = 0) -> list[list[Row]]:
+    """Split rows into at most `n` mini-batches along group boundaries (a group is never split).
+
+    Mixed groups (those holding a replayed row) and fresh groups are each shuffled with `seed`, then
+    dealt round-robin, mixed first: every mini-batch gets floor or ceil of its share of each kind."""
+    rng = random.Random(seed)
+    mixed = sorted({r.group for r in rows if r.replayed})
+    fresh = sorted({r.group for r in rows} - set(mixed))
+    rng.shuffle(mixed)
+    rng.shuffle(fresh)
+    order = mixed + fresh
+    k = min(n, len(order))
+    if k == 0:
+        return []
+    where = {g: i % k for i, g in enumerate(order)}
+    out: list[list[Row]] = [[] for _ in range(k)]
+    for r in rows:
+        out[where[r.group]].append(r)
+    return out
+
+
+def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int,
+                       micro_tokens: int | None = None, padding_free: bool = False) -> list[list[Row]]:
+    """This rank's micro-batches of a mini-batch; equally many on every rank (padded with []).
+
+    Rows are sorted by length (longest first) and dealt round-robin to the ranks. Without a token budget
+    each rank cuts its rows into chunks of `micro_rows`. With `micro_tokens`, each rank packs its rows
+    greedily (`pack_by_tokens`): padded, a micro-batch costs rows x its longest row; `padding_free`, the sum
+    of its rows' lengths. A row longer than the budget is a micro-batch of its own. Every rank computes
+    every rank's packing (all see all rows), so all agree on the count."""
+    ordered = sorted(rows, key=lambda r: (-r.length, r.group))
+    if micro_tokens is None:
+        mine = ordered[rank::world]
+        n_micro = max(1, math.ceil(math.ceil(len(rows) / world) / micro_rows))
+        return [mine[i * micro_rows:(i + 1) * micro_rows] for i in range(n_micro)]
+    packs = [pack_by_tokens(ordered[k::world], micro_tokens, micro_rows, padding_free) for k in range(world)]
+    n_micro = max(1, max(len(p) for p in packs))
+    return packs[rank] + [[] for _ in range(n_micro - len(packs[rank]))]
+
+
+def pack_by_tokens(rows: list[Row], budget: int, max_rows: int, padding_free: bool = False) -> list[list[Row]]:
+    """Rows sorted longest first into micro-batches of at most `budget` tokens and `max_rows` rows.
+
+    Padded (the cost is rows x the first, longest, row): a micro-batch takes the next row while it fits.
+    Padding-free (the cost is the sum of the lengths): first fit, each row into the first micro-batch with
+    room, which fills the gaps the long rows leave with short ones."""
+    if padding_free:
+        packs: list[list[Row]] = []
+        used: list[int] = []
+        for r in rows:
+            for i, pack in enumerate(packs):
+                if len(pack) < max_rows and used[i] + r.length <= budget:
+                    pack.append(r)
+                    used[i] += r.length
+                    break
+            else:
+                packs.append([r])
+                used.append(r.length)
+        return packs
+    out: list[list[Row]] = []
+    cur: list[Row] = []
+    for r in rows:
+        if cur and ((len(cur) + 1) * cur[0].length > budget or len(cur) >= max_rows):
+            out.append(cur)
+            cur = []
+        cur.append(r)
+    if cur:
+        out.append(cur)
+    return out
+
+
+@dataclass
+class Packing:
+    """A micro-batch's rows as one sequence without padding: the forward's layout (the loss keeps [R, L-1]).
+    Row i occupies tokens [o_i, o_i + len_i) with positions 0..len_i-1; the attention implementation
+    reads the restarts of `position_ids` as row boundaries (transformers' packed-sequence format)."""
+
+    input_ids: Tensor  # [1, T] the rows one after another, T = the sum of their lengths
+    position_ids: Tensor  # [1, T]
+    targets: Tensor  # [1, T-1] = input_ids[:, 1:]
+    mask: Tensor  # [1, T-1] 1 where the target is a response token (in row order, as response_mask's)
+
+
+@dataclass
+class MicroBatch:
+    input_ids: Tensor  # [R, L] right-padded prompt+response
+    attention_mask: Tensor  # [R, L]
+    targets: Tensor  # [R, L-1] = input_ids[:, 1:]
+    response_mask: Tensor  # [R, L-1] 1 where the target is a response token
+    replay_mask: Tensor  # [R, L-1] 1 on the response tokens of replayed rows
+    behaviour_logprobs: Tensor  # [R, L-1] behaviour log-probs aligned with targets (0 elsewhere)
+    advantages: Tensor  # [R]
+    rows: list[Row] = field(default_factory=list)
+    lag0_mask: Tensor | None = None  # [R, L-1] 1 on the response tokens of fresh rows with lag 0
+    old_logprobs: Tensor | None = None  # [R, L-1] rows' `old_logprobs` when every row has them, else None
+    packed: Packing | None = None  # the padding-free forward layout (learner.padding_free), else None
+
+    @property
+    def forward_tokens(self) -> int:
+        """Tokens the forward computes (padding included)."""
+        return int(self.packed.input_ids.numel() if self.packed is not None else self.input_ids.numel())
+
+
+def pack_rows(rows: list[Row], device: torch.device) -> Packing:
+    """The rows as one padding-free sequence (see `Packing`)."""
+    total = sum(r.length for r in rows)
+    ids = np.empty(total, dtype=np.int64)  # [T]
+    pos = np.empty(total, dtype=np.int64)  # [T]
+    mask = np.zeros(total - 1, dtype=np.float32)  # [T-1]
+    o = 0
+    for r in rows:
+        p, t = len(r.prompt_ids), len(r.response_ids)
+        ids[o:o + p] = r.prompt_ids
+        ids[o + p:o + p + t] = r.response_ids
+        pos[o:o + p + t] = np.arange(p + t)
+        mask[o + p - 1:o + p - 1 + t] = 1.0  # token o+p+j is predicted at o+p+j-1, inside the row
+        o += p + t
+    ids_t = torch.from_numpy(ids).to(device)[None]  # [1, T]
+    return Packing(ids_t, torch.from_numpy(pos).to(device)[None], ids_t[:, 1:], torch.from_numpy(mask).to(device)[None])
+
+
+def collate(rows: list[Row], pad_id: int, device: torch.device, packed: bool = False) -> MicroBatch:
+    """Right-pad rows into tensors; an empty list gives one all-masked dummy row (keeps FSDP in step).
+    `packed`: the forward runs on the rows packed without padding (`pack_rows`); the loss tensors stay padded."""
+    if not rows:
+        z = torch.zeros(1, 1, device=device)
+        ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)  # [1, 2]
+        return MicroBatch(ids, torch.ones_like(ids), ids[:, 1:], z, z, z, torch.zeros(1, device=device), [], z)
+    length = max(r.length for r in rows)
+    n = len(rows)
+    ids = np.full((n, length), pad_id, dtype=np.int64)  # [R, L]
+    attn = np.zeros((n, length), dtype=np.int64)  # [R, L]
+    resp = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
+    beh = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
+    rep = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
+    lag0 = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
+    has_old = all(r.old_logprobs is not None for r in rows)
+    old = np.zeros((n, length - 1), dtype=np.float32) if has_old else None  # [R, L-1]
+    for i, r in enumerate(rows):
+        p, t = len(r.prompt_ids), len(r.response_ids)
+        ids[i, :p] = r.prompt_ids
+        ids[i, p:p + t] = r.response_ids
+        attn[i, :p + t] = 1
+        # Response token j sits at position p+j and is predicted by the logits at position p+j-1.
+        resp[i, p - 1:p - 1 + t] = 1.0
+        beh[i, p - 1:p - 1 + t] = r.behaviour_logprobs
+        if r.replayed:
+            rep[i, p - 1:p - 1 + t] = 1.0
+        elif r.lag == 0:
+            lag0[i, p - 1:p - 1 + t] = 1.0
+        if old is not None:
+            old[i, p - 1:p - 1 + t] = r.old_logprobs
+    ids_t = torch.from_numpy(ids).to(device)
+    return MicroBatch(
+        input_ids=ids_t,
+        attention_mask=torch.from_numpy(attn).to(device),
+        targets=ids_t[:, 1:],
+        response_mask=torch.from_numpy(resp).to(device),
+        replay_mask=torch.from_numpy(rep).to(device),
+        behaviour_logprobs=torch.from_numpy(beh).to(device),
+        advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),  # [R]
+        rows=rows,
+        lag0_mask=torch.from_numpy(lag0).to(device),
+        old_logprobs=None if old is None else torch.from_numpy(old).to(device),
+        packed=pack_rows(rows, device) if packed else None,
+    )

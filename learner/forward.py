@@ -1,0 +1,110 @@
+"""The model's side of a learner step: how a loaded model is prepared, and how a micro-batch's response
+log-probs and entropies come out of its forward.
+
+Memory: log-probs and entropies come from the final hidden states through the chunked LM head of
+`learner.token_stats` (training, candidate scoring, TIS old log-probs and the reference KL alike), so
+no [rows, length, vocabulary] logits exist; `learner.logits_chunk_tokens=0` restores full logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from common.config import LearnerConfig
+from learner import loss as L
+from learner.batching import MicroBatch, Row, collate
+from learner.token_stats import TokenStatsHead, install_token_stats_head, token_stats
+
+
+def response_logprobs_and_entropy(logits: Tensor, targets: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Log-probs of the targets and token entropies where `mask` > 0 only; zeros elsewhere.
+
+    logits [R, L, V], targets and mask [R, L-1] -> ([R, L-1], [R, L-1]). The full-logits path
+    (`learner.logits_chunk_tokens=0`).
+    """
+    sel = mask > 0  # [R, L-1]
+    picked = logits[:, :-1][sel]  # [N, V]
+    lp = L.token_logprobs(picked, targets[sel])  # [N]
+    ent = L.token_entropy(picked)  # [N]
+    idx = sel.nonzero(as_tuple=True)
+    zeros = torch.zeros(sel.shape, dtype=torch.float32, device=logits.device)  # [R, L-1]
+    return zeros.index_put(idx, lp), zeros.index_put(idx, ent)
+
+
+def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, *, trainable: bool = True) -> torch.nn.Module:
+    """The learner's changes to a freshly loaded model, before any sharding: the chunked LM head (unless
+    `logits_chunk_tokens=0`) and, on the trained model, per-layer activation checkpointing."""
+    if cfg.logits_chunk_tokens != 0:
+        install_token_stats_head(model, cfg.logits_chunk_tokens)
+    if trainable and cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def forward_stats(model: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-probs [R, L-1], entropies [R, L-1], anchor) of a micro-batch's response tokens.
+
+    With the chunked head installed (`learner.token_stats`; the default) no [R, L, V] tensor exists;
+    otherwise full logits are computed. `anchor` is a scalar reaching every parameter the forward used:
+    `0 * anchor` lets an all-masked dummy micro-batch run the backward FSDP's collectives wait for.
+    A packed micro-batch (`mb.packed`) runs the forward on its padding-free layout and returns the same
+    [R, L-1] tensors: its response tokens are in the same row order in both layouts."""
+    if mb.packed is None:
+        return _stats(model, mb.input_ids, mb.attention_mask, None, mb.targets, mb.response_mask)
+    p = mb.packed
+    logp, ent, anchor = _stats(model, p.input_ids, None, p.position_ids, p.targets, p.mask)  # [1, T-1] each
+    sel = p.mask[0] > 0  # [T-1]
+    idx = (mb.response_mask > 0).nonzero(as_tuple=True)
+    zeros = torch.zeros(mb.response_mask.shape, dtype=torch.float32, device=logp.device)  # [R, L-1]
+    return zeros.index_put(idx, logp[0][sel]), zeros.index_put(idx, ent[0][sel]), anchor
+
+
+class PackingError(RuntimeError):
+    """A model whose attention lets rows packed into one sequence see each other (learner.padding_free)."""
+
+
+@torch.no_grad()
+def check_packing(model: torch.nn.Module, device: torch.device, tolerance: float = 1e-3) -> float:
+    """Refuse a model that does not keep packed rows apart; returns the largest change measured (0 when exact).
+
+    Runs two rows packed, then again with every token of the first row changed: where the attention reads
+    the restarts of position_ids as boundaries, the second row's log-probs cannot change (up to rounding).
+    Collective under FSDP: every rank calls it."""
+    vocab = int(model.config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    lo, hi = min(3, vocab - 1), min(vocab, 1000)
+    first, second = torch.randint(lo, hi, (2, 9), generator=g).tolist()
+
+    def second_row_logprobs(first_ids: list[int]) -> Tensor:
+        rows = [Row(np.array(first_ids[:3]), np.array(first_ids[3:]), np.zeros(6, np.float32), 0.0, False, "", 0),
+                Row(np.array(second[:3]), np.array(second[3:]), np.zeros(6, np.float32), 0.0, False, "", 1)]
+        logp, _, _ = forward_stats(model, collate(rows, 0, device, packed=True))  # [2, 8]
+        return logp[1].float().cpu()
+
+    was_training = model.training
+    model.eval()
+    try:
+        changed = [(t - lo + 1 + (hi - lo) // 2) % (hi - lo) + lo for t in first]  # every token different
+        gap = float((second_row_logprobs(first) - second_row_logprobs(changed)).abs().max())
+    finally:
+        model.train(was_training)
+    if not gap <= tolerance:
+        raise PackingError(
+            f"{type(model).__name__} with attn_implementation={model.config._attn_implementation!r} lets rows "
+            f"packed into one sequence attend to each other (a row's log-probs moved by {gap:.3g} when the row "
+            "before it changed), so padding-free micro-batches would train on wrong log-probs: set "
+            "learner.padding_free=false, or an attention that reads position_ids as row boundaries "
+            "(learner.attn_implementation: sdpa, eager, flash_attention_2)")
+    return gap
+
+
+def _stats(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
+           targets: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    if isinstance(getattr(model, "lm_head", None), TokenStatsHead):
+        return token_stats(model, input_ids, attention_mask, targets, mask, position_ids=position_ids)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits  # [R, L, V]
+    logp, ent = response_logprobs_and_entropy(logits, targets, mask)
+    return logp, ent, logits.sum()
