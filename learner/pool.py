@@ -47,9 +47,7 @@ from common.interfaces import actor_name
 from common.messages import LearnerFeedback, TrainingBatch, WeightsAnnouncement, float32_array
 from learner import checkpoint as ck
 from learner.schedule import learning_rate
-from learner.loading import build_empty, load_shards, materialize
-from learner.forward import check_packing, prepare_model
-from learner.step import RankStats, TrainStep, merge_rank_stats
+from learner.step import RankStats, merge_rank_stats
 from learner.weights import WeightSyncTimeout, get_or_create_store, make_publisher, wait_for_acks
 
 log = logging.getLogger(__name__)
@@ -90,10 +88,9 @@ class LearnerRank:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, address: tuple[str, int]) -> None:
-        """Join the process group at rank 0's `address` (`rendezvous_address`), load and shard the model."""
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
+        """Join the process group at rank 0's `address` (`rendezvous_address`), load and shard the model
+        (`learner.setup.setup_rank`)."""
+        from learner.setup import setup_rank
 
         host, port = address
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
@@ -101,53 +98,10 @@ class LearnerRank:
                                              world_size=self.world, timeout=datetime.timedelta(minutes=10))
         torch.manual_seed(self.cfg.seed + self.rank)
         np.random.seed(self.cfg.seed + self.rank)
-        # One float32 rank has nothing to shard or cast: FSDP2 would only add its unshard/reshard hooks
-        # (~10% of a step on the built-in model). Same math, and the state-dict/DCP paths take plain tensors.
-        sharded = self.world > 1 or self.dtype != torch.float32
-        # sharded: built without weights and filled shard by shard (a rank holds its shards, never the model)
-        c = self.cfg
-        attn = {"attn_implementation": c.attn_implementation}
-        try:
-            model = build_empty(self.model_path, **attn) if sharded else \
-                AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, **attn).to(self.device)
-        except (ImportError, ValueError) as e:
-            if c.attn_implementation is None:
-                raise
-            raise ValueError(f"learner.attn_implementation={c.attn_implementation} cannot load on this learner "
-                             f"({self.device.type}): {e} Set learner.attn_implementation to sdpa (or leave it unset), "
-                             "or install the kernel where the learner runs") from None
-        self.model_config = model.config
-        prepare_model(model, c)  # before sharding: FSDP then manages the new head's (tied) weight as before
-        mesh = init_device_mesh(self.device.type, (self.world,))
-        mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-        if self.dtype == torch.float16 and self.rank == 0:
-            log.warning("model.dtype=float16: the learner trains without loss scaling (gradients may underflow); "
-                        "use bfloat16 where the hardware has it")
-        if sharded:
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh, mp_policy=mp)
-            fully_shard(model, mesh=mesh, mp_policy=mp)
-            materialize(model, self.device)
-            load_shards(model, self.model_path, self.rank, self.world)
-        self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
-        ref = None
-        if c.kl_coef > 0:
-            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **attn).to(self.device).eval()
-            ref.requires_grad_(False)
-            prepare_model(ref, c, trainable=False)
-        gap = None
-        if c.packs_padding_free:  # collective under FSDP: every rank runs the same two forwards
-            gap = check_packing(model, self.device, tolerance=1e-3 if self.dtype == torch.float32 else 2e-2)
-        if self.rank == 0:
-            log.info("learner micro-batches: %s (attention %s)%s",
-                     "padding-free packing" if c.packs_padding_free else "padded", model.config._attn_implementation,
-                     "" if gap is None else f"; packed rows checked apart (largest change {gap:.2g})")
-        pad = model.config.pad_token_id
-        self.trainer = TrainStep(model, self.optimizer, c, rank=self.rank, world=self.world, device=self.device,
-                                 pad_id=0 if pad is None else int(pad),
-                                 max_positions=int(model.config.max_position_embeddings),
-                                 max_new_tokens=self.max_new_tokens, ref_model=ref)
+        built = setup_rank(self.cfg, self.model_path, rank=self.rank, world=self.world, device=self.device,
+                           dtype=self.dtype, max_new_tokens=self.max_new_tokens)
+        self.model, self.optimizer, self.trainer = built.model, built.optimizer, built.trainer
+        self.model_config = built.model.config
 
     def train(self, payload: bytes) -> RankStats:
         """One step on a msgpack-encoded TrainingBatch (the driver puts it once; every rank reads it), at the

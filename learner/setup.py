@@ -1,0 +1,102 @@
+"""One learner rank's model, optimizer and training step, built without Ray: `learner.pool.LearnerRank` and
+`bench/gpu_bench.py` (a bare GPU machine has no Ray) run the same code.
+
+    torch.distributed.init_process_group(...)              # the caller's; FSDP2's mesh spans the whole group
+    built = setup_rank(cfg, model_path, rank=r, world=w, device=device, dtype=torch.bfloat16, max_new_tokens=T)
+    stats = built.trainer.run(batch)                       # learner.step.TrainStep
+
+Precision: parameters are float32 (the master weights, sharded) and AdamW's state is float32; FSDP2's
+`MixedPrecisionPolicy` all-gathers each unit's parameters cast to `dtype` for the forward and backward and
+reduce-scatters float32 gradients. One float32 rank is not wrapped at all (nothing to shard or cast: FSDP2 would
+only add its hooks, ~10% of a step on the built-in model).
+
+Weights: a sharded model is built on the meta device, prepared (`prepare_model`: chunked head, activation
+checkpointing), sharded layer by layer, allocated, then filled: by default each rank reads its own rows from the
+model folder (`learner.loading`); `fill` replaces that (the GPU bench draws random weights, so its folder holds
+only config.json).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from common.config import LearnerConfig
+from learner.forward import check_packing, prepare_model
+from learner.loading import build_empty, load_shards, materialize
+from learner.step import TrainStep
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RankModel:
+    """What `setup_rank` built for one rank."""
+
+    model: torch.nn.Module  # FSDP2-sharded (or plain for one float32 rank), prepared
+    optimizer: torch.optim.Optimizer
+    trainer: TrainStep
+    ref_model: torch.nn.Module | None = None  # frozen reference (learner.kl_coef > 0)
+    packing_gap: float | None = None  # largest change measured by check_packing (None: padded micro-batches)
+
+
+def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, device: torch.device,
+               dtype: torch.dtype, max_new_tokens: int,
+               fill: Callable[[torch.nn.Module], None] | None = None) -> RankModel:
+    """Build, prepare, shard and fill the model of `model_path` on `device`, its AdamW and its `TrainStep`.
+    Collective under FSDP (the packing check runs forwards): every rank of the group calls it.
+    `fill(model)`: fills the allocated parameters instead of reading them from the folder's weight files."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    sharded = world > 1 or dtype != torch.float32
+    attn = {"attn_implementation": cfg.attn_implementation}
+    try:
+        if sharded or fill is not None:  # built without weights and filled shard by shard
+            model = build_empty(model_path, **attn)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **attn).to(device)
+    except (ImportError, ValueError) as e:
+        if cfg.attn_implementation is None:
+            raise
+        raise ValueError(f"learner.attn_implementation={cfg.attn_implementation} cannot load on this learner "
+                         f"({device.type}): {e} Set learner.attn_implementation to sdpa (or leave it unset), "
+                         "or install the kernel where the learner runs") from None
+    prepare_model(model, cfg)  # before sharding: FSDP then manages the new head's (tied) weight as before
+    if dtype == torch.float16 and rank == 0:
+        log.warning("model.dtype=float16: the learner trains without loss scaling (gradients may underflow); "
+                    "use bfloat16 where the hardware has it")
+    if sharded:
+        mesh = init_device_mesh(device.type, (world,))
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    if sharded or fill is not None:
+        materialize(model, device)
+        if fill is None:
+            load_shards(model, model_path, rank, world)
+        else:
+            fill(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    ref = None
+    if cfg.kl_coef > 0:
+        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attn).to(device).eval()
+        ref.requires_grad_(False)
+        prepare_model(ref, cfg, trainable=False)
+    gap = None
+    if cfg.packs_padding_free:  # collective under FSDP: every rank runs the same two forwards
+        gap = check_packing(model, device, tolerance=1e-3 if dtype == torch.float32 else 2e-2)
+    if rank == 0:
+        log.info("learner micro-batches: %s (attention %s)%s",
+                 "padding-free packing" if cfg.packs_padding_free else "padded", model.config._attn_implementation,
+                 "" if gap is None else f"; packed rows checked apart (largest change {gap:.2g})")
+    pad = model.config.pad_token_id
+    trainer = TrainStep(model, optimizer, cfg, rank=rank, world=world, device=device,
+                        pad_id=0 if pad is None else int(pad), max_positions=int(model.config.max_position_embeddings),
+                        max_new_tokens=max_new_tokens, ref_model=ref)
+    return RankModel(model=model, optimizer=optimizer, trainer=trainer, ref_model=ref, packing_gap=gap)
