@@ -1,13 +1,15 @@
 """Generate docs/configuration.md from the pydantic models (so the docs cannot drift).
 
     python scripts/gen_config_docs.py > docs/configuration.md
-A test checks that the committed file equals this output.
+    python scripts/gen_config_docs.py --readme      # README.md's list of the fields --resume may change
+Tests check that the committed files equal this output.
 """
 
 from __future__ import annotations
 
 import sys
 import typing
+from pathlib import Path
 
 from pydantic import BaseModel
 
@@ -51,7 +53,8 @@ def _rows(model: type[BaseModel], prefix: str, out: list[str], sections: list[tu
                 sections.append((f"{prefix}{name} (kind: {v.model_fields['kind'].default})", v))
             continue
         bounds = _bounds(f.metadata)
-        default = f.default if f.default is not None else "null"
+        default = "required" if f.is_required() else f.get_default(call_default_factory=True)
+        default = "null" if default is None else default
         doc = (f.description or "").replace("|", "\\|").replace("\n", " ")
         out.append(f"| `{prefix}{name}` | `{_type_name(ann)}` | `{default}` | {bounds} | {doc} |")
 
@@ -77,5 +80,39 @@ def render() -> str:
     return "\n".join(lines)
 
 
+README = Path(__file__).resolve().parents[1] / "README.md"
+RESUME_START = ("<!-- resume-fields: generated from RESUMABLE_FIELDS (common/config/loading.py) by "
+                "`python scripts/gen_config_docs.py --readme`; do not edit -->")
+RESUME_END = "<!-- /resume-fields -->"
+
+
+def resume_fields() -> str:
+    """The README's list of the fields `--resume` may change, one line per section."""
+    from common.config import RESUMABLE_FIELDS
+
+    by_section: dict[str, list[str]] = {}
+    for f in RESUMABLE_FIELDS:
+        by_section.setdefault(f.split(".")[0] if "." in f else "", []).append(f)
+    whole = [f for f in by_section.get("", []) if f in RunConfig.model_fields
+             and isinstance(RunConfig.model_fields[f].annotation, type)
+             and issubclass(RunConfig.model_fields[f].annotation, BaseModel)]
+    lines = ["- " + ", ".join(f"`{f}`" for f in by_section.get("", []) if f not in whole)]
+    lines += [f"- everything under `{f}.` ({(RunConfig.model_fields[f].annotation.__doc__ or '').strip()})"
+              for f in whole]
+    lines += ["- " + ", ".join(f"`{f}`" for f in fields) for section, fields in by_section.items() if section]
+    return "\n".join([RESUME_START, *lines, RESUME_END])
+
+
+def readme_with_resume_fields(text: str) -> str:
+    head, _, rest = text.partition(RESUME_START)
+    _, _, tail = rest.partition(RESUME_END)
+    if not rest:
+        raise SystemExit(f"README.md has no {RESUME_START[:30]}... block to fill")
+    return head + resume_fields() + tail
+
+
 if __name__ == "__main__":
-    sys.stdout.write(render())
+    if sys.argv[1:] == ["--readme"]:  # rewrite README.md's generated block in place
+        README.write_text(readme_with_resume_fields(README.read_text()))
+    else:
+        sys.stdout.write(render())

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from common.config.base import Section
+from common.config.base import Section, pick_kind
 
 
 class VllmEngineConfig(Section):
@@ -55,8 +55,9 @@ class AutoEngineConfig(Section):
 
 
 class SyntheticEngineConfig(Section):
-    """SIMULATION ONLY: random tokens at a set rate, for benchmarks and capacity planning (`bench/cluster_sim.py`).
-    It cannot teach a model anything; pair it with `reward.name: synthetic`."""
+    """SIMULATION ONLY: random tokens at a set rate, for benchmarks and capacity planning. Only `bench/cluster_sim.py`
+    builds it (with its `synthetic` reward); `exgrpo train` and `exgrpo config` refuse it, since it cannot teach a
+    model anything."""
 
     kind: Literal["synthetic"] = "synthetic"
     tokens_per_s: float = Field(100.0, gt=0, le=1e7)
@@ -84,6 +85,9 @@ EngineConfig = Annotated[
     Field(discriminator="kind"),
 ]
 
+ENGINE_KINDS = {"vllm": VllmEngineConfig, "transformers": TransformersEngineConfig, "auto": AutoEngineConfig,
+                "synthetic": SyntheticEngineConfig}
+
 
 class GeneratorConfig(Section):
     """Generator actors: engine, sampling, leasing."""
@@ -91,7 +95,10 @@ class GeneratorConfig(Section):
     num_generators: int = Field(1, ge=0, le=4096)
     """Generator actors at start."""
     engine: EngineConfig = AutoEngineConfig()
-    """Inference engine, chosen by `kind`: vllm | transformers | auto | synthetic (simulation only)."""
+    """Inference engine, chosen by `kind`: vllm | transformers | auto | synthetic (simulation only). A field
+    given without `kind` picks it: a field of auto keeps auto (`generator.engine.cpu_vllm_min_params=0`, its
+    `vllm.` and `transformers.` settings), a field only vllm has sets vllm (`generator.engine.max_num_seqs=64`),
+    one only transformers has sets transformers."""
     temperature: float = Field(1.0, gt=0, le=10)
     """Sampling temperature for training rollouts."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -159,6 +166,11 @@ class GeneratorConfig(Section):
     actors; one death more than this within `replace_window_s` stops the run, naming the last errors."""
     replace_window_s: float = Field(600.0, gt=0, le=604_800)
     """Sliding window (seconds) over which `replace_budget` counts deaths."""
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _kind_from_fields(cls, v: Any) -> Any:
+        return pick_kind(v, ENGINE_KINDS, "auto", "generator.engine", refused=("synthetic",))
 
     @model_validator(mode="after")
     def _tensor_parallel(self) -> GeneratorConfig:

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from common.config.base import Section
+from common.config.base import Section, pick_kind
 
 
 class ObjectStoreSyncConfig(Section):
@@ -178,7 +178,8 @@ class LearnerConfig(Section):
     generator.max_new_tokens."""
     weight_sync: WeightSyncConfig = ObjectStoreSyncConfig()
     """Weight sync backend (both the learner's and the generators' side), chosen by `kind`: object_store |
-    collective."""
+    collective. A field given without `kind` picks it: object_store's own fields keep it (`delta`, `bucket_mb`),
+    a field only collective has sets collective (`learner.weight_sync.relay_fanout=2`)."""
     start_timeout_s: float = Field(900.0, gt=0, le=86_400)
     """The learner ranks must have loaded and sharded the model and joined their process group within this
     (the error names the ranks that did not)."""
@@ -235,6 +236,6 @@ class LearnerConfig(Section):
         if kind == "nccl":
             raise ValueError("kind: nccl was replaced by the collective backend: use "
                              "{kind: collective, backend: nccl} (or backend: auto)")
-        if isinstance(v, dict) and kind is None and v and set(v) <= set(ObjectStoreSyncConfig.model_fields):
-            v = {"kind": ObjectStoreSyncConfig.model_fields["kind"].default, **v}  # e.g. weight_sync.delta=true
-        return v
+        # weight_sync.delta=true keeps object_store; weight_sync.relay_fanout=2 sets collective
+        return pick_kind(v, {"object_store": ObjectStoreSyncConfig, "collective": CollectiveSyncConfig},
+                         "object_store", "learner.weight_sync")

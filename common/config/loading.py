@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from common.config.data import TASK_DEFAULTS
+from common.config.errors import format_errors
 from common.config.run import RunConfig
+from common.config.schema import mapping_value, place, section_model, split_key, union_kinds
 
 
 class ConfigError(Exception):
@@ -19,35 +20,6 @@ class ConfigError(Exception):
     def __init__(self, lines: list[str]):
         super().__init__("\n".join(lines))
         self.lines = lines
-
-
-def _format_validation_error(err: ValidationError) -> list[str]:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(e["loc"][-1]), _field_names(e["loc"][:-1]), n=1)
-            hint = f"did you mean {'.'.join([*map(str, e['loc'][:-1]), close[0]])}? " if close else "check the spelling; "
-            msg = f"unknown field ({hint}`exgrpo config` lists every field)"
-        elif e["type"] == "union_tag_not_found":
-            msg = f"{loc}.kind is missing: name the backend with its fields (docs/configuration.md lists the kinds)"
-        if "\n" in msg:  # several problems from one model validator
-            lines.extend(msg.splitlines())
-        else:
-            lines.append(f"{loc}: {msg}" if loc else msg)
-    return lines
-
-
-def _field_names(loc: tuple) -> list[str]:
-    """Field names of the section at `loc` (empty when it is not a plain section, e.g. a union)."""
-    model: type[BaseModel] = RunConfig
-    for part in loc:
-        f = model.model_fields.get(str(part))
-        if f is None or not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)):
-            return []
-        model = f.annotation
-    return list(model.model_fields)
 
 
 def _parse_value(text: str) -> Any:
@@ -59,54 +31,116 @@ def _parse_value(text: str) -> Any:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `dotted.key=value` overrides to a raw (unvalidated) config dict."""
+    """Apply `dotted.key=value` overrides to a raw (unvalidated) config dict. A mapping field takes the rest of
+    the key as one key (`generator.node_labels.ray.io/accelerator-type=H100`)."""
     errors = []
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             errors.append(f"{item}: an override is written key=value, e.g. buffer.group_size=8")
             continue
-        node = raw
-        parts = key.strip().split(".")
-        for p in parts[:-1]:
-            child = node.get(p)
-            if child is None:
-                child = node[p] = {}
-            if not isinstance(child, dict):
-                errors.append(f"{key}: {p} is a value, not a section")
-                break
-            node = child
-        else:
-            node[parts[-1]] = _parse_value(value)
+        parts = split_key(key.strip())
+        problem = _below_a_value(parts) or _set(raw, parts, _parse_value(value))
+        if problem:
+            errors.append(f"{key.strip()}: {problem}")
     if errors:
         raise ConfigError(errors)
     return raw
+
+
+def _below_a_value(parts: list[str]) -> str | None:
+    """`buffer.group_size.x`: group_size is a value, so nothing is below it."""
+    pl = place(tuple(parts))
+    if pl.field is not None and pl.rest and not mapping_value(pl.field.annotation)[0]:
+        return f"{pl.path[-1]} is a value, not a section"
+    return None
+
+
+def _set(raw: dict[str, Any], parts: list[str], value: Any) -> str | None:
+    """Set `value` at `parts` in `raw`, making sections on the way; the problem when a part is a value."""
+    node = raw
+    for p in parts[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            return f"{p} is a value, not a section"
+        node = child
+    node[parts[-1]] = value
+    return None
+
+
+def _expand_dotted(node: dict[str, Any], model: type[BaseModel] = RunConfig) -> dict[str, Any]:
+    """A YAML config's dotted keys (`learner.lr: 1e-5`, the form experiment specs use) set the nested field,
+    as on the command line; the keys of mapping fields (`node_labels: {ray.io/x: y}`) are left as they are."""
+    for key in [k for k in node if isinstance(k, str) and "." in k and k.split(".")[0] in model.model_fields]:
+        value = node.pop(key)
+        problem = _set(node, split_key(key, model), value)
+        if problem:
+            raise ConfigError([f"{key}: {problem}"])
+    for key, value in node.items():
+        f = model.model_fields.get(key) if isinstance(key, str) else None
+        if f is None or not isinstance(value, dict):
+            continue
+        sub = section_model(f.annotation) or (union_kinds(f) or {}).get(value.get("kind"))
+        if sub is not None:
+            _expand_dotted(value, sub)
+    return node
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read YAML (optional), apply overrides, validate. Raises ConfigError with readable lines."""
     raw: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if p.is_dir():
-            raise ConfigError([f"{p}: is a folder; pass a YAML config file"])
-        if not p.is_file():
-            raise ConfigError([f"{p}: config file not found"])
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError([f"{p}: not valid YAML ({e})"]) from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError([f"{p}: the top level must be a mapping of sections"])
-        raw = loaded or {}
+        raw = _expand_dotted(read_config_file(Path(path)))
     return _validate(apply_overrides(raw, overrides or []))
+
+
+DATA_SUFFIXES = (".jsonl", ".ndjson", ".parquet", ".csv", ".tsv", ".arrow", ".gz", ".zst", ".bz2", ".xz", ".zip")
+"""Files that are data, not a config (`exgrpo config train.jsonl`)."""
+
+
+def read_config_file(p: Path) -> dict[str, Any]:
+    """A YAML config file's mapping. ConfigError for a folder, a missing file, a data or binary file (named as
+    such: it goes in data.train_path), invalid YAML and a top level that is not a mapping of sections."""
+    if p.is_dir():
+        raise ConfigError([f"{p}: is a folder; pass a YAML config file"])
+    if not p.is_file():
+        raise ConfigError([f"{p}: config file not found"])
+    data_hint = f"pass it as data.train_path={p} (or data.test_path), and a YAML file as the config"
+    head = p.read_bytes()[:4096]
+    kind = ("Parquet" if head.startswith(b"PAR1") else "compressed" if head.startswith((b"\x1f\x8b", b"PK\x03\x04",
+            b"(\xb5/\xfd", b"BZh", b"\xfd7zXZ")) else None)
+    if kind or p.name.lower().endswith(DATA_SUFFIXES):
+        raise ConfigError([f"{p}: this looks like a {kind + ' ' if kind else ''}data file, not a config; {data_hint}"])
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{p}: not a text file (byte {e.start} is not UTF-8); a config is a YAML file of "
+                           "sections (`exgrpo config > run.yaml` writes one)"]) from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        if text.lstrip().startswith("{") and len(text.strip().splitlines()) > 1:  # JSON lines
+            raise ConfigError([f"{p}: this looks like a JSONL data file, not a config; {data_hint}"]) from None
+        raise ConfigError([f"{p}: not valid YAML ({e})"]) from None
+    if isinstance(loaded, list) and loaded and all(isinstance(r, dict) for r in loaded):
+        raise ConfigError([f"{p}: this looks like a data file (a list of rows), not a config; {data_hint}"])
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError([f"{p}: the top level must be a mapping of sections"])
+    loaded = loaded or {}
+    if loaded and not {str(k).split(".")[0] for k in loaded} & set(RunConfig.model_fields):
+        if {"question", "answer", "prompt", "problem", "solution"} & set(map(str, loaded)):
+            raise ConfigError([f"{p}: this looks like a data file (a row with {', '.join(map(str, loaded))}), not a "
+                               f"config; {data_hint}"])
+    return loaded
 
 
 def _validate(raw: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e)) from None
+        raise ConfigError(format_errors(e)) from None
 
 
 RESUMABLE_FIELDS = (

@@ -53,6 +53,9 @@ class RunConfig(Section):
         """A single safe path component: `../x` or `/tmp/x` would put the run outside checkpoint.runs_root."""
         if isinstance(v, int) and not isinstance(v, bool):
             v = str(v)  # name=7 on the command line is read as a number
+        if isinstance(v, str) and len(v) > 100:
+            raise ValueError(f"{len(v)} characters; a run name is at most 100 (it names the run's folder and its "
+                             "Ray actors)")
         if isinstance(v, str) and not RUN_NAME.fullmatch(v):
             raise ValueError(f"{v!r} is not a run name: use one folder name of letters, digits, '.', '_' and '-' "
                              "starting with a letter or digit (e.g. name=my-run-1); the run's folder is always "
@@ -141,11 +144,16 @@ def _task_problems(data: DataConfig, reward_name: str, builtin_model: bool) -> l
     from common.reward_registry import BUILTIN_NAMES
     from common.tasks import get_task
 
+    from common.tasks import TASKS
+
     task, problems = get_task(data.task), []
     if reward_name in BUILTIN_NAMES and reward_name not in task.rewards:
         others = f" (or {', '.join(task.rewards[1:])})" if task.rewards[1:] else ""
+        takers = [t for t, spec in TASKS.items() if reward_name in spec.rewards]
+        instead = (f", or keep it with data.task={' or data.task='.join(takers)} or data.train_path=<your data file>"
+                   if takers else ", or keep it with data.train_path=<your data file>")
         problems.append(f"reward.name: {reward_name} cannot score the {task.name} task; "
-                        f"set reward.name={task.rewards[0]}{others}")
+                        f"set reward.name={task.rewards[0]}{others}{instead}")
     if builtin_model and data.use_chat_template != task.chat:
         problems.append(
             f"data.use_chat_template: the built-in {task.name} model is a chat model (BPE tokenizer with a chat "

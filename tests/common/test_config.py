@@ -38,7 +38,7 @@ def test_overrides_are_parsed_as_yaml_values():
         ("reward.name=arithmetic",
          "reward.name: arithmetic cannot score the countdown task; set reward.name=countdown"),
         ("nonsense", "nonsense: an override is written key=value"),
-        ("buffer.group_size.x=1", "buffer.group_size: Input should be a valid integer"),
+        ("buffer.group_size.x=1", "buffer.group_size.x: group_size is a value, not a section"),
         ("learner.attn_implementation=flash2", "learner.attn_implementation: 'flash2' is not an "
                                                 "attention implementation transformers knows: use one of sdpa"),
     ],

@@ -1,0 +1,203 @@
+"""pydantic's validation errors as "field: problem" lines in the user's terms.
+
+Every line starts with a path the user can type (a union's kind is not part of it), says what to write
+instead, and never shows pydantic's internal type names (`bool`, `literal['auto']`, "valid tuple"):
+- an unknown key gets the close names of its section, the kind of a union that has it, or the section
+  elsewhere that has a field of that name (`buffer.lr` -> `learner.lr`);
+- a value given to a section (`tracking=false`) shows the section's fields and the form to write;
+- a mapping, a list or a choice shows an example or the values it takes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+
+from common.config.schema import (Place, choices, example_value, leaf_paths, mapping_value, place, section_model,
+                                  section_paths)
+
+LISTS = "`exgrpo config` lists every field"
+
+
+def format_errors(err: ValidationError) -> list[str]:
+    """One or more lines per problem; the members of a `bool | Literal['auto']` union share one line."""
+    lines: list[str] = []
+    done: set[str] = set()
+    for e in err.errors():
+        pl = place(e["loc"])
+        if pl.field is not None and pl.rest:  # one member of a value union failed: say what the field takes
+            if pl.dotted not in done:
+                done.add(pl.dotted)
+                lines.append(f"{pl.dotted}: {_not_a_choice(e['input'], pl.field)}")
+            continue
+        msg = _message(e, pl)
+        if "\n" in msg:  # several problems from one model validator, each with its own path
+            lines.extend(msg.splitlines())
+        else:
+            lines.append(f"{pl.dotted}: {msg}" if pl.path else msg)
+    return lines
+
+
+def _message(e: dict, pl: Place) -> str:
+    kind, value = e["type"], e.get("input")
+    if kind == "extra_forbidden":
+        return f"unknown field ({_suggest(pl)})"
+    if kind == "union_tag_not_found":
+        return "kind is missing: name the backend with its fields (docs/configuration.md lists the kinds)"
+    if kind == "union_tag_invalid":
+        tags = e["ctx"]["expected_tags"].replace("'", "")
+        return f"kind {e['ctx']['tag']!r} is not one of {tags}"
+    if kind == "model_type" and pl.model is not None:
+        return _section_given_a_value(pl, value)
+    if kind == "dict_type" and pl.field is not None:
+        return _mapping_form(pl, value)
+    if kind in ("list_type", "tuple_type", "too_short", "too_long") and pl.field is not None \
+            and _list_shape(pl.field.annotation):
+        return f"{_list_shape(pl.field.annotation)}, not {_shown(value)}: e.g. {pl.dotted}={_list_example(pl.field)}"
+    if kind in ("literal_error", "bool_parsing", "bool_type") and pl.field is not None \
+            and choices(pl.field.annotation):
+        return _not_a_choice(value, pl.field)
+    return e["msg"].removeprefix("Value error, ")
+
+
+def _shown(value: Any) -> str:
+    from common.config.loading import yaml_value
+
+    try:
+        return repr(value) if isinstance(value, str) else yaml_value(value)
+    except Exception:  # noqa: BLE001 - a value yaml cannot write (an object given in Python) is shown as repr
+        return repr(value)
+
+
+def _not_a_choice(value: Any, field: FieldInfo) -> str:
+    options = choices(field.annotation) or []
+    return f"{_shown(value)} is not one of {', '.join(options)}" if options else f"{_shown(value)} is not valid"
+
+
+# ----------------------------------------------------------------------------------------- unknown keys
+
+
+def _near(name: str, candidates: list[str], cutoff: float = 0.6) -> list[str]:
+    """Names the user probably meant: fields that `name` is the start or end of (`path` -> `train_path`,
+    `test_path`), close spellings, or the field `name`'s initials spell (`learning_rate` -> `lr`)."""
+    affix = [c for c in candidates if c.endswith("_" + name) or c.startswith(name + "_")]
+    if affix:
+        return affix
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=cutoff)
+    if close:
+        return close
+    words = name.split("_")
+    initials = "".join(w[:1] for w in words) if len(words) > 1 else None
+    return [c for c in candidates if c == initials or ("_" in c and "".join(w[:1] for w in c.split("_")) == name)]
+
+
+def _or(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def _suggest(pl: Place) -> str:
+    """What an unknown key probably is: a field of its section, of another kind of its union, or of another
+    section."""
+    name, section = pl.path[-1], ".".join(pl.path[:-1])
+    prefix = section + "." if section else ""
+    own = [n for n in (pl.model.model_fields if pl.model is not None else ()) if n != "kind"]
+    near = _near(name, own)
+    if near:
+        return f"did you mean {_or([prefix + n for n in near])}? {LISTS}"
+    if pl.union is not None and pl.union[0] == section:
+        upath, kind, kinds = pl.union
+        for other, model in kinds.items():
+            hit = _near(name, [n for n in model.model_fields if n != "kind"]) if other != kind else []
+            if hit:
+                inner = [f"{upath}.{n}.{hit[0]}" for n, f in pl.model.model_fields.items()
+                         if section_model(f.annotation) is model]  # auto's own vllm settings
+                keep = f", or {inner[0]} to keep kind {kind}" if inner else ""
+                return (f"{hit[0]} is a field of kind {other}, not of {kind}: set {upath}.kind={other} to use "
+                        f"{upath}.{hit[0]}{keep}")
+    elsewhere = _elsewhere(name, prefix)
+    if elsewhere:
+        where = f"not in {section}" if section else "in a section"
+        return f"{name} is {where}: {_or(elsewhere)}; {LISTS}"
+    return f"check the spelling; {LISTS}"
+
+
+def _elsewhere(name: str, prefix: str) -> list[str]:
+    """Paths of other sections that end in `name` (or in a name close to it), shallowest first, at most 3."""
+    paths = sorted({p for p, _ in leaf_paths()} | set(section_paths()), key=lambda p: (p.count("."), p))
+    paths = [p for p in paths if not p.startswith(prefix) or not prefix]
+    exact = [p for p in paths if p.rsplit(".", 1)[-1] == name and p != prefix + name]
+    if exact:
+        return exact[:3]
+    by_last: dict[str, list[str]] = {}
+    for p in paths:
+        by_last.setdefault(p.rsplit(".", 1)[-1], []).append(p)
+    near = _near(name, list(by_last), cutoff=0.8)
+    return [p for n in near for p in by_last[n]][:3]
+
+
+# ------------------------------------------------------------------------------ sections, mappings, lists
+
+
+def _section_given_a_value(pl: Place, value: Any) -> str:
+    """`tracking=false`, `eval.sets.aime=aime.jsonl`: the section's fields, and the field the value fits."""
+    fields = {n: f for n, f in pl.model.model_fields.items() if n != "kind"}
+    fits = next((n for n, f in fields.items() if _accepts(f.annotation, value)), None)
+    from common.config.loading import yaml_value
+
+    example = (f"{pl.dotted}.{fits}={yaml_value(value)}" if fits else
+               f"{pl.dotted}.{next(iter(fields))}=...")
+    names = list(fields)
+    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+    return f"a section, not a value ({_shown(value)}): set its fields, e.g. {example} (its fields: {shown})"
+
+
+def _accepts(ann: Any, value: Any) -> bool:
+    if value is None or isinstance(ann, type) and issubclass(ann, BaseModel):
+        return False
+    try:
+        TypeAdapter(ann).validate_python(value)
+    except (ValidationError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _mapping_form(pl: Place, value: Any) -> str:
+    """`generator.node_labels=H100`: a mapping is written key by key, or whole."""
+    _, value_model = mapping_value(pl.field.annotation)
+    if value_model is not None:
+        first = next(n for n in value_model.model_fields if n != "kind")
+        return (f"named sections, not {_shown(value)}: write {pl.dotted}.<name>.{first}=..., e.g. "
+                f"{pl.dotted}.aime.{first}=aime.jsonl")
+    example = example_value(pl.field) or "{key: value}"
+    import yaml
+
+    try:
+        key, val = next(iter(yaml.safe_load(example).items()))
+    except (yaml.YAMLError, AttributeError, StopIteration):
+        key, val = "key", "value"
+    return (f"a mapping, not {_shown(value)}: write {pl.dotted}.<key>=<value>, e.g. {pl.dotted}.{key}={val} "
+            f"(or the whole mapping: {pl.dotted}='{example}')")
+
+
+def _list_shape(ann: Any) -> str | None:
+    """'a list of 2 numbers' for tuple[float, float], 'a list' for list[str] (None: not a list field)."""
+    args = [a for a in typing.get_args(ann) if a is not type(None)] if typing.get_origin(ann) is not None else []
+    if typing.get_origin(ann) in (typing.Union, types.UnionType) and len(args) == 1:
+        ann = args[0]
+    origin = typing.get_origin(ann)
+    if origin is tuple:
+        items = typing.get_args(ann)
+        what = "numbers" if all(a in (int, float) for a in items) else "values"
+        return f"a list of {len(items)} {what}, written [a, b]"
+    if origin is list:
+        return "a list, written [a, b]"
+    return None
+
+
+def _list_example(field: FieldInfo) -> str:
+    return example_value(field) or "[a, b]"
