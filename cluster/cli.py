@@ -87,7 +87,7 @@ def _split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]
     path = None
     if items and "=" not in items[0] and not _reads_as_key(items[0]):
         path, items = items[0], items[1:]
-    problems = _not_overrides(items)
+    problems = _not_overrides(items, path)
     if problems:
         if path is not None and not Path(path).is_file():
             problems.insert(0, f"{path}: is a folder; pass a YAML config file" if Path(path).is_dir()
@@ -103,7 +103,7 @@ def _reads_as_key(token: str) -> bool:
     return all(part.isidentifier() for part in token.split("."))
 
 
-def _not_overrides(items: list[str]) -> list[str]:
+def _not_overrides(items: list[str], path: str | None = None) -> list[str]:
     """One problem per token that is not key=value, naming the override it was probably meant to be."""
     from common.config import RunConfig
 
@@ -111,6 +111,12 @@ def _not_overrides(items: list[str]) -> list[str]:
     while i < len(items):
         tok, nxt, after = (items[i:i + 3] + [None, None])[:3]
         if "=" in tok and not tok.endswith("=") and not tok.startswith("="):
+            i += 1
+            continue
+        if "=" not in tok and (Path(tok).is_file() or tok.endswith((".yaml", ".yml"))):  # a second config file
+            first = f" (the config is {path})" if path else ""
+            problems.append(f"{tok}: one config file per command{first}; merge the files, or give {tok}'s settings "
+                            "as key=value overrides" if Path(tok).is_file() else f"{tok}: config file not found")
             i += 1
             continue
         if tok.endswith("=") and nxt is not None and "=" not in nxt:  # `key= 8`
@@ -186,9 +192,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "config":
+        from cluster.preflight import input_problems
         from common.config import to_yaml
 
-        print(to_yaml(_load(args)), end="")
+        cfg = _load(args)
+        print(to_yaml(cfg), end="")
+        problems = input_problems(cfg)
+        if problems:  # valid as a config, but `train` would stop at its start-up checks
+            print("exgrpo train refuses this config on this machine (the model folder, data files and reward are "
+                  "checked when a run starts):", *problems, sep="\n  ", file=sys.stderr)
+            return 2
         return 0
     if args.command == "toy-model":
         from common.toy_model import ensure_toy_model

@@ -88,6 +88,26 @@ def check_reward(reward_name: str, task: str | None) -> None:
         raise BadInput("invalid configuration:", str(e)) from None
 
 
+def input_problems(cfg) -> list[str]:
+    """What `exgrpo train` would refuse at start on this machine, as "field: problem" lines (no model is built
+    or loaded): the model folder, the data files, and a user reward that must import."""
+    from common.reward_registry import BUILTIN_NAMES, resolve_reward
+
+    problems = []
+    if cfg.model.path is not None:
+        problems.append(model_folder_problem(Path(cfg.model.path).expanduser()))
+    for key in ("train_path", "test_path"):
+        p = getattr(cfg.data, key)
+        if p is not None and not Path(p).expanduser().is_file():
+            problems.append(f"data.{key}: {p} is not a file")
+    if cfg.reward.name not in BUILTIN_NAMES and ":" in cfg.reward.name:
+        try:
+            resolve_reward(cfg.reward.name)
+        except ValueError as e:
+            problems.append(str(e))
+    return [p for p in problems if p]
+
+
 # ------------------------------------------------------------------------------------ checkpoints
 
 

@@ -1,0 +1,145 @@
+"""Config mistakes people make, each answered through `exgrpo config` (exit 2, no traceback) with a line that
+says what to change, in paths the user can type (issue 37); and the union shorthand the docs use."""
+
+from __future__ import annotations
+
+import gzip
+
+import pytest
+import yaml
+
+from cluster.cli import main
+from common.config import load_config
+
+
+def refused(capsys, *args: str) -> str:
+    """`exgrpo config ARGS` exits 2 without a traceback; its stderr."""
+    with pytest.raises(SystemExit) as e:
+        main(["config", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("invalid configuration:") and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("args, says", [
+    # a key in the wrong section names the section where it lives
+    (["learner.max_lag=1"], "learner.max_lag: unknown field (max_lag is not in learner: buffer.max_lag"),
+    (["buffer.lr=1e-5"], "buffer.lr: unknown field (lr is not in buffer: learner.lr or model.toy.lr"),
+    (["generator.group_size=4"], "generator.group_size: unknown field (group_size is not in generator: "
+                                 "buffer.group_size"),
+    (["lr=1e-5"], "lr: unknown field (lr is in a section: learner.lr or model.toy.lr"),
+    (["learner.learning_rate=1e-5"], "learner.learning_rate: unknown field (did you mean learner.lr?"),
+    (["data.path=q.jsonl"], "data.path: unknown field (did you mean data.train_path, data.test_path or "
+                            "data.chat_template_path?"),
+    # paths without the kind's name, with a did-you-mean
+    (["generator.engine.kind=vllm", "generator.engine.gpu_memory_utilisation=0.9"],
+     "generator.engine.gpu_memory_utilisation: unknown field (did you mean generator.engine.gpu_memory_utilization?"),
+    (["learner.weight_sync.kind=collective", "learner.weight_sync.relay_fanot=2"],
+     "learner.weight_sync.relay_fanot: unknown field (did you mean learner.weight_sync.relay_fanout?"),
+    (["learner.weight_sync.relay_fanot=2"], "relay_fanout is a field of kind collective, not of object_store: set "
+                                            "learner.weight_sync.kind=collective"),
+    # a field of another kind says which kind to set
+    (["generator.engine.kind=transformers", "generator.engine.max_num_seqs=64"],
+     "generator.engine.max_num_seqs: unknown field (max_num_seqs is a field of kind vllm, not of transformers: set "
+     "generator.engine.kind=vllm"),
+    (["generator.engine.kind=auto", "generator.engine.max_num_seqs=64"],
+     "or generator.engine.vllm.max_num_seqs to keep kind auto"),
+    (["generator.engine.max_num_seqs=64", "generator.engine.batch_rows=8"],
+     "generator.engine: batch_rows is a field of kind transformers; max_num_seqs is a field of kind vllm: one kind "
+     "at a time; set generator.engine.kind"),
+    # no pydantic type names
+    (["learner.clip_fresh=maybe"], "learner.clip_fresh: 'maybe' is not one of true, false, auto"),
+    (["learner.padding_free=maybe"], "learner.padding_free: 'maybe' is not one of true, false, auto"),
+    (["generator.dtype=fp8"], "generator.dtype: 'fp8' is not one of float32, bfloat16, float16, null"),
+    (["generator.engine.kind=tpu"], "generator.engine: kind 'tpu' is not one of vllm, transformers, auto"),
+    # a value given to a section shows the form
+    (["tracking=false"], "tracking: a section, not a value (false): set its fields, e.g. tracking.enabled=false"),
+    (["eval.sets.aime=aime.jsonl"], "eval.sets.aime: a section, not a value ('aime.jsonl'): set its fields, e.g. "
+                                    "eval.sets.aime.path=aime.jsonl"),
+    (["generator.node_labels=H100"], "generator.node_labels: a mapping, not 'H100': write "
+                                     "generator.node_labels.<key>=<value>"),
+    # lists and tuples with an example
+    (["learner.betas=0.9"], "learner.betas: a list of 2 numbers, written [a, b], not 0.9: e.g. "
+                            "learner.betas=[0.9, 0.999]"),
+    (["learner.icepop_band=2"], "e.g. learner.icepop_band=[0.5, 2.0]"),
+    (["generator.stop=3"], "generator.stop: a list, written [a, b]"),
+    # the limit of a name
+    (["name=" + "r" * 101], "name: 101 characters; a run name is at most 100"),
+    # a value below a value
+    (["buffer.group_size.x=1"], "buffer.group_size.x: group_size is a value, not a section"),
+    # a reward the default task cannot use says how to keep it
+    (["reward.name=math_think"], "set reward.name=countdown, or keep it with data.task=think_arith or "
+                                 "data.train_path=<your data file>"),
+])
+def test_each_mistake_says_what_to_change(capsys, args, says):
+    assert says in refused(capsys, *args)
+
+
+def test_fields_of_a_union_without_kind_pick_the_kind():
+    """The docs' shorthand: a field of the default kind keeps it, a field only one kind has sets that kind."""
+    cfg = load_config(None, ["generator.engine.cpu_vllm_min_params=0"])
+    assert cfg.generator.engine.kind == "auto" and cfg.generator.engine.cpu_vllm_min_params == 0
+    cfg = load_config(None, ["generator.engine.vllm.max_num_seqs=8"])
+    assert cfg.generator.engine.kind == "auto" and cfg.generator.engine.vllm.max_num_seqs == 8
+    cfg = load_config(None, ["generator.engine.max_model_len=2048", "generator.engine.max_num_seqs=64"])
+    assert cfg.generator.engine.kind == "vllm" and cfg.generator.engine.max_num_seqs == 64  # not synthetic's
+    assert load_config(None, ["generator.engine.batch_rows=8"]).generator.engine.kind == "transformers"
+    ws = load_config(None, ["learner.weight_sync.relay_fanout=2"]).learner.weight_sync
+    assert ws.kind == "collective" and ws.relay_fanout == 2
+    ws = load_config(None, ["learner.weight_sync.delta=true", "learner.weight_sync.bucket_mb=64"]).learner.weight_sync
+    assert ws.kind == "object_store" and ws.delta
+
+
+def test_a_dotted_label_key_is_one_key():
+    cfg = load_config(None, ["generator.node_labels.ray.io/accelerator-type=H100", "learner.node_labels.group=train"])
+    assert cfg.generator.node_labels == {"ray.io/accelerator-type": "H100"}
+    assert cfg.learner.node_labels == {"group": "train"}
+
+
+def test_dotted_keys_in_a_yaml_config_set_nested_fields(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("learner.lr: 1.0e-5\nbuffer:\n  max_lag: 0\n  replay_ratio: 0.25\n"
+                 "generator:\n  engine.kind: vllm\n  node_labels: {ray.io/accelerator-type: H100}\n")
+    cfg = load_config(f)
+    assert cfg.learner.lr == 1e-5 and cfg.buffer.max_lag == 0 and cfg.generator.engine.kind == "vllm"
+    assert cfg.generator.node_labels == {"ray.io/accelerator-type": "H100"}
+
+
+def test_a_second_config_file_is_named_as_one(capsys, tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("buffer: {max_lag: 0}\n")
+    b.write_text("learner: {lr: 1.0e-5}\n")
+    err = refused(capsys, str(a), str(b))
+    assert f"{b}: one config file per command (the config is {a}); merge the files, or give {b}'s settings as " \
+           "key=value overrides" in err
+
+
+@pytest.mark.parametrize("name, content, says", [
+    ("train.jsonl", b'{"question": "1+1", "answer": "2"}\n{"question": "2+2", "answer": "4"}\n',
+     "this looks like a data file, not a config; pass it as data.train_path="),
+    ("rows.yaml", b'{"question": "1+1", "answer": "2"}\n{"question": "2+2", "answer": "4"}\n',
+     "this looks like a JSONL data file, not a config; pass it as data.train_path="),
+    ("one.json", b'{"question": "1+1", "answer": "2"}\n', "this looks like a data file (a row with question, answer)"),
+    ("train.parquet", b"PAR1\x15\x04\x15\x80\x01\x15\x90\x01\x00\x00\xff\xfe", "this looks like a Parquet data file"),
+    ("data", gzip.compress(b'{"question": "1+1"}\n'), "this looks like a compressed data file"),
+    ("blob.yaml", b"buffer:\n  max_lag: \xff\xfe\x00\n", "not a text file (byte 19 is not UTF-8); a config is a YAML "
+                                                           "file of sections"),
+])
+def test_a_data_or_binary_file_given_as_the_config_is_named(capsys, tmp_path, name, content, says):
+    f = tmp_path / name
+    f.write_bytes(content)
+    assert says in refused(capsys, str(f))
+
+
+def test_config_reports_what_train_checks_at_start(capsys, tmp_path):
+    """A config that validates but that `train` refuses on this machine: printed, and exit 2 with the reasons."""
+    code = main(["config", f"model.path={tmp_path / 'no-model'}", f"data.train_path={tmp_path / 'no.jsonl'}",
+                 f"data.test_path={tmp_path / 'no-test.jsonl'}", "reward.name=nopkg.nomod:fn"])
+    out, err = capsys.readouterr()
+    assert code == 2 and yaml.safe_load(out)["model"]["path"] == str(tmp_path / "no-model")
+    assert "exgrpo train refuses this config on this machine" in err and "Traceback" not in err
+    assert f"model.path: {tmp_path / 'no-model'} is not a Hugging Face model folder" in err
+    assert f"data.train_path: {tmp_path / 'no.jsonl'} is not a file" in err
+    assert f"data.test_path: {tmp_path / 'no-test.jsonl'} is not a file" in err
+    assert "reward.name: cannot import module 'nopkg.nomod'" in err
