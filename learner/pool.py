@@ -165,13 +165,16 @@ class LearnerRank:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+        from common.disk import plain_disk_errors
+
         tmp_path = Path(tmp)
-        self.export_model(tmp_path / ck.MODEL_DIR)
-        state = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
-        if self.dtype != torch.float32:
-            state[ck.MASTER_KEY] = get_model_state_dict(self.model)  # float32 shards, each rank its own
-        dcp.save(state, checkpoint_id=str(tmp_path / ck.OPTIM_DIR))
-        ck.save_rng(tmp_path, self.rank)
+        with plain_disk_errors(tmp_path):  # ENOSPC & co. reach the driver as such, not as DCP's or torch's wrappers
+            self.export_model(tmp_path / ck.MODEL_DIR)
+            state = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
+            if self.dtype != torch.float32:
+                state[ck.MASTER_KEY] = get_model_state_dict(self.model)  # float32 shards, each rank its own
+            dcp.save(state, checkpoint_id=str(tmp_path / ck.OPTIM_DIR))
+            ck.save_rng(tmp_path, self.rank)
 
     def load(self, ckpt: str) -> None:
         import torch.distributed.checkpoint as dcp

@@ -1,0 +1,69 @@
+"""Disk errors are recognised behind every wrapper a writer puts around them, on a real small file system:
+DCP's CheckpointException around torch's zip-writer RuntimeError, Ray's RayTaskError, a read-only remount."""
+
+from __future__ import annotations
+
+import errno
+import pickle
+
+import pytest
+import torch
+
+from common.disk import disk_error, plain_disk_errors
+from tests.small_fs import fill, remount, small_fs
+
+
+@pytest.fixture
+def fs(tmp_path):
+    with small_fs(tmp_path / "fs", 4) as path:
+        yield path
+
+
+def _dcp_save_on_a_full_disk(fs):
+    import torch.distributed.checkpoint as dcp
+
+    fill(fs, leave=200_000)
+    with pytest.raises(BaseException) as info:
+        dcp.save({"w": torch.zeros(1000, 1000)}, checkpoint_id=str(fs / "optimizer"))  # 4 MB into 0.2 MB
+    return info.value
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_full_disk_under_dcp_and_torch_wrappers_is_enospc_and_crosses_ray_as_a_plain_oserror(fs):
+    from ray.exceptions import RayTaskError
+
+    e = _dcp_save_on_a_full_disk(fs)
+    # what the issue saw: no errno on the surface, only "[enforce fail at inline_container.cc] unexpected pos"
+    assert type(e).__name__ == "CheckpointException" and not isinstance(e, OSError)
+    assert disk_error(e).errno == errno.ENOSPC
+
+    # a rank converts it before it leaves; pickling (Ray's transport) keeps errno, text and the folder
+    with pytest.raises(OSError) as plain:
+        with plain_disk_errors(fs / "optimizer"):
+            raise e
+    crossed = pickle.loads(pickle.dumps(plain.value))
+    assert (crossed.errno, crossed.filename) == (errno.ENOSPC, str(fs / "optimizer"))
+    # and the driver finds it inside the RayTaskError that ray.get raises
+    wrapped = RayTaskError("LearnerRank.save", "Traceback ...", crossed).as_instanceof_cause()
+    assert disk_error(wrapped).errno == errno.ENOSPC
+
+
+def test_a_read_only_disk_is_erofs_and_other_errors_are_not_the_disks(fs):
+    remount(fs, "ro")
+    try:
+        with pytest.raises(OSError) as info:
+            (fs / "driver.json").write_text("{}")
+        assert disk_error(info.value).errno == errno.EROFS
+    finally:
+        remount(fs, "rw")
+    assert disk_error(FileNotFoundError(errno.ENOENT, "No such file or directory", "x")) is None
+    assert disk_error(ValueError("unexpected pos 704 vs 598")) is None
+    with pytest.raises(ValueError):  # not a disk error: passes unchanged
+        with plain_disk_errors(fs):
+            raise ValueError("a bug")
+
+
+def test_an_errno_flattened_to_text_is_still_found():
+    e = RuntimeError("remote task failed: OSError: [Errno 122] Disk quota exceeded: '/ckpt/x'")
+    assert disk_error(e).errno == errno.EDQUOT
+    assert disk_error(RuntimeError("[Errno 2] No such file or directory")) is None
