@@ -15,6 +15,7 @@ from torch import Tensor
 from common.config import LearnerConfig
 from learner import loss as L
 from learner.batching import MicroBatch, Row, collate
+from learner.levers import apply_compile
 from learner.token_stats import TokenStatsHead, install_token_stats_head, token_stats
 
 
@@ -35,11 +36,14 @@ def response_logprobs_and_entropy(logits: Tensor, targets: Tensor, mask: Tensor)
 
 def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, *, trainable: bool = True) -> torch.nn.Module:
     """The learner's changes to a freshly loaded model, before any sharding: the chunked LM head (unless
-    `logits_chunk_tokens=0`) and, on the trained model, per-layer activation checkpointing."""
+    `logits_chunk_tokens=0`) and, on the trained model, per-layer activation checkpointing and, with
+    `compile` true (`levers.resolve_levers` decides "auto"; unresolved it means off), per-layer torch.compile."""
     if cfg.logits_chunk_tokens != 0:
         install_token_stats_head(model, cfg.logits_chunk_tokens)
     if trainable and cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if trainable and cfg.compile is True:
+        apply_compile(model, cfg.compile_backend)
     return model
 
 

@@ -26,6 +26,7 @@ import torch
 
 from common.config import LearnerConfig
 from learner.forward import check_packing, prepare_model
+from learner.levers import build_optimizer, resolve_levers
 from learner.loading import build_empty, load_shards, materialize
 from learner.step import TrainStep
 
@@ -54,18 +55,21 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
     from transformers import AutoModelForCausalLM
 
     sharded = world > 1 or dtype != torch.float32
-    attn = {"attn_implementation": cfg.attn_implementation}
+    asked = cfg
+    cfg, notes = resolve_levers(cfg, device, dtype)  # the GPU levers' "auto", decided for this device
     try:
-        if sharded or fill is not None:  # built without weights and filled shard by shard
-            model = build_empty(model_path, **attn)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **attn).to(device)
+        model = _build(cfg, model_path, device, empty=sharded or fill is not None)
     except (ImportError, ValueError) as e:
         if cfg.attn_implementation is None:
             raise
-        raise ValueError(f"learner.attn_implementation={cfg.attn_implementation} cannot load on this learner "
-                         f"({device.type}): {e} Set learner.attn_implementation to sdpa (or leave it unset), "
-                         "or install the kernel where the learner runs") from None
+        if asked.attn_implementation is not None:
+            raise ValueError(f"learner.attn_implementation={cfg.attn_implementation} cannot load on this learner "
+                             f"({device.type}): {e} Set learner.attn_implementation to sdpa (or leave it unset), "
+                             "or install the kernel where the learner runs") from None
+        # our own choice (padding_free=auto on CUDA): back to transformers' default attention, padded
+        notes[-1] = f"padded micro-batches ({cfg.attn_implementation} cannot load here: {e}; attention sdpa)"
+        cfg = cfg.model_copy(update={"attn_implementation": None, "padding_free": False})
+        model = _build(cfg, model_path, device, empty=sharded or fill is not None)
     prepare_model(model, cfg)  # before sharding: FSDP then manages the new head's (tied) weight as before
     if dtype == torch.float16 and rank == 0:
         log.warning("model.dtype=float16: the learner trains without loss scaling (gradients may underflow); "
@@ -82,10 +86,11 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
             load_shards(model, model_path, rank, world)
         else:
             fill(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    optimizer, optimizer_note = build_optimizer(model.parameters(), cfg)
     ref = None
     if cfg.kl_coef > 0:
-        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attn).to(device).eval()
+        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                   attn_implementation=cfg.attn_implementation).to(device).eval()
         ref.requires_grad_(False)
         prepare_model(ref, cfg, trainable=False)
     gap = None
@@ -95,8 +100,20 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
         log.info("learner micro-batches: %s (attention %s)%s",
                  "padding-free packing" if cfg.packs_padding_free else "padded", model.config._attn_implementation,
                  "" if gap is None else f"; packed rows checked apart (largest change {gap:.2g})")
+        log.info("learner levers on %s: %s; %s", device.type, "; ".join(notes), optimizer_note)
     pad = model.config.pad_token_id
     trainer = TrainStep(model, optimizer, cfg, rank=rank, world=world, device=device,
                         pad_id=0 if pad is None else int(pad), max_positions=int(model.config.max_position_embeddings),
                         max_new_tokens=max_new_tokens, ref_model=ref)
     return RankModel(model=model, optimizer=optimizer, trainer=trainer, ref_model=ref, packing_gap=gap)
+
+
+def _build(cfg: LearnerConfig, model_path: str, device: torch.device, *, empty: bool) -> torch.nn.Module:
+    """The model of `model_path` with `cfg.attn_implementation`: on the meta device to be filled shard by shard
+    (`empty`), or loaded whole in float32 on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    attn = {"attn_implementation": cfg.attn_implementation}
+    if empty:
+        return build_empty(model_path, **attn)
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **attn).to(device)
