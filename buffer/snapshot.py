@@ -18,6 +18,7 @@ leaves the running state untouched.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -109,17 +110,25 @@ def write_shard_snapshot(folder: str | os.PathLike, shard: int, state: dict, pla
     """Write what `plan` (`ExperienceStore.plan_snapshot`) asks into `folder`: its new segments (fsynced),
     links (or copies, across file systems) of the old segments it keeps, then the manifest `state`
     atomically, then remove this shard's segments the manifest no longer references. A crash at any point
-    leaves the previous manifest and every segment it references. Returns new segment id -> (name, size,
-    digest), for `ExperienceStore.mark_written`."""
+    leaves the previous manifest and every segment it references; a failed write (a full disk) also removes
+    the new segments, and no segment cut short ever has a segment's name (`_write_segment`). Returns new
+    segment id -> (name, size, digest), for `ExperienceStore.mark_written`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     target = segment_target(folder, shard)
-    written = {sid: (plan.names[sid], *_write_segment(target(plan.names[sid]), recs)) for sid, recs in plan.new.items()}
-    for sid, src in plan.keep.items():
-        if src is not None:
-            _link(src, target(state["store"]["segments"][sid][0]))
-    state["store"]["segments"].update({sid: list(v) for sid, v in written.items()})
-    write_snapshot(snapshot_path(folder, shard), state)
+    written: dict[int, tuple[str, int, str]] = {}
+    try:
+        for sid, recs in plan.new.items():
+            written[sid] = (plan.names[sid], *_write_segment(target(plan.names[sid]), recs))
+        for sid, src in plan.keep.items():
+            if src is not None:
+                _link(src, target(state["store"]["segments"][sid][0]))
+        state["store"]["segments"].update({sid: list(v) for sid, v in written.items()})
+        write_snapshot(snapshot_path(folder, shard), state)
+    except BaseException:  # (a full disk): the folder keeps its previous manifest and what that references
+        for name, _, _ in written.values():
+            target(name).unlink(missing_ok=True)
+        raise
     referenced = {target(v[0]).name for v in state["store"]["segments"].values()}
     for f in folder.glob(f"buffer-shard-{shard}.*.seg"):
         if f.name not in referenced:
@@ -128,17 +137,25 @@ def write_shard_snapshot(folder: str | os.PathLike, shard: int, state: dict, pla
 
 
 def _write_segment(path: Path, recs) -> tuple[int, str]:
+    """Write a segment under a temporary name, fsync it, then give it its name: a write cut short (a full disk,
+    an I/O error) leaves no file under a segment's name, so none can be kept or linked into a later snapshot."""
     from buffer.store import SEGMENT_MAGIC
 
     h = hashlib.blake2b(digest_size=32)
     size = 0
-    with open(path, "wb") as f:
-        for chunk in _segment_chunks(SEGMENT_MAGIC, recs):
-            f.write(chunk)
-            h.update(chunk)
-            size += len(chunk)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in _segment_chunks(SEGMENT_MAGIC, recs):
+                f.write(chunk)
+                h.update(chunk)
+                size += len(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return size, h.hexdigest()
 
 
@@ -161,10 +178,16 @@ def _link(src: str, dst: Path) -> None:
     tmp = dst.with_name(dst.name + f".{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     try:
-        os.link(src, tmp)
-    except OSError:  # another file system (or no hard links): copy
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+        try:
+            os.link(src, tmp)
+        except OSError as e:  # another file system (or no hard links): copy
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
+                raise
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a copy cut short never takes the segment's name
+        raise
 
 
 def open_segment(path: Path, size: int, digest: str) -> mmap.mmap:
