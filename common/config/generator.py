@@ -41,7 +41,7 @@ class TransformersEngineConfig(Section):
 class AutoEngineConfig(Section):
     """vLLM or transformers, chosen per model and machine: vLLM when the generator reserves a GPU
     (`generator.num_gpus` > 0) or, on CPU, when the model has at least `cpu_vllm_min_params` parameters;
-    transformers otherwise, or when vLLM is not installed. `generator.engine.kind=vllm|transformers` pins one."""
+    transformers otherwise, or when vLLM is not installed. `generator.engine.kind=vllm` (or `transformers`) pins one."""
 
     kind: Literal["auto"] = "auto"
     cpu_vllm_min_params: int = Field(20_000_000, ge=0)

@@ -135,7 +135,8 @@ def split_key(key: str, root: type[BaseModel] | None = None) -> list[str]:
 
 
 def leaf_paths(root: type[BaseModel] | None = None) -> list[tuple[str, str | None]]:
-    """(path, kind) of every value field a user can set; kind names the union kind it needs (None: any)."""
+    """(path, kind) of every value field a user can set (a union's `kind` included); kind names the union kind
+    it needs (None: any)."""
     if root is None:
         from common.config.run import RunConfig
 
@@ -144,8 +145,6 @@ def leaf_paths(root: type[BaseModel] | None = None) -> list[tuple[str, str | Non
 
     def walk(model: type[BaseModel], prefix: str, kind: str | None) -> None:
         for name, f in model.model_fields.items():
-            if name == "kind":
-                continue
             kinds = union_kinds(f)
             if kinds is not None:
                 for k, m in kinds.items():
@@ -162,8 +161,8 @@ def leaf_paths(root: type[BaseModel] | None = None) -> list[tuple[str, str | Non
 
 
 def section_paths(root: type[BaseModel] | None = None) -> list[str]:
-    """Every section's path (`buffer`, `model.toy`, `generator.engine`, ...)."""
-    return sorted({p.rsplit(".", 1)[0] for p, _ in leaf_paths(root) if "." in p})
+    """Every section's path (`buffer`, `model.toy`, `generator.engine`, `eval.sets`, ...)."""
+    return sorted({p.rsplit(".", k)[0] for p, _ in leaf_paths(root) for k in range(1, p.count(".") + 1)})
 
 
 def example_value(field: FieldInfo) -> str | None:

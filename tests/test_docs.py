@@ -1,0 +1,372 @@
+"""Docs as tests: every line README.md and docs/*.md show works (issue 37).
+
+Collected from the Markdown source:
+- every `exgrpo ...` command in a code block or an inline span: its subcommand and flags exist (the argument
+  parser of `exgrpo`), and its key=value overrides validate together through the same loading `exgrpo config`
+  uses (`--resume` lines through the resume rules, on a default run). A command shown failing (the next line
+  reads "invalid configuration:") must fail with the lines shown;
+- every inline `key=value` span (several overrides in one span validate together) and every inline
+  `section.key: value` span;
+- every inline dotted key whose first part is a config section (`buffer.max_lag`): it names a field or
+  section a user can type;
+- every YAML block that is a run config (loads) or an experiment spec (every variant validates).
+
+Placeholders (`<run>`, `...`, `PATH`) are not values: their keys are checked, not their values. A config file
+the docs do not ship (`my_run.yaml`) stands for the user's model and data. The override spans of one source line
+validate together; a paragraph whose overrides need a context names it (`<!-- doc-test: with data.task=think_arith
+-->`); a line meant to show a refusal in prose carries `<!-- doc-test: refused -->` (and must be refused). An inline command names a
+subcommand and its flags (checked by name); a command in a code block must parse as written. Relative data files named by the docs are created (empty) in a
+scratch folder, since loading checks that eval sets exist. In-process: no subprocess per line.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from cluster.cli import _parser, _split_config_args
+from common.config import ConfigError, RunConfig, load_config, resume_config
+from common.config.schema import leaf_paths, mapping_value, section_paths, union_kinds
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SECTIONS = set(RunConfig.model_fields)
+REFUSED = "<!-- doc-test: refused -->"
+CONTEXT = re.compile(r"<!-- doc-test: with (.*?) -->", flags=re.S)
+CONFIG_COMMANDS = ("train", "config", "toy-model", "eval")
+DATA_FILE = re.compile(r"^[\w./-]+\.(jsonl|json|parquet)$")
+OVERRIDE = re.compile(r"^[a-z_][a-z0-9_]*(\.[^\s=]+)*=\S*$")
+DOTTED_KEY = re.compile(r"^[a-z_][a-z0-9_]*(\.(<name>|[a-z0-9_]+))+\.?\*?$")
+
+
+def _placeholder(value: str) -> bool:
+    return value in ("", "...", "F", "N", "k", "PATH", "value") or "<" in value or value.endswith("...")
+
+
+def _doc_lines(doc: Path) -> list[str]:
+    return doc.read_text().splitlines()
+
+
+# ------------------------------------------------------------------------------------------- collecting
+
+
+def code_blocks(doc: Path) -> list[tuple[int, str, list[str]]]:
+    """(first line number, language, lines) of each fenced block."""
+    out, lang, start, body = [], None, 0, []
+    for n, line in enumerate(_doc_lines(doc), 1):
+        if line.startswith("```"):
+            if lang is None:
+                lang, start, body = line[3:].strip(), n + 1, []
+            else:
+                out.append((start, lang, body))
+                lang = None
+        elif lang is not None:
+            body.append(line)
+    return out
+
+
+def _command_words(text: str) -> list[str] | None:
+    """The words after `exgrpo` in a shell line (None: not an exgrpo command); comments and pipes cut off."""
+    try:
+        words = shlex.split(text, comments=True)
+    except ValueError:
+        return None
+    idx = next((i for i, w in enumerate(words) if w == "exgrpo" or w.endswith("/exgrpo")), None)
+    if idx is None:
+        return None
+    words = words[idx + 1:]
+    cut = next((i for i, w in enumerate(words) if w in ("|", ">", "2>", "&&", ";", "||")), len(words))
+    return [w.strip("[]") for w in words[:cut] if w.strip("[]") and w != "|"]
+
+
+def commands() -> list[tuple[str, list[str], list[str] | None]]:
+    """(where, words after `exgrpo`, the error lines shown after it or None) for every command the docs show."""
+    out = []
+    for doc in DOCS:
+        for start, lang, body in code_blocks(doc):
+            joined: list[tuple[int, str]] = []
+            for i, line in enumerate(body):
+                if joined and joined[-1][1].endswith("\\"):
+                    joined[-1] = (joined[-1][0], joined[-1][1][:-1] + " " + line.strip())
+                else:
+                    joined.append((start + i, line))
+            for k, (n, line) in enumerate(joined):
+                prompt = line.lstrip().startswith("$ ")
+                if not prompt and lang not in ("bash", "sh", "shell", ""):
+                    continue
+                words = _command_words(line.lstrip().removeprefix("$ "))
+                if not words or not (prompt or line.lstrip().split()[0].endswith("exgrpo")
+                                     or "--" in line.split("exgrpo")[0]):
+                    continue
+                shown = None
+                if k + 1 < len(joined) and joined[k + 1][1].strip() == "invalid configuration:":
+                    shown = []
+                    for _, nxt in joined[k + 2:]:
+                        if not nxt.startswith("  "):
+                            break
+                        shown.append(nxt.strip())
+                out.append((f"{doc.name}:{n}", words, shown))
+        for n, line, span in inline_spans(doc):
+            if span.startswith("exgrpo ") and REFUSED not in line:
+                words = _command_words(span)
+                if words:
+                    out.append((f"{doc.name}:{n}", words, "inline"))
+    return out
+
+
+def inline_spans(doc: Path) -> list[tuple[int, str, str]]:
+    """(line number, source line, text) of every inline code span outside code blocks; a span may wrap."""
+    text = doc.read_text()
+    text = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    lines = text.splitlines()
+    out = []
+    for m in re.finditer(r"(?<!`)`([^`]+)`(?!`)", text):
+        n = text.count("\n", 0, m.start()) + 1
+        out.append((n, lines[n - 1], " ".join(m.group(1).split())))
+    return out
+
+
+def contexts(doc: Path) -> dict[int, list[str]]:
+    """line number -> the overrides its paragraph's `<!-- doc-test: with ... -->` marker names."""
+    out: dict[int, list[str]] = {}
+    lines = _doc_lines(doc)
+    start = 0
+    for n in range(len(lines) + 1):
+        if n == len(lines) or not lines[n].strip():
+            paragraph = "\n".join(lines[start:n])
+            given = [w for m in CONTEXT.finditer(paragraph) for w in m.group(1).split()]
+            out.update({k + 1: given for k in range(start, n)} if given else {})
+            start = n + 1
+    return out
+
+
+def inline_overrides() -> list[tuple[str, list[str]]]:
+    """(where, overrides) of every source line's spans made of key=value words (or one `dotted.key: value`),
+    after the overrides of its paragraph's context."""
+    out: dict[str, list[str]] = {}
+    for doc in DOCS:
+        context = contexts(doc)
+        for n, line, span in inline_spans(doc):
+            if span.startswith("exgrpo "):
+                continue
+            words = span.split()
+            colon = re.fullmatch(r"([a-z_]+\.[a-z0-9_.]+): (\S+)", span)
+            if colon:
+                words = [f"{colon.group(1)}={colon.group(2)}"]
+            if words and all(OVERRIDE.match(w) and w.split(".")[0].split("=")[0] in SECTIONS for w in words):
+                where = f"{doc.name}:{n}" + (" (refused)" if REFUSED in line else "")
+                out.setdefault(where, list(context.get(n, []))).extend(words)
+    return list(out.items())
+
+
+def inline_keys() -> list[tuple[str, str]]:
+    """(where, key) of every span that is one dotted key starting with a config section."""
+    out = []
+    for doc in DOCS:
+        for n, line, span in inline_spans(doc):
+            for word in span.replace(",", " ").replace("/", " / ").split() if " " in span else [span]:
+                if DOTTED_KEY.match(word) and word.split(".")[0] in SECTIONS and REFUSED not in line \
+                        and not _a_module(word):
+                    out.append((f"{doc.name}:{n}", word))
+    return out
+
+
+def _a_module(word: str) -> bool:
+    """`cluster.preflight` names a module of ours, not a field."""
+    return (ROOT / (word.replace(".", "/") + ".py")).is_file()
+
+
+# ------------------------------------------------------------------------------------------- checking
+
+
+TYPEABLE = {p for p, _ in leaf_paths()} | set(section_paths())
+
+
+def key_exists(key: str) -> bool:
+    """A field or section a user can type (`eval.sets.aime.path`, `generator.node_labels.<key>` included)."""
+    key = key.removesuffix("*").removesuffix(".")
+    if key in TYPEABLE or key in SECTIONS:
+        return True
+    parts = key.split(".")
+    named = re.sub(r"^eval\.sets\.[^.]+", "eval.sets.<name>", key)
+    if named in TYPEABLE or (key.startswith("eval.sets.") and len(parts) == 3):
+        return True
+    for i in range(1, len(parts)):  # a key below a mapping of values
+        if ".".join(parts[:i]) in TYPEABLE and _is_mapping(".".join(parts[:i])):
+            return True
+    return False
+
+
+def _is_mapping(path: str) -> bool:
+    models = [RunConfig]
+    *sections, name = path.split(".")
+    for s in sections:
+        fields = [m.model_fields[s] for m in models if s in m.model_fields]
+        models = [m for f in fields for m in ((union_kinds(f) or {}).values() or [f.annotation])
+                  if isinstance(m, type) and issubclass(m, BaseModel)]
+    return any(mapping_value(m.model_fields[name].annotation)[0] for m in models if name in m.model_fields)
+
+
+def _make_data_files(overrides: list[str]) -> None:
+    for o in overrides:
+        value = o.partition("=")[2]
+        if DATA_FILE.match(value) and not value.startswith("/") and not Path(value).exists():
+            Path(value).parent.mkdir(parents=True, exist_ok=True)
+            Path(value).write_text("")
+
+
+def _subparsers() -> dict:
+    import argparse
+
+    action = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def check_names(words: list[str]) -> None:
+    """The subcommand and every flag exist (by their full names: a prose mention is not a command line)."""
+    sub = _subparsers().get(words[0])
+    if sub is None:
+        raise ConfigError([f"{words[0]}: no such exgrpo subcommand"])
+    unknown = [w for w in words[1:] if w.startswith("-") and w.split("=")[0] not in sub._option_string_actions]
+    if unknown:
+        raise ConfigError([f"{' '.join(unknown)}: not a flag of exgrpo {words[0]}"])
+
+
+def validate(words: list[str], parse: bool = True) -> None:
+    """Parse `exgrpo WORDS` as the CLI does and validate its config (ConfigError or SystemExit when refused)."""
+    check_names(words)
+    if not parse:  # an inline mention: its overrides, with what the subcommand needs filled in
+        words = [words[0], *(["--model", "m"] if words[0] == "eval" else []), *[w for w in words[1:] if "=" in w]]
+    args = _parser().parse_args([("x" if _placeholder_word(w) else w) for w in words] + _required(words))
+    if args.command not in CONFIG_COMMANDS:
+        return
+    given = [a for a in ([args.config] if args.config else []) + list(args.overrides) if a != "..."]
+    if args.command == "eval" and args.task and not args.data:
+        given += [f"data.task={args.task}", "data.train_path=null"]
+    for w in given:  # placeholders: the key must exist, the value is the user's
+        if "=" in w and _placeholder(w.partition("=")[2]) and w != "key=value":
+            assert key_exists(w.partition("=")[0]), f"{w}: no such field"
+    given = [w for w in given if not ("=" in w and _placeholder(w.partition("=")[2]))]
+    args.config, args.overrides = (given[0] if given else None), given[1:]
+    path, overrides = _split_config_args(args)
+    _make_data_files(overrides)
+    if getattr(args, "resume", None):
+        resume_config(load_config(), overrides)
+    elif path is not None and not (ROOT / path).is_file():  # the user's config: their model and data
+        load_config(None, ["data.train_path=questions.jsonl", *overrides])
+    else:
+        load_config(ROOT / path if path else None, overrides)
+
+
+def _placeholder_word(w: str) -> bool:
+    return w in ("PATH", "RUN") or (w.startswith("<") and w.endswith(">")) or ("<" in w and "=" not in w)
+
+
+def _required(words: list[str]) -> list[str]:
+    """Required flags a usage line leaves out (`exgrpo scale --generators 3` in prose has --run)."""
+    return [] if "--run" in words or not words or words[0] != "scale" else ["--run", "r"]
+
+
+def test_the_docs_show_commands_overrides_keys_and_configs():
+    assert len(commands()) > 20 and len(inline_overrides()) > 30 and len(inline_keys()) > 50
+
+
+def test_every_exgrpo_command_the_docs_show_parses_and_validates(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    problems = []
+    for where, words, shown in commands():
+        try:
+            if shown == "inline":
+                shown = None
+                check_names(words)
+                if any("=" in w for w in words[1:]):
+                    validate(words, parse=False)
+            else:
+                validate(words)
+            refusal = None
+        except ConfigError as e:
+            refusal = e.lines
+        except SystemExit:  # argparse: an unknown subcommand or flag
+            refusal = [capsys.readouterr().err.strip().splitlines()[-1]]
+        if shown is None and refusal:
+            problems.append(f"{where}: exgrpo {' '.join(words)}: {refusal}")
+        elif shown is not None and (refusal is None or not all(s in refusal for s in shown)):
+            problems.append(f"{where}: exgrpo {' '.join(words)}: the docs show {shown}, it gives {refusal}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_inline_override_validates(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    problems = []
+    for where, words in inline_overrides():
+        for w in words:
+            if _placeholder(w.partition("=")[2]) and w != "key=value" and not key_exists(w.partition("=")[0]):
+                problems.append(f"{where}: {w}: no such field")
+        words = [w for w in words if not _placeholder(w.partition("=")[2])]
+        _make_data_files(words)
+        try:
+            load_config(None, words)
+            if where.endswith("(refused)"):
+                problems.append(f"{where}: {' '.join(words)}: the docs say this is refused; it is accepted")
+        except ConfigError as e:
+            if not where.endswith("(refused)"):
+                problems.append(f"{where}: {' '.join(words)}: {e.lines}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_dotted_key_the_docs_name_exists():
+    problems = [f"{where}: {key}" for where, key in inline_keys() if not key_exists(key)]
+    assert not problems, "no such field:\n" + "\n".join(problems)
+
+
+def test_every_yaml_block_loads(tmp_path, monkeypatch):
+    from cluster.experiment import load_spec
+
+    monkeypatch.chdir(tmp_path)
+    problems, checked = [], 0
+    for doc in DOCS:
+        for start, lang, body in code_blocks(doc):
+            if lang not in ("yaml", "yml"):
+                continue
+            block = yaml.safe_load("\n".join(body))
+            f = tmp_path / "block.yaml"
+            f.write_text("\n".join(body))
+            try:
+                if isinstance(block, dict) and {str(k).split(".")[0] for k in block} <= SECTIONS:
+                    load_config(f)
+                elif isinstance(block, dict) and "variants" in block:
+                    load_spec(str(f))
+                else:
+                    continue  # not ours (a RayJob manifest)
+                checked += 1
+            except (ConfigError, ValueError) as e:
+                problems.append(f"{doc.name}:{start}: {getattr(e, 'lines', e)}")
+    assert checked >= 2 and not problems, "\n".join(problems)
+
+
+def test_the_readme_resume_list_is_generated_from_resumable_fields():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "gen_config_docs.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    text = (ROOT / "README.md").read_text()
+    assert gen.readme_with_resume_fields(text) == text, (
+        "README.md's resume list is stale: run `python scripts/gen_config_docs.py --readme`")
+
+
+@pytest.mark.parametrize("broken, found", [
+    ("exgrpo config buffer.max_lagg=1", "buffer.max_lagg"),
+    ("exgrpo train --profiles", "--profiles"),
+    ("exgrpo config learner.clip_fresh=maybe", "learner.clip_fresh"),
+])
+def test_a_broken_doc_line_is_caught(broken, found):
+    """The checks above see a wrong key or flag (the same path they take for a real doc line)."""
+    with pytest.raises((ConfigError, SystemExit)) as e:
+        validate(_command_words(broken))
+    assert e.type is SystemExit or found in str(e.value)
