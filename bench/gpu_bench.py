@@ -1,0 +1,568 @@
+"""GPU bench: the product's learner step and publication on Qwen2.5-shaped models, on a bare GPU machine.
+
+    python bench/gpu_bench.py --out gpu_bench.json                       # 0.5B 1.5B 3B 7B (where memory allows)
+    python bench/gpu_bench.py --sizes 1.5B 3B --activation-checkpointing --out gpu_bench.json
+    python bench/gpu_bench.py --sizes 1.5B --compile --fused-optimizer    # one lever at a time: --no-X turns it off
+    python bench/gpu_bench.py --quick --out /tmp/gpu_bench.json          # tiny shapes on CPU (the suite runs it)
+
+Needs torch, transformers, numpy, pydantic, pyyaml, safetensors: no Ray, vLLM or MLflow is imported
+(docs/cluster.md, "GPU bench", lists the wheels to bring where pydantic is missing).
+
+What runs: one process, one rank. `torch.distributed` over NCCL on CUDA (gloo on CPU) with world size 1,
+and the product's rank setup (`learner.setup.setup_rank`: meta-device build, `prepare_model`, FSDP2
+`fully_shard` per decoder layer with bf16 compute and fp32 master weights, AdamW), then the product's
+`TrainStep.run` on synthetic `TrainingBatch`es. The weights are random (speed does not depend on them),
+the vocabulary 151,936, the shapes Qwen2.5's.
+
+Cases, each with the levers given (unset: the product's default):
+- fixed: 8 rows of 256 prompt + 8,192 response tokens.
+- mixed: as many response tokens in rows of 1,024-8,192 (uniform, seeded), padded and packed without padding
+  (unless --padding-free / --no-padding-free picks one).
+
+Per case: seconds per step (median of --steps after --warmup), response tokens/s, MFU, peak memory, the GPU
+kernel time by category over one profiled step (torch.profiler; on CPU the ops' self time) and the host syncs
+in it. MFU = (6 x parameters + 6 x layers x hidden x row length) FLOPs per token over every token of the
+step (prompt and response), divided by step time x the device's peak (989 TFLOP/s bf16 dense for H100 SXM
+and H200, 312 for A100; --peak-tflops overrides). The recompute of activation checkpointing and of the
+chunked head is not counted (as in issue 34).
+
+Publication, per size: `learner.gather.iter_full_state(model, 0, 1, dtype=bfloat16)` consumed bucket by
+bucket (GB/s = bytes published / seconds), beside this machine's copy limit: the same bytes copied from one
+device bucket into two reused pinned host buffers with non_blocking copies. Bytes published are compared
+with the unique parameter bytes (a tied embedding counted once).
+
+Output: a table headed by the command line, and --out JSON with every number (read by
+`bench/scale_model.py --gpu-json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+VOCAB = 151_936
+PROMPT = 256
+# Qwen2.5 shapes: hidden, intermediate, layers, heads, kv heads, tied embedding
+SIZES = {
+    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    "3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2, tie_word_embeddings=True),
+    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True),  # --quick
+}
+PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0),
+               ("H800", 989.0), ("A100", 312.0), ("A800", 312.0))  # bf16 dense; first match of the device name
+# lever flag -> (LearnerConfig field, value when on, value when off)
+LEVERS = {
+    "compile": ("compile", True, False),
+    "padding_free": ("padding_free", True, False),
+    "fused_optimizer": ("fused_optimizer", True, False),
+    "activation_checkpointing": ("activation_checkpointing", True, False),
+    "chunked_head": ("logits_chunk_tokens", None, 0),
+}
+CATEGORIES = (  # first match wins; names lower-cased (CUDA kernels, or aten ops on CPU)
+    ("communication", r"nccl|c10d|gloo|all_gather|allgather|reduce_scatter|all_reduce|allreduce|broadcast"),
+    ("attention", r"flash|fmha|attention|sdpa|flex|triton_tem"),
+    ("matmul", r"gemm|gemv|matmul|cublas|cutlass|nvjet|xmma|wgmma|aten::(mm|addmm|bmm|baddbmm|linear)$"),
+    ("reduction/softmax", r"reduce|softmax|norm|logsumexp|cross_entropy|triton_red|triton_per|"
+                          r"aten::(sum|mean|max|min|amax|argmax|var|std)$"),
+    ("elementwise/copy", r"elementwise|vectorized|unrolled|copy|memcpy|memset|fill|cat|index|gather|scatter|"
+                         r"triton_poi|multi_tensor|foreach|aten::(add|add_|mul|mul_|sub|div|neg|exp|log|pow|rsqrt|"
+                         r"sqrt|silu|sigmoid|where|clamp|to|_to_copy|copy_|zero_|zeros|ones|empty|contiguous|"
+                         r"lerp_|addcmul_|addcdiv_|masked_fill)"),
+)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+# ------------------------------------------------------------------------------------------------- set-up
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_tflops(device: torch.device, override: float | None) -> tuple[float | None, str]:
+    """The device's bf16 dense peak and where it came from."""
+    if override:
+        return override, "--peak-tflops"
+    if device.type != "cuda":
+        return None, "unknown for a CPU (give --peak-tflops)"
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_TFLOPS:
+        if key in name:
+            return tflops, f"looked up from the device name ({key})"
+    return None, f"unknown for {name!r} (give --peak-tflops)"
+
+
+def model_folder(size: str, vocab: int, tmp: Path) -> Path:
+    """A folder holding only config.json: `learner.loading.build_empty` reads it; the weights are drawn."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=vocab, max_position_embeddings=32_768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                      hidden_act="silu", pad_token_id=0, **SIZES[size])
+    path = tmp / size
+    cfg.save_pretrained(path)
+    return path
+
+
+def random_fill(seed: int):
+    """`setup_rank`'s fill: N(0, 0.02) weights, unit norms, zero biases, on each rank's local shard."""
+    @torch.no_grad()
+    def fill(model: torch.nn.Module) -> None:
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            g = torch.Generator(device=local.device).manual_seed(seed + zlib.crc32(name.encode()))
+            if "norm" in name:
+                local.fill_(1.0)
+            elif name.endswith("bias"):
+                local.zero_()
+            else:
+                local.normal_(0.0, 0.02, generator=g)
+    return fill
+
+
+def learner_config(args, padding_free: bool | None):
+    """LearnerConfig with the bench's budget and the levers asked for (others: the product's defaults)."""
+    from common.config import LearnerConfig
+
+    fields = LearnerConfig.model_fields
+    over = {"micro_batch_tokens": args.micro_batch_tokens, "lr": 1e-6}
+    for flag, (field, on, off) in LEVERS.items():
+        value = getattr(args, flag)
+        if flag == "padding_free" and padding_free is not None:
+            value = padding_free
+        if value is None:
+            continue
+        if field not in fields:
+            sys.exit(f"--{'' if value else 'no-'}{flag.replace('_', '-')}: this tree's LearnerConfig has no "
+                     f"field {field!r}; leave the flag out")
+        over[field] = on if value else off
+    if args.attn:
+        over["attn_implementation"] = args.attn
+    return LearnerConfig(**over)
+
+
+def lever_settings(cfg, model) -> dict:
+    """What the step ran with (the product's defaults resolved)."""
+    out = {field: getattr(cfg, field) for _, (field, _, _) in LEVERS.items() if field in type(cfg).model_fields}
+    out["packs_padding_free"] = cfg.packs_padding_free
+    out["attention"] = model.config._attn_implementation
+    out["micro_batch_tokens"] = cfg.micro_batch_tokens
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- batches
+
+def row_lengths(case: str, rows: int, response: int, seed: int) -> list[int]:
+    """fixed: `rows` x `response`; mixed: as many response tokens in rows uniform in [response/8, response]."""
+    if case == "fixed":
+        return [response] * rows
+    rng = np.random.default_rng(seed)
+    out: list[int] = []
+    while sum(out) < rows * response:
+        out.append(int(rng.integers(max(1, response // 8), response + 1)))
+    return out
+
+
+def make_batch(lengths: list[int], prompt: int, vocab: int, version: int, seed: int):
+    """Groups of 4 with 0/1 rewards, random tokens, behaviour log-probs -log(vocab); nothing to replay."""
+    from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(0, len(lengths), 4):
+        ros = [Rollout(response_ids=int32_array(rng.integers(3, vocab, n)),  # [T]
+                       logprobs=float32_array(np.full(n, -np.log(vocab))),  # [T]
+                       reward=float(i % 2), correct=bool(i % 2), entropy=1.0, version=version, finish_reason="stop",
+                       key=f"q{g}#{i:016x}")
+               for i, n in enumerate(lengths[g:g + 4])]
+        groups.append(TrainGroup(question_id=f"q{g}", prompt_ids=int32_array(rng.integers(3, vocab, prompt)),
+                                 rollouts=ros, mixed=False))
+    return TrainingBatch(groups=groups, version=version)
+
+
+def step_flops(params: int, layers: int, hidden: int, lengths: list[int], prompt: int) -> float:
+    """(6 x params + 6 x layers x hidden x row length) per token, over every token of every row."""
+    return float(sum((prompt + n) * (6 * params + 6 * layers * hidden * (prompt + n)) for n in lengths))
+
+
+# ------------------------------------------------------------------------------------------------- measuring
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_rss_gib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) / 2**30
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, pattern in CATEGORIES if re.search(pattern, low)), "other")
+
+
+def profile_step(trainer, batch, device: torch.device) -> dict:
+    """One step under torch.profiler: kernel time by category (CUDA kernels; CPU ops' self time on CPU) and
+    the host syncs (CUDA runtime sync calls, device-to-host memcpys, scalar reads `aten::_local_scalar_dense`)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        trainer.run(batch)
+        sync(device)
+    split = {cat: {"ms": 0.0, "launches": 0} for cat, _ in CATEGORIES}
+    split["other"] = {"ms": 0.0, "launches": 0}
+    syncs = {name: 0 for name in SYNC_CALLS}
+    sync_cpu_us, dtoh, scalar_reads = 0.0, 0, 0
+    events = prof.events()
+    for e in events:
+        if device.type == "cuda" and e.device_type == DeviceType.CUDA:  # a kernel, memcpy or memset on the GPU
+            if getattr(e, "is_user_annotation", False):  # a record_function span drawn on the GPU: not a kernel
+                continue
+            cat = split[category(e.name)]
+            cat["ms"] += e.time_range.elapsed_us() / 1e3
+            cat["launches"] += 1
+            dtoh += e.name.startswith("Memcpy DtoH")
+            continue
+        if e.name in syncs:
+            syncs[e.name] += 1
+            sync_cpu_us += e.time_range.elapsed_us()
+        scalar_reads += e.name == "aten::_local_scalar_dense"
+    if device.type != "cuda":
+        for a in prof.key_averages():  # self time: nested ops are not counted twice
+            cat = split[category(a.key)]
+            cat["ms"] += a.self_cpu_time_total / 1e3
+            cat["launches"] += a.count
+    total = sum(c["ms"] for c in split.values()) or 1.0
+    for c in split.values():
+        c["share"] = round(c["ms"] / total, 4)
+        c["ms"] = round(c["ms"], 3)
+    return {"kernel_split": split, "kernel_ms": round(total, 3),
+            "kernel_clock": "CUDA kernel time" if device.type == "cuda" else "CPU op self time",
+            "host_syncs": {**syncs, "memcpy_dtoh": dtoh, "total": sum(syncs.values()),
+                           "cpu_s": round(sync_cpu_us / 1e6, 4)},
+            "scalar_reads": scalar_reads}
+
+
+def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path, device: torch.device,
+             dtype: torch.dtype, want_publication: bool) -> dict:
+    """Build the rank (the product's setup), warm up, time --steps steps, profile one, maybe publish."""
+    from learner.setup import setup_rank
+
+    cfg = learner_config(args, padding_free)
+    lengths = row_lengths(case, args.rows, args.response, seed=1)
+    t0 = time.perf_counter()
+    built = setup_rank(cfg, str(folder), rank=0, world=1, device=device, dtype=dtype, max_new_tokens=max(lengths),
+                       fill=random_fill(args.seed))
+    setup_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the steps' peak (the model, AdamW state, activations)
+    model, trainer = built.model, built.trainer
+    shape = model.config
+    params = sum(p.numel() for p in model.parameters())  # unique: a tied embedding once
+    out = {"size": size, "case": case, "rows": len(lengths), "prompt_tokens": args.prompt,
+           "response_min": min(lengths), "response_max": max(lengths), "response_tokens": sum(lengths),
+           "tokens": sum(lengths) + len(lengths) * args.prompt, "settings": lever_settings(cfg, model),
+           "params": params, "layers": shape.num_hidden_layers, "hidden": shape.hidden_size,
+           "setup_s": round(setup_s, 2)}
+    try:
+        times, warm = [], []
+        for i in range(args.warmup + args.steps):
+            batch = make_batch(lengths, args.prompt, shape.vocab_size, version=i, seed=100 + i)
+            sync(device)
+            t0 = time.perf_counter()
+            stats = trainer.run(batch)
+            sync(device)
+            (warm if i < args.warmup else times).append(time.perf_counter() - t0)
+        step_s = statistics.median(times)
+        flops = step_flops(params, shape.num_hidden_layers, shape.hidden_size, lengths, args.prompt)
+        tflops, _ = peak_tflops(device, args.peak_tflops)
+        out.update(step_s=round(step_s, 4), step_s_all=[round(t, 4) for t in times],
+                   warmup_s=[round(t, 3) for t in warm], updates=stats.updates,
+                   padding_frac=round(1 - float(stats.sums["row_tokens"]) / max(1.0, float(stats.sums["forward_tokens"])),
+                                      4),
+                   response_tokens_per_s=round(sum(lengths) / step_s, 1), tokens_per_s=round(out["tokens"] / step_s, 1),
+                   flops_per_step=flops, mfu=round(flops / step_s / (tflops * 1e12), 4) if tflops else None)
+        if device.type == "cuda":
+            out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        else:
+            out["peak_rss_gib"] = round(peak_rss_gib(), 3)
+        if args.profile:
+            out.update(profile_step(trainer, make_batch(lengths, args.prompt, shape.vocab_size, version=99, seed=99),
+                                    device))
+        if want_publication:
+            out["publication"] = publication(model, device, int(args.bucket_mb * 2**20), args.pub_repeats)
+    except torch.OutOfMemoryError as e:  # recorded as the case's result; the next case starts from a free device
+        out["error"] = f"out of memory: {str(e).splitlines()[0]}"
+        print(f"[gpu_bench] {size} {case}: {out['error']}", file=sys.stderr)
+    finally:
+        del built, model, trainer
+        free(device)
+    return out
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if "torch._dynamo" in sys.modules:  # compiled layers of the previous model: recompile for the next
+        torch._dynamo.reset()
+
+
+def unique_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of the state dict's floating entries in `dtype`, each storage once (a tied embedding once)."""
+    seen, total = set(), 0
+    for v in model.state_dict().values():
+        local = v.to_local() if hasattr(v, "to_local") else v
+        key = (local.untyped_storage().data_ptr(), local.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        size = dtype.itemsize if v.is_floating_point() else v.element_size()
+        total += v.numel() * size
+    return total
+
+
+def publication(model: torch.nn.Module, device: torch.device, bucket_bytes: int, repeats: int) -> dict:
+    """iter_full_state in bf16, consumed bucket by bucket (one warm-up pass), beside the pinned-copy limit."""
+    from learner.gather import iter_full_state
+
+    def one() -> tuple[float, int, int]:
+        sync(device)
+        t0 = time.perf_counter()
+        nbytes, buckets = 0, 0
+        for chunk in iter_full_state(model, 0, 1, bucket_bytes=bucket_bytes, dtype=torch.bfloat16):
+            nbytes += sum(t.numel() * t.element_size() for t in chunk.values())
+            buckets += 1
+        sync(device)
+        return time.perf_counter() - t0, nbytes, buckets
+
+    one()
+    runs = [one() for _ in range(repeats)]
+    seconds = statistics.median(r[0] for r in runs)
+    nbytes, buckets = runs[0][1], runs[0][2]
+    copy_s, pinned = copy_limit(nbytes, device, bucket_bytes)
+    return {"bytes_published": nbytes, "unique_bytes": unique_bytes(model, torch.bfloat16), "buckets": buckets,
+            "bucket_bytes": bucket_bytes, "seconds": round(seconds, 4), "gb_per_s": round(nbytes / seconds / 1e9, 3),
+            "copy_s": round(copy_s, 4), "copy_gb_per_s": round(nbytes / copy_s / 1e9, 3), "copy_pinned": pinned}
+
+
+def copy_limit(nbytes: int, device: torch.device, bucket_bytes: int) -> tuple[float, bool]:
+    """Seconds to move `nbytes` from one device bucket into two reused host buffers (pinned, non_blocking on
+    CUDA; plain copies on a CPU), after one warm-up pass."""
+    elems = max(1, min(nbytes, bucket_bytes) // 2)
+    src = torch.randn(elems, device=device).to(torch.bfloat16)  # [elems] one bucket on the device
+    pinned = device.type == "cuda"
+    host = [torch.empty(elems, dtype=torch.bfloat16, pin_memory=pinned) for _ in range(2)]  # [elems] x 2, reused
+
+    def one() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        left, i = nbytes, 0
+        while left > 0:
+            n = min(elems, -(-left // 2))
+            host[i % 2][:n].copy_(src[:n], non_blocking=pinned)
+            left -= 2 * n
+            i += 1
+        sync(device)
+        return time.perf_counter() - t0
+
+    one()
+    return one(), pinned
+
+
+# ------------------------------------------------------------------------------------------------- report
+
+def fits(size: str, device: torch.device, vocab: int) -> str | None:
+    """Why `size` is skipped on this device (None: it should fit): 16 B per parameter (fp32 master, grad,
+    AdamW moments) + 8 GiB for activations, the bf16 gathered layers and the head."""
+    if device.type != "cuda":
+        return None
+    s = SIZES[size]
+    h, i, n = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
+    kv = s["num_key_value_heads"] * h // s["num_attention_heads"]
+    params = n * (2 * h * h + 2 * h * kv + 3 * h * i) + vocab * h * (1 if s["tie_word_embeddings"] else 2)
+    need = 16 * params + 8 * 2**30
+    have = torch.cuda.get_device_properties(device).total_memory
+    if need > have:
+        return f"needs ~{need / 2**30:.0f} GiB (16 B/parameter + 8 GiB), the device has {have / 2**30:.0f} GiB"
+    return None
+
+
+def print_report(result: dict) -> None:
+    d = result["device"]
+    print(f"\n$ {result['command']}")
+    print(f"   ({d['name']}, torch {result['versions']['torch']}, transformers {result['versions']['transformers']}, "
+          f"{result['dtype']}, commit {result['versions']['commit']})")
+    print(f"MFU = {result['mfu_formula']}; peak {d['peak_tflops']} TFLOP/s ({d['peak_source']}); "
+          f"recompute not counted\n")
+    cats = [c for c, _ in CATEGORIES] + ["other"]
+    gpu = d["type"] == "cuda"
+    print("kernel time split: " + ("CUDA kernel time by kernel name" if gpu else "CPU op self time by op name")
+          + " over one profiled step; syncs/step: " + ("CUDA runtime sync calls" if gpu else "none on a CPU")
+          + "; ckpt: activation checkpointing\n")
+    head = ["size", "case", "rows x response", "packed", "attention", "ckpt", "step s", "resp tok/s", "MFU",
+            "peak GiB" if gpu else "peak RSS GiB"] + cats + ["syncs/step"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    for r in result["runs"]:
+        s = r["settings"]
+        lead = [r["size"], r["case"], f"{r['rows']} x {r['response_min']}-{r['response_max']}",
+                "yes" if s["packs_padding_free"] else "no", str(s["attention"]),
+                "yes" if s.get("activation_checkpointing") else "no"]
+        if "error" in r:
+            print("| " + " | ".join(lead + [r["error"]] + [""] * (len(head) - len(lead) - 1)) + " |")
+            continue
+        mem = r.get("peak_mem_gib", r.get("peak_rss_gib"))
+        split = r.get("kernel_split", {})
+        cells = lead + [f"{r['step_s']:.3f}", f"{r['response_tokens_per_s']:,.0f}",
+                        f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", f"{mem:.2f}"]
+        cells += [f"{split[c]['share']:.0%}" if c in split else "-" for c in cats]
+        cells.append(str(r["host_syncs"]["total"]) if "host_syncs" in r else "-")
+        print("| " + " | ".join(cells) + " |")
+    for size, ratio in result["packed_over_padded"].items():
+        print(f"\n{size}: mixed lengths, packed / padded response tokens/s = {ratio:.2f}x")
+    print("\n| size | published GB | unique GB | iter_full_state s | GB/s | pinned copy GB/s | copy / publication |")
+    print("|---|---|---|---|---|---|---|")
+    for size, p in result["publication"].items():
+        print(f"| {size} | {p['bytes_published'] / 1e9:.3g} | {p['unique_bytes'] / 1e9:.3g} | {p['seconds']:.3g} | "
+              f"{p['gb_per_s']:.2f} | {p['copy_gb_per_s']:.2f}{'' if p['copy_pinned'] else ' (plain, CPU)'} | "
+              f"{p['copy_gb_per_s'] / p['gb_per_s']:.1f}x |")
+    for size, why in result["skipped"].items():
+        print(f"\nskipped {size}: {why}")
+
+
+def versions() -> dict:
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "commit": commit}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes on CPU, the whole pipeline in seconds")
+    ap.add_argument("--sizes", nargs="+", choices=list(SIZES), help="default 0.5B 1.5B 3B 7B (tiny with --quick)")
+    ap.add_argument("--cases", nargs="+", choices=["fixed", "mixed"], default=["fixed", "mixed"])
+    ap.add_argument("--rows", type=int, help="rows of the fixed case (default 8)")
+    ap.add_argument("--prompt", type=int, help=f"prompt tokens per row (default {PROMPT})")
+    ap.add_argument("--response", type=int, help="response tokens of a fixed row, the longest mixed one (8192)")
+    ap.add_argument("--micro-batch-tokens", type=int, help="learner.micro_batch_tokens (default 18432)")
+    ap.add_argument("--steps", type=int, help="timed steps, median reported (default 3)")
+    ap.add_argument("--warmup", type=int, help="untimed steps first (default 1)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
+    ap.add_argument("--device", choices=["cuda", "cpu"], help="default cuda where available (cpu with --quick)")
+    ap.add_argument("--peak-tflops", type=float, help="the device's dense peak for MFU (default: by device name)")
+    ap.add_argument("--attn", help="learner.attn_implementation (sdpa, flex_attention, flash_attention_2, ...)")
+    ap.add_argument("--bucket-mb", type=float, default=256.0, help="publication bucket (weight_sync.bucket_mb)")
+    ap.add_argument("--pub-repeats", type=int, default=3, help="timed publications per size (median)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="write every number here as JSON")
+    for flag, (field, _, _) in LEVERS.items():
+        ap.add_argument(f"--{flag.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
+                        help=f"learner.{field} on/off (default: the product's)")
+    args = ap.parse_args(argv)
+    quick = args.quick
+    defaults = dict(sizes=["tiny"] if quick else ["0.5B", "1.5B", "3B", "7B"], rows=4 if quick else 8,
+                    prompt=16 if quick else PROMPT, response=96 if quick else 8192,
+                    micro_batch_tokens=256 if quick else 18_432, steps=1 if quick else 3, warmup=1,
+                    device="cpu" if quick or not torch.cuda.is_available() else "cuda")
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if quick:
+        args.pub_repeats = 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(args.seed)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    tflops, source = peak_tflops(device, args.peak_tflops)
+    vocab = 512 if args.quick else VOCAB
+    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, Path.cwd())]
+                                   + (sys.argv[1:] if argv is None else argv))
+    result = {"command": command, "versions": versions(), "dtype": args.dtype,
+              "device": {"type": device.type, "peak_tflops": tflops, "peak_source": source,
+                         "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+                         "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+                         if device.type == "cuda" else None},
+              "mfu_formula": "(6 x params + 6 x layers x hidden x row length) x tokens / step_s / peak",
+              "recompute_counted": False, "vocab": vocab,
+              "levers": {flag: getattr(args, flag) for flag in LEVERS} | {"attn": args.attn},
+              "runs": [], "publication": {}, "packed_over_padded": {}, "skipped": {}}
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
+            for size in args.sizes:
+                why = fits(size, device, vocab)
+                if why:
+                    result["skipped"][size] = why
+                    continue
+                folder = model_folder(size, vocab, Path(tmp))
+                todo = [(case, pf) for case in args.cases
+                        for pf in ([args.padding_free] if case == "fixed" or args.padding_free is not None
+                                   else [False, True])]
+                for j, (case, pf) in enumerate(todo):
+                    run = run_case(args, size, case, pf, folder, device, dtype, want_publication=j == 0)
+                    if "publication" in run:
+                        result["publication"][size] = run.pop("publication")
+                    result["runs"].append(run)
+                mixed = {r["settings"]["packs_padding_free"]: r for r in result["runs"]
+                         if r["size"] == size and r["case"] == "mixed" and "error" not in r}
+                if len(mixed) == 2:
+                    result["packed_over_padded"][size] = round(
+                        mixed[True]["response_tokens_per_s"] / mixed[False]["response_tokens_per_s"], 3)
+    finally:
+        torch.distributed.destroy_process_group()
+    print_report(result)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"\nwrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
