@@ -146,9 +146,12 @@ def random_fill(seed: int):
     return fill
 
 
-def learner_config(args, padding_free: bool | None):
-    """LearnerConfig with the bench's budget and the levers asked for (others: the product's defaults)."""
+def learner_config(args, padding_free: bool | None, device: torch.device, dtype: torch.dtype):
+    """LearnerConfig with the bench's budget and the levers asked for (others: the product's defaults).
+    `padding_free` (the mixed case's padded/packed pair) overrides --padding-free; packed without --attn uses
+    the attention `padding_free=auto` picks on this device (flash-attention or flex_attention on CUDA)."""
     from common.config import LearnerConfig
+    from learner.levers import resolve_levers
 
     fields = LearnerConfig.model_fields
     over = {"micro_batch_tokens": args.micro_batch_tokens, "lr": 1e-6}
@@ -164,11 +167,14 @@ def learner_config(args, padding_free: bool | None):
         over[field] = on if value else off
     if args.attn:
         over["attn_implementation"] = args.attn
+    elif over.get("padding_free") is True:
+        auto, _ = resolve_levers(LearnerConfig(), device, dtype)
+        over["attn_implementation"] = auto.attn_implementation if auto.packs_padding_free else None
     return LearnerConfig(**over)
 
 
 def lever_settings(cfg, model) -> dict:
-    """What the step ran with (the product's defaults resolved)."""
+    """What the step ran with: `cfg` is the TrainStep's, with `auto` resolved for the device."""
     out = {field: getattr(cfg, field) for _, (field, _, _) in LEVERS.items() if field in type(cfg).model_fields}
     out["packs_padding_free"] = cfg.packs_padding_free
     out["attention"] = model.config._attn_implementation
@@ -277,7 +283,7 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
     """Build the rank (the product's setup), warm up, time --steps steps, profile one, maybe publish."""
     from learner.setup import setup_rank
 
-    cfg = learner_config(args, padding_free)
+    cfg = learner_config(args, padding_free, device, dtype)
     lengths = row_lengths(case, args.rows, args.response, seed=1)
     t0 = time.perf_counter()
     built = setup_rank(cfg, str(folder), rank=0, world=1, device=device, dtype=dtype, max_new_tokens=max(lengths),
@@ -290,7 +296,7 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
     params = sum(p.numel() for p in model.parameters())  # unique: a tied embedding once
     out = {"size": size, "case": case, "rows": len(lengths), "prompt_tokens": args.prompt,
            "response_min": min(lengths), "response_max": max(lengths), "response_tokens": sum(lengths),
-           "tokens": sum(lengths) + len(lengths) * args.prompt, "settings": lever_settings(cfg, model),
+           "tokens": sum(lengths) + len(lengths) * args.prompt, "settings": lever_settings(trainer.cfg, model),
            "params": params, "layers": shape.num_hidden_layers, "hidden": shape.hidden_size,
            "setup_s": round(setup_s, 2)}
     try:
@@ -417,6 +423,13 @@ def fits(size: str, device: torch.device, vocab: int) -> str | None:
     return None
 
 
+def levers_on(s: dict) -> str:
+    on = [name for name, yes in (("packed", s["packs_padding_free"]), ("compile", s.get("compile")),
+                                 ("fused", s.get("fused_optimizer")), ("ckpt", s.get("activation_checkpointing")),
+                                 ("chunked", s.get("logits_chunk_tokens") != 0)) if yes]
+    return " ".join(on) or "none"
+
+
 def print_report(result: dict) -> None:
     d = result["device"]
     print(f"\n$ {result['command']}")
@@ -428,16 +441,15 @@ def print_report(result: dict) -> None:
     gpu = d["type"] == "cuda"
     print("kernel time split: " + ("CUDA kernel time by kernel name" if gpu else "CPU op self time by op name")
           + " over one profiled step; syncs/step: " + ("CUDA runtime sync calls" if gpu else "none on a CPU")
-          + "; ckpt: activation checkpointing\n")
-    head = ["size", "case", "rows x response", "packed", "attention", "ckpt", "step s", "resp tok/s", "MFU",
+          + "; levers: packed = padding-free, ckpt = activation checkpointing, chunked = chunked LM head\n")
+    head = ["size", "case", "rows x response", "levers on", "attention", "step s", "resp tok/s", "MFU",
             "peak GiB" if gpu else "peak RSS GiB"] + cats + ["syncs/step"]
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     for r in result["runs"]:
         s = r["settings"]
-        lead = [r["size"], r["case"], f"{r['rows']} x {r['response_min']}-{r['response_max']}",
-                "yes" if s["packs_padding_free"] else "no", str(s["attention"]),
-                "yes" if s.get("activation_checkpointing") else "no"]
+        lead = [r["size"], r["case"], f"{r['rows']} x {r['response_min']}-{r['response_max']}", levers_on(s),
+                str(s["attention"])]
         if "error" in r:
             print("| " + " | ".join(lead + [r["error"]] + [""] * (len(head) - len(lead) - 1)) + " |")
             continue
