@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--jobs", type=_positive, default=1, help="runs at a time (each is an `exgrpo train`)")
     x.add_argument("--rerun", action="store_true", help="rerun variants that already finished")
 
+    k = sub.add_parser("track", help="send a run's metric points that its MLflow store did not take")
+    k.add_argument("--replay", metavar="RUN_DIR", required=True,
+                   help="the run folder whose metrics-unsent.jsonl goes into its MLflow run (then removed)")
+
     s = sub.add_parser("scale", help="change the number of generator actors of a running job")
     s.add_argument("--generators", type=_non_negative, default=None, help="target number of generators")
     s.add_argument("--min-generators", type=_non_negative, default=None,
@@ -236,6 +240,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from cluster.experiment import experiment_main
 
         return experiment_main(args.spec, args.runs_root, args.jobs, args.rerun)
+    if args.command == "track":
+        from cluster.tracking import replay_main
+
+        return replay_main(args.replay)
     if args.command == "scale":
         from cluster.scale import scale_main
 

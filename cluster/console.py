@@ -7,7 +7,10 @@ import sys
 import time
 from pathlib import Path
 
-NOISY_LOGGERS = ("ray", "vllm", "transformers", "mlflow", "alembic", "urllib3", "filelock", "torch")
+NOISY_LOGGERS = ("ray", "vllm", "transformers", "mlflow", "alembic", "urllib3", "filelock", "torch", "sqlalchemy")
+STORE_LOGGERS = ("mlflow", "sqlalchemy", "alembic", "huey")
+"""The tracking store's libraries: their records (the tracebacks of a store that cannot write among them) go to
+logs/driver.log only; `cluster.tracking` says what the user needs in one line."""
 
 
 def setup_logging(log_dir: Path | None, level: int = logging.INFO) -> None:
@@ -19,17 +22,47 @@ def setup_logging(log_dir: Path | None, level: int = logging.INFO) -> None:
         root.removeHandler(h)
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(log_dir / "driver.log")
+        fh = LogFile(log_dir / "driver.log")
         fh.setLevel(logging.DEBUG)
         fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(fh)
     ch = logging.StreamHandler(sys.stderr)
     ch.setLevel(level)
     ch.setFormatter(logging.Formatter("[exgrpo] %(message)s"))
-    ch.addFilter(lambda r: r.name.startswith("exgrpo") or r.levelno >= logging.ERROR)
+    ch.addFilter(lambda r: (r.name.startswith("exgrpo") or r.levelno >= logging.ERROR)
+                 and r.name.partition(".")[0] not in STORE_LOGGERS)
     root.addHandler(ch)
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def quiet_store_loggers() -> None:
+    """Take MLflow's own console handler off its loggers (it adds one when imported, unless MLFLOW_CONFIGURE_LOGGING
+    is false), so that their records reach the root's handlers: the file, never the console."""
+    for name in (*STORE_LOGGERS, "sqlalchemy.engine"):
+        logger = logging.getLogger(name)
+        logger.handlers = []
+        logger.propagate = True
+
+
+class LogFile(logging.FileHandler):
+    """logs/driver.log. A line the disk refuses is not a traceback on the console (logging's default, once per
+    line): the first one of a failing spell is said in one line, and lines are lost until the file takes writes."""
+
+    failing = False
+    _refused = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self._refused = True
+        if not self.failing:
+            self.failing = True
+            sys.stderr.write(f"[exgrpo] {self.baseFilename} cannot be written ({sys.exc_info()[1]}); its lines are "
+                             "lost while the disk refuses them\n")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._refused = False
+        super().emit(record)
+        self.failing = self._refused
 
 
 class Progress:

@@ -1,16 +1,22 @@
-"""MLflow tracking that never stops training.
+"""MLflow tracking that never stops training, and whose store's faults stay off the console.
 
 Metrics are buffered in memory and flushed in batches (`MlflowClient.log_batch`) by a background
-thread, so a slow tracking server never delays a training step. When the store is down or slow, the
-problem is reported once, metrics stay buffered (bounded; the oldest are dropped and counted beyond
-`max_buffered`) and flushing is retried on the next round. The metric
-history is also kept locally for the end-of-run plots.
+thread, so a slow tracking server never delays a training step. A store that cannot write (full, locked,
+read-only, down, a server's 5xx) is one warning when it starts failing and one when it takes writes again;
+MLflow's and SQLAlchemy's own tracebacks go to logs/driver.log only (`cluster.console.STORE_LOGGERS`).
+Meanwhile the points stay buffered and are retried each round. Points that cannot wait in memory (beyond
+`max_buffered`, at a checkpoint whose flush fails, at the end of the run) are appended to the run folder's
+`metrics-unsent.jsonl`, and `exgrpo track --replay RUN` (`replay_main`) sends them once the store takes
+writes; only points that file could not take either are lost, and counted. The metric history is also kept
+locally for the end-of-run plots.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -18,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("exgrpo.tracking")
+
+UNSENT_FILE = "metrics-unsent.jsonl"
+"""In the run folder: one metric point a line (`{"key", "value", "timestamp", "step"}`) that the store did not
+take; `exgrpo track --replay RUN` sends them."""
 
 
 def default_tracking_uri(runs_root: str | Path) -> str:
@@ -40,18 +50,22 @@ class Tracker:
     """One MLflow run: parameters, metrics (buffered), artifacts and plots."""
 
     def __init__(self, uri: str, experiment: str, *, enabled: bool = True, flush_every_s: float = 5.0,
-                 max_buffered: int = 200_000):
+                 max_buffered: int = 200_000, unsent_path: str | Path | None = None):
         self.uri = uri
+        self.unsent_path = Path(unsent_path) if unsent_path is not None else None
         self.experiment = experiment
         self.enabled = enabled
         self.run_id: str | None = None
         self.flush_every_s = flush_every_s
         self.max_buffered = max_buffered
         self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
-        self.dropped = 0
-        self.failures = 0
+        self.unsent = 0  # points this process appended to unsent_path
+        self.lost = 0  # points dropped: the store refused them and unsent_path could not take them either
+        self.failures = 0  # refused store calls
+        self.failing = False  # the store refuses writes now: warned when it starts, and when it recovers
+        self._spell = 0  # failures before the current failing spell
         self._pending: list[Any] = []
-        self._reported = False
+        self._unsent_lock = threading.Lock()
         self._client = None
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()  # two flushes at once would send a chunk twice and drop the next
@@ -62,6 +76,7 @@ class Tracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # no INFO banners on the user's console
+        os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")  # no console handler of MLflow's own
 
     # -------------------------------------------------------------------------------------- start
 
@@ -72,6 +87,9 @@ class Tracker:
         try:
             from mlflow.tracking import MlflowClient
 
+            from cluster.console import quiet_store_loggers
+
+            quiet_store_loggers()  # imported before this process set MLFLOW_CONFIGURE_LOGGING: MLflow's handler is on
             self._client = MlflowClient(tracking_uri=self.uri)
             if run_id is not None:
                 self._client.update_run(run_id, status="RUNNING")
@@ -83,7 +101,9 @@ class Tracker:
                 run = self._client.create_run(exp_id, run_name=run_name, tags=tags or {})
                 self.run_id = run.info.run_id
         except Exception as e:  # the tracking store is optional for training: report once, continue
-            self._report(f"could not start the MLflow run at {self.uri}: {type(e).__name__}: {e}")
+            log.debug("starting the MLflow run at %s failed", self.uri, exc_info=e)
+            log.warning("could not start the MLflow run at %s: %s; training goes on without tracking (details in "
+                        "logs/driver.log)", self.uri, _short(e))
             self._client = None
         if self._client is not None:
             self._thread = threading.Thread(target=self._flush_loop, name="mlflow-flush", daemon=True)
@@ -100,7 +120,7 @@ class Tracker:
             for i in range(0, len(items), 100):
                 self._client.log_batch(self.run_id, params=items[i : i + 100])
         except Exception as e:
-            self._report(f"could not log parameters: {type(e).__name__}: {e}")
+            self._store_failed("parameters", e)
 
     def log_text(self, text: str, artifact_file: str) -> None:
         if self._client is None or self.run_id is None:
@@ -108,7 +128,7 @@ class Tracker:
         try:
             self._client.log_text(self.run_id, text, artifact_file)
         except Exception as e:
-            self._report(f"could not log {artifact_file}: {type(e).__name__}: {e}")
+            self._store_failed(artifact_file, e)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if self._client is None or self.run_id is None:
@@ -120,7 +140,7 @@ class Tracker:
             else:
                 self._client.log_artifact(self.run_id, str(p), artifact_path)
         except Exception as e:
-            self._report(f"could not log artifact {path}: {type(e).__name__}: {e}")
+            self._store_failed(f"artifact {path}", e)
 
     # ------------------------------------------------------------------------------------ metrics
 
@@ -139,10 +159,10 @@ class Tracker:
                 with self._lock:
                     self._pending.append((k, fv, now_ms, step))
         with self._lock:
-            if len(self._pending) > self.max_buffered:
-                over = len(self._pending) - self.max_buffered
-                del self._pending[:over]
-                self.dropped += over
+            over = self._pending[: max(0, len(self._pending) - self.max_buffered)]
+            del self._pending[: len(over)]
+        if over:  # the oldest wait in the run folder instead
+            self._keep_unsent(over)
 
     def _flush_loop(self) -> None:
         while not self._closing:
@@ -168,37 +188,103 @@ class Tracker:
                 return True
             try:
                 self._client.log_batch(self.run_id, metrics=[Metric(k, v, t, s) for k, v, t, s in chunk])
-            except Exception as e:  # store down/slow: keep the values, report once, retry next round
-                self.failures += 1
-                self._report(f"MLflow store {self.uri} is not accepting metrics ({type(e).__name__}: {e}); "
-                             f"buffering and retrying")
+            except Exception as e:  # store down/slow/full: keep the values, say so once, retry next round
+                self._store_failed("metrics", e)
                 return False
             with self._lock:
                 del self._pending[: len(chunk)]
+            self._store_ok()
+
+    def flush_or_keep(self) -> None:
+        """Send everything pending, or append it to `unsent_path` when the store does not take it: a checkpoint
+        calls this before it exists, so that a run killed right after it (whose resume never logs those steps
+        again) loses no point."""
+        if self._client is None or self.run_id is None:
+            return
+        with self._flush_lock:
+            if self._flush():
+                return
+            with self._lock:
+                points, self._pending = self._pending, []
+        self._keep_unsent(points)
+
+    def _keep_unsent(self, points: list) -> None:
+        """Append `points` to `unsent_path` (fsynced); those it cannot take are counted as lost."""
+        if not points:
+            return
+        with self._unsent_lock:
+            try:
+                if self.unsent_path is None:
+                    raise OSError("no run folder to keep them in")
+                with open(self.unsent_path, "a") as f:
+                    f.writelines(json.dumps({"key": k, "value": v, "timestamp": t, "step": s}) + "\n"
+                                 for k, v, t, s in points)
+                    f.flush()
+                    os.fsync(f.fileno())
+                self.unsent += len(points)
+            except OSError as e:
+                log.debug("appending %d metric points to %s failed", len(points), self.unsent_path, exc_info=e)
+                if not self.lost:
+                    log.warning("MLflow: %d metric points the store did not take could not be kept in %s either "
+                                "(%s); they are lost, and counted (metrics_lost in state.json)", len(points),
+                                self.unsent_path, _short(e))
+                self.lost += len(points)
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
+    def counts(self) -> dict[str, int]:
+        """Metric points the store has not taken: in memory (retried), in `unsent_path` (to replay), lost."""
+        return {"metrics_buffered": self.pending, "metrics_unsent": self.unsent, "metrics_lost": self.lost}
+
     def finish(self, status: str = "FINISHED", timeout_s: float = 30.0) -> None:
-        """Stop the flush thread, send what is left (bounded by timeout_s) and close the run."""
+        """Stop the flush thread, send what is left (bounded by timeout_s), close the run, and say how many points
+        never reached the store (kept in `unsent_path`, or lost). When the store takes writes, the points an
+        earlier failure left in `unsent_path` are sent first."""
         self._closing = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        self.flush()
-        if self._client is not None and self.run_id is not None:
+        if self._client is None or self.run_id is None:
+            return
+        self.flush_or_keep()
+        path = self.unsent_path
+        if not self.failing and path is not None and path.exists():
             try:
-                self._client.set_terminated(self.run_id, status=status)
+                with self._unsent_lock:
+                    replay(self._client, self.run_id, path)
             except Exception as e:
-                self._report(f"could not close the MLflow run: {type(e).__name__}: {e}")
+                self._store_failed("the metrics kept in " + str(path), e)
+        try:
+            self._client.set_terminated(self.run_id, status=status)
+        except Exception as e:
+            self._store_failed("the run's end", e)
+        left = count_unsent(path) if path is not None else 0
+        if left:
+            log.warning("MLflow: %d metric points never reached the store %s; they are kept in %s: `exgrpo track "
+                        "--replay %s` sends them once it takes writes", left, self.uri, path, path.parent)
+        elif self.failures:
+            log.info("MLflow: every metric point reached the store (it refused %d writes on the way)", self.failures)
+        if self.lost:
+            log.warning("MLflow: %d metric points are lost (the store refused them and %s could not take them)",
+                        self.lost, path)
 
-    def _report(self, msg: str) -> None:
-        if not self._reported:
-            log.warning("%s (reported once; training continues)", msg)
-            self._reported = True
-        else:
-            log.debug(msg)
+    def _store_failed(self, what: str, e: Exception) -> None:
+        """The store refused `what`: the trace to the log file; one warning when it starts failing."""
+        self.failures += 1
+        log.debug("MLflow store %s refused %s", self.uri, what, exc_info=e)
+        if not self.failing:
+            self.failing, self._spell = True, self.failures - 1
+            log.warning("MLflow store %s stopped taking writes (%s refused: %s); metric points are kept and retried "
+                        "every %gs (details in logs/driver.log)", self.uri, what, _short(e), self.flush_every_s)
+
+    def _store_ok(self) -> None:
+        if self.failing:
+            self.failing = False
+            kept = f"; the {self.unsent} kept in {self.unsent_path} are sent at the end" if self.unsent else ""
+            log.warning("MLflow store %s takes writes again (%d writes refused meanwhile); the buffered metric points "
+                        "were sent%s", self.uri, self.failures - self._spell, kept)
 
     # -------------------------------------------------------------------------------------- plots
 
@@ -210,3 +296,89 @@ class Tracker:
         for p in paths:
             self.log_artifact(p, "plots")
         return paths
+
+
+def _short(e: BaseException) -> str:
+    """`Type: the first line that says something` of an exception (SQLAlchemy starts with a hint in brackets)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith("(raised as a result")]
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+
+
+def read_unsent(path: Path) -> list[tuple[str, float, int, int]]:
+    """The points of an unsent file as (key, value, timestamp ms, step); a line cut short by a crash is skipped."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            p = json.loads(line)
+            out.append((str(p["key"]), float(p["value"]), int(p["timestamp"]), int(p["step"])))
+        except (ValueError, KeyError, TypeError):
+            log.warning("%s: skipped a line that is not a metric point: %r", path, line[:200])
+    return out
+
+
+def count_unsent(path: Path) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for line in f if line.strip())
+    except FileNotFoundError:
+        return 0
+
+
+def replay(client, run_id: str, path: Path, chunk: int = 1000) -> int:
+    """Send the points of the unsent file `path` to run `run_id`, in order, a chunk at a time; the file is
+    removed once all were sent. When the store refuses a chunk, the file is rewritten with the points not sent
+    (none twice) and the store's error raised. Returns how many were sent."""
+    from mlflow.entities import Metric
+
+    from cluster.runtime import atomic_write_text
+
+    points = read_unsent(path)
+    for i in range(0, len(points), chunk):
+        try:
+            client.log_batch(run_id, metrics=[Metric(k, v, t, s) for k, v, t, s in points[i : i + chunk]])
+        except Exception:
+            atomic_write_text(path, "".join(json.dumps({"key": k, "value": v, "timestamp": t, "step": s}) + "\n"
+                                            for k, v, t, s in points[i:]))
+            raise
+    path.unlink()
+    return len(points)
+
+
+def replay_main(run: str) -> int:
+    """`exgrpo track --replay RUN`: send the metric points the run's store did not take (its metrics-unsent.jsonl)
+    to the run's MLflow run. Exit 0 when all were sent (or there were none), 1 when the store still refuses
+    them (the file keeps the rest), 2 when RUN is not a run folder."""
+    from cluster.console import quiet_store_loggers, setup_logging
+    from cluster.runtime import RunDir, RunFolderError
+    from common.config import ConfigError
+
+    setup_logging(None)
+    run_dir = RunDir(run)
+    try:
+        run_id = run_dir.read_state().get("mlflow_run_id")
+        cfg = run_dir.config()
+    except (RunFolderError, ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    path = run_dir.path / UNSENT_FILE
+    n = count_unsent(path)
+    if n == 0:
+        print(f"nothing to replay: {run_dir.path} holds no unsent metric points (every point reached the store)")
+        return 0
+    uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
+    if run_id is None:
+        print(f"error: {run_dir.path}/state.json names no MLflow run (the store never opened one); the {n} points "
+              f"stay in {path}", file=sys.stderr)
+        return 1
+    from mlflow.tracking import MlflowClient
+
+    quiet_store_loggers()
+    try:
+        sent = replay(MlflowClient(tracking_uri=uri), run_id, path)
+    except Exception as e:
+        log.debug("replaying %s into %s failed", path, uri, exc_info=e)
+        print(f"error: the MLflow store {uri} refused them ({_short(e)}); {count_unsent(path)} of the {n} points stay "
+              f"in {path}: try again once it takes writes", file=sys.stderr)
+        return 1
+    print(f"sent {sent} metric points from {path} to {uri} (run id {run_id})")
+    return 0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +13,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
@@ -65,7 +68,8 @@ def test_down_server_never_blocks_training_and_is_reported_once(monkeypatch, cap
             tr.log_metrics({"a": float(step)}, step)
         tr.finish()
     assert len(tr.history["a"]) == 200  # kept locally for plots
-    assert sum("reported once" in r.message for r in caplog.records) == 1
+    assert sum("could not start the MLflow run" in r.message for r in caplog.records) == 1
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
 
 
 def _free_port() -> int:
@@ -107,8 +111,82 @@ def test_a_stalled_server_never_blocks_logging_and_gets_every_metric_when_it_ans
         os.killpg(server.pid, signal.SIGCONT)
         tr.finish()
         hist = MlflowClient(tracking_uri=uri).get_metric_history(run_id, "a")
-        assert sorted(m.step for m in hist) == list(range(200)) and tr.dropped == 0
+        assert sorted(m.step for m in hist) == list(range(200)) and tr.counts() == {"metrics_buffered": 0, "metrics_unsent": 0, "metrics_lost": 0}
     finally:
         os.killpg(server.pid, signal.SIGCONT)
         os.killpg(server.pid, signal.SIGKILL)
         server.wait(60)
+
+
+_FULL_STORE_SCRIPT = """
+import json, sys
+from pathlib import Path
+from cluster.console import setup_logging
+from cluster.tracking import Tracker
+from tests.small_fs import fill
+
+store, run_dir = Path(sys.argv[1]), Path(sys.argv[2])
+setup_logging(run_dir / "logs")
+tr = Tracker(f"sqlite:///{store}/mlflow.db", "exp", flush_every_s=3600, max_buffered=500,
+             unsent_path=run_dir / "metrics-unsent.jsonl")
+print("RUN_ID", tr.start("full"), flush=True)
+log = lambda steps: [tr.log_metrics({f"m{i}": float(s) for i in range(40)}, s) for s in steps]
+filler = fill(store)
+log(range(0, 20))                 # 800 points, 500 may wait in memory: the oldest 300 go to the unsent file
+assert not tr.flush()             # the store is full: one warning
+tr.flush_or_keep()                # a checkpoint: the 500 in memory go to the file too
+counts = tr.counts()
+filler.unlink()
+log(range(20, 30))
+assert tr.flush()                 # it takes writes again: one warning
+fill(store)
+log(range(30, 40))
+tr.finish()                       # full again: the 400 left go to the file; the end line says 1200
+print("COUNTS", json.dumps(counts), json.dumps(tr.counts()), flush=True)
+"""
+
+
+def test_a_full_store_keeps_tracebacks_off_the_console_and_replay_completes_the_history(tmp_path):
+    """A SQLite store on a real 4 MB tmpfs that fills, recovers and fills again: the console shows one line when it
+    starts failing, one when it recovers, and at the end how many points never reached it; MLflow's and
+    SQLAlchemy's tracebacks are in logs/driver.log only. The points wait in the run folder's
+    metrics-unsent.jsonl, and `exgrpo track --replay RUN` puts them in the store: the history is complete."""
+    from cluster.runtime import RunDir
+    from cluster.tracking import UNSENT_FILE, count_unsent
+    from common.config import RunConfig
+    from tests.small_fs import small_fs
+
+    with small_fs(tmp_path / "store", 4) as store:
+        cfg = RunConfig(name="full", checkpoint={"runs_root": str(tmp_path)},
+                        tracking={"uri": f"sqlite:///{store}/mlflow.db", "experiment": "exp"})
+        run_dir = RunDir.create(cfg)
+        r = subprocess.run([sys.executable, "-c", _FULL_STORE_SCRIPT, str(store), str(run_dir.path)],
+                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
+        console = r.stdout + r.stderr
+        assert r.returncode == 0, console[-4000:]
+        run_id = re.search(r"RUN_ID (\w+)", console)[1]
+        at_checkpoint, at_end = (json.loads(x) for x in re.search(r"COUNTS (\{.*?\}) (\{.*?\})", console).groups())
+        assert at_checkpoint == {"metrics_buffered": 0, "metrics_unsent": 800, "metrics_lost": 0}
+        assert at_end == {"metrics_buffered": 0, "metrics_unsent": 1200, "metrics_lost": 0}
+        lines = [ln for ln in console.splitlines() if not ln.startswith(("RUN_ID", "COUNTS"))]
+        assert "Traceback" not in console and "sqlalchemy" not in console.lower(), console[-3000:]
+        assert sum("stopped taking writes" in ln for ln in lines) == 2, lines
+        assert sum("takes writes again" in ln for ln in lines) == 1, lines
+        assert any(f"1200 metric points never reached the store" in ln and "exgrpo track --replay" in ln
+                   for ln in lines), lines
+        assert len(lines) == 4, lines  # nothing else reached the console
+        driver_log = (run_dir.path / "logs" / "driver.log").read_text()
+        assert "Traceback" in driver_log and "database or disk is full" in driver_log
+        assert count_unsent(run_dir.path / UNSENT_FILE) == 1200
+
+        (store / "filler").unlink()
+        run_dir.update_state(mlflow_run_id=run_id)  # as `exgrpo train` records it
+        replay = subprocess.run([sys.executable, "-m", "cluster.cli", "track", "--replay", str(run_dir.path)],
+                                cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
+        assert replay.returncode == 0, replay.stdout + replay.stderr
+        assert "sent 1200 metric points" in replay.stdout
+        assert not (run_dir.path / UNSENT_FILE).exists()
+        client = MlflowClient(tracking_uri=cfg.tracking.uri)
+        for key in ("m0", "m39"):
+            assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(40))
+        print("\n".join(lines))
