@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import yaml
 from pydantic import BaseModel, ConfigDict
 
 
@@ -33,3 +34,8 @@ def pick_kind(value: Any, variants: dict[str, type[BaseModel]], default: str, wh
     owned = "; ".join(f"{key} is a field of kind {' or '.join(ks)}" for key, ks in sorted(holders.items()))
     raise ValueError(f"{owned}: one kind at a time; set {where}.kind to one of them (fields of the other "
                      "kinds do not apply to it)")
+
+
+def yaml_value(v: Any) -> str:
+    """A value as it would be written in an override (`null`, `true`, `8`, `[0.9, 0.999]`)."""
+    return yaml.safe_dump(v, default_flow_style=True).removesuffix("\n...\n").strip()

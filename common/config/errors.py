@@ -18,6 +18,8 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
+from common.config.base import yaml_value
+
 from common.config.schema import (Place, choices, example_value, leaf_paths, mapping_value, place, section_model,
                                   section_paths)
 
@@ -66,11 +68,12 @@ def _message(e: dict, pl: Place) -> str:
 
 
 def _shown(value: Any) -> str:
-    from common.config.loading import yaml_value
+    """A value as the user wrote it: text quoted, the rest as YAML (`false`, `3`, `[1, 2]`)."""
+    import yaml
 
     try:
         return repr(value) if isinstance(value, str) else yaml_value(value)
-    except Exception:  # noqa: BLE001 - a value yaml cannot write (an object given in Python) is shown as repr
+    except yaml.YAMLError:  # an object YAML cannot write (a section given from Python): its repr
         return repr(value)
 
 
@@ -147,8 +150,6 @@ def _section_given_a_value(pl: Place, value: Any) -> str:
     """`tracking=false`, `eval.sets.aime=aime.jsonl`: the section's fields, and the field the value fits."""
     fields = {n: f for n, f in pl.model.model_fields.items() if n != "kind"}
     fits = next((n for n, f in fields.items() if _accepts(f.annotation, value)), None)
-    from common.config.loading import yaml_value
-
     example = (f"{pl.dotted}.{fits}={yaml_value(value)}" if fits else
                f"{pl.dotted}.{next(iter(fields))}=...")
     names = list(fields)

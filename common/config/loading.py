@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from common.config.base import yaml_value
 from common.config.data import TASK_DEFAULTS
 from common.config.errors import format_errors
 from common.config.run import RunConfig
@@ -108,7 +109,8 @@ def read_config_file(p: Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError([f"{p}: config file not found"])
     data_hint = f"pass it as data.train_path={p} (or data.test_path), and a YAML file as the config"
-    head = p.read_bytes()[:4096]
+    with p.open("rb") as f:
+        head = f.read(4096)
     kind = ("Parquet" if head.startswith(b"PAR1") else "compressed" if head.startswith((b"\x1f\x8b", b"PK\x03\x04",
             b"(\xb5/\xfd", b"BZh", b"\xfd7zXZ")) else None)
     if kind or p.name.lower().endswith(DATA_SUFFIXES):
@@ -231,11 +233,6 @@ def _pin_task_defaults(raw: dict[str, Any], saved: RunConfig) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[name] = saved_flat[key]
     return raw
-
-
-def yaml_value(v: Any) -> str:
-    """A value as it would be written in an override (`null`, `true`, `8`, `[0.9, 0.999]`)."""
-    return yaml.safe_dump(v, default_flow_style=True).removesuffix("\n...\n").strip()
 
 
 def to_yaml(cfg: BaseModel) -> str:

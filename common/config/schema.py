@@ -8,6 +8,7 @@ into the parts `apply_overrides` sets.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+
+from common.config.base import yaml_value
 
 
 def section_model(ann: Any) -> type[BaseModel] | None:
@@ -167,10 +170,6 @@ def section_paths(root: type[BaseModel] | None = None) -> list[str]:
 
 def example_value(field: FieldInfo) -> str | None:
     """A value as the user writes it, for a message: the docstring's `e.g. ...` example, else the default."""
-    import re
-
-    from common.config.loading import yaml_value
-
     doc = field.description or ""
     m = re.search(r"e\.g\.\s*`?(\[[^\]]*\]|\{[^}]*\})", doc) or re.search(r"`(\{[^}`]*\})`", doc)
     if m:
