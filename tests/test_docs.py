@@ -13,10 +13,11 @@ Collected from the Markdown source:
 
 Placeholders (`<run>`, `...`, `PATH`) are not values: their keys are checked, not their values. A config file
 the docs do not ship (`my_run.yaml`) stands for the user's model and data. The override spans of one source line
-validate together; a paragraph whose overrides need a context names it (`<!-- doc-test: with data.task=think_arith
--->`); a line meant to show a refusal in prose carries `<!-- doc-test: refused -->` (and must be refused). An inline command names a
-subcommand and its flags (checked by name); a command in a code block must parse as written. Relative data files named by the docs are created (empty) in a
-scratch folder, since loading checks that eval sets exist. In-process: no subprocess per line.
+validate together; a paragraph whose overrides need a context names it
+(`<!-- doc-test: with data.task=think_arith -->`); a line meant to show a refusal in prose carries
+`<!-- doc-test: refused -->` (and must be refused). An inline command names a subcommand and its flags (checked
+by name); a command in a code block must parse as written. Relative data files named by the docs are created
+(empty) in a scratch folder, since loading checks that eval sets exist. In-process: no subprocess per line.
 """
 
 from __future__ import annotations
