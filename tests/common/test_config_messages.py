@@ -143,3 +143,27 @@ def test_config_reports_what_train_checks_at_start(capsys, tmp_path):
     assert f"data.train_path: {tmp_path / 'no.jsonl'} is not a file" in err
     assert f"data.test_path: {tmp_path / 'no-test.jsonl'} is not a file" in err
     assert "reward.name: cannot import module 'nopkg.nomod'" in err
+
+
+def test_no_line_shows_pydantic_internals_or_a_kind_tag():
+    """Every field given a wrong value of each shape: the lines name typeable paths and no pydantic type names."""
+    import re
+
+    from common.config import ConfigError
+    from common.config.schema import leaf_paths
+
+    internals = re.compile(r"literal\[|Union\[|instance of|valid (tuple|list|dictionary)|\bbool\b:|function-after|"
+                           r"engine\.auto\.|engine\.vllm\.vllm|weight_sync\.(collective|object_store)\.")
+    shown = []
+    for path, kind in leaf_paths():
+        if kind == "synthetic":
+            continue
+        union = next((u for u in ("generator.engine", "learner.weight_sync") if path.startswith(u + ".")), None)
+        nested = path.startswith(("generator.engine.vllm.", "generator.engine.transformers."))  # auto's own
+        given = [f"{union}.kind={kind}"] if kind and union and not nested else []
+        for value in ("zzz", "[1, 2, 3]", "{a: 1}", "-5"):
+            try:
+                load_config(None, [*given, f"{path.replace('<name>', 'x')}={value}"])
+            except ConfigError as e:
+                shown += [line for line in e.lines if internals.search(line)]
+    assert not shown, shown
