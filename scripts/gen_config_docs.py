@@ -64,7 +64,12 @@ def render() -> str:
              "Generated from `common/config/` by `python scripts/gen_config_docs.py`; do not edit by hand.",
              "Set fields in a YAML file or as `dotted.key=value` overrides: "
              "`exgrpo train config.yaml buffer.max_lag=0 learner.lr=1e-5`.",
-             "`exgrpo config [...]` prints the resolved configuration.", ""]
+             "`exgrpo config [...]` prints the resolved configuration.",
+             "A backend section (`generator.engine`, `learner.weight_sync`) is one of the kinds below, chosen by "
+             "`kind`; a field given without `kind` picks it: the default kind's own fields keep it "
+             "(`generator.engine.cpu_vllm_min_params=0`), a field only one kind has sets that kind "
+             "(`generator.engine.max_num_seqs=64` sets vllm, `learner.weight_sync.relay_fanout=2` sets collective).",
+             ""]
     queue: list[tuple[str, type[BaseModel]]] = [("", RunConfig)]
     while queue:
         prefix, model = queue.pop(0)
