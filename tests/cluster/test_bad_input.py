@@ -62,8 +62,10 @@ def assert_refused(code: int, out: str, *expected: str) -> None:
     (["foo.bar=1"], ["foo: unknown field"]),
     (["buffer.grup_size=4"], ["buffer.grup_size: unknown field (did you mean buffer.group_size?"]),
     (["total_steps=-1"], ["total_steps: Input should be greater than or equal to 1"]),
-    (["buffer=3"], ["buffer: Input should be a valid dictionary"]),
-    (["generator.engine.batch_rows=4"], ["generator.engine.kind is missing"]),
+    (["buffer=3"], ["buffer: a section, not a value (3): set its fields, e.g. buffer."]),
+    (["generator.engine.batch_rows=4", "generator.engine.max_num_seqs=8"],
+     ["generator.engine: batch_rows is a field of kind transformers; max_num_seqs is a field of kind vllm: one kind "
+      "at a time; set generator.engine.kind"]),
     (["generator.engine.kind=synthetic"], ["synthetic is a simulation for bench/cluster_sim.py"]),
 ])
 def test_bad_config_is_refused_naming_the_field(capsys, args, expected):
@@ -82,8 +84,11 @@ def test_bad_config_files_are_refused(capsys, tmp_path):
 
 
 def test_good_names_and_user_rewards_are_accepted(capsys):
-    code, out = cli(capsys, "config", "name=7", "reward.name=my_pkg.rewards:score")
-    assert code == 0 and "name: '7'" in out and "my_pkg.rewards:score" in out
+    code, out = cli(capsys, "config", "name=7", "reward.name=tests.common.reward_fns:good")
+    assert code == 0 and "name: '7'" in out and "tests.common.reward_fns:good" in out
+    # a user reward that does not import on this machine: the config is printed, and why train would refuse it
+    code, out = cli(capsys, "config", "reward.name=my_pkg.rewards:score")
+    assert code == 2 and "my_pkg.rewards:score" in out and "reward.name: cannot import module 'my_pkg.rewards'" in out
 
 
 # ------------------------------------------------------------------------- train: checked before the folder
