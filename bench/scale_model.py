@@ -4,16 +4,20 @@ small N and stated hardware assumptions.
     python bench/scale_model.py                      # the target: 7B, 64 generator + 64 learner GPUs, B = 128 x 8
     python bench/scale_model.py --gpus 8 16 32 64 128 256   # the sweep table (generator GPUs = learner GPUs = N)
     python bench/scale_model.py --measure            # re-measure the Ray call constants here first (~20 s)
+    python bench/scale_model.py --gpu-json gpu_bench.json   # the GPU constants from bench/gpu_bench.py's JSON
 
 Each term names what it is built from. MEASURED are points taken on the 2-CPU development machine (the
-command that produced each is next to it); HARDWARE are the assumptions for an H100 cluster (change them with
---set name=value). The model is a roofline: it says which term grows first and by how much, not a promise of
-seconds; docs/scale.md walks through it.
+command that produced each is next to it); GPU are the learner's MFU and the publication's gather to host,
+measured on a GPU by bench/gpu_bench.py (--gpu-json; without it, issue 34's H200 measurement) or, where no size
+near the target was measured, assumed from the nearest one (each says which); HARDWARE are the assumptions for
+an H100 cluster (change any constant with --set name=value). The model is a roofline: it says which term grows
+first and by how much, not a promise of seconds; docs/scale.md walks through it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -45,8 +49,7 @@ MEASURED = {
 
 HARDWARE = {
     # name: (value, unit, what)
-    "gpu_flops": (989e12, "FLOP/s", "H100 SXM dense bf16"),
-    "mfu": (0.40, "x", "learner model-FLOPs utilisation (FSDP, bf16, activation checkpointing)"),
+    "gpu_flops": (989e12, "FLOP/s", "H100 SXM dense bf16 (the H200's too)"),
     "hbm_bytes_per_s": (3.35e12, "B/s", "H100 SXM memory bandwidth"),
     "decode_bw_efficiency": (0.6, "x", "share of HBM bandwidth a decode step reaches (vLLM, paged KV)"),
     "gpu_mem_bytes": (80e9, "B", "H100 memory"),
@@ -61,6 +64,53 @@ HARDWARE = {
                                   "measured here: 6.6% at lr 1e-6 on 0.4M and 10M models, bench/weights_bench.py --delta"),
     "bucket_bytes": (256 * 2**20, "B", "weight-sync bucket (learner.weight_sync.bucket_mb)"),
 }
+
+
+ISSUE_34 = "measured: H200, issue 34 (torch 2.11, commit 95e189f)"
+# MFU per Qwen2.5 size by bench/gpu_bench.py's formula: (6 x params + 6 x layers x hidden x row length) FLOPs per
+# token over every token, recompute not counted. size: (MFU, parameters, the step measured, source)
+MFU_MEASURED = {
+    "1.5B": (0.242, 1.544e9, "8 x (256 + 8,192) tokens, checkpointing", ISSUE_34),
+    "3B": (0.288, 3.086e9, "8 x (256 + 8,192) tokens, checkpointing", ISSUE_34),
+}
+GPU = {
+    # name: (value, unit, what, source)
+    "mfu": (0.288, "x", "learner MFU of the target model (FSDP2, bf16, checkpointing; recompute not counted)",
+            "assumed: the 3B's (the size measured nearest)"),
+    "gather_bytes_per_s": (1.02e9, "B/s", "publication's gather + copy to host on learner rank 0 "
+                                          "(iter_full_state, bf16, 1.5B: 3.55 GB in 3.49 s)", ISSUE_34),
+    "pinned_copy_bytes_per_s": (54.4e9, "B/s", "the same bytes into reused pinned host buffers, non-blocking "
+                                               "(the machine's limit)", ISSUE_34),
+}
+
+
+def load_gpu_json(path: str, params: float) -> None:
+    """Take the GPU constants from bench/gpu_bench.py's JSON: the MFU of every size measured in the fixed case
+    (runs with activation checkpointing where there are any; the best of them), the publication GB/s and the
+    pinned-copy limit of the largest size published. The target's MFU is that of the size measured nearest to
+    `params`: measured within 25% of it, assumed otherwise."""
+    with open(path) as f:
+        r = json.load(f)
+    where = f"measured: {r['device']['name']}, {path} (commit {r['versions']['commit']}; {r['command']})"
+    runs = [x for x in r["runs"] if x["case"] == "fixed" and x.get("mfu") is not None and "error" not in x]
+    if runs:
+        MFU_MEASURED.clear()
+    for size in dict.fromkeys(x["size"] for x in runs):
+        mine = [x for x in runs if x["size"] == size]
+        mine = [x for x in mine if x["settings"].get("activation_checkpointing")] or mine
+        best = max(mine, key=lambda x: x["mfu"])
+        step = (f"{best['rows']} x ({best['prompt_tokens']} + {best['response_max']:,}) tokens, "
+                + ("checkpointing" if best["settings"].get("activation_checkpointing") else "no checkpointing"))
+        MFU_MEASURED[size] = (best["mfu"], float(best["params"]), step, where)
+    if r["publication"]:
+        size, pub = max(r["publication"].items(), key=lambda kv: kv[1]["bytes_published"])
+        GPU["gather_bytes_per_s"] = (pub["gb_per_s"] * 1e9, "B/s", "publication's gather + copy to host on learner "
+                                     f"rank 0 (iter_full_state, bf16, {size})", where)
+        GPU["pinned_copy_bytes_per_s"] = (pub["copy_gb_per_s"] * 1e9,) + GPU["pinned_copy_bytes_per_s"][1:3] + (where,)
+    if MFU_MEASURED:
+        size, (mfu, n, _, src) = min(MFU_MEASURED.items(), key=lambda kv: abs(kv[1][1] - params))
+        how = src if abs(n - params) <= 0.25 * params else f"assumed: the {size}'s (the size measured nearest)"
+        GPU["mfu"] = (mfu,) + GPU["mfu"][1:3] + (how,)
 
 
 @dataclass
@@ -118,28 +168,34 @@ def generation(m: Model, r: Run) -> dict[str, float]:
 
 
 def learner(m: Model, r: Run) -> dict[str, float]:
-    """6P per trained token + attention, + 2P for the start-of-step log-probs, + 2P for recomputation."""
+    """6P per trained token + attention, + 2P (and a third of the attention) for the start-of-step log-probs, at
+    the GPU bench's MFU, whose formula counts the same 6P + attention and not the recompute of activation
+    checkpointing (its time is in the measured MFU)."""
     rows = r.batch_questions * r.group_size
     tokens = rows * (r.prompt_tokens + r.response_mean)
     attn = 12 * m.layers * m.hidden * (r.prompt_tokens + r.response_mean) / 2  # causal: half the context on average
-    flops = tokens * ((6 + 2 + 2) * m.params + attn * (1 + 1 / 3 + 1 / 3))
-    rate = r.learn_gpus * _c(HARDWARE, "gpu_flops") * _c(HARDWARE, "mfu")
+    flops = tokens * ((6 + 2) * m.params + attn * (1 + 1 / 3))
+    rate = r.learn_gpus * _c(HARDWARE, "gpu_flops") * _c(GPU, "mfu")
     return {"tokens": tokens, "flops": flops, "step_s": flops / rate}
 
 
 def publication(m: Model, r: Run) -> dict[str, float]:
-    """Per version: star (rank 0 sends N copies through one NIC; the object store's one object is the same bound),
-    relay (a pipelined chain: the first copy plus one bucket per hop), and both with delta publications."""
+    """Per version: first the gather to host on learner rank 0 (the whole version before it is announced; the
+    learner's next step waits behind it), then the fan-out: star (rank 0 sends N copies through one NIC; the object
+    store's one object is the same bound), relay (a pipelined chain: the first copy plus one bucket per hop), and
+    both with delta publications (taken from the gathered host copy, so the gather stays whole)."""
     bytes_ = m.params * m.dtype_bytes
     bw, hop, bucket = _c(HARDWARE, "nic_bytes_per_s"), _c(HARDWARE, "hop_latency_s"), _c(HARDWARE, "bucket_bytes")
     over = _c(MEASURED, "collective_overhead")
     n = r.gen_gpus
+    gather = bytes_ / _c(GPU, "gather_bytes_per_s")
     star = over * n * bytes_ / bw + hop
     relay = over * (bytes_ / bw + (n - 1) * (bucket / bw + hop))
     d = _c(HARDWARE, "delta_fraction")
-    return {"bytes": bytes_, "star_s": star, "relay_s": relay, "star_delta_s": star * d,
-            "relay_delta_s": over * (d * bytes_ / bw + (n - 1) * (min(bucket, d * bytes_) / bw + hop)),
-            "star_bytes_out_of_rank0": n * bytes_}
+    relay_delta = over * (d * bytes_ / bw + (n - 1) * (min(bucket, d * bytes_) / bw + hop))
+    return {"bytes": bytes_, "gather_s": gather, "copy_limit_s": bytes_ / _c(GPU, "pinned_copy_bytes_per_s"),
+            "star_s": gather + star, "relay_s": gather + relay, "star_delta_s": gather + star * d,
+            "relay_delta_s": gather + relay_delta, "star_bytes_out_of_rank0": n * bytes_}
 
 
 def buffer(m: Model, r: Run, step_s: float) -> dict[str, float]:
@@ -196,9 +252,10 @@ def _fmt(v: float, unit: str = "") -> str:
 
 
 def target_table(m: Model, r: Run) -> list[tuple[str, str, str]]:
-    g, lr = generation(m, r), learner(m, r)
-    step = max(g["throughput_s"], lr["step_s"])  # async: generation hides behind learning, or the reverse
-    p, b, c, ck = publication(m, r), buffer(m, r, step), calls(r, step), checkpoint(m, r)
+    g, lr, p = generation(m, r), learner(m, r), publication(m, r)
+    # async: generation hides behind learning, or the reverse; the learner's next step waits for the gather
+    step = max(g["throughput_s"], lr["step_s"] + p["gather_s"])
+    b, c, ck = buffer(m, r, step), calls(r, step), checkpoint(m, r)
     rows = [
         ("generation", "KV cache per token / running sequences per GPU",
          f"{_fmt(g['kv_bytes_per_token'], 'B')} / {g['seqs_per_gpu']:.0f}"),
@@ -208,17 +265,23 @@ def target_table(m: Model, r: Run) -> list[tuple[str, str, str]]:
          _fmt(g["throughput_s"], "s")),
         ("generation", f"one {r.response_max}-token response (the synchronous step's floor)",
          _fmt(g["longest_response_s"], "s")),
-        ("learner", f"FLOPs per step ({lr['tokens'] / 1e6:.1f}M tokens) at MFU {_c(HARDWARE, 'mfu'):.0%} on "
+        ("learner", f"FLOPs per step ({lr['tokens'] / 1e6:.1f}M tokens) at MFU {_c(GPU, 'mfu'):.1%} on "
                     f"{r.learn_gpus} GPUs", f"{lr['flops']:.2e} -> {_fmt(lr['step_s'], 's')}"),
-        ("step", "async step = max(generation, learner) + hand-over", _fmt(step + c["driver_handover_s"], "s")),
+        ("learner", f"+ the publication's gather to host it waits behind ({_c(GPU, 'gather_bytes_per_s') / 1e9:.2f} "
+                    "GB/s)", _fmt(lr["step_s"] + p["gather_s"], "s")),
+        ("step", "async step = max(generation, learner + gather) + hand-over",
+         _fmt(step + c["driver_handover_s"], "s")),
         ("step", f"learner versions one {r.response_max}-token response spans (its lag at the end)",
          f"{g['longest_response_s'] / (step + c['driver_handover_s']):.1f}"),
         ("publication", "bytes per version (bf16)", _fmt(p["bytes"], "B")),
-        ("publication", f"star (collective or object store): {r.gen_gpus} copies out of rank 0's NIC",
+        ("publication", f"gather + copy to host on learner rank 0 at {_c(GPU, 'gather_bytes_per_s') / 1e9:.2f} GB/s "
+                        f"/ at the pinned-copy limit ({_c(GPU, 'pinned_copy_bytes_per_s') / 1e9:.1f} GB/s)",
+         f"{_fmt(p['gather_s'], 's')} / {_fmt(p['copy_limit_s'], 's')}"),
+        ("publication", f"star (collective or object store): gather, then {r.gen_gpus} copies out of rank 0's NIC",
          f"{_fmt(p['star_bytes_out_of_rank0'], 'B')} -> {_fmt(p['star_s'], 's')}"),
-        ("publication", "relay (pipelined chain, one bucket per hop)", _fmt(p["relay_s"], "s")),
-        ("publication", f"delta ({_c(HARDWARE, 'delta_fraction'):.0%} of the bytes): star / relay",
-         f"{_fmt(p['star_delta_s'], 's')} / {_fmt(p['relay_delta_s'], 's')}"),
+        ("publication", "relay (gather, then a pipelined chain, one bucket per hop)", _fmt(p["relay_s"], "s")),
+        ("publication", f"delta ({_c(HARDWARE, 'delta_fraction'):.0%} of the bytes, after the whole gather): "
+                        "star / relay",         f"{_fmt(p['star_delta_s'], 's')} / {_fmt(p['relay_delta_s'], 's')}"),
         ("buffer", "ingest needed / capacity per shard (groups/s)",
          f"{b['ingest_need_groups_per_s_per_shard']:.1f} / {b['ingest_capacity_groups_per_s_per_shard']:,.0f}"),
         ("buffer", f"stored ({r.questions:,} questions x {r.group_size}), per shard",
@@ -244,10 +307,11 @@ def sweep_table(m: Model, base: Run, ns: list[int]) -> list[list[str]]:
     for n in ns:
         r = Run(**{**base.__dict__, "gen_gpus": n, "learn_gpus": n})
         g, lr, p = generation(m, r), learner(m, r), publication(m, r)
-        step = max(g["throughput_s"], lr["step_s"])
+        step = max(g["throughput_s"], lr["step_s"] + p["gather_s"])
         c = calls(r, step)
         out.append([str(n), _fmt(g["throughput_s"], "s"), _fmt(lr["step_s"], "s"), _fmt(p["star_s"], "s"),
-                    f"{p['star_s'] / step:.2f}", _fmt(p["relay_s"], "s"), _fmt(p["relay_delta_s"], "s"),
+                    f"{p['star_s'] / step:.2f}", _fmt(p["gather_s"], "s"), _fmt(p["relay_s"], "s"),
+                    _fmt(p["relay_delta_s"], "s"),
                     f"{c['idle_calls_per_s_per_shard']:,.0f} / {c['long_poll_calls_per_s_per_shard']:,.0f}",
                     f"{c['weight_store_calls_per_s']:,.0f} / {c['weight_store_watch_calls_per_s']:,.0f}"])
     return out
@@ -287,24 +351,31 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, nargs="*", default=[8, 16, 32, 64, 128, 256],
                     help="N for the sweep (generator GPUs = learner GPUs = N)")
     ap.add_argument("--measure", action="store_true", help="re-measure the Ray call constants on this machine")
+    ap.add_argument("--gpu-json", metavar="PATH",
+                    help="take the GPU constants (MFU per size, gather GB/s, pinned-copy GB/s) from the JSON of "
+                         "bench/gpu_bench.py --out")
     ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="override a HARDWARE or MEASURED constant, or a Run field (e.g. response_mean=2048)")
+                    help="override a HARDWARE, GPU or MEASURED constant, or a Run field (e.g. response_mean=2048)")
     args = ap.parse_args()
     run = Run()
+    m = Model()
+    if args.gpu_json:
+        load_gpu_json(args.gpu_json, m.params)
     for kv in args.set:
         k, _, v = kv.partition("=")
         if k in HARDWARE:
             HARDWARE[k] = (float(v),) + HARDWARE[k][1:]
+        elif k in GPU:
+            GPU[k] = (float(v),) + GPU[k][1:3] + ("assumed: --set",)
         elif k in MEASURED:
             MEASURED[k] = (float(v),) + MEASURED[k][1:]
         elif hasattr(run, k):
             setattr(run, k, type(getattr(run, k))(float(v)))
         else:
-            sys.exit(f"--set {k}: not a constant or Run field; known: {sorted(HARDWARE) + sorted(MEASURED)}")
+            sys.exit(f"--set {k}: not a constant or Run field; known: {sorted(HARDWARE) + sorted(GPU) + sorted(MEASURED)}")
     if args.measure:
         measure()
     print("$ python bench/scale_model.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
-    m = Model()
     print(f"\ntarget: {m.params / 1e9:.1f}B params, {run.gen_gpus} generator GPUs, {run.learn_gpus} learner GPUs, "
           f"B = {run.batch_questions} x {run.group_size}, responses mean {run.response_mean} / max {run.response_max} "
           f"tokens, {run.shards} buffer shards\n")
@@ -313,14 +384,19 @@ def main() -> None:
         print("| " + " | ".join(row) + " |")
     print("\nsweep: N generator GPUs = N learner GPUs; publication per version; `star/step` >= 1: publishing a "
           "version takes longer than a step\n")
-    print("| N | generation s | learner s | publish star | star/step | relay | relay+delta | idle calls/s per shard: "
-          "poll / long-poll | weight-store calls/s: poll / watcher |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| N | generation s | learner s | publish star | star/step | of which gather | relay | relay+delta | "
+          "idle calls/s per shard: poll / long-poll | weight-store calls/s: poll / watcher |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in sweep_table(m, run, args.gpus):
         print("| " + " | ".join(row) + " |")
-    print("\nconstants (MEASURED on the 2-CPU development machine; HARDWARE assumed):")
+    print("\nconstants (MEASURED on the 2-CPU development machine; GPU measured or assumed as each says; "
+          "HARDWARE assumed):")
     for name, (v, unit, what, cmd) in MEASURED.items():
         print(f"- {name} = {v:.4g} {unit}: {what} [{cmd}]")
+    for size, (v, n, step, src) in MFU_MEASURED.items():
+        print(f"- mfu_{size} = {v:.3g} x: learner MFU at {size} ({n / 1e9:.2f}B parameters; {step}) [{src}]")
+    for name, (v, unit, what, src) in GPU.items():
+        print(f"- {name} = {v:.4g} {unit}: {what} [{src}]")
     for name, (v, unit, what) in HARDWARE.items():
         print(f"- {name} = {v:.4g} {unit}: {what}")
 
