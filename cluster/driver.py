@@ -33,8 +33,8 @@ import numpy as np
 
 from cluster.autoscale import autoscale_target
 from cluster.liveness import (
-    EXIT_CONFIG, EXIT_FAILED, EXIT_STALLED, NOTHING_LEFT, ErrorWindow, RunStopped, StallWatch, check_placement,
-    diagnose, sample_text, zero_reward_hint,
+    EXIT_CONFIG, EXIT_DISK, EXIT_FAILED, EXIT_STALLED, NOTHING_LEFT, ErrorWindow, RunStopped, StallWatch,
+    check_placement, diagnose, sample_text, zero_reward_hint,
 )
 from cluster.profile import Profile
 from cluster.state import DriverState, rng_state
@@ -70,6 +70,8 @@ class Trainer:
         self._ingest_mark: tuple[float, float] | None = None  # (time, groups accepted by the buffer)
         self._reward_errors = ErrorWindow(REWARD_ERROR_WINDOW)
         self._errors_warned_at = -REWARD_ERROR_WINDOW
+        self._params: int | None = None  # the model's parameters (the first checkpoint's size estimate)
+        self._buffer_bytes = 0.0  # the buffer's stored trajectories at the last step
 
     # ------------------------------------------------------------------------------------- build
 
@@ -194,6 +196,7 @@ class Trainer:
                     self._finish_publish()
             with phase("step: buffer feedback + version"):
                 buffer_metrics = self.buffer.end_step(result.feedback, result.version)
+                self._buffer_bytes = buffer_metrics.get("stored_bytes", 0.0)
             self.state.train_s += time.monotonic() - t0
             self.state.step += 1
             self.state.rollouts += sum(len(g.rollouts) for g in batch.groups)  # fresh ones (o* joins in the learner)
@@ -359,13 +362,42 @@ class Trainer:
                 self.checkpoint()
             except KeyboardInterrupt:
                 log.warning("checkpoint interrupted; the last complete one is %s", self.run_dir.latest_checkpoint())
+            except RunStopped as refused:  # the disk refused it: said; the run stops for its first reason
+                log.error("%s", refused.message)
 
     # ------------------------------------------------------------------------------- checkpoints
 
-    def checkpoint(self) -> Path:
-        """A consistent cut: learner (model, optimizer, version), every shard, driver state."""
+    def checkpoint(self) -> Path | None:
+        """A consistent cut: learner (model, optimizer, version), every shard, driver state. Returns its folder.
+
+        First its size (`_checkpoint_bytes`) is compared with the free space. One that does not fit, or whose
+        write fails for the disk (no space, quota, I/O error, read-only: `common.disk`), leaves no partial
+        folder and the last complete checkpoint the one a resume takes; it is said in one line (the trace goes
+        to logs/driver.log) and, per `checkpoint.on_full_disk`, stops the run (RunStopped, EXIT_DISK) or is
+        skipped (returns None) while the disk may take it later."""
+        from cluster import disk
+        from common.disk import disk_error
+
         final = self.run_dir.checkpoint_dir(self.state.step)
         tmp = final.with_name(final.name + ".partial")
+        need, free = self._checkpoint_bytes(), disk.free_bytes(final.parent)
+        if need > free:
+            return self._refused(disk.DiskFault(self.state.step, final.parent, free, self.run_dir.latest_checkpoint(),
+                                                need=need))
+        try:
+            return self._write_checkpoint(final, tmp)
+        except BaseException as e:
+            err, free = disk_error(e), disk.free_bytes(final.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if final.exists() and str(final) not in self.run_dir.read_state().get("checkpoints", []):
+                shutil.rmtree(final, ignore_errors=True)  # complete, but state.json could not list it
+            if err is None:
+                raise
+            log.debug("the checkpoint of step %d failed", self.state.step, exc_info=e)
+            return self._refused(disk.DiskFault(self.state.step, final.parent, free, self.run_dir.latest_checkpoint(),
+                                                error=err))
+
+    def _write_checkpoint(self, final: Path, tmp: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
@@ -373,22 +405,48 @@ class Trainer:
         # the counts of exactly the states written: generators keep leasing and submitting meanwhile
         self.state.accounting = self.buffer.snapshot(str(tmp / "buffer"))
         self.state.rng = rng_state()
-        (tmp / "driver.json").write_text(json.dumps(self.state.__dict__, default=str))
         self.tracker.log_metrics(_prefixed("accounting/", self.state.accounting), self.state.step)
-        # The metrics of the steps up to this one reach MLflow before the checkpoint exists: a run killed
-        # right after it resumes from the next step and would never log the buffered ones again.
-        if not self.tracker.flush():
-            log.warning("checkpoint of step %d: MLflow did not take the buffered metrics; they stay buffered and "
-                        "are lost if this process is killed before the store answers", self.state.step)
+        # The metrics of the steps up to this one reach MLflow (or, when it refuses them, the run folder's
+        # metrics-unsent.jsonl) before the checkpoint exists: a run killed right after it resumes from the next
+        # step and would never log them again.
+        self.tracker.flush_or_keep()
+        self.state.__dict__.update(self.tracker.counts())
+        (tmp / "driver.json").write_text(json.dumps(self.state.__dict__, default=str))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
         ckpts = [c for c in self.run_dir.read_state().get("checkpoints", []) if Path(c) != final] + [str(final)]
-        for old in ckpts[: -self.cfg.checkpoint.keep_last]:
+        self.run_dir.update_state(checkpoints=ckpts[-self.cfg.checkpoint.keep_last :], **self.tracker.counts())
+        for old in ckpts[: -self.cfg.checkpoint.keep_last]:  # after state.json stopped listing them
             shutil.rmtree(old, ignore_errors=True)
-        self.run_dir.update_state(checkpoints=ckpts[-self.cfg.checkpoint.keep_last :])
         log.info("checkpoint %s", final)
         return final
+
+    def _checkpoint_bytes(self) -> int:
+        """The next checkpoint's size: the last one's, or, before any, the model's and the buffer's bytes."""
+        from cluster import disk
+
+        last = self.run_dir.latest_checkpoint()
+        if last is not None and last.is_dir():
+            return disk.folder_bytes(last)
+        if self._params is None:
+            self._params = disk.model_params(self.model_path)
+        return disk.first_checkpoint_bytes(self._params, 4 if self.cfg.model.dtype == "float32" else 2,
+                                           int(self._buffer_bytes))
+
+    def _refused(self, fault) -> None:
+        """A checkpoint the disk refused: skipped (checkpoint.on_full_disk=skip, while space may come back) or
+        the run stops with EXIT_DISK."""
+        if self.cfg.checkpoint.on_full_disk == "skip" and fault.space:
+            self.state.checkpoints_skipped += 1
+            log.warning("%s; skipped (checkpoint.on_full_disk=skip, %d so far): training goes on and tries again at "
+                        "the next checkpoint", fault.line(), self.state.checkpoints_skipped)
+            self.tracker.log_metrics({"checkpoint/skipped": float(self.state.checkpoints_skipped)}, self.state.step)
+            return None
+        why = "checkpoint.on_full_disk=stop" if fault.space else "the disk refuses writes"
+        raise RunStopped(f"{fault.line()}; stopping ({why}): free space, then `exgrpo train --resume "
+                         f"{self.run_dir.path}` continues from the last complete checkpoint", EXIT_DISK,
+                         checkpoint=False)
 
     # ------------------------------------------------------------------------------------ scaling
 

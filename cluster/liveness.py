@@ -17,6 +17,8 @@ Exit codes of `exgrpo train`:
     2  refused before anything started (invalid config, data or model; cannot be placed on the cluster)
     3  no progress: no learner step within cluster.stall_timeout_s (a checkpoint is written), or
        nothing left to train on (every training question is retired)
+    4  the disk: a checkpoint did not fit (checkpoint.on_full_disk=stop) or a write failed for the disk (no
+       space, quota, I/O error, read-only); the last complete checkpoint stays the one `--resume` takes
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_STALLED = 3
+EXIT_DISK = 4
 
 RESOURCES = ("CPU", "GPU")
 

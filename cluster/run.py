@@ -67,7 +67,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
             start_ray(cfg.cluster, run_dir.path)
         with profile.phase("start-up: MLflow (the rest of its start)"):
             tracker = tracking.result()
-    run_dir.update_state(mlflow_run_id=state.mlflow_run_id, status="RUNNING")
+    run_dir.update_state(mlflow_run_id=state.mlflow_run_id, status="RUNNING", cause=None)
     log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, uri, state.mlflow_run_id)
     _show_prompt(run_dir, questions, model_path, tracker)
 
@@ -81,9 +81,12 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
         progress.close()
         with profile.phase("shutdown: plots, MLflow, Ray"):
             if cfg.tracking.log_plots:
-                tracker.log_plots(run_dir.path / "plots")
+                _unless_the_disk_refuses("the plots", lambda: tracker.log_plots(run_dir.path / "plots"))
             tracker.finish(status)
-            run_dir.update_state(status=status, step=state.step)
+            end = dict(status=status, step=state.step, **tracker.counts())
+            if stopped is not None:
+                end["cause"] = stopped.message
+            _unless_the_disk_refuses("state.json", lambda: run_dir.update_state(**end))
             _shutdown_ray()
     if stopped is not None and stopped.code == EXIT_CONFIG and not resume and state.step == 0:
         shutil.rmtree(run_dir.path, ignore_errors=True)  # refused before training: the name stays free
@@ -91,7 +94,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
               file=sys.stderr)
         return stopped.code
     if run_dir.path.exists():
-        profile.save(run_dir.path / "profile.json")
+        _unless_the_disk_refuses("profile.json", lambda: profile.save(run_dir.path / "profile.json"))
     if show_profile:
         print(profile.table(command))
     print(f"run folder: {run_dir.path}\nMLflow: mlflow ui --backend-store-uri {uri}  (run id {state.mlflow_run_id})")
@@ -104,7 +107,10 @@ def _start_tracking(cfg: RunConfig, run_dir, state: DriverState, uri: str, resum
     """Open the run's MLflow run (a new one, or the resumed run's) and, for a new run, log its config."""
     from cluster.tracking import Tracker
 
-    tracker = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled)
+    from cluster.tracking import UNSENT_FILE
+
+    tracker = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled,
+                      unsent_path=run_dir.path / UNSENT_FILE)
     parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None
     state.mlflow_run_id = tracker.start(run_dir.name, run_id=state.mlflow_run_id, tags=parent)
     if not resume:
@@ -339,8 +345,23 @@ def _show_prompt(run_dir, questions, model_path: Path, tracker) -> None:
 
     text = prompt_example(questions, load_tokenizer(model_path))
     log.info("the model's prompt, %s", text)
-    (run_dir.path / PROMPT_FILE).write_text(text + "\n")
+    _unless_the_disk_refuses(PROMPT_FILE, lambda: (run_dir.path / PROMPT_FILE).write_text(text + "\n"))
     tracker.log_text(text + "\n", PROMPT_FILE)
+
+
+def _unless_the_disk_refuses(what: str, write) -> None:
+    """Call `write`; a disk that refuses it (full, quota, I/O error, read-only) is one line, the trace goes to
+    logs/driver.log, and the run goes on (these files are not what a resume needs)."""
+    from common.disk import disk_error
+
+    try:
+        write()
+    except OSError as e:
+        err = disk_error(e)
+        if err is None:
+            raise
+        log.debug("writing %s failed", what, exc_info=e)
+        log.error("could not write %s: %s (%s)", what, err.strerror, err.filename or "the run folder")
 
 
 def _shutdown_ray() -> None:

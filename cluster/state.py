@@ -22,6 +22,11 @@ class DriverState:
     train_s: float = 0.0
     accounting: dict[str, int] = field(default_factory=dict)  # the buffer's counts at the checkpoint's snapshot
     rollouts: int = 0  # generated (fresh) rollouts trained so far: the budget `total_rollouts` counts
+    checkpoints_skipped: int = 0  # checkpoints that did not fit (checkpoint.on_full_disk=skip)
+    # metric points the tracking store had not taken when this checkpoint was written (cluster.tracking.Tracker):
+    metrics_buffered: int = 0  # in memory, retried
+    metrics_unsent: int = 0  # in the run's metrics-unsent.jsonl: `exgrpo track --replay RUN` sends them
+    metrics_lost: int = 0  # dropped: written nowhere (the run folder could not take them either)
 
 
 def rng_state() -> dict[str, list]:

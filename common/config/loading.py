@@ -148,7 +148,7 @@ def _validate(raw: dict[str, Any]) -> RunConfig:
 RESUMABLE_FIELDS = (
     "total_steps", "total_rollouts",
     "eval",  # held-out evaluation, off the training path
-    "checkpoint.every_steps", "checkpoint.keep_last",
+    "checkpoint.every_steps", "checkpoint.keep_last", "checkpoint.on_full_disk",
     "tracking.enabled", "tracking.log_plots", "tracking.log_model",
     "cluster",  # where and how the run's processes run: address, num_cpus, autoscale, restarts, stall limits...
     "generator.num_generators", "generator.num_cpus", "generator.max_restarts", "generator.stop_timeout_s",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from common.config.base import Section
@@ -33,3 +35,9 @@ class CheckpointConfig(Section):
     """Checkpoint every N learner steps (0: only at the end and on SIGTERM)."""
     keep_last: int = Field(2, ge=1, le=1000)
     """Checkpoints kept in the run folder."""
+    on_full_disk: Literal["stop", "skip"] = "stop"
+    """What a checkpoint that does not fit does. Before each checkpoint its size (that of the previous one;
+    for the first, the model's and the buffer's bytes) is compared with the free space, and a write that
+    fails anyway (no space, quota) counts the same. `stop`: a clean stop with exit code 4, state FAILED, the
+    last complete checkpoint kept for `--resume`. `skip`: train on and try again at the next checkpoint (a
+    warning each time, metric `checkpoint/skipped`). An I/O error or a read-only disk always stops."""
