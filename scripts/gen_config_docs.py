@@ -67,8 +67,8 @@ def render() -> str:
              "`exgrpo config [...]` prints the resolved configuration.",
              "A backend section (`generator.engine`, `learner.weight_sync`) is one of the kinds below, chosen by "
              "`kind`; a field given without `kind` picks it: the default kind's own fields keep it "
-             "(`generator.engine.cpu_vllm_min_params=0`), a field only one kind has sets that kind "
-             "(`generator.engine.max_num_seqs=64` sets vllm, `learner.weight_sync.relay_fanout=2` sets collective).",
+             "(`generator.engine.cpu_vllm_min_params=0` stays auto), a field only one kind has sets that kind "
+             "(`learner.weight_sync.relay_fanout=2` sets collective; `max_num_seqs` alone sets vllm).",
              ""]
     queue: list[tuple[str, type[BaseModel]]] = [("", RunConfig)]
     while queue:
