@@ -32,10 +32,13 @@ def format_errors(err: ValidationError) -> list[str]:
     done: set[str] = set()
     for e in err.errors():
         pl = place(e["loc"])
-        if pl.field is not None and pl.rest:  # one member of a value union failed: say what the field takes
+        if pl.field is not None and pl.rest and choices(pl.field.annotation):  # a member of a value union failed
             if pl.dotted not in done:
                 done.add(pl.dotted)
                 lines.append(f"{pl.dotted}: {_not_a_choice(e['input'], pl.field)}")
+            continue
+        if pl.field is not None and pl.rest:  # an item of a list or a mapping
+            lines.append(_item_problem(e, pl))
             continue
         msg = _message(e, pl)
         if "\n" in msg:  # several problems from one model validator, each with its own path
@@ -65,6 +68,18 @@ def _message(e: dict, pl: Place) -> str:
             and choices(pl.field.annotation):
         return _not_a_choice(value, pl.field)
     return e["msg"].removeprefix("Value error, ")
+
+
+def _item_problem(e: dict, pl: Place) -> str:
+    """`learner.betas=[x, 0.9]`: which item, what is wrong with it, and the form of the whole value."""
+    msg = e["msg"].removeprefix("Value error, ")
+    if mapping_value(pl.field.annotation)[0]:
+        quote = " (quote a number or true/false to make it text: '1')" if e["type"] == "string_type" else ""
+        return f"{pl.dotted}.{pl.rest[0]}: {msg}{quote}"
+    item = pl.rest[0] + 1 if isinstance(pl.rest[0], int) else pl.rest[0]
+    what = "is missing" if e["type"] == "missing" else f"{_shown(e.get('input'))}: {msg}"
+    shape = _list_shape(pl.field.annotation) or "a list"
+    return f"{pl.dotted}: item {item} {what} ({shape}, e.g. {pl.dotted}={_list_example(pl.field)})"
 
 
 def _shown(value: Any) -> str:

@@ -64,6 +64,10 @@ def refused(capsys, *args: str) -> str:
                             "learner.betas=[0.9, 0.999]"),
     (["learner.icepop_band=2"], "e.g. learner.icepop_band=[0.5, 2.0]"),
     (["generator.stop=3"], "generator.stop: a list, written [a, b]"),
+    (["learner.betas=[x, 0.9]"], "learner.betas: item 1 'x': Input should be a valid number, unable to parse string "
+                                 "as a number (a list of 2 numbers, written [a, b], e.g. learner.betas=[0.9, 0.999])"),
+    (["learner.betas=[0.9]"], "learner.betas: item 2 is missing (a list of 2 numbers"),
+    (["generator.node_labels.group=1"], "generator.node_labels.group: Input should be a valid string (quote a number"),
     # the limit of a name
     (["name=" + "r" * 101], "name: 101 characters; a run name is at most 100"),
     # a value below a value
