@@ -171,13 +171,16 @@ def pack_by_tokens(rows: list[Row], budget: int, max_rows: int, padding_free: bo
 @dataclass
 class Packing:
     """A micro-batch's rows as one sequence without padding: the forward's layout (the loss keeps [R, L-1]).
-    Row i occupies tokens [o_i, o_i + len_i) with positions 0..len_i-1; the attention implementation
-    reads the restarts of `position_ids` as row boundaries (transformers' packed-sequence format)."""
+    Row i occupies tokens [o_i, o_i + len_i) with positions 0..len_i-1; the attention keeps rows apart by the
+    restarts of `position_ids` (transformers' packed-sequence format) or by `document_ids` (`learner.forward`
+    builds the mask from them, without reading the tensors back)."""
 
     input_ids: Tensor  # [1, T] the rows one after another, T = the sum of their lengths
     position_ids: Tensor  # [1, T]
     targets: Tensor  # [1, T-1] = input_ids[:, 1:]
     mask: Tensor  # [1, T-1] 1 where the target is a response token (in row order, as response_mask's)
+    index: Tensor | None = None  # [N] int64 flat positions in [T-1] where `mask` is 1, in order
+    document_ids: Tensor | None = None  # [1, T] int64 the row each token belongs to
 
 
 @dataclass
@@ -193,6 +196,8 @@ class MicroBatch:
     lag0_mask: Tensor | None = None  # [R, L-1] 1 on the response tokens of fresh rows with lag 0
     old_logprobs: Tensor | None = None  # [R, L-1] rows' `old_logprobs` when every row has them, else None
     packed: Packing | None = None  # the padding-free forward layout (learner.padding_free), else None
+    response_index: Tensor | None = None  # [N] int64 flat positions in [R, L-1] where response_mask is 1, in order
+    uneven: bool = False  # rows of different lengths: the padded forward needs its attention mask
 
     @property
     def forward_tokens(self) -> int:
@@ -200,41 +205,49 @@ class MicroBatch:
         return int(self.packed.input_ids.numel() if self.packed is not None else self.input_ids.numel())
 
 
+def _to(a: np.ndarray, device: torch.device) -> Tensor:
+    """One host -> device copy that does not wait for the device's queue (the source is pageable: CUDA stages
+    it before returning, so it may be freed at once)."""
+    return torch.from_numpy(a).to(device, non_blocking=True)
+
+
 def pack_rows(rows: list[Row], device: torch.device) -> Packing:
-    """The rows as one padding-free sequence (see `Packing`)."""
+    """The rows as one padding-free sequence (see `Packing`); two host -> device copies."""
     total = sum(r.length for r in rows)
-    ids = np.empty(total, dtype=np.int64)  # [T]
-    pos = np.empty(total, dtype=np.int64)  # [T]
+    ints = np.empty((3, total), dtype=np.int64)  # [3, T] input ids, positions, document ids
     mask = np.zeros(total - 1, dtype=np.float32)  # [T-1]
     o = 0
-    for r in rows:
+    for i, r in enumerate(rows):
         p, t = len(r.prompt_ids), len(r.response_ids)
-        ids[o:o + p] = r.prompt_ids
-        ids[o + p:o + p + t] = r.response_ids
-        pos[o:o + p + t] = np.arange(p + t)
+        ints[0, o:o + p] = r.prompt_ids
+        ints[0, o + p:o + p + t] = r.response_ids
+        ints[1, o:o + p + t] = np.arange(p + t)
+        ints[2, o:o + p + t] = i
         mask[o + p - 1:o + p - 1 + t] = 1.0  # token o+p+j is predicted at o+p+j-1, inside the row
         o += p + t
-    ids_t = torch.from_numpy(ids).to(device)[None]  # [1, T]
-    return Packing(ids_t, torch.from_numpy(pos).to(device)[None], ids_t[:, 1:], torch.from_numpy(mask).to(device)[None])
+    index = np.flatnonzero(mask)  # [N]
+    ints_t = _to(np.concatenate([ints.reshape(-1), index]), device)  # [3T + N]
+    ids_t, pos_t, doc_t = (ints_t[k * total:(k + 1) * total][None] for k in range(3))  # [1, T] each
+    return Packing(ids_t, pos_t, ids_t[:, 1:], _to(mask, device)[None], index=ints_t[3 * total:], document_ids=doc_t)
 
 
 def collate(rows: list[Row], pad_id: int, device: torch.device, packed: bool = False) -> MicroBatch:
     """Right-pad rows into tensors; an empty list gives one all-masked dummy row (keeps FSDP in step).
-    `packed`: the forward runs on the rows packed without padding (`pack_rows`); the loss tensors stay padded."""
+    `packed`: the forward runs on the rows packed without padding (`pack_rows`); the loss tensors stay padded.
+    Built on the host and moved in two copies that do not wait for the device (with `pack_rows`', four)."""
     if not rows:
         z = torch.zeros(1, 1, device=device)
         ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)  # [1, 2]
-        return MicroBatch(ids, torch.ones_like(ids), ids[:, 1:], z, z, z, torch.zeros(1, device=device), [], z)
+        return MicroBatch(ids, torch.ones_like(ids), ids[:, 1:], z, z, z, torch.zeros(1, device=device), [], z,
+                          response_index=torch.zeros(0, dtype=torch.long, device=device))
     length = max(r.length for r in rows)
     n = len(rows)
     ids = np.full((n, length), pad_id, dtype=np.int64)  # [R, L]
     attn = np.zeros((n, length), dtype=np.int64)  # [R, L]
-    resp = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
-    beh = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
-    rep = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
-    lag0 = np.zeros((n, length - 1), dtype=np.float32)  # [R, L-1]
     has_old = all(r.old_logprobs is not None for r in rows)
-    old = np.zeros((n, length - 1), dtype=np.float32) if has_old else None  # [R, L-1]
+    per_token = np.zeros((5 if has_old else 4, n, length - 1), dtype=np.float32)  # [K, R, L-1]
+    resp, beh, rep, lag0 = per_token[:4]  # [R, L-1] each (views)
+    old = per_token[4] if has_old else None  # [R, L-1]
     for i, r in enumerate(rows):
         p, t = len(r.prompt_ids), len(r.response_ids)
         ids[i, :p] = r.prompt_ids
@@ -249,17 +262,24 @@ def collate(rows: list[Row], pad_id: int, device: torch.device, packed: bool = F
             lag0[i, p - 1:p - 1 + t] = 1.0
         if old is not None:
             old[i, p - 1:p - 1 + t] = r.old_logprobs
-    ids_t = torch.from_numpy(ids).to(device)
+    adv = np.array([r.advantage for r in rows], dtype=np.float32)  # [R]
+    index = np.flatnonzero(resp)  # [N]
+    ints_t = _to(np.concatenate([ids.reshape(-1), attn.reshape(-1), index]), device)  # [2 R L + N]
+    floats_t = _to(np.concatenate([per_token.reshape(-1), adv]), device)  # [K R (L-1) + R]
+    ids_t = ints_t[:n * length].view(n, length)
+    tok = floats_t[:per_token.size].view(per_token.shape)  # [K, R, L-1]
     return MicroBatch(
         input_ids=ids_t,
-        attention_mask=torch.from_numpy(attn).to(device),
+        attention_mask=ints_t[n * length:2 * n * length].view(n, length),
         targets=ids_t[:, 1:],
-        response_mask=torch.from_numpy(resp).to(device),
-        replay_mask=torch.from_numpy(rep).to(device),
-        behaviour_logprobs=torch.from_numpy(beh).to(device),
-        advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),  # [R]
+        response_mask=tok[0],
+        replay_mask=tok[2],
+        behaviour_logprobs=tok[1],
+        advantages=floats_t[per_token.size:],  # [R]
         rows=rows,
-        lag0_mask=torch.from_numpy(lag0).to(device),
-        old_logprobs=None if old is None else torch.from_numpy(old).to(device),
+        lag0_mask=tok[3],
+        old_logprobs=tok[4] if has_old else None,
         packed=pack_rows(rows, device) if packed else None,
+        response_index=ints_t[2 * n * length:],
+        uneven=any(r.length < length for r in rows),
     )

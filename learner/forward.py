@@ -19,19 +19,22 @@ from learner.levers import apply_compile
 from learner.token_stats import TokenStatsHead, install_token_stats_head, token_stats
 
 
-def response_logprobs_and_entropy(logits: Tensor, targets: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+def response_logprobs_and_entropy(logits: Tensor, targets: Tensor, mask: Tensor,
+                                  index: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Log-probs of the targets and token entropies where `mask` > 0 only; zeros elsewhere.
 
     logits [R, L, V], targets and mask [R, L-1] -> ([R, L-1], [R, L-1]). The full-logits path
-    (`learner.logits_chunk_tokens=0`).
+    (`learner.logits_chunk_tokens=0`). `index` [N]: the flat positions of `mask` > 0 (host-made; see
+    `token_stats`), else found from `mask`.
     """
-    sel = mask > 0  # [R, L-1]
-    picked = logits[:, :-1][sel]  # [N, V]
-    lp = L.token_logprobs(picked, targets[sel])  # [N]
+    rows, width = mask.shape
+    if index is None:
+        index = (mask > 0).reshape(-1).nonzero()[:, 0]  # [N]
+    picked = logits.reshape(rows * (width + 1), -1).index_select(0, index + index // width)  # [N, V]
+    lp = L.token_logprobs(picked, targets.reshape(-1).index_select(0, index))  # [N]
     ent = L.token_entropy(picked)  # [N]
-    idx = sel.nonzero(as_tuple=True)
-    zeros = torch.zeros(sel.shape, dtype=torch.float32, device=logits.device)  # [R, L-1]
-    return zeros.index_put(idx, lp), zeros.index_put(idx, ent)
+    zeros = torch.zeros(rows * width, dtype=torch.float32, device=logits.device)  # [R (L-1)]
+    return zeros.index_put((index,), lp).view(rows, width), zeros.index_put((index,), ent).view(rows, width)
 
 
 def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, *, trainable: bool = True) -> torch.nn.Module:
@@ -54,15 +57,69 @@ def forward_stats(model: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tenso
     otherwise full logits are computed. `anchor` is a scalar reaching every parameter the forward used:
     `0 * anchor` lets an all-masked dummy micro-batch run the backward FSDP's collectives wait for.
     A packed micro-batch (`mb.packed`) runs the forward on its padding-free layout and returns the same
-    [R, L-1] tensors: its response tokens are in the same row order in both layouts."""
+    [R, L-1] tensors: its response tokens are in the same row order in both layouts.
+
+    Nothing here reads the device: the response positions (`response_index`) and, where the attention allows it,
+    the attention mask (`attention_inputs`) come from the layout the host built."""
     if mb.packed is None:
-        return _stats(model, mb.input_ids, mb.attention_mask, None, mb.targets, mb.response_mask)
+        attn, pos = attention_inputs(model, mb)
+        return _stats(model, mb.input_ids, attn, pos, mb.targets, mb.response_mask, mb.response_index)
     p = mb.packed
-    logp, ent, anchor = _stats(model, p.input_ids, None, p.position_ids, p.targets, p.mask)  # [1, T-1] each
-    sel = p.mask[0] > 0  # [T-1]
-    idx = (mb.response_mask > 0).nonzero(as_tuple=True)
-    zeros = torch.zeros(mb.response_mask.shape, dtype=torch.float32, device=logp.device)  # [R, L-1]
-    return zeros.index_put(idx, logp[0][sel]), zeros.index_put(idx, ent[0][sel]), anchor
+    attn, pos = attention_inputs(model, mb)
+    logp, ent, anchor = _stats(model, p.input_ids, attn, pos, p.targets, p.mask, p.index)  # [1, T-1] each
+    index = mb.response_index
+    if index is None or p.index is None:
+        index = (mb.response_mask > 0).reshape(-1).nonzero()[:, 0]
+    packed_index = (p.mask[0] > 0).nonzero()[:, 0] if p.index is None else p.index  # [N], in the same row order
+    zeros = torch.zeros(mb.response_mask.numel(), dtype=torch.float32, device=logp.device)  # [R (L-1)]
+    shape = mb.response_mask.shape
+    return (zeros.index_put((index,), logp[0].index_select(0, packed_index)).view(shape),
+            zeros.index_put((index,), ent[0].index_select(0, packed_index)).view(shape), anchor)
+
+
+def _full_attention_only(config) -> bool:
+    """Whether every layer attends causally to the whole sequence (no sliding or chunked windows), so that one
+    causal mask serves them all."""
+    types = getattr(config, "layer_types", None) or ["full_attention"]
+    return set(types) == {"full_attention"} and not getattr(config, "attention_chunk_size", None)
+
+
+def attention_inputs(model: torch.nn.Module, mb: MicroBatch) -> tuple[object, Tensor | None]:
+    """(attention_mask, position_ids) for the forward of `mb`, built from its host-made layout.
+
+    transformers finds row boundaries and padding by reading the tensors (one host sync per forward); where the
+    layout is known and the attention allows it, the mask is given instead, with exactly transformers' values:
+    - padded rows of equal length: no mask (causal; sdpa keeps its is_causal fast path);
+    - padded rows of different lengths under sdpa: the [R, 1, L, L] boolean causal-and-padding mask;
+    - packed rows under flex_attention: the block-diagonal causal BlockMask of `Packing.document_ids`;
+    - otherwise transformers' own: the 2D mask, or, packed, position_ids restarting at every row."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    full = _full_attention_only(model.config)
+    p = mb.packed
+    if p is not None:
+        if impl == "flex_attention" and full and p.document_ids is not None:
+            return _document_block_mask(p.document_ids[0]), p.position_ids
+        return None, p.position_ids
+    if not mb.uneven:
+        return None, None
+    if impl == "sdpa" and full:
+        n, length = mb.attention_mask.shape
+        causal = torch.ones(length, length, dtype=torch.bool, device=mb.attention_mask.device).tril_()  # [L, L]
+        return causal[None, None] & mb.attention_mask.bool()[:, None, None, :], None  # [R, 1, L, L]
+    return mb.attention_mask, None
+
+
+def _document_block_mask(doc: Tensor):
+    """flex_attention's BlockMask for rows packed one after another: token q sees token k when both are in the
+    same row and k <= q. doc [T] int64: each token's row. Compiled on CUDA (as transformers builds its own)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q, k):
+        return (doc[q] == doc[k]) & (k <= q)
+
+    length = doc.shape[0]
+    return create_block_mask(mask_mod, B=1, H=None, Q_LEN=length, KV_LEN=length, device=doc.device,
+                             _compile=doc.device.type == "cuda")
 
 
 class PackingError(RuntimeError):
@@ -104,11 +161,11 @@ def check_packing(model: torch.nn.Module, device: torch.device, tolerance: float
     return gap
 
 
-def _stats(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
-           targets: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _stats(model: torch.nn.Module, input_ids: Tensor, attention_mask, position_ids: Tensor | None,
+           targets: Tensor, mask: Tensor, index: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     if isinstance(getattr(model, "lm_head", None), TokenStatsHead):
-        return token_stats(model, input_ids, attention_mask, targets, mask, position_ids=position_ids)
+        return token_stats(model, input_ids, attention_mask, targets, mask, position_ids=position_ids, index=index)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False).logits  # [R, L, V]
-    logp, ent = response_logprobs_and_entropy(logits, targets, mask)
+    logp, ent = response_logprobs_and_entropy(logits, targets, mask, index)
     return logp, ent, logits.sum()

@@ -118,7 +118,7 @@ class TokenStatsHead(nn.Module):
         super().__init__()
         self.weight = weight  # the same Parameter as before (tied to the embeddings where the model ties them)
         self.chunk_tokens = chunk_tokens
-        self.request: tuple[Tensor, Tensor] | None = None  # (targets [R, L-1], positions [R, L-1] bool)
+        self.request: tuple[Tensor, Tensor] | None = None  # (targets [N], hidden positions [N] flat in [R*L])
 
     @property
     def in_features(self) -> int:
@@ -132,8 +132,8 @@ class TokenStatsHead(nn.Module):
         if self.request is None:
             return F.linear(hidden, self.weight)  # [R, L, V]: ordinary logits
         targets, positions = self.request
-        picked = hidden[:, :-1][positions]  # [N, H]
-        logp, ent = chunked_logprob_entropy(picked, self.weight, targets[positions], self.chunk_tokens)
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)  # [N, H]
+        logp, ent = chunked_logprob_entropy(picked, self.weight, targets, self.chunk_tokens)
         return torch.stack([logp, ent], dim=-1)  # [N, 2] (returned by the model as its "logits")
 
 
@@ -161,7 +161,8 @@ def install_token_stats_head(model: nn.Module, chunk_tokens: int | None = None) 
 
 
 def token_stats(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, targets: Tensor,
-                mask: Tensor, position_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                mask: Tensor, position_ids: Tensor | None = None,
+                index: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Log-probs of `targets` and entropies at the positions where `mask` > 0, zeros elsewhere.
 
     input_ids, attention_mask [R, L]; targets, mask [R, L-1] -> (logp [R, L-1], entropy [R, L-1],
@@ -169,22 +170,27 @@ def token_stats(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | No
     micro-batch has no response token (the all-masked dummy) backpropagates `0 * anchor` to join FSDP's
     gradient collectives. Such a batch computes one position, not full logits. `position_ids` with no
     `attention_mask`: rows packed into one sequence (`learner.batching.Packing`). No KV cache is built (a cache
-    would also turn off transformers' packed-sequence masking)."""
+    would also turn off transformers' packed-sequence masking). `attention_mask` may also be a 4D mask or a
+    flex_attention BlockMask, used as given. `index` [N]: the flat positions in [R, L-1] where `mask` > 0, in
+    order, as computed on the host (`MicroBatch.response_index`): then nothing waits for the device (without it
+    they are found from `mask`, which reads the device)."""
     head = model.lm_head
     if not isinstance(head, TokenStatsHead):
         raise HeadError("token_stats needs install_token_stats_head(model) first")
-    positions = mask > 0  # [R, L-1]
-    if not bool(positions.any()):
-        positions = torch.zeros_like(positions)
-        positions[0, 0] = True  # the dummy: one position keeps the head and every layer in the graph
-    head.request = (targets, positions)
+    rows, width = mask.shape  # [R, L-1]
+    if index is None:
+        index = (mask > 0).reshape(-1).nonzero()[:, 0]  # [N]
+    n = index.numel()
+    picked = index if n else torch.zeros(1, dtype=torch.long, device=mask.device)  # the dummy: one position
+    # keeps the head and every layer in the graph; target (r, t) is predicted by the hidden state at r*L + t
+    head.request = (targets.reshape(-1).index_select(0, picked), picked + picked // width)
     try:
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     use_cache=False).logits  # [N, 2]
     finally:
         head.request = None
-    idx = (mask > 0).nonzero(as_tuple=True)
-    zeros = torch.zeros(positions.shape, dtype=torch.float32, device=out.device)  # [R, L-1]
-    if idx[0].numel() == 0:
-        return zeros, zeros.clone(), out.sum()
-    return zeros.index_put(idx, out[:, 0]), zeros.index_put(idx, out[:, 1]), out.sum()
+    zeros = torch.zeros(rows * width, dtype=torch.float32, device=out.device)  # [R (L-1)]
+    if n == 0:
+        return zeros.view(rows, width), zeros.clone().view(rows, width), out.sum()
+    logp = zeros.index_put((index,), out[:, 0]).view(rows, width)
+    return logp, zeros.index_put((index,), out[:, 1]).view(rows, width), out.sum()
