@@ -20,8 +20,9 @@ CATEGORIES = {"matmul", "attention", "elementwise/copy", "reduction/softmax", "c
 
 def test_quick_runs_the_whole_pipeline_and_writes_every_number(tmp_path):
     out = tmp_path / "gpu_bench.json"
-    proc = subprocess.run([sys.executable, "bench/gpu_bench.py", "--quick", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    # a nominal peak (a CPU has none in the table), so that MFU is computed and reaches the scale model below
+    proc = subprocess.run([sys.executable, "bench/gpu_bench.py", "--quick", "--peak-tflops", "0.001", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "$ python bench/gpu_bench.py --quick" in proc.stdout  # the table says which command made it
     r = json.loads(out.read_text())
@@ -34,6 +35,9 @@ def test_quick_runs_the_whole_pipeline_and_writes_every_number(tmp_path):
     for run in r["runs"]:
         assert RUN_KEYS <= set(run), RUN_KEYS - set(run)
         assert run["updates"] == 1 and run["step_s"] > 0 and run["response_tokens_per_s"] > 0
+        # MFU = FLOPs / step_s / peak, FLOPs = sum over rows of (prompt + response) x (6 P + 6 L H (prompt + response))
+        mfu = run["flops_per_step"] / run["step_s"] / 1e9  # peak 0.001 TFLOP/s
+        assert abs(run["mfu"] - mfu) <= 5e-5 + 1e-3 * mfu  # both rounded to 4 places in the JSON
         assert run["tokens"] == run["response_tokens"] + run["rows"] * run["prompt_tokens"]
         assert set(run["kernel_split"]) == CATEGORIES
         assert abs(sum(c["share"] for c in run["kernel_split"].values()) - 1) < 1e-3
@@ -48,6 +52,11 @@ def test_quick_runs_the_whole_pipeline_and_writes_every_number(tmp_path):
     assert pub["unique_bytes"] == 2 * fixed["params"]
     assert pub["unique_bytes"] <= pub["bytes_published"] <= pub["unique_bytes"] + 2 * 512 * 64
     assert pub["gb_per_s"] > 0 and pub["copy_gb_per_s"] > 0
+    # the scale model reads it: the measured constants name this run, the 7B's MFU is assumed from the nearest size
+    scale = subprocess.run([sys.executable, "bench/scale_model.py", "--gpu-json", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "- mfu_tiny = " in scale and "[assumed: the tiny's" in scale
+    assert f"- gather_bytes_per_s = {pub['gb_per_s'] * 1e9:.4g} B/s" in scale and "[measured: CPU," in scale
 
 
 def test_imports_neither_ray_nor_vllm_nor_mlflow():
