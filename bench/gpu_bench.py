@@ -435,8 +435,8 @@ def print_report(result: dict) -> None:
     print(f"\n$ {result['command']}")
     print(f"   ({d['name']}, torch {result['versions']['torch']}, transformers {result['versions']['transformers']}, "
           f"{result['dtype']}, commit {result['versions']['commit']})")
-    print(f"MFU = {result['mfu_formula']}; peak {d['peak_tflops']} TFLOP/s ({d['peak_source']}); "
-          f"recompute not counted\n")
+    peak = f"{d['peak_tflops']:g} TFLOP/s ({d['peak_source']})" if d["peak_tflops"] else d["peak_source"]
+    print(f"MFU = {result['mfu_formula']}; peak {peak}; recompute (checkpointing, chunked head) not counted\n")
     cats = [c for c, _ in CATEGORIES] + ["other"]
     gpu = d["type"] == "cuda"
     print("kernel time split: " + ("CUDA kernel time by kernel name" if gpu else "CPU op self time by op name")
