@@ -111,7 +111,8 @@ def test_a_stalled_server_never_blocks_logging_and_gets_every_metric_when_it_ans
         os.killpg(server.pid, signal.SIGCONT)
         tr.finish()
         hist = MlflowClient(tracking_uri=uri).get_metric_history(run_id, "a")
-        assert sorted(m.step for m in hist) == list(range(200)) and tr.counts() == {"metrics_buffered": 0, "metrics_unsent": 0, "metrics_lost": 0}
+        assert sorted(m.step for m in hist) == list(range(200))
+        assert tr.counts() == {"metrics_buffered": 0, "metrics_unsent": 0, "metrics_lost": 0}
     finally:
         os.killpg(server.pid, signal.SIGCONT)
         os.killpg(server.pid, signal.SIGKILL)
