@@ -210,9 +210,14 @@ class RunDir:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """`path` holds the old text or the new one, never a part (a full disk leaves the old file and no temp file)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # ---------------------------------------------------------------------------------------- control

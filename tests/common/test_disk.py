@@ -67,3 +67,24 @@ def test_an_errno_flattened_to_text_is_still_found():
     e = RuntimeError("remote task failed: OSError: [Errno 122] Disk quota exceeded: '/ckpt/x'")
     assert disk_error(e).errno == errno.EDQUOT
     assert disk_error(RuntimeError("[Errno 2] No such file or directory")) is None
+
+
+def test_the_hf_export_and_state_json_on_a_full_disk_are_enospc_and_leave_the_old_state(fs):
+    from cluster.runtime import atomic_write_text
+    from learner.checkpoint import SafetensorsWriter
+
+    (fs / "state.json").write_text('{"checkpoints": ["step-000002"]}')
+    fill(fs, leave=100_000)
+    specs = {"w": (torch.float32, (1000, 1000))}  # 4 MB into 0.1 MB
+    with pytest.raises(BaseException) as info:
+        writer = SafetensorsWriter(fs / "model.safetensors", specs)
+        try:
+            writer.write({"w": torch.ones(1000, 1000)})
+        finally:
+            writer.close()
+    assert disk_error(info.value).errno == errno.ENOSPC
+    with pytest.raises(OSError) as info:
+        atomic_write_text(fs / "state.json", '{"checkpoints": ["step-000002", "step-000004"]}' + " " * 200_000)
+    assert disk_error(info.value).errno == errno.ENOSPC
+    assert (fs / "state.json").read_text() == '{"checkpoints": ["step-000002"]}'
+    assert sorted(p.name for p in fs.iterdir()) == ["filler", "model.safetensors", "state.json"]
