@@ -10,7 +10,8 @@ train: setup
 test: setup
 	.venv/bin/python -m pytest tests $(PYTEST_ARGS)
 
-# bf16 + vLLM on GPU + NCCL weight sync, a short run (skipped, exit 0, without a GPU)
+# bench/gpu_bench.py (the learner alone), then bf16 + vLLM on GPU + NCCL weight sync, a short run where vLLM and
+# Ray install (skipped, said so, exit 0 otherwise; everything skipped without a GPU)
 gpu-check:
 	bash scripts/gpu_check.sh $(STEPS)
 
