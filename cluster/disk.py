@@ -19,14 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-def free_bytes(folder: str | os.PathLike) -> int:
+def free_bytes(folder: str | os.PathLike) -> int | None:
     """Bytes a write into `folder` (or its nearest existing parent) may still use (statvfs f_bavail: what is
-    left to ordinary users; root's reserve is not counted)."""
+    left to ordinary users; root's reserve is not counted). None when the file system does not say (no size:
+    f_blocks 0, as some network and FUSE file systems report): no checkpoint is refused on that account."""
     p = Path(folder).absolute()
     while not p.exists():
         p = p.parent
     st = os.statvfs(p)
-    return st.f_bavail * st.f_frsize
+    return st.f_bavail * st.f_frsize if st.f_blocks else None
 
 
 def folder_bytes(folder: str | os.PathLike) -> int:
@@ -81,7 +82,7 @@ class DiskFault:
 
     step: int
     folder: Path
-    free: int
+    free: int | None
     last: Path | None
     need: int | None = None
     error: OSError | None = None
@@ -102,9 +103,10 @@ class DiskFault:
         kind = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EIO: "disk I/O error",
                 errno.EROFS: "read-only disk"}.get(e.errno, "disk error")
         where = f" ({e.filename})" if e.filename else ""
+        free = "free space unknown" if self.free is None else f"{size_text(self.free)} free"
         return (f"{kind}: writing the checkpoint of step {self.step} into {self.folder} failed: {e.strerror} "
-                f"[{errno.errorcode.get(e.errno, e.errno)}]{where}; {size_text(self.free)} free; the partial "
-                f"checkpoint was removed; {last}")
+                f"[{errno.errorcode.get(e.errno, e.errno)}]{where}; {free}; the partial checkpoint was removed; "
+                f"{last}")
 
 
 def size_text(n: int) -> str:

@@ -381,7 +381,7 @@ class Trainer:
         final = self.run_dir.checkpoint_dir(self.state.step)
         tmp = final.with_name(final.name + ".partial")
         need, free = self._checkpoint_bytes(), disk.free_bytes(final.parent)
-        if need > free:
+        if free is not None and need > free:
             return self._refused(disk.DiskFault(self.state.step, final.parent, free, self.run_dir.latest_checkpoint(),
                                                 need=need))
         try:
