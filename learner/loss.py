@@ -152,9 +152,10 @@ def policy_loss(
             "replay_loss": replay_loss.detach(),
             "clip_frac": (clipped * fresh).sum() / n_fresh.clamp(min=1),
             "fresh_ratio_mean": (fr * fresh).sum() / n_fresh.clamp(min=1),
-            "fresh_ratio_max": torch.where(fresh > 0, fr, zero).max() if n_fresh > 0 else zero,
+            # 0 where there is none; ratios are positive, so no branch on the count (which would read the device)
+            "fresh_ratio_max": torch.where(fresh > 0, fr, zero).max() if fr.numel() else zero,
             "replay_weight_mean": (r * replay).sum() / n_replay.clamp(min=1),
-            "replay_weight_max": torch.where(replay > 0, r, zero).max() if n_replay > 0 else zero,
+            "replay_weight_max": torch.where(replay > 0, r, zero).max() if r.numel() else zero,
             "fresh_tokens": n_fresh,
             "replay_tokens": n_replay,
         }

@@ -112,8 +112,23 @@ MAX_KEYS = ("fresh_ratio_max", "replay_weight_max", "gap_abs_max")
 
 
 @dataclass
+class _Queued:
+    """One micro-batch's values waiting on the device for the step's single transfer (`RankStats.finish`)."""
+
+    names: list[str]  # the scalars at the front of `values`, in order
+    values: list[Tensor]  # 0-d tensors (then, for a micro-batch with stored fresh rows, their entropy means [R])
+    rows: list[Row] = field(default_factory=list)
+    forward_tokens: int = 0
+    gap: bool = False  # a `loss.logprob_gap` record, not a micro-batch's metrics
+
+
+@dataclass
 class RankStats:
-    """What one rank saw in one step, as sums (merged exactly by `merge_rank_stats`)."""
+    """What one rank saw in one step, as sums (merged exactly by `merge_rank_stats`).
+
+    During the step nothing is read back from the device: `add_micro` and `add_gap` queue each micro-batch's
+    values as device tensors, and `finish` (the end of `TrainStep.run`) moves them in one transfer and adds them
+    up on the host, in float64 and in the order queued (the sums of a step that read every value at once)."""
 
     sums: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in SUM_KEYS})
     maxes: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in MAX_KEYS})
@@ -132,35 +147,62 @@ class RankStats:
     fresh_keys: list[str] = field(default_factory=list)  # this rank's trained fresh rows the buffer stored
     fresh_entropies: list[float] = field(default_factory=list)  # their mean token entropy, from the training forward
     seconds: float = 0.0
+    queued: list[_Queued] = field(default_factory=list, repr=False)  # empty once `finish` ran
 
-    def add_micro(self, metrics: dict[str, Tensor], parts: dict[str, float], ent: Tensor, mb: MicroBatch) -> None:
-        m = {k: float(v) for k, v in metrics.items()}
+    def add_micro(self, metrics: dict[str, Tensor], parts: dict[str, Tensor], ent: Tensor, mb: MicroBatch) -> None:
+        """Queue one micro-batch: `loss.policy_loss`'s metrics and the loss parts (0-d), entropies [R, L-1]."""
+        replay = mb.replay_mask * mb.response_mask
+        fresh = mb.response_mask - replay  # [R, L-1]
+        names = [*metrics, *(f"part:{k}" for k in parts), "abs_adv_sum", "fresh_entropy_sum", "replay_entropy_sum"]
+        values = [*metrics.values(), *parts.values(), mb.advantages.abs().sum(), (ent * fresh).sum(),
+                  (ent * replay).sum()]
+        if any(r.key and not r.replayed for r in mb.rows):  # stored fresh rows: their entropy is measured here
+            values.append((ent * fresh).sum(-1) / fresh.sum(-1).clamp(min=1))  # [R]
+        self.queued.append(_Queued(names, values, mb.rows, mb.forward_tokens))
+
+    def add_gap(self, gap: dict[str, Tensor]) -> None:
+        """Queue one micro-batch's `loss.logprob_gap` sums (first mini-batch only: before any update)."""
+        self.queued.append(_Queued(list(gap), list(gap.values()), gap=True))
+
+    def finish(self) -> None:
+        """Read every queued value back in one transfer (the step's one wait for the device) and add them up."""
+        if not self.queued:
+            return
+        flat = torch.cat([v.detach().reshape(-1) for q in self.queued for v in q.values]).tolist()
+        i = 0
+        for q in self.queued:
+            n = sum(v.numel() for v in q.values)
+            values, i = flat[i:i + n], i + n
+            m = dict(zip(q.names, values))
+            if q.gap:
+                self._sum_gap(m)
+            else:
+                self._sum_micro(m, values[len(q.names):], q)
+        self.queued = []
+
+    def _sum_micro(self, m: dict[str, float], means: list[float], q: _Queued) -> None:
         nf, nr = m["fresh_tokens"], m["replay_tokens"]
         s = self.sums
         s["pg_loss"] += m["loss"]
         s["fresh_loss"] += m["fresh_loss"]
         s["replay_loss"] += m["replay_loss"]
-        for k, v in parts.items():
-            s[k] += v
+        for k in ("loss", "entropy_loss", "kl_loss"):
+            s[k] += m[f"part:{k}"]
         s["clipped_tokens"] += m["clip_frac"] * nf
         s["fresh_ratio_sum"] += m["fresh_ratio_mean"] * nf
         s["replay_weight_sum"] += m["replay_weight_mean"] * nr
         s["fresh_tokens"] += nf
         s["replay_tokens"] += nr
-        s["rows"] += len(mb.rows)
-        s["forward_tokens"] += mb.forward_tokens
-        s["row_tokens"] += sum(r.length for r in mb.rows)
-        s["abs_adv_sum"] += float(mb.advantages.abs().sum()) if mb.rows else 0.0
-        replay = mb.replay_mask * mb.response_mask
-        fresh = mb.response_mask - replay  # [R, L-1]
-        if any(r.key and not r.replayed for r in mb.rows):  # stored fresh rows: their entropy is measured here
-            means = ((ent * fresh).sum(-1) / fresh.sum(-1).clamp(min=1)).tolist()  # [R]
-            for r, h in zip(mb.rows, means):
-                if r.key and not r.replayed:
-                    self.fresh_keys.append(r.key)
-                    self.fresh_entropies.append(h)
-        s["fresh_entropy_sum"] += float((ent * fresh).sum())
-        s["replay_entropy_sum"] += float((ent * replay).sum())
+        s["rows"] += len(q.rows)
+        s["forward_tokens"] += q.forward_tokens
+        s["row_tokens"] += sum(r.length for r in q.rows)
+        s["abs_adv_sum"] += m["abs_adv_sum"] if q.rows else 0.0
+        for r, h in zip(q.rows, means):
+            if r.key and not r.replayed:
+                self.fresh_keys.append(r.key)
+                self.fresh_entropies.append(h)
+        s["fresh_entropy_sum"] += m["fresh_entropy_sum"]
+        s["replay_entropy_sum"] += m["replay_entropy_sum"]
         self.maxes["fresh_ratio_max"] = max(self.maxes["fresh_ratio_max"], m["fresh_ratio_max"])
         self.maxes["replay_weight_max"] = max(self.maxes["replay_weight_max"], m["replay_weight_max"])
         if "icepop_masked_frac" in m:
@@ -174,11 +216,10 @@ class RankStats:
             s["tis_weight_sum"] += m["tis_weight_mean"] * nf
             s["tis_truncated_tokens"] += m["tis_truncated_frac"] * nf
 
-    def add_gap(self, gap: dict[str, Tensor]) -> None:
-        """Add one micro-batch's `loss.logprob_gap` sums (first mini-batch only: before any update)."""
+    def _sum_gap(self, gap: dict[str, float]) -> None:
         for k in ("abs_sum", "tokens", "ratio_sum", "ratio_sq_sum", "lag0_tokens"):
-            self.sums["gap_" + k] += float(gap[k])
-        self.maxes["gap_abs_max"] = max(self.maxes["gap_abs_max"], float(gap["abs_max"]))
+            self.sums["gap_" + k] += gap[k]
+        self.maxes["gap_abs_max"] = max(self.maxes["gap_abs_max"], gap["abs_max"])
 
 
 def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeedback]:
@@ -319,6 +360,7 @@ class TrainStep:
                 self._micro_step(self._collate(chunk), normalizer, stats, first=i == 0,
                                  clip=clip, tokens=tokens)
             self._optimizer_step(stats)
+        stats.finish()  # the step's metrics in one transfer, after the last update was queued
         stats.seconds = time.perf_counter() - t0
         return stats
 
@@ -339,10 +381,13 @@ class TrainStep:
         ent = torch.zeros(len(rows), dtype=torch.float32, device=self.device)  # [N]
         self.model.eval()
         for chunk in self._micro_batches(rows):
+            if not chunk:  # this rank's dummy: the forward keeps FSDP in step, nothing to record
+                forward_stats(self.model, self._collate(chunk))
+                continue
             mb = self._collate(chunk)
             _, h, _ = forward_stats(self.model, mb)  # [R, L-1]
-            for r, v in zip(chunk, L.row_mean(h, mb.response_mask).tolist()):
-                ent[index[id(r)]] = 0.0 if math.isnan(v) else v  # an empty response has entropy 0
+            where = torch.tensor([index[id(r)] for r in chunk]).to(self.device, non_blocking=True)  # [R]
+            ent.index_copy_(0, where, L.row_mean(h, mb.response_mask).nan_to_num(nan=0.0))  # empty response: 0
         if self.world > 1:
             torch.distributed.all_reduce(ent)
         stats.candidates_scored = len(rows)
@@ -354,14 +399,22 @@ class TrainStep:
         """Set `Row.old_logprobs` of this rank's rows of `minis` under the current weights (for TIS).
         Collective (FSDP forwards): the same micro-batches as training, so every rank runs as many."""
         self.model.eval()
+        done: list[tuple[list[Row], Tensor]] = []
         for mini in minis:
             for chunk in self._micro_batches(mini):
-                mb = self._collate(chunk)
-                lp, _, _ = forward_stats(self.model, mb)  # [R, L-1]
-                lp = lp.cpu().numpy()
-                for i, r in enumerate(chunk):
-                    p, t = len(r.prompt_ids), len(r.response_ids)
-                    r.old_logprobs = lp[i, p - 1:p - 1 + t].copy()  # [T]
+                lp, _, _ = forward_stats(self.model, self._collate(chunk))  # [R, L-1]
+                if chunk:
+                    done.append((chunk, lp))
+        if not done:
+            return
+        flat = torch.cat([lp.reshape(-1) for _, lp in done]).cpu().numpy()  # one transfer for all of them
+        o = 0
+        for chunk, lp in done:
+            lp_host = flat[o:o + lp.numel()].reshape(lp.shape)  # [R, L-1]
+            o += lp.numel()
+            for i, r in enumerate(chunk):
+                p, t = len(r.prompt_ids), len(r.response_ids)
+                r.old_logprobs = lp_host[i, p - 1:p - 1 + t].copy()  # [T]
 
     def _micro_batches(self, rows: list[Row]) -> list[list[Row]]:
         return rank_micro_batches(rows, self.rank, self.world, self.cfg.micro_batch_rows, self.cfg.micro_batch_tokens,
@@ -412,11 +465,13 @@ class TrainStep:
         # 0 * anchor keeps every parameter in the graph: a rank whose micro-batch is an all-masked dummy
         # (fewer rows than ranks) still runs the backward that FSDP's gradient collectives wait for.
         ((total + 0.0 * anchor) * self.world).backward()
-        parts = {"loss": float(total.detach()), "entropy_loss": float(ent_term.detach()),
-                 "kl_loss": float(kl_term.detach())}
+        parts = {"loss": total.detach(), "entropy_loss": ent_term.detach(), "kl_loss": kl_term.detach()}
         stats.add_micro(metrics, parts, ent.detach(), mb)
 
     def _optimizer_step(self, stats: RankStats) -> None:
+        """Clip and apply the accumulated gradient, or skip it (non-finite or above `skip_grad_norm`). Reading the
+        norm to decide is the step's one wait for the device per mini-batch (not per micro-batch): a skipped
+        update must not touch AdamW's moments or step count, which a device-side mask could not promise."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -426,8 +481,7 @@ class TrainStep:
         else:
             coef = min(1.0, self.cfg.grad_clip / (norm + 1e-6))
             if coef < 1.0:
-                for p in params:
-                    p.grad.mul_(coef)
+                torch._foreach_mul_([p.grad for p in params], coef)  # one launch per group, not per tensor
             self.optimizer.step()
             stats.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
