@@ -15,7 +15,7 @@ log-probs, see `topk_entropy_estimate`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +27,7 @@ from common.config import GeneratorConfig
 def weight_buckets(weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]
                    ) -> Iterator[dict[str, torch.Tensor]]:
     """`Engine.load_weights`'s argument as buckets: a whole state dict is one bucket."""
-    return iter([weights]) if isinstance(weights, dict) else iter(weights)
+    return iter([weights]) if isinstance(weights, Mapping) else iter(weights)
 
 
 @dataclass(slots=True)

