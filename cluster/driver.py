@@ -67,6 +67,7 @@ class Trainer:
         self._pending = None
         self._publish_s = 0.0
         self._publish_bytes = (0.0, 0.0)  # the last publication: bytes whole, bytes of its delta (0: none)
+        self._publish_blocking = (0.0, 0.0)  # the last publication on learner rank 0: (seconds busy, of which gather)
         self._ingest_mark: tuple[float, float] | None = None  # (time, groups accepted by the buffer)
         self._reward_errors = ErrorWindow(REWARD_ERROR_WINDOW)
         self._errors_warned_at = -REWARD_ERROR_WINDOW
@@ -240,13 +241,16 @@ class Trainer:
                      self.evaluation.num_questions, m["eval/seconds"])
 
     def _finish_publish(self) -> None:
-        """Wait for the publication in flight (WeightSyncTimeout names the version) and time it."""
+        """Wait for the publication in flight (WeightSyncTimeout names the version) and time it: the whole, as the
+        driver waits for it, and the part the learner waits for (rank 0's `PublishReport.blocking_s`)."""
         if self._pending is None:
             return
         pending, started = self._pending
         ann = pending.result()
         self._publish_s = time.monotonic() - started
         self._publish_bytes = (float(ann.num_bytes), float(ann.delta_bytes)) if ann is not None else (0.0, 0.0)
+        report = pending.report
+        self._publish_blocking = (report.blocking_s, report.gather_s) if report is not None else (0.0, 0.0)
         self._pending = None
 
     def _next_batch(self) -> TrainingBatch | None:
@@ -518,6 +522,10 @@ class Trainer:
             # bytes of the last publication, whole and (learner.weight_sync.delta) as a delta from the one before
             "weights/bytes_full": self._publish_bytes[0],
             "weights/bytes_delta": self._publish_bytes[1],
+            # seconds learner rank 0 was busy publishing (its next step queues behind that), of which waiting for the
+            # gather; driver/weight_publish_s is the whole publication as the driver waits for its announcement
+            "weights/publish_blocking_s": self._publish_blocking[0],
+            "weights/publish_gather_s": self._publish_blocking[1],
         }
         out.update({f"staleness/lag_{k}": float(v) for k, v in lags.items()})
         out.update(length_metrics(fresh, self.cfg.generator.max_new_tokens))

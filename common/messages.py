@@ -143,6 +143,15 @@ class WeightsAnnouncement:
 
 
 @dataclass(slots=True)
+class PublishReport:
+    """One publication as learner rank 0 saw it.  # learner rank 0 -> driver (a Ray return value, not msgpack)"""
+
+    announcement: WeightsAnnouncement
+    blocking_s: float  # seconds rank 0 spent in `LearnerRank.publish`: the learner's next step waits this long
+    gather_s: float  # of which waiting for the gather's buckets (the rest: the backend taking them)
+
+
+@dataclass(slots=True)
 class LearnerFeedback:
     """Mean token entropy of stored trajectories under the policy of `version`, and which were
     replayed.  # learner -> buffer"""

@@ -126,12 +126,14 @@ class SafetensorsWriter:
 
 
 def write_hf_folder(buckets, specs: dict[str, tuple[torch.dtype, tuple]], model_config, source_dir: str | Path,
-                    out: Path, dtype: torch.dtype = torch.float32) -> None:
+                    out: Path, dtype: torch.dtype = torch.float32, aliases: dict[str, str] | None = None) -> None:
     """config.json + model.safetensors from `buckets` (an iterable of {name: tensor} dicts whose floating
     entries are already `dtype`: `learner.gather.iter_full_state(..., dtype=dtype)`, or a whole state dict
     in a list), written bucket by bucket in the layout `specs` (`tensor_specs`), so the writer never holds
     more than one bucket; config.json's `dtype` says `dtype`; tokenizer/generation files copied from
-    `source_dir`."""
+    `source_dir`. `aliases` ({alias: name}, `learner.gather.tied_aliases`): a tied tensor that travels once is
+    written under its alias too, from the same bucket. Each bucket is written before the next is taken (the
+    gather reuses its buffers)."""
     out.mkdir(parents=True, exist_ok=True)
     model_config = copy.deepcopy(model_config)
     model_config.dtype = dtype
@@ -140,6 +142,7 @@ def write_hf_folder(buckets, specs: dict[str, tuple[torch.dtype, tuple]], model_
     try:
         for bucket in buckets:
             writer.write(bucket)
+            writer.write({a: bucket[n] for a, n in (aliases or {}).items() if n in bucket and a not in bucket})
             del bucket
     finally:
         writer.close()

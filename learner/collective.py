@@ -41,9 +41,21 @@ fail (logged with the generator id and version, recorded in `status()["failures"
 send/receive of a transfer waits at most `timeout_s`; the serving thread's wait for the next request is unbounded
 only in the sense that it ends when the peer's socket closes (gloo reports a closed connection).
 
+Where rank 0 holds a version (`CollectiveServer.publish`): the gather hands over flat buckets
+(`learner.gather.FlatBucket`, each already in the wire layout) and each is copied once into a held bucket on the
+device it was gathered on. On a GPU learner whose channels may be NCCL the gather's buckets stay on the GPU
+(`CollectiveServer.takes_device_buckets`), so the newest version is held and sent from GPU memory: no host round
+trip. A host copy is made only where a version must outlive that: with `keep_versions` > 1, a background thread
+copies the new version into pinned host memory on a side stream after `publish` returned (off the learner's path);
+when the next version is published, the older ones are served from their host copies and their GPU buckets are
+dropped. GPU memory on rank 0: one packed version in the publication dtype (two while the next one is packed when
+`keep_versions` = 1). A gloo channel to a generator without a GPU is served from the host copy (or a per-send copy
+when there is none). On the CPU the same path runs with host buckets (the "device" is the host: no second copy).
+
 NCCL (`backend: nccl`, or `auto` when both ends see CUDA): the same protocol on a `ProcessGroupNCCL` of 2 with
-CUDA tensors; UNTESTED here (no GPU on this machine). Held versions (rank 0's, a relay's) stay in pinned host
-memory; each send and receive stages one bucket on the device.
+CUDA tensors; UNTESTED here (no GPU on this machine): the device-held version, its background host copy and the
+sends from it. A relay keeps what it receives in pinned host memory; an NCCL receive stages one bucket at a time
+on the device.
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ import torch.distributed as dist
 
 from common.config import CollectiveSyncConfig
 from learner.delta import DELTA_WORTH, DeltaEncoder
+from learner.gather import FlatBucket
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +98,7 @@ class Packed:
 
 
 def host_device() -> torch.device:
-    """Where held versions live: host memory, also on GPU machines (so rank 0 and relays keep no model copies in GPU
-    memory; an NCCL send stages one bucket at a time on the device)."""
+    """Where a relay's versions and rank 0's older versions live: host memory, also on GPU machines (pinned)."""
     return torch.device("cpu")
 
 
@@ -102,8 +114,12 @@ def _dtype(name: str) -> torch.dtype:
 
 class Packer:
     """Streams state-dict chunks into uint8 buckets of up to `bucket_bytes` (a larger tensor gets a bucket of its
-    own): a bucket is allocated and filled when it closes, so the packer holds the packed buckets plus the open
-    bucket's tensors, never a whole second copy of the model. `add` chunks, then `finish`."""
+    own). `add` chunks, then `finish`.
+
+    A `FlatBucket` from the gather is already in the wire layout: it becomes one bucket at once, copied in a single
+    copy on its own device (the gather reuses its buffer after the next bucket is asked for, so nothing of it is
+    kept). A dict's tensors are copied when their bucket closes, so the packer holds references to them until then:
+    pass dicts that stay valid (the delta encoder's, a whole state dict), never views into the gather's buffers."""
 
     def __init__(self, version: int, bucket_bytes: int, device: torch.device):
         self.version, self.bucket_bytes, self.device = version, bucket_bytes, device
@@ -121,7 +137,9 @@ class Packer:
         self.pending.clear()
         self.size = None
 
-    def add(self, chunk: dict[str, torch.Tensor]) -> None:
+    def add(self, chunk: dict[str, torch.Tensor] | FlatBucket) -> None:
+        if isinstance(chunk, FlatBucket):
+            return self._add_flat(chunk)
         for name, t in chunk.items():
             nbytes = t.numel() * t.element_size()
             offset = 0 if self.size is None else -(-self.size // ALIGN) * ALIGN
@@ -132,6 +150,16 @@ class Packer:
                               nbytes])
             self.pending.append((t, offset, nbytes))
             self.size = offset + nbytes
+
+    def _add_flat(self, b: FlatBucket) -> None:
+        if self.size is not None:
+            self._close()
+        buf = _buffer(max(b.data.numel(), 1), b.data.device)
+        buf[:b.data.numel()].copy_(b.data)  # the whole bucket in one copy (alignment gaps included)
+        for e in b.entries:
+            self.plan.append([e.name, list(e.shape), str(e.dtype).removeprefix("torch."), len(self.buckets), e.offset,
+                              e.nbytes])
+        self.buckets.append(buf)
 
     def finish(self) -> Packed:
         if self.size is not None:
@@ -209,7 +237,8 @@ class Payload:
         self.version, self.base = version, -1  # base: the version a delta applies to, -1 for a whole version
         self.device = device  # where the buckets go when they arrive (None: the channel's device)
         self.meta: torch.Tensor | None = None
-        self.buckets: list[torch.Tensor] = []
+        self.buckets: list[torch.Tensor] = []  # what is served: on the device or the host
+        self.host: list[torch.Tensor] | None = None  # the buckets in host memory (the same list when they are there)
         self.count = 0  # buckets arrived (in order)
         self.failed = False
         self.cond = threading.Condition()
@@ -218,7 +247,19 @@ class Payload:
     def of(cls, packed: Packed, base: int = -1) -> Payload:
         p = cls(packed.version)
         p.base, p.meta, p.buckets, p.count = base, packed.meta, list(packed.buckets), len(packed.buckets)
+        if all(b.device.type == "cpu" for b in p.buckets):
+            p.host = p.buckets
         return p
+
+    def bucket_for(self, i: int, device: torch.device) -> torch.Tensor:
+        """Bucket `i` on `device` (a channel's): the served bucket, its host copy, or (neither there) a copy."""
+        b = self.buckets[i]
+        if b.device == device:
+            return b
+        host = self.host
+        if host is not None and host[i].device == device:
+            return host[i]
+        return b.to(device)  # an NCCL channel from a host bucket, or a gloo one from a device bucket (no host copy)
 
     def begin(self, base: int, meta: torch.Tensor, n: int, device: torch.device) -> None:
         """The header and plan arrived: allocate the `n` buckets the plan describes."""
@@ -330,8 +371,7 @@ class ChannelServer:
                 ch.send(bad, self.timeout_s)
                 return
             ch.send(ok, self.timeout_s)
-            b = p.buckets[i]  # held in host memory: an NCCL channel stages it on the device, one bucket at a time
-            ch.send(b if b.device == ch.device else b.to(ch.device), self.timeout_s)
+            ch.send(p.bucket_for(i, ch.device), self.timeout_s)
         with self.lock:
             self.served += 1
 
@@ -339,7 +379,7 @@ class ChannelServer:
 class CollectiveServer(ChannelServer):
     """Learner rank 0's side: `publish` packs the new version and swaps it in (the newest `cfg.keep_versions` are
     held, so a generator that read the announcement just before the next publication still gets its version).
-    Its store also hands out the relay slots (`RelayReceiver`)."""
+    Its store also hands out the relay slots (`RelayReceiver`). Where the versions live: the module docstring."""
 
     def __init__(self, cfg: CollectiveSyncConfig, *, timeout_s: float, host: str = "127.0.0.1"):
         super().__init__(cfg, timeout_s=timeout_s, host=host, port=cfg.port,
@@ -347,11 +387,22 @@ class CollectiveServer(ChannelServer):
         self.versions: dict[int, Payload] = {}
         self.deltas: dict[int, Payload] = {}  # version -> its delta from version - 1 (cfg.delta)
         self.encoder = DeltaEncoder() if cfg.delta else None
+        self.holding: threading.Thread | None = None  # the newest version's host copy being made
+        self.hold_error: BaseException | None = None
+        self.hold_s = 0.0  # how long the last host copy took after `publish` returned (0: none needed)
+
+    @property
+    def takes_device_buckets(self) -> bool:
+        """Whether `publish` wants the gather's buckets left on the GPU (they are sent from there over NCCL)."""
+        return self.cuda
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]
                 ) -> tuple[int, int]:
-        """Pack `version` (a dict or its chunks, packed as they come) and hold it for the channels, with its delta
-        from the previous version when `cfg.delta`; returns (payload bytes, delta payload bytes or 0)."""
+        """Pack `version` (a dict or its chunks, packed as they come: `learner.gather.FlatBucket`s are copied at
+        once, dicts must stay valid until the end) and hold it for the channels, with its delta from the previous
+        version when `cfg.delta`; returns (payload bytes, delta payload bytes or 0). A version packed on the GPU
+        gets its host copy in the background (see the module docstring)."""
+        self._settle()
         chunks = [state_dict] if isinstance(state_dict, dict) else state_dict
         bucket_bytes = int(self.cfg.bucket_mb * (1 << 20))
         full, delta = Packer(version, bucket_bytes, self.device), Packer(version, bucket_bytes, self.device)
@@ -365,17 +416,61 @@ class CollectiveServer(ChannelServer):
         packed, packed_delta = full.finish(), delta.finish() if has_delta else None
         if packed_delta is not None and packed_bytes(packed_delta) > DELTA_WORTH * packed_bytes(packed):
             packed_delta = None  # nearly everything changed (a high learning rate): whole only
+        payload = Payload.of(packed)
         with self.lock:
             if self.versions and version <= max(self.versions):
                 raise ValueError(f"version {version} published after {max(self.versions)}: versions must increase")
-            self.versions[version] = Payload.of(packed)
+            self.versions[version] = payload
             if packed_delta is not None:
                 self.deltas[version] = Payload.of(packed_delta, version - 1)
             for v in sorted(self.versions)[:-self.cfg.keep_versions]:
                 del self.versions[v]
                 self.deltas.pop(v, None)
                 self._forget_slots(v)
+        if payload.host is None and self.cfg.keep_versions > 1:  # on the GPU, and it must outlive the next version
+            ready = torch.cuda.Event()
+            ready.record()  # the packing's copies, on this thread's stream, come first
+            self.holding = threading.Thread(target=self._hold_on_host, args=(payload, ready),
+                                            name=f"weights-hold-{version}", daemon=True)
+            self.holding.start()
         return packed_bytes(packed), packed_bytes(packed_delta) if packed_delta is not None else 0
+
+    def _hold_on_host(self, p: Payload, ready) -> None:
+        """A host copy of `p`'s GPU buckets (pinned, on a side stream), made after `publish` returned."""
+        t0 = time.monotonic()
+        try:
+            device = p.buckets[0].device
+            torch.cuda.set_device(device)
+            stream = torch.cuda.Stream(device=device)
+            host = [_buffer(b.numel(), host_device()) for b in p.buckets]
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                for h, b in zip(host, p.buckets):
+                    h.copy_(b, non_blocking=True)
+            stream.synchronize()
+            p.host = host
+            self.hold_s = time.monotonic() - t0
+        except BaseException as e:  # raised by the next publish (`_settle`): the learner sees it
+            log.error("weights version %d: the host copy of the GPU-held version failed (%s: %s)", p.version,
+                      type(e).__name__, e)
+            self.hold_error = e
+
+    def _settle(self) -> None:
+        """Before a new version is packed: wait for the last host copy (normally done long ago), then serve every
+        held version from its host copy and drop its GPU buckets (one packed version on the GPU at a time)."""
+        if self.holding is not None:
+            self.holding.join(self.timeout_s)
+            if self.holding.is_alive():
+                raise WeightSyncError(f"the host copy of the last published version did not finish within "
+                                      f"{self.timeout_s:.0f}s")
+            self.holding = None
+        if self.hold_error is not None:
+            e, self.hold_error = self.hold_error, None
+            raise WeightSyncError(f"the host copy of the last published version failed: {type(e).__name__}: {e}") from e
+        with self.lock:
+            for p in self.versions.values():
+                if p.host is not None:
+                    p.buckets = p.host
 
     def _lookup(self, version: int, held: int) -> Payload | None:
         with self.lock:
@@ -396,6 +491,8 @@ class CollectiveServer(ChannelServer):
         out = super().status()
         with self.lock:
             out["versions"] = sorted(self.versions)
+            out["on_device"] = sorted(v for v, p in self.versions.items() if p.buckets[0].device.type != "cpu")
+        out["hold_s"] = self.hold_s
         return out
 
 

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+from learner.gather import FlatBucket
+
 log = logging.getLogger(__name__)
 
 SEP = "@"
@@ -93,8 +95,11 @@ class DeltaEncoder:
         chunk; the host copy becomes `version` once every chunk was taken."""
         base_ok, self.version = self.version == version - 1, None
         self.last_full_bytes = self.last_delta_bytes = 0
-        for chunk in chunks:
-            host = {name: t.detach().to("cpu", copy=True) for name, t in chunk.items()}  # the one host copy kept
+        for chunk in chunks:  # the gather's buckets are valid only until the next: copied here, once
+            if isinstance(chunk, FlatBucket):  # one copy of the flat bucket, not one per tensor
+                host = FlatBucket(chunk.data.to("cpu", copy=True), chunk.entries).tensors()
+            else:
+                host = {name: t.detach().to("cpu", copy=True) for name, t in chunk.items()}
             delta = encode(self.prev, host) if base_ok else None  # compared and checksummed on the host
             self.prev.update(host)
             self.last_full_bytes += payload_bytes(chunk)

@@ -1,27 +1,46 @@
-"""The full state dict of an FSDP2-sharded model on rank 0, in a few bucketed collectives.
+"""The full state dict of an FSDP2-sharded model on rank 0, streamed in flat buckets at the copy limit.
 
-`get_model_state_dict(full_state_dict=True)` all-gathers one parameter at a time: with 2 ranks that
-made a publication cost ~12x a plain `ray.put` + `ray.get` of the same state dict. Here every rank
-flattens its local shards of a bucket of parameters (one dtype, up to `bucket_bytes`) into one
-buffer, one `gather` to rank 0 per bucket moves them, and rank 0 cuts the buffers back into the
-full tensors. Works on any backend that implements `gather` (gloo on CPU, NCCL on GPU).
+`get_model_state_dict(full_state_dict=True)` all-gathers one parameter at a time, and a fresh pageable host tensor
+per parameter filled by a synchronous copy moves ~1 GB/s off a GPU that can move 50x that. Here the state is cut
+into buckets of up to `bucket_bytes` (in state-dict order, any dtypes), and each bucket goes through a pipeline:
 
-FSDP2 shards every parameter along dim 0 into `world` chunks of ceil(n / world) rows (the last ones
-shorter or empty); each rank can therefore compute every rank's chunk shape from the global shape,
-so no sizes need to be exchanged. A parameter with any other placement falls back to
-`DTensor.full_tensor()` (a collective of its own, still correct).
+1. Gather, on the device: every rank casts its local shards of the bucket's tensors (to `dtype`) into one flat send
+   buffer; one `gather` moves them to rank 0 (skipped with one rank); rank 0 rearranges the ranks' rows into one
+   flat buffer holding the bucket's full tensors, each at a 64-byte aligned offset (`ALIGN`, the collective wire
+   layout). Replicated entries (plain tensors, other placements) are copied in by rank 0 (`full_tensor()` first, a
+   collective of its own).
+2. Copy to the host, once per bucket: on CUDA a non-blocking copy on a side stream into a pinned host buffer,
+   followed by an event. On the CPU the "device" is the host: step 1 writes straight into the host buffer, no copy.
+3. Hand over: rank 0 yields the bucket (`FlatBucket`, a mapping name -> tensor view into the flat buffer).
+
+Double-buffered: `Staging` holds two host buffers (and on CUDA two device buffers), reused by every bucket and
+every publication (no host allocation per tensor, none per bucket once they are large enough). While the consumer
+works on bucket k (a `ray.put`, a pack), the device already gathers bucket k+1 and copies it to the other host
+buffer. The contract that makes this safe: **a yielded bucket's tensors are valid until the consumer asks for the
+next bucket**; whoever keeps data longer (the object store's `ray.put` copies, the collective backend packs a
+copy, the delta encoder keeps its own) must copy before it asks.
+
+Tied parameters (a Qwen2.5 `lm_head.weight` that *is* `model.embed_tokens.weight`) travel once, under the first
+name `named_parameters` gives (`tied_aliases`); loaders re-tie (`gather_full_state` adds the alias back as the same
+tensor; the engines skip a tied head).
+
+FSDP2 shards every parameter along dim 0 into `world` chunks of ceil(n / world) rows (the last ones shorter or
+empty); each rank can therefore compute every rank's chunk shape from the global shape, so no sizes are exchanged.
+Works on any backend that implements `gather` (gloo on CPU, NCCL on GPU). Imports only torch and the stdlib.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+ALIGN = 64  # bytes: every tensor of a flat bucket starts at a multiple of this (so `.view(dtype)` works)
 
 
 def shard_rows(n: int, world: int, rank: int) -> int:
@@ -31,9 +50,8 @@ def shard_rows(n: int, world: int, rank: int) -> int:
 
 
 def release_freed_memory() -> None:
-    """Give freed heap memory back to the OS (glibc `malloc_trim`; nothing elsewhere). Freed buckets otherwise
-    stay in the process's resident memory: glibc raises its mmap threshold after large frees, so later
-    buckets come from the heap and a streamed gather would keep growing as if nothing were released."""
+    """Give freed heap memory back to the OS (glibc `malloc_trim`; nothing elsewhere). Freed buffers otherwise
+    stay in the process's resident memory: glibc raises its mmap threshold after large frees."""
     global _LIBC
     if _LIBC is None:
         try:
@@ -48,95 +66,268 @@ def release_freed_memory() -> None:
 _LIBC = None
 
 
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: name} for every parameter or buffer reachable under more than one name (a tied head), `name` being
+    the first one `named_parameters`/`named_buffers` gives (for Qwen2.5: lm_head.weight -> model.embed_tokens.weight).
+    FSDP2 keeps a shared parameter shared, so this holds before and after sharding."""
+    out: dict[str, str] = {}
+    for named in (model.named_parameters, model.named_buffers):
+        first: dict[int, str] = {}
+        for name, t in named(remove_duplicate=False):
+            out.update({name: first[id(t)]} if id(t) in first else {})
+            first.setdefault(id(t), name)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One tensor of a flat bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # bytes from the bucket's start (a multiple of ALIGN)
+    nbytes: int
+
+
+class FlatBucket(Mapping):
+    """A gathered bucket: its tensors laid out in one flat uint8 buffer; a read-only mapping name -> view.
+
+    `data` is a view into a reused buffer (see the module docstring): valid until the next bucket is asked for."""
+
+    __slots__ = ("data", "entries", "_index")
+
+    def __init__(self, data: torch.Tensor, entries: list[Entry]):
+        self.data = data  # [nbytes] uint8, on the host (or the device: `iter_flat_buckets(to_host=False)`)
+        self.entries = entries
+        self._index = {e.name: e for e in entries}
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes (without the alignment gaps)."""
+        return sum(e.nbytes for e in self.entries)
+
+    def _view(self, e: Entry) -> torch.Tensor:
+        return self.data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._view(self._index[name])
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def items(self):
+        return self.tensors().items()
+
+    def values(self):
+        return self.tensors().values()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """{name: view} in bucket order (a dict of views: valid as long as `data` is)."""
+        return {e.name: self._view(e) for e in self.entries}
+
+
+class Staging:
+    """The reusable buffers of `iter_flat_buckets`: two host buffers (pinned where CUDA is available, so device-to-host
+    copies are asynchronous), two device buffers on CUDA, the send/receive buffers of the gather, and the side
+    stream of the copies. Grown to the largest bucket when a publication starts, never shrunk; keep one per learner
+    rank so every publication reuses them. `allocations` counts the buffers ever allocated (a test reads it)."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.allocations = 0
+        self.stream = None  # CUDA: the side stream of the device-to-host copies
+
+    def get(self, key: tuple, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The first `nbytes` of buffer `key` on `device` (allocated or grown when too small)."""
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            if buf is not None and self.stream is not None:
+                self.stream.synchronize()  # no copy may still read or write the buffer being replaced
+            pin = device.type == "cpu" and torch.cuda.is_available()
+            self.buffers[key] = buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device, pin_memory=pin)
+            self.allocations += 1
+        return buf[:nbytes]
+
+    def copy_stream(self, device: torch.device):
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=device)
+        return self.stream
+
+
+_DEFAULT_STAGING = Staging()  # the caller's buffers when it passes none: reused by every call in this process
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One bucket: its entries in the full layout, their sources, and the gather's send layout on every rank."""
+
+    entries: list[Entry]
+    sources: list[torch.Tensor]  # the state-dict tensors (DTensors or plain)
+    sharded: list[bool]  # a dim-0 shard gathered (else rank 0 copies the full tensor)
+    nbytes: int  # the full layout's size, alignment gaps included
+    send: list[list[tuple[int, int]]]  # [rank][i] = (offset, nbytes) of sharded entry i's rows in that rank's send
+    width: int  # bytes of the largest rank's send layout
+
+
 def _is_dim0_shard(t) -> bool:
     from torch.distributed.tensor import DTensor, Shard
 
     return isinstance(t, DTensor) and len(t.placements) == 1 and t.placements[0] == Shard(0)
 
 
-def _buckets(items: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive runs of one dtype, each up to bucket_bytes of full-tensor size (at least one entry)."""
-    out: list[list[tuple[str, torch.Tensor]]] = []
+def _plans(items: list[tuple[str, torch.Tensor, torch.dtype]], bucket_bytes: int, world: int) -> list[_Plan]:
+    """Consecutive entries, up to `bucket_bytes` per bucket in the aligned full layout (at least one entry each)."""
+    groups: list[list[tuple[str, torch.Tensor, torch.dtype, int]]] = []
     size = 0
-    for name, t in items:
-        nbytes = t.numel() * t.element_size()
-        if not out or out[-1][0][1].dtype != t.dtype or size + nbytes > bucket_bytes:
-            out.append([])
-            size = 0
-        out[-1].append((name, t))
-        size += nbytes
+    for name, t, dt in items:
+        nbytes = t.numel() * dt.itemsize
+        offset = _align(size)
+        if not groups or (offset + nbytes > bucket_bytes and size > 0):
+            groups.append([])
+            offset = 0
+        groups[-1].append((name, t, dt, offset))
+        size = offset + nbytes
+    out = []
+    for g in groups:
+        entries = [Entry(n, tuple(t.shape), dt, off, t.numel() * dt.itemsize) for n, t, dt, off in g]
+        sharded = [world > 1 and _is_dim0_shard(t) for _, t, _, _ in g]
+        send: list[list[tuple[int, int]]] = []
+        for r in range(world):
+            layout, pos = [], 0
+            for e, s in zip(entries, sharded):
+                if s:
+                    n = shard_rows(e.shape[0], world, r) * math.prod(e.shape[1:]) * e.dtype.itemsize
+                    pos = _align(pos)
+                    layout.append((pos, n))
+                    pos += n
+            send.append(layout)
+        width = max((lay[-1][0] + lay[-1][1] for lay in send if lay), default=0)
+        out.append(_Plan(entries, [t for _, t, _, _ in g], sharded, entries[-1].offset + entries[-1].nbytes,
+                         send, width))
     return out
 
 
-def iter_full_state(model: torch.nn.Module, rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                    dtype: torch.dtype | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """Collective, streamed: every rank iterates it to the end; rank 0 receives {name: full CPU tensor}
-    one bucket at a time (first the replicated entries, then each gathered bucket), the others nothing.
-    A consumer that drops each bucket before taking the next (a `ray.put` per bucket) holds at most one
-    or two buckets beside its shard, never the whole model. `dtype`: floating-point entries are cast to it
-    before they move (a bfloat16 publication gathers and carries half the bytes of the float32 masters)."""
-    sd = model.state_dict()
-    if dtype is not None:
-        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-    sharded = [(k, v) for k, v in sd.items() if _is_dim0_shard(v)]
-    replicated: dict[str, torch.Tensor] = {}
-    size = 0
-    for k, v in list(sd.items()):  # replicated entries (and any unusual placement): copied, in bucket-sized chunks
-        if _is_dim0_shard(v):
+def _state_items(model: torch.nn.Module, dtype: torch.dtype | None, aliases: bool
+                 ) -> list[tuple[str, torch.Tensor, torch.dtype]]:
+    """(name, state-dict tensor, the dtype it is published in), tied aliases left out unless `aliases`."""
+    skip = set() if aliases else set(tied_aliases(model))
+    return [(k, v, dtype if dtype is not None and v.is_floating_point() else v.dtype)
+            for k, v in model.state_dict().items() if k not in skip]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _fill(plan: _Plan, rank: int, world: int, out: torch.Tensor | None, staging: Staging, device: torch.device,
+          widest: int) -> None:
+    """Step 1 of the pipeline for one bucket (a collective: every rank calls it; `out` is rank 0's flat buffer;
+    `widest`: the largest send width of the publication, so the send/receive buffers are sized once)."""
+    recv = None
+    if any(plan.sharded):
+        send = staging.get(("send",), widest, device)[:plan.width]  # [width] this rank's rows of the bucket, cast
+        mine = iter(plan.send[rank])
+        for e, t, s in zip(plan.entries, plan.sources, plan.sharded):
+            off, n = next(mine) if s else (0, 0)
+            if n:
+                send[off:off + n].view(e.dtype).copy_(_local(t).reshape(-1))
+        if rank == 0:
+            recv = staging.get(("recv",), world * widest, device)[:world * plan.width]  # every rank's send
+        gather_list = [recv[r * plan.width:(r + 1) * plan.width] for r in range(world)] if rank == 0 else None
+        dist.gather(send, gather_list=gather_list, dst=0)
+    i = 0
+    for e, t, s in zip(plan.entries, plan.sources, plan.sharded):
+        if not s:
+            full = t.full_tensor() if world > 1 and hasattr(t, "full_tensor") else _local(t)
+            if rank == 0 and e.nbytes:
+                out[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(full)
             continue
-        full = v.full_tensor() if hasattr(v, "full_tensor") else v
+        if rank == 0:  # the ranks' rows one after the other, as bytes (already cast)
+            pos = e.offset
+            for r in range(world):
+                off, n = plan.send[r][i]
+                start = r * plan.width + off
+                if n:
+                    out[pos:pos + n].copy_(recv[start:start + n])
+                pos += n
+        i += 1
+
+
+def iter_flat_buckets(model: torch.nn.Module, rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      dtype: torch.dtype | None = None, *, staging: Staging | None = None, to_host: bool = True,
+                      aliases: bool = False) -> Iterator[FlatBucket]:
+    """Collective, streamed (every rank iterates it to the end): rank 0 receives the state as `FlatBucket`s, the
+    others nothing. See the module docstring for the pipeline and the contract (a bucket is valid until the next is
+    asked for). `dtype`: floating-point entries are cast to it as they are gathered. `staging`: the buffers to
+    reuse (default: one per process). `to_host=False`: the buckets stay on the device (CUDA; on the CPU the two are
+    the same), for a consumer that sends from there. `aliases`: tied aliases travel too (twice the bytes)."""
+    staging = staging or _DEFAULT_STAGING
+    items = _state_items(model, dtype, aliases)
+    if not items:
+        return
+    device = _local(items[0][1]).device
+    cuda = device.type == "cuda"
+    plans = _plans(items, bucket_bytes, world)
+    largest, widest = max(p.nbytes for p in plans), max(p.width for p in plans)
+    staged = cuda and to_host  # step 2 runs: device buffers, then a copy to the host buffers
+    pending = None  # CUDA: (bucket in a host buffer, the event its copy completes)
+    for k, plan in enumerate(plans):
+        slot = k % 2
+        out = None
         if rank == 0:
-            replicated[k] = full.detach().to("cpu", copy=True)
-            size += replicated[k].numel() * replicated[k].element_size()
-            if size >= bucket_bytes:
-                yield replicated
-                replicated, size = {}, 0
-    del sd
-    if replicated:
-        yield replicated
-    del replicated
-    for bucket in _buckets(sharded, bucket_bytes):
-        out: dict[str, torch.Tensor] = {}
-        _gather_bucket(bucket, rank, world, out)
-        if rank == 0:
-            yield out
-        del out
-        release_freed_memory()
+            out = staging.get(("device", slot), largest, device)[:plan.nbytes] if cuda else \
+                staging.get(("host", slot), largest, torch.device("cpu"))[:plan.nbytes]
+        _fill(plan, rank, world, out, staging, device, widest)
+        if rank != 0:
+            continue
+        if not staged:
+            yield FlatBucket(out, plan.entries)
+            continue
+        host = staging.get(("host", slot), largest, torch.device("cpu"))[:plan.nbytes]
+        stream = staging.copy_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the gather of this bucket is done first
+        with torch.cuda.stream(stream):
+            host.copy_(out, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        if pending is not None:  # the previous bucket's copy overlapped this bucket's gather
+            pending[1].synchronize()
+            yield pending[0]
+        pending = (FlatBucket(host, plan.entries), done)
+    if pending is not None:
+        pending[1].synchronize()
+        yield pending[0]
+
+
+def iter_full_state(model: torch.nn.Module, rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    dtype: torch.dtype | None = None, **kwargs) -> Iterator[dict[str, torch.Tensor]]:
+    """`iter_flat_buckets` as {name: full tensor view} dicts (rank 0; the others get nothing but must iterate to the
+    end). Each dict's tensors are valid until the next one is asked for. Tied aliases are left out (`aliases=True`
+    keeps them). `dtype`: floating-point entries are cast to it before they move (a bfloat16 publication gathers
+    and carries half the bytes of the float32 masters)."""
+    for bucket in iter_flat_buckets(model, rank, world, bucket_bytes, dtype, **kwargs):
+        yield bucket.tensors()
 
 
 def gather_full_state(model: torch.nn.Module, rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Collective (every rank calls it): rank 0 gets {name: full CPU tensor} in state-dict order, the
-    others {}. `iter_full_state` merged (see there for `dtype`)."""
+    """Collective (every rank calls it): rank 0 gets {name: full CPU tensor} in state-dict order, tied aliases
+    included (the same tensor under both names), the others {}. Each bucket is copied once out of the reused
+    buffers (this dict keeps everything)."""
     out: dict[str, torch.Tensor] = {}
-    for chunk in iter_full_state(model, rank, world, bucket_bytes, dtype):
-        out.update(chunk)
-    return {k: out[k] for k in model.state_dict() if k in out} if rank == 0 else {}
-
-
-def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], rank: int, world: int, out: dict) -> None:
-    shapes = [tuple(t.shape) for _, t in bucket]
-    row = [math.prod(s[1:]) for s in shapes]  # elements per row of each parameter
-    sizes = [sum(shard_rows(s[0], world, r) * e for s, e in zip(shapes, row)) for r in range(world)]
-    width = max(sizes)
-    local = [t.to_local().reshape(-1) for _, t in bucket]
-    dtype, device = bucket[0][1].dtype, local[0].device
-    send = torch.zeros(width, dtype=dtype, device=device)  # [width] padded flat shards of this rank
-    if sizes[rank]:
-        send[: sizes[rank]] = torch.cat(local)
-    recv = [torch.empty(width, dtype=dtype, device=device) for _ in range(world)] if rank == 0 else None
-    dist.gather(send, gather_list=recv, dst=0)
+    for bucket in iter_flat_buckets(model, rank, world, bucket_bytes, dtype):
+        out.update(FlatBucket(bucket.data.clone(), bucket.entries).tensors())
     if rank != 0:
-        return
-    del send
-    offsets = [0] * world
-    for (name, _), shape, e in zip(bucket, shapes, row):
-        full = torch.empty(math.prod(shape), dtype=dtype)  # [numel] on the CPU, filled rank by rank
-        pos = 0
-        for r in range(world):
-            n = shard_rows(shape[0], world, r) * e
-            full[pos: pos + n].copy_(recv[r][offsets[r]: offsets[r] + n])
-            offsets[r] += n
-            pos += n
-        out[name] = full.reshape(shape)
-    del recv
+        return {}
+    for alias, name in tied_aliases(model).items():
+        if name in out:
+            out[alias] = out[name]
+    return {k: out[k] for k in model.state_dict() if k in out}

@@ -44,8 +44,9 @@ import torch
 from common import codec
 from common.config import LearnerConfig
 from common.interfaces import actor_name
-from common.messages import LearnerFeedback, TrainingBatch, WeightsAnnouncement, float32_array
+from common.messages import LearnerFeedback, PublishReport, TrainingBatch, WeightsAnnouncement, float32_array
 from learner import checkpoint as ck
+from learner.gather import Staging
 from learner.schedule import learning_rate
 from learner.step import RankStats, merge_rank_stats
 from learner.weights import WeightSyncTimeout, get_or_create_store, make_publisher, wait_for_acks
@@ -79,6 +80,7 @@ class LearnerRank:
         self.backend = "nccl" if use_nccl else "gloo"
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_nccl else torch.device("cpu")
         self.publisher = None
+        self.staging = None  # learner.gather.Staging: the gather's reused buffers (made with the model)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0's host and a free TCP port for torch.distributed's rendezvous."""
@@ -102,6 +104,7 @@ class LearnerRank:
                            dtype=self.dtype, max_new_tokens=self.max_new_tokens)
         self.model, self.optimizer, self.trainer = built.model, built.optimizer, built.trainer
         self.model_config = built.model.config
+        self.staging = Staging()
 
     def train(self, payload: bytes) -> RankStats:
         """One step on a msgpack-encoded TrainingBatch (the driver puts it once; every rank reads it), at the
@@ -118,22 +121,39 @@ class LearnerRank:
 
         return gather_full_state(self.model, self.rank, self.world, dtype=dtype)
 
-    def publish(self, version: int) -> WeightsAnnouncement | None:
-        """Collective. The gather streams into the publisher bucket by bucket: the object store puts one object
-        per bucket (rank 0 holds its shard and about one bucket); the collective backend packs the buckets as they
-        come into the version it keeps for its channels (rank 0 holds its shard, that version and one bucket)."""
-        from learner.gather import iter_full_state
+    def publish(self, version: int) -> PublishReport | None:
+        """Collective. The gather streams into the publisher bucket by bucket (`learner.gather`: flat buckets
+        through two reused host buffers, each valid until the next is asked for): the object store puts one object
+        per bucket (rank 0 holds its shard and two buckets); the collective backend packs each bucket as it comes
+        into the version it keeps for its channels, on the GPU where it sends from there. Rank 0 returns how long
+        it was busy (`PublishReport.blocking_s`): the learner's next step, queued behind this call, waits that long."""
+        from learner.gather import iter_flat_buckets
 
+        t0 = time.perf_counter()
         if self.rank == 0 and self.publisher is None:
             self.publisher = make_publisher(self.cfg.weight_sync, run=self.run, namespace=self.namespace,
                                             timeout_s=self.cfg.publish_timeout_s)
-        chunks = iter_full_state(self.model, self.rank, self.world, dtype=self.publish_dtype,
-                                 bucket_bytes=int(self.cfg.weight_sync.bucket_mb * (1 << 20)))
+        on_device = self.rank == 0 and getattr(self.publisher, "takes_device_buckets", False)
+        buckets = iter_flat_buckets(self.model, self.rank, self.world, dtype=self.publish_dtype,
+                                    bucket_bytes=int(self.cfg.weight_sync.bucket_mb * (1 << 20)),
+                                    staging=self.staging, to_host=not on_device)
         if self.rank != 0:
-            for _ in chunks:  # the gathers are collectives: every rank runs them
+            for _ in buckets:  # the gathers are collectives: every rank runs them
                 pass
             return None
-        return self.publisher.publish(version, chunks)
+        waited = [0.0]
+
+        def timed():
+            while True:
+                t = time.perf_counter()
+                bucket = next(buckets, None)
+                waited[0] += time.perf_counter() - t
+                if bucket is None:
+                    return
+                yield bucket
+
+        ann = self.publisher.publish(version, timed())
+        return PublishReport(ann, blocking_s=time.perf_counter() - t0, gather_s=waited[0])
 
     def weight_sync_status(self) -> dict:
         """The publisher's view (collective: channels served, failed channels with generator ids); {} elsewhere."""
@@ -148,13 +168,13 @@ class LearnerRank:
         """Collective: the Hugging Face model folder `out` in the compute dtype, written by rank 0. It streams:
         gathered a bucket (`weight_sync.bucket_mb`) at a time, already cast, each bucket written at its offset in model.safetensors,
         so rank 0 never holds the whole model beside its shard."""
-        from learner.gather import iter_full_state
+        from learner.gather import iter_flat_buckets, tied_aliases
 
-        chunks = iter_full_state(self.model, self.rank, self.world, dtype=self.dtype,
-                                 bucket_bytes=int(self.cfg.weight_sync.bucket_mb * (1 << 20)))
-        if self.rank == 0:
+        chunks = iter_flat_buckets(self.model, self.rank, self.world, dtype=self.dtype, staging=self.staging,
+                                   bucket_bytes=int(self.cfg.weight_sync.bucket_mb * (1 << 20)))
+        if self.rank == 0:  # a tied head is gathered once and written under both names (the folder stays as it was)
             ck.write_hf_folder(chunks, ck.tensor_specs(self.model.state_dict(), self.dtype), self.model_config,
-                               self.model_path, Path(out), dtype=self.dtype)
+                               self.model_path, Path(out), dtype=self.dtype, aliases=tied_aliases(self.model))
         else:
             for _ in chunks:  # the gathers are collectives: every rank runs them
                 pass
@@ -211,20 +231,22 @@ class LearnerRank:
 
 
 class PendingPublish:
-    """A publication in flight; `result()` waits for it (with the configured timeout) and returns the announcement."""
+    """A publication in flight; `result()` waits for it (with the configured timeout) and returns the announcement;
+    `report` is rank 0's `PublishReport` once it is done."""
 
-    def __init__(self, version: int, refs: list, timeout_s: float, done: WeightsAnnouncement | None = None):
-        self.version, self.refs, self.timeout_s, self._ann = version, refs, timeout_s, done
+    def __init__(self, version: int, refs: list, timeout_s: float):
+        self.version, self.refs, self.timeout_s = version, refs, timeout_s
+        self.report: PublishReport | None = None
 
     def result(self, timeout_s: float | None = None) -> WeightsAnnouncement:
-        if self._ann is None:
+        if self.report is None:
             t = self.timeout_s if timeout_s is None else timeout_s
             try:
-                self._ann = ray.get(self.refs, timeout=t)[0]
+                self.report = ray.get(self.refs, timeout=t)[0]
             except ray.exceptions.GetTimeoutError as e:
                 raise WeightSyncTimeout(f"publishing weights version {self.version} did not finish within {t:.1f}s "
                                         "(gather on the learner ranks + put into the weight store)") from e
-        return self._ann
+        return self.report.announcement
 
 
 def _learner_placement_group(cfg: LearnerConfig):

@@ -223,8 +223,9 @@ class ObjectStorePublisher:
     def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]
                 ) -> WeightsAnnouncement:
         """`state_dict`: the whole dict, or its buckets as an iterable (`learner.gather.iter_full_state`): each
-        bucket is `ray.put` as its own object and dropped before the next is taken, so the publishing rank
-        holds one bucket at a time. Generators merge the buckets in order (`ObjectStoreWeightSource.fetch`).
+        bucket is `ray.put` as its own object (a copy into the object store, made before the next bucket is taken:
+        the gather's buckets are views into buffers it reuses), so the publishing rank holds about one bucket at a
+        time. Generators merge the buckets in order (`ObjectStoreWeightSource.fetch`).
         With `delta`, each bucket's delta from the previous version is put beside it."""
         buckets = [state_dict] if isinstance(state_dict, dict) else state_dict
         pairs = ((b, None) for b in buckets) if self.encoder is None else self.encoder.tee(version, buckets)

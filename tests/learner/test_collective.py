@@ -247,3 +247,37 @@ def test_a_whole_version_streams_bucket_by_bucket_and_an_abandoned_stream_drops_
             src.fetch_buckets(WeightsAnnouncement(version=9, location=ann.location, num_bytes=0, created_at=0.0))
     finally:
         root.close()
+
+
+def test_versions_packed_from_the_gathers_buckets_survive_the_buffers_reuse():
+    """Rank 0 packs the gather's flat buckets (views into two reused host buffers) as they come: each becomes one
+    held bucket in the same layout, copied at once, so version 1 pulled after version 2 reused the buffers is still
+    version 1, and a tied head travels once."""
+    from common.messages import WeightsAnnouncement
+    from common.modeling import init_tiny_qwen2
+    from learner.collective import CollectiveServer
+    from learner.gather import Staging, iter_flat_buckets
+
+    cfg = CollectiveSyncConfig(timeout_s=20, bucket_mb=16 / 1024, keep_versions=2)
+    root = CollectiveServer(cfg, timeout_s=20)
+    model = init_tiny_qwen2(300, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, max_positions=256)
+    staging, states = Staging(), {}
+    try:
+        for version in (1, 2):
+            states[version] = {k: v.bfloat16().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+            buckets = iter_flat_buckets(model, 0, 1, int(cfg.bucket_mb * (1 << 20)), torch.bfloat16, staging=staging)
+            num_bytes, _ = root.publish(version, buckets)
+            assert num_bytes == sum(v.numel() * 2 for v in states[version].values())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        assert len(root.versions[1].buckets) > 3 and staging.allocations == 2
+        src = CollectiveWeightSource(cfg, run="flat")
+        for version in (1, 2):
+            ann = WeightsAnnouncement(version=version, location=f"collective:{root.address}", num_bytes=0,
+                                      created_at=0.0)
+            got = src.fetch(ann)
+            assert list(got) == list(states[version])
+            assert all(torch.equal(got[k], v) for k, v in states[version].items()), version
+    finally:
+        root.close()
