@@ -38,9 +38,10 @@ class CollectiveSyncConfig(Section):
     port: int = Field(0, ge=0, le=65535)
     """TCP port of the rendezvous store on learner rank 0 (0 = a free port, announced to the generators)."""
     keep_versions: int = Field(2, ge=1, le=16)
-    """Published versions rank 0 keeps packed (host memory, pinned on GPU machines: this many copies of the state
-    dict; none on the GPU), so a generator that read an announcement just before the next publication still
-    receives that version."""
+    """Published versions rank 0 keeps packed, so a generator that read an announcement just before the next
+    publication still receives that version. Host memory (pinned on GPU machines); where rank 0's channels may be
+    NCCL the newest is also held on its GPU and sent from there (one packed copy in the publication dtype), its
+    host copy made in the background, and with 1 no host copy at all."""
     delta: bool = False
     """Publish only what changed since the previous version (per tensor: the positions whose bits changed and
     their values, or the whole tensor when that is smaller; with a checksum), beside the full version. A
