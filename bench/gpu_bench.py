@@ -154,7 +154,9 @@ def learner_config(args, padding_free: bool | None, device: torch.device, dtype:
     from learner.levers import resolve_levers
 
     fields = LearnerConfig.model_fields
-    over = {"micro_batch_tokens": args.micro_batch_tokens, "lr": 1e-6}
+    # every step applies its update (random weights may give a gradient norm above the default skip threshold,
+    # and a skipped update would leave AdamW out of the timing)
+    over = {"micro_batch_tokens": args.micro_batch_tokens, "lr": 1e-6, "skip_grad_norm": 1e12}
     for flag, (field, on, off) in LEVERS.items():
         value = getattr(args, flag)
         if flag == "padding_free" and padding_free is not None:
@@ -177,7 +179,7 @@ def lever_settings(cfg, model) -> dict:
     """What the step ran with: `cfg` is the TrainStep's, with `auto` resolved for the device."""
     out = {field: getattr(cfg, field) for _, (field, _, _) in LEVERS.items() if field in type(cfg).model_fields}
     out["packs_padding_free"] = cfg.packs_padding_free
-    out["attention"] = model.config._attn_implementation
+    out["attention"] = model.config._attn_implementation if model is not None else cfg.attn_implementation
     out["micro_batch_tokens"] = cfg.micro_batch_tokens
     return out
 
@@ -285,21 +287,22 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
 
     cfg = learner_config(args, padding_free, device, dtype)
     lengths = row_lengths(case, args.rows, args.response, seed=1)
-    t0 = time.perf_counter()
-    built = setup_rank(cfg, str(folder), rank=0, world=1, device=device, dtype=dtype, max_new_tokens=max(lengths),
-                       fill=random_fill(args.seed))
-    setup_s = time.perf_counter() - t0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)  # the steps' peak (the model, AdamW state, activations)
-    model, trainer = built.model, built.trainer
-    shape = model.config
-    params = sum(p.numel() for p in model.parameters())  # unique: a tied embedding once
     out = {"size": size, "case": case, "rows": len(lengths), "prompt_tokens": args.prompt,
            "response_min": min(lengths), "response_max": max(lengths), "response_tokens": sum(lengths),
-           "tokens": sum(lengths) + len(lengths) * args.prompt, "settings": lever_settings(trainer.cfg, model),
-           "params": params, "layers": shape.num_hidden_layers, "hidden": shape.hidden_size,
-           "setup_s": round(setup_s, 2)}
+           "tokens": sum(lengths) + len(lengths) * args.prompt}
+    built = model = trainer = None
     try:
+        t0 = time.perf_counter()
+        built = setup_rank(cfg, str(folder), rank=0, world=1, device=device, dtype=dtype,
+                           max_new_tokens=max(lengths), fill=random_fill(args.seed))
+        out["setup_s"] = round(time.perf_counter() - t0, 2)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)  # the steps' peak (the model, AdamW state, activations)
+        model, trainer = built.model, built.trainer
+        shape = model.config
+        params = sum(p.numel() for p in model.parameters())  # unique: a tied embedding once
+        out.update(settings=lever_settings(trainer.cfg, model), params=params, layers=shape.num_hidden_layers,
+                   hidden=shape.hidden_size)
         times, warm = [], []
         for i in range(args.warmup + args.steps):
             batch = make_batch(lengths, args.prompt, shape.vocab_size, version=i, seed=100 + i)
@@ -328,6 +331,7 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
             out["publication"] = publication(model, device, int(args.bucket_mb * 2**20), args.pub_repeats)
     except torch.OutOfMemoryError as e:  # recorded as the case's result; the next case starts from a free device
         out["error"] = f"out of memory: {str(e).splitlines()[0]}"
+        out.setdefault("settings", lever_settings(cfg, None))
         print(f"[gpu_bench] {size} {case}: {out['error']}", file=sys.stderr)
     finally:
         del built, model, trainer
