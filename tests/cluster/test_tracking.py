@@ -151,9 +151,9 @@ def test_a_full_store_keeps_tracebacks_off_the_console_and_replay_completes_the_
     """A SQLite store on a real 4 MB tmpfs that fills, recovers and fills again: the console shows one line when it
     starts failing, one when it recovers, and at the end how many points never reached it; MLflow's and
     SQLAlchemy's tracebacks are in logs/driver.log only. The points wait in the run folder's
-    metrics-unsent.jsonl, and `exgrpo track --replay RUN` puts them in the store: the history is complete."""
+    metrics-unsent.jsonl, and the replay puts them in the store: the history is complete."""
     from cluster.runtime import RunDir
-    from cluster.tracking import UNSENT_FILE, count_unsent
+    from cluster.tracking import UNSENT_FILE, count_unsent, replay
     from common.config import RunConfig
     from tests.small_fs import small_fs
 
@@ -181,13 +181,9 @@ def test_a_full_store_keeps_tracebacks_off_the_console_and_replay_completes_the_
         assert count_unsent(run_dir.path / UNSENT_FILE) == 1200
 
         (store / "filler").unlink()
-        run_dir.update_state(mlflow_run_id=run_id)  # as `exgrpo train` records it
-        replay = subprocess.run([sys.executable, "-m", "cluster.cli", "track", "--replay", str(run_dir.path)],
-                                cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
-        assert replay.returncode == 0, replay.stdout + replay.stderr
-        assert "sent 1200 metric points" in replay.stdout
-        assert not (run_dir.path / UNSENT_FILE).exists()
         client = MlflowClient(tracking_uri=cfg.tracking.uri)
+        # what `exgrpo track --replay RUN` does (the command itself: tests/cluster/test_disk_faults_e2e.py)
+        assert replay(client, run_id, run_dir.path / UNSENT_FILE) == 1200
+        assert not (run_dir.path / UNSENT_FILE).exists()
         for key in ("m0", "m39"):
             assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(40))
-        print("\n".join(lines))
