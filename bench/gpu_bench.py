@@ -260,8 +260,9 @@ def profile_step(trainer, batch, device: torch.device) -> dict:
             cat["launches"] += 1
             dtoh += e.name.startswith("Memcpy DtoH")
             continue
-        if e.name in syncs:
-            syncs[e.name] += 1
+        call = re.sub(r"(_v\d+|_ptsz|_ptds)+$", "", e.name)  # runtime API variants: cudaMemcpy_v2, ..._ptsz
+        if call in syncs:
+            syncs[call] += 1
             sync_cpu_us += e.time_range.elapsed_us()
         scalar_reads += e.name == "aten::_local_scalar_dense"
     if device.type != "cuda":
