@@ -1,0 +1,197 @@
+"""The GPU levers (learner.levers): each switch trains the same update on and off, on CPU.
+
+The CUDA side (inductor kernels, flex_attention's backward, the fused AdamW kernel on the device, the host syncs
+the profiler sees) is measured by bench/gpu_bench.py where a GPU is."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import LearnerConfig
+from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
+from learner.batching import batch_rows, collate
+from learner.forward import check_packing, forward_stats, prepare_model
+from learner.levers import build_optimizer, resolve_levers
+from learner.step import TrainStep, complete_groups
+from tests.learner.batches import make_batch, with_own_logprobs
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize("overrides, device, dtype, flash, want", [
+    ({}, CPU, torch.float32, False, (False, False, False, None)),
+    ({}, CUDA, torch.bfloat16, False, (True, True, True, "flex_attention")),
+    ({}, CUDA, torch.bfloat16, True, (True, True, True, "flash_attention_2")),
+    ({}, CUDA, torch.float32, True, (True, True, True, "flex_attention")),  # flash-attn has no float32
+    ({"attn_implementation": "sdpa"}, CUDA, torch.bfloat16, False, (True, True, False, "sdpa")),
+    ({"attn_implementation": "flex_attention"}, CPU, torch.float32, False, (False, False, False, "flex_attention")),
+    ({"attn_implementation": "flash_attention_2"}, CPU, torch.float32, False,
+     (False, False, True, "flash_attention_2")),
+    ({"compile": True, "fused_optimizer": True, "padding_free": True}, CPU, torch.float32, False,
+     (True, True, True, None)),
+    ({"compile": False, "fused_optimizer": False, "padding_free": False}, CUDA, torch.bfloat16, False,
+     (False, False, False, None)),
+])
+def test_auto_follows_the_device_and_every_decision_is_explained(overrides, device, dtype, flash, want):
+    cfg, notes = resolve_levers(LearnerConfig(**overrides), device, dtype, flash=flash, flex=True)
+    assert (cfg.compile, cfg.fused_optimizer, cfg.padding_free, cfg.attn_implementation) == want
+    assert cfg.packs_padding_free is want[2]
+    assert len(notes) == 3 and all("(" in n for n in notes)  # each says why
+    assert ("set" in notes[0]) == ("compile" in overrides)
+
+
+def test_without_flex_attention_cuda_stays_padded_and_says_why():
+    cfg, notes = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=False)
+    assert cfg.padding_free is False and cfg.attn_implementation is None
+    assert "no flex_attention" in notes[2]
+
+
+def _step(model_dir, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    cfg = LearnerConfig(**{"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides})
+    model = prepare_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
+    opt, _ = build_optimizer(model.parameters(), cfg)
+    return model, TrainStep(model, opt, cfg, rank=0, world=1, device=CPU, pad_id=0, max_positions=512,
+                            max_new_tokens=40)
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_fused_adamw_trains_the_same_update(tiny_model_dir):
+    """torch's fused AdamW kernel (also on CPU) against the default implementation: the same weights after two
+    steps of two updates each (up to float32 rounding)."""
+    states = []
+    for fused in (False, True):
+        model, step = _step(tiny_model_dir, fused_optimizer=fused)
+        assert step.optimizer.defaults["fused"] is (True if fused else None)
+        for v in range(2):
+            assert step.run(make_batch(4 + v, candidates=2, version=v)).updates == 2
+        states.append(_weights(model))
+    for k in states[0]:
+        torch.testing.assert_close(states[1][k], states[0][k], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"padding_free": True, "activation_checkpointing": True}])
+def test_compiled_layers_train_the_same_update_and_do_not_recompile_for_new_lengths(tiny_model_dir, overrides):
+    """Per-layer torch.compile (aot_eager: traced through AOT autograd like inductor, without generating kernels,
+    so fast on CPU) trains what eager trains, step after step, while every step brings micro-batches of new
+    lengths (and row counts): after the first step (train + eval graphs), no new graph is compiled."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, eager_step = _step(tiny_model_dir, **overrides)
+    compiled, compiled_step = _step(tiny_model_dir, compile=True, compile_backend="aot_eager", **overrides)
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # names unchanged (checkpoints, publication)
+    graphs = []
+    for v in range(4):
+        batch = make_batch(10 + v, candidates=2, response_len=(1, 6 + 9 * v), version=v)
+        want, got = eager_step.run(batch), compiled_step.run(batch)
+        assert got.updates == want.updates == 2
+        assert got.sums["loss"] == pytest.approx(want.sums["loss"], rel=1e-5, abs=1e-7)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0, "nothing was compiled"
+    assert graphs[-1] == graphs[0], f"recompiled for new lengths: graphs after each step {graphs}"
+    want_sd, got_sd = _weights(eager), _weights(compiled)
+    for k in want_sd:
+        torch.testing.assert_close(got_sd[k], want_sd[k], rtol=1e-5, atol=1e-7)
+
+
+def test_flex_attention_packed_forward_equals_sdpa_on_cpu(tiny_model_dir):
+    """flex_attention (what padding_free=auto packs with on CUDA) has no backward on CPU: its forward over packed
+    rows (the document BlockMask of learner.forward) gives sdpa's padded log-probs and entropies, and passes the
+    start-up packing check. The whole step under flex_attention is measured by bench/gpu_bench.py on a GPU."""
+    from transformers import AutoModelForCausalLM
+
+    rows = batch_rows(complete_groups(make_batch(5, groups=3, candidates=1, vocab=60), {})[0], std_normalize=False,
+                      max_positions=512)
+    out = {}
+    for impl, packed in (("sdpa", False), ("flex_attention", True)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=impl)
+        model = prepare_model(model, LearnerConfig()).eval()
+        with torch.no_grad():
+            out[impl] = forward_stats(model, collate(rows, 0, CPU, packed=packed))[:2]  # [R, L-1] each
+    assert model.config._attn_implementation == "flex_attention"
+    torch.testing.assert_close(out["flex_attention"][0], out["sdpa"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["flex_attention"][1], out["sdpa"][1], rtol=1e-5, atol=1e-5)
+    assert check_packing(model, CPU) < 1e-5
+
+
+def _distinct_lengths_batch(groups: int = 4, size: int = 6) -> TrainingBatch:
+    """Fresh groups whose rows all differ in length, so that every padded micro-batch of two or more rows is
+    uneven (equal-length rows leave the mask to transformers, which reads the tensors once per forward)."""
+    rng = np.random.default_rng(0)
+    lengths = iter(rng.permutation(np.arange(2, 2 + groups * size)))
+    out = []
+    for g in range(groups):
+        rollouts = []
+        for i in range(size):
+            t = int(next(lengths))
+            rollouts.append(Rollout(response_ids=int32_array(rng.integers(4, 60, t)),
+                                    logprobs=float32_array(np.full(t, -4.0)), reward=float(i % 2), correct=i % 2 == 1,
+                                    entropy=4.0, version=0, finish_reason="stop", key=f"q{g}#{i}", replayed=False))
+        out.append(TrainGroup(question_id=f"q{g}", prompt_ids=int32_array([5, 6, 7]), rollouts=rollouts, mixed=False))
+    return TrainingBatch(groups=out, version=0)
+
+
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy", "nonzero")
+
+
+def _count_host_reads(fn) -> dict[str, int]:
+    """Calls of the Tensor methods that wait for the device, made while `fn()` runs (ours and the libraries')."""
+    counts = {name: 0 for name in HOST_READS}
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counting(name):
+        def method(self, *args, **kwargs):
+            counts[name] += 1
+            return originals[name](self, *args, **kwargs)
+        return method
+
+    try:
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, counting(name))
+        fn()
+    finally:
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+    return counts
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tis_cap": 2.0}])
+def test_host_reads_per_step_do_not_grow_with_micro_batches(tiny_model_dir, overrides):
+    """2 mini-batches of 12 rows, cut into 2 or 6 micro-batches each: the step reads the device as often either
+    way (per step: the metrics' one transfer, TIS's old log-probs; per mini-batch: the grad-norm skip decision
+    and CPU AdamW's step counters), never per micro-batch."""
+    counts = []
+    for micro_rows in (6, 2):
+        model, step = _step(tiny_model_dir, micro_batch_rows=micro_rows, **overrides)
+        batch = with_own_logprobs(_distinct_lengths_batch(), model)
+        step.run(batch)  # warm-up: first calls may initialise lazily
+        stats = []
+        counts.append(_count_host_reads(lambda: stats.append(step.run(batch))))
+        assert stats[0].updates == 2 and stats[0].sums["forward_tokens"] > 0
+    assert counts[0] == counts[1], f"host reads with 2 vs 6 micro-batches per mini-batch: {counts}"
+    assert counts[0]["nonzero"] == 0 and counts[0]["__bool__"] == 0
+
+
+def test_setup_builds_the_levers_it_logs(tiny_model_dir, caplog):
+    """setup_rank resolves the levers for its device, builds what it resolved (fused AdamW, compiled layers) and
+    says so in the start log."""
+    from learner.setup import setup_rank
+
+    cfg = LearnerConfig(fused_optimizer=True, compile=True, compile_backend="eager")
+    with caplog.at_level(logging.INFO, logger="learner.setup"):
+        built = setup_rank(cfg, str(tiny_model_dir), rank=0, world=1, device=CPU, dtype=torch.float32,
+                           max_new_tokens=12)
+    assert built.optimizer.defaults["fused"] is True and built.trainer.cfg.compile is True
+    assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in built.model.model.layers)
+    log = " ".join(r.getMessage() for r in caplog.records)
+    assert "compile on (set)" in log and "AdamW fused" in log and "padded micro-batches (auto: not CUDA" in log
