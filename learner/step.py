@@ -30,6 +30,11 @@ update (`record_old_logprobs`). `learner.icepop_band` (token masking outside a r
 
 `TrainStep.run` returns `RankStats` (sums, not means) so that the pool can merge ranks exactly with
 `merge_rank_stats`.
+
+Waiting for the device: nothing in the micro-batch loop reads a tensor back (metrics are queued on the device
+and read in one transfer by `RankStats.finish`; the forward's positions and masks come from the host layout,
+`learner.forward`), so the host queues work ahead of the GPU. Per mini-batch the grad-norm skip decision reads
+one number; per step, the candidates' entropies and the metrics.
 """
 
 from __future__ import annotations
