@@ -157,7 +157,7 @@ def check_packing(model: torch.nn.Module, device: torch.device, tolerance: float
             f"packed into one sequence attend to each other (a row's log-probs moved by {gap:.3g} when the row "
             "before it changed), so padding-free micro-batches would train on wrong log-probs: set "
             "learner.padding_free=false, or an attention that reads position_ids as row boundaries "
-            "(learner.attn_implementation: sdpa, eager, flash_attention_2)")
+            "(learner.attn_implementation: sdpa, eager, flash_attention_2, flex_attention)")
     return gap
 
 
