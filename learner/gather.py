@@ -320,11 +320,11 @@ def iter_full_state(model: torch.nn.Module, rank: int, world: int, bucket_bytes:
 def gather_full_state(model: torch.nn.Module, rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Collective (every rank calls it): rank 0 gets {name: full CPU tensor} in state-dict order, tied aliases
-    included (the same tensor under both names), the others {}. Each bucket is copied once out of the reused
-    buffers (this dict keeps everything)."""
+    included (the same tensor under both names), the others {}. Each tensor is copied out of the reused buffers
+    into its own storage (a view into a shared one would be pickled whole, once per tensor, by Ray)."""
     out: dict[str, torch.Tensor] = {}
     for bucket in iter_flat_buckets(model, rank, world, bucket_bytes, dtype):
-        out.update(FlatBucket(bucket.data.clone(), bucket.entries).tensors())
+        out.update({k: v.clone() for k, v in bucket.items()})
     if rank != 0:
         return {}
     for alias, name in tied_aliases(model).items():
