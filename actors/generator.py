@@ -25,6 +25,11 @@ weights, each token keeps the log-prob of the version that sampled it, and a rol
 (`Rollout.version`, which the staleness rule uses) and newest version it spans. Without it, leasing
 stops, the samples in flight finish, then the new version is loaded.
 
+Work leased at version v never starts on weights older than v: the buffer's version runs ahead of the published
+weights while a publication is in flight, and a group that starts on v - 1 goes stale at v + 1 (max_lag 1). Such
+an item is held out of the engine until v has loaded (`leases_held`; after half its lease's time it starts anyway,
+`started_behind_weights`).
+
 `generator.streaming: false` is batch-at-a-time: lease, generate the whole lease, score, submit, load
 weights, lease again (the same two threads, one batch at a time).
 
@@ -96,7 +101,8 @@ class GeneratorWorker:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the three places a leased item can be in
-        self._groups: dict[str, _Group] = {}  # in the engine, by lease id
+        self._groups: dict[str, _Group] = {}  # in the engine (or held for its weights), by lease id
+        self._held: dict[str, float] = {}  # lease id -> unix time until which it waits for its version's weights
         self._queue: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()  # complete, waiting for the scorer
         self._scoring: list[_Group] = []  # being scored and submitted
         self._unsubmitted = 0  # groups complete but not yet submitted (queued or being scored)
@@ -237,6 +243,7 @@ class GeneratorWorker:
         try:
             while not self._stop.is_set():
                 self._iterate()
+            self._return_leases(self._pop_held())  # not started: nothing to finish
             if self._return_in_flight or self._torn:  # (never finish samples on half-loaded weights)
                 with self._lock:
                     groups, self._groups = list(self._groups.values()), {}
@@ -267,6 +274,7 @@ class GeneratorWorker:
         if self._torn:  # nothing generates on half-loaded weights: retry the load after a backoff
             self._stop.wait(self.cfg.retry_backoff_s)
             return
+        self._start_held()
         leased = self._top_up()
         if self.engine.in_flight():
             self._step_engine()
@@ -279,8 +287,8 @@ class GeneratorWorker:
 
     def _top_up(self) -> bool:
         """Lease more questions when there is room (streaming) or when the last batch is submitted (batch mode)."""
-        if self._load_pending or self._torn or time.monotonic() < self._next_lease:
-            return False
+        if self._load_pending or self._torn or self._held or time.monotonic() < self._next_lease:
+            return False  # (leases held for their weights: the next work is already here)
         if self._unsubmitted >= self.cfg.max_in_flight:  # the scorer is behind: do not pile up finished groups
             return False
         if self.cfg.streaming:
@@ -305,22 +313,58 @@ class GeneratorWorker:
         if not items:
             self._next_lease = time.monotonic() + self.cfg.idle_sleep_s
             return False
-        # Work leased just after a publication (always so in synchronous mode, where the buffer leases nothing until
-        # the learner has published) is generated with that version, not the old one (its groups would be stale).
+        # Work leased at version v is generated with weights v or newer, never older: its group would be trained
+        # at v + max_lag at the latest, so rollouts of v - 1 would go stale. The buffer's version runs ahead of the
+        # published weights while a publication is in flight (the driver overlaps it with fetching the next batch,
+        # and the long-poll lease answers the moment the version advances), so an item whose weights have not
+        # arrived yet is held, out of the engine, until they have (`_start_held`).
         if max(it.version for it in items) > self.engine.version:
             self._sync_weights(poll=True)
         self._samples_per_item = max(it.num_samples for it in items) or 1
+        now = time.time()
         with self._lock:
             for it in items:
                 self._groups[it.lease_id] = _Group(it, [None] * it.num_samples, it.num_samples)
+                if it.version > self.engine.version:
+                    self._held[it.lease_id] = now + max(0.0, it.deadline - now) / 2
+        self.stats.leases_held += sum(it.version > self.engine.version for it in items)
         for it in items:
-            for j in range(it.num_samples):
-                self._requests += 1
-                seed = (self._seed_base + 7919 * self._requests + 104_729 * self._incarnation) % (2**31 - 1)
-                self.engine.add(self._request_id(it, j), it.question.prompt_ids, seed)
-            if it.num_samples == 0:
-                self._complete(it.lease_id)
+            if it.lease_id not in self._held:
+                self._start(it)
         return True
+
+    def _start(self, it: WorkItem) -> None:
+        """Put one leased item's samples into the engine."""
+        for j in range(it.num_samples):
+            self._requests += 1
+            seed = (self._seed_base + 7919 * self._requests + 104_729 * self._incarnation) % (2**31 - 1)
+            self.engine.add(self._request_id(it, j), it.question.prompt_ids, seed)
+        if it.num_samples == 0:
+            self._complete(it.lease_id)
+
+    def _start_held(self) -> None:
+        """Start the held items whose version the engine has loaded; past half its lease's time left (the version's
+        weights did not come: a publication failed or was skipped) an item starts on the weights there are, counted
+        in `started_behind_weights`."""
+        if not self._held:
+            return
+        now = time.time()
+        with self._lock:
+            due = [lid for lid, until in self._held.items()
+                   if self._groups[lid].item.version <= self.engine.version or now >= until]
+            for lid in due:
+                del self._held[lid]
+            items = [self._groups[lid].item for lid in due]
+        for it in items:
+            self.stats.started_behind_weights += it.version > self.engine.version
+            self._start(it)
+
+    def _pop_held(self) -> list[WorkItem]:
+        """Take the held items out (never started: their leases go back)."""
+        with self._lock:
+            items = [self._groups.pop(lid).item for lid in self._held]
+            self._held = {}
+        return items
 
     def _step_engine(self) -> None:
         t0 = time.monotonic()
@@ -361,7 +405,7 @@ class GeneratorWorker:
                 queued.append(g)
         with self._lock:
             groups = list(self._groups.values()) + queued + list(self._scoring)
-            self._groups, self._scoring = {}, []
+            self._groups, self._scoring, self._held = {}, [], {}
         return [g.item for g in groups]
 
     # --------------------------------------------------------------------------------- scorer thread

@@ -27,6 +27,8 @@ class GeneratorStats:
     loads_in_flight: int = 0  # weight loads with samples in flight (partial rollouts)
     loads_torn: int = 0  # loads that failed part-way (a bucket did not arrive): reloaded whole before generating
     rollouts_spanning: int = 0  # rollouts whose tokens come from more than one policy version
+    leases_held: int = 0  # work items leased at a version whose weights had not arrived: held out of the engine
+    started_behind_weights: int = 0  # ... of which started before those weights came (half the lease's time passed)
     startup_s: float = 0.0
     reward_errors: int = 0
     rewarded: int = 0  # rollouts with a reward above 0 (none at all: the reward function or data is wrong)
@@ -67,6 +69,8 @@ class GeneratorStats:
             "loads_in_flight": float(s.loads_in_flight),
             "loads_torn": float(s.loads_torn),
             "rollouts_spanning": float(s.rollouts_spanning),
+            "leases_held": float(s.leases_held),
+            "started_behind_weights": float(s.started_behind_weights),
             "startup_s": s.startup_s,
             "reward_errors": float(s.reward_errors),
             "rewarded": float(s.rewarded),

@@ -97,6 +97,45 @@ def test_generator_streams_into_buffer_and_follows_weights(ray_cluster, tiny_mod
     buffer.shutdown()
 
 
+def test_work_leased_ahead_of_its_weights_waits_for_them(ray_cluster, tiny_model_dir):
+    """Issue 35: the buffer's version runs ahead of the published weights while a publication is in flight (the
+    driver overlaps it with fetching the next batch). Work leased at version 2 before weights 2 exist is held out
+    of the engine until they arrive, then generated with them: started on weights 1 its group would go stale at
+    version 3 (max_lag 1), which is how 17% of a default run's groups were dropped."""
+    from learner.weights import ObjectStorePublisher, ObjectStoreWeightSource
+
+    run = "ahead"
+    buffer = make_buffer(tiny_model_dir, run)
+    publisher = ObjectStorePublisher(ObjectStoreSyncConfig(), run=run, namespace=None, timeout_s=30)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    publisher.publish(1, perturbed_state_dict(base, seed=1, scale=0.1))
+    gid = actor_name(run, "generator", 0)
+    gen = Generator.options(name=gid, **actor_options(GEN_CFG)).remote(
+        gid, GEN_CFG, REWARD_CFG, str(tiny_model_dir), buffer, ObjectStoreWeightSource(run), "arithmetic")
+    assert ray.get(gen.start.remote(), timeout=300)["version"] == 1.0
+    assert buffer.get_batch(1, timeout_s=120) is not None
+    # the window (two batches at max_lag 1, one of them taken) is leased at version 1 and generated
+    wait_until(lambda: buffer.accounting()["ready"] == 8, 120, "the rest of version 1's window generated")
+    issued = buffer.accounting()["issued"]
+    buffer.set_version(2)  # the learner's step ended; its publication is still in flight
+    wait_until(lambda: buffer.accounting()["issued"] > issued, 120, "work leased at version 2")
+    time.sleep(1.0)  # (before the fix the engine generated it on weights 1 meanwhile)
+    publisher.publish(2, perturbed_state_dict(base, seed=2, scale=0.1))
+    assert len(buffer.get_batch(2, timeout_s=120).groups) == 8  # version 1's leftover window (lag 1)
+    publisher.publish(3, perturbed_state_dict(base, seed=3, scale=0.1))  # as the driver does before batch 3
+    batch = buffer.get_batch(3, timeout_s=120)
+    assert batch is not None and len(batch.groups) == 8
+    assert min(r.version for g in batch.groups for r in g.rollouts) >= 2
+    acc = buffer.accounting()
+    assert acc["stale_dropped"] == 0, acc
+    m = ray.get(gen.metrics.remote())
+    assert m["leases_held"] >= 1 and m["started_behind_weights"] == 0, m
+    ray.get(gen.stop.remote(drain=True), timeout=120)
+    assert buffer.accounting()["balance"] == 0
+    ray.kill(gen, no_restart=True)
+    buffer.shutdown()
+
+
 @ray.remote(num_cpus=0)
 def bucket_that_never_arrives() -> dict:
     time.sleep(3600)  # a slow or cut-off sender: the fetch of this bucket times out
