@@ -70,7 +70,7 @@ class BufferClient:
             raise ValueError("a BufferClient needs at least one shard")
         self.shards, self.run, self.namespace = list(shards), run, namespace
         self.batch_questions, self.replay_ratio, self.call_timeout_s = cfg.batch_questions, cfg.replay_ratio, cfg.call_timeout_s
-        self.group_size = cfg.group_size
+        self.group_size, self.max_lag = cfg.group_size, cfg.max_lag
         self.switch = MixedSwitch(cfg.switch_groups, cfg.mixed_switch_accuracy)
         self._zero_signal_seen: list[list[int]] | None = None  # per shard: cumulative (fresh groups kept out, of
         # which all correct) at the last batch
@@ -215,7 +215,11 @@ class BufferClient:
     def get_batch(self, version: int, timeout_s: float) -> TrainingBatch | None:
         """B groups: ceil(rho*B) mixed when available (once mixed mode is on), the rest fresh, in
         shard order (the learner shuffles before splitting into mini-batches). Polls all shards in
-        parallel, then takes from each in parallel; None on timeout. Feeds the mixed-mode switch."""
+        parallel, then takes from each in parallel; None on timeout. Feeds the mixed-mode switch.
+
+        `stats["mixed_mode"]` is the mode the batch was composed in, which `learner.clip_fresh=auto` reads: the batch
+        whose accuracy fires the switch was composed (all fresh) before it and is still clipped; the switch acts from
+        the next batch on, as the official trainer checks it after the update."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         b = self.batch_questions
@@ -227,7 +231,7 @@ class BufferClient:
                                "get_batch", timeout_s=self.call_timeout_s + min(max(left, 0.0), 0.25))
             have_m = sum(1 for g in got if g.mixed)
             plan = plan_take([tuple(c[:4]) for c in counts], len(got) - have_m, have_m, b, self.replay_ratio,
-                             self.switch.on)
+                             self.switch.on, version - self.max_lag)
             if plan is not None:
                 # a second round never replays a question the batch already replays (a shard that restarted
                 # from an older snapshot may have re-leased one taken in the first round)
@@ -244,11 +248,12 @@ class BufferClient:
                 return None
         if self.switch.on and not all(c[6] for c in counts):  # a shard restarted from an older snapshot
             self._get([s.set_mixed_mode.remote() for s in self.shards], "set_mixed_mode")
+        built_mixed = self.switch.on  # the mode this batch was composed in; a switch it fires acts from the next one
         self._observe_switch(got, [(c[4], c[5]) for c in counts])
         n_mixed = sum(1 for g in got if g.mixed)
         stats = {"batch_mixed": float(n_mixed), "batch_fresh": float(len(got) - n_mixed),
                  "batch_wait_s": time.monotonic() - t0, "batch_short": float(b - len(got)),
-                 "switch_accuracy": self.switch.mean(), "mixed_mode": float(self.switch.on)}
+                 "switch_accuracy": self.switch.mean(), "mixed_mode": float(built_mixed)}
         return TrainingBatch(groups=got, version=version, stats=stats)
 
     def feedback(self, fb: LearnerFeedback) -> None:

@@ -74,6 +74,7 @@ class Lease:
     generator_id: str
     replay: bool = False
     candidates: list[np.ndarray] = field(default_factory=list)  # replay: stored records at issue (used if evicted since)
+    version: int = 0  # the shard's version when it was issued
 
 
 @dataclass(slots=True)
@@ -169,7 +170,7 @@ class MixedSwitch:
 
 
 def plan_take(counts: list[tuple], have_fresh: int, have_mixed: int, batch_questions: int,
-              replay_ratio: float, mixed_on: bool) -> list[tuple[int, int]] | None:
+              replay_ratio: float, mixed_on: bool, last_chance: int | None = None) -> list[tuple[int, int]] | None:
     """Per-shard (n_fresh, n_mixed) to take so that a batch holding `have_*` groups is completed with
     ceil(rho*B) mixed groups when available (once mixed mode is on) and fresh ones for the rest; None
     while the shards' ready `counts` cannot complete it yet.
@@ -177,11 +178,21 @@ def plan_take(counts: list[tuple], have_fresh: int, have_mixed: int, batch_quest
     `counts[i]` is shard i's `ready_summary`: (fresh, mixed[, fresh versions, mixed versions]), the
     versions as ((version, groups), ...). The oldest groups of all shards go first (a shard takes its own
     oldest first too), so that none ages into staleness while newer ones are trained; without versions,
-    shards give in order."""
+    shards give in order.
+
+    `last_chance` (the batch's version - max_lag): ready fresh groups of this version or older go stale after this
+    batch, so they take the places of mixed groups that can wait for the next one (never of mixed groups that
+    cannot). That happens when mixed mode starts: the work leased for the next batch was all fresh (nothing was
+    stored yet), so the first batch with ceil(rho*B) mixed groups would drop rho*B fresh ones as stale; instead it
+    holds fewer mixed groups, and those wait a batch."""
     b, have = batch_questions, have_fresh + have_mixed
     avail_m = sum(c[1] for c in counts)
     target_m = mixed_target(b, replay_ratio) if mixed_on else 0
     need_m = max(0, min(target_m - have_mixed, avail_m, b - have))
+    if last_chance is not None and need_m and len(counts[0]) > 2:
+        last_f = sum(n for c in counts for v, n in c[2] if v <= last_chance)
+        last_m = sum(n for c in counts for v, n in c[3] if v <= last_chance)
+        need_m = max(min(need_m, last_m), min(need_m, b - have - last_f))
     need_f = b - have - need_m
     if sum(c[0] for c in counts) < need_f:
         return None
@@ -235,6 +246,7 @@ class ShardCore:
         self.version = 0
         self.taken_at_version = 0  # groups taken for batches at self.version (back-pressure)
         self.mixed_mode = False  # set by the run-wide MixedSwitch (client), never by the shard alone
+        self.leased_at_version = [0, 0]  # (replay, all) work items issued at self.version: the mix of new work
         self.n = dict(issued=0, issued_replay=0, trained=0, trained_mixed=0, stale_dropped=0, zero_signal=0,
                       expired=0, returned=0, rejected=0, reissued=0, reissued_replay=0, replay_reissue_dropped=0,
                       late_submissions=0, accepted=0, zero_signal_seen=0, zero_signal_fresh=0,
@@ -313,11 +325,13 @@ class ShardCore:
         if self.mixed_mode and (self.store.has_replay() or self.reissue_replay):
             ratio = self.mixed_share() / self.batch_share if self.batch_share else 0.0
             quota = math.floor(ratio * self.capacity() + 1e-9)
-            mixed, total = self._mixed_live(), self.live()
-            for _ in range(n):  # keep the live mix at this shard's ratio, within its replay quota
-                if mixed < quota and mixed < ratio * (total + 1) + 1e-9:
+            live_mixed = self._mixed_live()
+            mixed, total = self.leased_at_version
+            for _ in range(n):  # this version's new work at this shard's ratio, within its replay quota
+                if live_mixed < quota and mixed < ratio * (total + 1) + 1e-9:
                     n_replay += 1
                     mixed += 1
+                    live_mixed += 1
                 total += 1
         items = [self._issue(generator_id, qid, now, ref, recs) for qid, ref, recs in self._replay_picks(n_replay)]
         for _ in range(n - len(items)):
@@ -352,16 +366,21 @@ class ShardCore:
         lid = f"{self.shard}-{self.next_lease}"
         self.next_lease += 1
         deadline = now + self.cfg.lease_timeout_s
-        lease = Lease(lid, qid, self.K, deadline, generator_id)
+        lease = Lease(lid, qid, self.K, deadline, generator_id, version=self.version)
         if ref is not None:
             lease.num_samples, lease.replay, lease.candidates = self.K - 1, True, recs
             self.n["issued_replay"] += 1
         self.leases[lid] = lease
         self.n["issued"] += 1
+        self.leased_at_version[0] += lease.replay
+        self.leased_at_version[1] += 1
         return WorkItem(lid, self.questions[qid], lease.num_samples, deadline, self.shard, ref, self.version)
 
     def _end_lease_reissue(self, lease: Lease, reason: str) -> None:
         self.n[reason] += 1
+        if lease.version == self.version:  # its question is issued again: not part of this version's mix any more
+            self.leased_at_version[0] -= lease.replay
+            self.leased_at_version[1] -= 1
         self._reissue(lease.question_id, lease.replay)
 
     def _reissue(self, qid: str, replay: bool) -> None:
@@ -460,6 +479,7 @@ class ShardCore:
         if version > self.version:
             self.version = version
             self.taken_at_version = 0
+            self.leased_at_version = [0, 0]
 
     def set_mixed_mode(self) -> None:
         """Switch mixed mode on (the client's run-wide `MixedSwitch` decides when)."""
@@ -510,7 +530,7 @@ class ShardCore:
     def batch(self, version: int) -> list[TrainGroup]:
         """A whole single-shard batch: ceil(rho*B) mixed (when available), filled with fresh; [] if short."""
         plan = plan_take([self.ready_summary(version)], 0, 0, self.cfg.batch_questions, self.cfg.replay_ratio,
-                         self.mixed_mode)
+                         self.mixed_mode, version - self.cfg.max_lag)
         return [] if plan is None else self.take(version, *plan[0])
 
     def feedback(self, fb: LearnerFeedback) -> None:
@@ -558,7 +578,7 @@ class ShardCore:
             "taken_at_version": self.taken_at_version,
             "counters": dict(self.n), "rng": [rs[0], list(rs[1]), rs[2]],
             "leases": [[x.lease_id, x.question_id, x.num_samples, x.deadline, x.generator_id, x.replay,
-                        [r.tobytes() for r in x.candidates]] for x in self.leases.values()],
+                        [r.tobytes() for r in x.candidates], x.version] for x in self.leases.values()],
             "ready_fresh": codec.encode_list([x.group for x in self.ready_fresh], TrainGroup),
             "ready_mixed": codec.encode_list([x.group for x in self.ready_mixed], TrainGroup),
             "store": store,
@@ -587,11 +607,11 @@ class ShardCore:
         core.n.update({k: int(v) for k, v in state["counters"].items() if k in core.n})
         v, internal, gauss = state["rng"]
         core.rng.setstate((v, tuple(internal), gauss))
-        for lid, qid, ns, dl, gid, replay, recs in state["leases"]:
+        for lid, qid, ns, dl, gid, replay, recs, *issued in state["leases"]:  # (issued: absent before issue 35)
             if qid not in core.questions:
                 raise ValueError(f"snapshot lease {lid} refers to unknown question {qid!r}")
             core.leases[lid] = Lease(lid, qid, int(ns), float(dl), gid, bool(replay),
-                                     [record_from_bytes(r) for r in recs])
+                                     [record_from_bytes(r) for r in recs], int(issued[0]) if issued else 0)
         for name in ("ready_fresh", "ready_mixed"):
             for g in codec.decode_list(state[name], TrainGroup):
                 getattr(core, name).append(Ready(g, min(r.version for r in g.rollouts)))

@@ -313,7 +313,8 @@ class SimRun:
 
     def batch(self, version: int, batch_index: int):
         counts = [c.ready_summary(version) for c in self.cores]
-        plan = plan_take(counts, 0, 0, self.cfg.batch_questions, self.cfg.replay_ratio, self.switch.on)
+        plan = plan_take(counts, 0, 0, self.cfg.batch_questions, self.cfg.replay_ratio, self.switch.on,
+                         version - self.cfg.max_lag)
         if plan is None:
             return None
         groups = [g for c, (f, m) in zip(self.cores, plan) for g in c.take(version, f, m)]
@@ -417,6 +418,50 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
     assert batches > 40, [c.accounting() for c in sim.cores]
     if fast and max_lag >= 1:  # generators keep up: (almost) nothing goes stale
         assert sum(c.n["stale_dropped"] for c in sim.cores) <= 0.02 * trained, (sum(c.n["stale_dropped"] for c in sim.cores), trained)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_a_pipeline_one_batch_ahead_drops_almost_nothing_as_stale_at_the_switch(shards):
+    """Issue 35: a real run's generators keep the pipeline one batch ahead: at each version they lease all the
+    window allows (8 at a time, round-robin over the shards) and generate it with that version, part before the
+    batch is taken and part after. The batch trains the previous version's work (lag 1 at max_lag 1). When mixed
+    mode starts, the work leased for the next batch is all fresh (nothing was stored yet): the first batch that
+    could take ceil(rho*B) mixed groups dropped rho*B fresh ones as stale, and the shards then leased only replays
+    to bring their live mix back to rho, more mixed groups than the next batches take (7-8 of 480 trained dropped
+    at B = 16; in real runs up to 15). Now a batch takes the fresh groups it is the last to be able to train before
+    mixed groups that can wait, and each version's new work is leased at the shard's ratio."""
+    for seed in range(4):
+        rng = random.Random(seed)
+        bcfg = cfg(num_shards=shards, max_lag=1, replay_ratio=0.5, batch_questions=16, group_size=8,
+                   lease_timeout_s=3600.0, max_traj_per_question=8)
+        sim = SimRun(bcfg, make_questions(500), 2)
+        version, now, batches = 0, NOW, 0
+        while batches < 30:
+            now += 1
+            leased = []
+            while items := sim.lease(8, now):
+                leased += items
+            rng.shuffle(leased)
+            cut = rng.randint(0, len(leased))
+            acc = 0.2 if batches < 5 else 0.5  # (trained a batch later: the switch fires at batch 6)
+            scored = [group_for(it, sum(rng.random() < acc for _ in range(it.num_samples)), version=version,
+                                seed=rng.randint(0, 99), entropies=[rng.random() for _ in range(it.num_samples)])
+                      for it in leased]
+            sim.submit(scored[:cut], now)  # generated before the batch is taken
+            batch = sim.batch(version, batches)
+            sim.submit(scored[cut:], now)  # ... and after
+            if batch:
+                assert len(batch) == 16
+                sim.learn(batch, version)
+                batches += 1
+                version += 1
+                for c in sim.cores:
+                    c.set_version(version)
+            for c in sim.cores:
+                balanced(c)
+        assert sim.switched_at == 6
+        stale = sum(c.n["stale_dropped"] for c in sim.cores)
+        assert stale <= 3, (shards, seed, stale)
 
 
 def test_collect_off_is_plain_grpo_nothing_stored_nothing_retired():
