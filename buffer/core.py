@@ -97,25 +97,48 @@ def mixed_target(batch_questions: int, replay_ratio: float) -> int:
 
 
 def mixed_shares(shares: list[int], target: int, version: int = 0) -> list[int]:
-    """The batch's `target` mixed groups split over the shards in proportion to their batch shares: each shard
-    the floor of its exact part, and the groups left over go, in turn (rotating with `version`), to the shards
-    with a fractional part. They sum to `target`, so the shards' replay quotas add up to the whole batch's,
-    where a per-shard floor(rho * share) loses groups (shares 6/5/5 at rho 0.5: 7 of 8; shares of 1: none);
-    the rotation keeps every shard's long-run share at rho and never leaves one shard replay-only for good
-    (its fresh questions would never be issued)."""
-    total = sum(shares)
-    if total == 0:
-        return [0] * len(shares)
-    target = min(target, total)
-    exact = [target * s / total for s in shares]
-    out = [math.floor(x + 1e-9) for x in exact]
-    frac = [i for i in range(len(shares)) if exact[i] - out[i] > 1e-9]
-    extra = target - sum(out)
-    if frac and extra > 0:
-        k = (version * extra) % len(frac)
-        for i in (frac[k:] + frac[:k])[:extra]:
-            out[i] += 1
-    return out
+    """The batch's `target` mixed groups split over the shards in proportion to their batch shares, at `version`:
+    each shard the floor of its exact part, and the groups left over to the shards with the largest accumulated
+    shortfall (exact part times versions so far, less what they were given; ties to the lower index). They sum to
+    `target`, so the shards' replay quotas add up to the whole batch's, where a per-shard floor(rho * share) loses
+    groups (shares 6/5/5 at rho 0.5: 7 of 8; shares of 1: none); every shard's long-run share is its exact part,
+    rho times its share, within one group at any version (rotating the left-over groups equally gave shares
+    [2, 3, 3] at rho 0.25 the parts [0.667, 0.667, 0.667] for [0.5, 0.75, 0.75], issue 35), and no shard stays
+    replay-only for good (its fresh questions would never be issued)."""
+    return list(_ShortfallSplit.of(tuple(shares), target).at(version))
+
+
+class _ShortfallSplit:
+    """`mixed_shares` for one (shares, target), version by version from 0 (cached: a shard asks at every lease)."""
+
+    _cache: dict[tuple, _ShortfallSplit] = {}
+
+    def __init__(self, shares: tuple[int, ...], target: int):
+        total = sum(shares)
+        self.target = min(target, total)
+        self.exact = [self.target * s / total if total else 0.0 for s in shares]
+        self.given = [0] * len(shares)
+        self.parts: list[tuple[int, ...]] = []
+
+    @classmethod
+    def of(cls, shares: tuple[int, ...], target: int) -> _ShortfallSplit:
+        key = (shares, target)
+        if key not in cls._cache:
+            if len(cls._cache) > 64:
+                cls._cache.clear()
+            cls._cache[key] = cls(shares, target)
+        return cls._cache[key]
+
+    def at(self, version: int) -> tuple[int, ...]:
+        while len(self.parts) <= version:
+            v = len(self.parts) + 1  # versions split so far, this one included
+            out = [math.floor(x + 1e-9) for x in self.exact]
+            short = [v * x - g - o for x, g, o in zip(self.exact, self.given, out)]
+            for i in sorted(range(len(out)), key=lambda i: (-short[i], i))[:self.target - sum(out)]:
+                out[i] += 1
+            self.given = [g + o for g, o in zip(self.given, out)]
+            self.parts.append(tuple(out))
+        return self.parts[max(version, 0)]
 
 
 def zero_signal_news(seen: list[list[int]] | None, counts: list[tuple[int, int]]) -> tuple[int, int, list[list[int]]]:

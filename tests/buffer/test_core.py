@@ -512,10 +512,23 @@ def test_mixed_shares_sum_to_the_batch_target():
     assert sum(mixed_shares([6, 5, 5], 8)) == 8 and mixed_shares([1, 1, 1, 1], 2).count(1) == 2
     assert mixed_shares([16], 8) == [8] and mixed_shares([1, 0, 3], 4) == [1, 0, 3]
     assert all(m <= s for m, s in zip(mixed_shares([2, 7, 1], 9), [2, 7, 1]))
-    # shares 3/3/2 at 6 mixed: the left-over group rotates, so no shard is replay-only for good
+    # shares 3/3/2 at 6 mixed: the left-over group moves between shards, so no shard is replay-only for good
     per_version = [mixed_shares([3, 3, 2], 6, v) for v in range(6)]
     assert all(sum(m) == 6 for m in per_version) and per_version[0] != per_version[1]
-    assert [sum(m[i] for m in per_version) for i in range(3)] == [14, 14, 8]  # exact: 13.5, 13.5, 9 over 6
+    assert [sum(m[i] for m in per_version) for i in range(3)] == [14, 13, 9]  # exact: 13.5, 13.5, 9 over 6
+
+
+@pytest.mark.parametrize("shares, rho, due", [([2, 3, 3], 0.25, [0.5, 0.75, 0.75]), ([1, 3, 4], 0.75, [0.75, 2.25, 3.0])])
+def test_each_shards_long_run_replay_part_is_rho_times_its_share(shares, rho, due):
+    """Issue 35 (5): the left-over mixed groups go to the shards with the largest accumulated shortfall, so a
+    question's replay rate does not depend on its shard's hash. Rotating them equally gave [0.667, 0.667, 0.667]
+    and [0.5, 2.5, 3.0] averaged over 60 versions (B = 8)."""
+    target = mixed_target(8, rho)
+    per_version = [mixed_shares(shares, target, v) for v in range(60)]
+    assert all(sum(m) == target for m in per_version)
+    assert [sum(m[i] for m in per_version) / 60 for i in range(3)] == pytest.approx(due)
+    for v in range(1, 61):  # within one group of the exact part at every version
+        assert all(abs(sum(m[i] for m in per_version[:v]) - v * due[i]) < 1 for i in range(3))
 
 
 @pytest.mark.parametrize("per_shard, batch", [(30, 16), (5, 4)])  # shares 6/5/5, and shares of 1 (4 shards)
