@@ -199,9 +199,10 @@ class BufferClient:
             by_shard[self._lease_shard(lid, "")].append(lid)
         self._get([self.shards[i].return_leases.remote(ids) for i, ids in by_shard.items()], "return_leases")
 
-    def _observe_switch(self, batch: list[TrainGroup], zero_signal: list[tuple[int, int]]) -> None:
+    def _observe_switch(self, batch: list[TrainGroup], zero_signal: list[tuple[int, int, int]]) -> None:
         """Feed the run-wide switch with this batch's fresh groups and the zero-signal groups the shards kept out
-        since the last batch (`zero_signal`: per shard, cumulative); switch every shard on when it fires."""
+        since the last batch (`zero_signal`: per shard, cumulative, with the shard's incarnation); switch every
+        shard on when it fires."""
         n_zero, n_zero_correct, self._zero_signal_seen = zero_signal_news(self._zero_signal_seen, zero_signal)
         if self.switch.on:
             return
@@ -249,7 +250,7 @@ class BufferClient:
         if self.switch.on and not all(c[6] for c in counts):  # a shard restarted from an older snapshot
             self._get([s.set_mixed_mode.remote() for s in self.shards], "set_mixed_mode")
         built_mixed = self.switch.on  # the mode this batch was composed in; a switch it fires acts from the next one
-        self._observe_switch(got, [(c[4], c[5]) for c in counts])
+        self._observe_switch(got, [(c[4], c[5], c[7]) for c in counts])
         n_mixed = sum(1 for g in got if g.mixed)
         stats = {"batch_mixed": float(n_mixed), "batch_fresh": float(len(got) - n_mixed),
                  "batch_wait_s": time.monotonic() - t0, "batch_short": float(b - len(got)),
@@ -269,26 +270,27 @@ class BufferClient:
 
     def _feedback_parts(self, fb: LearnerFeedback) -> dict[int, bytes]:
         """Each shard's part of `fb` (routed by the question id in each key), encoded; shards with none left out."""
-        by_shard: dict[int, tuple[list[str], list[float]]] = defaultdict(lambda: ([], []))
         s = len(self.shards)
-        for key, ent in zip(fb.keys, fb.entropies.tolist()):
+
+        def shard(key: str) -> int:
             try:
                 qid, _ = split_key(key)
             except ValueError:
                 qid = key  # malformed: the owning shard counts it as ignored feedback
-            keys, ents = by_shard[shard_of(qid, s)]
-            keys.append(key)
-            ents.append(ent)
-        chosen: dict[int, list[str]] = defaultdict(list)
+            return shard_of(qid, s)
+
+        parts: dict[int, tuple[list, list, list, list, list]] = defaultdict(lambda: ([], [], [], [], []))
+        for key, ent in zip(fb.keys, fb.entropies.tolist()):
+            parts[shard(key)][0].append(key)
+            parts[shard(key)][1].append(ent)
         for key in fb.chosen:
-            try:
-                qid, _ = split_key(key)
-            except ValueError:
-                qid = key
-            chosen[shard_of(qid, s)].append(key)
-        return {i: codec.encode(LearnerFeedback(fb.version, by_shard[i][0], float32_array(by_shard[i][1]),
-                                                chosen.get(i, [])))
-                for i in sorted(set(by_shard) | set(chosen))}
+            parts[shard(key)][2].append(key)
+        for key, ent in zip(fb.fresh_keys, fb.fresh_entropies.tolist()):
+            parts[shard(key)][3].append(key)
+            parts[shard(key)][4].append(ent)
+        return {i: codec.encode(LearnerFeedback(fb.version, keys, float32_array(ents), chosen, fresh,
+                                                float32_array(fresh_ents)))
+                for i, (keys, ents, chosen, fresh, fresh_ents) in sorted(parts.items())}
 
     def set_version(self, version: int) -> None:
         self._get([s.set_version.remote(version) for s in self.shards], "set_version")

@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import random
 import time
 from collections import Counter, deque
@@ -141,21 +142,27 @@ class _ShortfallSplit:
         return self.parts[max(version, 0)]
 
 
-def zero_signal_news(seen: list[list[int]] | None, counts: list[tuple[int, int]]) -> tuple[int, int, list[list[int]]]:
+def zero_signal_news(seen: list[list[int]] | None, counts: list[tuple[int, ...]]) -> tuple[int, int, list[list[int]]]:
     """(zero-signal fresh groups, of which all correct) counted by the shards since `seen` (per shard, as
     returned last time; None: nothing seen yet, every count is new; of another length: a state that cannot be
-    matched to the shards, nothing counted this time), and the new `seen`. A shard whose counters went back (it
-    restarted from an older snapshot) contributes nothing this time: what it counted since its snapshot cannot
-    be told apart from what was already seen, and a negative difference would feed spurious zeros to the switch."""
+    matched to the shards, nothing counted this time), and the new `seen`.
+
+    `counts[i]` is shard i's (zero, all correct, incarnation): cumulative counters, and the id its state got when
+    the shard last restarted from a snapshot. A shard of another incarnation than the one seen contributes nothing
+    this time: what it counted since its snapshot cannot be told apart from what was already seen (its restored
+    counters may even have passed the seen values already, and their differences would span the restart: a count
+    of all-correct groups above the count of groups). Nor does a shard whose counters went back. The all-correct
+    count is capped at the zero-signal count, so the switch is never fed more 1.0 accuracies than groups."""
     if seen is None:
-        seen = [[0, 0] for _ in counts]
+        seen = [[0, 0, *c[2:]] for c in counts]
     elif len(seen) != len(counts):
         seen = [list(c) for c in counts]
     n_zero = n_correct = 0
-    for (was_zero, was_correct), (zero, correct) in zip(seen, counts):
-        if zero >= was_zero and correct >= was_correct:
-            n_zero += zero - was_zero
-            n_correct += correct - was_correct
+    for was, now in zip(seen, counts):
+        d_zero, d_correct = now[0] - was[0], now[1] - was[1]
+        if list(was[2:3]) == list(now[2:3]) and d_zero >= 0 and d_correct >= 0:
+            n_zero += d_zero
+            n_correct += min(d_correct, d_zero)
     return n_zero, n_correct, [list(c) for c in counts]
 
 
@@ -258,6 +265,7 @@ class ShardCore:
             max_bytes=cfg.max_bytes,
         )
         self.rng = random.Random(cfg.seed * 1_000_003 + shard)
+        self.incarnation = new_incarnation()  # a new one when the shard restarts from a snapshot (BufferShard)
         self.epoch, self.cursor = 0, 0
         self._order = self._epoch_order(0)
         self.reissue: deque[str] = deque()  # fresh questions to issue again
@@ -557,7 +565,8 @@ class ShardCore:
         return [] if plan is None else self.take(version, *plan[0])
 
     def feedback(self, fb: LearnerFeedback) -> None:
-        self.store.feedback(fb.keys, fb.entropies.tolist(), fb.version, fb.chosen)
+        self.store.feedback(fb.keys, fb.entropies.tolist(), fb.version, fb.chosen, fb.fresh_keys,
+                            fb.fresh_entropies.tolist())
 
     # ---------------------------------------------------------------------------------- observation
 
@@ -598,7 +607,7 @@ class ShardCore:
             "group_size": self.K, "epoch": self.epoch, "cursor": self.cursor, "reissue": list(self.reissue),
             "reissue_replay": list(self.reissue_replay),
             "next_lease": self.next_lease, "version": self.version, "mixed_mode": self.mixed_mode,
-            "taken_at_version": self.taken_at_version,
+            "taken_at_version": self.taken_at_version, "incarnation": self.incarnation,
             "counters": dict(self.n), "rng": [rs[0], list(rs[1]), rs[2]],
             "leases": [[x.lease_id, x.question_id, x.num_samples, x.deadline, x.generator_id, x.replay,
                         [r.tobytes() for r in x.candidates], x.version] for x in self.leases.values()],
@@ -627,6 +636,7 @@ class ShardCore:
         core.next_lease, core.version = int(state["next_lease"]), int(state["version"])
         core.mixed_mode = bool(state["mixed_mode"])
         core.taken_at_version = int(state.get("taken_at_version", 0))
+        core.incarnation = int(state.get("incarnation", core.incarnation))
         core.n.update({k: int(v) for k, v in state["counters"].items() if k in core.n})
         v, internal, gauss = state["rng"]
         core.rng.setstate((v, tuple(internal), gauss))
@@ -640,6 +650,11 @@ class ShardCore:
                 getattr(core, name).append(Ready(g, min(r.version for r in g.rollouts)))
         core.store.load_state(state["store"], open_segment)
         return core
+
+
+def new_incarnation() -> int:
+    """A random id for a shard state's lineage (`zero_signal_news`)."""
+    return int.from_bytes(os.urandom(4), "little") >> 1
 
 
 def _per_version(q: deque[Ready]) -> tuple[tuple[int, int], ...]:

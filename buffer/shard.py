@@ -23,7 +23,7 @@ from pathlib import Path
 import msgpack
 import ray
 
-from buffer.core import ShardCore
+from buffer.core import ShardCore, new_incarnation
 from buffer.snapshot import load_core, segment_target, snapshot_path, write_shard_snapshot
 from common import codec
 from common.config import BufferConfig
@@ -62,6 +62,7 @@ class BufferShard:
         path = snapshot_path(snapshot_dir, shard) if snapshot_dir else None
         if path is not None and path.exists():
             self.core = load_core(self.cfg, self.questions, path, batch_share=batch_share, shares=shares)
+            self.core.incarnation = new_incarnation()  # its counters may be behind what a client has seen
             self.restored_from = str(path)
             log.warning("buffer shard %d restored from %s", shard, path)
         else:
@@ -118,9 +119,9 @@ class BufferShard:
     # -------------------------------------------------------------------------------- learner side
 
     def wait_ready(self, version: int, want: int, wait_s: float) -> list[int]:
-        """[fresh, mixed, oldest fresh version, oldest mixed version, zero_signal_fresh,
-        zero_signal_fresh_correct, mixed_mode] at `version` (zero_signal_*: cumulative counts of fresh
-        groups kept out as zero-signal); waits up to `wait_s` for `want` groups."""
+        """[fresh, mixed, fresh versions, mixed versions, zero_signal_fresh, zero_signal_fresh_correct, mixed_mode,
+        incarnation] at `version` (zero_signal_*: cumulative counts of fresh groups kept out as zero-signal;
+        incarnation: the state's id, new after a restart from a snapshot); waits up to `wait_s` for `want` groups."""
         deadline = time.monotonic() + wait_s
         with self.cond:
             while True:
@@ -128,7 +129,7 @@ class BufferShard:
                 left = deadline - time.monotonic()
                 if summary[0] + summary[1] >= want or left <= 0:
                     return [*summary, self.core.n["zero_signal_fresh"], self.core.n["zero_signal_fresh_correct"],
-                            int(self.core.mixed_mode)]
+                            int(self.core.mixed_mode), self.core.incarnation]
                 self.cond.wait(min(left, 0.05))  # also wakes to expire leases and see new versions
 
     def take(self, version: int, n_fresh: int, n_mixed: int, exclude: list[str] = ()) -> bytes:

@@ -313,23 +313,29 @@ class ExperienceStore:
     def has_replay(self) -> bool:
         return self.total > 0
 
-    def feedback(self, keys: list[str], entropies, version: int, chosen: list[str] = ()) -> None:
-        """Learner -> buffer: exact entropies of `keys` under policy `version` (replay candidates it scored and
-        fresh correct rollouts it trained), and the `chosen` keys (trained as o*; each counts one replay). Keys
-        of evicted or retired trajectories are ignored and counted; an estimate from an older policy version
-        than the stored one is skipped. Then each question measured is trimmed to `max_per_question` measured
-        trajectories (lowest entropy kept); a chosen trajectory evicted there still counts as replayed."""
-        measured: dict[str, list[float]] = {}
+    def feedback(self, keys: list[str], entropies, version: int, chosen: list[str] = (), fresh_keys: list[str] = (),
+                 fresh_entropies=()) -> None:
+        """Learner -> buffer: exact entropies under policy `version` of `keys` (the replay candidates it scored)
+        and of `fresh_keys` (fresh correct rollouts it trained), and the `chosen` keys (trained as o*; each counts
+        one replay). Keys of evicted or retired trajectories are ignored and counted; an estimate from an older
+        policy version than the stored one is skipped. Then each question measured is trimmed to
+        `max_per_question` measured trajectories (lowest entropy kept); a chosen trajectory evicted there still
+        counts as replayed. `entropy_available_sum` adds, per chosen o*, the mean over its question's scored
+        candidates only (not the fresh rows measured in the same step)."""
+        measured: set[str] = set()
+        candidates: dict[str, list[float]] = {}
         by_key: dict[str, float] = {}
-        for key, ent in zip(keys, entropies):
+        for n, (key, ent) in enumerate(zip([*keys, *fresh_keys], [*entropies, *fresh_entropies])):
             found = self._find(key)
             if found is None:
                 self.c["feedback_ignored"] += 1
                 continue
             e, i = found
             ent = float(ent)
-            by_key[key] = ent
-            measured.setdefault(split_key(key)[0], []).append(ent)
+            measured.add(split_key(key)[0])
+            if n < len(keys):
+                by_key[key] = ent
+                candidates.setdefault(split_key(key)[0], []).append(ent)
             if version < e.evers[i]:
                 self.c["feedback_older"] += 1
                 continue
@@ -349,7 +355,7 @@ class ExperienceStore:
             e.recs[i][5] = e.times[i] = t + 1
             self.c["chosen"] += 1
             if key in by_key:
-                ents = measured[split_key(key)[0]]
+                ents = candidates[split_key(key)[0]]
                 self.entropy_chosen_sum += by_key[key]
                 self.entropy_available_sum += sum(ents) / len(ents)
                 self.c["chosen_measured"] += 1

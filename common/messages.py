@@ -157,9 +157,11 @@ class LearnerFeedback:
     replayed.  # learner -> buffer"""
 
     version: int  # the policy version the entropies were measured under (the batch's version)
-    keys: list[str]
+    keys: list[str]  # the candidates the learner scored for the mixed groups' o*
     entropies: Float32Array  # [len(keys)] exact full-vocabulary mean token entropy (temperature 1)
     chosen: list[str] = field(default_factory=list)  # keys trained as o* of a mixed group (counts one replay each)
+    fresh_keys: list[str] = field(default_factory=list)  # the stored fresh correct rollouts the step trained
+    fresh_entropies: Float32Array = field(default_factory=lambda: np.zeros(0, np.float32))  # [len(fresh_keys)]
 
 
 MESSAGE_TYPES: tuple[type, ...] = (

@@ -368,7 +368,8 @@ class LearnerPool:
         metrics["learner/lr"] = learning_rate(self.cfg, version_trained)
         metrics["learner/skipped_updates_total"] = float(self.skipped_updates)
         fb = LearnerFeedback(version=version_trained, keys=sfb.keys, entropies=float32_array(sfb.entropies),
-                             chosen=sfb.chosen)
+                             chosen=sfb.chosen, fresh_keys=sfb.fresh_keys,
+                             fresh_entropies=float32_array(sfb.fresh_entropies))
         return StepResult(metrics=metrics, feedback=fb, version=self.version)
 
     def publish_async(self) -> PendingPublish:

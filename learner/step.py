@@ -70,9 +70,11 @@ def candidate_rows(batch: TrainingBatch) -> list[tuple[int, int, Row]]:
 class StepFeedback:
     """What the step tells the buffer about stored trajectories (identical on every rank)."""
 
-    keys: list[str] = field(default_factory=list)  # every scored candidate (and, merged, the stored fresh rows)
+    keys: list[str] = field(default_factory=list)  # every scored candidate
     entropies: list[float] = field(default_factory=list)  # their mean token entropy under the step's policy
     chosen: list[str] = field(default_factory=list)  # the o* of each mixed group
+    fresh_keys: list[str] = field(default_factory=list)  # (merged) every rank's trained fresh rows the buffer stored
+    fresh_entropies: list[float] = field(default_factory=list)  # their mean token entropy, from the training forward
     # the task's reasoning check (Rollout.valid) where known: per mixed group (o* valid, mean over its candidates),
     # and (entropy, valid) of every scored candidate
     valid_chosen: list[tuple[int, float]] = field(default_factory=list)
@@ -274,9 +276,9 @@ def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeed
     }
     metrics.update(reasoning_metrics(lead.feedback))
     # the scored candidates (the same on every rank) and each rank's trained fresh rows that the buffer stored
-    fb = StepFeedback(keys=lead.feedback.keys + [k for st in stats for k in st.fresh_keys],
-                      entropies=lead.feedback.entropies + [h for st in stats for h in st.fresh_entropies],
-                      chosen=lead.feedback.chosen)
+    fb = StepFeedback(keys=lead.feedback.keys, entropies=lead.feedback.entropies, chosen=lead.feedback.chosen,
+                      fresh_keys=[k for st in stats for k in st.fresh_keys],
+                      fresh_entropies=[h for st in stats for h in st.fresh_entropies])
     return metrics, fb
 
 

@@ -570,6 +570,20 @@ def test_a_shard_restarted_from_an_older_snapshot_feeds_no_spurious_zeros_to_the
     assert zero_signal_news([], [(4, 1)])[:2] == (0, 0)  # an unmatched (older) state: nothing counted once
 
 
+def test_zero_signal_counts_never_span_a_shard_restart():
+    """Issue 35 (7): restored counters that passed the seen values before the next batch gave differences spanning
+    the restart: ([[10, 2]], [(11, 5)]) counted 1 zero-signal group of which 3 all correct (three 1.0 accuracies
+    fed to the switch, no 0.0). The shard's incarnation (new after a restart from a snapshot) tells them apart, and
+    the all-correct count is capped at the zero-signal count."""
+    from buffer.core import zero_signal_news
+
+    assert zero_signal_news([[10, 2, 7]], [(11, 5, 8)])[:2] == (0, 0)  # restarted: nothing this time
+    n_zero, n_correct, seen = zero_signal_news([[10, 2, 7]], [(11, 5, 7)])
+    assert (n_zero, n_correct) == (1, 1) and seen == [[11, 5, 7]]  # capped
+    assert zero_signal_news(seen, [(14, 6, 7)])[:2] == (3, 1)
+    assert zero_signal_news(None, [(3, 1, 9)])[:2] == (3, 1)  # nothing seen yet: every count is new
+
+
 def test_a_second_take_round_never_replays_a_question_already_in_the_batch():
     """A shard that restarted from an older snapshot may hold a re-leased replay of a question the batch already
     took in its first round: `take` with that question excluded leaves it ready (for a later batch)."""

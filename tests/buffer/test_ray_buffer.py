@@ -112,6 +112,10 @@ def test_shard_killed_restores_from_snapshot_and_client_errors_clearly(ray_clust
     assert before["stored_trajectories"] == 12 and before_acc["outstanding"] == 2
     client.lease("g0", 2)  # after the snapshot: lost in the crash, its questions come round again
 
+    def incarnation() -> int:  # what the client's zero-signal counting sees (issue 35, item 7)
+        return ray.get(client.shards[0].wait_ready.remote(0, 0, 0.0))[7]
+
+    first = incarnation()
     ray.kill(client.shards[0], no_restart=False)
     deadline = time.monotonic() + 30
     unavailable = 0
@@ -126,8 +130,10 @@ def test_shard_killed_restores_from_snapshot_and_client_errors_clearly(ray_clust
         assert time.monotonic() < deadline, "shard did not come back"
         time.sleep(0.1)
     assert client.accounting() == before_acc
+    assert incarnation() != first  # restarted from a snapshot: its counters cannot be matched to what was seen
     assert client.restore(str(tmp_path)) == 0  # the switch state travels with the buffer snapshot
     assert client.accounting() == before_acc
+    assert incarnation() == first  # restored with the client's state of the same checkpoint: they match again
     assert after["stored_trajectories"] == 12 and after["bucket_2"] == before["bucket_2"]
     # the two leases from before the snapshot are still known and can be completed
     out = client.submit([group_for(it, 1) for it in items[6:]])

@@ -170,3 +170,17 @@ def test_a_record_keeps_the_reasoning_check():
             r.valid, r.finish_reason = valid, finish
             back = record_to_rollout(pack_record(r, response_digest(r.response_ids)), "q")
             assert (back.valid, back.finish_reason) == (valid, finish)
+
+
+def test_entropy_available_mean_counts_the_scored_candidates_only():
+    """Issue 35 (6): a replay step also measures the fresh correct rows it trained, of the same question; the
+    metric averages the candidates the learner chose among. Candidates at 0.3 and 0.5, a fresh row at 0.9: 0.4
+    (it was 0.567 with the fresh row mixed in)."""
+    s = make_store()
+    cands = s.observe("q1", 2, [rollout([1], 1.0, entropy=0.3), rollout([2], 1.0, entropy=0.5)], collect=True)
+    [fresh] = s.observe("q1", 2, [rollout([3], 1.0, entropy=0.9)], collect=True)
+    s.feedback(cands, [0.3, 0.5], version=1, chosen=[cands[0]], fresh_keys=[fresh], fresh_entropies=[0.9])
+    m = s.metrics()
+    assert m["chosen_measured"] == 1 and m["entropy_chosen_sum"] == pytest.approx(0.3)
+    assert m["entropy_available_sum"] == pytest.approx(0.4)
+    assert record_entropy(s.entries["q1"].recs[2]) == pytest.approx(0.9)  # the fresh row's measurement applied

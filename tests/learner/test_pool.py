@@ -76,12 +76,16 @@ def test_one_and_two_ranks_agree(ray_cluster, model_dir):
     assert m1["learner/replay_tokens"] > 0 and m1["learner/fresh_tokens"] > 0
     # feedback: every candidate of the 2 mixed groups and every trained fresh row with a key (stored by the
     # buffer) once, same entropies and choice whatever the sharding
-    f1 = dict(zip(results[1].feedback.keys, results[1].feedback.entropies.tolist()))
-    f2 = dict(zip(results[2].feedback.keys, results[2].feedback.entropies.tolist()))
+    def measured(fb):
+        return dict(zip(fb.keys + fb.fresh_keys, fb.entropies.tolist() + fb.fresh_entropies.tolist()))
+
+    f1, f2 = measured(results[1].feedback), measured(results[2].feedback)
     cands = {c.key for g in batch.groups for c in g.candidates}
     fresh = {r.key for g in batch.groups for r in g.rollouts}
-    assert len(cands) == 6 and len(results[2].feedback.keys) == len(f2) == len(cands | fresh)
+    assert len(cands) == 6 and len(results[2].feedback.keys) + len(results[2].feedback.fresh_keys) == len(f2) \
+        == len(cands | fresh)
     assert f1.keys() == f2.keys() == cands | fresh
+    assert set(results[1].feedback.keys) == set(results[2].feedback.keys) == cands  # candidates apart from fresh rows
     assert all(f1[k] == pytest.approx(f2[k], abs=1e-4) for k in f1)
     assert results[1].feedback.chosen == results[2].feedback.chosen and len(results[1].feedback.chosen) == 2
     assert results[1].feedback.version == 0  # the entropies were measured under version 0
@@ -114,7 +118,8 @@ def test_two_ranks_with_fewer_rows_than_ranks_and_all_updates_skipped(ray_cluste
         assert one.version == 2 and one.metrics["learner/rows"] == 2
         # a mixed group with one fresh rollout and 3 candidates: 3 candidates to score on 2 ranks
         mixed = pool.step(make_batch(6, groups=1, group_size=2, mixed_every=1, candidates=3))
-        assert mixed.version == 3 and len(mixed.feedback.keys) == 3 + 1 and len(mixed.feedback.chosen) == 1
+        assert mixed.version == 3 and len(mixed.feedback.keys) == 3 and len(mixed.feedback.fresh_keys) == 1
+        assert len(mixed.feedback.chosen) == 1
         before = pool.state_dict()
 
         def both(self):  # each rank: the bucketed gather, then torch's per-parameter full state dict
