@@ -474,8 +474,8 @@ def test_trained_fresh_rows_the_buffer_stored_come_back_measured(tiny_model_dir)
                 p = torch.softmax(logits, -1)
                 expected[ro.key] = float(-(p * torch.log_softmax(logits, -1)).sum(-1).mean())
     _, fb = merge_rank_stats([step.run(batch)])  # one mini-batch: the forward is at the start weights
-    assert sorted(fb.keys) == sorted(expected) and not fb.chosen
-    for key, h in zip(fb.keys, fb.entropies):
+    assert sorted(fb.fresh_keys) == sorted(expected) and not fb.chosen and not fb.keys  # (keys: candidates)
+    for key, h in zip(fb.fresh_keys, fb.fresh_entropies):
         assert h == pytest.approx(expected[key], rel=1e-4), key
 
 
