@@ -279,18 +279,20 @@ class BufferClient:
                 qid = key  # malformed: the owning shard counts it as ignored feedback
             return shard_of(qid, s)
 
-        parts: dict[int, tuple[list, list, list, list, list]] = defaultdict(lambda: ([], [], [], [], []))
+        parts: dict[int, tuple[list, ...]] = defaultdict(lambda: ([], [], [], [], [], []))
         for key, ent in zip(fb.keys, fb.entropies.tolist()):
             parts[shard(key)][0].append(key)
             parts[shard(key)][1].append(ent)
         for key in fb.chosen:
             parts[shard(key)][2].append(key)
-        for key, ent in zip(fb.fresh_keys, fb.fresh_entropies.tolist()):
+        for j, (key, ent) in enumerate(zip(fb.fresh_keys, fb.fresh_entropies.tolist())):
             parts[shard(key)][3].append(key)
             parts[shard(key)][4].append(ent)
+            if fb.fresh_logprobs:
+                parts[shard(key)][5].append(fb.fresh_logprobs[j])
         return {i: codec.encode(LearnerFeedback(fb.version, keys, float32_array(ents), chosen, fresh,
-                                                float32_array(fresh_ents)))
-                for i, (keys, ents, chosen, fresh, fresh_ents) in sorted(parts.items())}
+                                                float32_array(fresh_ents), lps))
+                for i, (keys, ents, chosen, fresh, fresh_ents, lps) in sorted(parts.items())}
 
     def set_version(self, version: int) -> None:
         self._get([s.set_version.remote(version) for s in self.shards], "set_version")

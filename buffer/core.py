@@ -566,7 +566,7 @@ class ShardCore:
 
     def feedback(self, fb: LearnerFeedback) -> None:
         self.store.feedback(fb.keys, fb.entropies.tolist(), fb.version, fb.chosen, fb.fresh_keys,
-                            fb.fresh_entropies.tolist())
+                            fb.fresh_entropies.tolist(), fb.fresh_logprobs)
 
     # ---------------------------------------------------------------------------------- observation
 

@@ -166,7 +166,7 @@ class ExperienceStore:
         self.c = dict(stored=0, deduplicated=0, evicted=0, evicted_measured=0, evicted_questions=0, evicted_for_bytes=0,
                       deleted_on_retire=0,
                       feedback_applied=0, feedback_ignored=0, feedback_older=0, late_for_retired=0,
-                      chosen=0, chosen_measured=0, chosen_gone=0)
+                      chosen=0, chosen_measured=0, chosen_gone=0, logprobs_from_learner=0, logprobs_mismatched=0)
         self.entropy_chosen_sum = 0.0
         self.entropy_available_sum = 0.0
         # snapshot segments (see `plan_snapshot`): id -> segment; questions with records not written yet
@@ -314,14 +314,16 @@ class ExperienceStore:
         return self.total > 0
 
     def feedback(self, keys: list[str], entropies, version: int, chosen: list[str] = (), fresh_keys: list[str] = (),
-                 fresh_entropies=()) -> None:
+                 fresh_entropies=(), fresh_logprobs=()) -> None:
         """Learner -> buffer: exact entropies under policy `version` of `keys` (the replay candidates it scored)
         and of `fresh_keys` (fresh correct rollouts it trained), and the `chosen` keys (trained as o*; each counts
         one replay). Keys of evicted or retired trajectories are ignored and counted; an estimate from an older
         policy version than the stored one is skipped. Then each question measured is trimmed to
         `max_per_question` measured trajectories (lowest entropy kept); a chosen trajectory evicted there still
         counts as replayed. `entropy_available_sum` adds, per chosen o*, the mean over its question's scored
-        candidates only (not the fresh rows measured in the same step)."""
+        candidates only (not the fresh rows measured in the same step). `fresh_logprobs` (per fresh key, when the
+        learner sends them: learner.store_learner_logprobs) replace the stored trajectory's behaviour log-probs with
+        the learner's start-of-step ones."""
         measured: set[str] = set()
         candidates: dict[str, list[float]] = {}
         by_key: dict[str, float] = {}
@@ -343,6 +345,10 @@ class ExperienceStore:
             e.recs[i][4] = version
             e.ents[i], e.evers[i] = ent, version
             self.c["feedback_applied"] += 1
+        for key, lp in zip(fresh_keys, fresh_logprobs):
+            found = self._find(key)
+            if found is not None:
+                self._replace_logprobs(*found, split_key(key)[0], lp)
         for key in chosen:
             found = self._find(key)
             if found is None:
@@ -363,6 +369,22 @@ class ExperienceStore:
             e = self.entries.get(qid)
             if e is not None:
                 self._trim_measured(e)
+
+    def _replace_logprobs(self, e: _Entry, i: int, qid: str, logprobs) -> None:
+        """Record i of `e` with `logprobs` as its behaviour log-probs: a new record (the written one stays as it is
+        in its snapshot segment, which no longer counts it), written with the next snapshot."""
+        old = e.recs[i]
+        t = (len(old) - _H) // 2
+        if len(logprobs) != t:
+            self.c["logprobs_mismatched"] += 1
+            return
+        new = old.copy()
+        new.view(np.float32)[_H + t:] = logprobs
+        if e.segs[i] >= 0:
+            self.segments[e.segs[i]].live -= _LEN + old.nbytes
+        e.recs[i], e.segs[i] = new, -1
+        self.dirty.add(qid)
+        self.c["logprobs_from_learner"] += 1
 
     def _find(self, key: str) -> tuple[_Entry, int] | None:
         try:

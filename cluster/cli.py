@@ -201,6 +201,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         cfg = _load(args)
         print(to_yaml(cfg), end="")
+        print(f"# learner: {cfg.learner.loss_scale()}")  # derived (a YAML comment: the output still loads)
         problems = input_problems(cfg)
         if problems:  # valid as a config, but `train` would stop at its start-up checks
             print("exgrpo train refuses this config on this machine (the model folder, data files and reward are "

@@ -369,7 +369,7 @@ class LearnerPool:
         metrics["learner/skipped_updates_total"] = float(self.skipped_updates)
         fb = LearnerFeedback(version=version_trained, keys=sfb.keys, entropies=float32_array(sfb.entropies),
                              chosen=sfb.chosen, fresh_keys=sfb.fresh_keys,
-                             fresh_entropies=float32_array(sfb.fresh_entropies))
+                             fresh_entropies=float32_array(sfb.fresh_entropies), fresh_logprobs=sfb.fresh_logprobs)
         return StepResult(metrics=metrics, feedback=fb, version=self.version)
 
     def publish_async(self) -> PendingPublish:

@@ -75,6 +75,7 @@ class StepFeedback:
     chosen: list[str] = field(default_factory=list)  # the o* of each mixed group
     fresh_keys: list[str] = field(default_factory=list)  # (merged) every rank's trained fresh rows the buffer stored
     fresh_entropies: list[float] = field(default_factory=list)  # their mean token entropy, from the training forward
+    fresh_logprobs: list[np.ndarray] = field(default_factory=list)  # their start-of-step log-probs [T] (or [])
     # the task's reasoning check (Rollout.valid) where known: per mixed group (o* valid, mean over its candidates),
     # and (entropy, valid) of every scored candidate
     valid_chosen: list[tuple[int, float]] = field(default_factory=list)
@@ -153,11 +154,15 @@ class RankStats:
     clip_fresh: float = 1.0  # 1 when this step clipped fresh tokens' ratio (learner.clip_fresh, auto: before mixed mode)
     fresh_keys: list[str] = field(default_factory=list)  # this rank's trained fresh rows the buffer stored
     fresh_entropies: list[float] = field(default_factory=list)  # their mean token entropy, from the training forward
+    fresh_logprobs: list[np.ndarray] = field(default_factory=list)  # their start-of-step log-probs [T] (store_logprobs)
+    store_logprobs: bool = False  # learner.store_learner_logprobs
     seconds: float = 0.0
     queued: list[_Queued] = field(default_factory=list, repr=False)  # empty once `finish` ran
 
-    def add_micro(self, metrics: dict[str, Tensor], parts: dict[str, Tensor], ent: Tensor, mb: MicroBatch) -> None:
-        """Queue one micro-batch: `loss.policy_loss`'s metrics and the loss parts (0-d), entropies [R, L-1]."""
+    def add_micro(self, metrics: dict[str, Tensor], parts: dict[str, Tensor], ent: Tensor, mb: MicroBatch,
+                  start_logp: Tensor | None = None) -> None:
+        """Queue one micro-batch: `loss.policy_loss`'s metrics and the loss parts (0-d), entropies [R, L-1];
+        `start_logp` [R, L-1]: log-probs at the start of the step (first mini-batch) for `store_logprobs`."""
         replay = mb.replay_mask * mb.response_mask
         fresh = mb.response_mask - replay  # [R, L-1]
         names = [*metrics, *(f"part:{k}" for k in parts), "abs_adv_sum", "fresh_entropy_sum", "replay_entropy_sum"]
@@ -165,6 +170,8 @@ class RankStats:
                   (ent * replay).sum()]
         if any(r.key and not r.replayed for r in mb.rows):  # stored fresh rows: their entropy is measured here
             values.append((ent * fresh).sum(-1) / fresh.sum(-1).clamp(min=1))  # [R]
+            if self.store_logprobs and start_logp is not None:  # every response token, row by row
+                values.append(start_logp.reshape(-1)[mb.response_index])  # [N]
         self.queued.append(_Queued(names, values, mb.rows, mb.forward_tokens))
 
     def add_gap(self, gap: dict[str, Tensor]) -> None:
@@ -204,10 +211,14 @@ class RankStats:
         s["forward_tokens"] += q.forward_tokens
         s["row_tokens"] += sum(r.length for r in q.rows)
         s["abs_adv_sum"] += m["abs_adv_sum"] if q.rows else 0.0
+        start = iter(np.asarray(means[len(q.rows):], dtype=np.float32)) if len(means) > len(q.rows) else None
         for r, h in zip(q.rows, means):
+            lp = None if start is None else np.fromiter(start, np.float32, len(r.response_ids))  # [T]
             if r.key and not r.replayed:
                 self.fresh_keys.append(r.key)
                 self.fresh_entropies.append(h)
+                if self.store_logprobs:  # first mini-batch: its own forward; later ones: record_old_logprobs
+                    self.fresh_logprobs.append(lp if lp is not None else np.asarray(r.old_logprobs, np.float32))
         s["fresh_entropy_sum"] += m["fresh_entropy_sum"]
         s["replay_entropy_sum"] += m["replay_entropy_sum"]
         self.maxes["fresh_ratio_max"] = max(self.maxes["fresh_ratio_max"], m["fresh_ratio_max"])
@@ -278,7 +289,8 @@ def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeed
     # the scored candidates (the same on every rank) and each rank's trained fresh rows that the buffer stored
     fb = StepFeedback(keys=lead.feedback.keys, entropies=lead.feedback.entropies, chosen=lead.feedback.chosen,
                       fresh_keys=[k for st in stats for k in st.fresh_keys],
-                      fresh_entropies=[h for st in stats for h in st.fresh_entropies])
+                      fresh_entropies=[h for st in stats for h in st.fresh_entropies],
+                      fresh_logprobs=[lp for st in stats for lp in st.fresh_logprobs])
     return metrics, fb
 
 
@@ -338,7 +350,7 @@ class TrainStep:
     def run(self, batch: TrainingBatch) -> RankStats:
         t0 = time.perf_counter()
         cfg = self.cfg
-        stats = RankStats(padding_free=float(cfg.packs_padding_free))
+        stats = RankStats(padding_free=float(cfg.packs_padding_free), store_logprobs=cfg.stores_learner_logprobs)
         scores = self.score_candidates(batch, stats)
         batch, stats.feedback = complete_groups(batch, scores)
         rows = batch_rows(batch, std_normalize=cfg.std_normalize, max_positions=self.max_positions,
@@ -435,7 +447,7 @@ class TrainStep:
         if tokens == 0:
             return 0.0
         if self.cfg.loss_agg == "constant":
-            return float(self.cfg.loss_constant or len(mini) * self.max_new_tokens)
+            return float(self.cfg.loss_constant or len(mini) * self.max_new_tokens) * (self.cfg.official_world_size or 1)
         return float(tokens)
 
     def _micro_step(self, mb: MicroBatch, normalizer: float, stats: RankStats, first: bool = False,
@@ -444,7 +456,9 @@ class TrainStep:
         update yet), where the fresh tokens' train/inference gap is measured, and where the forward itself
         gives TIS its start-of-step log-probs (later mini-batches use `record_old_logprobs`). `clip`: clip
         fresh tokens' ratio. `tokens`: response tokens of the whole mini-batch, the entropy bonus's divisor (a
-        masked token mean under either loss_agg, as the official code; None: `normalizer`)."""
+        masked token mean under either loss_agg; None: `normalizer`). `learner.entropy_agg=micro_batch` takes this
+        micro-batch's masked token mean instead, divided by official_world_size (else the world size): summed over
+        the micro-batches and ranks, the official weighting."""
         cfg = self.cfg
         logp, ent, anchor = forward_stats(self.model, mb)  # [R, L-1] each
         fresh = mb.response_mask * (1.0 - mb.replay_mask)  # [R, L-1]
@@ -462,7 +476,12 @@ class TrainStep:
                                     shaping_beta=cfg.shaping_beta, normalizer=normalizer,
                                     old_logprobs=old, tis_cap=cfg.tis_cap, icepop_band=cfg.icepop_band,
                                     mis=cfg.mis, mis_cap=cfg.mis_cap)
-        ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.entropy_coef, tokens if tokens else normalizer)
+        if cfg.entropy_agg == "micro_batch":  # this micro-batch's token mean / official GPUs (a dummy: 0)
+            mb_tokens = sum(len(r.response_ids) for r in mb.rows)
+            ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.entropy_coef,
+                                       mb_tokens * (cfg.official_world_size or self.world) or 1.0)
+        else:
+            ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.entropy_coef, tokens if tokens else normalizer)
         kl_term = torch.zeros((), device=self.device)
         if cfg.kl_coef > 0 and self.ref_model is not None and mb.rows:
             with torch.no_grad():
@@ -473,7 +492,7 @@ class TrainStep:
         # (fewer rows than ranks) still runs the backward that FSDP's gradient collectives wait for.
         ((total + 0.0 * anchor) * self.world).backward()
         parts = {"loss": total.detach(), "entropy_loss": ent_term.detach(), "kl_loss": kl_term.detach()}
-        stats.add_micro(metrics, parts, ent.detach(), mb)
+        stats.add_micro(metrics, parts, ent.detach(), mb, start_logp=logp.detach() if first else None)
 
     def _optimizer_step(self, stats: RankStats) -> None:
         """Clip and apply the accumulated gradient, or skip it (non-finite or above `skip_grad_norm`). Reading the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from common.config.base import Section, pick_kind
 
@@ -157,7 +157,25 @@ class LearnerConfig(Section):
     loss_agg: Literal["token_mean", "constant"] = "token_mean"
     """Token mean, or sum divided by a constant (Dr. GRPO)."""
     loss_constant: float | None = Field(None, gt=0)
-    """Divisor for loss_agg=constant (default: batch rows x max_new_tokens)."""
+    """Divisor for loss_agg=constant (default: batch rows x max_new_tokens), times official_world_size when set."""
+    official_world_size: int | None = Field(None, ge=1, le=100_000)
+    """The GPU count of a run whose loss scale to reproduce whatever num_ranks is (8 for the official ExGRPO run).
+    With loss_agg=constant the mini-batch's token sum is divided by loss_constant x official_world_size: the
+    official code divides each GPU's micro-batch token sums by loss_constant (8192) and FSDP averages the gradients
+    over its 8 GPUs, so its divisor is 65,536. With entropy_agg=micro_batch it divides the sum of the micro-batch
+    entropy means. None: loss_constant alone (one rank training on the whole mini-batch), and num_ranks."""
+    entropy_agg: Literal["token_mean", "micro_batch"] = "token_mean"
+    """How the entropy bonus aggregates. token_mean: one masked token mean over the mini-batch. micro_batch: the
+    official weighting (verl's actor with use_dynamic_bsz): each micro-batch's masked token mean, summed over the
+    mini-batch's micro-batches and divided by official_world_size (else num_ranks): summed over a GPU's micro-batches
+    and averaged over the GPUs. Its weight then grows with the number of micro-batches, which micro_batch_tokens
+    sets (the official run: 32,768 tokens per GPU)."""
+    store_learner_logprobs: bool | Literal["auto"] = "auto"
+    """Store the learner's start-of-step log-probs of the fresh correct rollouts it trains (sent back with the
+    step's feedback) in place of the generator's, so that a replay's weight pi_theta / pi_stored compares the
+    learner with itself, as the official code stores the actor's recomputed old_log_probs. auto: with
+    recompute_old_logprobs (the official setting). Needs the start-of-step log-probs of every mini-batch:
+    recompute_old_logprobs (or another setting that implies it) when mini_batches > 1."""
     grad_clip: float = Field(1.0, gt=0)
     """Gradient-norm clip."""
     skip_grad_norm: float = Field(500.0, gt=0)
@@ -210,6 +228,33 @@ class LearnerConfig(Section):
         """Whether a step needs the learner's own start-of-step log-probs (recomputed pi_old, TIS, IcePop, MIS)."""
         return (self.recompute_old_logprobs or self.tis_cap is not None or self.icepop_band is not None
                 or self.mis != "none")
+
+    def loss_scale(self) -> str:
+        """What divides the policy loss and the entropy bonus, in words (`exgrpo config` prints it)."""
+        w = self.official_world_size
+        if self.loss_agg == "constant":
+            c = "rows x generator.max_new_tokens" if self.loss_constant is None else f"{self.loss_constant:g}"
+            if w and self.loss_constant is not None:
+                policy = f"the mini-batch's token sum / {self.loss_constant * w:g} (loss_constant {c} x official_world_size {w})"
+            else:
+                policy = f"the mini-batch's token sum / {c}" + (f" x official_world_size {w}" if w else "")
+        else:
+            policy = "the mini-batch's token mean"
+        entropy = (f"entropy_coef x sum of the micro-batches' token means / {w or 'num_ranks'}"
+                   if self.entropy_agg == "micro_batch" else "entropy_coef x the mini-batch's token mean")
+        return f"policy loss = {policy}; entropy bonus = {entropy}"
+
+    @property
+    def stores_learner_logprobs(self) -> bool:
+        """`store_learner_logprobs` with auto resolved."""
+        return self.recompute_old_logprobs if self.store_learner_logprobs == "auto" else self.store_learner_logprobs
+
+    @model_validator(mode="after")
+    def _learner_logprobs_known(self) -> LearnerConfig:
+        if self.store_learner_logprobs is True and self.mini_batches > 1 and not self.needs_old_logprobs:
+            raise ValueError("learner.store_learner_logprobs=true with mini_batches > 1 needs the start-of-step "
+                             "log-probs of every mini-batch: set learner.recompute_old_logprobs=true")
+        return self
 
     @property
     def varlen_attention(self) -> bool:

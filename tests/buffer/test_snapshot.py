@@ -4,13 +4,14 @@ import os
 import shutil
 
 import msgpack
+import numpy as np
 import pytest
 
 from buffer.core import ShardCore
 from buffer.snapshot import (MAGIC, SnapshotError, check_snapshot, load_core, read_snapshot, save_core, segment_target,
                              snapshot_path, write_snapshot)
 from buffer.keys import make_key
-from buffer.store import SEGMENT_MAGIC, record_digest
+from buffer.store import SEGMENT_MAGIC, record_digest, record_to_rollout
 from tests.buffer.helpers import group_for, make_questions, rollout
 from tests.buffer.test_core import NOW, cfg
 
@@ -186,3 +187,21 @@ def test_write_is_atomic_and_leaves_no_temp_files(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
     assert snapshot_path(tmp_path, 0).read_bytes() != first
     assert msgpack.unpackb(first[48:], raw=False, strict_map_key=False)["shard"] == 0
+
+
+def test_learner_logprobs_replacing_written_records_reach_the_next_snapshot(tmp_path):
+    """A stored trajectory whose log-probs the learner replaced (learner.store_learner_logprobs) after it was
+    written is written again by the next snapshot (as a new record: the old segment no longer counts it), and a
+    restore holds the learner's log-probs."""
+    core = big_store_core(questions=20)
+    save_core(core, tmp_path)
+    keys = [make_key(f"q{q}", record_digest(core.store.entries[f"q{q}"].recs[1])) for q in range(3)]
+    lps = [np.full(302, -0.25 * (q + 1), np.float32) for q in range(3)]
+    core.store.feedback([], [], version=1, fresh_keys=keys, fresh_entropies=[0.5] * 3, fresh_logprobs=lps)
+    assert core.store.c["logprobs_from_learner"] == 3
+    save_core(core, tmp_path)
+    back = load_core(core.cfg, make_questions(20), snapshot_path(tmp_path, 0))
+    assert view(back) == view(core)
+    for q in range(3):
+        rec = back.store.entries[f"q{q}"].recs[1]
+        np.testing.assert_array_equal(record_to_rollout(rec, f"q{q}").logprobs, lps[q])

@@ -28,6 +28,10 @@ OFFICIAL = {  # the paper (arXiv 2510.02245) and its official code
     ("learner", "recompute_old_logprobs"): True,
     ("learner", "loss_agg"): "constant",  # loss_remove_token_mean=True: sum / 8192
     ("learner", "loss_constant"): 8192.0,
+    ("learner", "official_world_size"): 8,  # FSDP averages over the official 8 GPUs: the divisor is 8192 * 8
+    ("learner", "entropy_agg"): "micro_batch",  # the entropy mean per micro-batch (use_dynamic_bsz), summed
+    ("learner", "micro_batch_tokens"): 32768,  # ppo_max_token_len_per_gpu
+    ("learner", "store_learner_logprobs"): "auto",  # stores the recomputed old_log_probs (with recompute_old_logprobs)
     ("learner", "shaping_beta"): 0.1,
     ("learner", "entropy_coef"): 0.001,
     ("learner", "kl_coef"): 0.0,
@@ -58,3 +62,5 @@ def test_the_one_command_paper_run_has_the_official_hyper_parameters():
     cfg = yaml.safe_load(out.stdout)
     got = {key: (cfg[key[0]] if key[0] else cfg)[key[1]] for key in OFFICIAL}
     assert got == OFFICIAL
+    # the derived divisor, printed under the YAML: the official gradient's scale at its GPU count (issue 35)
+    assert "policy loss = the mini-batch's token sum / 65536 (loss_constant 8192 x official_world_size 8)" in out.stdout

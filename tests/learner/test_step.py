@@ -495,3 +495,95 @@ def test_reasoning_metrics_of_the_chosen_trajectories():
     assert m["learner/replay_valid_candidates"] == pytest.approx(1 / 3)
     assert m["learner/entropy_valid_corr"] < -0.8
     assert np.isnan(reasoning_metrics(type(fb)())["learner/replay_valid_chosen"])  # nothing checked: NaN
+
+
+@pytest.mark.parametrize("entropy_agg", ["micro_batch", "token_mean"])
+def test_the_official_gradient_at_its_gpu_count(tiny_model_dir, entropy_agg):
+    """Issue 35 (1, 2): the official loss worked out by hand for a batch split as the official code splits it, 2 GPUs
+    x 2 micro-batches of 2 rows, and our step on one rank with loss_agg=constant, official_world_size=2 and
+    entropy_agg=micro_batch give the same gradient. Official (mix_core_alg.py, loss_remove_token_mean; mix_actor.py,
+    gradient_accumulation 1): each micro-batch's loss is sum(pg * mask) / C - coef * masked_mean(entropy), a GPU
+    sums its micro-batches' gradients and FSDP averages over the W GPUs:
+
+        grad = (1/W) * sum_gpus sum_micro_batches grad[ sum(pg) / C - coef * mean(H) ]
+
+    so the policy term's divisor is C * W (65,536 in the official run, 8 times our loss_constant=8192 alone) and
+    the entropy term weighs each micro-batch's mean, not one mean over the mini-batch. With equal responses (6
+    tokens) and micro-batches (12 tokens) the sum of the micro-batch means does not depend on which rows share
+    one, so the hand computation needs no knowledge of our row order. token_mean (one mean over the mini-batch)
+    weighs the entropy 2 micro-batches per GPU times less: a different gradient."""
+    import copy
+
+    C, W, coef = 64.0, 2, 0.1
+    model, step = plain_step(tiny_model_dir, loss_agg="constant", loss_constant=C, official_world_size=W,
+                             entropy_agg=entropy_agg, entropy_coef=coef, micro_batch_rows=2, grad_clip=1e9)
+    batch = with_own_logprobs(make_batch(0, groups=2, group_size=4, mixed_every=0, response_len=(6, 6)), model)
+    hand = copy.deepcopy(model)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    step.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient itself
+    assert step.run(batch).updates == 1
+    ours = {k: start[k] - v.detach() for k, v in model.named_parameters()}
+
+    pg_sum, ent_sum = 0.0, 0.0
+    for g in batch.groups:
+        rewards = [ro.reward for ro in g.rollouts]
+        for ro in g.rollouts:
+            adv = ro.reward - sum(rewards) / len(rewards)
+            ids = torch.tensor([list(g.prompt_ids) + list(ro.response_ids)])  # [1, P+T]
+            logits = hand(input_ids=ids).logits[0, len(g.prompt_ids) - 1:-1].float()  # [T, V]
+            logp_all = torch.log_softmax(logits, -1)  # [T, V]
+            logp = logp_all.gather(1, ids[0, len(g.prompt_ids):, None])[:, 0]  # [T]
+            ratio = torch.exp(logp - torch.from_numpy(ro.logprobs))  # 1 at the start: clipping inactive
+            pg_sum = pg_sum + (-adv * ratio).sum()
+            ent_sum = ent_sum + (-(logp_all.exp() * logp_all).sum(-1)).sum()
+    # 4 micro-batches of 2 rows x 6 tokens: sum over them of (their entropy sum / 12) = ent_sum / 12
+    loss = (pg_sum / C - coef * ent_sum / 12) / W
+    loss.backward()
+    want = {k: p.grad for k, p in hand.named_parameters() if p.grad is not None}
+    assert want.keys() <= ours.keys()
+    close = all(torch.allclose(ours[k], want[k], rtol=1e-3, atol=1e-7) for k in want)
+    assert close == (entropy_agg == "micro_batch")
+
+
+def test_stored_trajectories_carry_the_learners_start_of_step_logprobs(tiny_model_dir):
+    """Issue 35 (4): with learner.store_learner_logprobs (auto: on with recompute_old_logprobs, the official setting)
+    the step sends back, for every trained fresh row the buffer stored, the learner's log-probs at the start of the
+    step, over two mini-batches (the first from its own forward, the second from the recomputed pi_old); through
+    the wire message and the shard they replace the generator's in the stored trajectory, which a replay then
+    ships (official: experience_trainer_ops.py stores the actor's recomputed old_log_probs)."""
+    import copy
+
+    from buffer.core import ShardCore
+    from buffer.store import record_to_rollout
+    from common import codec
+    from common.config import BufferConfig
+    from common.messages import LearnerFeedback
+    from learner.step import merge_rank_stats
+    from tests.buffer.helpers import group_for, make_questions
+
+    core = ShardCore(BufferConfig(group_size=4, batch_questions=4, collect_before_mixed=True), make_questions(8))
+    items = core.lease("g", 4, now=1000.0)
+    core.submit([group_for(it, 2, seed=i) for i, it in enumerate(items)], now=1000.0)  # generator log-probs -0.5
+    groups = core.take(0, 4, 0)
+    model, step = plain_step(tiny_model_dir, recompute_old_logprobs=True, mini_batches=2)
+    assert step.cfg.stores_learner_logprobs
+    start = copy.deepcopy(model)
+    _, fb = merge_rank_stats([step.run(TrainingBatch(groups=groups, version=0))])
+    assert len(fb.fresh_keys) == len(fb.fresh_logprobs) == 8  # 2 correct rows stored per group
+    wire = LearnerFeedback(0, fb.keys, float32_array(fb.entropies), fb.chosen, fb.fresh_keys,
+                           float32_array(fb.fresh_entropies), fb.fresh_logprobs)
+    core.feedback(codec.decode(codec.encode(wire), LearnerFeedback))
+    assert core.store.c["logprobs_from_learner"] == 8
+    for g in groups:
+        for ro in g.rollouts:
+            if not ro.key:
+                continue
+            ids = torch.tensor([list(g.prompt_ids) + list(ro.response_ids)])  # [1, P+T]
+            with torch.no_grad():
+                logits = start(input_ids=ids).logits[0, len(g.prompt_ids) - 1:-1].float()  # [T, V]
+            want = torch.log_softmax(logits, -1).gather(1, ids[0, len(g.prompt_ids):, None])[:, 0].numpy()  # [T]
+            e = core.store.entries[g.question_id]
+            [rec] = [r for r in e.recs if record_to_rollout(r, g.question_id).key == ro.key]
+            stored = record_to_rollout(rec, g.question_id).logprobs
+            np.testing.assert_allclose(stored, want, rtol=1e-4, atol=1e-5)
+            assert not np.allclose(stored, ro.logprobs)  # no longer the generator's
