@@ -18,7 +18,9 @@ and engines load what the run computed with. The learner's master weights are fl
 dtype; when `model.dtype` is lower, rounding them into `D/model/` would lose the small updates a
 resume needs, so they are also saved in float32 in `D/optimizer/` (sharded, like the AdamW state).
 Resume loads them from there when present (exact), else from `D/model/` (a float32 run: the same
-float32 values, saved once). A checkpoint resumes exactly under either dtype.
+float32 values, saved once). A checkpoint resumes exactly under either dtype. With `learner.lora`, `D/model/`
+holds merged weights (W + scaling B A, loadable as a plain model) and the master weights, base and adapters,
+are always saved in `D/optimizer/`, so the adapters come back as they were.
 """
 
 from __future__ import annotations

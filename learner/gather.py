@@ -26,6 +26,11 @@ tensor; the engines skip a tied head).
 
 FSDP2 shards every parameter along dim 0 into `world` chunks of ceil(n / world) rows (the last ones shorter or
 empty); each rank can therefore compute every rank's chunk shape from the global shape, so no sizes are exchanged.
+
+LoRA (`learner.lora`): a target's `weight` entry is published merged (W + scaling B A, `learner.lora.merged_weight`,
+computed when its bucket is gathered, `Deferred`) and its adapter tensors are left out, so the state keeps the base
+model's names and loads into every engine as a full model does.
+
 Works on any backend that implements `gather` (gloo on CPU, NCCL on GPU). Imports only torch and the stdlib.
 """
 
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -170,11 +175,25 @@ class _Plan:
     """One bucket: its entries in the full layout, their sources, and the gather's send layout on every rank."""
 
     entries: list[Entry]
-    sources: list[torch.Tensor]  # the state-dict tensors (DTensors or plain)
+    sources: list  # the state-dict tensors (DTensors or plain) or `Deferred` entries
     sharded: list[bool]  # a dim-0 shard gathered (else rank 0 copies the full tensor)
     nbytes: int  # the full layout's size, alignment gaps included
     send: list[list[tuple[int, int]]]  # [rank][i] = (offset, nbytes) of sharded entry i's rows in that rank's send
     width: int  # bytes of the largest rank's send layout
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A state entry made when its bucket is gathered (a merged LoRA weight): `like` has its shape, dtype and
+    placement; `make()` (collective under FSDP) returns it, freed once the bucket is filled."""
+
+    like: torch.Tensor
+    make: Callable[[], torch.Tensor]
+
+
+def _ref(t) -> torch.Tensor:
+    """The tensor giving an entry's shape, size and placement."""
+    return t.like if isinstance(t, Deferred) else t
 
 
 def _is_dim0_shard(t) -> bool:
@@ -188,7 +207,7 @@ def _plans(items: list[tuple[str, torch.Tensor, torch.dtype]], bucket_bytes: int
     groups: list[list[tuple[str, torch.Tensor, torch.dtype, int]]] = []
     size = 0
     for name, t, dt in items:
-        nbytes = t.numel() * dt.itemsize
+        nbytes = _ref(t).numel() * dt.itemsize
         offset = _align(size)
         if not groups or (offset + nbytes > bucket_bytes and size > 0):
             groups.append([])
@@ -197,8 +216,8 @@ def _plans(items: list[tuple[str, torch.Tensor, torch.dtype]], bucket_bytes: int
         size = offset + nbytes
     out = []
     for g in groups:
-        entries = [Entry(n, tuple(t.shape), dt, off, t.numel() * dt.itemsize) for n, t, dt, off in g]
-        sharded = [world > 1 and _is_dim0_shard(t) for _, t, _, _ in g]
+        entries = [Entry(n, tuple(_ref(t).shape), dt, off, _ref(t).numel() * dt.itemsize) for n, t, dt, off in g]
+        sharded = [world > 1 and _is_dim0_shard(_ref(t)) for _, t, _, _ in g]
         send: list[list[tuple[int, int]]] = []
         for r in range(world):
             layout, pos = [], 0
@@ -217,10 +236,24 @@ def _plans(items: list[tuple[str, torch.Tensor, torch.dtype]], bucket_bytes: int
 
 def _state_items(model: torch.nn.Module, dtype: torch.dtype | None, aliases: bool
                  ) -> list[tuple[str, torch.Tensor, torch.dtype]]:
-    """(name, state-dict tensor, the dtype it is published in), tied aliases left out unless `aliases`."""
-    skip = set() if aliases else set(tied_aliases(model))
-    return [(k, v, dtype if dtype is not None and v.is_floating_point() else v.dtype)
+    """(name, state-dict tensor or `Deferred`, the dtype it is published in), tied aliases left out unless `aliases`;
+    LoRA targets merged under their base names, adapters left out."""
+    from learner.lora import adapter_names, lora_modules, merged_weight
+
+    skip = (set() if aliases else set(tied_aliases(model))) | adapter_names(model)
+    merged = {f"{n}.weight": merged_weight(m) for n, m in lora_modules(model).items()}
+    return [(k, Deferred(v, merged[k]) if k in merged else v,
+             dtype if dtype is not None and v.is_floating_point() else v.dtype)
             for k, v in model.state_dict().items() if k not in skip]
+
+
+def published_specs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state-dict entries a publication or HF export carries (tied aliases included; LoRA adapters left out,
+    their targets' `weight` entries being merged): what `learner.checkpoint.tensor_specs` lays out."""
+    from learner.lora import adapter_names
+
+    skip = adapter_names(model)
+    return {k: v for k, v in model.state_dict().items() if k not in skip}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -232,10 +265,11 @@ def _fill(plan: _Plan, rank: int, world: int, out: torch.Tensor | None, staging:
     """Step 1 of the pipeline for one bucket (a collective: every rank calls it; `out` is rank 0's flat buffer;
     `widest`: the largest send width of the publication, so the send/receive buffers are sized once)."""
     recv = None
+    sources = [t.make() if isinstance(t, Deferred) else t for t in plan.sources]  # in plan order on every rank
     if any(plan.sharded):
         send = staging.get(("send",), widest, device)[:plan.width]  # [width] this rank's rows of the bucket, cast
         mine = iter(plan.send[rank])
-        for e, t, s in zip(plan.entries, plan.sources, plan.sharded):
+        for e, t, s in zip(plan.entries, sources, plan.sharded):
             off, n = next(mine) if s else (0, 0)
             if n:
                 send[off:off + n].view(e.dtype).copy_(_local(t).reshape(-1))
@@ -244,7 +278,7 @@ def _fill(plan: _Plan, rank: int, world: int, out: torch.Tensor | None, staging:
         gather_list = [recv[r * plan.width:(r + 1) * plan.width] for r in range(world)] if rank == 0 else None
         dist.gather(send, gather_list=gather_list, dst=0)
     i = 0
-    for e, t, s in zip(plan.entries, plan.sources, plan.sharded):
+    for e, t, s in zip(plan.entries, sources, plan.sharded):
         if not s:
             full = t.full_tensor() if world > 1 and hasattr(t, "full_tensor") else _local(t)
             if rank == 0 and e.nbytes:
@@ -273,7 +307,7 @@ def iter_flat_buckets(model: torch.nn.Module, rank: int, world: int, bucket_byte
     items = _state_items(model, dtype, aliases)
     if not items:
         return
-    device = _local(items[0][1]).device
+    device = _local(_ref(items[0][1])).device
     cuda = device.type == "cuda"
     plans = _plans(items, bucket_bytes, world)
     largest, widest = max(p.nbytes for p in plans), max(p.width for p in plans)

@@ -74,8 +74,10 @@ def _weight_files(model_path: Path) -> dict[str, Path]:
         return {k: single for k in f.keys()}
 
 
-def load_shards(model: torch.nn.Module, model_path: str | Path, rank: int, world: int) -> None:
-    """Fill every parameter of `model` (after `materialize`) with this rank's rows read from the files."""
+def load_shards(model: torch.nn.Module, model_path: str | Path, rank: int, world: int,
+                skip: set[str] | frozenset[str] = frozenset()) -> None:
+    """Fill every parameter of `model` (after `materialize`) with this rank's rows read from the files; the
+    parameters named in `skip` (LoRA adapters, which no weight file holds) are left for the caller."""
     from safetensors import safe_open
 
     model_path = Path(model_path)
@@ -87,6 +89,8 @@ def load_shards(model: torch.nn.Module, model_path: str | Path, rank: int, world
     try:
         with torch.no_grad():
             for name, p in model.named_parameters():
+                if name in skip:
+                    continue
                 source = next((n for n in aliases[id(p)] if n in files), None)
                 if source is None:
                     raise ValueError(f"{model_path}: parameter {' / '.join(aliases[id(p)])} is in no weight file")

@@ -168,20 +168,21 @@ class LearnerRank:
         """Collective: the Hugging Face model folder `out` in the compute dtype, written by rank 0. It streams:
         gathered a bucket (`weight_sync.bucket_mb`) at a time, already cast, each bucket written at its offset in model.safetensors,
         so rank 0 never holds the whole model beside its shard."""
-        from learner.gather import iter_flat_buckets, tied_aliases
+        from learner.gather import iter_flat_buckets, published_specs, tied_aliases
 
         chunks = iter_flat_buckets(self.model, self.rank, self.world, dtype=self.dtype, staging=self.staging,
                                    bucket_bytes=int(self.cfg.weight_sync.bucket_mb * (1 << 20)))
         if self.rank == 0:  # a tied head is gathered once and written under both names (the folder stays as it was)
-            ck.write_hf_folder(chunks, ck.tensor_specs(self.model.state_dict(), self.dtype), self.model_config,
+            ck.write_hf_folder(chunks, ck.tensor_specs(published_specs(self.model), self.dtype), self.model_config,
                                self.model_path, Path(out), dtype=self.dtype, aliases=tied_aliases(self.model))
         else:
             for _ in chunks:  # the gathers are collectives: every rank runs them
                 pass
 
     def save(self, tmp: str) -> None:
-        """The model folder in the compute dtype; AdamW state and, below float32, the float32 master
-        weights in the DCP folder (see `learner.checkpoint`)."""
+        """The model folder in the compute dtype; AdamW state and, below float32 or with LoRA, the float32 master
+        weights in the DCP folder (see `learner.checkpoint`; with LoRA the model folder holds merged weights, so
+        the base and its adapters are restored from the DCP folder)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -191,7 +192,7 @@ class LearnerRank:
         with plain_disk_errors(tmp_path):  # ENOSPC & co. reach the driver as such, not as DCP's or torch's wrappers
             self.export_model(tmp_path / ck.MODEL_DIR)
             state = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
-            if self.dtype != torch.float32:
+            if self.dtype != torch.float32 or self.cfg.lora is not None:
                 state[ck.MASTER_KEY] = get_model_state_dict(self.model)  # float32 shards, each rank its own
             dcp.save(state, checkpoint_id=str(tmp_path / ck.OPTIM_DIR))
             ck.save_rng(tmp_path, self.rank)

@@ -14,6 +14,10 @@ Weights: a sharded model is built on the meta device, prepared (`prepare_model`:
 checkpointing), sharded layer by layer, allocated, then filled: by default each rank reads its own rows from the
 model folder (`learner.loading`); `fill` replaces that (the GPU bench draws random weights, so its folder holds
 only config.json).
+
+LoRA (`learner.lora`): the target Linears become `learner.lora.LoRALinear` right after the build (on the meta device
+when sharded), every base parameter frozen; the adapters are sharded with their layer, left out of the file
+loading, initialised (`init_adapters`: the same A on every rank and world size, B zeros) and alone in the optimizer.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from common.config import LearnerConfig
 from learner.forward import check_packing, prepare_model
 from learner.levers import build_optimizer, resolve_levers
 from learner.loading import build_empty, load_shards, materialize
+from learner.lora import adapter_names, apply_lora, init_adapters
 from learner.step import TrainStep
 
 log = logging.getLogger(__name__)
@@ -70,6 +75,8 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
         notes[-1] = f"padded micro-batches ({cfg.attn_implementation} cannot load here: {e}; attention sdpa)"
         cfg = cfg.model_copy(update={"attn_implementation": None, "padding_free": False})
         model = _build(cfg, model_path, device, empty=sharded or fill is not None)
+    if cfg.lora is not None:  # before the head and sharding: FSDP2 then shards the adapters with their layer
+        targets = apply_lora(model, cfg.lora)
     prepare_model(model, cfg)  # before sharding: FSDP then manages the new head's (tied) weight as before
     if dtype == torch.float16 and rank == 0:
         log.warning("model.dtype=float16: the learner trains without loss scaling (gradients may underflow); "
@@ -83,10 +90,17 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
     if sharded or fill is not None:
         materialize(model, device)
         if fill is None:
-            load_shards(model, model_path, rank, world)
+            load_shards(model, model_path, rank, world, skip=adapter_names(model))
         else:
             fill(model)
-    optimizer, optimizer_note = build_optimizer(model.parameters(), cfg)
+    if cfg.lora is not None:
+        init_adapters(model, cfg.seed, rank, world)
+        if rank == 0:
+            log.info("learner.lora: rank %d adapters (alpha %g) on %d Linear modules (%s); only they train. "
+                     "Publications and the HF export carry merged weights (W + alpha/rank B A) under the base "
+                     "names: adapter-only publications are not built yet", cfg.lora.rank, cfg.lora.alpha,
+                     len(targets), ", ".join(sorted({t.rsplit('.', 1)[-1] for t in targets})))
+    optimizer, optimizer_note = build_optimizer((p for p in model.parameters() if p.requires_grad), cfg)
     ref = None
     if cfg.kl_coef > 0:
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,

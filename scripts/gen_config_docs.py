@@ -48,6 +48,11 @@ def _rows(model: type[BaseModel], prefix: str, out: list[str], sections: list[tu
             sections.append((f"{prefix}{name}.<name>", args[1]))
             continue
         variants = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(variants) == 1 and type(None) in args:  # an optional section, off (null) by default
+            doc = (f.description or "").replace("|", "\\|").replace("\n", " ")
+            out.append(f"| `{prefix}{name}` | `{variants[0].__name__} \\| None` | `null` |  | {doc} |")
+            sections.append((f"{prefix}{name}", variants[0]))
+            continue
         if variants:
             for v in variants:
                 sections.append((f"{prefix}{name} (kind: {v.model_fields['kind'].default})", v))

@@ -21,7 +21,8 @@ from common.config.data import TASK_DEFAULTS, DataConfig
 from common.config.eval import EvalConfig, EvalSetConfig
 from common.config.generator import (AutoEngineConfig, EngineConfig, GeneratorConfig, SyntheticEngineConfig,
                                      TransformersEngineConfig, VllmEngineConfig)
-from common.config.learner import CollectiveSyncConfig, LearnerConfig, ObjectStoreSyncConfig, WeightSyncConfig
+from common.config.learner import (CollectiveSyncConfig, LearnerConfig, LoRAConfig, ObjectStoreSyncConfig,
+                                   WeightSyncConfig)
 from common.config.loading import (RESUMABLE_FIELDS, ConfigError, apply_overrides, flatten, load_config, resume_config,
                                    to_yaml, yaml_value)
 from common.config.model import ModelConfig, ToyModelConfig
@@ -32,6 +33,7 @@ from common.config.tracking import CheckpointConfig, TrackingConfig
 __all__ = [
     "AutoEngineConfig", "AutoscaleConfig", "BufferConfig", "CheckpointConfig", "ClusterConfig", "CollectiveSyncConfig",
     "ConfigError", "DataConfig", "EngineConfig", "EvalConfig", "EvalSetConfig", "GeneratorConfig", "LearnerConfig",
+    "LoRAConfig",
     "ModelConfig", "ObjectStoreSyncConfig", "RESUMABLE_FIELDS", "RUN_NAME", "RewardConfig", "RunConfig", "Section",
     "SyntheticEngineConfig", "TASK_DEFAULTS", "ToyModelConfig", "TrackingConfig", "TransformersEngineConfig",
     "VllmEngineConfig", "WeightSyncConfig", "apply_overrides", "flatten", "load_config", "resume_config", "to_yaml",

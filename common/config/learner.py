@@ -59,6 +59,36 @@ class CollectiveSyncConfig(Section):
 
 WeightSyncConfig = Annotated[ObjectStoreSyncConfig | CollectiveSyncConfig, Field(discriminator="kind")]
 
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRAConfig(Section):
+    """Low-rank adapters on the learner (learner.lora; first slice, docs/cluster.md "LoRA"): each target Linear's
+    weight W is frozen and the learner trains W + (alpha / rank) B A only, A [rank, in] and B [out, rank] (B starts
+    at zero, so step 0 is the base model). Only the adapters are in the optimizer. Publications and the HF export
+    carry the merged weights under the model's own names, so every engine loads them as today."""
+
+    rank: int = Field(8, ge=1, le=4096)
+    """The adapters' rank r (A is [r, in], B is [out, r])."""
+    alpha: float = Field(16.0, gt=0, le=1e6)
+    """Scaling numerator: the update is (alpha / rank) B A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input in training (the frozen path never drops)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_DEFAULT_TARGETS), min_length=1)
+    """Linear modules that get an adapter, by the last part of their name (default: the attention and MLP
+    projections). A name that matches no Linear of the model is refused at start with the model's Linear names."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _adaptable(cls, v: list[str]) -> list[str]:
+        head = sorted({"lm_head", "embed_tokens"} & set(v))
+        if head:
+            raise ValueError(f"{', '.join(head)}: the head and the embeddings take no adapter yet (the chunked head "
+                             "reads lm_head.weight directly); list Linear projections such as q_proj, down_proj")
+        if len(set(v)) != len(v) or not all(m.strip() for m in v):
+            raise ValueError(f"{v}: module names must be non-empty and listed once")
+        return v
+
 
 class LearnerConfig(Section):
     """The learner pool: objective, optimisation, distribution, weight publication."""
@@ -178,6 +208,9 @@ class LearnerConfig(Section):
     recompute_old_logprobs (or another setting that implies it) when mini_batches > 1."""
     grad_clip: float = Field(1.0, gt=0)
     """Gradient-norm clip."""
+    lora: LoRAConfig | None = None
+    """Train low-rank adapters instead of the full weights (`learner.lora.rank=8`; see its fields). None: full
+    fine-tuning. Fixed for a run (the checkpoint holds the adapters and their optimizer state)."""
     skip_grad_norm: float = Field(500.0, gt=0)
     """Skip (and count) an update whose gradient norm is above this or non-finite."""
     recompute_old_logprobs: bool = False

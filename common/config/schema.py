@@ -21,7 +21,12 @@ from common.config.base import yaml_value
 
 
 def section_model(ann: Any) -> type[BaseModel] | None:
-    """The section a field holds (None: a value, a union or a mapping)."""
+    """The section a field holds (None: a value, a union or a mapping). An optional section (`LoRAConfig | None`,
+    off by default) is its section: `learner.lora.rank=8` turns it on."""
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(members) == 1 and len(typing.get_args(ann)) == 2:
+            ann = members[0]
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 

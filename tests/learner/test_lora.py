@@ -1,0 +1,205 @@
+"""LoRA on the learner (learner.lora, first slice of issue 38): adapters only in the optimizer and in the update,
+the base model at init, merged publications under HF names, an exact checkpoint round trip, 2 FSDP2 ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from common.config import LearnerConfig, LoRAConfig, load_config
+from learner.gather import gather_full_state
+from learner.lora import LoRALinear, adapter_names, apply_lora, init_adapters
+from learner.setup import setup_rank
+from tests.learner.batches import make_batch
+
+CPU = torch.device("cpu")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _plain(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _lora_model(model_dir, seed=0, **lora):
+    model = _plain(model_dir)
+    apply_lora(model, LoRAConfig(**lora))
+    init_adapters(model, seed, 0, 1)
+    return model
+
+
+def _logprobs(model, ids):
+    with torch.no_grad():
+        return torch.log_softmax(model(ids).logits.float(), -1)  # [1, L, V]
+
+
+def test_config_is_off_by_default_validated_and_set_from_the_command_line():
+    assert LearnerConfig().lora is None
+    cfg = load_config(None, ["learner.lora.rank=4", "learner.lora.alpha=8"]).learner.lora
+    assert (cfg.rank, cfg.alpha, cfg.dropout, tuple(cfg.target_modules)) == (4, 8.0, 0.0, TARGETS)
+    for bad, why in [({"rank": 0}, "greater than or equal to 1"), ({"dropout": 1.0}, "less than 1"),
+                     ({"target_modules": ["lm_head"]}, "the head and the embeddings take no adapter"),
+                     ({"target_modules": ["q_proj", "q_proj"]}, "listed once"), ({"target_modules": []}, "at least 1")]:
+        with pytest.raises(ValidationError, match=why):
+            LoRAConfig(**bad)
+
+
+def test_a_target_that_matches_no_linear_is_refused_with_the_models_linear_names(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"qkv_proj match no Linear of this model; its Linear modules are "
+                                         r"down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):
+        apply_lora(_plain(tiny_model_dir), LoRAConfig(target_modules=["q_proj", "qkv_proj"]))
+
+
+def test_at_init_the_adapted_model_is_the_base_model_and_only_adapters_train(tiny_model_dir):
+    base, model = _plain(tiny_model_dir), _lora_model(tiny_model_dir, rank=4)
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    assert len(wrapped) == 7 * model.config.num_hidden_layers
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == adapter_names(model)
+    assert set(model.state_dict()) - adapter_names(model) == set(base.state_dict())  # base names unchanged
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7]])
+    assert torch.equal(_logprobs(model, ids), _logprobs(base, ids))  # B = 0: exactly the base
+
+
+def test_merged_publication_is_w_plus_scaled_ba_and_loads_into_plain_transformers(tiny_model_dir):
+    model = _lora_model(tiny_model_dir, rank=4, alpha=8.0)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("lora_B"):
+                p.normal_(0, 0.05)  # a trained-looking adapter
+    full = gather_full_state(model, 0, 1, bucket_bytes=1 << 14)
+    plain = _plain(tiny_model_dir)
+    assert list(full) == list(plain.state_dict())  # HF names, no adapter tensors
+    m = model.model.layers[1].self_attn.q_proj
+    by_hand = m.weight + (8.0 / 4) * m.lora_B @ m.lora_A  # W + (alpha / r) B A
+    assert torch.allclose(full["model.layers.1.self_attn.q_proj.weight"], by_hand, atol=0, rtol=0)
+    assert not torch.equal(by_hand, m.weight)
+    plain.load_state_dict(full, strict=True)
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 30]])
+    assert torch.allclose(_logprobs(plain, ids), _logprobs(model, ids), atol=1e-5)
+
+
+def _rank_model(model_dir, **lora):
+    cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(**lora))
+    return setup_rank(cfg, str(model_dir), rank=0, world=1, device=CPU, dtype=torch.float32, max_new_tokens=40)
+
+
+def test_optimizer_holds_adapters_only_and_a_step_changes_only_adapters(tiny_model_dir, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="learner.setup"):
+        built = _rank_model(tiny_model_dir, rank=4)
+    assert "carry merged weights" in caplog.text and "adapter-only publications are not built yet" in caplog.text
+    adapters = {id(p) for n, p in built.model.named_parameters() if n in adapter_names(built.model)}
+    in_optimizer = [p for g in built.optimizer.param_groups for p in g["params"]]
+    assert {id(p) for p in in_optimizer} == adapters and len(in_optimizer) == len(adapters)
+    before = {k: v.detach().clone() for k, v in built.model.state_dict().items()}
+    built.trainer.run(make_batch(0, groups=2, candidates=1))
+    after = built.model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and changed <= adapter_names(built.model)
+    assert any(k.endswith("lora_B") for k in changed)  # the first update moves B off zero
+    state = built.optimizer.state_dict()["state"]  # AdamW's moments: for the adapters alone
+    assert len(state) == len(adapters) and all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in state.values())
+
+
+def test_checkpoint_restores_adapters_exactly_and_the_export_is_merged(tiny_model_dir, tmp_path):
+    from learner import checkpoint as ck
+    from learner.gather import Staging
+    from learner.pool import LearnerRank
+
+    threads = torch.get_num_threads()
+
+    def rank():
+        r = LearnerRank(LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(rank=4)), str(tiny_model_dir),
+                        rank=0, world=1, max_new_tokens=40, run="t", namespace=None)
+        built = _rank_model(tiny_model_dir, rank=4)
+        r.model, r.optimizer, r.trainer, r.model_config, r.staging = (built.model, built.optimizer, built.trainer,
+                                                                      built.model.config, Staging())
+        return r
+
+    try:
+        a = rank()
+        a.trainer.run(make_batch(0, groups=2, candidates=1))
+        a.save(str(tmp_path))
+        b = rank()
+        b.load(str(tmp_path))
+    finally:
+        torch.set_num_threads(threads)
+    assert ck.has_master_weights(tmp_path)  # float32 with LoRA: the adapters live in the DCP folder
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    pa = {n: p for n, p in a.model.named_parameters()}
+    for n, p in b.model.named_parameters():
+        if p.requires_grad:
+            st_a, st_b = a.optimizer.state[pa[n]], b.optimizer.state[p]
+            assert all(torch.equal(st_a[k], st_b[k]) for k in st_a), n
+    exported = _plain(tmp_path / ck.MODEL_DIR)  # the HF folder: merged weights under HF names
+    merged = gather_full_state(a.model, 0, 1)
+    assert all(torch.equal(v, merged[k]) for k, v in exported.state_dict().items())
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 30]])
+    assert torch.allclose(_logprobs(exported, ids), _logprobs(a.model.eval(), ids), atol=1e-5)
+
+
+TWO_RANKS = textwrap.dedent("""
+    import os, sys, torch
+    import torch.distributed as dist
+    sys.path.insert(0, os.getcwd())
+    from common.config import LearnerConfig, LoRAConfig
+    from learner.gather import gather_full_state
+    from learner.setup import setup_rank
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from tests.learner.batches import make_batch
+
+    rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(rank=3, alpha=6.0))
+    built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
+                       max_new_tokens=40)
+    init = get_model_state_dict(built.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    built.trainer.run(make_batch(0, groups=2, candidates=1))
+    full = get_model_state_dict(built.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    merged = gather_full_state(built.model, rank, 2, bucket_bytes=1 << 14)
+    if rank == 0:
+        torch.save({"init": init, "full": full, "merged": merged}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+""")
+
+
+def test_two_fsdp_ranks_train_adapters_and_publish_merged_weights(tiny_model_dir, tmp_path):
+    """2 FSDP2 ranks over gloo: the adapters are sharded with their layer (A's 3 rows split 2 + 1), initialised as
+    one rank would (the same A), trained while the base stays put, and published merged under HF names."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rank0.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(r), str(port), str(tiny_model_dir), str(out)],
+                              cwd=os.getcwd(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    got = torch.load(out)
+    one = _lora_model(tiny_model_dir, rank=3, alpha=6.0).state_dict()
+    init, full, merged = got["init"], got["full"], got["merged"]
+    assert all(torch.equal(init[k], v) for k, v in one.items())  # same base, same A, B = 0 as on one rank
+    adapters = {k for k in full if k.endswith(("lora_A", "lora_B"))}
+    assert all(torch.equal(init[k], full[k]) for k in full if k not in adapters)  # the base did not move
+    assert any(not torch.equal(init[k], full[k]) for k in adapters)
+    assert list(merged) == list(_plain(tiny_model_dir).state_dict())
+    for k in (k for k in adapters if k.endswith("lora_A")):
+        stem = k.removesuffix(".lora_A")
+        by_hand = full[f"{stem}.weight"] + 2.0 * full[f"{stem}.lora_B"] @ full[k]  # alpha / r = 6 / 3
+        assert torch.allclose(merged[f"{stem}.weight"], by_hand, atol=1e-6), stem
