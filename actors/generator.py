@@ -25,10 +25,11 @@ weights, each token keeps the log-prob of the version that sampled it, and a rol
 (`Rollout.version`, which the staleness rule uses) and newest version it spans. Without it, leasing
 stops, the samples in flight finish, then the new version is loaded.
 
-Work leased at version v never starts on weights older than v: the buffer's version runs ahead of the published
-weights while a publication is in flight, and a group that starts on v - 1 goes stale at v + 1 (max_lag 1). Such
-an item is held out of the engine until v has loaded (`leases_held`; after half its lease's time it starts anyway,
-`started_behind_weights`).
+Work leased at version v never starts on weights older than its `min_weights` (v + 1 - max(max_lag, 1), set by
+the buffer): the buffer's version runs ahead of the published weights while a publication is in flight, and with
+max_lag 1 a group that starts on v - 1 goes stale at v + 1. Such an item is held out of the engine until those
+weights have loaded (`leases_held`; after half its lease's time it starts anyway, `started_behind_weights`). With
+max_lag >= 2 the previous weights are still good enough and nothing waits for a publication.
 
 `generator.streaming: false` is batch-at-a-time: lease, generate the whole lease, score, submit, load
 weights, lease again (the same two threads, one batch at a time).
@@ -313,11 +314,12 @@ class GeneratorWorker:
         if not items:
             self._next_lease = time.monotonic() + self.cfg.idle_sleep_s
             return False
-        # Work leased at version v is generated with weights v or newer, never older: its group would be trained
-        # at v + max_lag at the latest, so rollouts of v - 1 would go stale. The buffer's version runs ahead of the
-        # published weights while a publication is in flight (the driver overlaps it with fetching the next batch,
-        # and the long-poll lease answers the moment the version advances), so an item whose weights have not
-        # arrived yet is held, out of the engine, until they have (`_start_held`).
+        # Work leased at version v is generated with weights `min_weights` (v + 1 - max(max_lag, 1)) or newer: its
+        # group may be trained a batch later, at v + 1, so with max_lag 1 rollouts of v - 1 would go stale. The
+        # buffer's version runs ahead of the published weights while a publication is in flight (the driver
+        # overlaps it with fetching the next batch, and the long-poll lease answers the moment the version
+        # advances), so an item whose weights have not arrived yet is held, out of the engine, until they have
+        # (`_start_held`).
         if max(it.version for it in items) > self.engine.version:
             self._sync_weights(poll=True)
         self._samples_per_item = max(it.num_samples for it in items) or 1
@@ -325,9 +327,9 @@ class GeneratorWorker:
         with self._lock:
             for it in items:
                 self._groups[it.lease_id] = _Group(it, [None] * it.num_samples, it.num_samples)
-                if it.version > self.engine.version:
+                if it.min_weights > self.engine.version:
                     self._held[it.lease_id] = now + max(0.0, it.deadline - now) / 2
-        self.stats.leases_held += sum(it.version > self.engine.version for it in items)
+        self.stats.leases_held += sum(it.min_weights > self.engine.version for it in items)
         for it in items:
             if it.lease_id not in self._held:
                 self._start(it)
@@ -351,12 +353,12 @@ class GeneratorWorker:
         now = time.time()
         with self._lock:
             due = [lid for lid, until in self._held.items()
-                   if self._groups[lid].item.version <= self.engine.version or now >= until]
+                   if self._groups[lid].item.min_weights <= self.engine.version or now >= until]
             for lid in due:
                 del self._held[lid]
             items = [self._groups[lid].item for lid in due]
         for it in items:
-            self.stats.started_behind_weights += it.version > self.engine.version
+            self.stats.started_behind_weights += it.min_weights > self.engine.version
             self._start(it)
 
     def _pop_held(self) -> list[WorkItem]:

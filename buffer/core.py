@@ -405,7 +405,8 @@ class ShardCore:
         self.n["issued"] += 1
         self.leased_at_version[0] += lease.replay
         self.leased_at_version[1] += 1
-        return WorkItem(lid, self.questions[qid], lease.num_samples, deadline, self.shard, ref, self.version)
+        return WorkItem(lid, self.questions[qid], lease.num_samples, deadline, self.shard, ref, self.version,
+                        min_weights=self.version + 1 - max(self.cfg.max_lag, 1))
 
     def _end_lease_reissue(self, lease: Lease, reason: str) -> None:
         self.n[reason] += 1

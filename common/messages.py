@@ -71,6 +71,8 @@ class WorkItem:
     shard: int  # shard that issued the lease (where the group must go back)
     replay: ReplayRef | None = None
     version: int = 0  # the buffer's policy version when it leased this (a generator behind it loads weights first)
+    min_weights: int = 0  # the oldest weights whose rollouts stay trainable a batch later: version + 1 - max(max_lag, 1)
+    # (a generator on older weights holds the item until they load; with max_lag >= 2 it may start on version - 1)
 
 
 @dataclass(slots=True)

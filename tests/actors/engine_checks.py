@@ -7,12 +7,15 @@ import torch
 
 
 def perturbed_state_dict(model: torch.nn.Module, seed: int, scale: float = 0.5) -> dict[str, torch.Tensor]:
-    """The model's weights plus seeded noise: a "new policy version" with Hugging Face names."""
+    """The model's weights plus seeded noise: a "new policy version" with Hugging Face names. Tied entries (a head
+    that is the embedding) stay one tensor under both names, as a real learner's version is."""
     g = torch.Generator().manual_seed(seed)
-    out = {}
+    out, seen = {}, {}
     for k, v in model.state_dict().items():
-        noise = torch.randn(v.shape, generator=g, dtype=v.dtype) * scale * (v.float().std() if v.numel() > 1 else 1)
-        out[k] = (v + noise).contiguous()
+        if (v.data_ptr(), v.shape) not in seen:
+            noise = torch.randn(v.shape, generator=g, dtype=v.dtype) * scale * (v.float().std() if v.numel() > 1 else 1)
+            seen[v.data_ptr(), v.shape] = (v + noise).contiguous()
+        out[k] = seen[v.data_ptr(), v.shape]
     return out
 
 

@@ -41,6 +41,17 @@ def test_epoch_issues_every_question_once_then_reshuffles():
     assert [it.question.id for it in again.lease("g", 10, now=NOW)] == first  # seeded
 
 
+def test_work_items_name_the_oldest_weights_that_keep_them_trainable():
+    """A lease at version v may be trained a batch later (v + 1): rollouts of weights w are stale there unless
+    v + 1 - w <= max_lag, so the item asks for weights v + 1 - max(max_lag, 1) or newer (a generator on older
+    weights holds it until they load; with max_lag >= 2 the previous weights still do and nothing waits)."""
+    for max_lag, want in ((0, 5), (1, 5), (2, 4), (4, 2)):
+        core = ShardCore(cfg(max_lag=max_lag, batch_questions=100), make_questions(10))
+        core.set_version(5)
+        items = core.lease("g", 3, now=NOW)
+        assert items and all(it.version == 5 and it.min_weights == want for it in items), (max_lag, items[0])
+
+
 def test_back_pressure_limits_live_work():
     # share 4, max_lag 1 -> at most 8 leases + ready groups
     core = ShardCore(cfg(), make_questions(20))
