@@ -315,7 +315,7 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
         step_s = statistics.median(times)
         flops = step_flops(params, shape.num_hidden_layers, shape.hidden_size, lengths, args.prompt)
         tflops, _ = peak_tflops(device, args.peak_tflops)
-        out.update(step_s=round(step_s, 4), step_s_all=[round(t, 4) for t in times],
+        out.update(step_s=round(step_s, 6), step_s_all=[round(t, 6) for t in times],
                    warmup_s=[round(t, 3) for t in warm], updates=stats.updates,
                    padding_frac=round(1 - float(stats.sums["row_tokens"]) / max(1.0, float(stats.sums["forward_tokens"])),
                                       4),
