@@ -18,34 +18,16 @@ Both runs join one Ray cluster (the module's), which saves each its own Ray star
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.cluster.runs import accounting, assert_balanced, mlflow_client, run_train, state
-from tests.cluster.test_cluster_nodes import Nodes, _env
+from tests.cluster.test_cluster_nodes import _env, nodes, runs_root  # noqa: F401 (module fixtures: one cluster here)
 
 pytestmark = pytest.mark.slow
 
 PAPER_ASYNC = ("learner.mini_batches=2", "buffer.num_shards=2", "buffer.max_lag=1")
-
-
-@pytest.fixture(scope="module")
-def nodes():
-    temp = tempfile.mkdtemp(prefix="exgrpo-ray-", dir="/tmp")
-    n = Nodes(temp)
-    try:
-        yield n
-    finally:
-        n.close()
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def runs_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("runs")  # one MLflow store for both runs (the second skips creating it)
 
 
 @pytest.mark.parametrize("name,overrides", [("defaults", ()), ("paper_async", PAPER_ASYNC)])
