@@ -11,6 +11,11 @@ in a `CheckpointException` (a BaseException) holding each rank's exception in `f
 exception in a `RayTaskError` holding it in `cause`, and pickling drops `__context__` and `__cause__`. So an
 actor converts the error to a plain OSError before it leaves (`plain_disk_errors`), and the driver still walks
 every link (`disk_error`).
+
+Across ranks even that is not enough: DCP gathers every rank's failure with `all_gather_object`, and pickling
+drops the `__context__` that held the OSError, so a 2-rank save on a full disk surfaces only "unexpected pos
+704 vs 598". When no errno is found, `plain_disk_errors` asks the disk itself (`probe_disk`: write and fsync
+1 MiB beside the failed write): a disk that refuses it is the cause.
 """
 
 from __future__ import annotations
@@ -55,14 +60,49 @@ def disk_error(exc: BaseException) -> OSError | None:
     return None
 
 
+PROBE_BYTES = 1 << 20
+
+
+def probe_disk(folder: str | os.PathLike, size: int = PROBE_BYTES) -> OSError | None:
+    """The disk error met writing (and fsyncing) `size` bytes in `folder`, or its nearest existing parent, or
+    None when the disk takes them; the probe file is removed either way."""
+    folder = os.path.abspath(folder)
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    path = os.path.join(folder, f".exgrpo-disk-probe-{os.getpid()}")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            block = b"\0" * min(size, 1 << 16)
+            left = size
+            while left > 0:
+                left -= os.write(fd, block[:left])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return e if e.errno in DISK_ERRNOS else None
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return None
+
+
 @contextmanager
 def plain_disk_errors(folder: str | os.PathLike) -> Iterator[None]:
     """A disk error raised inside is raised again as a plain `OSError(errno, strerror, filename)` (the file, or
-    `folder` when the error did not name one), which crosses Ray whole; any other error passes unchanged."""
+    `folder` when the error did not name one), which crosses Ray whole; any other error passes unchanged. An
+    error that carries no errno counts as the disk's when the disk then refuses a probe write (`probe_disk`)."""
     try:
         yield
-    except BaseException as e:
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
         err = disk_error(e)
+        if err is None and (probed := probe_disk(folder)) is not None:
+            err = OSError(probed.errno, probed.strerror, str(folder))
         if err is None or err is e and err.filename:
             raise
         raise OSError(err.errno, err.strerror or os.strerror(err.errno), err.filename or str(folder)) from e

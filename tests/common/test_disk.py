@@ -88,3 +88,22 @@ def test_the_hf_export_and_state_json_on_a_full_disk_are_enospc_and_leave_the_ol
     assert disk_error(info.value).errno == errno.ENOSPC
     assert (fs / "state.json").read_text() == '{"checkpoints": ["step-000002"]}'
     assert sorted(p.name for p in fs.iterdir()) == ["filler", "model.safetensors", "state.json"]
+
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_full_disk_whose_errno_was_lost_across_ranks_is_found_by_a_probe_write(fs):
+    """With 2 ranks DCP gathers each rank's failure with all_gather_object: pickling drops the OSError behind
+    torch's "unexpected pos", and where only rank 0 failed nothing else names the disk (what CI saw from a
+    2-rank learner). The probe write beside the failed one finds the cause."""
+    gathered = pickle.loads(pickle.dumps(_dcp_save_on_a_full_disk(fs)))  # what all_gather_object hands back
+    assert disk_error(gathered) is None  # nothing on it names the disk any more
+    with pytest.raises(OSError) as plain:
+        with plain_disk_errors(fs / "optimizer"):
+            raise gathered
+    assert (plain.value.errno, plain.value.filename) == (errno.ENOSPC, str(fs / "optimizer"))
+    assert not list(fs.glob(".exgrpo-disk-probe-*"))  # the probe leaves nothing behind
+    (fs / "filler").unlink()  # with space again, the same error is not the disk's: it passes unchanged
+    with pytest.raises(type(gathered)):
+        with plain_disk_errors(fs / "optimizer"):
+            raise gathered
