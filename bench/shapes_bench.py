@@ -22,7 +22,11 @@ new/old ratios. `--case JSON` runs one case and prints its JSON line (tests use 
 32,000, hidden 640, 12 layers, float32) from 2 FSDP ranks over gloo: the private memory (RssAnon,
 sampled every 2 ms) it gains above its resident shard, for the streamed object-store publication (one
 object per `bucket_mb` bucket) and for assembling the whole state dict (what every publication did
-before, and what the collective backend still does), and for the checkpoint's streamed model export.
+before, and what the collective backend still does), and for the checkpoint's streamed model export. The ranks
+run with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_, set before Ray starts them), so every
+large buffer is mapped on allocation and unmapped on free and RssAnon counts live buffers; with glibc's default
+(a threshold that rises as large buffers are freed), freed heap stays resident and the collective row varies by
++-50 MiB from run to run.
 
 `--loading`: each of 2 FSDP ranks' private memory (RssAnon, sampled every 2 ms) while it loads the same ~105M
 float32 model and shards it, the old way (`from_pretrained` on every rank, then `fully_shard`) and the new one
@@ -269,6 +273,7 @@ def publication(bucket_mb: float) -> None:
         largest = max(p.numel() * 4 for p in model.parameters())
         save_model_folder(model, build_char_tokenizer(), Path(tmp) / "m")
         del model
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))  # inherited by the ranks (see above)
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  _temp_dir=str(Path(tmp) / "ray"))
         try:
@@ -299,7 +304,8 @@ def publication(bucket_mb: float) -> None:
             ray.shutdown()
     full = params * 4
     bucket = max(bucket_mb, largest / mb)  # a tensor larger than bucket_mb is an object of its own
-    print(f"command: python bench/shapes_bench.py --publication --bucket-mb {bucket_mb:g}")
+    print(f"command: python bench/shapes_bench.py --publication --bucket-mb {bucket_mb:g}  "
+          f"(MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']})")
     print(f"rank 0 of 2 FSDP ranks, {params / 1e6:.0f}M parameters, float32 ({full / mb:.0f} MiB); buckets of "
           f"{bucket_mb:g} MiB, the largest tensor {largest / mb:.0f} MiB\n")
     print("| publication | rank 0 shard MiB | rank 0 private memory above the shard, peak MiB | in buckets |")

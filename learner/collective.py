@@ -116,9 +116,9 @@ class Packer:
     """Streams state-dict chunks into uint8 buckets of up to `bucket_bytes` (a larger tensor gets a bucket of its
     own). `add` chunks, then `finish`.
 
-    A `FlatBucket` from the gather is already in the wire layout: it becomes one bucket at once, copied in a single
-    copy on its own device (the gather reuses its buffer after the next bucket is asked for, so nothing of it is
-    kept). A dict's tensors are copied when their bucket closes, so the packer holds references to them until then:
+    A `FlatBucket` from the gather is already in the wire layout: it becomes one bucket at once, kept as it is when
+    it was gathered into a buffer of ours (`CollectiveServer.bucket_buffer` passed as the gather's `alloc`), else
+    copied in a single copy on its own device (the gather reuses its buffers after the next bucket is asked for). A dict's tensors are copied when their bucket closes, so the packer holds references to them until then:
     pass dicts that stay valid (the delta encoder's, a whole state dict), never views into the gather's buffers."""
 
     def __init__(self, version: int, bucket_bytes: int, device: torch.device):
@@ -154,8 +154,11 @@ class Packer:
     def _add_flat(self, b: FlatBucket) -> None:
         if self.size is not None:
             self._close()
-        buf = _buffer(max(b.data.numel(), 1), b.data.device)
-        buf[:b.data.numel()].copy_(b.data)  # the whole bucket in one copy (alignment gaps included)
+        if b.owned and b.data.numel():  # gathered into a buffer of our own (`bucket_buffer`): kept as it is
+            buf = b.data
+        else:
+            buf = _buffer(max(b.data.numel(), 1), b.data.device)
+            buf[:b.data.numel()].copy_(b.data)  # the whole bucket in one copy (alignment gaps included)
         for e in b.entries:
             self.plan.append([e.name, list(e.shape), str(e.dtype).removeprefix("torch."), len(self.buckets), e.offset,
                               e.nbytes])
@@ -390,6 +393,12 @@ class CollectiveServer(ChannelServer):
         self.holding: threading.Thread | None = None  # the newest version's host copy being made
         self.hold_error: BaseException | None = None
         self.hold_s = 0.0  # how long the last host copy took after `publish` returned (0: none needed)
+
+    @staticmethod
+    def bucket_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+        """A buffer the gather fills with one bucket (`iter_flat_buckets(alloc=...)`): the packer keeps it as the
+        held bucket, so a publication costs no staging buffer and no copy on rank 0."""
+        return _buffer(max(nbytes, 1), device)[:nbytes]
 
     @property
     def takes_device_buckets(self) -> bool:

@@ -13,12 +13,14 @@ into buckets of up to `bucket_bytes` (in state-dict order, any dtypes), and each
    followed by an event. On the CPU the "device" is the host: step 1 writes straight into the host buffer, no copy.
 3. Hand over: rank 0 yields the bucket (`FlatBucket`, a mapping name -> tensor view into the flat buffer).
 
-Double-buffered: `Staging` holds two host buffers (and on CUDA two device buffers), reused by every bucket and
-every publication (no host allocation per tensor, none per bucket once they are large enough). While the consumer
-works on bucket k (a `ray.put`, a pack), the device already gathers bucket k+1 and copies it to the other host
-buffer. The contract that makes this safe: **a yielded bucket's tensors are valid until the consumer asks for the
-next bucket**; whoever keeps data longer (the object store's `ray.put` copies, the collective backend packs a
-copy, the delta encoder keeps its own) must copy before it asks.
+Buffers: `Staging` holds the host buffers (on CUDA two, pinned, and two device buffers), reused by every bucket and
+every publication (no host allocation per tensor, none per bucket once they are large enough). On CUDA the pipeline
+is double-buffered: bucket k+1's gather and copy are queued before bucket k is handed over, so the device works
+while the consumer does (a `ray.put`, a pack). On the CPU nothing would overlap, so one host buffer serves. A bucket
+holding one tensor split evenly across ranks (the embedding and head, each a bucket of its own) is received in
+place: no receive buffer, no rearranging copy. The contract that makes reuse safe: **a yielded bucket's tensors
+are valid until the consumer asks for the next bucket**; whoever keeps data longer (the object store's `ray.put`
+copies, the collective backend packs a copy, the delta encoder keeps its own) must copy before it asks.
 
 Tied parameters (a Qwen2.5 `lm_head.weight` that *is* `model.embed_tokens.weight`) travel once, under the first
 name `named_parameters` gives (`tied_aliases`); loaders re-tie (`gather_full_state` adds the alias back as the same
@@ -102,14 +104,16 @@ class Entry:
 class FlatBucket(Mapping):
     """A gathered bucket: its tensors laid out in one flat uint8 buffer; a read-only mapping name -> view.
 
-    `data` is a view into a reused buffer (see the module docstring): valid until the next bucket is asked for."""
+    `data` is a view into a reused buffer (see the module docstring): valid until the next bucket is asked for;
+    unless `owned`: then it is a buffer the consumer's `alloc` gave (`iter_flat_buckets(alloc=...)`), its to keep."""
 
-    __slots__ = ("data", "entries", "_index")
+    __slots__ = ("data", "entries", "_index", "owned")
 
-    def __init__(self, data: torch.Tensor, entries: list[Entry]):
+    def __init__(self, data: torch.Tensor, entries: list[Entry], owned: bool = False):
         self.data = data  # [nbytes] uint8, on the host (or the device: `iter_flat_buckets(to_host=False)`)
         self.entries = entries
         self._index = {e.name: e for e in entries}
+        self.owned = owned  # `data` came from the consumer's `alloc`: its own, never reused by the gather
 
     @property
     def nbytes(self) -> int:
@@ -140,10 +144,13 @@ class FlatBucket(Mapping):
 
 
 class Staging:
-    """The reusable buffers of `iter_flat_buckets`: two host buffers (pinned where CUDA is available, so device-to-host
-    copies are asynchronous), two device buffers on CUDA, the send/receive buffers of the gather, and the side
-    stream of the copies. Grown to the largest bucket when a publication starts, never shrunk; keep one per learner
-    rank so every publication reuses them. `allocations` counts the buffers ever allocated (a test reads it)."""
+    """The reusable buffers of `iter_flat_buckets`: on CUDA two pinned host buffers (so device-to-host copies are
+    asynchronous and overlap the next bucket's gather), two device buffers, the gather's send/receive buffers and
+    the side stream of the copies; on the CPU one host buffer (nothing overlaps there) and the send/receive
+    buffers. Grown to the largest bucket when a publication starts, never shrunk; keep one per learner rank so
+    every publication reuses them. The device buffers go back to torch's caching allocator after each publication
+    (`release`): only the pinned host buffers, costly to allocate, are kept on the device's machine. `allocations`
+    counts the buffers ever allocated (a test reads it)."""
 
     def __init__(self):
         self.buffers: dict[tuple, torch.Tensor] = {}
@@ -160,6 +167,13 @@ class Staging:
             self.buffers[key] = buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device, pin_memory=pin)
             self.allocations += 1
         return buf[:nbytes]
+
+    def release(self, device: torch.device) -> None:
+        """Drop the buffers on `device` (once every copy reading them is done): on CUDA they return to torch's
+        caching allocator, where the next step's activations can use them; the pinned host buffers stay."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.buffers = {k: b for k, b in self.buffers.items() if b.device != device}
 
     def copy_stream(self, device: torch.device):
         if self.stream is None:
@@ -260,12 +274,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _direct(plan: _Plan) -> bool:
+    """A bucket of one dim-0 sharded tensor split into equal rows (the large embedding and head, each a bucket of
+    its own above `bucket_bytes`): rank r's rows are bytes [r * width, (r + 1) * width) of the full layout, so the
+    gather receives into the bucket itself (no receive buffer, no rearranging copy) and, without a cast, sends the
+    local shard as it is (no send buffer)."""
+    return len(plan.entries) == 1 and plan.sharded[0] and all(lay[0] == (0, plan.width) for lay in plan.send)
+
+
 def _fill(plan: _Plan, rank: int, world: int, out: torch.Tensor | None, staging: Staging, device: torch.device,
           widest: int) -> None:
     """Step 1 of the pipeline for one bucket (a collective: every rank calls it; `out` is rank 0's flat buffer;
     `widest`: the largest send width of the publication, so the send/receive buffers are sized once)."""
     recv = None
     sources = [t.make() if isinstance(t, Deferred) else t for t in plan.sources]  # in plan order on every rank
+    if _direct(plan):  # one evenly split tensor: each rank's rows are one slice of the full layout, received in place
+        e, local = plan.entries[0], _local(sources[0])
+        send = local.reshape(-1) if local.dtype == e.dtype and local.is_contiguous() else \
+            staging.get(("send",), plan.width, device).view(e.dtype).copy_(local.reshape(-1))
+        gather_list = [out[r * plan.width:(r + 1) * plan.width].view(e.dtype) for r in range(world)] \
+            if rank == 0 else None
+        dist.gather(send, gather_list=gather_list, dst=0)
+        return
     if any(plan.sharded):
         send = staging.get(("send",), widest, device)[:plan.width]  # [width] this rank's rows of the bucket, cast
         mine = iter(plan.send[rank])
@@ -297,12 +327,16 @@ def _fill(plan: _Plan, rank: int, world: int, out: torch.Tensor | None, staging:
 
 def iter_flat_buckets(model: torch.nn.Module, rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       dtype: torch.dtype | None = None, *, staging: Staging | None = None, to_host: bool = True,
-                      aliases: bool = False) -> Iterator[FlatBucket]:
+                      aliases: bool = False,
+                      alloc: Callable[[int, torch.device], torch.Tensor] | None = None) -> Iterator[FlatBucket]:
     """Collective, streamed (every rank iterates it to the end): rank 0 receives the state as `FlatBucket`s, the
     others nothing. See the module docstring for the pipeline and the contract (a bucket is valid until the next is
     asked for). `dtype`: floating-point entries are cast to it as they are gathered. `staging`: the buffers to
     reuse (default: one per process). `to_host=False`: the buckets stay on the device (CUDA; on the CPU the two are
-    the same), for a consumer that sends from there. `aliases`: tied aliases travel too (twice the bytes)."""
+    the same), for a consumer that sends from there. `aliases`: tied aliases travel too (twice the bytes).
+    `alloc(nbytes, device)`: for a consumer that keeps every bucket (the collective backend packs the version):
+    each bucket lands in a uint8 buffer it returns (on the host when staged, else on the device), yielded `owned`,
+    so no staging buffer holds it and the consumer copies nothing."""
     staging = staging or _DEFAULT_STAGING
     items = _state_items(model, dtype, aliases)
     if not items:
@@ -310,22 +344,38 @@ def iter_flat_buckets(model: torch.nn.Module, rank: int, world: int, bucket_byte
     device = _local(_ref(items[0][1])).device
     cuda = device.type == "cuda"
     plans = _plans(items, bucket_bytes, world)
-    largest, widest = max(p.nbytes for p in plans), max(p.width for p in plans)
+    largest = max(p.nbytes for p in plans)
+    widest = max((p.width for p in plans if not _direct(p)), default=0)  # the send/receive buffers' size
     staged = cuda and to_host  # step 2 runs: device buffers, then a copy to the host buffers
+    slots = 2 if cuda else 1  # CPU: nothing overlaps (bucket k + 1 is gathered when asked for), one buffer will do
+    try:
+        yield from _pipeline(plans, rank, world, staging, device, largest, widest, staged, slots, alloc)
+    finally:
+        if cuda:  # the device buffers go back to torch's caching allocator, free for the next step's activations
+            staging.release(device)
+
+
+def _pipeline(plans: list[_Plan], rank: int, world: int, staging: Staging, device: torch.device, largest: int,
+              widest: int, staged: bool, slots: int, alloc) -> Iterator[FlatBucket]:
+    cuda, owned = device.type == "cuda", alloc is not None
     pending = None  # CUDA: (bucket in a host buffer, the event its copy completes)
     for k, plan in enumerate(plans):
-        slot = k % 2
+        slot = k % slots
         out = None
         if rank == 0:
-            out = staging.get(("device", slot), largest, device)[:plan.nbytes] if cuda else \
-                staging.get(("host", slot), largest, torch.device("cpu"))[:plan.nbytes]
+            if owned and not staged:
+                out = alloc(plan.nbytes, device)
+            else:
+                out = staging.get(("device", slot), largest, device)[:plan.nbytes] if cuda else \
+                    staging.get(("host", slot), largest, torch.device("cpu"))[:plan.nbytes]
         _fill(plan, rank, world, out, staging, device, widest)
         if rank != 0:
             continue
         if not staged:
-            yield FlatBucket(out, plan.entries)
+            yield FlatBucket(out, plan.entries, owned)
             continue
-        host = staging.get(("host", slot), largest, torch.device("cpu"))[:plan.nbytes]
+        host = alloc(plan.nbytes, torch.device("cpu")) if owned else \
+            staging.get(("host", slot), largest, torch.device("cpu"))[:plan.nbytes]
         stream = staging.copy_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # the gather of this bucket is done first
         with torch.cuda.stream(stream):
@@ -335,7 +385,7 @@ def iter_flat_buckets(model: torch.nn.Module, rank: int, world: int, bucket_byte
         if pending is not None:  # the previous bucket's copy overlapped this bucket's gather
             pending[1].synchronize()
             yield pending[0]
-        pending = (FlatBucket(host, plan.entries), done)
+        pending = (FlatBucket(host, plan.entries, owned), done)
     if pending is not None:
         pending[1].synchronize()
         yield pending[0]
@@ -351,13 +401,14 @@ def iter_full_state(model: torch.nn.Module, rank: int, world: int, bucket_bytes:
         yield bucket.tensors()
 
 
-def gather_full_state(model: torch.nn.Module, rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def gather_full_state(model: torch.nn.Module, rank: int, world: int, bucket_bytes: int = 32 << 20,
                       dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Collective (every rank calls it): rank 0 gets {name: full CPU tensor} in state-dict order, tied aliases
     included (the same tensor under both names), the others {}. Each tensor is copied out of the reused buffers
     into its own storage (a view into a shared one would be pickled whole, once per tensor, by Ray)."""
     out: dict[str, torch.Tensor] = {}
-    for bucket in iter_flat_buckets(model, rank, world, bucket_bytes, dtype):
+    # its own buffers, dropped on return: the whole state is copied out anyway, nothing is worth keeping
+    for bucket in iter_flat_buckets(model, rank, world, bucket_bytes, dtype, staging=Staging()):
         out.update({k: v.clone() for k, v in bucket.items()})
     if rank != 0:
         return {}

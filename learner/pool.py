@@ -134,9 +134,10 @@ class LearnerRank:
             self.publisher = make_publisher(self.cfg.weight_sync, run=self.run, namespace=self.namespace,
                                             timeout_s=self.cfg.publish_timeout_s)
         on_device = self.rank == 0 and getattr(self.publisher, "takes_device_buckets", False)
+        keeper = getattr(self.publisher, "bucket_buffer", None) if self.rank == 0 else None  # keeps every bucket
         buckets = iter_flat_buckets(self.model, self.rank, self.world, dtype=self.publish_dtype,
                                     bucket_bytes=int(self.cfg.weight_sync.bucket_mb * (1 << 20)),
-                                    staging=self.staging, to_host=not on_device)
+                                    staging=self.staging, to_host=not on_device, alloc=keeper)
         if self.rank != 0:
             for _ in buckets:  # the gathers are collectives: every rank runs them
                 pass

@@ -372,6 +372,15 @@ class CollectivePublisher:
                                     f"(is the actor {self.store} alive and responsive?)") from e
         return ann
 
+    @property
+    def takes_device_buckets(self) -> bool:
+        """Whether the gather's buckets should stay on the GPU (the server holds and sends the version from there)."""
+        return self.server.takes_device_buckets
+
+    def bucket_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Where the gather puts each bucket: a buffer the server keeps as the packed bucket (no copy)."""
+        return self.server.bucket_buffer(nbytes, device)
+
     def status(self) -> dict:
         """Channels being served (channel id -> generator id), failed channels, completed transfers."""
         return self.server.status()

@@ -249,8 +249,42 @@ def test_a_whole_version_streams_bucket_by_bucket_and_an_abandoned_stream_drops_
         root.close()
 
 
+def test_buckets_gathered_into_the_servers_buffers_are_held_without_a_copy_or_a_staging_buffer():
+    """The pool passes the publisher's `bucket_buffer` as the gather's `alloc`: every bucket lands in a buffer the
+    server keeps as the held bucket (no staging buffer, no copy), and pulls still get the exact version."""
+    from common.messages import WeightsAnnouncement
+    from common.modeling import init_tiny_qwen2
+    from learner.collective import CollectiveServer
+    from learner.gather import Staging, iter_flat_buckets
+    from learner.weights import CollectivePublisher
+
+    # what learner/pool.py reads from the publisher (with getattr: a forwarding left out would go unnoticed)
+    assert isinstance(CollectivePublisher.takes_device_buckets, property) and callable(CollectivePublisher.bucket_buffer)
+    cfg = CollectiveSyncConfig(timeout_s=20, bucket_mb=16 / 1024, keep_versions=1)
+    root = CollectiveServer(cfg, timeout_s=20)
+    model = init_tiny_qwen2(300, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, max_positions=256)
+    staging, given = Staging(), []
+
+    def alloc(nbytes, device):
+        given.append(root.bucket_buffer(nbytes, device))
+        return given[-1]
+
+    try:
+        want = {k: v.bfloat16() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        root.publish(1, iter_flat_buckets(model, 0, 1, int(cfg.bucket_mb * (1 << 20)), torch.bfloat16,
+                                          staging=staging, alloc=alloc))
+        held = root.versions[1].buckets
+        assert len(held) == len(given) > 3 and staging.allocations == 0
+        assert [b.data_ptr() for b in held] == [b.data_ptr() for b in given]
+        ann = WeightsAnnouncement(version=1, location=f"collective:{root.address}", num_bytes=0, created_at=0.0)
+        got = CollectiveWeightSource(cfg, run="owned").fetch(ann)
+        assert list(got) == list(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    finally:
+        root.close()
+
+
 def test_versions_packed_from_the_gathers_buckets_survive_the_buffers_reuse():
-    """Rank 0 packs the gather's flat buckets (views into two reused host buffers) as they come: each becomes one
+    """Rank 0 packs the gather's flat buckets (views into one reused host buffer on the CPU) as they come: each becomes one
     held bucket in the same layout, copied at once, so version 1 pulled after version 2 reused the buffers is still
     version 1, and a tied head travels once."""
     from common.messages import WeightsAnnouncement
@@ -271,7 +305,7 @@ def test_versions_packed_from_the_gathers_buckets_survive_the_buffers_reuse():
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)
-        assert len(root.versions[1].buckets) > 3 and staging.allocations == 2
+        assert len(root.versions[1].buckets) > 3 and staging.allocations == 1
         src = CollectiveWeightSource(cfg, run="flat")
         for version in (1, 2):
             ann = WeightsAnnouncement(version=version, location=f"collective:{root.address}", num_bytes=0,
