@@ -65,8 +65,8 @@ LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 class LoRAConfig(Section):
     """Low-rank adapters on the learner (learner.lora; first slice, docs/cluster.md "LoRA"): each target Linear's
     weight W is frozen and the learner trains W + (alpha / rank) B A only, A [rank, in] and B [out, rank] (B starts
-    at zero, so step 0 is the base model). Only the adapters are in the optimizer. Publications and the HF export
-    carry the merged weights under the model's own names, so every engine loads them as today."""
+    at zero, so step 0 is the base model). Only the adapters are in the optimizer. Publications carry the adapters
+    only (`publish`; generators merge them into the base), or the merged weights under the model's own names."""
 
     rank: int = Field(8, ge=1, le=4096)
     """The adapters' rank r (A is [r, in], B is [out, r])."""
@@ -88,6 +88,12 @@ class LoRAConfig(Section):
         if len(set(v)) != len(v) or not all(m.strip() for m in v):
             raise ValueError(f"{v}: module names must be non-empty and listed once")
         return v
+
+    publish: Literal["adapters", "merged"] = "adapters"
+    """What a publication carries: `adapters` (only every target's A and B, ~r (in + out) / (in out) of its
+    weights; each generator merges W + (alpha / rank) B A into its copy of the base from the model folder, which
+    stays the base: it is frozen) or `merged` (the whole model with the targets merged, as without LoRA).
+    `weight_sync.delta` applies to merged publications only: adapters always travel whole."""
 
 
 class LearnerConfig(Section):
