@@ -22,7 +22,7 @@ from typing import Annotated
 
 import numpy as np
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Bumped whenever a message's fields change; payloads of another version are refused."""
 
 Int32Array = Annotated[np.ndarray, np.int32]
@@ -133,6 +133,17 @@ class TrainingBatch:
 
 
 @dataclass(slots=True)
+class AdapterPublication:
+    """What an adapter-only publication (`learner.lora.publish: adapters`) carries besides its tensors: each
+    target's `<target>.lora_A` [r, in] and `<target>.lora_B` [out, r]; a generator loads W + scaling B A as the
+    target's `<target>.weight`, W being the base model's (its model folder: the base is frozen).
+    # learner -> weight store -> generators (inside WeightsAnnouncement)"""
+
+    scaling: float  # alpha / rank
+    targets: list[str]  # the adapted Linear modules' full names (e.g. "model.layers.0.self_attn.q_proj")
+
+
+@dataclass(slots=True)
 class WeightsAnnouncement:
     """A published policy version.  # learner -> weight store -> generators"""
 
@@ -142,6 +153,7 @@ class WeightsAnnouncement:
     created_at: float  # unix time of publication
     checksum: str = ""  # optional content hash of the safetensors payload
     delta_bytes: int = 0  # > 0: a delta from version - 1 was published too, of this many payload bytes
+    adapters: AdapterPublication | None = None  # set: the payload is LoRA adapters only, merged by each generator
 
 
 @dataclass(slots=True)
@@ -177,6 +189,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ScoredGroup,
     TrainGroup,
     TrainingBatch,
+    AdapterPublication,
     WeightsAnnouncement,
     LearnerFeedback,
 )
