@@ -405,18 +405,19 @@ class CollectiveServer(ChannelServer):
         """Whether `publish` wants the gather's buckets left on the GPU (they are sent from there over NCCL)."""
         return self.cuda
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]
-                ) -> tuple[int, int]:
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]],
+                delta: bool = True) -> tuple[int, int]:
         """Pack `version` (a dict or its chunks, packed as they come: `learner.gather.FlatBucket`s are copied at
         once, dicts must stay valid until the end) and hold it for the channels, with its delta from the previous
-        version when `cfg.delta`; returns (payload bytes, delta payload bytes or 0). A version packed on the GPU
-        gets its host copy in the background (see the module docstring)."""
+        version when `cfg.delta` and `delta` (False: whole only, as LoRA adapters travel); returns (payload bytes,
+        delta payload bytes or 0). A version packed on the GPU gets its host copy in the background (see the module
+        docstring)."""
         self._settle()
         chunks = [state_dict] if isinstance(state_dict, dict) else state_dict
         bucket_bytes = int(self.cfg.bucket_mb * (1 << 20))
         full, delta = Packer(version, bucket_bytes, self.device), Packer(version, bucket_bytes, self.device)
         has_delta = False
-        pairs = ((c, None) for c in chunks) if self.encoder is None else self.encoder.tee(version, chunks)
+        pairs = ((c, None) for c in chunks) if self.encoder is None or not delta else self.encoder.tee(version, chunks)
         for chunk, d in pairs:
             full.add(chunk)
             if d is not None:

@@ -31,7 +31,8 @@ empty); each rank can therefore compute every rank's chunk shape from the global
 
 LoRA (`learner.lora`): a target's `weight` entry is published merged (W + scaling B A, `learner.lora.merged_weight`,
 computed when its bucket is gathered, `Deferred`) and its adapter tensors are left out, so the state keeps the base
-model's names and loads into every engine as a full model does.
+model's names and loads into every engine as a full model does. With `adapters=True` (an adapter-only publication,
+`learner.lora.publish: adapters`) only the adapter tensors are gathered, through the same pipeline.
 
 Works on any backend that implements `gather` (gloo on CPU, NCCL on GPU). Imports only torch and the stdlib.
 """
@@ -248,12 +249,16 @@ def _plans(items: list[tuple[str, torch.Tensor, torch.dtype]], bucket_bytes: int
     return out
 
 
-def _state_items(model: torch.nn.Module, dtype: torch.dtype | None, aliases: bool
+def _state_items(model: torch.nn.Module, dtype: torch.dtype | None, aliases: bool, adapters: bool = False
                  ) -> list[tuple[str, torch.Tensor, torch.dtype]]:
     """(name, state-dict tensor or `Deferred`, the dtype it is published in), tied aliases left out unless `aliases`;
-    LoRA targets merged under their base names, adapters left out."""
+    LoRA targets merged under their base names, adapters left out. `adapters`: only the LoRA adapter tensors
+    (`...lora_A`, `...lora_B`, in state-dict order), nothing merged."""
     from learner.lora import adapter_names, lora_modules, merged_weight
 
+    if adapters:
+        keep = adapter_names(model)
+        return [(k, v, dtype if dtype is not None else v.dtype) for k, v in model.state_dict().items() if k in keep]
     skip = (set() if aliases else set(tied_aliases(model))) | adapter_names(model)
     merged = {f"{n}.weight": merged_weight(m) for n, m in lora_modules(model).items()}
     return [(k, Deferred(v, merged[k]) if k in merged else v,
@@ -327,18 +332,19 @@ def _fill(plan: _Plan, rank: int, world: int, out: torch.Tensor | None, staging:
 
 def iter_flat_buckets(model: torch.nn.Module, rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       dtype: torch.dtype | None = None, *, staging: Staging | None = None, to_host: bool = True,
-                      aliases: bool = False,
+                      aliases: bool = False, adapters: bool = False,
                       alloc: Callable[[int, torch.device], torch.Tensor] | None = None) -> Iterator[FlatBucket]:
     """Collective, streamed (every rank iterates it to the end): rank 0 receives the state as `FlatBucket`s, the
     others nothing. See the module docstring for the pipeline and the contract (a bucket is valid until the next is
     asked for). `dtype`: floating-point entries are cast to it as they are gathered. `staging`: the buffers to
     reuse (default: one per process). `to_host=False`: the buckets stay on the device (CUDA; on the CPU the two are
     the same), for a consumer that sends from there. `aliases`: tied aliases travel too (twice the bytes).
+    `adapters`: only the LoRA adapters (an adapter-only publication; nothing without LoRA).
     `alloc(nbytes, device)`: for a consumer that keeps every bucket (the collective backend packs the version):
     each bucket lands in a uint8 buffer it returns (on the host when staged, else on the device), yielded `owned`,
     so no staging buffer holds it and the consumer copies nothing."""
     staging = staging or _DEFAULT_STAGING
-    items = _state_items(model, dtype, aliases)
+    items = _state_items(model, dtype, aliases, adapters)
     if not items:
         return
     device = _local(_ref(items[0][1])).device

@@ -126,18 +126,32 @@ class LearnerRank:
         through two reused host buffers, each valid until the next is asked for): the object store puts one object
         per bucket (rank 0 holds its shard and two buckets); the collective backend packs each bucket as it comes
         into the version it keeps for its channels, on the GPU where it sends from there. Rank 0 returns how long
-        it was busy (`PublishReport.blocking_s`): the learner's next step, queued behind this call, waits that long."""
+        it was busy (`PublishReport.blocking_s`): the learner's next step, queued behind this call, waits that long.
+        With `learner.lora.publish: adapters` only the adapter tensors are gathered and published, the announcement
+        saying so (`AdapterPublication`: scaling and targets); the generators merge them into their base."""
+        from common.messages import AdapterPublication
         from learner.gather import iter_flat_buckets
+        from learner.lora import lora_modules
 
         t0 = time.perf_counter()
+        lora = self.cfg.lora
+        adapters = None
+        if lora is not None and lora.publish == "adapters":
+            adapters = AdapterPublication(scaling=lora.alpha / lora.rank, targets=list(lora_modules(self.model)))
         if self.rank == 0 and self.publisher is None:
             self.publisher = make_publisher(self.cfg.weight_sync, run=self.run, namespace=self.namespace,
                                             timeout_s=self.cfg.publish_timeout_s)
+            if adapters is not None:
+                log.info("learner.lora.publish=adapters: publications carry only the adapters of %d Linear modules "
+                         "(A and B, rank %d); each generator merges W + %g B A into its base%s", len(adapters.targets),
+                         lora.rank, adapters.scaling, "; learner.weight_sync.delta does not apply to them (they "
+                         "travel whole)" if self.cfg.weight_sync.delta else "")
         on_device = self.rank == 0 and getattr(self.publisher, "takes_device_buckets", False)
         keeper = getattr(self.publisher, "bucket_buffer", None) if self.rank == 0 else None  # keeps every bucket
         buckets = iter_flat_buckets(self.model, self.rank, self.world, dtype=self.publish_dtype,
                                     bucket_bytes=int(self.cfg.weight_sync.bucket_mb * (1 << 20)),
-                                    staging=self.staging, to_host=not on_device, alloc=keeper)
+                                    staging=self.staging, to_host=not on_device, alloc=keeper,
+                                    adapters=adapters is not None)
         if self.rank != 0:
             for _ in buckets:  # the gathers are collectives: every rank runs them
                 pass
@@ -153,7 +167,7 @@ class LearnerRank:
                     return
                 yield bucket
 
-        ann = self.publisher.publish(version, timed())
+        ann = self.publisher.publish(version, timed(), adapters=adapters)
         return PublishReport(ann, blocking_s=time.perf_counter() - t0, gather_s=waited[0])
 
     def weight_sync_status(self) -> dict:

@@ -44,7 +44,7 @@ import torch
 from common.config import CollectiveSyncConfig, ObjectStoreSyncConfig, WeightSyncConfig
 from common.interfaces import actor_name, near_caller
 from learner.delta import DELTA_WORTH
-from common.messages import WeightsAnnouncement
+from common.messages import AdapterPublication, WeightsAnnouncement
 
 
 class WeightSyncTimeout(TimeoutError):
@@ -201,7 +201,8 @@ def wait_for_acks(store: ray.actor.ActorHandle, version: int, timeout_s: float) 
 class WeightPublisher(Protocol):
     """The sending side of a weight-sync backend (lives in learner rank 0)."""
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> WeightsAnnouncement: ...
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor],
+                adapters: AdapterPublication | None = None) -> WeightsAnnouncement: ...
 
     def close(self) -> None: ...
 
@@ -220,15 +221,17 @@ class ObjectStorePublisher:
         self.store = get_or_create_store(run, namespace)
         self.encoder = DeltaEncoder() if cfg.delta else None
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]
-                ) -> WeightsAnnouncement:
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]],
+                adapters: AdapterPublication | None = None) -> WeightsAnnouncement:
         """`state_dict`: the whole dict, or its buckets as an iterable (`learner.gather.iter_full_state`): each
         bucket is `ray.put` as its own object (a copy into the object store, made before the next bucket is taken:
         the gather's buckets are views into buffers it reuses), so the publishing rank holds about one bucket at a
         time. Generators merge the buckets in order (`ObjectStoreWeightSource.fetch`).
-        With `delta`, each bucket's delta from the previous version is put beside it."""
+        With `delta`, each bucket's delta from the previous version is put beside it. `adapters`: the state is LoRA
+        adapters only (said in the announcement; no delta: they travel whole)."""
         buckets = [state_dict] if isinstance(state_dict, dict) else state_dict
-        pairs = ((b, None) for b in buckets) if self.encoder is None else self.encoder.tee(version, buckets)
+        whole = self.encoder is None or adapters is not None
+        pairs = ((b, None) for b in buckets) if whole else self.encoder.tee(version, buckets)
         refs, delta_refs, num_bytes, delta_bytes = [], [], 0, 0
         for bucket, delta in pairs:
             refs.append(ray.put(to_wire(bucket)))  # numpy views: written straight into the object store
@@ -240,7 +243,8 @@ class ObjectStorePublisher:
         if delta_bytes > DELTA_WORTH * num_bytes:  # nearly everything changed (a high learning rate): whole only
             delta_refs, delta_bytes = [], 0
         ann = WeightsAnnouncement(version=version, location="object_store", num_bytes=num_bytes,
-                                  created_at=time.time(), delta_bytes=delta_bytes if delta_refs else 0)
+                                  created_at=time.time(), delta_bytes=delta_bytes if delta_refs else 0,
+                                  adapters=adapters)
         try:
             ray.get(self.store.put.remote(ann, refs, delta_refs or None), timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError as e:
@@ -359,12 +363,14 @@ class CollectivePublisher:
         self.store = get_or_create_store(run, namespace)
         self.server = CollectiveServer(cfg, timeout_s=timeout_s, host=host or ray.util.get_node_ip_address())
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]
-                ) -> WeightsAnnouncement:
-        """`state_dict`: the whole dict or its buckets as they are gathered (packed as they come)."""
-        num_bytes, delta_bytes = self.server.publish(version, state_dict)
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]],
+                adapters: AdapterPublication | None = None) -> WeightsAnnouncement:
+        """`state_dict`: the whole dict or its buckets as they are gathered (packed as they come). `adapters`: the
+        state is LoRA adapters only (said in the announcement; no delta: they travel whole)."""
+        num_bytes, delta_bytes = self.server.publish(version, state_dict, delta=adapters is None)
         ann = WeightsAnnouncement(version=version, location=f"collective:{self.server.address}",
-                                  num_bytes=num_bytes, created_at=time.time(), delta_bytes=delta_bytes)
+                                  num_bytes=num_bytes, created_at=time.time(), delta_bytes=delta_bytes,
+                                  adapters=adapters)
         try:
             ray.get(self.store.put.remote(ann, []), timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError as e:
