@@ -24,7 +24,8 @@ the base name; the adapter tensors themselves are not published. Imports only to
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -46,9 +47,12 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=device))  # [out, r]
         self.rank, self.scaling = rank, alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.disabled = False  # set only inside `adapters_disabled`: the forward is the base Linear's
 
     def forward(self, x: Tensor) -> Tensor:
         base = nn.functional.linear(x, self.weight, self.bias)  # [..., out]
+        if self.disabled:
+            return base
         low = nn.functional.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A)  # [..., r]
         return base + (self.scaling * nn.functional.linear(low, self.lora_B)).to(base.dtype)
 
@@ -89,6 +93,27 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 def adapter_names(model: nn.Module) -> set[str]:
     """State-dict names of the adapter tensors (`...lora_A`, `...lora_B`): checkpointed, never published."""
     return {f"{n}.{p}" for n in lora_modules(model) for p in ("lora_A", "lora_B")}
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run `model` as its base model inside the block: every `LoRALinear` skips its low-rank term (and its dropout).
+    This is the KL reference under LoRA (`learner.step.TrainStep`): the base weights are frozen, so the base is
+    the same model with its adapters off, and no second copy is loaded. Under FSDP2 the forward still all-gathers
+    each layer's adapters with its base weights (the units are unchanged; the adapters are unused), so every rank
+    must run the same forwards inside the block, as outside.
+
+    Use it for no-grad forwards only. Activation checkpointing re-runs a layer's forward in the backward: a
+    forward that saved activations here and was backpropagated after the block would be recomputed with the
+    adapters on. The flag is reset on exit, even on an error."""
+    mods = list(lora_modules(model).values())
+    for m in mods:
+        m.disabled = True
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.disabled = False
 
 
 def _local(t: Tensor) -> Tensor:

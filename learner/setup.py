@@ -18,6 +18,8 @@ only config.json).
 LoRA (`learner.lora`): the target Linears become `learner.lora.LoRALinear` right after the build (on the meta device
 when sharded), every base parameter frozen; the adapters are sharded with their layer, left out of the file
 loading, initialised (`init_adapters`: the same A on every rank and world size, B zeros) and alone in the optimizer.
+With `kl_coef > 0` no reference copy is loaded: the KL reference is the base, the same model with its adapters
+disabled (`TrainStep.reference_logprobs`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class RankModel:
     model: torch.nn.Module  # FSDP2-sharded (or plain for one float32 rank), prepared
     optimizer: torch.optim.Optimizer
     trainer: TrainStep
-    ref_model: torch.nn.Module | None = None  # frozen reference (learner.kl_coef > 0)
+    ref_model: torch.nn.Module | None = None  # frozen reference copy (learner.kl_coef > 0 without LoRA)
     packing_gap: float | None = None  # largest change measured by check_packing (None: padded micro-batches)
 
 
@@ -102,7 +104,7 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
                      len(targets), ", ".join(sorted({t.rsplit('.', 1)[-1] for t in targets})))
     optimizer, optimizer_note = build_optimizer((p for p in model.parameters() if p.requires_grad), cfg)
     ref = None
-    if cfg.kl_coef > 0:
+    if cfg.kl_coef > 0 and cfg.lora is None:  # under LoRA the reference is the base: the adapters disabled
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
                                                    attn_implementation=cfg.attn_implementation).to(device).eval()
         ref.requires_grad_(False)

@@ -53,6 +53,7 @@ from learner import loss as L
 from learner.batching import (BatchError, MicroBatch, Row, batch_rows, collate, rank_micro_batches,
                               split_mini_batches)
 from learner.forward import forward_stats
+from learner.lora import adapters_disabled
 
 
 def candidate_rows(batch: TrainingBatch) -> list[tuple[int, int, Row]]:
@@ -336,7 +337,8 @@ def _mismatch_metrics(s: dict[str, float], mx: dict[str, float]) -> dict[str, fl
 class TrainStep:
     """The training step of one rank: owns nothing but references to the model and optimizer.
 
-    `model` is the (FSDP-sharded) causal LM, `ref_model` an optional frozen reference for the KL term.
+    `model` is the (FSDP-sharded) causal LM, `ref_model` an optional frozen reference for the KL term (under
+    LoRA none: the reference is `model` with its adapters disabled, see `reference_logprobs`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, *,
@@ -460,6 +462,7 @@ class TrainStep:
         micro-batch's masked token mean instead, divided by official_world_size (else the world size): summed over
         the micro-batches and ranks, the official weighting."""
         cfg = self.cfg
+        ref_logp = self.reference_logprobs(mb)  # before the policy's forward: a no-grad forward of its own
         logp, ent, anchor = forward_stats(self.model, mb)  # [R, L-1] each
         fresh = mb.response_mask * (1.0 - mb.replay_mask)  # [R, L-1]
         if first:
@@ -483,9 +486,7 @@ class TrainStep:
         else:
             ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.entropy_coef, tokens if tokens else normalizer)
         kl_term = torch.zeros((), device=self.device)
-        if cfg.kl_coef > 0 and self.ref_model is not None and mb.rows:
-            with torch.no_grad():
-                ref_logp, _, _ = forward_stats(self.ref_model, mb)
+        if ref_logp is not None:
             kl_term = L.kl_penalty(logp, ref_logp, mb.response_mask, cfg.kl_coef, normalizer)
         total = pg + ent_term + kl_term
         # 0 * anchor keeps every parameter in the graph: a rank whose micro-batch is an all-masked dummy
@@ -493,6 +494,25 @@ class TrainStep:
         ((total + 0.0 * anchor) * self.world).backward()
         parts = {"loss": total.detach(), "entropy_loss": ent_term.detach(), "kl_loss": kl_term.detach()}
         stats.add_micro(metrics, parts, ent.detach(), mb, start_logp=logp.detach() if first else None)
+
+    @torch.no_grad()
+    def reference_logprobs(self, mb: MicroBatch) -> Tensor | None:
+        """The KL reference's log-probs [R, L-1] of `mb` (None: no KL term, or a dummy micro-batch).
+
+        `ref_model` when one was given (a separate frozen copy); under LoRA (`learner.lora`) the reference is the
+        trained model itself with its adapters disabled (`learner.lora.adapters_disabled`): its frozen base. That
+        forward is collective under FSDP, so a rank's dummy micro-batch runs it too. It runs before the policy's
+        forward, so FSDP2 sees whole forwards in order and activation checkpointing's recomputation in the
+        backward runs with the adapters on."""
+        if self.cfg.kl_coef <= 0:
+            return None
+        if self.ref_model is not None:
+            return forward_stats(self.ref_model, mb)[0] if mb.rows else None
+        if self.cfg.lora is None:
+            return None
+        with adapters_disabled(self.model):
+            logp, _, _ = forward_stats(self.model, mb)
+        return logp if mb.rows else None
 
     def _optimizer_step(self, stats: RankStats) -> None:
         """Clip and apply the accumulated gradient, or skip it (non-finite or above `skip_grad_norm`). Reading the

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from common.config import LearnerConfig, LoRAConfig, load_config
 from learner.gather import gather_full_state
-from learner.lora import LoRALinear, adapter_names, apply_lora, init_adapters
+from learner.lora import LoRALinear, adapter_names, adapters_disabled, apply_lora, init_adapters, lora_modules
 from learner.setup import setup_rank
 from tests.learner.batches import make_batch
 
@@ -87,8 +87,8 @@ def test_merged_publication_is_w_plus_scaled_ba_and_loads_into_plain_transformer
     assert torch.allclose(_logprobs(plain, ids), _logprobs(model, ids), atol=1e-5)
 
 
-def _rank_model(model_dir, **lora):
-    cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(**lora))
+def _rank_model(model_dir, learner=None, **lora):
+    cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(**lora), **(learner or {}))
     return setup_rank(cfg, str(model_dir), rank=0, world=1, device=CPU, dtype=torch.float32, max_new_tokens=40)
 
 
@@ -149,6 +149,88 @@ def test_checkpoint_restores_adapters_exactly_and_the_export_is_merged(tiny_mode
     assert torch.allclose(_logprobs(exported, ids), _logprobs(a.model.eval(), ids), atol=1e-5)
 
 
+def _trained_looking(model, seed=1):
+    """Every lora_B drawn from N(0, 0.05) with a seeded generator, in module order (B != 0: policy != base)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=gen) * 0.05)
+
+
+def _micro_batch(step, seed=1):
+    from learner.batching import batch_rows
+
+    rows = batch_rows(make_batch(seed, groups=2, candidates=1), std_normalize=True, max_positions=512)
+    return step._collate(rows)
+
+
+def _base_logprobs(model_dir, cfg, mb):
+    from learner.forward import forward_stats, prepare_model
+
+    with torch.no_grad():
+        return forward_stats(prepare_model(_plain(model_dir), cfg, trainable=False), mb)[0]  # [R, L-1]
+
+
+def _param_count(built) -> int:
+    models = [built.model] + ([built.ref_model] if built.ref_model is not None else [])
+    return sum(p.numel() for m in models for p in m.parameters())
+
+
+def test_kl_reference_is_the_base_with_adapters_disabled_and_no_second_copy(tiny_model_dir):
+    """learner.kl_coef > 0 under LoRA: no reference model is built (the parameters are the base's plus the
+    adapters', where full training holds two whole models), the reference log-probs are exactly the base model's
+    with B != 0 while the policy's differ, and the adapters come back on after the block, even after an error."""
+    built = _rank_model(tiny_model_dir, {"kl_coef": 0.5}, rank=4)
+    assert built.ref_model is None and built.trainer.ref_model is None
+    base_params = sum(p.numel() for p in _plain(tiny_model_dir).parameters())
+    adapters = sum(p.numel() for n, p in built.model.named_parameters() if n in adapter_names(built.model))
+    assert _param_count(built) == base_params + adapters
+    full = setup_rank(LearnerConfig(micro_batch_rows=4, kl_coef=0.5), str(tiny_model_dir), rank=0, world=1,
+                      device=CPU, dtype=torch.float32, max_new_tokens=40)
+    assert full.ref_model is not None and _param_count(full) == 2 * base_params  # what LoRA no longer loads
+
+    _trained_looking(built.model)
+    mb = _micro_batch(built.trainer)
+    base = _base_logprobs(tiny_model_dir, built.trainer.cfg, mb)
+    ref = built.trainer.reference_logprobs(mb)  # [R, L-1]
+    assert torch.equal(ref, base)
+    from learner.forward import forward_stats
+
+    with torch.no_grad():
+        policy = forward_stats(built.model, mb)[0]
+    on = mb.response_mask > 0
+    assert (policy - base)[on].abs().max() > 1e-3  # the adapters are back on: the policy is not the base
+    assert not any(m.disabled for m in lora_modules(built.model).values())
+    with pytest.raises(KeyError):
+        with adapters_disabled(built.model):
+            assert all(m.disabled for m in lora_modules(built.model).values())
+            raise KeyError("a forward failed")
+    assert not any(m.disabled for m in lora_modules(built.model).values())
+    assert built.trainer.reference_logprobs(built.trainer._collate([])) is None  # a dummy: no KL term
+
+
+def test_kl_step_against_the_disabled_adapters_equals_the_step_against_a_base_copy(tiny_model_dir):
+    """One LoRA step with kl_coef > 0 and activation checkpointing (whose backward re-runs each layer's forward)
+    trains exactly the adapters that the same step does without checkpointing and with a separate frozen base
+    model as the reference: the reference is the base and the recomputation runs with the adapters on."""
+    from learner.forward import prepare_model
+
+    def step(checkpointing: bool, copy: bool):
+        built = _rank_model(tiny_model_dir, {"kl_coef": 0.5, "activation_checkpointing": checkpointing,
+                                             "mini_batches": 2}, rank=4)
+        _trained_looking(built.model)
+        if copy:
+            built.trainer.ref_model = prepare_model(_plain(tiny_model_dir), built.trainer.cfg, trainable=False)
+        stats = built.trainer.run(make_batch(0, groups=2, candidates=1))
+        return stats, {n: p.detach().clone() for n, p in built.model.named_parameters() if p.requires_grad}
+
+    got, got_sd = step(checkpointing=True, copy=False)
+    want, want_sd = step(checkpointing=False, copy=True)
+    assert got.updates == want.updates == 2 and got.sums["kl_loss"] > 0
+    assert got.sums["kl_loss"] == pytest.approx(want.sums["kl_loss"], rel=1e-5)
+    assert all(torch.allclose(got_sd[n], want_sd[n], atol=1e-6) for n in want_sd)
+
+
 TWO_RANKS = textwrap.dedent("""
     import os, sys, torch
     import torch.distributed as dist
@@ -203,3 +285,60 @@ def test_two_fsdp_ranks_train_adapters_and_publish_merged_weights(tiny_model_dir
         stem = k.removesuffix(".lora_A")
         by_hand = full[f"{stem}.weight"] + 2.0 * full[f"{stem}.lora_B"] @ full[k]  # alpha / r = 6 / 3
         assert torch.allclose(merged[f"{stem}.weight"], by_hand, atol=1e-6), stem
+
+
+TWO_RANKS_KL = textwrap.dedent("""
+    import os, sys, torch
+    import torch.distributed as dist
+    sys.path.insert(0, os.getcwd())
+    from common.config import LearnerConfig, LoRAConfig
+    from learner.batching import batch_rows
+    from learner.forward import forward_stats
+    from learner.setup import setup_rank
+    from tests.learner.batches import make_batch
+
+    rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(rank=3, alpha=6.0), kl_coef=0.5,
+                        mini_batches=2, activation_checkpointing=True)
+    built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
+                       max_new_tokens=40)
+    stats = built.trainer.run(make_batch(0, groups=2, candidates=1))
+    rows = batch_rows(make_batch(1, groups=2, candidates=1), std_normalize=True, max_positions=512)
+    mb = built.trainer._collate(rows if rank == 0 else [])  # rank 1 runs a dummy: the same collectives
+    ref = built.trainer.reference_logprobs(mb)
+    with torch.no_grad():
+        policy = forward_stats(built.model, mb)[0]
+    if rank == 0:
+        torch.save({"ref": ref, "policy": policy, "kl_loss": stats.sums["kl_loss"], "updates": stats.updates,
+                    "no_copy": built.ref_model is None and built.trainer.ref_model is None}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+""")
+
+
+def test_two_fsdp_ranks_take_the_kl_reference_from_the_disabled_adapters(tiny_model_dir, tmp_path):
+    """2 FSDP2 ranks over gloo with kl_coef > 0 and activation checkpointing: no reference copy, a step of 2 updates
+    runs (the second one against a KL > 0), and the reference log-probs after it, one rank's micro-batch against
+    the other's dummy, are the base model's while the trained policy's are not."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rank0.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS_KL, str(r), str(port), str(tiny_model_dir), str(out)],
+                              cwd=os.getcwd(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    got = torch.load(out)
+    assert got["no_copy"] and got["updates"] == 2 and got["kl_loss"] > 0
+    one = _rank_model(tiny_model_dir, {"kl_coef": 0.5}, rank=3, alpha=6.0)
+    mb = _micro_batch(one.trainer)
+    base = _base_logprobs(tiny_model_dir, one.trainer.cfg, mb)
+    on = mb.response_mask > 0
+    assert torch.allclose(got["ref"], base, atol=1e-5)
+    assert (got["policy"] - base)[on].abs().max() > 1e-4
