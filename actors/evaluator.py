@@ -44,6 +44,7 @@ class EvaluatorWorker:
         self.engine = make_engine(gen_cfg, model_path, seed=eval_cfg.seed)
         self.pools = [RewardPool(s.reward, s.task) for s in sets]
         self.version = 0
+        self.model_path, self.merger = model_path, None
 
     def evaluate(self, min_version: int = 0, wait_s: float = MIN_VERSION_WAIT_S) -> dict[str, float]:
         """Load the newest published version (if newer) and measure every set. The driver asks right after a
@@ -60,7 +61,14 @@ class EvaluatorWorker:
             log.warning("version %d was not published within %.0fs; evaluating version %s instead", min_version,
                         wait_s, "0 (the model folder)" if ann is None else ann.version)
         if ann is not None and ann.version != self.version:
-            self.engine.load_weights(self.weights.fetch(ann), ann.version)
+            weights = self.weights.fetch(ann)
+            if ann.adapters is not None:  # LoRA adapters only: merged into the base (actors.adapters)
+                if self.merger is None:
+                    from actors.adapters import AdapterMerger
+
+                    self.merger = AdapterMerger(self.model_path, who="evaluator")
+                weights = self.merger.merge([weights], ann.adapters)
+            self.engine.load_weights(weights, ann.version, partial=ann.adapters is not None)
             self.version = ann.version
         out = {"version": float(self.version)}
         for s, questions, pool in zip(self.sets, self.questions, self.pools):

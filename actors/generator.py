@@ -114,6 +114,7 @@ class GeneratorWorker:
         self._watcher: threading.Thread | None = None  # waits at the weight store for new versions (weight_wait_s)
         self._watch_token = 0  # a watcher of an earlier start ends when it sees a newer token
         self._announced = None  # the newest announcement the watcher saw
+        self._merger = None  # actors.adapters.AdapterMerger: the base of adapter publications (LoRA), on first use
         self._next_lease = 0.0
         self._samples_per_item = 1  # samples per leased question (K or K-1), learned from the last lease
         self._requests = 0
@@ -570,8 +571,10 @@ class GeneratorWorker:
             buckets = self._call("fetch", self.weight_source.fetch_buckets, ann, required=required)
             if buckets is None:
                 return
-            try:
-                self.engine.load_weights(buckets, ann.version)  # bucket by bucket, each fetched as it is loaded
+            if ann.adapters is not None:  # LoRA adapters only: merged into the base here, loaded as a partial state
+                buckets = self._adapter_merger().merge(buckets, ann.adapters)
+            try:  # bucket by bucket, each fetched as it is loaded
+                self.engine.load_weights(buckets, ann.version, partial=ann.adapters is not None)
             except RETRYABLE as e:
                 self._torn = True
                 self.stats.loads_torn += 1
@@ -590,6 +593,14 @@ class GeneratorWorker:
             self._call("ack", self.weight_source.ack, self.generator_id, ann.version, required=required)
             log.info("generator %s loaded weights version %d in %.2fs (%d samples in flight)", self.generator_id,
                      ann.version, dt, in_flight)
+
+    def _adapter_merger(self):
+        """The merger of adapter publications (`actors.adapters`), made at the first one (it logs once)."""
+        if self._merger is None:
+            from actors.adapters import AdapterMerger
+
+            self._merger = AdapterMerger(self.model_path, who=f"generator {self.generator_id}")
+        return self._merger
 
     def _watched(self):
         """With the weight watcher running: its newest announcement if newer than the engine's version, else False;

@@ -93,7 +93,8 @@ class Engine(Protocol):
 
     def in_flight(self) -> int: ...
 
-    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], version: int) -> None: ...
+    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], version: int,
+                     partial: bool = False) -> None: ...  # partial: only some parameters come (actors.adapters)
 
 
 class Sample(Protocol):

@@ -52,8 +52,10 @@ class SyntheticEngine:
 
     # ------------------------------------------------------------------------------------ weights
 
-    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], version: int) -> None:
-        """Takes `load_s` (simulated) after taking every bucket; samples in flight continue under the new version."""
+    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], version: int,
+                     partial: bool = False) -> None:
+        """Takes `load_s` (simulated) after taking every bucket (a `partial` state too); samples in flight continue
+        under the new version."""
         for _ in weight_buckets(weights):  # fetched for real (a source error propagates, as for the real engines)
             pass
         self._advance()

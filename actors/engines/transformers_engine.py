@@ -55,10 +55,13 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------------------------ weights
 
-    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], version: int) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], version: int,
+                     partial: bool = False) -> None:
         """Replace all parameters (Hugging Face names; a state dict or buckets of one, loaded as they arrive),
         cast to the engine's dtype; missing or unknown names are an error. A tied parameter may come under any one
-        of its names (the learner publishes a tied head once, as the embedding): loading it sets both."""
+        of its names (the learner publishes a tied head once, as the embedding): loading it sets both. `partial`:
+        only some parameters come (a merged adapter publication, `actors.adapters`); the others stay, missing
+        names are no error (unknown ones still are)."""
         t0 = time.perf_counter()
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -71,8 +74,8 @@ class TransformersEngine:
         for k, p in self.model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(k)
         tied_loaded = {k for group in names.values() if len(group) > 1 and loaded.intersection(group) for k in group}
-        missing = [k for k in self.model.state_dict()
-                   if k not in loaded and k not in tied_loaded and not k.endswith("rotary_emb.inv_freq")]
+        missing = [] if partial else [k for k in self.model.state_dict() if k not in loaded and k not in tied_loaded
+                                      and not k.endswith("rotary_emb.inv_freq")]
         if missing or unexpected:
             raise ValueError(
                 f"weights for version {version} do not fit the model: missing {missing[:5]}, "

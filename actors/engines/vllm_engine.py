@@ -26,6 +26,7 @@ to it before the reload.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -38,6 +39,23 @@ from actors.engines.base import GenSample, Partial, Sampling, derive_seed, topk_
 from common.config import VllmEngineConfig
 
 log = logging.getLogger(__name__)
+
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                   "vllm.model_executor.model_loader.reload.inplace")
+
+
+@contextlib.contextmanager
+def _quiet_reload():
+    """vLLM's reload warnings about layers and weights left out, silenced for a partial load."""
+    loggers = [logging.getLogger(n) for n in _RELOAD_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 TIED_HEAD = ("model.embed_tokens.weight", "lm_head.weight")
 """(embedding, head) of the Hugging Face causal LMs whose config may tie them (Qwen2, Llama)."""
@@ -85,13 +103,21 @@ class VllmEngine:
 
     # ------------------------------------------------------------------------------------ weights
 
-    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], version: int) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], version: int,
+                     partial: bool = False) -> None:
         """Reload all weights in place (Hugging Face names; a state dict, or buckets of one loaded as they
         arrive, so the engine holds one bucket beside its weights), then drop every cached KV block. When a
         bucket fails to arrive the error propagates and the engine holds parts of two versions: the caller
-        must load a whole version before generating again (`GeneratorWorker` does)."""
+        must load a whole version before generating again (`GeneratorWorker` does).
+
+        `partial`: only some weights come (a merged adapter publication, `actors.adapters`: whole attention and
+        MLP blocks). vLLM's in-place reload keeps every layer given none of its tensors as it was (with a warning
+        per layer and one naming the weights not loaded: silenced here, as that is the point) and rebuilds a
+        layer given some of them from what it is given; `actors.adapters` gives each fused layer (qkv_proj,
+        gate_up_proj) all its tensors."""
         t0 = time.perf_counter()
-        self.reload_without_cache_reset(weights)
+        with _quiet_reload() if partial else contextlib.nullcontext():
+            self.reload_without_cache_reset(weights)
         if not self.llm.reset_prefix_cache(reset_running_requests=bool(self._live)):
             raise RuntimeError(
                 f"vLLM refused reset_prefix_cache while loading version {version}: requests are still running; "
