@@ -3,6 +3,8 @@
 Layout of a checkpoint folder `D`:
 
     D/model/        config.json, model.safetensors, tokenizer + generation files  (transformers / vLLM load it)
+    D/adapter/      with `learner.lora` only: adapter_config.json + adapter_model.safetensors in peft's format
+                    (`PeftModel.from_pretrained(base, D/adapter)`, vLLM's `--lora-modules`), beside the merged D/model/
     D/optimizer/    torch.distributed.checkpoint of the AdamW state (each rank writes its shards), and
                     below float32 also the float32 master weights (key `master`)
     D/rng/rank{r}.json   torch, numpy and python RNG states of rank r (JSON, no pickle)
@@ -41,6 +43,8 @@ from safetensors.torch import load_file
 
 FORMAT = 1
 MODEL_DIR, OPTIM_DIR, RNG_DIR, META = "model", "optimizer", "rng", "meta.json"
+ADAPTER_DIR = "adapter"  # LoRA runs: the adapters alone, in peft's format
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # peft's file names
 MASTER_KEY = "master"  # float32 master weights inside the DCP folder (saved when model.dtype is lower)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".index.json")
 
@@ -151,6 +155,43 @@ def write_hf_folder(buckets, specs: dict[str, tuple[torch.dtype, tuple]], model_
     for f in Path(source_dir).iterdir():
         if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(f, out / f.name)
+
+
+def peft_key(name: str) -> str:
+    """peft's name for one of our adapter tensors: `model.layers.0.self_attn.q_proj.lora_A` (a state-dict name,
+    `learner.lora.adapter_names`) -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (peft saves
+    `PeftModel.state_dict()` with the adapter name `default` removed). lora_A is [r, in], lora_B [out, r] in both."""
+    if not name.endswith((".lora_A", ".lora_B")):
+        raise ValueError(f"{name!r} is not a LoRA adapter tensor (...lora_A or ...lora_B)")
+    return f"base_model.model.{name}.weight"
+
+
+def peft_adapter_config(*, rank: int, alpha: float, dropout: float, target_modules: list[str],
+                        base_model: str) -> dict:
+    """adapter_config.json of peft's `LoraConfig` for our adapters: plain LoRA (scaling alpha / r, no rsLoRA or
+    DoRA, no bias), `target_modules` matched by the last part of a module's name as ours are, Linear weights
+    [out, in] (`fan_in_fan_out` false)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
+            "revision": None, "inference_mode": True, "r": rank,
+            "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha, "lora_dropout": dropout,
+            "target_modules": list(target_modules), "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
+            "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+def write_peft_adapter(buckets, specs: dict[str, tuple[torch.dtype, tuple]], config: dict, out: Path) -> None:
+    """`out`/adapter_config.json (`config`: `peft_adapter_config`) and `out`/adapter_model.safetensors from
+    `buckets` of adapter tensors under our names (`learner.gather.iter_flat_buckets(..., adapters=True)`), each
+    written under its peft name (`peft_key`) as it arrives, in the layout `specs` (keyed by our names)."""
+    out.mkdir(parents=True, exist_ok=True)
+    writer = SafetensorsWriter(out / ADAPTER_WEIGHTS, {peft_key(k): v for k, v in specs.items()})
+    try:
+        for bucket in buckets:
+            writer.write({peft_key(k): t for k, t in bucket.items()})
+            del bucket
+    finally:
+        writer.close()
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
 
 
 def load_hf_weights(ckpt: str | Path) -> dict[str, torch.Tensor]:

@@ -194,10 +194,31 @@ class LearnerRank:
             for _ in chunks:  # the gathers are collectives: every rank runs them
                 pass
 
+    def export_adapter(self, out: Path) -> None:
+        """Collective, with `learner.lora`: the adapters alone as a peft adapter folder `out` (adapter_config.json,
+        adapter_model.safetensors under peft's names, float32 as trained), written by rank 0 from the same bucketed
+        gather as an adapter-only publication; `base_model_name_or_path` is this run's model folder."""
+        from learner.gather import iter_flat_buckets
+        from learner.lora import adapter_names
+
+        lora = self.cfg.lora
+        chunks = iter_flat_buckets(self.model, self.rank, self.world, staging=self.staging, adapters=True,
+                                   bucket_bytes=int(self.cfg.weight_sync.bucket_mb * (1 << 20)))
+        if self.rank == 0:
+            names = adapter_names(self.model)
+            specs = ck.tensor_specs({k: v for k, v in self.model.state_dict().items() if k in names}, torch.float32)
+            config = ck.peft_adapter_config(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                            target_modules=lora.target_modules, base_model=self.model_path)
+            ck.write_peft_adapter(chunks, specs, config, Path(out))
+        else:
+            for _ in chunks:  # the gathers are collectives: every rank runs them
+                pass
+
     def save(self, tmp: str) -> None:
-        """The model folder in the compute dtype; AdamW state and, below float32 or with LoRA, the float32 master
-        weights in the DCP folder (see `learner.checkpoint`; with LoRA the model folder holds merged weights, so
-        the base and its adapters are restored from the DCP folder)."""
+        """The model folder in the compute dtype (with LoRA: merged, and the peft adapter folder beside it); AdamW
+        state and, below float32 or with LoRA, the float32 master weights in the DCP folder (see
+        `learner.checkpoint`; with LoRA the model folder holds merged weights, so the base and its adapters are
+        restored from the DCP folder)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -206,6 +227,8 @@ class LearnerRank:
         tmp_path = Path(tmp)
         with plain_disk_errors(tmp_path):  # ENOSPC & co. reach the driver as such, not as DCP's or torch's wrappers
             self.export_model(tmp_path / ck.MODEL_DIR)
+            if self.cfg.lora is not None:
+                self.export_adapter(tmp_path / ck.ADAPTER_DIR)
             state = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
             if self.dtype != torch.float32 or self.cfg.lora is not None:
                 state[ck.MASTER_KEY] = get_model_state_dict(self.model)  # float32 shards, each rank its own

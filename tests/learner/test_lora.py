@@ -111,26 +111,32 @@ def test_optimizer_holds_adapters_only_and_a_step_changes_only_adapters(tiny_mod
     assert len(state) == len(adapters) and all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in state.values())
 
 
-def test_checkpoint_restores_adapters_exactly_and_the_export_is_merged(tiny_model_dir, tmp_path):
-    from learner import checkpoint as ck
+def _learner_rank(model_dir, **lora):
+    """An in-process LearnerRank of world size 1 (no Ray, no process group) holding a `_rank_model`."""
     from learner.gather import Staging
     from learner.pool import LearnerRank
 
     threads = torch.get_num_threads()
-
-    def rank():
-        r = LearnerRank(LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(rank=4)), str(tiny_model_dir),
-                        rank=0, world=1, max_new_tokens=40, run="t", namespace=None)
-        built = _rank_model(tiny_model_dir, rank=4)
-        r.model, r.optimizer, r.trainer, r.model_config, r.staging = (built.model, built.optimizer, built.trainer,
-                                                                      built.model.config, Staging())
-        return r
-
     try:
-        a = rank()
+        r = LearnerRank(LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(**lora)), str(model_dir),
+                        rank=0, world=1, max_new_tokens=40, run="t", namespace=None)
+    finally:
+        torch.set_num_threads(threads)  # LearnerRank sets this process's threads to its num_cpus
+    built = _rank_model(model_dir, **lora)
+    r.model, r.optimizer, r.trainer, r.model_config, r.staging = (built.model, built.optimizer, built.trainer,
+                                                                  built.model.config, Staging())
+    return r
+
+
+def test_checkpoint_restores_adapters_exactly_and_the_export_is_merged(tiny_model_dir, tmp_path):
+    from learner import checkpoint as ck
+
+    threads = torch.get_num_threads()
+    try:
+        a = _learner_rank(tiny_model_dir, rank=4)
         a.trainer.run(make_batch(0, groups=2, candidates=1))
         a.save(str(tmp_path))
-        b = rank()
+        b = _learner_rank(tiny_model_dir, rank=4)
         b.load(str(tmp_path))
     finally:
         torch.set_num_threads(threads)
@@ -231,6 +237,70 @@ def test_kl_step_against_the_disabled_adapters_equals_the_step_against_a_base_co
     assert all(torch.allclose(got_sd[n], want_sd[n], atol=1e-6) for n in want_sd)
 
 
+def test_adapter_export_is_peft_format_and_peft_loads_it_onto_the_base_as_the_merged_export(tiny_model_dir,
+                                                                                              tmp_path):
+    """A LoRA checkpoint writes `adapter/` beside the merged `model/`: peft's adapter_config.json and
+    adapter_model.safetensors (keys base_model.model.<module>.lora_A.weight [r, in] / lora_B.weight [out, r], the
+    trained float32 values), which peft itself loads onto the base model: its logits are the merged export's."""
+    import json
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from learner import checkpoint as ck
+
+    r = _learner_rank(tiny_model_dir, rank=4, alpha=8.0, dropout=0.05, target_modules=["q_proj", "v_proj",
+                                                                                         "down_proj"])
+    _trained_looking(r.model)
+    r.save(str(tmp_path))
+    folder = tmp_path / ck.ADAPTER_DIR
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert {k: config[k] for k in ("peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "target_modules",
+                                   "bias", "fan_in_fan_out", "use_rslora", "use_dora", "base_model_name_or_path")} \
+        == {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "lora_dropout": 0.05,
+            "target_modules": ["q_proj", "v_proj", "down_proj"], "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "base_model_name_or_path": str(tiny_model_dir)}
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    ours = {k: v for k, v in r.model.state_dict().items() if k in adapter_names(r.model)}
+    assert set(saved) == {f"base_model.model.{k}.weight" for k in ours}
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in saved
+    assert all(torch.equal(saved[f"base_model.model.{k}.weight"], v) for k, v in ours.items())  # exact, float32
+    q = r.model.model.layers[0].self_attn.q_proj
+    assert saved["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].shape == (q.out_features, 4)
+
+    peft_model = PeftModel.from_pretrained(_plain(tiny_model_dir), str(folder)).eval()
+    merged = _plain(tmp_path / ck.MODEL_DIR)
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 30]])
+    got, want = _logprobs(peft_model, ids), _logprobs(merged, ids)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert (got - _logprobs(_plain(tiny_model_dir), ids)).abs().max() > 1e-3  # the adapter is not a no-op
+    by_peft = peft_model.merge_and_unload().state_dict()
+    assert all(torch.allclose(by_peft[k], v, atol=1e-6) for k, v in merged.state_dict().items())
+
+
+def test_adapter_export_loads_through_vllms_lora_loader(tiny_model_dir, tmp_path):
+    """vLLM's own peft loader (the one behind `--lora-modules` and `LoRARequest`) reads the adapter folder:
+    PEFTHelper accepts the config (scaling alpha / r) and LoRAModel finds every target with our A and B."""
+    pytest.importorskip("vllm.lora.lora_model", reason="vllm is not installed")
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from learner import checkpoint as ck
+
+    r = _learner_rank(tiny_model_dir, rank=4, alpha=8.0)
+    _trained_looking(r.model)
+    r.save(str(tmp_path))
+    folder = str(tmp_path / ck.ADAPTER_DIR)
+    helper = PEFTHelper.from_local_dir(folder, max_position_embeddings=r.model_config.max_position_embeddings)
+    assert helper.vllm_lora_scaling_factor == 2.0  # alpha / r
+    loaded = LoRAModel.from_local_checkpoint(folder, set(TARGETS), helper, device="cpu", dtype=torch.float32)
+    mods = lora_modules(r.model)
+    assert set(loaded.loras) == set(mods)
+    for name, m in mods.items():
+        w = loaded.loras[name]
+        assert w.rank == 4 and torch.equal(w.lora_a, m.lora_A) and torch.equal(w.lora_b, m.lora_B), name
+
+
 TWO_RANKS = textwrap.dedent("""
     import os, sys, torch
     import torch.distributed as dist
@@ -310,9 +380,18 @@ TWO_RANKS_KL = textwrap.dedent("""
     ref = built.trainer.reference_logprobs(mb)
     with torch.no_grad():
         policy = forward_stats(built.model, mb)[0]
+    from pathlib import Path
+    from learner.gather import Staging
+    from learner.pool import LearnerRank
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    r = LearnerRank(cfg, model_dir, rank=rank, world=2, max_new_tokens=40, run="t", namespace=None)
+    r.model, r.optimizer, r.trainer, r.model_config, r.staging = (built.model, built.optimizer, built.trainer,
+                                                                  built.model.config, Staging())
+    r.export_adapter(Path(out).parent / "adapter")  # collective: the adapters' rows from both ranks
+    full = get_model_state_dict(built.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({"ref": ref, "policy": policy, "kl_loss": stats.sums["kl_loss"], "updates": stats.updates,
-                    "no_copy": built.ref_model is None and built.trainer.ref_model is None}, out)
+                    "no_copy": built.ref_model is None and built.trainer.ref_model is None, "full": full}, out)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -323,7 +402,8 @@ TWO_RANKS_KL = textwrap.dedent("""
 def test_two_fsdp_ranks_take_the_kl_reference_from_the_disabled_adapters(tiny_model_dir, tmp_path):
     """2 FSDP2 ranks over gloo with kl_coef > 0 and activation checkpointing: no reference copy, a step of 2 updates
     runs (the second one against a KL > 0), and the reference log-probs after it, one rank's micro-batch against
-    the other's dummy, are the base model's while the trained policy's are not."""
+    the other's dummy, are the base model's while the trained policy's are not. The peft adapter export gathers
+    each adapter's rows from both ranks."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -342,3 +422,9 @@ def test_two_fsdp_ranks_take_the_kl_reference_from_the_disabled_adapters(tiny_mo
     on = mb.response_mask > 0
     assert torch.allclose(got["ref"], base, atol=1e-5)
     assert (got["policy"] - base)[on].abs().max() > 1e-4
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))  # A's 3 rows came 2 + 1
+    adapters = {k: v for k, v in got["full"].items() if k.endswith(("lora_A", "lora_B"))}
+    assert set(saved) == {f"base_model.model.{k}.weight" for k in adapters}
+    assert all(torch.equal(saved[f"base_model.model.{k}.weight"], v) for k, v in adapters.items())
