@@ -1,5 +1,6 @@
 """Adapter-only publications on the generator side (`actors.adapters`): the merger turns the learner's adapters into
-a partial state, and each engine, given it, holds what it holds after loading the learner's merged publication."""
+a partial state, and each engine, given it, holds what it holds after loading the learner's merged publication; the
+real generator actor tags every rollout with the adapter version that sampled it."""
 
 from __future__ import annotations
 
@@ -122,3 +123,70 @@ def test_vllm_engine_partial_load_equals_the_merged_load(qwen):
         assert merger.blocks.keys() == {f"model.layers.{i}.{b}" for i in (0, 1) for b in ("self_attn", "mlp")}
     finally:
         del engine.llm
+
+
+def test_a_generator_on_ray_tags_rollouts_with_the_adapter_version_that_sampled_them(ray_cluster, tiny_model_dir):
+    """The real generator actor (transformers engine) fed adapter-only publications through the object store: it
+    merges each into the folder's base, and every rollout's version and log-probs are those of the adapter that
+    sampled it, across a swap."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from actors.generator import Generator, actor_options
+    from common.config import ObjectStoreSyncConfig
+    from common.interfaces import actor_name
+    from learner.weights import ObjectStorePublisher, ObjectStoreWeightSource
+    from tests.actors.engine_checks import check_rollout_logprobs
+    from tests.actors.test_generator_ray import GEN_CFG, REWARD_CFG, make_buffer, wait_until
+
+    run = "loraswap"
+    buffer = make_buffer(tiny_model_dir, run)
+    publisher = ObjectStorePublisher(ObjectStoreSyncConfig(), run=run, namespace=None, timeout_s=30)
+    models = {}
+
+    def publish(version: int) -> None:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        apply_lora(model, LoRAConfig(rank=RANK, alpha=ALPHA))
+        init_adapters(model, version, 0, 1)
+        g = torch.Generator().manual_seed(version)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("lora_B"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        models[version] = model
+        spec = AdapterPublication(scaling=ALPHA / RANK, targets=list(lora_modules(model)))
+        ann = publisher.publish(version, iter_flat_buckets(model, 0, 1, bucket_bytes=1 << 14, adapters=True),
+                                adapters=spec)
+        assert ann.adapters == spec and ann.num_bytes == sum(RANK * (m.in_features + m.out_features) * 4
+                                                             for m in lora_modules(model).values())
+
+    publish(1)
+    gid = actor_name(run, "generator", 0)
+    gen = Generator.options(name=gid, **actor_options(GEN_CFG)).remote(
+        gid, GEN_CFG, REWARD_CFG, str(tiny_model_dir), buffer, ObjectStoreWeightSource(run), "arithmetic")
+    try:
+        assert ray.get(gen.start.remote(), timeout=300)["version"] == 1.0
+        batch = buffer.get_batch(1, timeout_s=120)
+        assert batch is not None and {r.version for g in batch.groups for r in g.rollouts} == {1}
+        for g in batch.groups[:2]:
+            for r in g.rollouts:
+                check_rollout_logprobs(models, g.prompt_ids, r)
+        buffer.set_version(2)
+        publish(2)
+
+        def version2_batch():
+            b = buffer.get_batch(2, timeout_s=30)
+            return b if b is not None and any(r.newest_version == 2 for g in b.groups for r in g.rollouts) else None
+
+        batch = wait_until(version2_batch, 120, "rollouts sampled by adapter version 2")
+        checked = 0
+        for g in batch.groups:
+            for r in g.rollouts:
+                check_rollout_logprobs(models, g.prompt_ids, r)
+                checked += r.newest_version == 2
+        assert checked > 0
+        assert ray.get(gen.metrics.remote())["weight_loads"] >= 2
+        ray.get(gen.stop.remote(drain=True), timeout=120)
+    finally:
+        ray.kill(gen, no_restart=True)
+        buffer.shutdown()
