@@ -4,6 +4,7 @@
     ... fully_shard, materialize, load_shards(model, path, rank, world, skip=adapter_names(model))
     init_adapters(model, seed, rank, world)      # A kaiming-uniform, B zeros: the model starts as the base model
     optimizer = AdamW(p for p in model.parameters() if p.requires_grad)    # the adapters only
+    with torch.no_grad(), adapters_disabled(model): ref = model(...)        # the base: the KL reference
 
 `LoRALinear` keeps the wrapped Linear's own `weight` and `bias` parameters under their own names (frozen), so the
 base model's state-dict names do not change (`...q_proj.weight`): the weight files load as before, and the
