@@ -99,9 +99,10 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
         init_adapters(model, cfg.seed, rank, world)
         if rank == 0:
             log.info("learner.lora: rank %d adapters (alpha %g) on %d Linear modules (%s); only they train. "
-                     "Publications and the HF export carry merged weights (W + alpha/rank B A) under the base "
-                     "names: adapter-only publications are not built yet", cfg.lora.rank, cfg.lora.alpha,
-                     len(targets), ", ".join(sorted({t.rsplit('.', 1)[-1] for t in targets})))
+                     "Checkpoints export the merged model (W + alpha/rank B A under the base names) and the "
+                     "adapters in peft's format (adapter/)%s", cfg.lora.rank, cfg.lora.alpha, len(targets),
+                     ", ".join(sorted({t.rsplit('.', 1)[-1] for t in targets})),
+                     "; the KL reference is the base (adapters disabled), no copy" if cfg.kl_coef > 0 else "")
     optimizer, optimizer_note = build_optimizer((p for p in model.parameters() if p.requires_grad), cfg)
     ref = None
     if cfg.kl_coef > 0 and cfg.lora is None:  # under LoRA the reference is the base: the adapters disabled

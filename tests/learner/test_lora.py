@@ -97,7 +97,7 @@ def test_optimizer_holds_adapters_only_and_a_step_changes_only_adapters(tiny_mod
 
     with caplog.at_level(logging.INFO, logger="learner.setup"):
         built = _rank_model(tiny_model_dir, rank=4)
-    assert "carry merged weights" in caplog.text and "adapter-only publications are not built yet" in caplog.text
+    assert "export the merged model" in caplog.text and "adapters in peft's format" in caplog.text
     adapters = {id(p) for n, p in built.model.named_parameters() if n in adapter_names(built.model)}
     in_optimizer = [p for g in built.optimizer.param_groups for p in g["params"]]
     assert {id(p) for p in in_optimizer} == adapters and len(in_optimizer) == len(adapters)
