@@ -428,3 +428,65 @@ def test_two_fsdp_ranks_take_the_kl_reference_from_the_disabled_adapters(tiny_mo
     adapters = {k: v for k, v in got["full"].items() if k.endswith(("lora_A", "lora_B"))}
     assert set(saved) == {f"base_model.model.{k}.weight" for k in adapters}
     assert all(torch.equal(saved[f"base_model.model.{k}.weight"], v) for k, v in adapters.items())
+
+
+BF16_RANK = textwrap.dedent("""
+    import os, sys, torch
+    import torch.distributed as dist
+    sys.path.insert(0, os.getcwd())
+    from common.config import LearnerConfig, LoRAConfig
+    from learner.batching import batch_rows
+    from learner.forward import forward_stats
+    from learner.lora import lora_modules
+    from learner.setup import setup_rank
+    from tests.learner.batches import make_batch
+
+    port, model_dir, out, device = sys.argv[1], sys.argv[2], sys.argv[3], torch.device(sys.argv[4])
+    dist.init_process_group("gloo" if device.type == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+    torch.set_num_threads(1)
+    kw = dict(micro_batch_rows=4, lr=1e-2, kl_coef=0.5, activation_checkpointing=True)
+    built = setup_rank(LearnerConfig(lora=LoRAConfig(rank=4), **kw), model_dir, rank=0, world=1, device=device,
+                       dtype=torch.bfloat16, max_new_tokens=40)
+    plain = setup_rank(LearnerConfig(**kw), model_dir, rank=0, world=1, device=device, dtype=torch.bfloat16,
+                       max_new_tokens=40)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in lora_modules(built.model).values():
+            m.lora_B.to_local().copy_(torch.randn(m.lora_B.shape, generator=gen) * 0.05)
+    rows = batch_rows(make_batch(1, groups=2, candidates=1), std_normalize=True, max_positions=512)
+    mb = built.trainer._collate(rows)
+    ref = built.trainer.reference_logprobs(mb)
+    with torch.no_grad():
+        base = forward_stats(plain.model, mb)[0]
+        policy = forward_stats(built.model, mb)[0]
+    stats = built.trainer.run(make_batch(0, groups=2, candidates=1))
+    on = mb.response_mask > 0
+    torch.save({"same": torch.equal(ref, base), "gap": float((ref - base)[on].abs().max()),
+                "policy_gap": float((policy - base)[on].abs().max()), "kl_loss": stats.sums["kl_loss"],
+                "updates": stats.updates, "no_copy": built.ref_model is None}, out)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+""")
+
+
+def run_bf16_rank(model_dir, out, device: str = "cpu") -> dict:
+    """BF16_RANK in a process of its own (a world-size-1 process group: FSDP2 with bf16 mixed precision)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.run([sys.executable, "-c", BF16_RANK, str(port), str(model_dir), str(out), device],
+                       cwd=os.getcwd(), env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_bf16_fsdp_reference_is_bit_for_bit_the_bf16_base_model(tiny_model_dir, tmp_path):
+    """Under FSDP2's bf16 mixed precision (the GPU path, here on gloo) the disabled adapters leave exactly the base
+    model's forward: the reference log-probs equal a bf16 FSDP build of the model without LoRA bit for bit, the
+    policy's differ, and a KL step with activation checkpointing runs."""
+    got = run_bf16_rank(tiny_model_dir, tmp_path / "bf16.pt")
+    assert got["same"], got
+    assert got["policy_gap"] > 1e-3 and got["no_copy"] and got["updates"] == 1 and got["kl_loss"] > 0, got
