@@ -96,8 +96,10 @@ class AdapterMerger:
     def merge(self, buckets: Iterable[dict[str, torch.Tensor]], spec: AdapterPublication
               ) -> Iterator[dict[str, torch.Tensor]]:
         """The partial state of an adapter publication (`buckets`, as a weight source yields them), in buckets of
-        about `bucket_bytes`, block after block in the targets' order. Every adapter arrives before the first bucket
-        is yielded (they are small). ValueError when the adapters and `spec.targets` differ."""
+        about `bucket_bytes`, block after block in the targets' order, merged as the engine asks for them. Eager
+        before it returns: the base blocks are read and every adapter is received (they are small), so a failed
+        transfer or a publication that does not fit raises here, before an engine has loaded anything (no torn
+        load). ValueError when the adapters and `spec.targets` differ."""
         self.hold(spec.targets)
         adapters = {k: v.clone() for b in buckets for k, v in b.items()}  # a source may reuse its buffers
         expected = {f"{t}.{p}" for t in spec.targets for p in ("lora_A", "lora_B")}
@@ -105,6 +107,10 @@ class AdapterMerger:
             missing, unexpected = sorted(expected - adapters.keys()), sorted(adapters.keys() - expected)
             raise ValueError(f"adapter publication does not match its targets: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
+        return self._merged(adapters, spec)
+
+    def _merged(self, adapters: dict[str, torch.Tensor], spec: AdapterPublication
+                ) -> Iterator[dict[str, torch.Tensor]]:
         targets = set(spec.targets)
         out: dict[str, torch.Tensor] = {}
         size = 0

@@ -568,11 +568,9 @@ class GeneratorWorker:
                 self._load_pending = True  # leasing pauses; the samples in flight finish under the old version
                 return
             t0 = time.monotonic()
-            buckets = self._call("fetch", self.weight_source.fetch_buckets, ann, required=required)
+            buckets = self._call("fetch", self._fetch, ann, required=required)
             if buckets is None:
                 return
-            if ann.adapters is not None:  # LoRA adapters only: merged into the base here, loaded as a partial state
-                buckets = self._adapter_merger().merge(buckets, ann.adapters)
             try:  # bucket by bucket, each fetched as it is loaded
                 self.engine.load_weights(buckets, ann.version, partial=ann.adapters is not None)
             except RETRYABLE as e:
@@ -594,13 +592,19 @@ class GeneratorWorker:
             log.info("generator %s loaded weights version %d in %.2fs (%d samples in flight)", self.generator_id,
                      ann.version, dt, in_flight)
 
-    def _adapter_merger(self):
-        """The merger of adapter publications (`actors.adapters`), made at the first one (it logs once)."""
+    def _fetch(self, ann):
+        """The buckets of `ann`'s version for `engine.load_weights`, fetched as they are loaded; an adapter-only
+        publication (LoRA) is received whole here and merged into the base as the engine loads it
+        (`actors.adapters`: a partial state), so a failed transfer tears nothing. The merger is made at the first
+        one (it logs once)."""
+        buckets = self.weight_source.fetch_buckets(ann)
+        if ann.adapters is None:
+            return buckets
         if self._merger is None:
             from actors.adapters import AdapterMerger
 
             self._merger = AdapterMerger(self.model_path, who=f"generator {self.generator_id}")
-        return self._merger
+        return self._merger.merge(buckets, ann.adapters)
 
     def _watched(self):
         """With the weight watcher running: its newest announcement if newer than the engine's version, else False;
