@@ -17,9 +17,10 @@ Why our own and not peft: peft wraps modules in its own classes and renames the 
 bucketed gather (`learner.gather`, HF names) would each have to translate; peft is also not a dependency. The
 whole of LoRA needed here is ~100 lines with fewer moving parts.
 
-Publications merge (`merged_weight`): W + (alpha / r) B A per target, computed per bucket on each rank from its
-own rows (FSDP2 shards W and B along the same output rows; A [r, in] is gathered whole, small), published under
-the base name; the adapter tensors themselves are not published. Imports only torch.
+Publications carry the adapter tensors alone by default (`learner.lora.publish: adapters`; the generators merge them,
+`actors.adapters`). Merged ones (`publish: merged`) and the HF export merge (`merged_weight`): W + (alpha / r) B A
+per target, computed per bucket on each rank from its own rows (FSDP2 shards W and B along the same output rows;
+A [r, in] is gathered whole, small), under the base name, the adapter tensors left out. Imports only torch.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 def adapter_names(model: nn.Module) -> set[str]:
-    """State-dict names of the adapter tensors (`...lora_A`, `...lora_B`): checkpointed, never published."""
+    """State-dict names of the adapter tensors (`...lora_A`, `...lora_B`): checkpointed; published alone (adapter
+    publications) or not at all (merged ones)."""
     return {f"{n}.{p}" for n in lora_modules(model) for p in ("lora_A", "lora_B")}
 
 
