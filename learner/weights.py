@@ -23,6 +23,10 @@ Backends (a discriminated union in `LearnerConfig.weight_sync`):
 
 `make_publisher` and `make_weight_source` build the two ends of the configured backend.
 
+LoRA adapter-only publications (`learner.lora.publish: adapters`): `publish(version, adapter_buckets,
+adapters=AdapterPublication(...))` on either backend; the announcement carries it (scaling, targets), the payload
+is every target's `lora_A` and `lora_B`, always whole (no delta), and generators merge it (`actors.adapters`).
+
 Acknowledgements: generators `register` (or simply `ack`, which registers), `unregister` when they
 leave; `WeightStore.wait_for_acks(version, timeout_s)` returns the registered generators that have
 not acknowledged `version` (or newer) in time, and `wait_for_acks` here raises `WeightSyncTimeout`
