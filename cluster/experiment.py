@@ -84,6 +84,7 @@ class RunResult:
     final_greedy: float = float("nan")
     curve: list[tuple[float, float]] = field(default_factory=list)  # (rollouts, held-out pass@1)
     mechanism: dict[str, float] = field(default_factory=dict)  # what the buffer did (see MECHANISM)
+    costs: dict[str, float] = field(default_factory=dict)  # what the learner and publications cost (see COSTS)
     error: str = ""
 
 
@@ -209,7 +210,7 @@ def collect(runs_root: Path, variant: str, seed: int, name: str, wall_s: float) 
     return RunResult(variant, seed, name, ok=True, wall_s=wall_s, rollouts=max(rollouts_at.values(), default=0.0),
                      final_pass1=evals[-1][1], best_pass1=max(v for _, v in evals),
                      final_greedy=greedy[-1][1] if greedy else float("nan"), curve=curve,
-                     mechanism=_mechanism(client, run_id))
+                     mechanism=_mechanism(client, run_id), costs=_costs(client, run_id))
 
 
 MECHANISM = {
@@ -234,6 +235,28 @@ responses with valid reasoning on the held-out set (last evaluation) and among f
 run); for mixed groups, the share of chosen o* with valid reasoning against the mean share over the candidates
 it was chosen from (what a random choice gives), and the mean per-step correlation between a scored
 candidate's entropy and its validity (negative: lower entropy, more often valid)."""
+
+
+COSTS = {
+    "publication_mb": "MB per publication",
+    "publish_blocking_s": "publication s (rank 0 busy)",
+    "step_s": "learner step s",
+    "peak_gib": "learner peak GiB",
+}
+"""Per run, read back from MLflow: the mean bytes a publication carried (`weights/bytes_full`: the whole model, or
+the adapters with `learner.lora`), the mean seconds learner rank 0 was busy publishing, the mean learner step
+time, and the learner's peak memory (`learner/peak_memory_gib`: the largest rank's CUDA max allocated, or its peak
+RSS on the CPU)."""
+
+
+def _costs(client, run_id: str) -> dict[str, float]:
+    def mean(key: str, scale: float = 1.0) -> float:
+        xs = _finite([m.value for m in client.get_metric_history(run_id, key)])
+        return statistics.fmean(xs) * scale if xs else float("nan")
+
+    peak = _finite([m.value for m in client.get_metric_history(run_id, "learner/peak_memory_gib")])
+    return {"publication_mb": mean("weights/bytes_full", 1e-6), "publish_blocking_s": mean("weights/publish_blocking_s"),
+            "step_s": mean("learner/step_time_s"), "peak_gib": max(peak) if peak else float("nan")}
 
 
 def _mechanism(client, run_id: str) -> dict[str, float]:
@@ -313,6 +336,15 @@ def table(spec: ExperimentSpec, results: list[RunResult]) -> str:
             xs = _finite([r.mechanism.get(key, float("nan")) for r in ok])
             fmt = "{:.0f}" if key in ("switch_step", "fresh_groups", "mixed_groups", "retired") else "{:.2f}"
             cells.append(fmt.format(statistics.fmean(xs)) if xs else "—")
+        rows.append(f"| {variant} | " + " | ".join(cells) + " |")
+    rows += ["", "What it cost (mean over seeds):", "",
+             "| variant | " + " | ".join(COSTS.values()) + " |", "|---" * (len(COSTS) + 1) + "|"]
+    for variant in spec.variants:
+        ok = [r for r in results if r.variant == variant and r.ok]
+        cells = []
+        for key in COSTS:
+            xs = _finite([r.costs.get(key, float("nan")) for r in ok])
+            cells.append(f"{statistics.fmean(xs):.3g}" if xs else "—")
         rows.append(f"| {variant} | " + " | ".join(cells) + " |")
     for r in results:
         if not r.ok:

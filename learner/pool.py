@@ -63,6 +63,19 @@ class StepResult:
     version: int  # policy version after the step
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory so far on `device`: CUDA's max allocated bytes (what the step's tensors needed,
+    the caching allocator's slack left out), or on the CPU the peak resident set (VmHWM: model, optimizer and the
+    step's tensors alike)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 class LearnerRank:
     """One FSDP rank (run as a Ray actor by `LearnerPool`; usable in-process for world size 1)."""
 
@@ -112,7 +125,9 @@ class LearnerRank:
         batch = codec.decode(payload, TrainingBatch)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.cfg, batch.version)
-        return self.trainer.run(batch)
+        stats = self.trainer.run(batch)
+        stats.peak_memory_bytes = peak_memory_bytes(self.device)
+        return stats
 
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Collective: every rank must call it; rank 0 gets the full CPU state dict (HF names; the fp32

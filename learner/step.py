@@ -158,6 +158,7 @@ class RankStats:
     fresh_logprobs: list[np.ndarray] = field(default_factory=list)  # their start-of-step log-probs [T] (store_logprobs)
     store_logprobs: bool = False  # learner.store_learner_logprobs
     seconds: float = 0.0
+    peak_memory_bytes: int = 0  # the rank's peak so far: CUDA's max allocated, else the process's peak RSS (VmHWM)
     queued: list[_Queued] = field(default_factory=list, repr=False)  # empty once `finish` ran
 
     def add_micro(self, metrics: dict[str, Tensor], parts: dict[str, Tensor], ent: Tensor, mb: MicroBatch,
@@ -276,6 +277,7 @@ def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeed
         "learner/updates": float(lead.updates),
         "learner/skipped_updates": float(lead.skipped),
         "learner/step_time_s": seconds,
+        "learner/peak_memory_gib": max(st.peak_memory_bytes for st in stats) / 2**30,
         "learner/tokens_per_s": tokens / seconds if seconds > 0 else nan,
         "learner/candidates_scored": float(lead.candidates_scored),
         "learner/selection_s": max(st.selection_s for st in stats),

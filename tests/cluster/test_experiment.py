@@ -51,12 +51,16 @@ def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, caps
     cmd = [sys.executable, "-m", "cluster.cli", "experiment", spec_file, "--runs-root", str(runs)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    results, mechanism = out.stdout.split("What the buffer did")
+    results, rest = out.stdout.split("What the buffer did")
+    mechanism, costs = rest.split("What it cost")
     rows = [line for line in results.splitlines() if line.startswith(("| exgrpo", "| grpo"))]
     assert len(rows) == 2 and all("| 1 |" in r for r in rows), out.stdout
     grpo = [line for line in mechanism.splitlines() if line.startswith("| grpo")]
     # GRPO never replays: no mixed group, no replayed token, nothing retired (collect=false); every group fresh
     assert len(grpo) == 1 and grpo[0].split(" | ")[1:5] == ["—", "32", "0", "0"], mechanism
+    # MB per publication, publication s, learner step s, learner peak GiB: read back from each run, all measured
+    cost_rows = [line for line in costs.splitlines() if line.startswith(("| exgrpo", "| grpo"))]
+    assert len(cost_rows) == 2 and all(float(c) > 0 for r in cost_rows for c in r.strip(" |").split(" | ")[1:]), costs
     assert (runs / "mini" / "results.md").is_file() and (runs / "mini" / "accuracy_vs_rollouts.png").is_file()
 
     client = mlflow_client(runs)

@@ -31,6 +31,7 @@ REQUIRED_METRICS = [
     "learner/entropy_replayed", "generator/rollouts_per_s", "generator/tokens_per_s", "learner/tokens_per_s",
     "buffer/groups_per_s", "driver/learner_wait_fraction", "driver/weight_publish_s", "generator/weight_load_s_last",
     "accounting/issued", "train/response_length_mean", "train/response_length_p90", "train/truncated_fraction",
+    "learner/peak_memory_gib",
 ]
 
 
