@@ -50,3 +50,41 @@ def test_two_ranks_publish_adapters_only_and_a_generator_merges_them(ray_cluster
             assert all(got[f"{t}.lora_B"].abs().max() > 0 for t in ann.adapters.targets)  # trained: B moved off 0
     finally:
         pool.shutdown()
+
+
+def test_publish_merged_still_carries_the_whole_merged_model(ray_cluster, tiny_model_dir, caplog):
+    """`learner.lora.publish: merged`: the announcement says nothing of adapters and the payload is the merged state
+    under the base names; `adapters` (the default) with `weight_sync.delta` says once that delta does not apply."""
+    import logging
+
+    from learner.gather import Staging, gather_full_state
+    from learner.pool import LearnerRank
+    from learner.setup import setup_rank
+
+    threads = torch.get_num_threads()
+    anns = {}
+    try:
+        for publish in ("merged", "adapters"):
+            cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, publish_timeout_s=30,
+                                weight_sync=ObjectStoreSyncConfig(delta=True),
+                                lora=LoRAConfig(rank=RANK, alpha=ALPHA, publish=publish))
+            r = LearnerRank(cfg, str(tiny_model_dir), rank=0, world=1, max_new_tokens=12, run=f"lorapub-{publish}",
+                            namespace=NS)
+            built = setup_rank(cfg, str(tiny_model_dir), rank=0, world=1, device=torch.device("cpu"),
+                               dtype=torch.float32, max_new_tokens=12)
+            r.model, r.optimizer, r.trainer, r.model_config, r.staging = (built.model, built.optimizer,
+                                                                          built.trainer, built.model.config, Staging())
+            r.trainer.run(make_batch(0, groups=2, candidates=1))
+            with caplog.at_level(logging.INFO, logger="learner.pool"):
+                anns[publish] = r.publish(1).announcement
+            source = make_weight_source(cfg.weight_sync, run=f"lorapub-{publish}", namespace=NS, timeout_s=20)
+            got, merged = source.fetch(anns[publish]), gather_full_state(r.model, 0, 1)
+            if publish == "merged":
+                assert list(got) == list(merged)  # the base names, targets merged, no adapter tensor
+                assert all(torch.equal(got[k], merged[k]) for k in got)
+    finally:
+        torch.set_num_threads(threads)
+    assert anns["merged"].adapters is None and anns["adapters"].adapters is not None
+    assert anns["adapters"].num_bytes < 0.15 * anns["merged"].num_bytes
+    said = [m for m in caplog.messages if "learner.lora.publish=adapters" in m]
+    assert len(said) == 1 and "learner.weight_sync.delta does not apply to them" in said[0]
