@@ -41,8 +41,8 @@ def test_lora_run_resumes_after_kill_9_with_adapters_only_and_a_peft_export(tmp_
     """The run is far longer than the test; once its first checkpoint (every 2 steps) is listed, the whole process
     group (driver, Ray and its actors) is killed with SIGKILL and `exgrpo train --resume RUN total_steps=N`
     finishes it: the same MLflow run continues with every step once, the accounting balances, the AdamW state
-    holds the adapters alone, the base weights never moved, and the final checkpoint's peft adapter folder holds
-    the trained adapters."""
+    holds the adapters alone, the base weights never moved, the final checkpoint's peft adapter folder holds
+    the trained adapters, and every publication carried the adapters' bytes alone."""
     pytest.importorskip("vllm", reason="vllm is not installed")
     from safetensors.torch import load_file
 
@@ -95,3 +95,6 @@ def test_lora_run_resumes_after_kill_9_with_adapters_only_and_a_peft_export(tmp_
     assert exported.keys() == {ck.peft_key(k) for k in adapters}
     assert all(torch.equal(exported[ck.peft_key(k)], saved["master"][k]) for k in adapters)  # the trained values
     assert any(k.endswith("lora_B") and exported[ck.peft_key(k)].abs().max() > 0 for k in adapters)  # B moved
+    adapter_bytes = sum(t.numel() * t.element_size() for t in exported.values())  # float32, as published here
+    published = {v for _, v in history(client, run_id, "weights/bytes_full")} - {0.0}  # 0: no publication that step
+    assert published == {adapter_bytes}  # every publication carried the adapters alone
