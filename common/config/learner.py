@@ -66,7 +66,9 @@ class LoRAConfig(Section):
     """Low-rank adapters on the learner (learner.lora; first slice, docs/cluster.md "LoRA"): each target Linear's
     weight W is frozen and the learner trains W + (alpha / rank) B A only, A [rank, in] and B [out, rank] (B starts
     at zero, so step 0 is the base model). Only the adapters are in the optimizer. Publications carry the adapters
-    only (`publish`; generators merge them into the base), or the merged weights under the model's own names."""
+    only (`publish`; generators merge them into the base), or the merged weights under the model's own names.
+    Checkpoints export the merged model (`learner/model/`) and the adapters in peft's format (`learner/adapter/`).
+    With `kl_coef > 0` the KL reference is the base, the same model with its adapters disabled: no second copy."""
 
     rank: int = Field(8, ge=1, le=4096)
     """The adapters' rank r (A is [r, in], B is [out, r])."""
