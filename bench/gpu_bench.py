@@ -167,6 +167,10 @@ def learner_config(args, padding_free: bool | None, device: torch.device, dtype:
             sys.exit(f"--{'' if value else 'no-'}{flag.replace('_', '-')}: this tree's LearnerConfig has no "
                      f"field {field!r}; leave the flag out")
         over[field] = on if value else off
+    if args.lora:  # adapters on the default targets; only they train (learner.lora)
+        from common.config.learner import LoRAConfig
+
+        over["lora"] = LoRAConfig(rank=args.lora)
     if args.attn:
         over["attn_implementation"] = args.attn
     elif over.get("padding_free") is True:
@@ -181,6 +185,8 @@ def lever_settings(cfg, model) -> dict:
     out["packs_padding_free"] = cfg.packs_padding_free
     out["attention"] = model.config._attn_implementation if model is not None else cfg.attn_implementation
     out["micro_batch_tokens"] = cfg.micro_batch_tokens
+    lora = getattr(cfg, "lora", None)
+    out["lora_rank"] = lora.rank if lora is not None else None
     return out
 
 
@@ -431,7 +437,8 @@ def fits(size: str, device: torch.device, vocab: int) -> str | None:
 def levers_on(s: dict) -> str:
     on = [name for name, yes in (("packed", s["packs_padding_free"]), ("compile", s.get("compile")),
                                  ("fused", s.get("fused_optimizer")), ("ckpt", s.get("activation_checkpointing")),
-                                 ("chunked", s.get("logits_chunk_tokens") != 0)) if yes]
+                                 ("chunked", s.get("logits_chunk_tokens") != 0),
+                                 (f"lora r{s.get('lora_rank')}", s.get("lora_rank"))) if yes]
     return " ".join(on) or "none"
 
 
@@ -504,6 +511,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", choices=["cuda", "cpu"], help="default cuda where available (cpu with --quick)")
     ap.add_argument("--peak-tflops", type=float, help="the device's dense peak for MFU (default: by device name)")
     ap.add_argument("--attn", help="learner.attn_implementation (sdpa, flex_attention, flash_attention_2, ...)")
+    ap.add_argument("--lora", type=int, metavar="RANK",
+                    help="train rank-RANK adapters (learner.lora.rank): peak memory without the base's gradients and "
+                         "AdamW state; MFU still counts full fine-tuning's 6 x params, so it reads high for LoRA")
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="publication bucket (weight_sync.bucket_mb)")
     ap.add_argument("--pub-repeats", type=int, default=3, help="timed publications per size (median)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled step")
@@ -548,7 +558,7 @@ def main(argv: list[str] | None = None) -> dict:
                          if device.type == "cuda" else None},
               "mfu_formula": "(6 x params + 6 x layers x hidden x row length) x tokens / step_s / peak",
               "recompute_counted": False, "vocab": vocab,
-              "levers": {flag: getattr(args, flag) for flag in LEVERS} | {"attn": args.attn},
+              "levers": {flag: getattr(args, flag) for flag in LEVERS} | {"attn": args.attn, "lora": args.lora},
               "runs": [], "publication": {}, "packed_over_padded": {}, "skipped": {}}
     try:
         with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:

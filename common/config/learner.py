@@ -63,7 +63,7 @@ LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 
 class LoRAConfig(Section):
-    """Low-rank adapters on the learner (learner.lora; first slice, docs/cluster.md "LoRA"): each target Linear's
+    """Low-rank adapters on the learner (learner.lora; docs/cluster.md "LoRA"): each target Linear's
     weight W is frozen and the learner trains W + (alpha / rank) B A only, A [rank, in] and B [out, rank] (B starts
     at zero, so step 0 is the base model). Only the adapters are in the optimizer. Publications carry the adapters
     only (`publish`; generators merge them into the base), or the merged weights under the model's own names.
