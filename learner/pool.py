@@ -138,9 +138,9 @@ class LearnerRank:
 
     def publish(self, version: int) -> PublishReport | None:
         """Collective. The gather streams into the publisher bucket by bucket (`learner.gather`: flat buckets
-        through two reused host buffers, each valid until the next is asked for): the object store puts one object
-        per bucket (rank 0 holds its shard and two buckets); the collective backend packs each bucket as it comes
-        into the version it keeps for its channels, on the GPU where it sends from there. Rank 0 returns how long
+        through reused host buffers, each valid until the next is asked for): the object store puts one object
+        per bucket (rank 0 holds its shard and a bucket or two); the collective backend has each bucket gathered
+        into the buffer it keeps for its channels (`bucket_buffer`), on the GPU where it sends from there. Rank 0 returns how long
         it was busy (`PublishReport.blocking_s`): the learner's next step, queued behind this call, waits that long.
         With `learner.lora.publish: adapters` only the adapter tensors are gathered and published, the announcement
         saying so (`AdapterPublication`: scaling and targets); the generators merge them into their base."""
