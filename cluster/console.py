@@ -45,6 +45,25 @@ def quiet_store_loggers() -> None:
         logger.propagate = True
 
 
+OUR_PACKAGES = ("actors", "buffer", "cluster", "common", "learner")
+
+
+def setup_worker_logging() -> None:
+    """Ray's `worker_process_setup_hook` (`cluster.runtime.start_ray`): in every worker process of a run, our
+    packages' INFO lines (a learner rank's levers and LoRA line, a generator's adapter merge, ...) go to the
+    worker's stderr, which Ray keeps as `worker-*.err` (an embedded run copies them into the run's `logs/ray`).
+    Without it they were dropped: a worker's root logger passes WARNING and above only."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in OUR_PACKAGES:
+        logger = logging.getLogger(name)
+        if not any(getattr(h, "exgrpo_worker", False) for h in logger.handlers):
+            handler.exgrpo_worker = True
+            logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # Ray's own root handlers would print them twice
+
+
 class LogFile(logging.FileHandler):
     """logs/driver.log. A line the disk refuses is not a traceback on the console (logging's default, once per
     line): the first one of a failing spell is said in one line, and lines are lost until the file takes writes."""

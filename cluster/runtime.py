@@ -33,19 +33,21 @@ ACTOR_ENV = {
 def start_ray(cfg: ClusterConfig, run_dir: Path) -> str:
     """Join `cfg.address`, or start an embedded local Ray with its own temp dir. Returns the GCS address."""
     env = dict(ACTOR_ENV)
+    # every worker process: our INFO lines to its stderr, kept by Ray and copied into the run's logs/ray
+    runtime_env = {"env_vars": env, "worker_process_setup_hook": "cluster.console.setup_worker_logging"}
     # Ray announces its defaults (token auth on, local instance started) at WARNING/INFO on the console;
     # the user's console is for training progress. Token auth itself stays on.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     if cfg.address:
         ctx = ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False,
-                       runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+                       runtime_env=runtime_env, logging_level=logging.WARNING)
     else:
         # Unix socket paths are limited to ~107 bytes, so the temp dir stays short (not inside run_dir).
         temp = cfg.temp_dir or tempfile.mkdtemp(prefix="exgrpo-ray-", dir="/tmp")
         if cfg.temp_dir is None:  # ours: removed by shutdown_ray(), even when ray.init fails
             _OWNED_TEMP.update(temp=temp, logs=str(run_dir / "logs" / "ray"))
         ctx = ray.init(address="local", num_cpus=cfg.num_cpus, namespace=cfg.namespace, _temp_dir=temp,
-                       include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
+                       include_dashboard=False, log_to_driver=False, runtime_env=runtime_env,
                        logging_level=logging.WARNING)
         (run_dir / "ray_temp_dir").write_text(temp)
     address = ctx.address_info.get("gcs_address") or ctx.address_info.get("address") or ""

@@ -99,3 +99,6 @@ def test_lora_run_resumes_after_kill_9_with_adapters_only_and_a_peft_export(tmp_
     adapter_bytes = sum(t.numel() * t.element_size() for t in exported.values())  # float32, as published here
     published = {v for _, v in history(client, run_id, "weights/bytes_full")} - {0.0}  # 0: no publication that step
     assert published == {adapter_bytes}  # every publication carried the adapters alone
+    # the actors' own INFO lines reach the run folder (Ray's worker stderr, copied into logs/ray at the end)
+    workers = "".join(p.read_text(errors="replace") for p in (run_dir / "logs" / "ray").glob("worker-*.err"))
+    assert "learner.lora: rank 8 adapters" in workers and "learner levers on cpu" in workers, workers[-2000:]
