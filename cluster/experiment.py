@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -316,6 +317,21 @@ def _mean_sd(xs: list[float]) -> str:
     return f"{statistics.fmean(xs):.3f} ± {sd:.3f}"
 
 
+def _means_table(spec: ExperimentSpec, results: list[RunResult], title: str, columns: dict[str, str],
+                 values: Callable[[RunResult], dict[str, float]], fmt: Callable[[str, float], str]) -> list[str]:
+    """A table of per-variant means over the successful runs (— where no run measured a column)."""
+    rows = ["", f"{title} (mean over seeds):", "",
+            "| variant | " + " | ".join(columns.values()) + " |", "|---" * (len(columns) + 1) + "|"]
+    for variant in spec.variants:
+        ok = [r for r in results if r.variant == variant and r.ok]
+        cells = []
+        for key in columns:
+            xs = _finite([values(r).get(key, float("nan")) for r in ok])
+            cells.append(fmt(key, statistics.fmean(xs)) if xs else "—")
+        rows.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def table(spec: ExperimentSpec, results: list[RunResult]) -> str:
     rows = ["| variant | runs | final pass@1 | best pass@1 | final greedy | rollouts | wall s |",
             "|---|---|---|---|---|---|---|"]
@@ -327,25 +343,10 @@ def table(spec: ExperimentSpec, results: list[RunResult]) -> str:
                     f"{_mean_sd([r.best_pass1 for r in ok])} | {_mean_sd([r.final_greedy for r in ok])} | "
                     f"{statistics.fmean([r.rollouts for r in ok]) if ok else float('nan'):.0f} | "
                     f"{statistics.fmean([r.wall_s for r in ok]) if ok else float('nan'):.0f} |")
-    rows += ["", "What the buffer did (mean over seeds):", "",
-             "| variant | " + " | ".join(MECHANISM.values()) + " |", "|---" * (len(MECHANISM) + 1) + "|"]
-    for variant in spec.variants:
-        ok = [r for r in results if r.variant == variant and r.ok]
-        cells = []
-        for key in MECHANISM:
-            xs = _finite([r.mechanism.get(key, float("nan")) for r in ok])
-            fmt = "{:.0f}" if key in ("switch_step", "fresh_groups", "mixed_groups", "retired") else "{:.2f}"
-            cells.append(fmt.format(statistics.fmean(xs)) if xs else "—")
-        rows.append(f"| {variant} | " + " | ".join(cells) + " |")
-    rows += ["", "What it cost (mean over seeds):", "",
-             "| variant | " + " | ".join(COSTS.values()) + " |", "|---" * (len(COSTS) + 1) + "|"]
-    for variant in spec.variants:
-        ok = [r for r in results if r.variant == variant and r.ok]
-        cells = []
-        for key in COSTS:
-            xs = _finite([r.costs.get(key, float("nan")) for r in ok])
-            cells.append(f"{statistics.fmean(xs):.3g}" if xs else "—")
-        rows.append(f"| {variant} | " + " | ".join(cells) + " |")
+    counts = ("switch_step", "fresh_groups", "mixed_groups", "retired")
+    rows += _means_table(spec, results, "What the buffer did", MECHANISM, lambda r: r.mechanism,
+                         lambda key, x: f"{x:.0f}" if key in counts else f"{x:.2f}")
+    rows += _means_table(spec, results, "What it cost", COSTS, lambda r: r.costs, lambda key, x: f"{x:.3g}")
     for r in results:
         if not r.ok:
             rows.append(f"\n{r.name} failed: {r.error}")
