@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up .venv first (idempotent, instant when done).
-.PHONY: setup train test gpu-check stress
+.PHONY: setup train test gpu-check gpu-wheels stress
 
 setup:
 	@bash scripts/setup.sh
@@ -14,6 +14,16 @@ test: setup
 # Ray install (skipped, said so, exit 0 otherwise; everything skipped without a GPU)
 gpu-check:
 	bash scripts/gpu_check.sh $(STEPS)
+
+# pydantic's wheels for a bare GPU machine (bench/gpu_bench.py, scripts/device_bench.sh), at this .venv's versions,
+# for GPU_PYTHON (default 3.12, the lent GPU machines' python3) on x86-64 Linux, into wheels/ (git-ignored: carry it)
+GPU_PYTHON ?= 3.12
+gpu-wheels: setup
+	.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
+	    --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d wheels \
+	    $$(.venv/bin/python -c "from importlib.metadata import version as v; print(' '.join(f'{p}=={v(p)}' for p in \
+	    ('pydantic', 'pydantic-core', 'annotated-types', 'typing-extensions', 'typing-inspection')))")
+	@ls wheels
 
 # The end-to-end files N times (default 3), optionally beside LOAD busy processes: pass counts per test
 stress: setup

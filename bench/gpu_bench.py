@@ -4,6 +4,7 @@
     python bench/gpu_bench.py --sizes 1.5B 3B --activation-checkpointing --out gpu_bench.json
     python bench/gpu_bench.py --sizes 1.5B --compile --fused-optimizer    # one lever at a time: --no-X turns it off
     python bench/gpu_bench.py --quick --out /tmp/gpu_bench.json          # tiny shapes on CPU (the suite runs it)
+    bash scripts/device_bench.sh                                         # a 15-minute GPU lease, planned (below)
 
 Needs torch, transformers, numpy, pydantic, pyyaml, safetensors: no Ray, vLLM or MLflow is imported
 (docs/cluster.md, "GPU bench", lists the wheels to bring where pydantic is missing).
@@ -18,6 +19,13 @@ Cases, each with the levers given (unset: the product's default):
 - fixed: 8 rows of 256 prompt + 8,192 response tokens.
 - mixed: as many response tokens in rows of 1,024-8,192 (uniform, seeded), padded and packed without padding
   (unless --padding-free / --no-padding-free picks one).
+- publish: the publication alone, for a size that no step case published (one too large to train on the device:
+  the publication needs only the fp32 master weights).
+
+A case that fails is a row of the table with its error (out of memory is a result; any other failure prints its
+traceback and makes the bench exit 1 after the table and the JSON), and the next case runs. Each finished case
+prints a line and rewrites --out, so a bench killed at a lease's time limit leaves every finished case;
+--budget-s starts no case that the last case's time says would overrun it.
 
 Per case: seconds per step (median of --steps after --warmup), response tokens/s, MFU, peak memory, the GPU
 kernel time by category over one profiled step (torch.profiler; on CPU the ops' self time) and the host syncs
@@ -49,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import zlib
 from pathlib import Path
 
@@ -193,8 +202,9 @@ def lever_settings(cfg, model) -> dict:
 # ------------------------------------------------------------------------------------------------- batches
 
 def row_lengths(case: str, rows: int, response: int, seed: int) -> list[int]:
-    """fixed: `rows` x `response`; mixed: as many response tokens in rows uniform in [response/8, response]."""
-    if case == "fixed":
+    """fixed (and publish): `rows` x `response`; mixed: as many response tokens in rows uniform in
+    [response/8, response]."""
+    if case != "mixed":
         return [response] * rows
     rng = np.random.default_rng(seed)
     out: list[int] = []
@@ -298,6 +308,7 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
            "response_min": min(lengths), "response_max": max(lengths), "response_tokens": sum(lengths),
            "tokens": sum(lengths) + len(lengths) * args.prompt}
     built = model = trainer = None
+    t_case = time.perf_counter()
     try:
         t0 = time.perf_counter()
         built = setup_rank(cfg, str(folder), rank=0, world=1, device=device, dtype=dtype,
@@ -310,6 +321,9 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
         params = sum(p.numel() for p in model.parameters())  # unique: a tied embedding once
         out.update(settings=lever_settings(trainer.cfg, model), params=params, layers=shape.num_hidden_layers,
                    hidden=shape.hidden_size)
+        if case == "publish":  # the publication alone: no step, so no AdamW state or activations
+            out["publication"] = publication(model, device, int(args.bucket_mb * 2**20), args.pub_repeats)
+            return out
         times, warm = [], []
         for i in range(args.warmup + args.steps):
             batch = make_batch(lengths, args.prompt, shape.vocab_size, version=i, seed=100 + i)
@@ -336,11 +350,20 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
                                     device))
         if want_publication:
             out["publication"] = publication(model, device, int(args.bucket_mb * 2**20), args.pub_repeats)
-    except torch.OutOfMemoryError as e:  # recorded as the case's result; the next case starts from a free device
+    except torch.OutOfMemoryError as e:  # a result of the case: the next case starts from a free device
         out["error"] = f"out of memory: {str(e).splitlines()[0]}"
-        out.setdefault("settings", lever_settings(cfg, None))
         print(f"[gpu_bench] {size} {case}: {out['error']}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - one case's failure must not cost the others' numbers (a lease is short)
+        # recorded with its traceback, and the bench exits 1 after the table and the JSON (main)
+        out["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+        out["failed"] = True
+        print(f"[gpu_bench] {size} {case} FAILED:\n{traceback.format_exc()}", file=sys.stderr)
     finally:
+        if "settings" not in out:  # failed before the step was built: the levers as `auto` resolves them here
+            from learner.levers import resolve_levers
+
+            out["settings"] = lever_settings(resolve_levers(cfg, device, dtype)[0], None)
+        out["case_s"] = round(time.perf_counter() - t_case, 2)  # set-up, warm-up (compile), steps, profile, publication
         del built, model, trainer
         free(device)
     return out
@@ -418,19 +441,22 @@ def copy_limit(nbytes: int, device: torch.device, bucket_bytes: int) -> tuple[fl
 
 # ------------------------------------------------------------------------------------------------- report
 
-def fits(size: str, device: torch.device, vocab: int) -> str | None:
-    """Why `size` is skipped on this device (None: it should fit): 16 B per parameter (fp32 master, grad,
-    AdamW moments) + 8 GiB for activations, the bf16 gathered layers and the head."""
+def fits(size: str, device: torch.device, vocab: int, case: str = "fixed") -> str | None:
+    """Why `case` of `size` is skipped on this device (None: it should fit). A step: 16 B per parameter (fp32
+    master, grad, AdamW moments) + 8 GiB for activations, the bf16 gathered layers and the head; the publication
+    alone: the fp32 master weights, 4 B per parameter, + 4 GiB (its bf16 buckets)."""
     if device.type != "cuda":
         return None
     s = SIZES[size]
     h, i, n = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
     kv = s["num_key_value_heads"] * h // s["num_attention_heads"]
     params = n * (2 * h * h + 2 * h * kv + 3 * h * i) + vocab * h * (1 if s["tie_word_embeddings"] else 2)
-    need = 16 * params + 8 * 2**30
+    per, extra = (4, 4) if case == "publish" else (16, 8)
+    need = per * params + extra * 2**30
     have = torch.cuda.get_device_properties(device).total_memory
     if need > have:
-        return f"needs ~{need / 2**30:.0f} GiB (16 B/parameter + 8 GiB), the device has {have / 2**30:.0f} GiB"
+        return (f"needs ~{need / 2**30:.0f} GiB ({per} B/parameter + {extra} GiB), the device has "
+                f"{have / 2**30:.0f} GiB")
     return None
 
 
@@ -459,11 +485,14 @@ def print_report(result: dict) -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     for r in result["runs"]:
+        if r["case"] == "publish" and "error" not in r:  # its numbers are in the publication table
+            continue
         s = r["settings"]
         lead = [r["size"], r["case"], f"{r['rows']} x {r['response_min']}-{r['response_max']}", levers_on(s),
                 str(s["attention"])]
         if "error" in r:
-            print("| " + " | ".join(lead + [r["error"]] + [""] * (len(head) - len(lead) - 1)) + " |")
+            error = r["error"] if len(r["error"]) <= 160 else r["error"][:157] + "..."  # whole in the JSON
+            print("| " + " | ".join(lead + [error] + [""] * (len(head) - len(lead) - 1)) + " |")
             continue
         mem = r.get("peak_mem_gib", r.get("peak_rss_gib"))
         split = r.get("kernel_split", {})
@@ -500,7 +529,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes on CPU, the whole pipeline in seconds")
     ap.add_argument("--sizes", nargs="+", choices=list(SIZES), help="default 0.5B 1.5B 3B 7B (tiny with --quick)")
-    ap.add_argument("--cases", nargs="+", choices=["fixed", "mixed"], default=["fixed", "mixed"])
+    ap.add_argument("--cases", nargs="+", choices=["fixed", "mixed", "publish"], default=["fixed", "mixed", "publish"],
+                    help="publish: the publication alone (no step), run only for a size no step case published "
+                         "(one too large to train here, say)")
+    ap.add_argument("--order", choices=["size", "case"], default="size",
+                    help="size: every case of a size, then the next size; case: a case on every size, then the next")
+    ap.add_argument("--budget-s", type=float, help="start no case once this many seconds are spent, or when the "
+                                                   "last case's time would overrun them (a device lease's limit)")
     ap.add_argument("--rows", type=int, help="rows of the fixed case (default 8)")
     ap.add_argument("--prompt", type=int, help=f"prompt tokens per row (default {PROMPT})")
     ap.add_argument("--response", type=int, help="response tokens of a fixed row, the longest mixed one (8192)")
@@ -560,35 +595,93 @@ def main(argv: list[str] | None = None) -> dict:
               "recompute_counted": False, "vocab": vocab,
               "levers": {flag: getattr(args, flag) for flag in LEVERS} | {"attn": args.attn, "lora": args.lora},
               "runs": [], "publication": {}, "packed_over_padded": {}, "skipped": {}}
+    started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
-            for size in args.sizes:
-                why = fits(size, device, vocab)
+            for size, case, pf in plan(args):
+                if case == "publish" and size in result["publication"]:  # a step case of this size published
+                    continue
+                why = fits(size, device, vocab, case) or over_budget(args, started, result["runs"])
                 if why:
-                    result["skipped"][size] = why
+                    mode = {True: " packed", False: " padded"}.get(pf, "") if case == "mixed" else ""
+                    result["skipped"][f"{size} {case}{mode}"] = why
                     continue
                 folder = model_folder(size, vocab, Path(tmp))
-                todo = [(case, pf) for case in args.cases
-                        for pf in ([args.padding_free] if case == "fixed" or args.padding_free is not None
-                                   else [False, True])]
-                for j, (case, pf) in enumerate(todo):
-                    run = run_case(args, size, case, pf, folder, device, dtype, want_publication=j == 0)
-                    if "publication" in run:
-                        result["publication"][size] = run.pop("publication")
-                    result["runs"].append(run)
-                mixed = {r["settings"]["packs_padding_free"]: r for r in result["runs"]
-                         if r["size"] == size and r["case"] == "mixed" and "error" not in r}
-                if len(mixed) == 2:
-                    result["packed_over_padded"][size] = round(
-                        mixed[True]["response_tokens_per_s"] / mixed[False]["response_tokens_per_s"], 3)
+                run = run_case(args, size, case, pf, folder, device, dtype,
+                               want_publication=size not in result["publication"])
+                if "publication" in run:
+                    result["publication"][size] = run.pop("publication")
+                result["runs"].append(run)
+                progress(run, result, args.out)
+        for size in args.sizes:
+            mixed = {r["settings"]["packs_padding_free"]: r for r in result["runs"]
+                     if r["size"] == size and r["case"] == "mixed" and "error" not in r}
+            if len(mixed) == 2:
+                result["packed_over_padded"][size] = round(
+                    mixed[True]["response_tokens_per_s"] / mixed[False]["response_tokens_per_s"], 3)
     finally:
         torch.distributed.destroy_process_group()
+    result["wall_s"] = round(time.perf_counter() - started, 1)
     print_report(result)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+        save(result, args.out)
         print(f"\nwrote {args.out}")
+    failed = [f"{r['size']} {r['case']}" for r in result["runs"] if r.get("failed")]
+    if failed:
+        print(f"\n[gpu_bench] FAILED: {', '.join(failed)} (tracebacks above, errors in the table)", file=sys.stderr)
+        if argv is None:
+            sys.exit(1)
     return result
+
+
+def plan(args) -> list[tuple[str, str, bool | None]]:
+    """(size, case, padding_free) in the order they run: --order size runs every case of a size before the next
+    size; --order case runs a case on every size before the next case (with --budget-s: the first case everywhere
+    before any second one). A mixed case is a padded/packed pair unless --padding-free picks one; publish goes
+    last within a size (it runs only where no step case published)."""
+    cases = sorted(args.cases, key=lambda c: c == "publish")
+    modes = {c: [args.padding_free] if c != "mixed" or args.padding_free is not None else [False, True]
+             for c in cases}
+    if args.order == "case":
+        return [(size, c, pf) for c in cases for size in args.sizes for pf in modes[c]]
+    return [(size, c, pf) for size in args.sizes for c in cases for pf in modes[c]]
+
+
+def over_budget(args, started: float, runs: list[dict]) -> str | None:
+    """Why no further case starts: --budget-s spent, or the last case's time would overrun it."""
+    if args.budget_s is None:
+        return None
+    spent = time.perf_counter() - started
+    last = runs[-1]["case_s"] if runs else 0.0
+    if spent + last > args.budget_s:
+        return f"--budget-s {args.budget_s:g}: {spent:.0f} s spent, the last case took {last:.0f} s"
+    return None
+
+
+def save(result: dict, out: Path) -> None:
+    """The JSON, whole, replaced atomically: a bench killed at its time limit leaves every finished case."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, out)
+
+
+def progress(run: dict, result: dict, out: Path | None) -> None:
+    """One line per finished case (flushed: a lease's output may be all that comes back), and the JSON so far."""
+    head = f"[gpu_bench] {run['size']} {run['case']} ({levers_on(run['settings'])}, {run['case_s']:.0f} s)"
+    if "error" in run:
+        line = f"{head}: {run['error']}"
+    elif run["case"] == "publish":
+        p = result["publication"].get(run["size"], {})
+        line = f"{head}: publication {p.get('gb_per_s', 0):.2f} GB/s, pinned copy {p.get('copy_gb_per_s', 0):.2f} GB/s"
+    else:
+        mfu = f"{run['mfu']:.1%}" if run["mfu"] is not None else "-"
+        mem = run.get("peak_mem_gib", run.get("peak_rss_gib"))
+        line = (f"{head}: {run['step_s']:.3f} s/step, {run['response_tokens_per_s']:,.0f} response tok/s, MFU {mfu}, "
+                f"peak {mem:.2f} GiB, warm-up {sum(run['warmup_s']):.0f} s")
+    print(line, file=sys.stderr, flush=True)
+    if out is not None:
+        save(result, out)
 
 
 if __name__ == "__main__":
