@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-NOISY_LOGGERS = ("ray", "vllm", "transformers", "mlflow", "alembic", "urllib3", "filelock", "torch", "sqlalchemy")
+NOISY_LOGGERS = ("ray", "vllm", "transformers", "mlflow", "alembic", "urllib3", "filelock", "torch", "sqlalchemy",
+                 "matplotlib", "PIL")
 STORE_LOGGERS = ("mlflow", "sqlalchemy", "alembic", "huey")
 """The tracking store's libraries: their records (the tracebacks of a store that cannot write among them) go to
 logs/driver.log only; `cluster.tracking` says what the user needs in one line."""

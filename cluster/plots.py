@@ -64,7 +64,8 @@ def _staleness_hist(history: History, path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(5, 3.5))
     lags = sorted(counts)
-    ax.bar([str(lag) for lag in lags], [counts[lag] for lag in lags])
+    ax.bar(range(len(lags)), [counts[lag] for lag in lags])  # numeric positions: string x would be "categorical"
+    ax.set_xticks(range(len(lags)), [str(lag) for lag in lags])
     ax.set_xlabel("policy versions behind the learner")
     ax.set_ylabel("rollouts trained")
     ax.set_title("Staleness of trained rollouts")
