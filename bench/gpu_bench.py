@@ -378,9 +378,12 @@ def free(device: torch.device) -> None:
 
 
 def unique_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of the state dict's floating entries in `dtype`, each storage once (a tied embedding once)."""
+    """Bytes of the published entries (`learner.gather.published_specs`: LoRA targets merged, adapters left out) in
+    `dtype` where floating, each storage once (a tied embedding once)."""
+    from learner.gather import published_specs
+
     seen, total = set(), 0
-    for v in model.state_dict().values():
+    for v in published_specs(model).values():
         local = v.to_local() if hasattr(v, "to_local") else v
         key = (local.untyped_storage().data_ptr(), local.storage_offset())
         if key in seen:

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import LearnerConfig
+from common.config import LearnerConfig, LoRAConfig
 from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
 from learner.batching import batch_rows, collate
 from learner.forward import check_packing, forward_stats, prepare_model
 from learner.levers import build_optimizer, resolve_levers
+from learner.lora import apply_lora, init_adapters
 from learner.step import TrainStep, complete_groups
 from tests.learner.batches import make_batch, with_own_logprobs
 
@@ -54,8 +55,12 @@ def _step(model_dir, **overrides):
     from transformers import AutoModelForCausalLM
 
     cfg = LearnerConfig(**{"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides})
-    model = prepare_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
-    opt, _ = build_optimizer(model.parameters(), cfg)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if cfg.lora is not None:  # as learner.setup does: adapters before the head and compile, only they train
+        apply_lora(model, cfg.lora)
+        init_adapters(model, cfg.seed, 0, 1)
+    model = prepare_model(model, cfg)
+    opt, _ = build_optimizer((p for p in model.parameters() if p.requires_grad), cfg)
     return model, TrainStep(model, opt, cfg, rank=0, world=1, device=CPU, pad_id=0, max_positions=512,
                             max_new_tokens=40)
 
@@ -78,11 +83,14 @@ def test_fused_adamw_trains_the_same_update(tiny_model_dir):
         torch.testing.assert_close(states[1][k], states[0][k], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"padding_free": True, "activation_checkpointing": True}])
+@pytest.mark.parametrize("overrides", [{}, {"padding_free": True, "activation_checkpointing": True},
+                                       {"lora": LoRAConfig(rank=4, alpha=8.0), "kl_coef": 0.1}],
+                         ids=["padded", "packed-checkpointed", "lora"])
 def test_compiled_layers_train_the_same_update_and_do_not_recompile_for_new_lengths(tiny_model_dir, overrides):
     """Per-layer torch.compile (aot_eager: traced through AOT autograd like inductor, without generating kernels,
     so fast on CPU) trains what eager trains, step after step, while every step brings micro-batches of new
-    lengths (and row counts): after the first step (train + eval graphs), no new graph is compiled."""
+    lengths (and row counts): after the first step (train + eval graphs), no new graph is compiled. With LoRA
+    adapters and a KL reference (the same layers run with the adapters disabled) too."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
