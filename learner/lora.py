@@ -139,9 +139,23 @@ def init_adapters(model: nn.Module, seed: int, rank: int, world: int) -> None:
         _local(m.lora_B).zero_()
 
 
+def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
+    """Hold every frozen floating-point parameter of `model` in `dtype` (the LoRA base in the compute dtype, before
+    FSDP2 shards it: on the meta device nothing is allocated); a tied parameter stays tied. FSDP2 asks a uniform
+    dtype of the trainable parameters only, so the float32 adapters train beside a bfloat16 base. Returns the
+    parameters changed (elements, a tied one once)."""
+    changed = 0
+    for p in model.parameters():  # each Parameter once (a tied one too)
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            changed += p.numel()
+    return changed
+
+
 def merged_weight(m: LoRALinear) -> Callable[[], Tensor]:
-    """A function computing W + scaling B A for `m`, as `m.weight` is held (a float32 tensor or FSDP2's dim-0
-    DTensor shard: each rank merges its own rows). Collective under FSDP (A's full tensor is gathered): every rank
+    """A function computing W + scaling B A for `m` in float32, from `m.weight` as it is held (float32 or the
+    compute dtype, `learner.lora.base_dtype`; a tensor or FSDP2's dim-0 DTensor shard: each rank merges its own
+    rows). Collective under FSDP (A's full tensor is gathered): every rank
     calls it in the same order."""
 
     @torch.no_grad()

@@ -18,6 +18,8 @@ only config.json).
 LoRA (`learner.lora`): the target Linears become `learner.lora.LoRALinear` right after the build (on the meta device
 when sharded), every base parameter frozen; the adapters are sharded with their layer, left out of the file
 loading, initialised (`init_adapters`: the same A on every rank and world size, B zeros) and alone in the optimizer.
+Below float32 the frozen base is held in the compute dtype (`learner.lora.base_dtype`: half the bytes, the same
+training; FSDP2 casts it to that dtype anyway).
 With `kl_coef > 0` no reference copy is loaded: the KL reference is the base, the same model with its adapters
 disabled (`TrainStep.reference_logprobs`).
 """
@@ -34,7 +36,7 @@ from common.config import LearnerConfig
 from learner.forward import check_packing, prepare_model
 from learner.levers import build_optimizer, resolve_levers
 from learner.loading import build_empty, load_shards, materialize
-from learner.lora import adapter_names, apply_lora, init_adapters
+from learner.lora import adapter_names, apply_lora, hold_frozen_in, init_adapters
 from learner.step import TrainStep
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,9 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
     if cfg.lora is not None:  # before the head and sharding: FSDP2 then shards the adapters with their layer
         targets = apply_lora(model, cfg.lora)
     prepare_model(model, cfg)  # before sharding: FSDP then manages the new head's (tied) weight as before
+    frozen = 0
+    if cfg.lora is not None and cfg.lora.base_dtype == "auto" and sharded and dtype != torch.float32:
+        frozen = hold_frozen_in(model, dtype)  # the frozen base in the compute dtype: half of float32's bytes
     if dtype == torch.float16 and rank == 0:
         log.warning("model.dtype=float16: the learner trains without loss scaling (gradients may underflow); "
                     "use bfloat16 where the hardware has it")
@@ -103,6 +108,10 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
                      "adapters in peft's format (adapter/)%s", cfg.lora.rank, cfg.lora.alpha, len(targets),
                      ", ".join(sorted({t.rsplit('.', 1)[-1] for t in targets})),
                      "; the KL reference is the base (adapters disabled), no copy" if cfg.kl_coef > 0 else "")
+            if frozen:
+                log.info("learner.lora.base_dtype=auto: the frozen base (%.3g M parameters) is held in %s, %.2f GiB "
+                         "less than float32 (over all ranks)", frozen / 1e6, str(dtype).removeprefix("torch."),
+                         frozen * (4 - dtype.itemsize) / 2**30)
     optimizer, optimizer_note = build_optimizer((p for p in model.parameters() if p.requires_grad), cfg)
     ref = None
     if cfg.kl_coef > 0 and cfg.lora is None:  # under LoRA the reference is the base: the adapters disabled

@@ -96,6 +96,12 @@ class LoRAConfig(Section):
     weights; each generator merges W + (alpha / rank) B A into its copy of the base from the model folder, which
     stays the base: it is frozen) or `merged` (the whole model with the targets merged, as without LoRA).
     `weight_sync.delta` applies to merged publications only: adapters always travel whole."""
+    base_dtype: Literal["auto", "float32"] = "auto"
+    """How the learner holds the frozen base: `auto` in the compute dtype (`model.dtype`; bfloat16 takes 2 bytes
+    per base parameter instead of 4, 3.1 GB less at 1.5B, spread over the ranks), `float32` as float32 copies.
+    The training is the same either way (FSDP2 computes with the base cast to `model.dtype` in both); merged
+    publications and exports add B A to the base as held, so with a float32 model folder they can differ by a
+    bfloat16 rounding (none with a bfloat16 folder, as Qwen2.5's ships). A float32 learner holds it in float32."""
 
 
 class LearnerConfig(Section):
@@ -218,7 +224,7 @@ class LearnerConfig(Section):
     """Gradient-norm clip."""
     lora: LoRAConfig | None = None
     """Train low-rank adapters instead of the full weights (`learner.lora.rank=8`; see its fields). None: full
-    fine-tuning. Fixed for a run (the checkpoint holds the adapters and their optimizer state)."""
+    fine-tuning. Fixed for a run (the checkpoint holds the adapters and their optimizer state), except `base_dtype`."""
     skip_grad_norm: float = Field(500.0, gt=0)
     """Skip (and count) an update whose gradient norm is above this or non-finite."""
     recompute_old_logprobs: bool = False

@@ -159,6 +159,7 @@ RESUMABLE_FIELDS = (
     "buffer.call_timeout_s", "buffer.start_timeout_s", "buffer.lease_timeout_s", "buffer.snapshot_every_s", "buffer.max_restarts",
     "buffer.max_concurrency",
     "learner.publish_timeout_s", "learner.start_timeout_s", "learner.placement", "learner.num_cpus",
+    "learner.lora.base_dtype",  # how the frozen base is held: a resume converts it exactly
 )
 """Fields (a name, or a section and everything under it) that `exgrpo train --resume RUN key=value` may
 change: how long the run goes on, how often it checkpoints, where it logs, and the resources and time-outs

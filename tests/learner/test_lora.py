@@ -481,21 +481,56 @@ BF16_RANK = textwrap.dedent("""
                        dtype=torch.bfloat16, max_new_tokens=40)
     plain = setup_rank(LearnerConfig(**kw), model_dir, rank=0, world=1, device=device, dtype=torch.bfloat16,
                        max_new_tokens=40)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for m in lora_modules(built.model).values():
-            m.lora_B.to_local().copy_(torch.randn(m.lora_B.shape, generator=gen) * 0.05)
+    f32 = setup_rank(LearnerConfig(lora=LoRAConfig(rank=4, base_dtype="float32"), **kw), model_dir, rank=0, world=1,
+                     device=device, dtype=torch.bfloat16, max_new_tokens=40)
+    for one in (built, f32):
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for m in lora_modules(one.model).values():
+                m.lora_B.to_local().copy_(torch.randn(m.lora_B.shape, generator=gen) * 0.05)
     rows = batch_rows(make_batch(1, groups=2, candidates=1), std_normalize=True, max_positions=512)
     mb = built.trainer._collate(rows)
     ref = built.trainer.reference_logprobs(mb)
     with torch.no_grad():
         base = forward_stats(plain.model, mb)[0]
         policy = forward_stats(built.model, mb)[0]
+        policy_f32 = forward_stats(f32.model, mb)[0]
     stats = built.trainer.run(make_batch(0, groups=2, candidates=1))
+    f32.trainer.run(make_batch(0, groups=2, candidates=1))
     on = mb.response_mask > 0
+    held = lambda one: {k: v.to_local() for k, v in one.model.state_dict().items()}
+    mine, theirs = held(built), held(f32)
+    # a checkpoint of the bf16-held base resumes exactly, into a bf16 base and into a float32 one
+    from pathlib import Path
+    from learner.gather import Staging
+    from learner.pool import LearnerRank
+    def rank_of(one, lora):
+        r = LearnerRank(LearnerConfig(lora=lora, **kw), model_dir, rank=0, world=1, max_new_tokens=40, run="t",
+                        namespace=None)
+        r.model, r.optimizer, r.trainer, r.model_config, r.staging = (one.model, one.optimizer, one.trainer,
+                                                                      one.model.config, Staging())
+        r.dtype = torch.bfloat16
+        return r
+    ckpt = str(Path(out).parent / "ckpt")
+    rank_of(built, LoRAConfig(rank=4)).save(ckpt)
+    resumed = {}
+    for base_dtype in ("auto", "float32"):
+        lora = LoRAConfig(rank=4, base_dtype=base_dtype)
+        again = setup_rank(LearnerConfig(lora=lora, **kw), model_dir, rank=0, world=1, device=device,
+                           dtype=torch.bfloat16, max_new_tokens=40)
+        rank_of(again, lora).load(ckpt)
+        resumed[base_dtype] = all(torch.equal(v.to_local().to(mine[k].dtype), mine[k])
+                                  and (base_dtype == "float32" or v.to_local().dtype == mine[k].dtype)
+                                  for k, v in again.model.state_dict().items())
+    adapters = [k for k in mine if k.endswith(("lora_A", "lora_B"))]
+    nbytes = lambda sd: sum(v.numel() * v.element_size() for k, v in sd.items() if k not in adapters)
     torch.save({"same": torch.equal(ref, base), "gap": float((ref - base)[on].abs().max()),
                 "policy_gap": float((policy - base)[on].abs().max()), "kl_loss": stats.sums["kl_loss"],
-                "updates": stats.updates, "no_copy": built.ref_model is None}, out)
+                "updates": stats.updates, "no_copy": built.ref_model is None,
+                "dtypes": {k: str(v.dtype) for k, v in mine.items()}, "f32_dtypes": {k: str(v.dtype) for k, v in theirs.items()},
+                "same_policy": torch.equal(policy, policy_f32),
+                "same_adapters": all(torch.equal(mine[k], theirs[k]) for k in adapters),
+                "base_bytes": (nbytes(mine), nbytes(theirs)), "resumed": resumed}, out)
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
@@ -521,3 +556,13 @@ def test_bf16_fsdp_reference_is_bit_for_bit_the_bf16_base_model(tiny_model_dir, 
     got = run_bf16_rank(tiny_model_dir, tmp_path / "bf16.pt")
     assert got["same"], got
     assert got["policy_gap"] > 1e-3 and got["no_copy"] and got["updates"] == 1 and got["kl_loss"] > 0, got
+    # learner.lora.base_dtype=auto holds the frozen base in bfloat16 (half the bytes), the adapters in float32, and
+    # trains exactly as a float32 base does (FSDP2 computes with the bf16 cast of it either way)
+    dtypes, f32 = got["dtypes"], got["f32_dtypes"]
+    adapters = {k for k in dtypes if k.endswith(("lora_A", "lora_B"))}
+    assert adapters and {dtypes[k] for k in adapters} == {"torch.float32"}
+    assert {v for k, v in dtypes.items() if k not in adapters} == {"torch.bfloat16"}
+    assert set(f32.values()) == {"torch.float32"}
+    assert got["base_bytes"][0] * 2 == got["base_bytes"][1]
+    assert got["same_policy"] and got["same_adapters"], got
+    assert got["resumed"] == {"auto": True, "float32": True}, got  # its checkpoint resumes exactly, either way
