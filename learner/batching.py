@@ -19,6 +19,7 @@ Pure: no model, no optimizer, no collective. Every rank computes the same split 
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from dataclasses import dataclass, field
@@ -119,22 +120,86 @@ def split_mini_batches(rows: list[Row], n: int, seed: int = 0) -> list[list[Row]
 
 
 def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int,
-                       micro_tokens: int | None = None, padding_free: bool = False) -> list[list[Row]]:
+                       micro_tokens: int | None = None, padding_free: bool = False,
+                       split: str = "first_fit") -> list[list[Row]]:
     """This rank's micro-batches of a mini-batch; equally many on every rank (padded with []).
 
     Rows are sorted by length (longest first) and dealt round-robin to the ranks. Without a token budget
     each rank cuts its rows into chunks of `micro_rows`. With `micro_tokens`, each rank packs its rows
     greedily (`pack_by_tokens`): padded, a micro-batch costs rows x its longest row; `padding_free`, the sum
     of its rows' lengths. A row longer than the budget is a micro-batch of its own. Every rank computes
-    every rank's packing (all see all rows), so all agree on the count."""
+    every rank's packing (all see all rows), so all agree on the count.
+
+    `split="balanced"` (padding-free with a budget; `learner.micro_batch_split`): verl's dynamic batch size
+    instead. Each rank's micro-batch count is ceil(its tokens / budget), the largest over the ranks for all
+    (verl all-reduces it), and its rows are partitioned into that many parts of balanced token sums
+    (`balanced_partition`, Karmarkar-Karp). The sums are balanced, not capped: a part can exceed the budget (as
+    in verl), and `micro_rows` does not apply."""
     ordered = sorted(rows, key=lambda r: (-r.length, r.group))
     if micro_tokens is None:
         mine = ordered[rank::world]
         n_micro = max(1, math.ceil(math.ceil(len(rows) / world) / micro_rows))
         return [mine[i * micro_rows:(i + 1) * micro_rows] for i in range(n_micro)]
+    if split == "balanced" and padding_free:
+        n_micro = max(1, max(math.ceil(sum(r.length for r in ordered[k::world]) / micro_tokens)
+                             for k in range(world)))
+        mine = ordered[rank::world]
+        parts = balanced_partition([r.length for r in mine], n_micro) if mine else [[] for _ in range(n_micro)]
+        return [[mine[i] for i in part] for part in parts]
     packs = [pack_by_tokens(ordered[k::world], micro_tokens, micro_rows, padding_free) for k in range(world)]
     n_micro = max(1, max(len(p) for p in packs))
     return packs[rank] + [[] for _ in range(n_micro - len(packs[rank]))]
+
+
+def balanced_partition(lengths: list[int], k: int) -> list[list[int]]:
+    """Indices of `lengths` in `k` parts of balanced sums: the largest differencing method (Karmarkar and Karp
+    1982, k-way), as verl's dynamic batch size runs it (`get_seqlen_balanced_partitions`, equal_size=False), with
+    its order of merges and ties, so the same lengths give the same parts. Every item starts as a k-tuple of
+    subsets (itself and k - 1 empty ones), pushed shortest first; the two tuples of largest spread (largest sum -
+    smallest sum; on a tie, the one whose largest subset is larger) are merged, the largest subset of one with
+    the smallest of the other and so on, until one tuple remains. Parts come largest first (empty where there
+    are fewer items than k), indices ascending within each."""
+    if k < 1:
+        raise ValueError(f"k={k}: at least one part")
+    if not lengths:
+        return [[] for _ in range(k)]
+    heap: list[_Spread] = []
+    for n, i in sorted((n, i) for i, n in enumerate(lengths)):
+        heapq.heappush(heap, _Spread([_Subset(n, [(i, n)])] + [_Subset(0, []) for _ in range(k - 1)]))
+    while len(heap) > 1:
+        a, b = heapq.heappop(heap), heapq.heappop(heap)
+        heapq.heappush(heap, _Spread([a.parts[j].merged(b.parts[k - 1 - j]) for j in range(k)]))
+    return [sorted(i for i, _ in part.items) for part in heap[0].parts]
+
+
+@dataclass(slots=True)
+class _Subset:
+    """One part of a `_Spread`: its sum and its (index, length) items in merge order."""
+
+    total: int
+    items: list[tuple[int, int]]
+
+    def key(self) -> tuple:
+        return self.total, len(self.items), self.items
+
+    def merged(self, other: _Subset) -> _Subset:
+        return _Subset(self.total + other.total, self.items + other.items)
+
+
+class _Spread:
+    """A k-tuple of subsets, largest first; the heap pops the largest spread first, then the larger largest
+    subset."""
+
+    __slots__ = ("parts", "spread")
+
+    def __init__(self, parts: list[_Subset]):
+        self.parts = sorted(parts, key=_Subset.key, reverse=True)
+        self.spread = self.parts[0].total - self.parts[-1].total
+
+    def __lt__(self, other: _Spread) -> bool:
+        if self.spread != other.spread:
+            return self.spread > other.spread
+        return self.parts[0].key() > other.parts[0].key()
 
 
 def pack_by_tokens(rows: list[Row], budget: int, max_rows: int, padding_free: bool = False) -> list[list[Row]]:

@@ -79,6 +79,14 @@ def resolve_levers(cfg: LearnerConfig, device: torch.device, dtype: torch.dtype 
     update["padding_free"], update["attn_implementation"] = packs, attn
     notes.append(f"{'padding-free packing' if packs else 'padded micro-batches'} ({why}; attention "
                  f"{attn or 'sdpa (transformers default)'})")
+    if cfg.micro_batch_split == "balanced":  # verl's dynamic batch size balances the real tokens of packed rows
+        if packs and cfg.micro_batch_tokens is not None:
+            notes.append("micro-batches balanced (verl's dynamic batch size: ceil(tokens / micro_batch_tokens) per "
+                         "rank, token sums balanced, not capped)")
+        else:
+            update["micro_batch_split"] = "first_fit"
+            notes.append("micro_batch_split=balanced needs padding-free packing and micro_batch_tokens; "
+                         f"{'padded micro-batches run' if not packs else 'micro_batch_tokens is unset'}, so first_fit")
     return cfg.model_copy(update=update), notes
 
 

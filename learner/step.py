@@ -441,7 +441,7 @@ class TrainStep:
 
     def _micro_batches(self, rows: list[Row]) -> list[list[Row]]:
         return rank_micro_batches(rows, self.rank, self.world, self.cfg.micro_batch_rows, self.cfg.micro_batch_tokens,
-                                  self.cfg.packs_padding_free)
+                                  self.cfg.packs_padding_free, self.cfg.micro_batch_split)
 
     def _collate(self, rows: list[Row]) -> MicroBatch:
         return collate(rows, self.pad_id, self.device, packed=self.cfg.packs_padding_free and bool(rows))

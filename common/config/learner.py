@@ -147,6 +147,15 @@ class LearnerConfig(Section):
     rank's rows, sorted by length, are packed greedily up to it, so memory follows the budget, not the longest
     response. Must hold one row of
     data.max_prompt_tokens + generator.max_new_tokens. None: `micro_batch_rows` rows (docs/cluster.md, Memory)."""
+    micro_batch_split: Literal["first_fit", "balanced"] = "first_fit"
+    """How a rank's rows become micro-batches under `micro_batch_tokens` with padding-free packing. first_fit: each
+    row, longest first, into the first micro-batch with room (every micro-batch within the budget and
+    `micro_batch_rows`). balanced: verl's dynamic batch size (`use_dynamic_bsz`, what the ExGRPO paper's runs
+    used): ceil(the rank's tokens / the budget) micro-batches, the largest count over the ranks for all, the
+    rows partitioned into them with balanced token sums (Karmarkar-Karp, verl's order of merges), so with
+    `entropy_agg=micro_batch` the entropy term is weighted as the official code weights it. Its sums are
+    balanced, not capped: a micro-batch can exceed the budget (as in verl), and `micro_batch_rows` does not
+    apply. Padded micro-batches always split first-fit (the start log says so)."""
     padding_free: bool | Literal["auto"] = "auto"
     """Pack each micro-batch's rows into one sequence without padding (position ids restart at every row; the
     attention keeps rows apart), so `micro_batch_tokens` counts real tokens and no compute goes to padding.

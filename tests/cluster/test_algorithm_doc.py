@@ -31,6 +31,7 @@ OFFICIAL = {  # the paper (arXiv 2510.02245) and its official code
     ("learner", "official_world_size"): 8,  # FSDP averages over the official 8 GPUs: the divisor is 8192 * 8
     ("learner", "entropy_agg"): "micro_batch",  # the entropy mean per micro-batch (use_dynamic_bsz), summed
     ("learner", "micro_batch_tokens"): 32768,  # ppo_max_token_len_per_gpu
+    ("learner", "micro_batch_split"): "balanced",  # use_dynamic_bsz: ceil(tokens / 32768) parts, Karmarkar-Karp
     ("learner", "store_learner_logprobs"): "auto",  # stores the recomputed old_log_probs (with recompute_old_logprobs)
     ("learner", "shaping_beta"): 0.1,
     ("learner", "entropy_coef"): 0.001,

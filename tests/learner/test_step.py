@@ -8,7 +8,8 @@ import torch
 
 from common.config import LearnerConfig
 from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
-from learner.batching import BatchError, batch_rows, collate, rank_micro_batches, split_mini_batches
+from learner.batching import (BatchError, balanced_partition, batch_rows, collate, rank_micro_batches,
+                              split_mini_batches)
 from learner.forward import prepare_model
 from learner.step import RankStats, TrainStep, complete_groups
 from tests.learner.batches import make_batch, with_own_logprobs
@@ -266,6 +267,89 @@ def test_padding_free_packs_every_row_once_within_the_budget_of_real_tokens(budg
             assert sum(r.length for r in mb) <= budget or len(mb) == 1
     capped = rank_micro_batches(rows, 0, 1, micro_rows=3, micro_tokens=10 ** 6, padding_free=True)
     assert [len(mb) for mb in capped] == [3] * (len(rows) // 3) + ([len(rows) % 3] if len(rows) % 3 else [])
+
+
+def test_balanced_partition_is_the_largest_differencing_method_worked_by_hand():
+    """Karmarkar-Karp as verl runs it. [8, 7, 6, 5, 4] in 2 parts: the tuples ({n}, {}) are pushed shortest first
+    and popped largest spread first: 8 with 7 gives ({8}, {7}) spread 1; 6 with 5 gives ({6}, {5}) spread 1; 4 with
+    ({8}, {7}) (spread 1 like ({6}, {5}), but its largest subset is larger) gives ({4, 7} = 11, {8}) spread 3;
+    that with ({6}, {5}): the largest with the smallest, {4, 7, 5} = 16 and {8, 6} = 14 (the optimum is 15/15: a
+    heuristic). In 3 parts: ({8}, {7}, {}) spread 8 first ... ends {7, 4} = 11, {6, 5} = 11, {8}."""
+    assert balanced_partition([8, 7, 6, 5, 4], 2) == [[1, 3, 4], [0, 2]]
+    assert balanced_partition([8, 7, 6, 5, 4], 3) == [[1, 4], [2, 3], [0]]
+    assert balanced_partition([5], 3) == [[0], [], []]  # fewer items than parts: empty ones (dummy micro-batches)
+    assert balanced_partition([], 2) == [[], []]
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lengths = [int(n) for n in rng.integers(1, 9000, int(rng.integers(1, 40)))]
+        k = int(rng.integers(1, 9))
+        parts = balanced_partition(lengths, k)
+        assert len(parts) == k and sorted(i for p in parts for i in p) == list(range(len(lengths)))
+        sums = [sum(lengths[i] for i in p) for p in parts]
+        assert sums == sorted(sums, reverse=True)
+        assert sums[0] - sums[-1] <= max(lengths)  # balanced to within one item
+    with pytest.raises(ValueError, match="at least one part"):
+        balanced_partition([1, 2], 0)
+
+
+def test_balanced_split_makes_ceil_tokens_over_budget_micro_batches_on_every_rank():
+    """learner.micro_batch_split=balanced (verl's dynamic batch size) at the paper's settings (2 ranks, 2
+    mini-batches): each rank's count is ceil(its tokens / budget), the largest for all; every row once; the
+    parts' token sums within one row of each other; never more micro-batches than first fit's."""
+    rows = batch_rows(complete_groups(make_batch(2, groups=8, group_size=8, candidates=1, response_len=(1, 60),
+                                                 prompt_len=(4, 30)), {})[0], std_normalize=False,
+                      max_positions=512)
+    for budget in (max(r.length for r in rows), 300, 10 ** 6):
+        for mini in split_mini_batches(rows, 2, seed=1):
+            per_rank = [rank_micro_batches(mini, r, 2, micro_rows=4, micro_tokens=budget, padding_free=True,
+                                           split="balanced") for r in range(2)]
+            ordered = sorted(mini, key=lambda r: (-r.length, r.group))
+            want = max(-(-sum(r.length for r in ordered[k::2]) // budget) for k in range(2))
+            assert len(per_rank[0]) == len(per_rank[1]) == max(1, want)
+            assert sorted(id(r) for mbs in per_rank for mb in mbs for r in mb) == sorted(id(r) for r in mini)
+            for mbs in per_rank:
+                sums = [sum(r.length for r in mb) for mb in mbs]
+                assert max(sums) - min(sums) <= max(r.length for r in mini)
+            first_fit = rank_micro_batches(mini, 0, 2, micro_rows=10 ** 6, micro_tokens=budget, padding_free=True)
+            assert len(per_rank[0]) <= len(first_fit)
+    # padded micro-batches (no packing) ignore it: first fit under the padded cost
+    assert rank_micro_batches(rows, 0, 2, micro_rows=4, micro_tokens=300, split="balanced") == \
+        rank_micro_batches(rows, 0, 2, micro_rows=4, micro_tokens=300)
+
+
+def test_balanced_split_runs_only_where_rows_are_packed_and_says_so():
+    from learner.levers import resolve_levers
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cfg, notes = resolve_levers(LearnerConfig(micro_batch_split="balanced", micro_batch_tokens=4096), cpu)
+    assert cfg.micro_batch_split == "first_fit" and "padded micro-batches run, so first_fit" in notes[-1]
+    cfg, notes = resolve_levers(LearnerConfig(micro_batch_split="balanced", micro_batch_tokens=4096), cuda,
+                                torch.bfloat16, flash=False, flex=True)
+    assert cfg.micro_batch_split == "balanced" and "balanced (verl's dynamic batch size" in notes[-1]
+    cfg, notes = resolve_levers(LearnerConfig(micro_batch_split="balanced", padding_free=True), cpu)
+    assert cfg.micro_batch_split == "first_fit" and "micro_batch_tokens is unset" in notes[-1]
+
+
+def test_balanced_micro_batches_train_the_same_update_as_first_fit(tiny_model_dir):
+    """With the token-mean entropy the gradient does not depend on how a mini-batch is cut (the loss is a token
+    sum over it): balanced and first-fit packed micro-batches, cut differently here, give the same update (SGD,
+    so that the weights show the gradient itself: AdamW's first step is about lr x its sign, which a rounding
+    flips where a gradient is ~0)."""
+    batch = make_batch(3, groups=4, group_size=4, candidates=1, response_len=(1, 40), prompt_len=(4, 20))
+    weights, cuts = [], []
+    for split in ("first_fit", "balanced"):
+        model, step = plain_step(tiny_model_dir, padding_free=True, micro_batch_tokens=120, micro_batch_rows=64,
+                                 micro_batch_split=split, mini_batches=2)
+        step.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        rows = batch_rows(complete_groups(batch, {})[0], std_normalize=True, max_positions=512)
+        cuts.append([sorted(r.length for r in mb) for mb in step._micro_batches(rows)])
+        assert step.run(batch).updates == 2
+        weights.append({k: v.detach() - before[k] for k, v in model.state_dict().items()})  # the two updates
+    assert cuts[0] != cuts[1] and len(cuts[1]) <= len(cuts[0])
+    assert max(float(w.abs().max()) for w in weights[0].values()) > 1e-3  # it trained
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], rtol=1e-4, atol=1e-6)
 
 
 def test_packed_layout_keeps_rows_and_response_tokens_in_order():
