@@ -80,13 +80,13 @@ def resolve_levers(cfg: LearnerConfig, device: torch.device, dtype: torch.dtype 
     notes.append(f"{'padding-free packing' if packs else 'padded micro-batches'} ({why}; attention "
                  f"{attn or 'sdpa (transformers default)'})")
     if cfg.micro_batch_split == "balanced":  # verl's dynamic batch size balances the real tokens of packed rows
-        if packs and cfg.micro_batch_tokens is not None:
+        if packs:  # the config refuses it without micro_batch_tokens or with padding_free=false
             notes.append("micro-batches balanced (verl's dynamic batch size: ceil(tokens / micro_batch_tokens) per "
                          "rank, token sums balanced, not capped)")
-        else:
+        else:  # padding_free=auto resolved to padded on this device
             update["micro_batch_split"] = "first_fit"
-            notes.append("micro_batch_split=balanced needs padding-free packing and micro_batch_tokens; "
-                         f"{'padded micro-batches run' if not packs else 'micro_batch_tokens is unset'}, so first_fit")
+            notes.append("micro_batch_split=balanced needs padding-free packing; padded micro-batches run here "
+                         f"({why}), so first_fit")
     return cfg.model_copy(update=update), notes
 
 

@@ -310,6 +310,10 @@ class LearnerConfig(Section):
         if self.store_learner_logprobs is True and self.mini_batches > 1 and not self.needs_old_logprobs:
             raise ValueError("learner.store_learner_logprobs=true with mini_batches > 1 needs the start-of-step "
                              "log-probs of every mini-batch: set learner.recompute_old_logprobs=true")
+        if self.micro_batch_split == "balanced" and (self.micro_batch_tokens is None or self.padding_free is False):
+            raise ValueError("learner.micro_batch_split=balanced cuts padding-free micro-batches by their token budget: "
+                             "set learner.micro_batch_tokens (32768 in the paper's runs) and leave learner.padding_free "
+                             "true or auto, or use micro_batch_split=first_fit")
         return self
 
     @property

@@ -322,12 +322,14 @@ def test_balanced_split_runs_only_where_rows_are_packed_and_says_so():
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     cfg, notes = resolve_levers(LearnerConfig(micro_batch_split="balanced", micro_batch_tokens=4096), cpu)
-    assert cfg.micro_batch_split == "first_fit" and "padded micro-batches run, so first_fit" in notes[-1]
+    assert cfg.micro_batch_split == "first_fit" and "padded micro-batches run here (auto: not CUDA" in notes[-1]
     cfg, notes = resolve_levers(LearnerConfig(micro_batch_split="balanced", micro_batch_tokens=4096), cuda,
                                 torch.bfloat16, flash=False, flex=True)
     assert cfg.micro_batch_split == "balanced" and "balanced (verl's dynamic batch size" in notes[-1]
-    cfg, notes = resolve_levers(LearnerConfig(micro_batch_split="balanced", padding_free=True), cpu)
-    assert cfg.micro_batch_split == "first_fit" and "micro_batch_tokens is unset" in notes[-1]
+    for bad in ({"padding_free": True}, {"micro_batch_tokens": 4096, "padding_free": False}):  # refused up front
+        with pytest.raises(ValueError, match="micro_batch_split=balanced cuts padding-free micro-batches by their "
+                                             "token budget: set learner.micro_batch_tokens"):
+            LearnerConfig(micro_batch_split="balanced", **bad)
 
 
 def test_balanced_micro_batches_train_the_same_update_as_first_fit(tiny_model_dir):
