@@ -12,6 +12,7 @@
 #    8 x 8k responses, 1.5B then 3B (7B trains only where it fits: 16 B/parameter); the bf16 publication of each
 #    size beside the pinned-copy limit (7B's alone, without a step); then mixed lengths padded vs packed.
 # 2. while budget is left: the compile lever off (--no-compile) on the 1.5B's fixed case, for the A/B.
+# 3. while budget is left: the 1.5B's fixed case with rank-8 LoRA (the frozen base in bf16): its peak memory.
 #
 # DEVICE_BUDGET_S (default 300) is the time after which no case starts: a case already started finishes (a
 # first compile takes minutes), so give the call's timeout ~2x the budget, and a 15-minute lease holds a start,
@@ -68,6 +69,7 @@ bench() {  # name, then gpu_bench's arguments
 if [ ${#QUICK[@]} -eq 0 ]; then
     bench defaults --sizes 1.5B 3B 7B --order case --activation-checkpointing
     bench eager --sizes 1.5B --cases fixed --activation-checkpointing --no-compile --no-profile
+    bench lora --sizes 1.5B --cases fixed --activation-checkpointing --lora 8 --no-profile
 else  # the same plan on tiny shapes (compile is off on a CPU, so there is no second part)
     bench defaults --order case --activation-checkpointing
 fi
