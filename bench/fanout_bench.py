@@ -146,7 +146,8 @@ def role_gen(args) -> None:
     import torch.distributed as dist
 
     from common.config import CollectiveSyncConfig
-    from learner.collective import ChannelClient, RelayReceiver
+    from learner.collective import ChannelClient
+    from learner.relay import RelayReceiver
 
     cfg = CollectiveSyncConfig(bucket_mb=args.bucket_mb, relay_fanout=args.fanout, port=PORT, timeout_s=120)
     address, host = f"{ip_of(0)}:{PORT}", ip_of(args.index)

@@ -9,8 +9,10 @@ The `collective` backend of `learner.weight_sync` (`CollectiveSyncConfig`). Both
     state_dict, base = client.pull(version)                  # KeyError when rank 0 no longer holds `version`
     for bucket in client.pull_buckets(version): ...          # or a bucket's tensors at a time, as they arrive
     ...
-    relay = RelayReceiver(cfg, generator_id, 60, host)       # instead, with cfg.relay_fanout = k >= 1
+    relay = RelayReceiver(cfg, generator_id, 60, host)       # instead, with cfg.relay_fanout = k >= 1 (learner.relay)
     state_dict, base, source = relay.pull(address, version)  # from a generator before it in the tree, or rank 0
+
+The wire format (a JSON plan and flat uint8 buckets) is `learner.packing`'s; the relay tree is `learner.relay`'s.
 
 Rendezvous: every channel server (rank 0's `CollectiveServer`, each relaying generator's `RelayServer`) hosts a
 `torch.distributed.TCPStore` (rank 0's `host:port` goes into every announcement's location,
@@ -63,135 +65,26 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from common.config import CollectiveSyncConfig
 from learner.delta import DELTA_WORTH, DeltaEncoder
-from learner.gather import FlatBucket
+from learner.packing import Packed, Packer, dtype_named, host_device, packed_bytes, uint8_buffer, unpack
 
 log = logging.getLogger(__name__)
 
 OP_CLOSE, OP_PULL = 0, 1
-ALIGN = 64  # bytes; every tensor starts at a multiple of this inside its bucket (so `.view(dtype)` works)
 IDLE_S = 7 * 86_400.0  # a channel's wait for its next request (ends early when the generator's socket closes)
 
 
 class WeightSyncError(RuntimeError):
     """A weight transfer on one channel failed (message names generator, version and address)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Packed:
-    """One published version as the wire carries it: a JSON plan and flat uint8 buckets."""
-
-    version: int
-    meta: torch.Tensor  # [M] uint8, JSON: {"tensors": [[name, shape, dtype, bucket, offset, nbytes], ...]}
-    buckets: list[torch.Tensor]  # each [size] uint8
-
-
-def host_device() -> torch.device:
-    """Where a relay's versions and rank 0's older versions live: host memory, also on GPU machines (pinned)."""
-    return torch.device("cpu")
-
-
-def _buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 buffer; page-locked when on the host of a CUDA machine (fast, asynchronous copies to the device)."""
-    pin = device.type == "cpu" and torch.cuda.is_available()
-    return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))
-
-
-class Packer:
-    """Streams state-dict chunks into uint8 buckets of up to `bucket_bytes` (a larger tensor gets a bucket of its
-    own). `add` chunks, then `finish`.
-
-    A `FlatBucket` from the gather is already in the wire layout: it becomes one bucket at once, kept as it is when
-    it was gathered into a buffer of ours (`CollectiveServer.bucket_buffer` passed as the gather's `alloc`), else
-    copied in a single copy on its own device (the gather reuses its buffers after the next bucket is asked for). A dict's tensors are copied when their bucket closes, so the packer holds references to them until then:
-    pass dicts that stay valid (the delta encoder's, a whole state dict), never views into the gather's buffers."""
-
-    def __init__(self, version: int, bucket_bytes: int, device: torch.device):
-        self.version, self.bucket_bytes, self.device = version, bucket_bytes, device
-        self.plan: list[list] = []
-        self.buckets: list[torch.Tensor] = []
-        self.pending: list[tuple[torch.Tensor, int, int]] = []  # the open bucket's (tensor, offset, bytes)
-        self.size: int | None = None  # bytes used in the open bucket; None: none open
-
-    def _close(self) -> None:
-        buf = _buffer(max(self.size, 1), self.device)
-        for t, off, nbytes in self.pending:
-            if nbytes:
-                buf[off:off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        self.buckets.append(buf)
-        self.pending.clear()
-        self.size = None
-
-    def add(self, chunk: dict[str, torch.Tensor] | FlatBucket) -> None:
-        if isinstance(chunk, FlatBucket):
-            return self._add_flat(chunk)
-        for name, t in chunk.items():
-            nbytes = t.numel() * t.element_size()
-            offset = 0 if self.size is None else -(-self.size // ALIGN) * ALIGN
-            if self.size is not None and offset + nbytes > self.bucket_bytes and self.size > 0:
-                self._close()
-                offset = 0
-            self.plan.append([name, list(t.shape), str(t.dtype).removeprefix("torch."), len(self.buckets), offset,
-                              nbytes])
-            self.pending.append((t, offset, nbytes))
-            self.size = offset + nbytes
-
-    def _add_flat(self, b: FlatBucket) -> None:
-        if self.size is not None:
-            self._close()
-        if b.owned and b.data.numel():  # gathered into a buffer of our own (`bucket_buffer`): kept as it is
-            buf = b.data
-        else:
-            buf = _buffer(max(b.data.numel(), 1), b.data.device)
-            buf[:b.data.numel()].copy_(b.data)  # the whole bucket in one copy (alignment gaps included)
-        for e in b.entries:
-            self.plan.append([e.name, list(e.shape), str(e.dtype).removeprefix("torch."), len(self.buckets), e.offset,
-                              e.nbytes])
-        self.buckets.append(buf)
-
-    def finish(self) -> Packed:
-        if self.size is not None:
-            self._close()
-        meta = torch.frombuffer(bytearray(json.dumps({"tensors": self.plan}).encode()), dtype=torch.uint8)
-        return Packed(self.version, meta.to(self.device), self.buckets)
-
-
-def pack(version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]], bucket_bytes: int,
-         device: torch.device) -> Packed:
-    """Copy `state_dict` (a dict, or its chunks as they come: `learner.gather.iter_full_state`) into uint8 buckets
-    of up to `bucket_bytes` (see `Packer`)."""
-    packer = Packer(version, bucket_bytes, device)
-    for chunk in ([state_dict] if isinstance(state_dict, dict) else state_dict):
-        packer.add(chunk)
-    return packer.finish()
-
-
-def packed_bytes(p: Packed) -> int:
-    """The payload bytes of a packed version (its tensors, without alignment padding)."""
-    return sum(entry[5] for entry in json.loads(bytes(p.meta.cpu().numpy()))["tensors"])
-
-
-def unpack(meta: bytes, buckets: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The state dict a `Packed` carries: views into the received buckets (no copy)."""
-    out = {}
-    for name, shape, dtype, b, off, nbytes in json.loads(meta)["tensors"]:
-        out[name] = buckets[b][off:off + nbytes].view(_dtype(dtype)).reshape(shape)
-    return out
 
 
 def choose_backend(configured: str, server_has_cuda: bool) -> str:
@@ -269,7 +162,7 @@ class Payload:
         sizes = [size for size, _ in _bucket_plan(meta, n)]
         with self.cond:
             self.base, self.meta = base, meta
-            self.buckets = [_buffer(max(s, 1), device) for s in sizes]
+            self.buckets = [uint8_buffer(max(s, 1), device) for s in sizes]
             self.cond.notify_all()
 
     def arrived(self, i: int) -> None:
@@ -398,7 +291,7 @@ class CollectiveServer(ChannelServer):
     def bucket_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
         """A buffer the gather fills with one bucket (`iter_flat_buckets(alloc=...)`): the packer keeps it as the
         held bucket, so a publication costs no staging buffer and no copy on rank 0."""
-        return _buffer(max(nbytes, 1), device)[:nbytes]
+        return uint8_buffer(max(nbytes, 1), device)[:nbytes]
 
     @property
     def takes_device_buckets(self) -> bool:
@@ -452,7 +345,7 @@ class CollectiveServer(ChannelServer):
             device = p.buckets[0].device
             torch.cuda.set_device(device)
             stream = torch.cuda.Stream(device=device)
-            host = [_buffer(b.numel(), host_device()) for b in p.buckets]
+            host = [uint8_buffer(b.numel(), host_device()) for b in p.buckets]
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
                 for h, b in zip(host, p.buckets):
@@ -565,20 +458,6 @@ def receive(ch: Channel, into: Payload, version: int, held: int, timeout_s: floa
     return True
 
 
-PROBE_TIMEOUT_S = 10.0  # a relay's port that does not accept a TCP connection in this long is taken for gone
-
-
-def _check_reachable(address: str, timeout_s: float) -> None:
-    """Raise RuntimeError unless `address` ("host:port") accepts a TCP connection. A dead relay's port refuses at
-    once, where torch's TCPStore client would retry connecting for its whole timeout before giving up."""
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            pass
-    except OSError as e:
-        raise RuntimeError(f"{address} does not accept connections ({e})") from None
-
-
 class ChannelClient:
     """A generator's side of one channel to the channel server at `address` ("host:port")."""
 
@@ -622,7 +501,7 @@ class ChannelClient:
                 _expect_bucket(ch, status, version, i, n, t)
                 buf = torch.empty(max(size, 1), dtype=torch.uint8, device=ch.device)
                 ch.recv(buf, t)
-                yield {name: buf[off:off + nbytes].view(_dtype(dtype)).reshape(shape)
+                yield {name: buf[off:off + nbytes].view(dtype_named(dtype)).reshape(shape)
                        for name, shape, dtype, _, off, nbytes in members}
 
         return buckets()
@@ -634,107 +513,3 @@ class ChannelClient:
         except RuntimeError as e:
             log.info("generator %s: closing weight channel %s: %s", self.generator_id, self.cid, e)
         self.channel = None
-
-
-class RelayServer(ChannelServer):
-    """A relaying generator's side: serves the newest version it received (or is receiving) to its children."""
-
-    def __init__(self, cfg: CollectiveSyncConfig, *, timeout_s: float, host: str, cuda: bool):
-        super().__init__(cfg, timeout_s=timeout_s, host=host, port=0, cuda=cuda)
-        self.payloads: dict[int, Payload] = {}
-
-    def hold(self, p: Payload) -> None:
-        """Serve `p` from now on (children asking before its buckets arrive wait for them); only the newest is
-        kept: one packed copy of the model per relaying generator."""
-        with self.lock:
-            self.payloads = {p.version: p}
-
-    def _lookup(self, version: int, held: int) -> Payload | None:
-        with self.lock:
-            p = self.payloads.get(version)
-        if p is None or not p.wait(lambda: p.meta is not None, self.timeout_s):
-            return None
-        return p if p.base in (-1, held) else None  # a delta only to a child that holds its base
-
-
-class RelayReceiver:
-    """A generator's weight path through the relay tree (`learner.weight_sync.relay_fanout` = k >= 1).
-
-    For each (version, held) a generator takes the next slot n on rank 0's store, writes its own relay address
-    there and pulls from slot (n - 1) // k (slot 0 is rank 0): a tree of fan-out k in arrival order (k = 1 is a
-    chain). Buckets are forwarded as they arrive, so the tree is pipelined: a version reaches the last generator
-    about one transfer plus one bucket per level after the first. When the parent dies, stalls past the timeout
-    or gives up, the transfer resumes at rank 0 from the first missing bucket (and the children, served from this
-    generator's payload as it fills, do not notice). `pull` returns (state dict, base, "relay" | "root").
-    """
-
-    def __init__(self, cfg: CollectiveSyncConfig, generator_id: str, timeout_s: float, host: str = "127.0.0.1"):
-        self.cfg, self.generator_id, self.host = cfg, generator_id, host
-        self.timeout_s = min(timeout_s, cfg.timeout_s)
-        self.root: ChannelClient | None = None
-        self.parent: ChannelClient | None = None
-        self.server: RelayServer | None = None
-        self.resumed = 0  # transfers a parent did not finish, completed at rank 0
-
-    def pull(self, root_address: str, version: int, held: int = -1) -> tuple[dict[str, torch.Tensor], int, str]:
-        if self.root is None or self.root.address != root_address:
-            self.close()
-            self.root = ChannelClient(root_address, self.generator_id, self.cfg, self.timeout_s, self.host)
-        if self.server is None:
-            self.server = RelayServer(self.cfg, timeout_s=self.timeout_s, host=self.host,
-                                      cuda=self.root.channel.device.type == "cuda")
-        p = Payload(version, host_device())  # held for the children: host memory, also on GPU machines
-        self.server.hold(p)
-        key = f"relay/{version}/{held}"
-        slot = self.root.store.add(f"{key}/n", 1)
-        self.root.store.set(f"{key}/at/{slot}", self.server.address)
-        up = (slot - 1) // self.cfg.relay_fanout
-        try:
-            if up > 0 and self._from_parent(f"{key}/at/{up}", p, version, held):
-                return p.state_dict(), p.base, "relay"
-            if not receive(self.root.channel, p, version, held, self.timeout_s):
-                raise KeyError(f"weights version {version} is no longer held by learner rank 0 ({root_address}); "
-                               "call latest() again")
-        except BaseException:
-            p.fail()
-            raise
-        return p.state_dict(), p.base, "root"
-
-    def _from_parent(self, slot_key: str, p: Payload, version: int, held: int) -> bool:
-        """True when the parent whose address is at `slot_key` delivered all of `p`; False (logged) when rank 0 must
-        finish it (also when the parent never wrote its address: it died between taking the slot and writing)."""
-        address = slot_key
-        try:
-            address = self.root.store.get(slot_key).decode()
-            if self.parent is None or self.parent.address != address:
-                self._drop_parent()
-                _check_reachable(address, min(self.timeout_s, PROBE_TIMEOUT_S))
-                self.parent = ChannelClient(address, self.generator_id, self.cfg, self.timeout_s, self.host)
-            if receive(self.parent.channel, p, version, held, self.timeout_s):
-                return True
-            log.info("generator %s: relay %s no longer holds version %d; pulling from learner rank 0",
-                     self.generator_id, address, version)
-        except RuntimeError as e:  # dead, stalled or failed parent (gloo/NCCL/TCPStore errors, timeouts)
-            log.warning("generator %s: relay %s failed at bucket %d of version %d (%s: %s); resuming at learner "
-                        "rank 0", self.generator_id, address, p.count, version, type(e).__name__, str(e)[:200])
-            self._drop_parent()  # best effort: a dead parent cannot be told
-        if p.meta is not None and p.count:
-            self.resumed += 1
-        return False
-
-    def status(self) -> dict:
-        return {} if self.server is None else self.server.status()
-
-    def _drop_parent(self) -> None:
-        if self.parent is not None and self.parent.channel is not None:
-            self.parent.close()
-        self.parent = None
-
-    def close(self) -> None:
-        self._drop_parent()
-        if self.root is not None:
-            self.root.close()
-            self.root = None
-        if self.server is not None:
-            self.server.close()
-            self.server = None

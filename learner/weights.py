@@ -522,7 +522,8 @@ class CollectiveWeightSource:
     def _pull(self, ann: WeightsAnnouncement, held: int) -> tuple[dict[str, torch.Tensor], int]:
         """The whole payload of `ann.version` (or its delta from `held`): (state dict, base), through the relay tree
         with `relay_fanout`, else over this source's channel to rank 0."""
-        from learner.collective import RelayReceiver, WeightSyncError
+        from learner.collective import WeightSyncError
+        from learner.relay import RelayReceiver
 
         address = self._address(ann)
         gid = self.generator_id or f"pid{os.getpid()}"

@@ -12,7 +12,7 @@ import ray
 import torch
 
 from common.config import CollectiveSyncConfig, LearnerConfig
-from learner.collective import pack, packed_bytes, unpack
+from learner.packing import pack, packed_bytes, unpack
 from learner.pool import LearnerPool
 from learner.weights import CollectiveWeightSource, WeightSyncTimeout, make_publisher, make_weight_source
 from tests.learner.batches import make_batch

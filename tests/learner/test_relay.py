@@ -15,7 +15,8 @@ import ray
 import torch
 
 from common.config import CollectiveSyncConfig
-from learner.collective import OP_PULL, ChannelClient, CollectiveServer, Payload, RelayReceiver, RelayServer
+from learner.collective import OP_PULL, ChannelClient, CollectiveServer, Payload
+from learner.relay import RelayReceiver, RelayServer
 
 TIMEOUT = 20.0
 
