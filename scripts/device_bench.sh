@@ -13,6 +13,8 @@
 #    size beside the pinned-copy limit (7B's alone, without a step); then mixed lengths padded vs packed.
 # 2. while budget is left: the compile lever off (--no-compile) on the 1.5B's fixed case, for the A/B.
 # 3. while budget is left: the 1.5B's fixed case with rank-8 LoRA (the frozen base in bf16): its peak memory.
+# Where a case of part 1 failed (a broken lever), the plain step (no compile, padded) runs right after it, so the
+# lease still measures a baseline step and the publication.
 #
 # DEVICE_BUDGET_S (default 300) is the time after which no case starts: a case already started finishes (a
 # first compile takes minutes), so give the call's timeout ~2x the budget, and a 15-minute lease holds a start,
@@ -66,8 +68,16 @@ bench() {  # name, then gpu_bench's arguments
     [ $rc -ne 0 ] && STATUS=$rc
 }
 
+failed() {  # whether any case of gpu-bench-NAME.json failed (not out of memory: a failure with a traceback)
+    "$PY" -c "import json, sys; sys.exit(0 if any(r.get('failed') for r in json.load(open(sys.argv[1]))['runs']) else 1)" \
+        "$OUTDIR/gpu-bench-$1.json" 2>/dev/null
+}
+
 if [ ${#QUICK[@]} -eq 0 ]; then
     bench defaults --sizes 1.5B 3B 7B --order case --activation-checkpointing
+    if failed defaults; then  # a lever of the defaults broke (compile, flex_attention packing): the plain step
+        bench plain --sizes 1.5B --cases fixed --activation-checkpointing --no-compile --no-padding-free
+    fi
     bench eager --sizes 1.5B --cases fixed --activation-checkpointing --no-compile --no-profile
     bench lora --sizes 1.5B --cases fixed --activation-checkpointing --lora 8 --no-profile
 else  # the same plan on tiny shapes (compile is off on a CPU, so there is no second part)
