@@ -27,7 +27,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from buffer.core import MixedSwitch, merge_accounting, merge_metrics, plan_take, zero_signal_news
+from buffer.batch_plan import MixedSwitch, merge_accounting, merge_metrics, plan_take, zero_signal_news
 from buffer.keys import shard_of, split_key
 from buffer.shard import make_shard_actor, pack, unpack
 from common import codec

@@ -5,7 +5,8 @@ import random
 import pytest
 
 from buffer.client import batch_shares
-from buffer.core import MixedSwitch, ShardCore, mixed_shares, mixed_target, plan_take
+from buffer.batch_plan import MixedSwitch, mixed_shares, mixed_target, plan_take
+from buffer.core import ShardCore
 from buffer.keys import shard_of
 from learner.batching import batch_rows, split_mini_batches
 from learner.step import complete_groups
@@ -569,7 +570,7 @@ def test_the_shards_together_lease_a_whole_batch_of_replays(per_shard, batch):
 
 
 def test_a_shard_restarted_from_an_older_snapshot_feeds_no_spurious_zeros_to_the_switch():
-    from buffer.core import zero_signal_news
+    from buffer.batch_plan import zero_signal_news
 
     n_zero, n_correct, seen = zero_signal_news(None, [(3, 1), (2, 2)])
     assert (n_zero, n_correct) == (5, 3)
@@ -586,7 +587,7 @@ def test_zero_signal_counts_never_span_a_shard_restart():
     the restart: ([[10, 2]], [(11, 5)]) counted 1 zero-signal group of which 3 all correct (three 1.0 accuracies
     fed to the switch, no 0.0). The shard's incarnation (new after a restart from a snapshot) tells them apart, and
     the all-correct count is capped at the zero-signal count."""
-    from buffer.core import zero_signal_news
+    from buffer.batch_plan import zero_signal_news
 
     assert zero_signal_news([[10, 2, 7]], [(11, 5, 8)])[:2] == (0, 0)  # restarted: nothing this time
     n_zero, n_correct, seen = zero_signal_news([[10, 2, 7]], [(11, 5, 7)])
