@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up .venv first (idempotent, instant when done).
-.PHONY: setup train test gpu-check gpu-wheels stress
+.PHONY: setup train test gpu-check gpu-wheels device-carry stress
 
 setup:
 	@bash scripts/setup.sh
@@ -24,6 +24,14 @@ gpu-wheels: setup
 	    $$(.venv/bin/python -c "from importlib.metadata import version as v; print(' '.join(f'{p}=={v(p)}' for p in \
 	    ('pydantic', 'pydantic-core', 'annotated-types', 'typing-extensions', 'typing-inspection')))")
 	@ls wheels
+
+# What the lent GPU machines' image lacks for a run (ray without its Java/dashboard/libraries, pydantic, jsonschema,
+# math-verify, the project's wheel), for CPython PY (default 3.12: the device; 3.11: this machine, for the suite's
+# check of the carry), into device-carry/ (PY=3.12) or device-carry-pyPY/ (git-ignored; at most 60 MB: carry it with
+# scripts/device_e2e.sh). scripts/device_carry.py says what is in it and why.
+PY ?= 3.12
+device-carry: setup
+	.venv/bin/python scripts/device_carry.py --python $(PY)
 
 # The end-to-end files N times (default 3), optionally beside LOAD busy processes: pass counts per test
 stress: setup

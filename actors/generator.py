@@ -235,6 +235,7 @@ class GeneratorWorker:
             rewards=rewards.stats() if rewards is not None else None)
         delta = getattr(self.weight_source, "transfer_stats", None)  # delta loads, relay transfers
         out.update({f"weights_{k}": float(v) for k, v in (delta() if delta is not None else {}).items()})
+        out["peak_memory_gib"] = peak_memory_bytes() / 2**30
         return out
 
     # --------------------------------------------------------------------------------- engine thread
@@ -684,3 +685,17 @@ def actor_options(gen_cfg: GeneratorConfig) -> dict:
 Generator = ray.remote(max_concurrency=4, max_restarts=3, max_task_retries=0)(GeneratorWorker)
 """The Ray actor class. Use `Generator.options(name=..., **actor_options(gen_cfg)).remote(...)`."""
 
+
+def peak_memory_bytes() -> int:
+    """This process's peak memory so far: CUDA's max allocated bytes where it has used a GPU (the engine's weights,
+    KV cache and decode tensors; the caching allocator's slack left out), else its peak resident set (VmHWM). The
+    learner's `learner/peak_memory_gib` is measured the same way."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0

@@ -44,7 +44,8 @@ _SUM = ("batches", "groups", "rollouts", "tokens", "tokens_per_s", "rollouts_per
         "reasoning_valid", "weights_delta_loads", "weights_full_loads", "weights_delta_mismatches", "weights_from_relay",
         "weights_from_root", "weights_relay_resumed", "leases_held", "started_behind_weights")
 _MEAN = ("wait_fraction", "busy_fraction", "version_lag_mean", "weight_load_s_last", "startup_s", "version")
-_MAX = ("version_lag_max", "reward_oldest_s", "reward_call_p50_s", "reward_call_max_s")  # p50: the slowest generator's
+_MAX = ("version_lag_max", "reward_oldest_s", "reward_call_p50_s", "reward_call_max_s",  # p50: the slowest generator's
+        "peak_memory_gib")
 _PENDING_STATES = ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
 FAST_STOP_S = 10.0  # a stop without drain (a signal): leases not returned by then expire and are reissued
 

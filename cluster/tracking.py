@@ -9,6 +9,10 @@ Meanwhile the points stay buffered and are retried each round. Points that canno
 `metrics-unsent.jsonl`, and `exgrpo track --replay RUN` (`replay_main`) sends them once the store takes
 writes; only points that file could not take either are lost, and counted. The metric history is also kept
 locally for the end-of-run plots.
+
+Offline: when the MLflow run cannot be opened at all (MLflow not installed, as on the lent GPU machines; the store
+down at the start), every metric point goes to that file instead (`Tracker.offline`), and the replay opens the
+run in the store first (`replay_main`: a run whose state.json names no MLflow run).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class Tracker:
         self.lost = 0  # points dropped: the store refused them and unsent_path could not take them either
         self.failures = 0  # refused store calls
         self.failing = False  # the store refuses writes now: warned when it starts, and when it recovers
+        self.offline = False  # no MLflow run could be opened: every point goes to unsent_path
         self._spell = 0  # failures before the current failing spell
         self._pending: list[Any] = []
         self._unsent_lock = threading.Lock()
@@ -102,10 +107,16 @@ class Tracker:
                 self.run_id = run.info.run_id
         except Exception as e:  # the tracking store is optional for training: report once, continue
             log.debug("starting the MLflow run at %s failed", self.uri, exc_info=e)
-            log.warning("could not start the MLflow run at %s: %s; training goes on without tracking (details in "
-                        "logs/driver.log)", self.uri, _short(e))
             self._client = None
-        if self._client is not None:
+            self.offline = self.unsent_path is not None
+            if self.offline:
+                log.warning("could not start the MLflow run at %s: %s; training goes on, its metric points kept in "
+                            "%s: `exgrpo track --replay %s` sends them to a store later (details in "
+                            "logs/driver.log)", self.uri, _short(e), self.unsent_path, self.unsent_path.parent)
+            else:
+                log.warning("could not start the MLflow run at %s: %s; training goes on without tracking (details "
+                            "in logs/driver.log)", self.uri, _short(e))
+        if self._client is not None or self.offline:
             self._thread = threading.Thread(target=self._flush_loop, name="mlflow-flush", daemon=True)
             self._thread.start()
         return self.run_id
@@ -155,7 +166,7 @@ class Tracker:
             if fv != fv or fv in (float("inf"), float("-inf")):
                 continue
             self.history[k].append((step, fv))
-            if self._client is not None:
+            if self._client is not None or self.offline:
                 with self._lock:
                     self._pending.append((k, fv, now_ms, step))
         with self._lock:
@@ -172,7 +183,13 @@ class Tracker:
 
     def flush(self) -> bool:
         """Send everything pending; False (and the values kept) when the store does not accept them.
-        Callable from any thread (the background thread, a checkpoint, `finish`): one flush at a time."""
+        Callable from any thread (the background thread, a checkpoint, `finish`): one flush at a time.
+        Offline, everything pending goes to `unsent_path`."""
+        if self.offline:
+            with self._flush_lock, self._lock:
+                points, self._pending = self._pending, []
+            self._keep_unsent(points)
+            return True
         if self._client is None or self.run_id is None:
             return True
         with self._flush_lock:
@@ -199,6 +216,9 @@ class Tracker:
         """Send everything pending, or append it to `unsent_path` when the store does not take it: a checkpoint
         calls this before it exists, so that a run killed right after it (whose resume never logs those steps
         again) loses no point."""
+        if self.offline:
+            self.flush()
+            return
         if self._client is None or self.run_id is None:
             return
         with self._flush_lock:
@@ -246,6 +266,12 @@ class Tracker:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self.offline:
+            self.flush()
+            log.warning("MLflow: no run was opened; the %d metric points are kept in %s: `exgrpo track --replay %s` "
+                        "sends them to a store", count_unsent(self.unsent_path), self.unsent_path,
+                        self.unsent_path.parent)
+            return
         if self._client is None or self.run_id is None:
             return
         self.flush_or_keep()
@@ -346,7 +372,9 @@ def replay(client, run_id: str, path: Path, chunk: int = 1000) -> int:
 
 def replay_main(run: str) -> int:
     """`exgrpo track --replay RUN`: send the metric points the run's store did not take (its metrics-unsent.jsonl)
-    to the run's MLflow run. Exit 0 when all were sent (or there were none), 1 when the store still refuses
+    to the run's MLflow run. A run that trained offline (state.json names no MLflow run: MLflow was missing or its
+    store down at the start) gets its MLflow run opened first, with the run folder's name, config and end state,
+    and state.json then names it. Exit 0 when all were sent (or there were none), 1 when the store still refuses
     them (the file keeps the rest), 2 when RUN is not a run folder."""
     from cluster.console import quiet_store_loggers, setup_logging
     from cluster.runtime import RunDir, RunFolderError
@@ -366,15 +394,14 @@ def replay_main(run: str) -> int:
         print(f"nothing to replay: {run_dir.path} holds no unsent metric points (every point reached the store)")
         return 0
     uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
-    if run_id is None:
-        print(f"error: {run_dir.path}/state.json names no MLflow run (the store never opened one); the {n} points "
-              f"stay in {path}", file=sys.stderr)
-        return 1
     from mlflow.tracking import MlflowClient
 
     quiet_store_loggers()
+    client = MlflowClient(tracking_uri=uri)
     try:
-        sent = replay(MlflowClient(tracking_uri=uri), run_id, path)
+        if run_id is None:
+            run_id = _open_offline_run(client, uri, run_dir, cfg)
+        sent = replay(client, run_id, path)
     except Exception as e:
         log.debug("replaying %s into %s failed", path, uri, exc_info=e)
         print(f"error: the MLflow store {uri} refused them ({_short(e)}); {count_unsent(path)} of the {n} points stay "
@@ -382,3 +409,26 @@ def replay_main(run: str) -> int:
         return 1
     print(f"sent {sent} metric points from {path} to {uri} (run id {run_id})")
     return 0
+
+
+def _open_offline_run(client, uri: str, run_dir, cfg) -> str:
+    """Open the MLflow run of a run that trained offline: its name, parameters and config as `exgrpo train` logs
+    them, its end status from state.json; state.json then names it (so a second replay sends to the same run)."""
+    from mlflow.entities import Param
+
+    from common.config import flatten, to_yaml
+
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(
+        cfg.tracking.experiment, artifact_location=artifact_location(uri, cfg.tracking.experiment))
+    tags = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
+    run_id = client.create_run(exp_id, run_name=run_dir.name, tags=tags).info.run_id
+    params = [Param(k, str(v)[:6000]) for k, v in flatten(cfg).items()]
+    for i in range(0, len(params), 100):
+        client.log_batch(run_id, params=params[i : i + 100])
+    client.log_text(run_id, to_yaml(cfg), "config.yaml")
+    status = run_dir.read_state().get("status")
+    if status in ("FINISHED", "FAILED", "KILLED"):
+        client.set_terminated(run_id, status=status)
+    run_dir.update_state(mlflow_run_id=run_id)
+    return run_id

@@ -187,3 +187,38 @@ def test_a_full_store_keeps_tracebacks_off_the_console_and_replay_completes_the_
         assert not (run_dir.path / UNSENT_FILE).exists()
         for key in ("m0", "m39"):
             assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(40))
+
+
+def test_offline_run_keeps_every_point_and_the_replay_opens_its_mlflow_run(tmp_path, monkeypatch, caplog):
+    """A run whose MLflow run cannot be opened (MLflow missing, as on the lent GPU machines, or its store down at
+    the start: a closed port here) keeps every metric point in metrics-unsent.jsonl; `exgrpo track --replay RUN`
+    later opens the run in a store (name, parameters, end status) and sends them all; state.json then names it."""
+    from cluster.runtime import RunDir
+    from cluster.tracking import UNSENT_FILE, count_unsent, replay_main
+    from common.config import RunConfig
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    cfg = RunConfig(name="offline", checkpoint={"runs_root": str(tmp_path)}, tracking={"experiment": "exp"})
+    run_dir = RunDir.create(cfg)
+    tr = Tracker("http://127.0.0.1:9", "exp", flush_every_s=0.1, unsent_path=run_dir.path / UNSENT_FILE)
+    with caplog.at_level(logging.WARNING, logger="exgrpo.tracking"):
+        assert tr.start("offline") is None and tr.offline
+        for step in range(1, 31):
+            tr.log_metrics({"a": float(step), "b": 2.0 * step}, step)
+        tr.flush_or_keep()  # a checkpoint: 60 points in the file
+        assert count_unsent(run_dir.path / UNSENT_FILE) == 60
+        tr.log_metrics({"a": 31.0}, 31)
+        tr.finish()
+    assert tr.counts() == {"metrics_buffered": 0, "metrics_unsent": 61, "metrics_lost": 0}
+    assert any("exgrpo track --replay" in r.message and "61 metric points" in r.message for r in caplog.records)
+    run_dir.update_state(status="FINISHED", step=31)
+
+    assert replay_main(str(run_dir.path)) == 0  # the config's store: sqlite in the runs root
+    run_id = run_dir.read_state()["mlflow_run_id"]
+    client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
+    run = client.get_run(run_id)
+    assert run.info.run_name == run_dir.name and run.info.status == "FINISHED"
+    assert run.data.params["name"] == "offline"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "a")] == [(s, float(s)) for s in range(1, 32)]
+    assert not (run_dir.path / UNSENT_FILE).exists()
