@@ -1,10 +1,11 @@
 """GPU bench: the product's learner step and publication on Qwen2.5-shaped models, on a bare GPU machine.
 
     python bench/gpu_bench.py --out gpu_bench.json                       # 0.5B 1.5B 3B 7B (where memory allows)
-    python bench/gpu_bench.py --sizes 1.5B 3B --activation-checkpointing --out gpu_bench.json
+    python bench/gpu_bench.py --runs 1.5B:fixed 3B:mixed --out gpu_bench.json   # these cases, in this order
     python bench/gpu_bench.py --sizes 1.5B --compile --fused-optimizer    # one lever at a time: --no-X turns it off
+    python bench/gpu_bench.py --sizes 1.5B --activation-checkpointing selective   # auto | full | selective | none
     python bench/gpu_bench.py --quick --out /tmp/gpu_bench.json          # tiny shapes on CPU (the suite runs it)
-    bash scripts/device_bench.sh                                         # a 15-minute GPU lease, planned (below)
+    bash scripts/device_bench.sh                                         # a short GPU lease, planned (see there)
 
 Needs torch, transformers, numpy, pydantic, pyyaml, safetensors: no Ray, vLLM or MLflow is imported
 (docs/cluster.md, "GPU bench", lists the wheels to bring where pydantic is missing).
@@ -18,7 +19,7 @@ the vocabulary 151,936, the shapes Qwen2.5's.
 Cases, each with the levers given (unset: the product's default):
 - fixed: 8 rows of 256 prompt + 8,192 response tokens.
 - mixed: as many response tokens in rows of 1,024-8,192 (uniform, seeded), padded and packed without padding
-  (unless --padding-free / --no-padding-free picks one).
+  (unless --padding-free / --no-padding-free picks one; `--runs SIZE:mixed` alone runs the product's default).
 - publish: the publication alone, for a size that no step case published (one too large to train on the device:
   the publication needs only the fp32 master weights).
 
@@ -27,19 +28,31 @@ traceback and makes the bench exit 1 after the table and the JSON), and the next
 prints a line and rewrites --out, so a bench killed at a lease's time limit leaves every finished case;
 --budget-s starts no case that the last case's time says would overrun it.
 
-Per case: seconds per step (median of --steps after --warmup), response tokens/s, MFU, peak memory, the GPU
-kernel time by category over one profiled step (torch.profiler; on CPU the ops' self time) and the host syncs
-in it. MFU = (6 x parameters + 6 x layers x hidden x row length) FLOPs per token over every token of the
-step (prompt and response), divided by step time x the device's peak (989 TFLOP/s bf16 dense for H100 SXM
-and H200, 312 for A100; --peak-tflops overrides). The recompute of activation checkpointing and of the
-chunked head is not counted (as in issue 34).
+Per case: seconds per step (median of --steps, 5 by default, after --warmup, with the fastest and slowest),
+response tokens/s, three FLOP rates, peak memory, and over one more profiled step (not among the timed ones; its
+wall time is reported beside the median, as the profiler's cost) the GPU kernel time by category, the 10 kernels
+that took most of it (on CPU: the ops' self time) and the host syncs. The FLOP counts (`step_flops`), per token
+of every row (prompt and response), over step time x the device's peak (989 TFLOP/s bf16 dense for H100 SXM
+and H200, 312 for A100; --peak-tflops overrides):
+- MFU, as issue 34 counted it (issue 42's target metric): 6 x parameters + 6 x layers x hidden x row length
+  (causal attention: half of the full square). With LoRA the frozen base counts 4 x (forward 2, the backward's
+  input gradient 2, no weight gradient) and the adapters 6 x.
+- MFU (torchtitan): torchtitan's `get_dense_model_nparams_and_flops`: 6 x parameters without the input
+  embedding's lookup (a tied embedding is the head's matmul, so it stays) + 12 x layers x hidden x row length
+  (the full square, the convention of not counting causal sparsity).
+- HFU: MFU's FLOPs plus what the step recomputes: full activation checkpointing re-runs each decoder layer's
+  forward (2 x layer parameters + 2 x layers x hidden x row length per token); selective re-runs only elementwise
+  ops, counted as 0 matmul FLOPs (an approximation); the chunked LM head re-runs its forward in the backward
+  (2 x vocabulary x hidden per response token). Like MFU it counts the head on prompt tokens, which the product
+  skips.
 
 Publication, per size: `learner.gather.iter_full_state(model, 0, 1, dtype=bfloat16)` consumed bucket by
 bucket (GB/s = bytes published / seconds), beside this machine's copy limit: the same bytes copied from one
 device bucket into two reused pinned host buffers with non_blocking copies. Bytes published are compared
 with the unique parameter bytes (a tied embedding counted once).
 
-Output: a table headed by the command line, and --out JSON with every number (read by
+Output: a table headed by the command line, the top kernels of each profiled step, issue 42's "Done when"
+targets judged on the runs of the product's defaults (on a GPU), and --out JSON with every number (read by
 `bench/scale_model.py --gpu-json`).
 """
 
@@ -59,6 +72,7 @@ import tempfile
 import time
 import traceback
 import zlib
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,14 +99,21 @@ SIZES = {
 }
 PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0),
                ("H800", 989.0), ("A100", 312.0), ("A800", 312.0))  # bf16 dense; first match of the device name
-# lever flag -> (LearnerConfig field, value when on, value when off)
+# lever flag -> (LearnerConfig field, value when on, value when off); activation_checkpointing takes a mode instead
 LEVERS = {
     "compile": ("compile", True, False),
     "padding_free": ("padding_free", True, False),
     "fused_optimizer": ("fused_optimizer", True, False),
-    "activation_checkpointing": ("activation_checkpointing", True, False),
+    "activation_checkpointing": ("activation_checkpointing", "full", "none"),
     "chunked_head": ("logits_chunk_tokens", None, 0),
 }
+CHECKPOINTING = ("auto", "full", "selective", "none")  # learner.activation_checkpointing (true/false: full/none)
+TOP_KERNELS = 10
+# issue 42's "Done when", judged on a GPU on the runs of the product's defaults: (key, what, size, case, target)
+TARGETS = (("mfu_1.5B_fixed", "1.5B fixed: MFU (recompute not counted)", "1.5B", "fixed", 0.32),
+           ("mfu_3B_mixed", "3B mixed: MFU (recompute not counted)", "3B", "mixed", 0.30),
+           ("packed_over_padded_1.5B", "1.5B mixed: packed / padded response tokens/s", "1.5B", "mixed", 1.2),
+           ("publication_1.5B", "1.5B publication, bf16, GB/s", "1.5B", "publish", 40.0))
 CATEGORIES = (  # first match wins; names lower-cased (CUDA kernels, or aten ops on CPU)
     ("communication", r"nccl|c10d|gloo|all_gather|allgather|reduce_scatter|all_reduce|allreduce|broadcast"),
     ("attention", r"flash|fmha|attention|sdpa|flex|triton_tem"),
@@ -104,6 +125,14 @@ CATEGORIES = (  # first match wins; names lower-cased (CUDA kernels, or aten ops
                          r"sqrt|silu|sigmoid|where|clamp|to|_to_copy|copy_|zero_|zeros|ones|empty|contiguous|"
                          r"lerp_|addcmul_|addcdiv_|masked_fill)"),
 )
+FLOP_FORMULAS = {  # per token of every row (prompt and response), T its row length; see step_flops
+    "MFU": "(6 x trained + 4 x frozen params + 6 x layers x hidden x T) x tokens / step_s / peak; issue 34's count "
+           "and issue 42's target (recompute not counted); LoRA: the frozen base 4x, the adapters 6x",
+    "MFU (torchtitan)": "(6 x trained + 4 x frozen params, without an untied input embedding's lookup, + 12 x layers "
+                        "x hidden x T) x tokens / step_s / peak (torchtitan's get_dense_model_nparams_and_flops)",
+    "HFU": "MFU's FLOPs + recompute: full checkpointing 2 x layer params + 2 x layers x hidden x T per token, "
+           "selective ~0 (elementwise ops only, not counted), chunked head 2 x vocab x hidden per response token",
+}
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -157,10 +186,11 @@ def random_fill(seed: int):
 
 def learner_config(args, padding_free: bool | None, device: torch.device, dtype: torch.dtype):
     """LearnerConfig with the bench's budget and the levers asked for (others: the product's defaults).
-    `padding_free` (the mixed case's padded/packed pair) overrides --padding-free; packed without --attn uses
-    the attention `padding_free=auto` picks on this device (flash-attention or flex_attention on CUDA)."""
+    `padding_free` (the mixed case's padded/packed pair) overrides --padding-free. Packed without --attn uses the
+    attention `padding_free=auto` packs with on this device; where auto pads (packing is opt-in), flash-attention
+    where installed, else flex_attention, on CUDA (on CPU: transformers' default, sdpa with a dense mask)."""
     from common.config import LearnerConfig
-    from learner.levers import resolve_levers
+    from learner.levers import flash_attention_installed, resolve_levers
 
     fields = LearnerConfig.model_fields
     # every step applies its update (random weights may give a gradient norm above the default skip threshold,
@@ -175,7 +205,10 @@ def learner_config(args, padding_free: bool | None, device: torch.device, dtype:
         if field not in fields:
             sys.exit(f"--{'' if value else 'no-'}{flag.replace('_', '-')}: this tree's LearnerConfig has no "
                      f"field {field!r}; leave the flag out")
-        over[field] = on if value else off
+        if flag == "activation_checkpointing":
+            over[field] = checkpointing_value(value)
+        else:
+            over[field] = on if value else off
     if args.lora:  # adapters on the default targets; only they train (learner.lora)
         from common.config.learner import LoRAConfig
 
@@ -184,13 +217,41 @@ def learner_config(args, padding_free: bool | None, device: torch.device, dtype:
         over["attn_implementation"] = args.attn
     elif over.get("padding_free") is True:
         auto, _ = resolve_levers(LearnerConfig(), device, dtype)
-        over["attn_implementation"] = auto.attn_implementation if auto.packs_padding_free else None
+        if auto.packs_padding_free:
+            over["attn_implementation"] = auto.attn_implementation
+        elif device.type == "cuda":
+            flash = flash_attention_installed() and dtype != torch.float32
+            over["attn_implementation"] = "flash_attention_2" if flash else "flex_attention"
     return LearnerConfig(**over)
+
+
+def checkpointing_value(mode: str) -> str | bool:
+    """learner.activation_checkpointing for the bench's `mode`: the mode's name where this tree's LearnerConfig
+    takes it, else full/none as true/false (a tree from before the modes); auto/selective there: exit saying so."""
+    from pydantic import ValidationError
+
+    from common.config import LearnerConfig
+
+    try:
+        LearnerConfig(activation_checkpointing=mode)
+        return mode
+    except ValidationError:
+        if mode in ("full", "none"):
+            return mode == "full"
+        sys.exit(f"--activation-checkpointing {mode}: this tree's learner.activation_checkpointing takes only "
+                 "true/false; pass full or none")
+
+
+def checkpointing_mode(value) -> str:
+    """A LearnerConfig's activation_checkpointing as a mode name: true/false (the old field) are full/none."""
+    return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else str(value)
 
 
 def lever_settings(cfg, model) -> dict:
     """What the step ran with: `cfg` is the TrainStep's, with `auto` resolved for the device."""
     out = {field: getattr(cfg, field) for _, (field, _, _) in LEVERS.items() if field in type(cfg).model_fields}
+    if "activation_checkpointing" in out:
+        out["activation_checkpointing"] = checkpointing_mode(out["activation_checkpointing"])
     out["packs_padding_free"] = cfg.packs_padding_free
     out["attention"] = model.config._attn_implementation if model is not None else cfg.attn_implementation
     out["micro_batch_tokens"] = cfg.micro_batch_tokens
@@ -230,9 +291,50 @@ def make_batch(lengths: list[int], prompt: int, vocab: int, version: int, seed: 
     return TrainingBatch(groups=groups, version=version)
 
 
-def step_flops(params: int, layers: int, hidden: int, lengths: list[int], prompt: int) -> float:
-    """(6 x params + 6 x layers x hidden x row length) per token, over every token of every row."""
-    return float(sum((prompt + n) * (6 * params + 6 * layers * hidden * (prompt + n)) for n in lengths))
+@dataclass(frozen=True)
+class ParamCounts:
+    """The parameter counts the FLOP formulas read (unique parameters: a tied embedding once)."""
+    trained: int  # parameters with a weight gradient: all of them, or with LoRA the adapters
+    frozen: int  # LoRA's frozen base: forward and input gradient, no weight gradient (0 without LoRA)
+    layer: int  # the decoder layers' (adapters included): what full activation checkpointing re-runs
+    lookup: int  # an input embedding not tied to the head: a lookup, not a matmul (0 where tied)
+    lookup_trained: bool  # whether that embedding is among `trained` (else among `frozen`)
+    head: int  # vocabulary x hidden: the LM head, re-run in the backward by the chunked head
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ParamCounts:
+        params = list(model.parameters())  # unique (a tied embedding once); numel of a DTensor is its global size
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        emb, cfg = model.get_input_embeddings().weight, model.config
+        return cls(trained=trained, frozen=sum(p.numel() for p in params) - trained,
+                   layer=sum(p.numel() for p in model.model.layers.parameters()),
+                   lookup=0 if cfg.tie_word_embeddings else emb.numel(), lookup_trained=emb.requires_grad,
+                   head=cfg.vocab_size * cfg.hidden_size)
+
+
+def step_flops(c: ParamCounts, layers: int, hidden: int, lengths: list[int], prompt: int, checkpointing: str,
+               chunked_head: bool) -> dict[str, float | None]:
+    """One step's FLOPs three ways, summed over rows of `prompt` + n tokens for n in `lengths` (T = row length):
+    - model (MFU, issue 34's count): per token 6 x trained + 4 x frozen + 6 x layers x hidden x T.
+    - torchtitan: per token 6 x trained + 4 x frozen without the lookup + 12 x layers x hidden x T (torchtitan's
+      torchtitan/models/utils.py, get_dense_model_nparams_and_flops: `6 * (nparams - nparams_embedding) +
+      12 * l * h * q * t`, h x q = hidden; a tied embedding is the head's weight, so it stays counted).
+    - hardware (HFU): model + recompute. checkpointing full: one more forward of the layers, per token
+      2 x layer + 2 x layers x hidden x T; selective: elementwise ops only, counted as 0; none: 0; "auto" left
+      unresolved: None (unknown). The chunked head's backward re-runs its forward: 2 x head per response token."""
+    model = tt = recompute = 0.0
+    params = 6 * c.trained + 4 * c.frozen
+    lookup = (6 if c.lookup_trained else 4) * c.lookup
+    for n in lengths:
+        t = prompt + n  # tokens of the row, each attending to up to t
+        model += t * (params + 6 * layers * hidden * t)
+        tt += t * (params - lookup + 12 * layers * hidden * t)
+        if checkpointing == "full":
+            recompute += t * (2 * c.layer + 2 * layers * hidden * t)
+        if chunked_head:
+            recompute += n * 2 * c.head
+    known = checkpointing in ("full", "selective", "none")
+    return {"model": model, "torchtitan": tt, "hardware": model + recompute if known else None}
 
 
 # ------------------------------------------------------------------------------------------------- measuring
@@ -253,27 +355,33 @@ def category(name: str) -> str:
 
 
 def profile_step(trainer, batch, device: torch.device) -> dict:
-    """One step under torch.profiler: kernel time by category (CUDA kernels; CPU ops' self time on CPU) and
-    the host syncs (CUDA runtime sync calls, device-to-host memcpys, scalar reads `aten::_local_scalar_dense`)."""
+    """One more step under torch.profiler (not among the timed steps): kernel time by category and the
+    `TOP_KERNELS` kernels that took most of it (CUDA kernels by name; CPU ops' self time on CPU), the host syncs
+    (CUDA runtime sync calls, device-to-host memcpys, scalar reads `aten::_local_scalar_dense`), and what the
+    profiler cost: the profiled step's wall time and the seconds spent reading its trace afterwards."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
+        sync(device)
+        t0 = time.perf_counter()
         trainer.run(batch)
         sync(device)
+        step_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     split = {cat: {"ms": 0.0, "launches": 0} for cat, _ in CATEGORIES}
     split["other"] = {"ms": 0.0, "launches": 0}
+    kernels: dict[str, list] = {}  # name -> [ms, calls]
     syncs = {name: 0 for name in SYNC_CALLS}
     sync_cpu_us, dtoh, scalar_reads = 0.0, 0, 0
-    events = prof.events()
-    for e in events:
+    for e in prof.events():
         if device.type == "cuda" and e.device_type == DeviceType.CUDA:  # a kernel, memcpy or memset on the GPU
             if getattr(e, "is_user_annotation", False):  # a record_function span drawn on the GPU: not a kernel
                 continue
-            cat = split[category(e.name)]
-            cat["ms"] += e.time_range.elapsed_us() / 1e3
-            cat["launches"] += 1
+            k = kernels.setdefault(e.name, [0.0, 0])
+            k[0] += e.time_range.elapsed_us() / 1e3
+            k[1] += 1
             dtoh += e.name.startswith("Memcpy DtoH")
             continue
         call = re.sub(r"(_v\d+|_ptsz|_ptds)+$", "", e.name)  # runtime API variants: cudaMemcpy_v2, ..._ptsz
@@ -283,23 +391,29 @@ def profile_step(trainer, batch, device: torch.device) -> dict:
         scalar_reads += e.name == "aten::_local_scalar_dense"
     if device.type != "cuda":
         for a in prof.key_averages():  # self time: nested ops are not counted twice
-            cat = split[category(a.key)]
-            cat["ms"] += a.self_cpu_time_total / 1e3
-            cat["launches"] += a.count
+            kernels[a.key] = [a.self_cpu_time_total / 1e3, a.count]
+    for name, (ms, calls) in kernels.items():
+        cat = split[category(name)]
+        cat["ms"] += ms
+        cat["launches"] += calls
     total = sum(c["ms"] for c in split.values()) or 1.0
     for c in split.values():
         c["share"] = round(c["ms"] / total, 4)
         c["ms"] = round(c["ms"], 3)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     return {"kernel_split": split, "kernel_ms": round(total, 3),
             "kernel_clock": "CUDA kernel time" if device.type == "cuda" else "CPU op self time",
+            "top_kernels": [{"name": name[:400], "category": category(name), "ms": round(ms, 3),
+                             "share": round(ms / total, 4), "calls": calls} for name, (ms, calls) in top],
             "host_syncs": {**syncs, "memcpy_dtoh": dtoh, "total": sum(syncs.values()),
                            "cpu_s": round(sync_cpu_us / 1e6, 4)},
-            "scalar_reads": scalar_reads}
+            "scalar_reads": scalar_reads,
+            "profiled_step_s": round(step_s, 6), "profile_read_s": round(time.perf_counter() - t0, 3)}
 
 
 def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path, device: torch.device,
              dtype: torch.dtype, want_publication: bool) -> dict:
-    """Build the rank (the product's setup), warm up, time --steps steps, profile one, maybe publish."""
+    """Build the rank (the product's setup), warm up, time --steps steps, profile one more, maybe publish."""
     from learner.setup import setup_rank
 
     cfg = learner_config(args, padding_free, device, dtype)
@@ -319,8 +433,10 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
         model, trainer = built.model, built.trainer
         shape = model.config
         params = sum(p.numel() for p in model.parameters())  # unique: a tied embedding once
-        out.update(settings=lever_settings(trainer.cfg, model), params=params, layers=shape.num_hidden_layers,
-                   hidden=shape.hidden_size)
+        counts = ParamCounts.of(model)
+        out.update(settings=lever_settings(trainer.cfg, model), params=params, param_counts=asdict(counts),
+                   layers=shape.num_hidden_layers, hidden=shape.hidden_size,
+                   levers_off={k: str(v) for k, v in (getattr(built, "levers_off", None) or {}).items()})
         if case == "publish":  # the publication alone: no step, so no AdamW state or activations
             out["publication"] = publication(model, device, int(args.bucket_mb * 2**20), args.pub_repeats)
             return out
@@ -333,14 +449,24 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
             sync(device)
             (warm if i < args.warmup else times).append(time.perf_counter() - t0)
         step_s = statistics.median(times)
-        flops = step_flops(params, shape.num_hidden_layers, shape.hidden_size, lengths, args.prompt)
+        ran = out["settings"]
+        flops = step_flops(counts, shape.num_hidden_layers, shape.hidden_size, lengths, args.prompt,
+                           ran.get("activation_checkpointing", "none"), ran.get("logits_chunk_tokens") != 0)
         tflops, _ = peak_tflops(device, args.peak_tflops)
+
+        def rate(f: float | None) -> float | None:
+            return round(f / step_s / (tflops * 1e12), 4) if tflops and f is not None else None
+
         out.update(step_s=round(step_s, 6), step_s_all=[round(t, 6) for t in times],
+                   step_s_min=round(min(times), 6), step_s_max=round(max(times), 6),
+                   step_spread=round((max(times) - min(times)) / step_s, 4),
                    warmup_s=[round(t, 3) for t in warm], updates=stats.updates,
                    padding_frac=round(1 - float(stats.sums["row_tokens"]) / max(1.0, float(stats.sums["forward_tokens"])),
                                       4),
                    response_tokens_per_s=round(sum(lengths) / step_s, 1), tokens_per_s=round(out["tokens"] / step_s, 1),
-                   flops_per_step=flops, mfu=round(flops / step_s / (tflops * 1e12), 4) if tflops else None)
+                   flops_per_step=flops["model"], flops_per_step_torchtitan=flops["torchtitan"],
+                   flops_per_step_hardware=flops["hardware"], mfu=rate(flops["model"]),
+                   mfu_torchtitan=rate(flops["torchtitan"]), hfu=rate(flops["hardware"]))
         if device.type == "cuda":
             out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         else:
@@ -348,6 +474,7 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
         if args.profile:
             out.update(profile_step(trainer, make_batch(lengths, args.prompt, shape.vocab_size, version=99, seed=99),
                                     device))
+            out["profile_overhead"] = round(out["profiled_step_s"] / step_s - 1, 4)  # the profiler's cost on a step
         if want_publication:
             out["publication"] = publication(model, device, int(args.bucket_mb * 2**20), args.pub_repeats)
     except torch.OutOfMemoryError as e:  # a result of the case: the next case starts from a free device
@@ -464,11 +591,57 @@ def fits(size: str, device: torch.device, vocab: int, case: str = "fixed") -> st
 
 
 def levers_on(s: dict) -> str:
+    ckpt = s.get("activation_checkpointing")
     on = [name for name, yes in (("packed", s["packs_padding_free"]), ("compile", s.get("compile")),
-                                 ("fused", s.get("fused_optimizer")), ("ckpt", s.get("activation_checkpointing")),
+                                 ("fused", s.get("fused_optimizer")), (f"ckpt {ckpt}", ckpt not in (None, "none")),
                                  ("chunked", s.get("logits_chunk_tokens") != 0),
                                  (f"lora r{s.get('lora_rank')}", s.get("lora_rank"))) if yes]
     return " ".join(on) or "none"
+
+
+def judge(result: dict) -> list[dict]:
+    """Issue 42's "Done when", each with its measured value and PASS/FAIL (judged on a GPU only), from the runs of
+    the product's defaults (`run["defaults"]`), the 1.5B mixed pair and the 1.5B publication."""
+    gpu = result["device"]["type"] == "cuda"
+
+    def verdict(value, target) -> str:
+        if value is None:
+            return "not measured"
+        return ("PASS" if value >= target else "FAIL") if gpu else "not judged (CPU)"
+
+    out = []
+    defaults = [r for r in result["runs"] if r.get("defaults") and r["case"] != "publish"]
+    failed = [f"{r['size']} {r['case']}" for r in defaults if "error" in r]
+    out.append({"key": "defaults_run", "what": "the product's defaults run every case", "target": "no error",
+                "value": f"{len(defaults) - len(failed)}/{len(defaults)} ran" if defaults else None,
+                "verdict": ("FAIL: " + ", ".join(failed) if failed else "PASS") if defaults else "not measured"})
+    for key, what, size, case, target in TARGETS:
+        if case == "publish":
+            value = result["publication"].get(size, {}).get("gb_per_s")
+        elif key.startswith("packed_over_padded"):
+            value = result["packed_over_padded"].get(size)
+        else:
+            run = next((r for r in defaults if r["size"] == size and r["case"] == case), None)
+            value = run.get("mfu") if run is not None else None
+            if run is not None and "error" in run:
+                out.append({"key": key, "what": what, "target": target, "value": None,
+                            "verdict": "FAIL: " + run["error"][:80]})
+                continue
+        out.append({"key": key, "what": what, "target": target, "value": value, "verdict": verdict(value, target)})
+    return out
+
+
+def target_cell(r: dict, targets: list[dict]) -> str:
+    """The table's target cell of run `r`: the MFU target it is judged against, if any."""
+    for t in targets:
+        hit = next(((size, case) for key, _, size, case, _ in TARGETS if key == t["key"]), None)
+        if r.get("defaults") and hit == (r["size"], r["case"]) and t["key"].startswith("mfu_"):
+            return f">= {t['target']:.0%}: {t['verdict']}"
+    return ""
+
+
+def pct(x: float | None) -> str:
+    return f"{x:.1%}" if x is not None else "-"
 
 
 def print_report(result: dict) -> None:
@@ -477,14 +650,20 @@ def print_report(result: dict) -> None:
     print(f"   ({d['name']}, torch {result['versions']['torch']}, transformers {result['versions']['transformers']}, "
           f"{result['dtype']}, commit {result['versions']['commit']})")
     peak = f"{d['peak_tflops']:g} TFLOP/s ({d['peak_source']})" if d["peak_tflops"] else d["peak_source"]
-    print(f"MFU = {result['mfu_formula']}; peak {peak}; recompute (checkpointing, chunked head) not counted\n")
+    print(f"peak {peak}")
+    for name, formula in result["flop_formulas"].items():
+        print(f"- {name} = {formula}")
     cats = [c for c, _ in CATEGORIES] + ["other"]
     gpu = d["type"] == "cuda"
-    print("kernel time split: " + ("CUDA kernel time by kernel name" if gpu else "CPU op self time by op name")
-          + " over one profiled step; syncs/step: " + ("CUDA runtime sync calls" if gpu else "none on a CPU")
-          + "; levers: packed = padding-free, ckpt = activation checkpointing, chunked = chunked LM head\n")
-    head = ["size", "case", "rows x response", "levers on", "attention", "step s", "resp tok/s", "MFU",
-            "peak GiB" if gpu else "peak RSS GiB"] + cats + ["syncs/step"]
+    print("\nstep s: median of the timed steps, with the fastest and slowest; kernel time split: "
+          + ("CUDA kernel time by kernel name" if gpu else "CPU op self time by op name")
+          + " over one more, profiled, step; syncs/step: " + ("CUDA runtime sync calls" if gpu else "none on a CPU")
+          + "; levers: packed = padding-free, ckpt = activation checkpointing, chunked = chunked LM head; "
+            "defaults: every lever the product's default (the runs the targets judge)\n")
+    head = ["size", "case", "rows x response", "levers on", "attention", "defaults", "step s", "min-max s",
+            "resp tok/s", "MFU", "MFU (torchtitan)", "HFU", "peak GiB" if gpu else "peak RSS GiB"] + cats + [
+            "syncs/step", "target"]
+    targets = result.get("targets", [])
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     for r in result["runs"]:
@@ -492,28 +671,66 @@ def print_report(result: dict) -> None:
             continue
         s = r["settings"]
         lead = [r["size"], r["case"], f"{r['rows']} x {r['response_min']}-{r['response_max']}", levers_on(s),
-                str(s["attention"])]
+                str(s["attention"]), "yes" if r.get("defaults") else "no"]
         if "error" in r:
             error = r["error"] if len(r["error"]) <= 160 else r["error"][:157] + "..."  # whole in the JSON
-            print("| " + " | ".join(lead + [error] + [""] * (len(head) - len(lead) - 1)) + " |")
+            print("| " + " | ".join(lead + [error] + [""] * (len(head) - len(lead) - 2) + [target_cell(r, targets)])
+                  + " |")
             continue
         mem = r.get("peak_mem_gib", r.get("peak_rss_gib"))
         split = r.get("kernel_split", {})
-        cells = lead + [f"{r['step_s']:.3f}", f"{r['response_tokens_per_s']:,.0f}",
-                        f"{r['mfu']:.1%}" if r["mfu"] is not None else "-", f"{mem:.2f}"]
+        cells = lead + [f"{r['step_s']:.3f}", f"{r['step_s_min']:.3f}-{r['step_s_max']:.3f}",
+                        f"{r['response_tokens_per_s']:,.0f}", pct(r["mfu"]), pct(r.get("mfu_torchtitan")),
+                        pct(r.get("hfu")), f"{mem:.2f}"]
         cells += [f"{split[c]['share']:.0%}" if c in split else "-" for c in cats]
         cells.append(str(r["host_syncs"]["total"]) if "host_syncs" in r else "-")
+        cells.append(target_cell(r, targets))
         print("| " + " | ".join(cells) + " |")
+    for r in result["runs"]:
+        for lever, error in r.get("levers_off", {}).items():
+            print(f"\n{r['size']} {r['case']}: {lever} off, it failed its trial at setup: {error}")
+    for r in result["runs"]:
+        if r.get("top_kernels"):
+            print_top_kernels(r, gpu)
     for size, ratio in result["packed_over_padded"].items():
         print(f"\n{size}: mixed lengths, packed / padded response tokens/s = {ratio:.2f}x")
-    print("\n| size | published GB | unique GB | iter_full_state s | GB/s | pinned copy GB/s | copy / publication |")
-    print("|---|---|---|---|---|---|---|")
+    if result["publication"]:
+        print("\n| size | published GB | unique GB | iter_full_state s | GB/s | pinned copy GB/s | "
+              "copy / publication |")
+        print("|---|---|---|---|---|---|---|")
     for size, p in result["publication"].items():
         print(f"| {size} | {p['bytes_published'] / 1e9:.3g} | {p['unique_bytes'] / 1e9:.3g} | {p['seconds']:.3g} | "
               f"{p['gb_per_s']:.2f} | {p['copy_gb_per_s']:.2f}{'' if p['copy_pinned'] else ' (plain, CPU)'} | "
               f"{p['copy_gb_per_s'] / p['gb_per_s']:.1f}x |")
     for size, why in result["skipped"].items():
         print(f"\nskipped {size}: {why}")
+    if result["publication"] or any(r.get("defaults") for r in result["runs"]):  # not after an A/B run alone
+        print_targets(targets)
+
+
+def print_top_kernels(r: dict, gpu: bool) -> None:
+    clock = "CUDA kernel time" if gpu else "CPU op self time"
+    print(f"\ntop {len(r['top_kernels'])} kernels, {r['size']} {r['case']} ({levers_on(r['settings'])}): "
+          f"{r['kernel_ms'] / 1e3:.3f} s of {clock}; the profiled step took {r['profiled_step_s']:.3f} s "
+          f"({r['profile_overhead']:+.0%} on the median step) and reading its trace {r['profile_read_s']:.1f} s more")
+    print("| # | kernel | category | ms | share | calls |")
+    print("|---|---|---|---|---|---|")
+    for i, k in enumerate(r["top_kernels"], 1):
+        name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."  # whole (400 characters) in the JSON
+        print(f"| {i} | `{name.replace('|', '/')}` | {k['category']} | {k['ms']:,.1f} | {k['share']:.1%} | "
+              f"{k['calls']:,} |")
+
+
+def print_targets(targets: list[dict]) -> None:
+    print("\n| Done when (issue 42) | target | measured | verdict |")
+    print("|---|---|---|---|")
+    for t in targets:
+        target, value = t["target"], t["value"]
+        if isinstance(target, float) and target < 1:  # an MFU
+            target, value = f">= {target:.0%}", pct(value)
+        elif isinstance(target, float):
+            target, value = f">= {target:g}", "-" if value is None else f"{value:.2f}"
+        print(f"| {t['what']} | {target} | {value if value is not None else '-'} | {t['verdict']} |")
 
 
 def versions() -> dict:
@@ -537,13 +754,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(one too large to train here, say)")
     ap.add_argument("--order", choices=["size", "case"], default="size",
                     help="size: every case of a size, then the next size; case: a case on every size, then the next")
+    ap.add_argument("--runs", nargs="+", type=run_spec, metavar="SIZE:CASE[:padded|packed]",
+                    help="these cases in this order, instead of --sizes x --cases (a mixed case without a mode runs "
+                         "once, with --padding-free or the product's default), e.g. 1.5B:fixed 3B:mixed "
+                         "1.5B:mixed:packed")
     ap.add_argument("--budget-s", type=float, help="start no case once this many seconds are spent, or when the "
                                                    "last case's time would overrun them (a device lease's limit)")
     ap.add_argument("--rows", type=int, help="rows of the fixed case (default 8)")
     ap.add_argument("--prompt", type=int, help=f"prompt tokens per row (default {PROMPT})")
     ap.add_argument("--response", type=int, help="response tokens of a fixed row, the longest mixed one (8192)")
     ap.add_argument("--micro-batch-tokens", type=int, help="learner.micro_batch_tokens (default 18432)")
-    ap.add_argument("--steps", type=int, help="timed steps, median reported (default 3)")
+    ap.add_argument("--steps", type=int, help="timed steps: the median, fastest and slowest reported (default 5; "
+                                              "2 with --quick)")
     ap.add_argument("--warmup", type=int, help="untimed steps first (default 1)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
     ap.add_argument("--device", choices=["cuda", "cpu"], help="default cuda where available (cpu with --quick)")
@@ -551,20 +773,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--attn", help="learner.attn_implementation (sdpa, flex_attention, flash_attention_2, ...)")
     ap.add_argument("--lora", type=int, metavar="RANK",
                     help="train rank-RANK adapters (learner.lora.rank): peak memory without the base's gradients and "
-                         "AdamW state; MFU still counts full fine-tuning's 6 x params, so it reads high for LoRA")
+                         "AdamW state; the FLOPs count the frozen base 4 x (no weight gradient), the adapters 6 x")
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="publication bucket (weight_sync.bucket_mb)")
     ap.add_argument("--pub-repeats", type=int, default=3, help="timed publications per size (median)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled step")
+    ap.add_argument("--no-publish", dest="publish", action="store_false",
+                    help="no publication after the step cases (an A/B run beside one that published)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write every number here as JSON")
     for flag, (field, _, _) in LEVERS.items():
+        if flag == "activation_checkpointing":
+            continue
         ap.add_argument(f"--{flag.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
                         help=f"learner.{field} on/off (default: the product's)")
+    ckpt = ap.add_mutually_exclusive_group()
+    ckpt.add_argument("--activation-checkpointing", nargs="?", const="full", choices=CHECKPOINTING, default=None,
+                      help="learner.activation_checkpointing (alone: full; default: the product's); a tree whose "
+                           "field is still true/false takes full and none")
+    ckpt.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_const",
+                      const="none", help="the same as --activation-checkpointing none")
     args = ap.parse_args(argv)
     quick = args.quick
     defaults = dict(sizes=["tiny"] if quick else ["0.5B", "1.5B", "3B", "7B"], rows=4 if quick else 8,
                     prompt=16 if quick else PROMPT, response=96 if quick else 8192,
-                    micro_batch_tokens=256 if quick else 18_432, steps=1 if quick else 3, warmup=1,
+                    micro_batch_tokens=256 if quick else 18_432, steps=2 if quick else 5, warmup=1,
                     device="cpu" if quick or not torch.cuda.is_available() else "cuda")
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -572,6 +804,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if quick:
         args.pub_repeats = 1
     return args
+
+
+def run_spec(text: str) -> tuple[str, str, bool | None]:
+    """--runs' SIZE:CASE[:padded|packed] as (size, case, padding_free)."""
+    size, case, *mode = text.split(":")
+    if size not in SIZES or case not in ("fixed", "mixed", "publish") or mode not in ([], ["padded"], ["packed"]):
+        raise argparse.ArgumentTypeError(f"{text!r}: SIZE:CASE[:padded|packed] with SIZE one of {', '.join(SIZES)}, "
+                                         "CASE fixed, mixed or publish")
+    return size, case, {"padded": False, "packed": True}[mode[0]] if mode else None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -595,9 +836,11 @@ def main(argv: list[str] | None = None) -> dict:
                          "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
                          if device.type == "cuda" else None},
               "mfu_formula": "(6 x params + 6 x layers x hidden x row length) x tokens / step_s / peak",
-              "recompute_counted": False, "vocab": vocab,
+              "flop_formulas": FLOP_FORMULAS, "recompute_counted": False, "vocab": vocab,
               "levers": {flag: getattr(args, flag) for flag in LEVERS} | {"attn": args.attn, "lora": args.lora},
               "runs": [], "publication": {}, "packed_over_padded": {}, "skipped": {}}
+    default_packs = product_packs(device, dtype)
+    levers_given = any(getattr(args, flag) is not None for flag in LEVERS) or bool(args.lora or args.attn)
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
@@ -611,12 +854,14 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 folder = model_folder(size, vocab, Path(tmp))
                 run = run_case(args, size, case, pf, folder, device, dtype,
-                               want_publication=size not in result["publication"])
+                               want_publication=size not in result["publication"] and (args.publish or
+                                                                                        case == "publish"))
+                run["defaults"] = not levers_given and pf in (None, default_packs)
                 if "publication" in run:
                     result["publication"][size] = run.pop("publication")
                 result["runs"].append(run)
                 progress(run, result, args.out)
-        for size in args.sizes:
+        for size in dict.fromkeys(r["size"] for r in result["runs"]):
             mixed = {r["settings"]["packs_padding_free"]: r for r in result["runs"]
                      if r["size"] == size and r["case"] == "mixed" and "error" not in r}
             if len(mixed) == 2:
@@ -625,6 +870,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         torch.distributed.destroy_process_group()
     result["wall_s"] = round(time.perf_counter() - started, 1)
+    result["targets"] = judge(result)
     print_report(result)
     if args.out:
         save(result, args.out)
@@ -641,13 +887,24 @@ def plan(args) -> list[tuple[str, str, bool | None]]:
     """(size, case, padding_free) in the order they run: --order size runs every case of a size before the next
     size; --order case runs a case on every size before the next case (with --budget-s: the first case everywhere
     before any second one). A mixed case is a padded/packed pair unless --padding-free picks one; publish goes
-    last within a size (it runs only where no step case published)."""
+    last within a size (it runs only where no step case published). --runs gives the list itself."""
+    if args.runs:
+        return [(size, case, pf if pf is not None or case != "mixed" else args.padding_free)
+                for size, case, pf in args.runs]
     cases = sorted(args.cases, key=lambda c: c == "publish")
     modes = {c: [args.padding_free] if c != "mixed" or args.padding_free is not None else [False, True]
              for c in cases}
     if args.order == "case":
         return [(size, c, pf) for c in cases for size in args.sizes for pf in modes[c]]
     return [(size, c, pf) for size in args.sizes for c in cases for pf in modes[c]]
+
+
+def product_packs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the product's defaults pack micro-batches without padding on this device."""
+    from common.config import LearnerConfig
+    from learner.levers import resolve_levers
+
+    return resolve_levers(LearnerConfig(), device, dtype)[0].packs_padding_free
 
 
 def over_budget(args, started: float, runs: list[dict]) -> str | None:
@@ -678,10 +935,14 @@ def progress(run: dict, result: dict, out: Path | None) -> None:
         p = result["publication"].get(run["size"], {})
         line = f"{head}: publication {p.get('gb_per_s', 0):.2f} GB/s, pinned copy {p.get('copy_gb_per_s', 0):.2f} GB/s"
     else:
-        mfu = f"{run['mfu']:.1%}" if run["mfu"] is not None else "-"
         mem = run.get("peak_mem_gib", run.get("peak_rss_gib"))
-        line = (f"{head}: {run['step_s']:.3f} s/step, {run['response_tokens_per_s']:,.0f} response tok/s, MFU {mfu}, "
-                f"peak {mem:.2f} GiB, warm-up {sum(run['warmup_s']):.0f} s")
+        line = (f"{head}: {run['step_s']:.3f} s/step ({run['step_s_min']:.3f}-{run['step_s_max']:.3f}), "
+                f"{run['response_tokens_per_s']:,.0f} response tok/s, MFU {pct(run['mfu'])}, MFU (torchtitan) "
+                f"{pct(run['mfu_torchtitan'])}, HFU {pct(run['hfu'])}, peak {mem:.2f} GiB, "
+                f"warm-up {sum(run['warmup_s']):.0f} s")
+    if run.get("levers_off"):
+        off = "; ".join(f"{lever} ({error})" for lever, error in run["levers_off"].items())
+        line += f"; off after failing their trial at setup: {off}"
     print(line, file=sys.stderr, flush=True)
     if out is not None:
         save(result, out)

@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# Issue 34's GPU figures in one call of a short GPU lease (15 minutes of device time, machine start included):
-# bench/gpu_bench.py's cases in the order the issue needs them, each started only while the budget lasts.
+# Issue 42's GPU figures in one call of a short GPU lease (15 minutes of device time, machine start included):
+# bench/gpu_bench.py's cases, most needed first, each started only while the budget lasts, so that the call and its
+# A/B parts fit in about 6 minutes of device time.
 #
 #   bash scripts/device_bench.sh [--quick] [GPU_BENCH_ARG ...]
+#   PARTS="eager ckpt lora" bash scripts/device_bench.sh      # only these parts (say, a second call of a lease)
 #
 # --quick: the same plan on tiny shapes, on a CPU (the suite runs it); further arguments go to every
-# gpu_bench.py call (--peak-tflops, --bucket-mb, ...).
+# gpu_bench.py call (--peak-tflops, --bucket-mb, ...). The parts, in order:
+# 1. defaults: the product's defaults, nothing set (on CUDA: per-layer compile, fused AdamW, padded micro-batches,
+#    activation checkpointing auto), profiled, on 8 x 8k responses: --runs 1.5B:fixed 1.5B:mixed:padded 3B:mixed
+#    1.5B:mixed:packed. The 1.5B fixed case and its bf16 publication beside the pinned-copy limit; mixed lengths
+#    padded; the 3B mixed case (and its publication); then the opt-in lever learner.padding_free=true (flex_attention
+#    on CUDA) on the same mixed lengths, for packed / padded. Its tables end with issue 42's "Done when", judged.
+#    Where a case failed (a lever broke on the GPU), the plain step (no compile, padded, full checkpointing) runs
+#    next, so the lease still measures a baseline step and the publication.
+# 2. eager: the compile A/B, the 1.5B fixed case with --no-compile.
+# 3. ckpt: the 1.5B fixed case with activation checkpointing full, selective and none (none where memory allows:
+#    running out is a result), except the mode auto chose in part 1 (measured there).
+# 4. lora: the 1.5B fixed case with rank-8 LoRA (the frozen base in bf16): its peak memory, one timed step.
+# Parts 2-4 skip the profiled step and the publication (part 1 has both).
 #
-# 1. --sizes 1.5B 3B 7B --order case --activation-checkpointing: the product's defaults (on CUDA: per-layer
-#    compile, fused AdamW, padding-free packing through flex_attention where flash-attention is absent) on
-#    8 x 8k responses, 1.5B then 3B (7B trains only where it fits: 16 B/parameter); the bf16 publication of each
-#    size beside the pinned-copy limit (7B's alone, without a step); then mixed lengths padded vs packed.
-# 2. while budget is left: the compile lever off (--no-compile) on the 1.5B's fixed case, for the A/B.
-# 3. while budget is left: the 1.5B's fixed case with rank-8 LoRA (the frozen base in bf16): its peak memory.
-# Where a case of part 1 failed (a broken lever), the plain step (no compile, padded) runs right after it, so the
-# lease still measures a baseline step and the publication.
-#
-# DEVICE_BUDGET_S (default 300) is the time after which no case starts: a case already started finishes (a
-# first compile takes minutes), so give the call's timeout ~2x the budget, and a 15-minute lease holds a start,
-# this and one rerun. Output: the tables on stdout, the lines of finished cases as they come, and
+# DEVICE_BUDGET_S (default 330): no part starts unless its estimate (PART_S below, seconds on an H100, guessed
+# before any measurement: replace them with measured ones) fits in what is left, and within a part gpu_bench starts
+# no case that the last case's time says would overrun it; a case already started finishes (a first compile takes
+# a minute or more), so give the call's timeout ~1.6x the budget, and a 15-minute lease holds a start, this and a
+# rerun. Output: the tables on stdout, the lines of finished cases as they come, a line per part skipped, and
 # gpu-bench-*.json + *.log in $OUT (the device tool's folder) or runs-gpu-check/.
 #
 # Needs python3 with torch, transformers, numpy, safetensors, pyyaml; pydantic where it is missing comes from the
@@ -30,10 +37,12 @@ if [ "${1:-}" = "--quick" ]; then QUICK=(--quick); shift; fi
 EXTRA=("$@")
 OUTDIR=${OUT:-runs-gpu-check}
 mkdir -p "$OUTDIR"
-BUDGET=${DEVICE_BUDGET_S:-300}
+BUDGET=${DEVICE_BUDGET_S:-330}
+PARTS=${PARTS:-defaults eager ckpt lora}
 START=$(date +%s)
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+declare -A PART_S=([plain]=60 [eager]=50 [ckpt]=70 [lora]=70)  # a part's (one mode's) seconds, guessed
 
 if ! "$PY" -c "import pydantic" 2>/dev/null; then
     WHEELS=""
@@ -48,16 +57,20 @@ if ! "$PY" -c "import pydantic" 2>/dev/null; then
 fi
 if [ ${#QUICK[@]} -eq 0 ]; then
     nvidia-smi -L || { echo "device_bench: nvidia-smi sees no GPU (use --quick on a CPU)" >&2; exit 2; }
+    SIZE=1.5B; BIG=3B; MODES="full selective none"
+else  # tiny shapes; one checkpointing mode (the others cost the suite time and show nothing new on a CPU)
+    SIZE=tiny; BIG=; MODES="full"
 fi
 
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+wanted() { [[ " $PARTS " == *" $1 "* ]]; }
 STATUS=0
-bench() {  # name, then gpu_bench's arguments
-    local name=$1 budget
-    shift
+bench() {  # name, the part's estimate in seconds (0: start while any budget is left), then gpu_bench's arguments
+    local name=$1 need=$2 budget
+    shift 2
     budget=$(left)
-    if [ "$budget" -le 0 ]; then
-        echo "device_bench: SKIPPED $name: the ${BUDGET} s budget is spent" >&2
+    if [ "$budget" -le 0 ] || [ "$budget" -lt "$need" ]; then
+        echo "device_bench: SKIPPED $name: ${budget} s of the ${BUDGET} s budget left, it needs ~${need} s" >&2
         return
     fi
     : > "$OUTDIR/gpu-bench-$name.log"  # both streams append to it (one truncating writer would overwrite the other)
@@ -73,15 +86,83 @@ failed() {  # whether any case of gpu-bench-NAME.json failed (not out of memory:
         "$OUTDIR/gpu-bench-$1.json" 2>/dev/null
 }
 
-if [ ${#QUICK[@]} -eq 0 ]; then
-    bench defaults --sizes 1.5B 3B 7B --order case --activation-checkpointing
-    if failed defaults; then  # a lever of the defaults broke (compile, flex_attention packing): the plain step
-        bench plain --sizes 1.5B --cases fixed --activation-checkpointing --no-compile --no-padding-free
+chosen_mode() {  # the checkpointing mode part 1's first case ran with (auto resolved), if it ran
+    "$PY" -c "import json, sys; r = json.load(open(sys.argv[1]))['runs']; print(r[0]['settings']['activation_checkpointing'] if r and 'error' not in r[0] else '')" \
+        "$OUTDIR/gpu-bench-defaults.json" 2>/dev/null
+}
+
+takes_mode() {  # whether this tree's learner.activation_checkpointing takes the mode's name (not only true/false)
+    "$PY" -c "import sys; sys.path.insert(0, '.'); from common.config import LearnerConfig; LearnerConfig(activation_checkpointing=sys.argv[1])" \
+        "$1" 2>/dev/null
+}
+
+if wanted defaults; then
+    if [ -n "$BIG" ]; then
+        bench defaults 0 --runs $SIZE:fixed $SIZE:mixed:padded $BIG:mixed $SIZE:mixed:packed
+    else
+        bench defaults 0 --runs $SIZE:fixed $SIZE:mixed:padded $SIZE:mixed:packed
     fi
-    bench eager --sizes 1.5B --cases fixed --activation-checkpointing --no-compile --no-profile
-    bench lora --sizes 1.5B --cases fixed --activation-checkpointing --lora 8 --no-profile
-else  # the same plan on tiny shapes (compile is off on a CPU, so there is no second part)
-    bench defaults --order case --activation-checkpointing
+    if failed defaults; then  # a lever of the defaults broke (compile, checkpointing, flex packing): the plain step
+        bench plain "${PART_S[plain]}" --runs $SIZE:fixed --no-compile --no-padding-free --activation-checkpointing full
+    fi
 fi
-echo "device_bench: $(( $(date +%s) - START )) s; JSON and logs in $OUTDIR" >&2
+if wanted eager && [ ${#QUICK[@]} -eq 0 ]; then  # compile is off on a CPU: no A/B there
+    bench eager "${PART_S[eager]}" --runs $SIZE:fixed --no-compile --no-profile --no-publish
+fi
+if wanted ckpt; then
+    auto=$(chosen_mode)
+    for mode in $MODES; do
+        if [ "$mode" = "$auto" ]; then
+            echo "device_bench: checkpointing $mode: measured in part 1 (auto chose it)" >&2
+        elif [ "$mode" != full ] && [ "$mode" != none ] && ! takes_mode "$mode"; then
+            echo "device_bench: SKIPPED ckpt-$mode: this tree's learner.activation_checkpointing has no $mode" >&2
+        else
+            bench "ckpt-$mode" "${PART_S[ckpt]}" --runs $SIZE:fixed --activation-checkpointing "$mode" --no-profile \
+                --no-publish
+        fi
+    done
+fi
+if wanted lora; then
+    bench lora "${PART_S[lora]}" --runs $SIZE:fixed --lora 8 --steps 1 --no-profile --no-publish
+fi
+# the lease on one screen (a device call may return only the end of its output): every case of every part, then
+# issue 42's "Done when" as part 1 judged it
+"$PY" - "$OUTDIR" "$START" <<'SUMMARY'
+import json, sys
+from pathlib import Path
+
+pct = lambda x: "-" if x is None else f"{x:.1%}"
+print("\n## device_bench: every case\n\n| part | case | levers on | step s (min-max) | MFU | MFU (torchtitan) | HFU | peak GiB |")
+print("|---|---|---|---|---|---|---|---|")
+for path in sorted(Path(sys.argv[1]).glob("gpu-bench-*.json"), key=lambda f: f.stat().st_mtime):
+    if path.stat().st_mtime < int(sys.argv[2]):  # an earlier call's
+        continue
+    r = json.loads(path.read_text())
+    for x in r["runs"]:
+        s, case = x["settings"], f"{x['size']} {x['case']}"
+        ckpt = s.get("activation_checkpointing")
+        levers = " ".join(n for n, on in (("packed", s["packs_padding_free"]), ("compile", s.get("compile")),
+                                          (f"ckpt {ckpt}", ckpt not in (None, "none")),
+                                          (f"lora r{s.get('lora_rank')}", s.get("lora_rank"))) if on) or "none"
+        name = path.stem.removeprefix("gpu-bench-")
+        if "error" in x:
+            print(f"| {name} | {case} | {levers} | {x['error'][:100]} | | | | |")
+        elif "step_s" in x:
+            mem = x.get("peak_mem_gib", x.get("peak_rss_gib"))
+            print(f"| {name} | {case} | {levers} | {x['step_s']:.3f} ({x['step_s_min']:.3f}-{x['step_s_max']:.3f}) | "
+                  f"{pct(x['mfu'])} | {pct(x.get('mfu_torchtitan'))} | {pct(x.get('hfu'))} | {mem:.2f} |")
+    for size, p in r["publication"].items():
+        print(f"| {path.stem.removeprefix('gpu-bench-')} | {size} publication | bf16 | {p['seconds']:.3f} s, "
+              f"{p['gb_per_s']:.2f} GB/s (pinned copy {p['copy_gb_per_s']:.2f}) | | | | |")
+done = Path(sys.argv[1]) / "gpu-bench-defaults.json"
+if done.exists() and done.stat().st_mtime >= int(sys.argv[2]):
+    print("\n| Done when (issue 42), part 1 | target | measured | verdict |\n|---|---|---|---|")
+    for t in json.loads(done.read_text()).get("targets", []):
+        mfu, v, target = t["key"].startswith("mfu"), t["value"], t["target"]
+        if isinstance(target, float):
+            target = f">= {target:.0%}" if mfu else f">= {target:g}"
+        v = pct(v) if mfu and isinstance(v, float) else f"{v:.2f}" if isinstance(v, float) else "-" if v is None else v
+        print(f"| {t['what']} | {target} | {v} | {t['verdict']} |")
+SUMMARY
+echo "device_bench: $(( $(date +%s) - START )) s of the ${BUDGET} s budget; JSON and logs in $OUTDIR" >&2
 exit $STATUS

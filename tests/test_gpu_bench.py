@@ -11,59 +11,153 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_KEYS = {"size", "case", "rows", "response_tokens", "tokens", "settings", "params", "step_s", "step_s_all",
-            "response_tokens_per_s", "tokens_per_s", "flops_per_step", "mfu", "peak_rss_gib", "kernel_split",
-            "kernel_ms", "host_syncs", "scalar_reads", "updates", "padding_frac"}
+RUN_KEYS = {"size", "case", "rows", "response_tokens", "tokens", "settings", "params", "param_counts", "defaults",
+            "step_s", "step_s_all", "step_s_min", "step_s_max", "step_spread", "response_tokens_per_s", "tokens_per_s",
+            "flops_per_step", "flops_per_step_torchtitan", "flops_per_step_hardware", "mfu", "mfu_torchtitan", "hfu",
+            "peak_rss_gib", "kernel_split", "kernel_ms", "top_kernels", "profiled_step_s", "profile_overhead",
+            "host_syncs", "scalar_reads", "updates", "padding_frac", "levers_off"}
 PUB_KEYS = {"bytes_published", "unique_bytes", "buckets", "seconds", "gb_per_s", "copy_s", "copy_gb_per_s",
             "copy_pinned"}
 CATEGORIES = {"matmul", "attention", "elementwise/copy", "reduction/softmax", "communication", "other"}
 
 
+def flops_by_hand(run: dict) -> tuple[float, float, float]:
+    """(model, torchtitan, recompute) FLOPs of a fixed-case run: every row is prompt + response tokens long."""
+    c, layers, hidden = run["param_counts"], run["layers"], run["hidden"]
+    rows, n = run["rows"], run["response_tokens"] // run["rows"]
+    t = run["prompt_tokens"] + n
+    params = 6 * c["trained"] + 4 * c["frozen"]
+    model = rows * t * (params + 6 * layers * hidden * t)
+    torchtitan = rows * t * (params + 12 * layers * hidden * t)  # tied embedding: nothing left out
+    full = rows * t * (2 * c["layer"] + 2 * layers * hidden * t)
+    head = rows * n * 2 * c["head"]
+    return model, torchtitan, (full if run["settings"]["activation_checkpointing"] == "full" else 0) + head
+
+
 def test_the_lease_script_runs_the_whole_pipeline_and_writes_every_number(tmp_path):
-    """scripts/device_bench.sh --quick: the GPU lease's plan on tiny shapes (checkpointing on, cases in --order
-    case), through the bench's whole pipeline."""
+    """scripts/device_bench.sh --quick: the GPU lease's plan on tiny shapes (the product's defaults: fixed, mixed
+    padded, mixed packed; then full checkpointing; then LoRA), through the bench's whole pipeline."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "DEVICE_BUDGET_S": "3600"}
     # a nominal peak (a CPU has none in the table), so that MFU is computed and reaches the scale model below
     proc = subprocess.run(["bash", "scripts/device_bench.sh", "--quick", "--peak-tflops", "0.001"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the table says which command made it; each case's line came as it finished
-    assert "$ python bench/gpu_bench.py --quick --order case --activation-checkpointing --peak-tflops 0.001" in proc.stdout
-    assert proc.stderr.count("[gpu_bench] tiny ") == 3 and "JSON and logs in" in proc.stderr
+    assert ("$ python bench/gpu_bench.py --quick --runs tiny:fixed tiny:mixed:padded tiny:mixed:packed "
+            "--peak-tflops 0.001") in proc.stdout
+    assert proc.stderr.count("[gpu_bench] tiny ") == 5 and "JSON and logs in" in proc.stderr
+    assert "| Done when (issue 42) | target | measured | verdict |" in proc.stdout
+    assert "## device_bench: every case" in proc.stdout and "| lora | tiny fixed | " in proc.stdout
     out = tmp_path / "gpu-bench-defaults.json"
     assert (tmp_path / "gpu-bench-defaults.log").read_text().count("[gpu_bench] tiny ") == 3
     r = json.loads(out.read_text())
-    assert {"command", "versions", "device", "mfu_formula", "recompute_counted", "levers", "runs", "publication",
-            "packed_over_padded", "skipped"} <= set(r)
+    assert {"command", "versions", "device", "mfu_formula", "flop_formulas", "recompute_counted", "levers", "runs",
+            "publication", "packed_over_padded", "skipped", "targets"} <= set(r)
     assert r["device"]["type"] == "cpu" and r["recompute_counted"] is False
-    # fixed (levers as given), mixed padded and mixed packed
-    assert [(x["case"], x["settings"]["packs_padding_free"]) for x in r["runs"]] == [
-        ("fixed", False), ("mixed", False), ("mixed", True)]
+    # fixed and mixed padded are the product's defaults on a CPU; packed is the opt-in lever
+    assert [(x["case"], x["settings"]["packs_padding_free"], x["defaults"]) for x in r["runs"]] == [
+        ("fixed", False, True), ("mixed", False, True), ("mixed", True, False)]
     for run in r["runs"]:
         assert RUN_KEYS <= set(run), RUN_KEYS - set(run)
-        assert run["settings"]["activation_checkpointing"] is True
+        assert run["settings"]["activation_checkpointing"] in {"auto", "full", "selective", "none"}
         assert run["updates"] == 1 and run["step_s"] > 0 and run["response_tokens_per_s"] > 0
-        # MFU = FLOPs / step_s / peak, FLOPs = sum over rows of (prompt + response) x (6 P + 6 L H (prompt + response))
+        assert len(run["step_s_all"]) == 2 and run["step_s_min"] <= run["step_s"] <= run["step_s_max"]
+        # MFU = FLOPs / step_s / peak, FLOPs = sum over rows of T x (6 P + 6 L H T), T = prompt + response
         mfu = run["flops_per_step"] / run["step_s"] / 1e9  # peak 0.001 TFLOP/s
         assert abs(run["mfu"] - mfu) <= 5e-5 + 1e-3 * mfu  # mfu rounded to 4 places, step_s to 6
+        assert run["param_counts"]["frozen"] == 0 and run["param_counts"]["trained"] == run["params"]
+        # torchtitan counts the whole attention square (12 L H T): more FLOPs than ours at the same step time
+        assert run["flops_per_step_torchtitan"] > run["flops_per_step"] and run["mfu_torchtitan"] > run["mfu"]
+        # HFU adds the chunked head's recompute (and full checkpointing's); None only while auto is unresolved
+        assert run["hfu"] is None if run["settings"]["activation_checkpointing"] == "auto" else run["hfu"] > run["mfu"]
         assert run["tokens"] == run["response_tokens"] + run["rows"] * run["prompt_tokens"]
         assert set(run["kernel_split"]) == CATEGORIES
         assert abs(sum(c["share"] for c in run["kernel_split"].values()) - 1) < 1e-3
         assert run["kernel_split"]["matmul"]["ms"] > 0
+        # the top kernels of the profiled step: 10, the largest first, each a share of the split's total
+        top = run["top_kernels"]
+        assert len(top) == 10 and [k["ms"] for k in top] == sorted((k["ms"] for k in top), reverse=True)
+        assert {"name", "category", "ms", "share", "calls"} <= set(top[0]) and sum(k["share"] for k in top) <= 1.001
+        assert any(k["category"] == "matmul" for k in top) and all(k["calls"] > 0 for k in top)
+        assert abs(top[0]["ms"] / run["kernel_ms"] - top[0]["share"]) < 1e-3
+        # the profiled step is not among the timed ones; its cost on a step is reported
+        assert abs(run["profile_overhead"] - (run["profiled_step_s"] / run["step_s"] - 1)) < 1e-3
         assert run["scalar_reads"] > 0  # the step reads scalars back (a host sync each on a GPU)
     fixed, padded, packed = r["runs"]
+    model, torchtitan, _ = flops_by_hand(fixed)
+    assert fixed["flops_per_step"] == model and fixed["flops_per_step_torchtitan"] == torchtitan
     assert packed["padding_frac"] == 0 < padded["padding_frac"]
     assert r["packed_over_padded"]["tiny"] > 0
+    # the targets name 1.5B and 3B: none measured here; the defaults ran every case
+    targets = {t["key"]: t for t in r["targets"]}
+    assert targets["defaults_run"]["verdict"] == "PASS" and targets["defaults_run"]["value"] == "2/2 ran"
+    assert targets["mfu_1.5B_fixed"]["verdict"] == "not measured" and targets["mfu_1.5B_fixed"]["target"] == 0.32
     pub = r["publication"]["tiny"]
     assert PUB_KEYS <= set(pub)
     # every parameter in bfloat16, the tied embedding once
     assert pub["bytes_published"] == pub["unique_bytes"] == 2 * fixed["params"]
     assert pub["gb_per_s"] > 0 and pub["copy_gb_per_s"] > 0
+
+    # full checkpointing: HFU counts one more forward of the layers, MFU does not
+    (ckpt,) = json.loads((tmp_path / "gpu-bench-ckpt-full.json").read_text())["runs"]
+    assert ckpt["settings"]["activation_checkpointing"] == "full" and "top_kernels" not in ckpt
+    model, _, recompute = flops_by_hand(ckpt)
+    assert ckpt["flops_per_step"] == model and ckpt["flops_per_step_hardware"] == model + recompute
+    assert ckpt["hfu"] > ckpt["mfu"]
+    # LoRA: the frozen base 4 x its parameters, the adapters 6 x
+    lora = json.loads((tmp_path / "gpu-bench-lora.json").read_text())
+    (run,) = lora["runs"]
+    c = run["param_counts"]
+    assert run["settings"]["lora_rank"] == 8 and 0 < c["trained"] < c["frozen"] and lora["publication"] == {}
+    t = run["prompt_tokens"] + run["response_tokens"] // run["rows"]
+    full_fine_tuning = run["rows"] * t * (6 * run["params"] + 6 * run["layers"] * run["hidden"] * t)
+    assert run["flops_per_step"] == flops_by_hand(run)[0] < full_fine_tuning
+
     # the scale model reads it: the measured constants name this run, the 7B's MFU is assumed from the nearest size
     scale = subprocess.run([sys.executable, "bench/scale_model.py", "--gpu-json", str(out)], cwd=ROOT,
                            capture_output=True, text=True, timeout=120, check=True).stdout
     assert "- mfu_tiny = " in scale and "[assumed: the tiny's" in scale
     assert f"- gather_bytes_per_s = {pub['gb_per_s'] * 1e9:.4g} B/s" in scale and "[measured: CPU," in scale
+
+
+def test_step_flops_worked_by_hand():
+    """A model of 100 parameters, 2 layers, hidden 4, one row of 2 prompt + 6 response tokens (T = 8)."""
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_bench import ParamCounts, step_flops
+
+    full = ParamCounts(trained=100, frozen=0, layer=80, lookup=0, lookup_trained=True, head=10)
+    f = step_flops(full, layers=2, hidden=4, lengths=[6], prompt=2, checkpointing="none", chunked_head=False)
+    # per token: 6 x 100 + 6 x 2 x 4 x 8 = 600 + 384 = 984, x 8 tokens = 7872
+    # torchtitan: 600 + 12 x 2 x 4 x 8 = 1368, x 8 = 10944; nothing recomputed: hardware = model
+    assert f == {"model": 7872.0, "torchtitan": 10944.0, "hardware": 7872.0}
+    # full checkpointing: + (2 x 80 + 2 x 2 x 4 x 8) x 8 = 288 x 8 = 2304; chunked head: + 2 x 10 x 6 = 120
+    f = step_flops(full, layers=2, hidden=4, lengths=[6], prompt=2, checkpointing="full", chunked_head=True)
+    assert f["model"] == 7872.0 and f["hardware"] == 7872.0 + 2304 + 120
+    # selective: elementwise recompute only, counted as 0; auto unresolved: unknown
+    assert step_flops(full, 2, 4, [6], 2, "selective", False)["hardware"] == 7872.0
+    assert step_flops(full, 2, 4, [6], 2, "auto", False)["hardware"] is None
+    # LoRA: 10 adapter parameters (6 x), a frozen base of 90 (4 x): 60 + 360 + 384 = 804 per token, x 8 = 6432
+    lora = ParamCounts(trained=10, frozen=90, layer=80, lookup=0, lookup_trained=False, head=10)
+    assert step_flops(lora, 2, 4, [6], 2, "none", False)["model"] == 6432.0
+    # an untied input embedding of 20 (7B's shape): torchtitan leaves its lookup out, 6 x 80 + 768 = 1248, x 8
+    untied = ParamCounts(trained=100, frozen=0, layer=60, lookup=20, lookup_trained=True, head=10)
+    assert step_flops(untied, 2, 4, [6], 2, "none", False)["torchtitan"] == 9984.0
+    # ... and under LoRA the frozen lookup comes out of the 4 x part: 60 + 4 x (90 - 20) + 768 = 1108, x 8
+    frozen_lookup = ParamCounts(trained=10, frozen=90, layer=60, lookup=20, lookup_trained=False, head=10)
+    assert step_flops(frozen_lookup, 2, 4, [6], 2, "none", False)["torchtitan"] == 8864.0
+
+
+def test_checkpointing_flag_takes_the_modes_and_runs_name_their_cases():
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_bench import parse_args
+
+    assert parse_args(["--quick", "--activation-checkpointing"]).activation_checkpointing == "full"
+    assert parse_args(["--quick", "--activation-checkpointing", "selective"]).activation_checkpointing == "selective"
+    assert parse_args(["--quick", "--no-activation-checkpointing"]).activation_checkpointing == "none"
+    assert parse_args(["--quick"]).activation_checkpointing is None and parse_args(["--quick"]).steps == 2
+    assert parse_args([]).steps == 5
+    assert parse_args(["--runs", "1.5B:fixed", "3B:mixed", "1.5B:mixed:packed"]).runs == [
+        ("1.5B", "fixed", None), ("3B", "mixed", None), ("1.5B", "mixed", True)]
 
 
 def test_imports_neither_ray_nor_vllm_nor_mlflow():
