@@ -97,7 +97,11 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
         _unless_the_disk_refuses("profile.json", lambda: profile.save(run_dir.path / "profile.json"))
     if show_profile:
         print(profile.table(command))
-    print(f"run folder: {run_dir.path}\nMLflow: mlflow ui --backend-store-uri {uri}  (run id {state.mlflow_run_id})")
+    if tracker.offline:  # no MLflow run was opened: the points wait in the run folder
+        print(f"run folder: {run_dir.path}\nMLflow: offline; `exgrpo track --replay {run_dir.path}` sends the run's "
+              f"metric points to {uri}")
+    else:
+        print(f"run folder: {run_dir.path}\nMLflow: mlflow ui --backend-store-uri {uri}  (run id {state.mlflow_run_id})")
     if stopped is not None:
         return stopped.code
     return 0 if status in ("FINISHED", "KILLED") else 1
