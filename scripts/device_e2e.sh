@@ -19,10 +19,12 @@
 #
 # Environment: OUT (default runs-device-e2e/) gets device_e2e.json, device_e2e.log, pytest-gpu.log and the run
 # folder; PYTHON (default python3); DEVICE_CARRY (default device-carry, or device-carry-pyX.Y for this python when
-# it exists); DEVICE_SITE (default /tmp/exgrpo-device-site, kept on a warm machine: a second call skips the install).
+# it exists); DEVICE_SITE (default /tmp/exgrpo-device-site, kept on a warm machine: a second call skips the install);
+# DEVICE_E2E_BUDGET_S (default 480; --quick 900): the GPU tests get what is left of it, the run at most 330 s (--quick 420).
 # Exit code: 0 when every part passed, else the first failure's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+{  # read whole before it runs: an edit of this file during a run cannot change the run
 QUICK=0
 if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
 OUTDIR=${OUT:-runs-device-e2e}
@@ -30,6 +32,8 @@ mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 PY=${PYTHON:-python3}
 START=$(date +%s)
+# the whole call: 8 minutes on the GPU (the device tool's limit per command is 10); --quick: 15 on a slow CPU
+if [ $QUICK -eq 1 ]; then BUDGET=${DEVICE_E2E_BUDGET_S:-900}; else BUDGET=${DEVICE_E2E_BUDGET_S:-480}; fi
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUTDIR/device_e2e.log") 2>&1
 say() { echo "device_e2e [$(( $(date +%s) - START )) s]: $*"; }
@@ -106,8 +110,14 @@ rc=$?
 [ $rc -ne 0 ] && fail "the report (above)" $rc
 
 # 4. The tests only a GPU answers (skipped, and said so, without CUDA).
-"$PY" -m pytest tests/gpu -m gpu -q -p no:cacheprovider -rs > "$OUTDIR/pytest-gpu.log" 2>&1
+LEFT=$(( BUDGET - ($(date +%s) - START) ))
+[ $LEFT -lt 30 ] && fail "no time left for pytest tests/gpu within DEVICE_E2E_BUDGET_S=$BUDGET s" 3
+say "pytest tests/gpu -m gpu (at most $LEFT s)"
+timeout -k 10 $LEFT "$PY" -m pytest tests/gpu -m gpu -q -p no:cacheprovider -rs > "$OUTDIR/pytest-gpu.log" 2>&1
 rc=$?
 tail -n 15 "$OUTDIR/pytest-gpu.log"
+[ $rc -eq 124 ] && fail "pytest tests/gpu ran past the budget (DEVICE_E2E_BUDGET_S=$BUDGET s)" $rc
 [ $rc -ne 0 ] && fail "pytest tests/gpu (the log: $OUTDIR/pytest-gpu.log)" $rc
 say "passed; JSON and logs in $OUTDIR"
+exit 0
+}
