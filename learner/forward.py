@@ -15,6 +15,7 @@ from torch import Tensor
 from common.config import LearnerConfig
 from learner import loss as L
 from learner.batching import MicroBatch, Row, collate
+from learner.checkpointing import apply_checkpointing
 from learner.levers import apply_compile
 from learner.token_stats import TokenStatsHead, install_token_stats_head, token_stats
 
@@ -39,12 +40,14 @@ def response_logprobs_and_entropy(logits: Tensor, targets: Tensor, mask: Tensor,
 
 def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, *, trainable: bool = True) -> torch.nn.Module:
     """The learner's changes to a freshly loaded model, before any sharding: the chunked LM head (unless
-    `logits_chunk_tokens=0`) and, on the trained model, per-layer activation checkpointing and, with
-    `compile` true (`levers.resolve_levers` decides "auto"; unresolved it means off), per-layer torch.compile."""
+    `logits_chunk_tokens=0`) and, on the trained model, per-layer activation checkpointing
+    (`learner.checkpointing`: full, selective or none; `resolve_checkpointing` decides "auto", unresolved it means
+    none) and then, with `compile` true (`levers.resolve_levers` decides "auto"; unresolved it means off), per-layer
+    torch.compile, which compiles the selectively checkpointed forward as torchtitan does."""
     if cfg.logits_chunk_tokens != 0:
         install_token_stats_head(model, cfg.logits_chunk_tokens)
-    if trainable and cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if trainable:
+        apply_checkpointing(model, cfg.activation_checkpointing)
     if trainable and cfg.compile is True:
         apply_compile(model, cfg.compile_backend)
     return model
@@ -59,8 +62,8 @@ def forward_stats(model: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tenso
     A packed micro-batch (`mb.packed`) runs the forward on its padding-free layout and returns the same
     [R, L-1] tensors: its response tokens are in the same row order in both layouts.
 
-    Nothing here reads the device: the response positions (`response_index`) and, where the attention allows it,
-    the attention mask (`attention_inputs`) come from the layout the host built."""
+    The response positions (`response_index`) and the attention's inputs (`attention_inputs`) come from the layout
+    the host built; the one device read is transformers' own look for packed rows where no mask is given."""
     if mb.packed is None:
         attn, pos = attention_inputs(model, mb)
         return _stats(model, mb.input_ids, attn, pos, mb.targets, mb.response_mask, mb.response_index)
@@ -85,28 +88,27 @@ def _full_attention_only(config) -> bool:
 
 
 def attention_inputs(model: torch.nn.Module, mb: MicroBatch) -> tuple[object, Tensor | None]:
-    """(attention_mask, position_ids) for the forward of `mb`, built from its host-made layout.
+    """(attention_mask, position_ids) for the forward of `mb`, exact on every position the loss reads.
 
-    transformers finds row boundaries and padding by reading the tensors (one host sync per forward); where the
-    layout is known and the attention allows it, the mask is given instead, with exactly transformers' values:
-    - padded rows of equal length: no mask (causal; sdpa keeps its is_causal fast path);
-    - padded rows of different lengths under sdpa: the [R, 1, L, L] boolean causal-and-padding mask;
+    - padded rows (`collate` pads on the right) of a causal model: no mask and no position_ids, whatever the rows'
+      lengths. Every attention of a causal language model (full, sliding window, chunked) lets a token see only
+      keys at or before it, and a row's padding comes after all of its tokens, so no real token sees padding: the
+      log-probs, entropies and gradients of the real tokens are those of the padding mask (only the padding
+      positions' outputs differ, and nothing reads them). transformers makes position_ids 0..L-1, as it does with
+      the 2D mask. sdpa keeps its is_causal path (the flash kernel, GQA); the [R, 1, L, L] causal-and-padding mask
+      this gave sdpa before cost R x L x L bytes per micro-batch, and sdpa turned it into a mask of the model's
+      dtype in every layer that autograd kept for the backward (bf16, 8 rows of 8k, 28 layers: 28 GiB). The price:
+      transformers looks for packed rows in the position_ids it made (one host read per forward);
+    - padded rows of a model whose config says `is_causal=False`: the 2D padding mask (transformers' own);
     - packed rows under flex_attention: the block-diagonal causal BlockMask of `Packing.document_ids`;
-    - otherwise transformers' own: the 2D mask, or, packed, position_ids restarting at every row."""
-    impl = getattr(model.config, "_attn_implementation", None)
-    full = _full_attention_only(model.config)
+    - packed rows otherwise: transformers' own, from position_ids restarting at every row."""
     p = mb.packed
-    if p is not None:
-        if impl == "flex_attention" and full and p.document_ids is not None:
-            return _document_block_mask(p.document_ids[0]), p.position_ids
-        return None, p.position_ids
-    if not mb.uneven:
-        return None, None
-    if impl == "sdpa" and full:
-        n, length = mb.attention_mask.shape
-        causal = torch.ones(length, length, dtype=torch.bool, device=mb.attention_mask.device).tril_()  # [L, L]
-        return causal[None, None] & mb.attention_mask.bool()[:, None, None, :], None  # [R, 1, L, L]
-    return mb.attention_mask, None
+    if p is None:
+        return (None if getattr(model.config, "is_causal", True) else mb.attention_mask), None
+    if (getattr(model.config, "_attn_implementation", None) == "flex_attention" and _full_attention_only(model.config)
+            and p.document_ids is not None):
+        return _document_block_mask(p.document_ids[0]), p.position_ids
+    return None, p.position_ids
 
 
 def _document_block_mask(doc: Tensor):

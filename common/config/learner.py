@@ -176,9 +176,21 @@ class LearnerConfig(Section):
     states a chunk at a time and recomputed in the backward, so no [rows, length, vocabulary] tensor exists.
     None: about 32M logits per chunk (220 tokens at a 152k vocabulary). 0: full logits (the old path; its
     memory grows with rows x length x vocabulary; for comparison only)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward instead of keeping them (about 1/3 more
-    compute, activation memory of one layer instead of all)."""
+    activation_checkpointing: Literal["auto", "full", "selective", "none"] = "auto"
+    """Recompute decoder layers' activations in the backward instead of keeping them (`learner/checkpointing.py`).
+    full: each layer keeps only its input and re-runs its forward (about 1/3 more compute; one layer's activations
+    instead of all). selective: torchtitan's op-level checkpointing, each layer keeps its matmul and attention
+    outputs and recomputes only the elementwise ops between them (no matmul twice; about half the activations of
+    none). none: keep everything. auto: on CUDA, the least recompute whose estimated activations for one
+    micro-batch (`micro_batch_tokens`, or `micro_batch_rows` x the longest row) fit the memory left after the
+    weights, gradients and AdamW state (the start log says what it chose and why); none off CUDA. true and false
+    (older configs) mean full and none."""
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_from_bool(cls, v: Any) -> Any:
+        return {True: "full", False: "none"}[v] if isinstance(v, bool) else v
+
     compile: bool | Literal["auto"] = "auto"
     """torch.compile each decoder layer of the trained model (torchtitan's per-block compile; dynamic shapes, so
     micro-batches of any length reuse the same graphs; measured +15% on a 1.5B step on an H200). auto: on where

@@ -1,0 +1,298 @@
+"""Activation checkpointing (learner.checkpointing): full and selective train what none trains, on one rank, under
+per-layer compile and on 2 FSDP2 ranks; "auto" chooses from memory by numbers worked by hand."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from common.config import LearnerConfig, LoRAConfig
+from learner.batching import batch_rows, collate
+from learner.checkpointing import (RESERVE, USABLE, LayerShape, activation_bytes, apply_checkpointing,
+                                   choose_checkpointing, resolve_checkpointing, state_bytes)
+from learner.forward import forward_stats, prepare_model
+from learner.levers import build_optimizer
+from learner.lora import apply_lora, init_adapters
+from learner.step import TrainStep, complete_groups
+from tests.learner.batches import make_batch
+
+CPU = torch.device("cpu")
+GIB = 2 ** 30
+
+
+def test_config_takes_the_four_modes_and_the_old_booleans():
+    assert LearnerConfig().activation_checkpointing == "auto"
+    for mode in ("auto", "full", "selective", "none"):
+        assert LearnerConfig(activation_checkpointing=mode).activation_checkpointing == mode
+    assert LearnerConfig(activation_checkpointing=True).activation_checkpointing == "full"
+    assert LearnerConfig(activation_checkpointing=False).activation_checkpointing == "none"
+    with pytest.raises(ValueError, match="'auto', 'full', 'selective' or 'none'"):
+        LearnerConfig(activation_checkpointing="layer")
+
+
+def test_a_saved_config_with_the_boolean_loads_and_resumes_unchanged(tmp_path):
+    """A run saved before the modes (`activation_checkpointing: true` in its YAML) loads as full, and resuming it
+    with no override changes nothing."""
+    from common.config import load_config, resume_config
+
+    f = tmp_path / "run.yaml"
+    f.write_text("learner:\n  activation_checkpointing: true\n")
+    saved = load_config(f)
+    assert saved.learner.activation_checkpointing == "full"
+    cfg, changes = resume_config(saved, [])
+    assert cfg.learner.activation_checkpointing == "full" and changes == {}
+
+
+# ------------------------------------------------------------------------------------------------- auto, by hand
+
+SHAPE = LayerShape(hidden=1024, kv_hidden=256, intermediate=4096, layers=10)
+# Per token, in elements: none 10 x (12 x 1024 + 2 x 256 + 4 x 4096 = 29,184) + 8 x 1024 = 300,032;
+# selective 10 x (5 x 1024 + 2 x 256 + 2 x 4096 = 13,824) + 8,192 = 146,432; full 10 x 1024 + 29,184 + 8,192 = 47,616.
+# At 2 bytes and 16,384 tokens: none 9,831,448,576 B (9.16 GiB), selective 4,798,283,776 B (4.47 GiB),
+# full 1,560,281,088 B (1.45 GiB).
+TOKENS = 16_384
+
+
+def test_activation_estimate_by_hand():
+    assert activation_bytes("none", TOKENS, SHAPE, 2) == 9_831_448_576
+    assert activation_bytes("selective", TOKENS, SHAPE, 2) == 4_798_283_776
+    assert activation_bytes("full", TOKENS, SHAPE, 2) == 1_560_281_088
+    assert activation_bytes("none", TOKENS, SHAPE, 4) == 2 * 9_831_448_576
+
+
+@pytest.mark.parametrize("state_gib, want", [(40, "none"), (64, "selective"), (68, "full"), (69.5, "full")])
+def test_auto_takes_the_least_recompute_that_fits(state_gib, want):
+    """80 GiB: 0.9 x 80 - 2 (reserve) = 70 GiB before the states. States of 40 GiB leave 30: none (9.16) fits;
+    64 leave 6: selective (4.47), not none; 68 leave 2: full (1.45); 69.5 leave 0.5: nothing fits, full, and the
+    reason says what to lower."""
+    assert USABLE * 80 * GIB - RESERVE == 70 * GIB
+    mode, why = choose_checkpointing(80 * GIB, int(state_gib * GIB), TOKENS, SHAPE, 2)
+    assert mode == want
+    left = 70 - state_gib
+    assert why.startswith(f"auto: activations of {TOKENS} tokens ~ none 9.2, selective 4.5, full 1.5 GiB; "
+                          f"{left:.1f} GiB left of 80.0 after {state_gib:.1f} GiB")
+    assert ("lower learner.micro_batch_tokens" in why) == (state_gib == 69.5)
+
+
+def test_state_bytes_by_hand():
+    """A Linear(10, 10) trained (110 float32 parameters: 4 B held + 12 B of gradient and AdamW moments each) and a
+    frozen bfloat16 Linear(10, 5) (55 x 2 B), over 2 ranks: (110 x 16 + 110) / 2 = 935 B."""
+    frozen = torch.nn.Linear(10, 5).to(torch.bfloat16).requires_grad_(False)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), frozen)
+    assert state_bytes(model, 2) == 935
+
+
+def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir):
+    """Off CUDA "auto" is none and a set mode stays; on CUDA (the device's memory given, so this runs anywhere) the
+    micro-batch is `micro_batch_tokens`, or `micro_batch_rows` x `max_length` without it, against the model's own
+    shape and state."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cfg = LearnerConfig(micro_batch_rows=4)
+    got, note = resolve_checkpointing(cfg, model, CPU, torch.float32, world=1, max_length=100)
+    assert got.activation_checkpointing == "none" and note == "activation checkpointing none (auto: not CUDA)"
+    got, note = resolve_checkpointing(cfg.model_copy(update={"activation_checkpointing": "selective"}), model,
+                                      torch.device("cuda"), torch.bfloat16, world=1, max_length=100)
+    assert got.activation_checkpointing == "selective" and note == "activation checkpointing selective (set)"
+
+    shape, state = LayerShape.of(model.config), state_bytes(model, 2)
+    assert shape == LayerShape(hidden=64, kv_hidden=64, intermediate=192, layers=2)
+    selective = activation_bytes("selective", 400, shape, 2)  # 4 rows x 100
+    memory = int((RESERVE + state + selective) / USABLE) + 1  # selective just fits, none does not
+    got, note = resolve_checkpointing(cfg, model, torch.device("cuda"), torch.bfloat16, world=2, max_length=100,
+                                      memory_bytes=memory)
+    assert got.activation_checkpointing == "selective" and "activations of 400 tokens" in note
+    budget = cfg.model_copy(update={"micro_batch_tokens": 100})  # a quarter of the tokens: none fits
+    got, note = resolve_checkpointing(budget, model, torch.device("cuda"), torch.bfloat16, world=2, max_length=100,
+                                      memory_bytes=memory)
+    assert got.activation_checkpointing == "none" and "activations of 100 tokens" in note
+
+
+def _saved_outside_checkpoints(model, mb) -> int:
+    """Bytes autograd saves for the backward of `mb` outside any checkpoint (every saved tensor that is not a
+    parameter, once per storage; a checkpoint keeps its own and hides them from these hooks)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def keep(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        forward_stats(model, mb)
+    return sum(saved.values())
+
+
+def test_the_estimate_counts_what_autograd_keeps_in_the_tiny_model(tiny_model_dir):
+    """bfloat16: without checkpointing, what autograd saves for a micro-batch is within 20% below the estimate for
+    none (an estimate that errs high, so that auto errs towards checkpointing); with full or selective, the layers'
+    activations leave autograd's own saved tensors (under a sixth of none's stay: the embeddings' and the head's)."""
+    from transformers import AutoModelForCausalLM
+
+    saved = {}
+    for mode in ("none", "full", "selective"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+        model = prepare_model(model, LearnerConfig(activation_checkpointing=mode)).train()
+        mb = collate(_rows(1), 0, CPU)
+        saved[mode] = _saved_outside_checkpoints(model, mb)
+    estimate = activation_bytes("none", mb.input_ids.numel(), LayerShape.of(model.config), 2)
+    assert 0.8 * estimate <= saved["none"] <= estimate
+    assert saved["full"] < saved["none"] / 6 and saved["selective"] < saved["none"] / 6, saved
+
+
+# ------------------------------------------------------------------------------------------------- same update
+
+def _rows(seed: int):
+    return batch_rows(complete_groups(make_batch(seed, groups=2, candidates=1), {})[0], std_normalize=False,
+                      max_positions=512)
+
+
+def _step(model_dir, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    cfg = LearnerConfig(**{"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides})
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if cfg.lora is not None:  # as learner.setup does: adapters before the head, checkpointing and compile
+        apply_lora(model, cfg.lora)
+        init_adapters(model, cfg.seed, 0, 1)
+    model = prepare_model(model, cfg)
+    opt, _ = build_optimizer((p for p in model.parameters() if p.requires_grad), cfg)
+    return model, TrainStep(model, opt, cfg, rank=0, world=1, device=CPU, pad_id=0, max_positions=512,
+                            max_new_tokens=40)
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_forward_gives_the_same_values_and_gradients(tiny_model_dir, mode):
+    """One uneven micro-batch, float32: log-probs, entropies and every parameter's gradient equal none's."""
+    out = {}
+    for m in ("none", mode):
+        model, _ = _step(tiny_model_dir, activation_checkpointing=m)
+        model.train()
+        mb = collate(_rows(2), 0, CPU)
+        logp, ent, _ = forward_stats(model, mb)
+        on = mb.response_mask > 0
+        weight = torch.linspace(-1, 1, int(on.sum()))  # [N]
+        ((logp[on] * weight).sum() + 0.1 * (ent[on] * weight).sum()).backward()
+        out[m] = (logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(out[mode][0], out["none"][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[mode][1], out["none"][1], rtol=1e-6, atol=1e-6)
+    for name, g in out["none"][2].items():
+        torch.testing.assert_close(out[mode][2][name], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("overrides", [{}, {"lora": LoRAConfig(rank=4, alpha=8.0), "kl_coef": 0.1}],
+                         ids=["plain", "lora-kl"])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_trains_the_same_update_as_none(tiny_model_dir, mode, overrides):
+    """Two steps of two AdamW updates: the same weights as without checkpointing (with LoRA, the KL reference is
+    the same layers under no_grad, where nothing is checkpointed)."""
+    states, losses = [], []
+    for m in ("none", mode):
+        model, step = _step(tiny_model_dir, activation_checkpointing=m, **overrides)
+        for v in range(2):
+            stats = step.run(make_batch(4 + v, candidates=2, version=v))
+            assert stats.updates == 2
+            losses.append(stats.sums["loss"])
+        states.append(_weights(model))
+    assert losses[2:] == pytest.approx(losses[:2], rel=1e-5, abs=1e-7)
+    for k in states[0]:
+        torch.testing.assert_close(states[1][k], states[0][k], rtol=1e-5, atol=1e-7)
+
+
+def test_auto_left_unresolved_checkpoints_nothing(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    forwards = [layer.forward for layer in model.model.layers]
+    assert apply_checkpointing(model, "auto") == 0 and apply_checkpointing(model, "none") == 0
+    assert [layer.forward for layer in model.model.layers] == forwards
+    assert not any(getattr(layer, "gradient_checkpointing", False) for layer in model.model.layers)
+
+
+def test_selective_under_per_layer_compile_trains_what_eager_trains(tiny_model_dir):
+    """Selective checkpointing inside the compiled layers (aot_eager: AOT autograd as inductor, no kernels): the
+    same update as eager without checkpointing over steps of new lengths, no graph break, and no recompile after
+    the first step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    _, eager_step = _step(tiny_model_dir, activation_checkpointing="none")
+    compiled, compiled_step = _step(tiny_model_dir, activation_checkpointing="selective", compile=True,
+                                    compile_backend="aot_eager")
+    graphs = []
+    for v in range(3):
+        batch = make_batch(10 + v, candidates=2, response_len=(1, 6 + 9 * v), version=v)
+        want, got = eager_step.run(batch), compiled_step.run(batch)
+        assert got.sums["loss"] == pytest.approx(want.sums["loss"], rel=1e-5, abs=1e-7)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[-1] == graphs[0], f"graphs after each step: {graphs}"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    eager_sd = _weights(eager_step.model)
+    for k, v in _weights(compiled).items():
+        torch.testing.assert_close(v, eager_sd[k], rtol=1e-5, atol=1e-7)
+
+
+TWO_RANKS = textwrap.dedent("""
+    import os, sys, torch
+    import torch.distributed as dist
+    sys.path.insert(0, os.getcwd())
+    from common.config import LearnerConfig
+    from learner.setup import setup_rank
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from tests.learner.batches import make_batch
+
+    rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    got = {}
+    for mode in ("none", "full", "selective"):
+        cfg = LearnerConfig(micro_batch_rows=2, mini_batches=2, lr=1e-3, activation_checkpointing=mode)
+        built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
+                           max_new_tokens=40)
+        stats = built.trainer.run(make_batch(4, candidates=2))
+        full = get_model_state_dict(built.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        got[mode] = {"loss": stats.sums["loss"], "updates": stats.updates, "weights": full}
+    if rank == 0:
+        torch.save(got, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+""")
+
+
+def test_two_fsdp_ranks_train_the_same_update_with_each_mode(tiny_model_dir, tmp_path):
+    """2 FSDP2 ranks over gloo, each layer sharded on its own: full and selective checkpointing (the recompute
+    runs inside the layer's backward, while its parameters are gathered) train the weights none trains."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rank0.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(r), str(port), str(tiny_model_dir), str(out)],
+                              cwd=os.getcwd(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    got = torch.load(out)
+    want = got["none"]
+    assert want["updates"] == 2
+    for mode in ("full", "selective"):
+        assert got[mode]["updates"] == 2
+        assert got[mode]["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+        for k, v in want["weights"].items():
+            torch.testing.assert_close(got[mode]["weights"][k], v, rtol=1e-5, atol=1e-7)
