@@ -106,3 +106,18 @@ def test_device_e2e_quick_runs_from_the_image_packages_and_the_carry(tmp_path):
     assert fig["steps"] >= 4 and fig["learner_step_time_s"] > 0 and fig["generated_tokens_per_s"] > 0, fig
     assert fig["probe_tokens"] > 0 and fig["probe_median_exp_abs_diff"] >= 1.0, fig
     assert "probe: median exp|d|" in out and "skipped" in out  # the table, then tests/gpu skipped without CUDA
+
+
+def test_the_carry_holds_what_the_image_lacks_and_nothing_it_has():
+    """The pins `scripts/device_carry.py` downloads for the device (cp312): ray, pydantic, jsonschema, math-verify
+    and the dependencies only they bring; none of the image's packages (torch, transformers, numpy, ...), and no
+    MLflow or vLLM (a run without MLflow is offline; vLLM cannot travel)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("device_carry", ROOT / "scripts" / "device_carry.py")
+    dc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dc)
+    names = {pin.split("==")[0] for pin in dc.carried_pins("3.12")}
+    assert {"ray", "pydantic", "pydantic-core", "jsonschema", "math-verify", "typing-extensions"} <= names, names
+    assert not names & {"torch", "transformers", "numpy", "tokenizers", "safetensors", "aiohttp", "protobuf", "mlflow",
+                        "vllm", "sympy", "pyyaml", "requests"}, names
