@@ -189,10 +189,10 @@ def main() -> int:
     width = max(map(len, m["wheels"]))
     for name, size in m["wheels"].items():
         print(f"  {name:<{width}}  {size / 1e6:6.2f} MB")
-    cut = sum(m["ray_cut_bytes"].values())
+    ray_now = next(size for name, size in m["wheels"].items() if name.startswith("ray-"))
     print(f"device_carry: {out} holds {len(m['wheels'])} wheels, {m['total_bytes'] / 1e6:.1f} MB in all (limit "
-          f"{LIMIT_MB} MB); ray {m['ray_wheel_bytes_before'] / 1e6:.1f} MB -> "
-          f"{(m['ray_wheel_bytes_before'] - cut) / 1e6:.1f} MB without {', '.join(RAY_CUT)}")
+          f"{LIMIT_MB} MB); ray {m['ray_wheel_bytes_before'] / 1e6:.1f} MB -> {ray_now / 1e6:.1f} MB without "
+          f"{', '.join(RAY_CUT)}")
     print("device_carry: no MLflow on the device: the run's metric points go to <run>/metrics-unsent.jsonl, and "
           "`exgrpo track --replay <run>` sends them to a store later")
     if m["total_bytes"] > LIMIT_MB * 1e6:

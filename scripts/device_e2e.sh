@@ -18,9 +18,11 @@
 # (tests/test_device_e2e.py runs it from a bare environment of the image's packages plus device-carry-py3.11).
 #
 # Environment: OUT (default runs-device-e2e/) gets device_e2e.json, device_e2e.log, pytest-gpu.log and the run
-# folder; PYTHON (default python3); DEVICE_CARRY (default device-carry, or device-carry-pyX.Y for this python when
-# it exists); DEVICE_SITE (default /tmp/exgrpo-device-site, kept on a warm machine: a second call skips the install);
-# DEVICE_E2E_BUDGET_S (default 480; --quick 900): the GPU tests get what is left of it, the run at most 330 s (--quick 420).
+# folder's small files (run/); DEVICE_WORK (default /tmp/exgrpo-device-e2e) holds the model and the run folder; PYTHON
+# (default python3); DEVICE_CARRY (default device-carry, or device-carry-pyX.Y for this python when it exists);
+# DEVICE_SITE (default /tmp/exgrpo-device-site, kept on a warm machine: a second call skips the install);
+# DEVICE_E2E_BUDGET_S (default 480; --quick 900): the GPU tests get what is left of it, the run at most 330 s (--quick
+# 420).
 # Exit code: 0 when every part passed, else the first failure's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,13 +54,20 @@ SITE=${DEVICE_SITE:-/tmp/exgrpo-device-site}
 WANT=$(cat "$CARRY"/wheels/*.whl | sha256sum | cut -c1-16)-$PYVER
 if [ "$(cat "$SITE/.carry" 2>/dev/null)" != "$WANT" ]; then
     rm -rf "$SITE"
-    "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --target "$SITE" \
-        "$CARRY"/wheels/*.whl || fail "pip could not install $CARRY/wheels into $SITE" 2
+    if "$PY" -m pip --version >/dev/null 2>&1; then
+        "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --target "$SITE" \
+            "$CARRY"/wheels/*.whl || fail "pip could not install $CARRY/wheels into $SITE" 2
+    else  # no pip: a wheel is a zip of importable packages (no console scripts: exgrpo runs as python -m)
+        for w in "$CARRY"/wheels/*.whl; do "$PY" -m zipfile -e "$w" "$SITE/" || fail "could not unpack $w" 2; done
+        chmod +x "$SITE"/ray/core/src/ray/gcs/gcs_server "$SITE"/ray/core/src/ray/raylet/raylet  # zipfile drops modes
+    fi
     echo "$WANT" > "$SITE/.carry"
     say "installed $(ls "$CARRY"/wheels/*.whl | wc -l) wheels of $CARRY into $SITE"
 fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$SITE/bin:$PATH"
+EXGRPO=(exgrpo)
+[ -x "$SITE/bin/exgrpo" ] || EXGRPO=("$PY" -m cluster.cli)
 # From $OUTDIR, not the repository: the project must come from the carry's wheel (so must Ray's workers, which get
 # the driver's folder on their path).
 (cd "$OUTDIR" && "$PY" - <<'EOF') || fail "the image with the carry cannot import what a run needs (above)" 2
@@ -75,30 +84,35 @@ EOF
 
 # 2. The run.
 NAME=device-e2e-$(date +%Y%m%d-%H%M%S)
-RUNS=$OUTDIR/runs
+# the model and the run folder (its final checkpoint: GBs at 0.5B) stay out of $OUT, which goes back from the device
+WORK=${DEVICE_WORK:-/tmp/exgrpo-device-e2e}
+mkdir -p "$WORK"
+RUNS=$WORK/runs
 COMMON=(name="$NAME" checkpoint.runs_root="$RUNS" checkpoint.every_steps=0 eval.final=false
         generator.engine.kind=transformers 'learner.weight_sync={kind: object_store}' buffer.max_lag=0)
 if [ $QUICK -eq 1 ]; then
     STEPS=4
     DEVICE=cpu; DTYPE=float32
-    "$PY" bench/device_e2e.py make-model "$OUTDIR/probe-model" --size tiny || fail "could not build the probe model"
-    PROBE_MODEL=$OUTDIR/probe-model
+    "$PY" bench/device_e2e.py make-model "$WORK/probe-model" --size tiny || fail "could not build the probe model"
+    PROBE_MODEL=$WORK/probe-model
     RUN=(total_steps=$STEPS)
     TRAIN_TIMEOUT=420  # the built-in model is built once (cached in ~/.cache/exgrpo): ~2 min the first time
 else
     STEPS=20
     DEVICE=cuda; DTYPE=bfloat16
     nvidia-smi -L || fail "nvidia-smi sees no GPU (use --quick on a CPU)" 2
-    "$PY" bench/device_e2e.py make-model "$OUTDIR/model" --size 0.5B || fail "could not build the model"
-    PROBE_MODEL=$OUTDIR/model
-    RUN=(total_steps=$STEPS model.path="$OUTDIR/model" model.dtype=bfloat16
+    "$PY" bench/device_e2e.py make-model "$WORK/model" --size 0.5B || fail "could not build the model"
+    PROBE_MODEL=$WORK/model
+    RUN=(total_steps=$STEPS model.path="$WORK/model" model.dtype=bfloat16
          generator.num_gpus=0.4 learner.num_gpus=0.4 generator.max_new_tokens=128
          buffer.batch_questions=8 buffer.group_size=8)
     TRAIN_TIMEOUT=330
 fi
 say "exgrpo train ${COMMON[*]} ${RUN[*]}"
-(cd "$OUTDIR" && timeout -k 20 "$TRAIN_TIMEOUT" exgrpo train "${COMMON[@]}" "${RUN[@]}")
+(cd "$OUTDIR" && timeout -k 20 "$TRAIN_TIMEOUT" "${EXGRPO[@]}" train "${COMMON[@]}" "${RUN[@]}")
 rc=$?
+mkdir -p "$OUTDIR/run"  # its small files come back: metric points, state, profile, the driver's and Ray's logs
+cp -r "$RUNS/$NAME"/{metrics-unsent.jsonl,state.json,profile.json,config.yaml,logs} "$OUTDIR/run/" 2>/dev/null
 [ $rc -eq 124 ] && fail "exgrpo train ran past ${TRAIN_TIMEOUT} s" $rc
 [ $rc -ne 0 ] && fail "exgrpo train exited $rc" $rc
 say "exgrpo train finished"

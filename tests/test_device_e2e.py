@@ -96,7 +96,7 @@ def test_device_e2e_quick_runs_from_the_image_packages_and_the_carry(tmp_path):
     subprocess.run([sys.executable, "scripts/device_carry.py", "--python", "3.11", "--out", str(carry)],
                    cwd=ROOT, check=True, capture_output=True)
     env = dict(_bare_env(), PYTHON=str(python), OUT=str(tmp_path / "out"), DEVICE_CARRY=str(carry),
-               DEVICE_SITE=str(tmp_path / "site"))
+               DEVICE_SITE=str(tmp_path / "site"), DEVICE_WORK=str(tmp_path / "work"))
     r = subprocess.run(["bash", "scripts/device_e2e.sh", "--quick"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=1200)
     out = r.stdout + r.stderr
