@@ -81,6 +81,7 @@ class Trainer:
         from buffer.client import BufferClient
         from cluster.in_run_eval import InRunEval
         from learner.pool import LearnerPool
+        from learner.trial import switch_off
 
         cfg, name, ns = self.cfg, self.run_dir.name, self.cfg.cluster.namespace
         self._check_placement()  # before any actor starts
@@ -97,8 +98,12 @@ class Trainer:
         # CPUs/GPUs): generators placed first must never take what the learner ranks need.
         early = (checkpoint is None and isinstance(cfg.learner.weight_sync, ObjectStoreSyncConfig)
                  and self._everything_fits())
+        learner_cfg = switch_off(cfg.learner, self.state.levers_off)  # what failed its trial stays off
+        if self.state.levers_off:
+            log.info("learner levers kept off from the run's first start: %s",
+                     "; ".join(f"{k} ({v})" for k, v in self.state.levers_off.items()))
         with phase("start-up: ask for the learner ranks"):  # they load and shard the model while the rest builds
-            self.learner = LearnerPool(cfg.learner, str(self.model_path), run=name, namespace=ns,
+            self.learner = LearnerPool(learner_cfg, str(self.model_path), run=name, namespace=ns,
                                        max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype,
                                        publish_dtype=cfg.generator.dtype, wait=False)
         with phase("start-up: buffer shards"):
@@ -111,6 +116,11 @@ class Trainer:
                 self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)
         with phase("start-up: learner ranks (the rest of their start)"):
             self.learner.wait_ready()
+        if self.learner.levers_off:  # the rank logged each one; the driver's log and state keep them
+            self.state.levers_off.update(self.learner.levers_off)
+            log.warning("learner levers off for this run (they failed their trial at setup; the run trains on): %s",
+                        "; ".join(f"learner.{k}: {v}" for k, v in self.learner.levers_off.items()))
+        self.learner.levers_off = dict(self.state.levers_off)  # metric learner/levers_off: those kept off too
         with phase("start-up: restore checkpoint"):
             if checkpoint is not None:
                 self.learner.load_checkpoint(checkpoint / "learner")

@@ -27,6 +27,9 @@ class DriverState:
     metrics_buffered: int = 0  # in memory, retried
     metrics_unsent: int = 0  # in the run's metrics-unsent.jsonl: `exgrpo track --replay RUN` sends them
     metrics_lost: int = 0  # dropped: written nowhere (the run folder could not take them either)
+    # learner levers that failed their trial at the run's first start -> the error (learner.trial): a resume or a
+    # restart starts with them off
+    levers_off: dict[str, str] = field(default_factory=dict)
 
 
 def rng_state() -> dict[str, list]:

@@ -138,9 +138,13 @@ USABLE = 0.9  # of the device's memory: the rest is the CUDA context, NCCL's buf
 RESERVE = 2 << 30  # bytes: the chunked LM head's logits and gradients, FSDP2's gathered layers in flight
 
 
+# What "auto" may choose: the modes that have run on a GPU. selective is opt-in until it has (issue 42).
+AUTO_MODES: tuple[Mode, ...] = ("none", "full")
+
+
 def choose_checkpointing(memory_bytes: int, state_bytes: int, tokens: int, shape: LayerShape,
-                         dtype_bytes: int) -> tuple[Mode, str]:
-    """(mode, why): the checkpointing of least recompute whose activations fit the memory left.
+                         dtype_bytes: int, modes: tuple[Mode, ...] = AUTO_MODES) -> tuple[Mode, str]:
+    """(mode, why): the checkpointing of least recompute among `modes` whose activations fit the memory left.
 
     Left = USABLE x `memory_bytes` - RESERVE - `state_bytes` (the rank's parameters, gradients and AdamW state);
     none if its `activation_bytes` fit in it, else selective, else full (also when full does not fit: the reason
@@ -151,7 +155,7 @@ def choose_checkpointing(memory_bytes: int, state_bytes: int, tokens: int, shape
     sizes = ", ".join(f"{m} {b / gib:.1f}" for m, b in need.items())
     head = (f"auto: activations of {tokens} tokens ~ {sizes} GiB; {left / gib:.1f} GiB left of "
             f"{memory_bytes / gib:.1f} after {state_bytes / gib:.1f} GiB of weights, gradients and AdamW state")
-    for mode in ("none", "selective", "full"):
+    for mode in (m for m in ("none", "selective", "full") if m in modes):
         if need[mode] <= left:
             return mode, head
     return "full", head + ("; even full may not fit: lower learner.micro_batch_tokens (or micro_batch_rows), "

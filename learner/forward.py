@@ -8,6 +8,8 @@ no [rows, length, vocabulary] logits exist; `learner.logits_chunk_tokens=0` rest
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -98,17 +100,41 @@ def attention_inputs(model: torch.nn.Module, mb: MicroBatch) -> tuple[object, Te
       the 2D mask. sdpa keeps its is_causal path (the flash kernel, GQA); the [R, 1, L, L] causal-and-padding mask
       this gave sdpa before cost R x L x L bytes per micro-batch, and sdpa turned it into a mask of the model's
       dtype in every layer that autograd kept for the backward (bf16, 8 rows of 8k, 28 layers: 28 GiB). The price:
-      transformers looks for packed rows in the position_ids it made (one host read per forward);
+      transformers looks for packed rows in the position_ids it made (one host read per forward), except in models
+      whose forward takes a mask per layer type (Qwen2, Qwen3, ...; `_takes_mask_per_layer_type`) with full
+      attention only, which get {"full_attention": None}: no mask made, nothing read;
     - padded rows of a model whose config says `is_causal=False`: the 2D padding mask (transformers' own);
     - packed rows under flex_attention: the block-diagonal causal BlockMask of `Packing.document_ids`;
     - packed rows otherwise: transformers' own, from position_ids restarting at every row."""
     p = mb.packed
     if p is None:
-        return (None if getattr(model.config, "is_causal", True) else mb.attention_mask), None
+        if not getattr(model.config, "is_causal", True):
+            return mb.attention_mask, None
+        if _full_attention_only(model.config) and _takes_mask_per_layer_type(model):
+            return {"full_attention": None}, None  # sdpa's is_causal, and transformers makes no mask: no host read
+        return None, None
     if (getattr(model.config, "_attn_implementation", None) == "flex_attention" and _full_attention_only(model.config)
             and p.document_ids is not None):
         return _document_block_mask(p.document_ids[0]), p.position_ids
     return None, p.position_ids
+
+
+@functools.cache
+def _mask_mapping_forward(cls: type) -> bool:
+    import inspect
+
+    try:
+        return "causal_mask_mapping := attention_mask, dict" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def _takes_mask_per_layer_type(model: torch.nn.Module) -> bool:
+    """Whether the base model's forward takes `attention_mask` as a dict of ready masks per layer type (then
+    transformers builds none itself), as transformers' Qwen2/Qwen3 do."""
+    base = getattr(model, "model", None)
+    return base is not None and any(_mask_mapping_forward(c) for c in type(base).__mro__
+                                    if "forward" in vars(c) and c.__module__.startswith("transformers."))
 
 
 def _document_block_mask(doc: Tensor):

@@ -4,12 +4,14 @@
     prepare_model(model, cfg)                         # learner.forward: apply_compile when cfg.compile
     optimizer, note = build_optimizer(model.parameters(), cfg)
 
-torchtitan's shape: each lever is a small step over a plain model, switched on and off in the config, and each
-was measured on its own (one H200, a 1.5B step at 8 x 8k responses, issue 34): per-layer compile +15%, fused
-AdamW +1% and 1 GiB less, flex_attention packing 1.22x the padded step at mixed lengths. `auto` means "on where
-it was measured to help", i.e. on CUDA. A lever that cannot run here falls back and its note says why; the
-notes go into the rank's start log. None of them changes what is computed (the CPU tests train the same update
-with each on and off).
+torchtitan's shape: each lever is a small step over a plain model, switched on and off in the config. `auto`
+means "on where it has run and helped on a GPU": per-layer compile (+12.4% on a 1.5B step, H100, issue 42) and
+fused AdamW, both on CUDA. Padding-free packing through flex_attention is opt-in (`learner.padding_free=true`):
+the first time it met per-layer compile on a GPU it stopped the learner at its first step (InductorError, issue
+42); `auto` packs only where the user chose a variable-length attention (flash_attention_2/3). Every lever that
+is on is tried at setup (`learner.trial`), and one that fails is switched off for the run instead of stopping it.
+A lever that cannot run here falls back and its note says why; the notes go into the rank's start log. None of
+them changes what is computed (the CPU tests train the same update with each on and off).
 """
 
 from __future__ import annotations
@@ -61,21 +63,22 @@ def resolve_levers(cfg: LearnerConfig, device: torch.device, dtype: torch.dtype 
     notes.append(f"fused AdamW {'on' if fused else 'off'} ({_why(cfg.fused_optimizer, cuda)})")
 
     attn = cfg.attn_implementation
-    if cfg.padding_free != "auto":
-        packs, why = bool(cfg.padding_free), "set"
-    elif cfg.varlen_attention:
-        packs, why = True, f"auto: {attn} is a variable-length kernel"
-    elif not cuda:
-        packs, why = False, "auto: not CUDA, where flex_attention has no backward and sdpa would build a dense mask"
-    elif attn not in (None, "flex_attention"):
-        packs, why = False, f"auto: attn_implementation={attn} would pack with a dense [tokens, tokens] mask"
+    if cfg.padding_free == "auto":
+        packs = cfg.varlen_attention
+        why = (f"auto: {attn} is a variable-length kernel" if packs else
+               "auto: packing is opt-in (learner.padding_free=true) until it has run on a GPU: through flex_attention "
+               "under per-layer compile it failed on an H100 (issue 42)" if cuda else
+               "auto: not CUDA, where flex_attention has no backward and sdpa would build a dense mask")
+    elif not cfg.padding_free:
+        packs, why = False, "set"
+    elif not cuda or attn not in (None, "flex_attention"):
+        packs, why = True, "set"
     elif attn is None and (flash_attention_installed() if flash is None else flash) and dtype != torch.float32:
-        packs, attn, why = True, "flash_attention_2", "auto: CUDA with flash-attn installed"
+        packs, attn, why = True, "flash_attention_2", "set; CUDA with flash-attn installed"
     elif flex_attention_available() if flex is None else flex:
-        packs, why = True, "auto: CUDA without flash-attn" if attn is None else "auto: flex_attention on CUDA"
-        attn = "flex_attention"
+        packs, attn, why = True, "flex_attention", "set; flex_attention on CUDA (tried at setup, off if it fails)"
     else:
-        packs, why = False, "auto: this torch/transformers has no flex_attention (and flash-attn is absent)"
+        packs, why = True, "set; this torch/transformers has no flex_attention: sdpa with a dense mask per micro-batch"
     update["padding_free"], update["attn_implementation"] = packs, attn
     notes.append(f"{'padding-free packing' if packs else 'padded micro-batches'} ({why}; attention "
                  f"{attn or 'sdpa (transformers default)'})")
@@ -103,11 +106,42 @@ def apply_compile(model: torch.nn.Module, backend: str | object = "inductor") ->
     module hooks around each forward (FSDP2's all-gather, activation checkpointing) stay eager. The module and
     its parameter names are unchanged (checkpoints and publications see the same state dict). `dynamic=True`:
     sequence lengths are symbolic from the first compile, so a new micro-batch length does not recompile
-    (row counts 1 and >1 are two specialisations, train/eval and grad/no-grad a few more; bounded)."""
+    (row counts 1 and >1 are two specialisations, train/eval and grad/no-grad a few more; bounded). That is the
+    compile measured on an H100 (+12.4% at 1.5B, padded sdpa; issue 42).
+
+    flex_attention stays out of the layers' graphs (`isolate_flex_attention`), as torchtitan keeps it out of its
+    compiled blocks: traced inside them with dynamic shapes, the hidden size became a symbol, the head count
+    floor(T*H / (T*d)), and flex's lowering failed on it on an H100 (InductorError, issue 42). Out of the graph,
+    flex runs as transformers runs it uncompiled: its own separately compiled flex_attention."""
+    if getattr(model.config, "_attn_implementation", None) == "flex_attention":
+        isolate_flex_attention()
     layers = model.model.layers
     for layer in layers:
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
     return len(layers)
+
+
+def isolate_flex_attention() -> None:
+    """Make transformers' flex_attention a graph break for torch.compile (`torch.compiler.disable`), process-wide.
+    Eager code is unaffected (the decorator only acts while compiling); idempotent."""
+    from transformers.modeling_utils import AttentionInterface
+
+    current = AttentionInterface._global_mapping["flex_attention"]
+    if not getattr(current, "_exgrpo_isolated", False):
+        isolated = torch.compiler.disable(current, recursive=True)
+        isolated._exgrpo_isolated = True
+        AttentionInterface.register("flex_attention", isolated)
+
+
+def remove_compile(model: torch.nn.Module) -> int:
+    """Undo `apply_compile`: every decoder layer runs its own (eager) forward again; returns how many."""
+    n = 0
+    for layer in model.model.layers:
+        if "forward" in vars(layer):
+            del layer.forward
+            n += 1
+    torch._dynamo.reset()  # drop the graphs (and a failed compile's state) of the layers
+    return n
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: LearnerConfig) -> tuple[torch.optim.AdamW, str]:

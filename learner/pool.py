@@ -102,9 +102,10 @@ class LearnerRank:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, address: tuple[str, int]) -> None:
+    def setup(self, address: tuple[str, int]) -> dict[str, str]:
         """Join the process group at rank 0's `address` (`rendezvous_address`), load and shard the model
-        (`learner.setup.setup_rank`)."""
+        (`learner.setup.setup_rank`). Returns the levers that failed their trial at setup and are off, with the
+        error of each (`learner.trial`; the same on every rank)."""
         from learner.setup import setup_rank
 
         host, port = address
@@ -118,6 +119,7 @@ class LearnerRank:
         self.model, self.optimizer, self.trainer = built.model, built.optimizer, built.trainer
         self.model_config = built.model.config
         self.staging = Staging()
+        return dict(built.levers_off or {})
 
     def train(self, payload: bytes) -> RankStats:
         """One step on a msgpack-encoded TrainingBatch (the driver puts it once; every rank reads it), at the
@@ -360,6 +362,7 @@ class LearnerPool:
         self.version = 0
         self.steps = 0
         self.skipped_updates = 0
+        self.levers_off: dict[str, str] = {}  # levers that failed their trial at setup -> error (after wait_ready)
         self.store = get_or_create_store(run, namespace)
         reset = self.store.reset.remote()  # a resumed pool may publish a lower version than a dead one did
         actor = ray.remote(LearnerRank)
@@ -402,7 +405,9 @@ class LearnerPool:
                     f"{self.cfg.start_timeout_s:.0f}s (model load, FSDP sharding, torch.distributed rendezvous); "
                     "see the ranks' logs in the run folder's logs/ray, or raise learner.start_timeout_s for a large "
                     "model")
-            ray.get(ready)
+            value = ray.get(ready[0])
+            if ready[0] is self._setup[1]:  # rank 0's setup: the levers the ranks agreed to switch off
+                self.levers_off = dict(value)
         self._setup = None
 
     def step(self, batch: TrainingBatch) -> StepResult:
@@ -421,6 +426,7 @@ class LearnerPool:
         metrics["learner/version"] = float(self.version)
         metrics["learner/lr"] = learning_rate(self.cfg, version_trained)
         metrics["learner/skipped_updates_total"] = float(self.skipped_updates)
+        metrics["learner/levers_off"] = float(len(self.levers_off))  # failed their trial at setup (learner.trial)
         fb = LearnerFeedback(version=version_trained, keys=sfb.keys, entropies=float32_array(sfb.entropies),
                              chosen=sfb.chosen, fresh_keys=sfb.fresh_keys,
                              fresh_entropies=float32_array(sfb.fresh_entropies), fresh_logprobs=sfb.fresh_logprobs)

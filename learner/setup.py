@@ -33,11 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from common.config import LearnerConfig
+from learner.checkpointing import resolve_checkpointing
 from learner.forward import check_packing, prepare_model
-from learner.levers import build_optimizer, resolve_levers
+from learner.levers import apply_compile, build_optimizer, remove_compile, resolve_levers
 from learner.loading import build_empty, load_shards, materialize
 from learner.lora import adapter_names, apply_lora, hold_frozen_in, init_adapters
 from learner.step import TrainStep
+from learner.trial import try_levers
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class RankModel:
     trainer: TrainStep
     ref_model: torch.nn.Module | None = None  # frozen reference copy (learner.kl_coef > 0 without LoRA)
     packing_gap: float | None = None  # largest change measured by check_packing (None: padded micro-batches)
+    levers_off: dict[str, str] | None = None  # levers that failed their trial at setup -> the error (learner.trial)
 
 
 def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, device: torch.device,
@@ -81,6 +84,11 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
         model = _build(cfg, model_path, device, empty=sharded or fill is not None)
     if cfg.lora is not None:  # before the head and sharding: FSDP2 then shards the adapters with their layer
         targets = apply_lora(model, cfg.lora)
+    # activation checkpointing "auto": from the memory the weights, gradients and AdamW state leave (meta shapes)
+    cfg, checkpointing_note = resolve_checkpointing(
+        cfg, model, device, dtype, world=world,
+        max_length=min(int(model.config.max_position_embeddings), max_new_tokens + 2048))
+    notes.append(checkpointing_note)
     prepare_model(model, cfg)  # before sharding: FSDP then manages the new head's (tied) weight as before
     frozen = 0
     if cfg.lora is not None and cfg.lora.base_dtype == "auto" and sharded and dtype != torch.float32:
@@ -119,6 +127,21 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
                                                    attn_implementation=cfg.attn_implementation).to(device).eval()
         ref.requires_grad_(False)
         prepare_model(ref, cfg, trainable=False)
+    pad = model.config.pad_token_id
+    trainer = TrainStep(model, optimizer, cfg, rank=rank, world=world, device=device,
+                        pad_id=0 if pad is None else int(pad), max_positions=int(model.config.max_position_embeddings),
+                        max_new_tokens=max_new_tokens, ref_model=ref)
+    levers = _RankLevers(trainer, chose_attention=asked.attn_implementation is None)
+
+    def unfused():
+        nonlocal optimizer, optimizer_note
+        optimizer, optimizer_note = build_optimizer((p for p in model.parameters() if p.requires_grad), levers.cfg)
+        trainer.optimizer = optimizer
+
+    off = try_levers(levers, trainer, unfused)  # collective: every rank tries the same micro-batches
+    cfg = levers.cfg
+    for lever, error in off.items():
+        notes.append(f"{lever} off: it failed its trial at setup ({error})")
     gap = None
     if cfg.packs_padding_free:  # collective under FSDP: every rank runs the same two forwards
         gap = check_packing(model, device, tolerance=1e-3 if dtype == torch.float32 else 2e-2)
@@ -127,11 +150,33 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
                  "padding-free packing" if cfg.packs_padding_free else "padded", model.config._attn_implementation,
                  "" if gap is None else f"; packed rows checked apart (largest change {gap:.2g})")
         log.info("learner levers on %s: %s; %s", device.type, "; ".join(notes), optimizer_note)
-    pad = model.config.pad_token_id
-    trainer = TrainStep(model, optimizer, cfg, rank=rank, world=world, device=device,
-                        pad_id=0 if pad is None else int(pad), max_positions=int(model.config.max_position_embeddings),
-                        max_new_tokens=max_new_tokens, ref_model=ref)
-    return RankModel(model=model, optimizer=optimizer, trainer=trainer, ref_model=ref, packing_gap=gap)
+    return RankModel(model=model, optimizer=optimizer, trainer=trainer, ref_model=ref, packing_gap=gap, levers_off=off)
+
+
+class _RankLevers:
+    """The levers of one built rank, switched over its model (`learner.trial.Levers`): compile applied to or
+    removed from the decoder layers; packing on or off (with the attention `resolve_levers` chose for it: flex or
+    flash back to sdpa, on the trained model and a reference copy); fused AdamW in the config only (the trial's
+    `rebuild_optimizer` builds the unfused one). The trainer's config follows every switch."""
+
+    def __init__(self, trainer: TrainStep, *, chose_attention: bool):
+        self.trainer, self.cfg = trainer, trainer.cfg
+        self.packed_attention = trainer.model.config._attn_implementation
+        self.chose_attention = chose_attention and self.cfg.packs_padding_free
+
+    def set(self, lever: str, on: bool) -> None:
+        model = self.trainer.model
+        if lever == "compile":
+            apply_compile(model, self.cfg.compile_backend) if on else remove_compile(model)
+        elif lever == "padding_free" and self.chose_attention:
+            for m in (model, self.trainer.ref_model):
+                if m is not None:
+                    m.set_attn_implementation(self.packed_attention if on else "sdpa")
+            if self.cfg.compile is True:  # the layers were compiled for the other attention
+                remove_compile(model)
+                apply_compile(model, self.cfg.compile_backend)
+        self.cfg = self.cfg.model_copy(update={lever: on})
+        self.trainer.cfg = self.cfg
 
 
 def _build(cfg: LearnerConfig, model_path: str, device: torch.device, *, empty: bool) -> torch.nn.Module:

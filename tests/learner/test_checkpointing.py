@@ -66,14 +66,18 @@ def test_activation_estimate_by_hand():
     assert activation_bytes("none", TOKENS, SHAPE, 4) == 2 * 9_831_448_576
 
 
-@pytest.mark.parametrize("state_gib, want", [(40, "none"), (64, "selective"), (68, "full"), (69.5, "full")])
-def test_auto_takes_the_least_recompute_that_fits(state_gib, want):
+@pytest.mark.parametrize("state_gib, want, want_default", [(40, "none", "none"), (64, "selective", "full"),
+                                                            (68, "full", "full"), (69.5, "full", "full")])
+def test_auto_takes_the_least_recompute_that_fits(state_gib, want, want_default):
     """80 GiB: 0.9 x 80 - 2 (reserve) = 70 GiB before the states. States of 40 GiB leave 30: none (9.16) fits;
     64 leave 6: selective (4.47), not none; 68 leave 2: full (1.45); 69.5 leave 0.5: nothing fits, full, and the
-    reason says what to lower."""
+    reason says what to lower. By default auto chooses only among the modes that have run on a GPU (none, full):
+    64 then gives full."""
     assert USABLE * 80 * GIB - RESERVE == 70 * GIB
-    mode, why = choose_checkpointing(80 * GIB, int(state_gib * GIB), TOKENS, SHAPE, 2)
+    mode, why = choose_checkpointing(80 * GIB, int(state_gib * GIB), TOKENS, SHAPE, 2,
+                                     modes=("none", "selective", "full"))
     assert mode == want
+    assert choose_checkpointing(80 * GIB, int(state_gib * GIB), TOKENS, SHAPE, 2)[0] == want_default
     left = 70 - state_gib
     assert why.startswith(f"auto: activations of {TOKENS} tokens ~ none 9.2, selective 4.5, full 1.5 GiB; "
                           f"{left:.1f} GiB left of 80.0 after {state_gib:.1f} GiB")
@@ -107,8 +111,8 @@ def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir)
     selective = activation_bytes("selective", 400, shape, 2)  # 4 rows x 100
     memory = int((RESERVE + state + selective) / USABLE) + 1  # selective just fits, none does not
     got, note = resolve_checkpointing(cfg, model, torch.device("cuda"), torch.bfloat16, world=2, max_length=100,
-                                      memory_bytes=memory)
-    assert got.activation_checkpointing == "selective" and "activations of 400 tokens" in note
+                                      memory_bytes=memory)  # selective is not auto's until it has run on a GPU
+    assert got.activation_checkpointing == "full" and "activations of 400 tokens" in note
     budget = cfg.model_copy(update={"micro_batch_tokens": 100})  # a quarter of the tokens: none fits
     got, note = resolve_checkpointing(budget, model, torch.device("cuda"), torch.bfloat16, world=2, max_length=100,
                                       memory_bytes=memory)

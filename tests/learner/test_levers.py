@@ -25,9 +25,13 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 @pytest.mark.parametrize("overrides, device, dtype, flash, want", [
     ({}, CPU, torch.float32, False, (False, False, False, None)),
-    ({}, CUDA, torch.bfloat16, False, (True, True, True, "flex_attention")),
-    ({}, CUDA, torch.bfloat16, True, (True, True, True, "flash_attention_2")),
-    ({}, CUDA, torch.float32, True, (True, True, True, "flex_attention")),  # flash-attn has no float32
+    # CUDA's defaults are what ran on a GPU (issue 42): compile and fused AdamW, padded micro-batches
+    ({}, CUDA, torch.bfloat16, False, (True, True, False, None)),
+    ({}, CUDA, torch.bfloat16, True, (True, True, False, None)),
+    # packing is opt-in: flash-attention where installed (not float32), else flex_attention
+    ({"padding_free": True}, CUDA, torch.bfloat16, False, (True, True, True, "flex_attention")),
+    ({"padding_free": True}, CUDA, torch.bfloat16, True, (True, True, True, "flash_attention_2")),
+    ({"padding_free": True}, CUDA, torch.float32, True, (True, True, True, "flex_attention")),
     ({"attn_implementation": "sdpa"}, CUDA, torch.bfloat16, False, (True, True, False, "sdpa")),
     ({"attn_implementation": "flex_attention"}, CPU, torch.float32, False, (False, False, False, "flex_attention")),
     ({"attn_implementation": "flash_attention_2"}, CPU, torch.float32, False,
@@ -45,10 +49,11 @@ def test_auto_follows_the_device_and_every_decision_is_explained(overrides, devi
     assert ("set" in notes[0]) == ("compile" in overrides)
 
 
-def test_without_flex_attention_cuda_stays_padded_and_says_why():
-    cfg, notes = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=False)
-    assert cfg.padding_free is False and cfg.attn_implementation is None
-    assert "no flex_attention" in notes[2]
+def test_packing_on_cuda_is_opt_in_and_says_why():
+    cfg, notes = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=True)
+    assert cfg.padding_free is False and "opt-in (learner.padding_free=true)" in notes[2]
+    cfg, notes = resolve_levers(LearnerConfig(padding_free=True), CUDA, torch.bfloat16, flash=False, flex=False)
+    assert cfg.padding_free is True and cfg.attn_implementation is None and "dense mask" in notes[2]
 
 
 def _step(model_dir, **overrides):
@@ -113,7 +118,7 @@ def test_compiled_layers_train_the_same_update_and_do_not_recompile_for_new_leng
 
 
 def test_flex_attention_packed_forward_equals_sdpa_on_cpu(tiny_model_dir):
-    """flex_attention (what padding_free=auto packs with on CUDA) has no backward on CPU: its forward over packed
+    """flex_attention (what padding_free=true packs with on CUDA) has no backward on CPU: its forward over packed
     rows (the document BlockMask of learner.forward) gives sdpa's padded log-probs and entropies, and passes the
     start-up packing check. The whole step under flex_attention is measured by bench/gpu_bench.py on a GPU."""
     from transformers import AutoModelForCausalLM
@@ -130,6 +135,44 @@ def test_flex_attention_packed_forward_equals_sdpa_on_cpu(tiny_model_dir):
     torch.testing.assert_close(out["flex_attention"][0], out["sdpa"][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out["flex_attention"][1], out["sdpa"][1], rtol=1e-5, atol=1e-5)
     assert check_packing(model, CPU) < 1e-5
+
+
+def test_compiled_layers_leave_flex_attention_out_of_their_graphs_and_do_not_recompile_for_new_lengths(
+        tiny_model_dir):
+    """Per-layer compile with flex_attention (issue 42's crash: flex traced inside the layers' dynamic-shape graphs
+    failed in inductor's lowering on an H100): no graph holds a flex_attention call (it is a graph break, run by
+    transformers' own compiled flex), three packed micro-batches of new lengths compile one graph set, and the
+    forward (no grad: flex has no CPU backward) equals eager's. On a CPU, inductor itself fails to build flex's
+    kernel inside the `dynamic=True` layer graph (a C++ compile error)."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.levers import apply_compile
+
+    graphs: list[str] = []
+
+    def recording(gm, example_inputs):  # a backend: keep each graph's code, run it as traced
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                 attn_implementation="flex_attention")
+    model = prepare_model(model, LearnerConfig()).eval()
+    batches = [batch_rows(complete_groups(make_batch(20 + v, groups=2, candidates=1, vocab=60,
+                                                     response_len=(2, 5 + 7 * v)), {})[0],
+                          std_normalize=False, max_positions=512) for v in range(3)]
+    assert len({collate(rows, 0, CPU, packed=True).packed.input_ids.shape[1] for rows in batches}) == 3
+    with torch.no_grad():
+        eager = [forward_stats(model, collate(rows, 0, CPU, packed=True))[0] for rows in batches]
+        apply_compile(model, recording)
+        first = None
+        for rows, want in zip(batches, eager):
+            have = forward_stats(model, collate(rows, 0, CPU, packed=True))[0]
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+            first = first or len(graphs)
+    assert graphs, "nothing was compiled"
+    assert len(graphs) == first, f"recompiled for new lengths: {len(graphs)} graphs after {first}"
+    assert not any("flex_attention" in code for code in graphs)
 
 
 def _distinct_lengths_batch(groups: int = 4, size: int = 6) -> TrainingBatch:
@@ -173,14 +216,26 @@ def _count_host_reads(fn) -> dict[str, int]:
     return counts
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(tmp_path_factory):
+    from common.modeling import build_char_tokenizer, init_tiny_qwen2, save_model_folder
+
+    tok = build_char_tokenizer()
+    model = init_tiny_qwen2(len(tok), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=0,
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return save_model_folder(model, tok, tmp_path_factory.mktemp("tiny-qwen2") / "model")
+
+
 @pytest.mark.parametrize("overrides", [{}, {"tis_cap": 2.0}])
-def test_host_reads_per_step_do_not_grow_with_micro_batches(tiny_model_dir, overrides):
+def test_host_reads_per_step_do_not_grow_with_micro_batches(tiny_qwen2_dir, overrides):
     """2 mini-batches of 12 rows, cut into 2 or 6 micro-batches each: the step reads the device as often either
     way (per step: the metrics' one transfer, TIS's old log-probs; per mini-batch: the grad-norm skip decision
-    and CPU AdamW's step counters), never per micro-batch."""
+    and CPU AdamW's step counters), never per micro-batch. Qwen2 (the architecture real runs train) takes its
+    masks per layer type, so padded rows of any lengths go without a mask and without transformers' search for
+    packed rows; a Llama pays that search, one read per forward (learner.forward.attention_inputs)."""
     counts = []
     for micro_rows in (6, 2):
-        model, step = _step(tiny_model_dir, micro_batch_rows=micro_rows, **overrides)
+        model, step = _step(tiny_qwen2_dir, micro_batch_rows=micro_rows, **overrides)
         batch = with_own_logprobs(_distinct_lengths_batch(), model)
         step.run(batch)  # warm-up: first calls may initialise lazily
         stats = []
