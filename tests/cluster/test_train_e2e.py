@@ -239,9 +239,12 @@ def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothi
     and `exgrpo train --resume RUN total_steps=N` finishes the run. The run is far longer than the test
     (it cannot end before the kill on a fast machine); the resume sets where it ends."""
     run_dir = runs_root / "resume"
+    # the lever drill rides along: compile and fused AdamW on, both made to fail their trial at the first start
+    drill = {**os.environ, "EXGRPO_LEVER_FAULTS": "compile,fused_optimizer"}
     with train_process(runs_root, "resume", "total_steps=100000", "checkpoint.every_steps=4",
                        "checkpoint.keep_last=10", "cluster.max_restarts=2", "learner.lr_schedule=linear",
-                       "learner.warmup_steps=3", "learner.lr_decay_steps=20") as p:
+                       "learner.warmup_steps=3", "learner.lr_decay_steps=20", "learner.compile=true",
+                       "learner.compile_backend=aot_eager", "learner.fused_optimizer=true", env=drill) as p:
         wait_for(lambda: len(state(run_dir).get("checkpoints", [])) >= 1 or p.poll() is not None, 600,
                  "the first checkpoint")
         ranks = _learner_ranks(p.pid)
@@ -262,6 +265,10 @@ def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothi
         p.wait(30)
     first_log = read_log(runs_root, "resume")
     assert "restarting from the last checkpoint (1/2)" in first_log
+    # the levers that failed their trial: said once, off for the run, kept off by the restart and the resume
+    assert re.search(r"learner levers off for this run .*learner\.compile: InjectedLeverFault.*"
+                     r"learner\.fused_optimizer: InjectedLeverFault", first_log), first_log[-4000:]
+    assert "learner levers kept off from the run's first start: compile" in first_log  # the restart
     # the restart, too, ended exactly the leases its checkpoint held
     restarted = re.search(r"resumed the buffer of (step-\d+): the (\d+) lease\(s\) it held outstanding", first_log)
     assert restarted, first_log[-4000:]
@@ -276,8 +283,11 @@ def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothi
     at_ckpt = json.loads((Path(ckpts[-1]) / "driver.json").read_text())["accounting"]
     assert_balanced(at_ckpt)
 
-    r = run_train(runs_root, "resume", f"total_steps={total}", resume=run_dir, log_name="resumed")
+    assert set(json.loads((Path(ckpts[-1]) / "driver.json").read_text())["levers_off"]) == {"compile",
+                                                                                          "fused_optimizer"}
+    r = run_train(runs_root, "resume", f"total_steps={total}", resume=run_dir, log_name="resumed")  # no drill now
     assert r.returncode == 0, r.stdout[-4000:]
+    assert "learner levers kept off from the run's first start: compile" in r.stdout, r.stdout[-4000:]
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"  # the same MLflow run continued
     assert {s for s, _ in history(client, run_id, "train/reward_mean")} == set(range(1, total + 1))
@@ -289,6 +299,7 @@ def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothi
     lrs = history(client, run_id, "learner/lr")
     assert {s for s, _ in lrs} == set(range(1, total + 1))
     assert all(v == pytest.approx(learning_rate(lc, s - 1)) for s, v in lrs), lrs
+    assert {v for _, v in history(client, run_id, "learner/levers_off")} == {2.0}
     acc = accounting(run.data.metrics)
     assert_balanced(acc)
     # Everything the checkpoint held is accounted for after the resume. driver.json holds the counts of
