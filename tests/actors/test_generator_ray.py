@@ -247,6 +247,8 @@ def test_pool_scales_1_3_1_without_losing_work(ray_cluster, tiny_model_dir):
         per = [ray.get(a.metrics.remote())["groups"] for a in pool.actors.values()]
         return m["generators"] == 3 and min(per) > 0
     wait_until(all_three_worked, 300, "all three generators to submit groups", poll_s=0)
+    peaks = [ray.get(a.metrics.remote())["peak_memory_gib"] for a in pool.actors.values()]
+    assert min(peaks) > 0 and pool.metrics()["peak_memory_gib"] >= max(peaks)  # each actor's peak RSS here (growing)
     pool.scale_to(1)
     assert pool.size == 1
     with pytest.raises(ValueError):
