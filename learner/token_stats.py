@@ -8,18 +8,50 @@ would keep several copies of them. Here:
 - `TokenStatsHead` replaces the model's `lm_head` module (same `weight` Parameter, so tied embeddings
   stay tied and the state dict keeps the name `lm_head.weight`). Inside the model's own forward, which
   is where FSDP2 has the root's parameters unsharded, it selects the requested positions of the
-  hidden states and calls the chunked function below. Without a request it is an ordinary linear
+  hidden states and calls the blocked function below. Without a request it is an ordinary linear
   layer (full logits), so evaluation and generation code keeps working.
-- `chunked_logprob_entropy` is a custom autograd function: the forward applies the head to
-  `chunk` tokens at a time and keeps only [N] log-probs and entropies; the backward recomputes each
-  chunk's logits and forms the gradient of both outputs in closed form:
+- `chunked_logprob_entropy` is a custom autograd function. The forward applies the head to `chunk` tokens at
+  a time, whole rows of logits, with the full-logits path's own formulas (so its values are those of full
+  logits to the last bit or two), and keeps only [N] log-probs, entropies and log-sum-exps. The backward goes
+  the other way round, in blocks of [all N tokens, a slice of v vocabulary rows]: it recomputes each slice's
+  logits and forms the gradient of both outputs in closed form,
 
       d logp / dz = onehot(target) - p
-      d H / dz    = -p * (log p + H)
+      d H / dz    = -p * (log p + H),       log p = z - logsumexp(z)   (logsumexp saved by the forward)
 
-  Peak memory is O(chunk x V) for the head instead of O(R x L x V), whatever the response length.
-  The matmul runs in the hidden states' dtype (bf16 under mixed precision, like `nn.Linear`), the
-  softmax in float32; the weight gradient is accumulated over chunks in float32.
+  so that each slice's weight-gradient rows are ONE matmul over all N tokens, written straight into the
+  [V, H] gradient: the head writes its weight gradient once per micro-batch, as autograd of `F.linear` over
+  all tokens does (d loss / dz rounded to the hidden dtype, the matmul's own float32 accumulation). The
+  hidden-state gradient is the sum over slices, accumulated in float32 when there is more than one.
+  Where this departs from the usual chunking by tokens in the backward too (this module before issue 42,
+  Liger's fused linear cross-entropy): there each token chunk's weight gradient is a partial [V, H] sum,
+  N / chunk of them added up in float32, a [V, H] read and write per chunk.
+
+Block size: `chunk` tokens' worth of logits (chunk x V values; `learner.logits_chunk_tokens`): forward blocks
+[chunk, V], backward blocks [N, v] with v = chunk x V / N (whole multiples of 128). Peak temporaries are two
+float32 buffers of a block (`BYTES_PER_LOGIT`). Default (`chunk_tokens` None): on CPU `LOGITS_PER_CHUNK`
+logits, as before; on CUDA sized once, at the head's first forward, from the free memory (a quarter of it, at
+most `BLOCK_BYTES_CAP`): no per-step host call. The per-block elementwise math can be torch.compile'd
+(`compile_math`, off by default: never measured on a GPU yet).
+
+Cost of one call, forward + backward, at Qwen2.5-1.5B shapes (V = 151,936, H = 1,536, N = 16,384 response
+tokens, bf16 hidden states and weight). Blocks, ops (non-view aten ops, about the kernel launches) and bytes
+written are counted by running the function on meta tensors under a `TorchDispatchMode`; peak temporaries
+are worked out from the code (block logits x bytes per logit + the gradients):
+
+   | path                  | forward blocks  | backward blocks   | [V, H] writes | written | in [V, H] | ops   | peak  |
+   | token chunks of 220   | 75 of [220, V]  | 75 of [220, V]    | 227           | 301 GB  | 176.5 GB  | 2,032 | 2.7GB*|
+   | now, CPU default 220  | 75 of [220, V]  | 80 of [N, 1,920]  | 1, by slices  | 117 GB  | 0.47 GB   | 2,427 | 0.8GB |
+   | now, CUDA default 1766| 10 of [1766, V] | 10 of [N, 16,256] | 1, by slices  | 107 GB  | 0.47 GB   | 317   | 2.7GB |
+
+   * 0.4 GB of chunk logits, then a float32 [V, H] sum, each chunk's bf16 [V, H] product and its float32 copy
+     (2.3 GB). Now: block logits x `BYTES_PER_LOGIT` (0.25 / 2.1 GB) + the bf16 [V, H] gradient and a float32
+     [N, H] one (0.57 GB). The CUDA default is 2 GiB of block (`BLOCK_BYTES_CAP`; free memory >= 8 GiB).
+
+The remaining ~105 GB are the [N, V] elementwise passes (bf16 logits, float32 log p, p, the bf16 gradient);
+`compile_math` fuses them per block (not yet measured). Slicing the vocabulary adds float32 sums of [N, H]
+hidden-state gradients: 1.7 GB at the CUDA default, 12 GB at the CPU one. Host syncs: none, before or after
+(block sizes are host integers; no `.item()`, no `nonzero`); the CUDA default reads the free memory once per head.
 
 Usage (what `learner.forward` does):
 
@@ -33,7 +65,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-LOGITS_PER_CHUNK = 1 << 25  # 32M float32 logits (128 MB) per chunk when `chunk_tokens` is None
+LOGITS_PER_CHUNK = 1 << 25  # 32M logits per block when `chunk_tokens` is None on CPU (220 tokens' worth at 152k)
+BYTES_PER_LOGIT = 8  # peak temporaries per logit of a block: two float32 buffers (`_chunk_stats`, `_slice_grad`)
+FREE_MEMORY_FRACTION = 0.25  # CUDA default: a block's temporaries take at most this share of the free memory...
+BLOCK_BYTES_CAP = 2 << 30  # ...and at most 2 GiB: with the [V, H] gradient, the per-chunk path's peak at 1.5B
+SLICE_ALIGN = 128  # vocabulary slices are whole multiples of this many rows (the last one excepted)
+COMPILE_BLOCK_MATH = False  # torch.compile the per-block elementwise math (opt-in: never measured on a GPU yet)
 
 
 class HeadError(ValueError):
@@ -41,8 +78,27 @@ class HeadError(ValueError):
 
 
 def auto_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk so that one chunk's float32 logits are about `LOGITS_PER_CHUNK` values."""
+    """Tokens' worth of logits per block so that one block is about `LOGITS_PER_CHUNK` values (the CPU default)."""
     return max(16, LOGITS_PER_CHUNK // max(1, vocab_size))
+
+
+def chunk_tokens_from_free_memory(free_bytes: int, vocab_size: int) -> int:
+    """The CUDA default: tokens' worth of logits per block whose temporaries (`BYTES_PER_LOGIT` each) take
+    `FREE_MEMORY_FRACTION` of `free_bytes`, at most `BLOCK_BYTES_CAP`, and never less than the CPU default."""
+    budget = min(BLOCK_BYTES_CAP, int(free_bytes * FREE_MEMORY_FRACTION))
+    return max(auto_chunk_tokens(vocab_size), budget // (BYTES_PER_LOGIT * max(1, vocab_size)))
+
+
+def vocab_slice(n_tokens: int, vocab_size: int, chunk_tokens: int) -> int:
+    """Vocabulary rows per block of [n_tokens, v] logits, at most `chunk_tokens` x `vocab_size` of them."""
+    v = min(vocab_size, max(1, chunk_tokens * vocab_size // max(1, n_tokens)))
+    return v - v % SLICE_ALIGN if SLICE_ALIGN <= v < vocab_size else v
+
+
+def free_cuda_bytes(device: torch.device) -> int:
+    """Memory a new tensor can take on `device`: free in the driver plus cached, unused in the allocator."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _acc_dtype(t: Tensor) -> torch.dtype:
@@ -50,74 +106,114 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def _chunk_stats(hidden: Tensor, weight: Tensor, targets: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """One token chunk, hidden [c, H], whole rows of logits z = hidden weight^T [c, V] -> (log-probs, entropies,
+    logsumexps), each [c]: the full-logits path's own formulas (`loss.token_logprobs`, `loss.token_entropy`)."""
+    z = F.linear(hidden, weight).to(acc)  # [c, V]
+    lse = torch.logsumexp(z, dim=-1)  # [c]
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    return logp, lse - torch.softmax(z, dim=-1).mul_(z).sum(-1), lse
+
+
+def _slice_grad(hidden: Tensor, w: Tensor, lse: Tensor, ent: Tensor, gl: Tensor | None, ge: Tensor | None,
+                local: Tensor) -> Tensor:
+    """d loss / d z [N, v] of one vocabulary slice w [v, H], in the hidden dtype (as `nn.Linear`'s autograd
+    holds it). lse, ent [N]; gl = d loss / d logp [N, 1], ge = -d loss / d H [N, 1] (None: no gradient)."""
+    z = F.linear(hidden, w)  # [N, v]
+    y = torch.sub(z, lse[:, None])  # [N, v] in lse's dtype: log p
+    del z
+    p = y.exp()  # [N, v]
+    if ge is None:  # g = -gl p
+        g = p.mul_(-gl)
+    else:  # g = p (ge (log p + H) - gl) = p (ge log p + c),  ge = -grad_H
+        c = ge * ent[:, None] if gl is None else ge * ent[:, None] - gl  # [N, 1]
+        g = y.mul_(ge).add_(c).mul_(p)
+    del y, p
+    if gl is not None:  # g += gl onehot(target)
+        inside = ((local >= 0) & (local < g.shape[1]))[:, None]  # [N, 1]
+        g.scatter_add_(-1, local.clamp(0, g.shape[1] - 1)[:, None], gl * inside)
+    return g.to(hidden.dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _block_math(fn, compile_math: bool):
+    """`fn` itself, or its torch.compile'd twin (dynamic shapes: one graph for every N and v)."""
+    if not compile_math:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
 class _LogprobEntropy(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], targets [N]) -> (log-probs [N], entropies [N]), both float32."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int,
+                compile_math: bool) -> tuple[Tensor, Tensor]:
         n, acc = hidden.shape[0], _acc_dtype(hidden)
-        logp = torch.empty(n, dtype=acc, device=hidden.device)  # [N]
-        ent = torch.empty(n, dtype=acc, device=hidden.device)  # [N]
+        stats = _block_math(_chunk_stats, compile_math)
+        logp, ent, lse = (torch.empty(n, dtype=acc, device=hidden.device) for _ in range(3))  # [N] each
         for s in range(0, n, chunk):
-            z = F.linear(hidden[s:s + chunk], weight).to(acc)  # [c, V]
-            lse = torch.logsumexp(z, dim=-1)  # [c]
-            logp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse
-            ent[s:s + chunk] = lse - torch.softmax(z, dim=-1).mul_(z).sum(-1)
-            del z
-        ctx.save_for_backward(hidden, weight, targets, ent)
-        ctx.chunk = chunk
+            logp[s:s + chunk], ent[s:s + chunk], lse[s:s + chunk] = stats(
+                hidden[s:s + chunk], weight, targets[s:s + chunk], acc)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.chunk, ctx.compile_math = chunk, compile_math
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor | None, grad_ent: Tensor | None):
-        hidden, weight, targets, ent = ctx.saved_tensors
-        chunk = ctx.chunk
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.zeros_like(hidden) if need_h else None  # [N, H]
-        acc = _acc_dtype(hidden)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None  # [V, H]
         if not (need_h or need_w):
-            return None, None, None, None
-        n = hidden.shape[0]
-        for s in range(0, n, chunk):
-            h = hidden[s:s + chunk]  # [c, H]
-            z = F.linear(h, weight).to(acc)  # [c, V]
-            logp_all = torch.log_softmax(z, dim=-1)  # [c, V]
-            del z
-            p = logp_all.exp()  # [c, V]
-            if grad_ent is not None:  # g = -grad_H * p * (log p + H), in the buffer of log p
-                g = logp_all.add_(ent[s:s + chunk, None]).mul_(p).mul_(-grad_ent[s:s + chunk, None].to(acc))
-            else:
-                g = logp_all.zero_()  # [c, V]: d loss / d z
-            if grad_logp is not None:  # g += grad_logp * (onehot(target) - p)
-                gl = grad_logp[s:s + chunk, None].to(acc)  # [c, 1]
-                g.addcmul_(p, gl, value=-1.0)
-                g.scatter_add_(-1, targets[s:s + chunk, None], gl)
-            del p
-            g = g.to(hidden.dtype)
-            if need_h:
-                grad_h[s:s + chunk] = g @ weight  # [c, H]
+            return None, None, None, None, None
+        n, vocab, acc = hidden.shape[0], weight.shape[0], lse.dtype
+        width = vocab_slice(n, vocab, ctx.chunk)
+        grad_fn = _block_math(_slice_grad, ctx.compile_math)
+        gl = None if grad_logp is None else grad_logp.to(acc)[:, None]  # [N, 1]
+        ge = None if grad_ent is None else grad_ent.to(acc).neg()[:, None]  # [N, 1]
+        grad_w = torch.empty_like(weight) if need_w else None  # [V, H]: every row written once, below
+        several = width < vocab  # then grad_h sums the slices in float32
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h and several else None  # [N, H]
+        for lo in range(0, vocab, width):
+            w = weight[lo:lo + width]  # [v, H]
+            g = grad_fn(hidden, w, lse, ent, gl, ge, targets - lo)  # [N, v]
             if need_w:
-                grad_w += (g.t() @ h).to(acc)  # [V, H]
+                torch.mm(g.t(), hidden, out=grad_w[lo:lo + width])  # [v, H]
+            if need_h and not several:
+                grad_h = g @ w  # [N, H]
+            elif need_h and grad_h.dtype == g.dtype:
+                grad_h.addmm_(g, w)
+            elif need_h:
+                grad_h += g @ w
             del g
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None
+        if grad_h is not None:
+            grad_h = grad_h.to(hidden.dtype)
+        return grad_h, grad_w, None, None, None
 
 
-def chunked_logprob_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
-    """Log-probs of `targets` and full-vocabulary entropies under logits `hidden @ weight.T`, chunked.
-    hidden [N, H], weight [V, H], targets [N] -> ([N], [N]) float32; differentiable in hidden and weight."""
+def chunked_logprob_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int,
+                            compile_math: bool = COMPILE_BLOCK_MATH) -> tuple[Tensor, Tensor]:
+    """Log-probs of `targets` and full-vocabulary entropies under logits `hidden @ weight.T`, in blocks of at
+    most `chunk` x V logits. hidden [N, H], weight [V, H], targets [N] -> ([N], [N]) float32; differentiable
+    in hidden and weight."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    return _LogprobEntropy.apply(hidden, weight, targets.long(), int(chunk))
+    return _LogprobEntropy.apply(hidden, weight, targets.long(), int(chunk), bool(compile_math))
 
 
 class TokenStatsHead(nn.Module):
     """The LM head, computing per-token statistics on request instead of full logits (see module doc)."""
 
-    def __init__(self, weight: nn.Parameter, chunk_tokens: int):
+    def __init__(self, weight: nn.Parameter, chunk_tokens: int | None = None,
+                 compile_math: bool = COMPILE_BLOCK_MATH):
         super().__init__()
         self.weight = weight  # the same Parameter as before (tied to the embeddings where the model ties them)
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens = chunk_tokens or auto_chunk_tokens(weight.shape[0])  # tokens' worth of logits per block
+        self.size_from_memory = not chunk_tokens  # None: on CUDA, resized once from the free memory (first forward)
+        self.compile_math = compile_math
         self.request: tuple[Tensor, Tensor] | None = None  # (targets [N], hidden positions [N] flat in [R*L])
 
     @property
@@ -132,14 +228,20 @@ class TokenStatsHead(nn.Module):
         if self.request is None:
             return F.linear(hidden, self.weight)  # [R, L, V]: ordinary logits
         targets, positions = self.request
+        if self.size_from_memory and hidden.is_cuda:  # once: the activations of this forward are live now
+            self.chunk_tokens = chunk_tokens_from_free_memory(free_cuda_bytes(hidden.device), self.out_features)
+            self.size_from_memory = False
         picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)  # [N, H]
-        logp, ent = chunked_logprob_entropy(picked, self.weight, targets, self.chunk_tokens)
+        logp, ent = chunked_logprob_entropy(picked, self.weight, targets, self.chunk_tokens, self.compile_math)
         return torch.stack([logp, ent], dim=-1)  # [N, 2] (returned by the model as its "logits")
 
 
-def install_token_stats_head(model: nn.Module, chunk_tokens: int | None = None) -> TokenStatsHead:
+def install_token_stats_head(model: nn.Module, chunk_tokens: int | None = None,
+                             compile_math: bool = COMPILE_BLOCK_MATH) -> TokenStatsHead:
     """Replace `model.lm_head` (a bias-free linear layer) by a `TokenStatsHead` sharing its weight.
-    Call before `fully_shard`. A model that transforms its logits after the head is refused."""
+    Call before `fully_shard`. A model that transforms its logits after the head is refused. `chunk_tokens`:
+    tokens' worth of logits per block (None: sized from the free memory on CUDA, `LOGITS_PER_CHUNK` on CPU);
+    `compile_math`: torch.compile the per-block elementwise math."""
     if isinstance(model.lm_head, TokenStatsHead):
         return model.lm_head
     head = getattr(model, "lm_head", None)
@@ -154,8 +256,7 @@ def install_token_stats_head(model: nn.Module, chunk_tokens: int | None = None) 
         if value not in (None, 1, 1.0):
             raise HeadError(f"{type(model).__name__} transforms its logits after the head ({name}={value}); "
                             "the chunked log-prob path would not reproduce them")
-    chunk = chunk_tokens or auto_chunk_tokens(head.weight.shape[0])
-    new = TokenStatsHead(head.weight, chunk)
+    new = TokenStatsHead(head.weight, chunk_tokens, compile_math)
     model.lm_head = new
     return new
 

@@ -1,5 +1,6 @@
 """The chunked log-prob/entropy path is exact against full logits: values and gradients, float32 and
-bfloat16, tied embeddings, any chunk size, the all-masked dummy, and 2 FSDP2 ranks over gloo."""
+bfloat16, tied embeddings, any block size (one block, many vocabulary slices), either output alone, no
+tokens, the all-masked dummy, and 2 FSDP2 ranks over gloo. The weight gradient is written once per call."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import textwrap
 
 import pytest
 import torch
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.modeling import init_tiny_llama, init_tiny_qwen2
 from learner import loss as L
-from learner.token_stats import (HeadError, TokenStatsHead, auto_chunk_tokens, chunked_logprob_entropy,
-                                 install_token_stats_head, token_stats)
+from learner.token_stats import (BLOCK_BYTES_CAP, HeadError, TokenStatsHead, auto_chunk_tokens,
+                                 chunk_tokens_from_free_memory, chunked_logprob_entropy, install_token_stats_head,
+                                 token_stats, vocab_slice)
 
 V = 1000
 
@@ -97,6 +101,133 @@ def test_function_against_autograd_on_random_tensors():
     w = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
     t = torch.randint(0, 50, (37,), generator=g)
     assert torch.autograd.gradcheck(lambda a, b: chunked_logprob_entropy(a, b, t, 8), (h, w))
+
+
+def tensors(dtype, n=37, vocab=300, hidden=16, seed=8):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g).to(dtype)  # [N, H]
+    w = (torch.randn(vocab, hidden, generator=g) / 2).to(dtype)  # [V, H]
+    t = torch.randint(0, vocab, (n,), generator=g)  # [N]
+    coef = torch.randn(2, n, generator=g)  # weights of logp and entropy in the test loss
+    return h, w, t, coef
+
+
+def values_and_grads(fn, h, w, t, coef, outputs=(0, 1)):
+    """fn(h, w, t) -> (logp [N], ent [N]); the loss sums the chosen outputs weighted by `coef`."""
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = fn(h, w, t)
+    sum(((coef[i] * out[i]).sum() for i in outputs), torch.zeros(())).backward()
+    return out[0].detach(), out[1].detach(), h.grad, w.grad
+
+
+def full_logits(h, w, t):
+    """The reference: autograd through [N, V] logits, cast to float32 once, so that d loss / dz is rounded to
+    the hidden dtype once (`L.token_logprobs` and `L.token_entropy` each casting bf16 logits would round
+    each output's gradient separately, 2e-3 apart, which is the reference's rounding, not ours)."""
+    z = F.linear(h, w).float()  # [N, V]
+    return L.token_logprobs(z, t), L.token_entropy(z)
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+
+# chunk 1 at N = 37, V = 300: slices of 8 rows (38 blocks); 5: 40 rows (8 blocks); 10**6: one block
+@pytest.mark.parametrize("chunk", [1, 5, 10**6])
+@pytest.mark.parametrize("outputs", [(0, 1), (0,), (1,)])
+def test_blocks_exact_against_full_logits_float32(chunk, outputs):
+    h, w, t, coef = tensors(torch.float32)
+    lp, ent, gh, gw = values_and_grads(lambda *a: chunked_logprob_entropy(*a, chunk), h, w, t, coef, outputs)
+    lp_r, ent_r, gh_r, gw_r = values_and_grads(full_logits, h, w, t, coef, outputs)
+    torch.testing.assert_close(lp, lp_r, rtol=1e-6, atol=2e-6)  # the forward runs the full-logits formulas
+    torch.testing.assert_close(ent, ent_r, rtol=1e-6, atol=2e-6)
+    assert rel(gh, gh_r) < 1e-5 and rel(gw, gw_r) < 1e-5, (rel(gh, gh_r), rel(gw, gw_r))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 10**6])
+@pytest.mark.parametrize("outputs", [(0, 1), (0,), (1,)])
+def test_blocks_bfloat16_within_its_rounding(chunk, outputs):
+    """Values come from the same bf16 logits by the same float32 formulas: equal to 1e-6. One block computes
+    both gradients as autograd does (equal up to a rare bf16 rounding of d loss / dz); several slices sum the
+    hidden-state gradient over slices, each slice's product rounded to bf16 first (about one bf16 rounding)."""
+    h, w, t, coef = tensors(torch.bfloat16)
+    lp, ent, gh, gw = values_and_grads(lambda *a: chunked_logprob_entropy(*a, chunk), h, w, t, coef, outputs)
+    lp_r, ent_r, gh_r, gw_r = values_and_grads(full_logits, h, w, t, coef, outputs)
+    torch.testing.assert_close(lp, lp_r, rtol=1e-6, atol=2e-6)  # the forward runs the full-logits formulas
+    torch.testing.assert_close(ent, ent_r, rtol=1e-6, atol=2e-6)
+    assert gh.dtype == gw.dtype == torch.bfloat16
+    assert rel(gw, gw_r) < 1e-4, rel(gw, gw_r)
+    assert rel(gh, gh_r) < (1e-4 if chunk == 10**6 else 1e-2), rel(gh, gh_r)
+
+
+def test_no_tokens_gives_empty_outputs_and_zero_gradients():
+    h, w, t, coef = tensors(torch.float32, n=0)
+    lp, ent, gh, gw = values_and_grads(lambda *a: chunked_logprob_entropy(*a, 4), h, w, t, coef)
+    assert lp.shape == ent.shape == (0,) and gh.shape == (0, 16)
+    assert gw.shape == (300, 16) and float(gw.abs().sum()) == 0.0
+
+
+class StorageWrites(TorchDispatchMode):
+    """Records (op, storage, shape) of every tensor an op writes; views and allocations (`empty*`) write nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []  # (op name, data_ptr of the output's storage, shape)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and not func.__name__.startswith("empty"):
+            for o in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(o, torch.Tensor):
+                    self.log.append((func.__name__, o.untyped_storage().data_ptr(), tuple(o.shape)))
+        return out
+
+
+@pytest.mark.parametrize("chunk, matmuls", [(10**6, 1), (5, 8), (1, 38)])
+def test_weight_gradient_written_once_per_call(chunk, matmuls):
+    """The [V, H] weight gradient is written once: one matmul over all N tokens when the block holds the whole
+    vocabulary, else one per vocabulary slice, each writing its own rows; no [V, H]-sized temporary exists
+    (the per-chunk path made, per chunk, a [V, H] product, its float32 copy and a float32 sum)."""
+    h, w, t, coef = tensors(torch.float32)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    lp, ent = chunked_logprob_entropy(h, w, t, chunk)
+    with StorageWrites() as mode:
+        ((coef[0] * lp).sum() + (coef[1] * ent).sum()).backward()
+    ptr = w.grad.untyped_storage().data_ptr()
+    writes = [(op, shape) for op, p, shape in mode.log if p == ptr]
+    assert len(writes) == matmuls and all(op == "mm.out" for op, _ in writes), writes
+    assert sum(shape[0] for _, shape in writes) == w.shape[0]  # every row once
+    assert not [shape for _, p, shape in mode.log if p != ptr and shape == tuple(w.shape)]  # no [V, H] temporary
+
+
+def test_block_sizes_worked_by_hand():
+    # CPU default at Qwen2.5's vocabulary: 2^25 // 151,936 = 220 tokens' worth of logits per block
+    assert auto_chunk_tokens(151_936) == 220
+    # 16,384 tokens: 220 x 151,936 // 16,384 = 2,040 rows -> 1,920 (multiple of 128); 80 slices
+    assert vocab_slice(16_384, 151_936, 220) == 1_920
+    # CUDA, 40 GiB free: a quarter is 10 GiB, capped at 2 GiB; 2^31 // (8 B x 151,936) = 1,766 tokens' worth
+    assert BLOCK_BYTES_CAP == 2 << 30 and chunk_tokens_from_free_memory(40 << 30, 151_936) == 1_766
+    # 16,384 tokens: 1,766 x 151,936 // 16,384 = 16,376 -> 16,256 rows; 10 slices
+    assert vocab_slice(16_384, 151_936, 1_766) == 16_256
+    # 2 GiB free: a quarter, 512 MiB, is 441 tokens' worth; 100 MiB free: never below the CPU default
+    assert chunk_tokens_from_free_memory(2 << 30, 151_936) == 441
+    assert chunk_tokens_from_free_memory(100 << 20, 151_936) == 220
+    # one block when the tokens fit: chunk >= N, and the dummy's single token
+    assert vocab_slice(220, 151_936, 220) == vocab_slice(1, 151_936, 220) == vocab_slice(0, 151_936, 220) == 151_936
+    # tiny blocks: below 128 rows no rounding, never below one row
+    assert vocab_slice(37, 300, 1) == 8 and vocab_slice(10**6, 300, 1) == 1
+
+
+@pytest.mark.slow
+def test_compiled_block_math_equals_eager():
+    """The opt-in torch.compile of the per-block math (`compile_math`, off by default) gives the eager
+    numbers (inductor's fused kernels: float32 to its reassociation). About a minute of compiling on a CPU."""
+    h, w, t, coef = tensors(torch.float32)
+    for chunk in (5, 10**6):
+        eager = values_and_grads(lambda *a: chunked_logprob_entropy(*a, chunk), h, w, t, coef)
+        fused = values_and_grads(lambda *a: chunked_logprob_entropy(*a, chunk, compile_math=True), h, w, t, coef)
+        for a, b in zip(fused, eager):
+            assert rel(a, b) < 1e-6, (chunk, rel(a, b))
 
 
 def test_all_masked_dummy_computes_one_position_and_reaches_every_parameter():
