@@ -159,14 +159,15 @@ class LearnerConfig(Section):
     padding_free: bool | Literal["auto"] = "auto"
     """Pack each micro-batch's rows into one sequence without padding (position ids restart at every row; the
     attention keeps rows apart), so `micro_batch_tokens` counts real tokens and no compute goes to padding.
-    auto: on where the attention is a variable-length kernel (`attn_implementation` flash_attention_2/3 or a
-    kernels-hub flash-attention) or flex_attention on CUDA; a CUDA learner with `attn_implementation` unset
-    packs through flex_attention (in torch: block-sparse, measured 1.22x the padded step on an H200 at mixed
-    lengths) unless flash-attention is installed (then flash_attention_2 in bf16/fp16); padded micro-batches
-    elsewhere (CPU: flex_attention has no CPU backward). true: also with sdpa/eager, which build a
-    [tokens, tokens] block-diagonal mask per micro-batch (exact; memory grows with the budget squared). The
-    learner checks at start that the model keeps packed rows apart and refuses it otherwise; the metric
-    `learner/padding_free` and the start log say which path ran and why (docs/cluster.md, Memory)."""
+    auto: on only where `attn_implementation` is a variable-length kernel the user chose (flash_attention_2/3 or a
+    kernels-hub flash-attention); padded micro-batches elsewhere, CUDA included: through flex_attention under
+    per-layer compile packing stopped the learner at its first step on an H100 (issue 42), so it is opt-in until
+    it has run there. true: on CUDA with `attn_implementation` unset, flash_attention_2 where flash-attn is
+    installed (bf16/fp16), else flex_attention (kept out of the compiled layers' graphs); with sdpa/eager, or on a
+    CPU, a [tokens, tokens] block-diagonal mask per micro-batch (exact; memory grows with the budget squared).
+    Tried at setup like every lever (`learner.trial`): if it fails, the run trains padded and says so. The learner
+    also checks at start that the model keeps packed rows apart and refuses it otherwise; the metric
+    `learner/padding_free` and the start log say which path ran and why (docs/cluster.md, GPU levers)."""
     attn_implementation: str | None = None
     """The learner model's attention (transformers' `attn_implementation`): sdpa, eager, flash_attention_2,
     flash_attention_3, flex_attention or a kernels-hub repo such as kernels-community/flash-attn2. None:
@@ -193,17 +194,19 @@ class LearnerConfig(Section):
 
     compile: bool | Literal["auto"] = "auto"
     """torch.compile each decoder layer of the trained model (torchtitan's per-block compile; dynamic shapes, so
-    micro-batches of any length reuse the same graphs; measured +15% on a 1.5B step on an H200). auto: on where
+    micro-batches of any length reuse the same graphs; measured +12.4% on a 1.5B step on an H100). auto: on where
     the learner runs on CUDA, off on CPU. The first step pays the compile (minutes at 1.5B); later processes
-    on the machine reuse inductor's on-disk cache. Falls back to eager, and says why, where torch.compile is
-    unsupported (docs/cluster.md, GPU levers)."""
+    on the machine reuse inductor's on-disk cache. Tried at setup (`learner.trial`): a compile that fails is off
+    for the run, which trains eager and says so; falls back to eager where torch.compile is unsupported
+    (docs/cluster.md, GPU levers)."""
     compile_backend: str = Field("inductor", min_length=1, max_length=64)
     """The torch.compile backend of `compile`: inductor (the fast one); aot_eager or eager trace without
     generating kernels (tests, debugging)."""
     fused_optimizer: bool | Literal["auto"] = "auto"
-    """AdamW's fused kernel (one launch over all parameters instead of several per tensor; measured +1% and
-    1 GiB less on an H200). auto: on when the parameters are on CUDA. Falls back to the foreach AdamW, and
-    says why, where the kernel does not take the parameters."""
+    """AdamW's fused kernel (one launch over all parameters instead of several per tensor). auto: on when the
+    parameters are on CUDA (it ran in every H100 case of issue 42). Tried at setup with a step that moves no
+    weight (`learner.trial`); falls back to the foreach AdamW, and says why, where the kernel fails or does not take
+    the parameters."""
     clip_low: float = Field(0.2, ge=0, le=1)
     """PPO ratio clip below 1 for fresh tokens."""
     clip_high: float = Field(0.2, ge=0, le=100)
