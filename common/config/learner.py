@@ -173,10 +173,12 @@ class LearnerConfig(Section):
     flash_attention_3, flex_attention or a kernels-hub repo such as kernels-community/flash-attn2. None:
     transformers' default (sdpa). The generators' vLLM engines choose their own."""
     logits_chunk_tokens: int | None = Field(None, ge=0, le=1_000_000)
-    """Response tokens per chunk of the LM head: log-probs and entropies are computed from the final hidden
-    states a chunk at a time and recomputed in the backward, so no [rows, length, vocabulary] tensor exists.
-    None: about 32M logits per chunk (220 tokens at a 152k vocabulary). 0: full logits (the old path; its
-    memory grows with rows x length x vocabulary; for comparison only)."""
+    """Tokens' worth of logits per block of the LM head: log-probs and entropies are computed from the final hidden
+    states a block at a time ([tokens, vocabulary] in the forward, [all tokens, a vocabulary slice] in the backward,
+    which writes each row of the head's weight gradient once per micro-batch), so no [rows, length, vocabulary]
+    tensor exists. None: on CUDA sized once from the free memory (a quarter, at most 2 GiB of temporaries: 1,766
+    tokens at a 152k vocabulary), elsewhere about 32M logits (220 tokens at 152k). 0: full logits (the old path;
+    its memory grows with rows x length x vocabulary; for comparison only)."""
     activation_checkpointing: Literal["auto", "full", "selective", "none"] = "auto"
     """Recompute decoder layers' activations in the backward instead of keeping them (`learner/checkpointing.py`).
     full: each layer keeps only its input and re-runs its forward (about 1/3 more compute; one layer's activations

@@ -138,16 +138,15 @@ TWO_RANKS = textwrap.dedent("""
     from tests.learner.batches import make_batch
 
     rank, port, model_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    if rank == 1:  # only rank 1's compile breaks
-        os.environ["EXGRPO_LEVER_FAULTS"] = "compile"
+    if rank == 1:  # only rank 1's packing breaks
+        os.environ["EXGRPO_LEVER_FAULTS"] = "padding_free"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    cfg = LearnerConfig(micro_batch_rows=4, mini_batches=2, lr=1e-3, compile=True, compile_backend="aot_eager",
-                        padding_free=True)
+    cfg = LearnerConfig(micro_batch_rows=4, mini_batches=2, lr=1e-3, padding_free=True, fused_optimizer=True)
     built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
                        max_new_tokens=40)
     stats = built.trainer.run(make_batch(0, groups=2, candidates=1))
-    print("RESULT", json.dumps({"off": built.levers_off, "compile": built.trainer.cfg.compile,
+    print("RESULT", json.dumps({"off": built.levers_off, "fused": built.trainer.cfg.fused_optimizer,
                                 "packs": built.trainer.cfg.packs_padding_free, "updates": stats.updates}))
     dist.barrier()
     dist.destroy_process_group()
@@ -157,8 +156,8 @@ TWO_RANKS = textwrap.dedent("""
 
 
 def test_two_ranks_agree_when_only_one_fails(tiny_model_dir):
-    """2 FSDP2 ranks over gloo, compile breaking on rank 1 only: both switch compile off (rank 0 says the failure
-    was another rank's), keep packing, and train the same step."""
+    """2 FSDP2 ranks over gloo, packing breaking on rank 1 only: both switch packing off (rank 0 says the failure
+    was another rank's), keep fused AdamW, and train the same step."""
     import json
 
     with socket.socket() as s:
@@ -171,6 +170,6 @@ def test_two_ranks_agree_when_only_one_fails(tiny_model_dir):
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs
     got = [json.loads(next(line for line in log.splitlines() if line.startswith("RESULT"))[7:]) for log in logs]
-    assert [sorted(g["off"]) for g in got] == [["compile"], ["compile"]]
-    assert "another rank" in got[0]["off"]["compile"] and FAULTS_ENV in got[1]["off"]["compile"]
-    assert all(g["compile"] is False and g["packs"] is True and g["updates"] == 2 for g in got)
+    assert [sorted(g["off"]) for g in got] == [["padding_free"], ["padding_free"]]
+    assert "another rank" in got[0]["off"]["padding_free"] and FAULTS_ENV in got[1]["off"]["padding_free"]
+    assert all(g["fused"] is True and g["packs"] is False and g["updates"] == 2 for g in got)
