@@ -108,11 +108,13 @@ def load_spec(path_or_name: str) -> ExperimentSpec:
     if not p.is_file():
         bundled = sorted(x.stem for x in BUNDLED.glob("*.yaml"))
         raise SpecError([f"{path_or_name}: no such spec file (bundled specs: {', '.join(bundled)})"])
+    from common.config.yaml_file import YamlFileError, read_yaml
+
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = read_yaml(p, "an experiment spec is a YAML file (cluster/experiments/ablations.yaml is one)")
         spec = ExperimentSpec.model_validate(raw)
-    except yaml.YAMLError as e:
-        raise SpecError([f"{p}: not valid YAML ({e})"]) from None
+    except YamlFileError as e:
+        raise SpecError([str(e)]) from None
     except ValidationError as e:
         raise SpecError([f"{'.'.join(str(x) for x in err['loc']) or 'spec'}: {err['msg']}"
                          for err in e.errors()]) from None

@@ -13,6 +13,7 @@ from common.config.data import TASK_DEFAULTS
 from common.config.errors import format_errors
 from common.config.run import RunConfig
 from common.config.schema import mapping_value, place, section_model, split_key, union_kinds
+from common.config.yaml_file import YamlFileError, read_yaml
 
 
 class ConfigError(Exception):
@@ -103,7 +104,8 @@ DATA_SUFFIXES = (".jsonl", ".ndjson", ".parquet", ".csv", ".tsv", ".arrow", ".gz
 
 def read_config_file(p: Path) -> dict[str, Any]:
     """A YAML config file's mapping. ConfigError for a folder, a missing file, a data or binary file (named as
-    such: it goes in data.train_path), invalid YAML and a top level that is not a mapping of sections."""
+    such: it goes in data.train_path), invalid YAML or a key given twice (with the file and line: read_yaml) and
+    a top level that is not a mapping of sections."""
     if p.is_dir():
         raise ConfigError([f"{p}: is a folder; pass a YAML config file"])
     if not p.is_file():
@@ -116,16 +118,12 @@ def read_config_file(p: Path) -> dict[str, Any]:
     if kind or p.name.lower().endswith(DATA_SUFFIXES):
         raise ConfigError([f"{p}: this looks like a {kind + ' ' if kind else ''}data file, not a config; {data_hint}"])
     try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError([f"{p}: not a text file (byte {e.start} is not UTF-8); a config is a YAML file of "
-                           "sections (`exgrpo config > run.yaml` writes one)"]) from None
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        if text.lstrip().startswith("{") and len(text.strip().splitlines()) > 1:  # JSON lines
+        loaded = read_yaml(p, "a config is a YAML file of sections (`exgrpo config > run.yaml` writes one)")
+    except YamlFileError as e:
+        text = p.read_bytes().decode("utf-8", errors="replace")
+        if text.lstrip().startswith("{") and len(text.strip().splitlines()) > 1 and "given twice" not in str(e):
             raise ConfigError([f"{p}: this looks like a JSONL data file, not a config; {data_hint}"]) from None
-        raise ConfigError([f"{p}: not valid YAML ({e})"]) from None
+        raise ConfigError([str(e)]) from None
     if isinstance(loaded, list) and loaded and all(isinstance(r, dict) for r in loaded):
         raise ConfigError([f"{p}: this looks like a data file (a list of rows), not a config; {data_hint}"])
     if loaded is not None and not isinstance(loaded, dict):

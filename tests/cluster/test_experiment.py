@@ -81,3 +81,16 @@ def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, caps
     # reuses finished runs (in-process: the call above is the user's path; this one only reads the runs back)
     assert main(["experiment", spec_file, "--runs-root", str(runs)]) == 0
     assert capsys.readouterr().err.count("finished earlier, reusing it") == 2
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"name: caf\xe9\n", "s.yaml, line 1: not a text file (byte 9 is not UTF-8); an experiment spec is a YAML file"),
+    (b"\x00\x01\x02\xff\xfe", "not a text file"),
+    (b"name: a\nseeds: [0]\nseeds: [1]\n", "s.yaml, line 3: seeds is given twice (lines 2 and 3)"),
+    (b"name: a\n\tseeds: [0]\n", "s.yaml, line 2"),
+])
+def test_an_unreadable_spec_is_answered_with_its_file_and_line(tmp_path, content, says):
+    (tmp_path / "s.yaml").write_bytes(content)
+    p = subprocess.run([sys.executable, "-m", "cluster.cli", "experiment", str(tmp_path / "s.yaml")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and says in p.stderr, p.stderr

@@ -171,3 +171,34 @@ def test_no_line_shows_pydantic_internals_or_a_kind_tag():
             except ConfigError as e:
                 shown += [line for line in e.lines if internals.search(line)]
     assert not shown, shown
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"buffer:\n  group_size: 8\n  group_size: 4\n",
+     "a.yaml, line 3: group_size is given twice (lines 2 and 3); the second would replace the first"),
+    (b"buffer:\n  group_size: 8\nlearner: {lr: 1.0e-5}\nbuffer:\n  max_lag: 0\n",
+     "a.yaml, line 4: buffer is given twice (lines 1 and 4); the second would replace the first (a section given "
+     "twice loses the first one's keys): keep one"),
+    (b"learner.lr: 1.0e-5\nlearner:\n  lr: 2.0e-5\n",
+     "a.yaml, line 3: learner.lr is given twice, once as a dotted key and once nested in its section (lines 1 and "
+     "3); keep one"),
+    (b"learner.lora: {rank: 8}\nlearner:\n  lora:\n    alpha: 16\n", "learner.lora is given twice"),
+    (b"buffer:\n\tgroup_size: 8\n", "a.yaml, line 2: a tab; YAML indents with spaces only"),
+    (b"buffer: {group_size: 8}\n---\nlearner: {lr: 1}\n",
+     "a.yaml, line 2: a second YAML document ('---'); one file holds one document"),
+    (b"buffer: [1, 2\n", "a.yaml, line 2: not valid YAML: expected ',' or ']', but got '<stream end>' (while "
+                         "parsing a flow sequence that starts on line 1)"),
+    (b"buffer:\n  max_lag: 0\nname: caf\xe9\n", "a.yaml, line 3: not a text file (byte 30 is not UTF-8)"),
+])
+def test_yaml_mistakes_name_the_file_and_line(capsys, tmp_path, content, says):
+    f = tmp_path / "a.yaml"
+    f.write_bytes(content)
+    err = refused(capsys, str(f))
+    assert says in err and "<unicode string>" not in err, err
+
+
+def test_a_dotted_key_inside_its_own_section_merges(tmp_path):
+    f = tmp_path / "a.yaml"
+    f.write_text("learner:\n  lora.rank: 8\n  lora:\n    alpha: 16\n")
+    lora = load_config(f).learner.lora
+    assert (lora.rank, lora.alpha) == (8, 16)
