@@ -9,6 +9,7 @@ from pathlib import Path
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="exgrpo", description="ExGRPO: RLVR with managed experience replay on Ray.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train with ExGRPO (no arguments: the built-in task on this machine)")
@@ -61,6 +62,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--namespace", default="exgrpo", help="Ray namespace of the run")
     s.add_argument("--runs-root", default="runs", help="parent of run folders (to find the run's Ray address)")
     return p
+
+
+def _version() -> str:
+    """The installed package's version (pyproject.toml's, once `pip install` ran)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("exgrpo")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _positive(text: str) -> int:

@@ -569,7 +569,7 @@ class Trainer:
         """Stop every component; a further signal abandons the rest to ray.shutdown(). Generators return their
         leases at once instead of finishing their work (nothing trains on it: the last checkpoint is written) and
         abandon any reward call in progress, so the stop is bounded whatever the reward function does: at most
-        ~10 s for the generators, then they are killed (README, "Stopping is bounded")."""
+        ~10 s for the generators, then they are killed (docs/faults.md, "Stopping is bounded")."""
         import ray
 
         self.phase = "close"

@@ -1,7 +1,7 @@
 """Generate docs/configuration.md from the pydantic models (so the docs cannot drift).
 
     python scripts/gen_config_docs.py > docs/configuration.md
-    python scripts/gen_config_docs.py --readme      # README.md's list of the fields --resume may change
+    python scripts/gen_config_docs.py --resume-fields   # docs/reference.md's list of the fields --resume may change
 Tests check that the committed files equal this output.
 """
 
@@ -90,14 +90,14 @@ def render() -> str:
     return "\n".join(lines)
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+RESUME_DOC = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
 RESUME_START = ("<!-- resume-fields: generated from RESUMABLE_FIELDS (common/config/loading.py) by "
-                "`python scripts/gen_config_docs.py --readme`; do not edit -->")
+                "`python scripts/gen_config_docs.py --resume-fields`; do not edit -->")
 RESUME_END = "<!-- /resume-fields -->"
 
 
 def resume_fields() -> str:
-    """The README's list of the fields `--resume` may change, one line per section."""
+    """docs/reference.md's list of the fields `--resume` may change, one line per section."""
     from common.config import RESUMABLE_FIELDS
 
     by_section: dict[str, list[str]] = {}
@@ -113,16 +113,16 @@ def resume_fields() -> str:
     return "\n".join([RESUME_START, *lines, RESUME_END])
 
 
-def readme_with_resume_fields(text: str) -> str:
+def doc_with_resume_fields(text: str) -> str:
     head, _, rest = text.partition(RESUME_START)
     _, _, tail = rest.partition(RESUME_END)
     if not rest:
-        raise SystemExit(f"README.md has no {RESUME_START[:30]}... block to fill")
+        raise SystemExit(f"{RESUME_DOC.name} has no {RESUME_START[:30]}... block to fill")
     return head + resume_fields() + tail
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--readme"]:  # rewrite README.md's generated block in place
-        README.write_text(readme_with_resume_fields(README.read_text()))
+    if sys.argv[1:] == ["--resume-fields"]:  # rewrite docs/reference.md's generated block in place
+        RESUME_DOC.write_text(doc_with_resume_fields(RESUME_DOC.read_text()))
     else:
         sys.stdout.write(render())

@@ -10,6 +10,8 @@ Collected from the Markdown source:
 - every inline dotted key whose first part is a config section (`buffer.max_lag`): it names a field or
   section a user can type;
 - every YAML block that is a run config (loads) or an experiment spec (every variant validates).
+- docs/own-task.md (issue 45): its JSONL rows load as data, each bundled reward's table row scores 1 with its
+  response, and its reward module imports through `reward.name` and passes the page's doctest.
 
 Placeholders (`<run>`, `...`, `PATH`) are not values: their keys are checked, not their values. A config file
 the docs do not ship (`my_run.yaml`) stands for the user's model and data. The override spans of one source line
@@ -230,6 +232,11 @@ def _subparsers() -> dict:
 
 def check_names(words: list[str]) -> None:
     """The subcommand and every flag exist (by their full names: a prose mention is not a command line)."""
+    if words[0].startswith("-"):  # `exgrpo --version`: a flag of exgrpo itself
+        unknown = [w for w in words if w.split("=")[0] not in _parser()._option_string_actions]
+        if unknown:
+            raise ConfigError([f"{' '.join(unknown)}: not a flag of exgrpo"])
+        return
     sub = _subparsers().get(words[0])
     if sub is None:
         raise ConfigError([f"{words[0]}: no such exgrpo subcommand"])
@@ -241,6 +248,8 @@ def check_names(words: list[str]) -> None:
 def validate(words: list[str], parse: bool = True) -> None:
     """Parse `exgrpo WORDS` as the CLI does and validate its config (ConfigError or SystemExit when refused)."""
     check_names(words)
+    if words[0].startswith("-"):  # a flag of exgrpo itself (--version, --help): nothing to validate
+        return
     if not parse:  # an inline mention: its overrides, with what the subcommand needs filled in
         words = [words[0], *(["--model", "m"] if words[0] == "eval" else []), *[w for w in words[1:] if "=" in w]]
     args = _parser().parse_args([("x" if _placeholder_word(w) else w) for w in words] + _required(words))
@@ -350,15 +359,16 @@ def test_every_yaml_block_loads(tmp_path, monkeypatch):
     assert checked >= 2 and not problems, "\n".join(problems)
 
 
-def test_the_readme_resume_list_is_generated_from_resumable_fields():
+def test_the_resume_list_is_generated_from_resumable_fields():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "gen_config_docs.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    text = (ROOT / "README.md").read_text()
-    assert gen.readme_with_resume_fields(text) == text, (
-        "README.md's resume list is stale: run `python scripts/gen_config_docs.py --readme`")
+    text = (ROOT / "docs" / "reference.md").read_text()
+    assert gen.RESUME_START in text, "docs/reference.md lost its generated resume list"
+    assert gen.doc_with_resume_fields(text) == text, (
+        "docs/reference.md's resume list is stale: run `python scripts/gen_config_docs.py --resume-fields`")
 
 
 @pytest.mark.parametrize("broken, found", [
@@ -371,3 +381,73 @@ def test_a_broken_doc_line_is_caught(broken, found):
     with pytest.raises((ConfigError, SystemExit)) as e:
         validate(_command_words(broken))
     assert e.type is SystemExit or found in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------- docs/own-task.md
+
+OWN_TASK = ROOT / "docs" / "own-task.md"
+
+
+def _own_task_rows() -> list[dict]:
+    """The example rows of the page's JSONL block."""
+    import json
+
+    blocks = [body for _, lang, body in code_blocks(OWN_TASK) if lang == "jsonl"]
+    assert blocks, "docs/own-task.md shows no JSONL block"
+    return [json.loads(line) for body in blocks for line in body if line.strip()]
+
+
+def test_own_task_rows_load_as_data(tmp_path):
+    from common.config import DataConfig
+    from common.data import read_rows
+
+    rows = _own_task_rows()
+    f = tmp_path / "math.jsonl"
+    f.write_text(OWN_TASK.read_text().split("```jsonl\n")[1].split("```")[0])
+    read = [row for _, row in read_rows(f)]
+    fields = DataConfig()
+    assert read == rows and len(rows) >= 2
+    assert all(isinstance(r[fields.question_field], str) and isinstance(r[fields.answer_field], str) for r in rows)
+
+
+def test_own_task_table_rows_score_one_with_their_bundled_reward():
+    """Each row of the bundled-rewards table: its response scores 1 against its row's answer."""
+    import json
+
+    from common.reward_registry import BUILTIN_NAMES, resolve_reward
+
+    seen = set()
+    for line in _doc_lines(OWN_TASK):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`") or cells[0].strip("`") not in BUILTIN_NAMES:
+            continue
+        name, row, response = cells[0].strip("`"), json.loads(cells[2].strip("`")), cells[3][1:-1]
+        fn, _ = resolve_reward(name)
+        assert fn(response, row["answer"]) == 1.0, f"{name}: {response!r} against {row['answer']!r}"
+        seen.add(name)
+    assert seen == set(BUILTIN_NAMES), f"the table lacks {set(BUILTIN_NAMES) - seen}"
+
+
+def test_own_task_reward_module_imports_and_scores_the_example(tmp_path, monkeypatch):
+    """The page's module, saved under the name its first line gives, is found by `reward.name` as the run finds
+    it, passes the page's doctest, and scores the example row whose answer is a number."""
+    import doctest
+
+    from common.reward_registry import resolve_reward
+
+    blocks = [body for _, lang, body in code_blocks(OWN_TASK) if lang == "python"]
+    module = next(b for b in blocks if b and re.fullmatch(r"# \w+\.py", b[0]))
+    (tmp_path / module[0][2:]).write_text("\n".join(module) + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = next(span for _, _, span in inline_spans(OWN_TASK) if span.startswith("reward.name=" + module[0][2:-3]))
+    fn, in_process = resolve_reward(name.partition("=")[2])
+    assert not in_process and fn.__module__ == module[0][2:-3]
+
+    example = "\n".join(next(b for b in blocks if b and b[0].startswith(">>>")))
+    test = doctest.DocTestParser().get_doctest(example, {}, "own-task.md", "own-task.md", 0)
+    runner = doctest.DocTestRunner()
+    runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0 and test.examples
+
+    numeric = [r for r in _own_task_rows() if re.fullmatch(r"-?\d+", r["answer"])]
+    assert numeric and all(fn(f"so it is \\boxed{{{r['answer']}}}.", r["answer"]) == 1.0 for r in numeric)

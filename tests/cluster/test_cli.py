@@ -108,3 +108,12 @@ def test_scale_without_a_running_job_is_a_clear_error(capsys, tmp_path):
 def test_resume_of_a_folder_that_is_not_a_run_exits_2(capsys, tmp_path):
     assert main(["train", "--resume", str(tmp_path / "nope")]) == 2
     assert "is not a run folder" in capsys.readouterr().err
+
+
+def test_version_prints_the_installed_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"exgrpo {version('exgrpo')}"
