@@ -255,7 +255,7 @@ class BufferClient:
         stats = {"batch_mixed": float(n_mixed), "batch_fresh": float(len(got) - n_mixed),
                  "batch_wait_s": time.monotonic() - t0, "batch_short": float(b - len(got)),
                  "switch_accuracy": self.switch.mean(), "mixed_mode": float(built_mixed)}
-        return TrainingBatch(groups=got, version=version, stats=stats)
+        return TrainingBatch(groups=got, version=version, stats=stats, trajectory_score=self.cfg.trajectory_score)
 
     def feedback(self, fb: LearnerFeedback) -> None:
         """Route entropy feedback by the question id in each key (one call per shard)."""

@@ -323,7 +323,11 @@ class ExperienceStore:
         counts as replayed. `entropy_available_sum` adds, per chosen o*, the mean over its question's scored
         candidates only (not the fresh rows measured in the same step). `fresh_logprobs` (per fresh key, when the
         learner sends them: learner.store_learner_logprobs) replace the stored trajectory's behaviour log-probs with
-        the learner's start-of-step ones."""
+        the learner's start-of-step ones, once: only a trajectory not measured before this feedback takes them, so a
+        later fresh rollout with the same tokens leaves the first stored log-probs (as the official pool keeps the
+        first entry)."""
+        first_seen = {key for key in fresh_keys
+                      if (f := self._find(key)) is not None and f[0].evers[f[1]] == ENGINE_ESTIMATE}
         measured: set[str] = set()
         candidates: dict[str, list[float]] = {}
         by_key: dict[str, float] = {}
@@ -346,7 +350,7 @@ class ExperienceStore:
             e.ents[i], e.evers[i] = ent, version
             self.c["feedback_applied"] += 1
         for key, lp in zip(fresh_keys, fresh_logprobs):
-            found = self._find(key)
+            found = self._find(key) if key in first_seen else None
             if found is not None:
                 self._replace_logprobs(*found, split_key(key)[0], lp)
         for key in chosen:

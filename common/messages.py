@@ -130,6 +130,7 @@ class TrainingBatch:
     groups: list[TrainGroup]
     version: int  # learner policy version the batch was requested for
     stats: dict[str, float] = field(default_factory=dict)  # buffer-side metrics of this batch
+    trajectory_score: str = "mean_entropy"  # buffer.trajectory_score: how the learner ranks a group's candidates
 
 
 @dataclass(slots=True)

@@ -151,6 +151,51 @@ def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int,
     return packs[rank] + [[] for _ in range(n_micro - len(packs[rank]))]
 
 
+def entropy_weights(rows: list[Row], gpus: int, micro_rows: int, micro_tokens: int | None = None,
+                    padding_free: bool = False, split: str = "first_fit") -> list[float]:
+    """Per row of a mini-batch, the weight of each of its response tokens' entropy under
+    `learner.entropy_agg=micro_batch`: 1 / (gpus x the response tokens of its micro-batch), the micro-batches
+    being those `rank_micro_batches` makes when the mini-batch is split over `gpus` GPUs.
+
+    The official entropy term (verl's actor) is each micro-batch's masked token mean, summed over a GPU's
+    micro-batches and averaged over its GPUs: sum_m mean_m / gpus, i.e. these weights. With `gpus` =
+    `learner.official_world_size` they are the official ones whatever our own rank count and micro-batches are
+    (the official 8 GPUs each take ceil(their tokens / 32,768) micro-batches, the largest count for all; at 1
+    rank we would take ceil(all tokens / 32,768), fewer means of more tokens each). Aligned with `rows`; a row
+    with no response token weighs 0."""
+    weight = {}
+    for g in range(gpus):
+        for part in rank_micro_batches(rows, g, gpus, micro_rows, micro_tokens, padding_free, split):
+            tokens = sum(len(r.response_ids) for r in part)
+            for r in part:
+                weight[id(r)] = 1.0 / (gpus * tokens) if tokens else 0.0
+    return [weight[id(r)] for r in rows]
+
+
+def official_score_windows(lengths: list[int], responses: list[np.ndarray], max_target: int, pad_id: int,
+                           chunk: int = 8) -> list[tuple[int, int]]:
+    """`buffer.trajectory_score=official`: per candidate (start, divisor), its score being the sum of its
+    entropies h_t (t indexes the [L-1] positions of prompt + response, h_t predicting token t + 1) for start <= t
+    < L - 1, over divisor (0: NaN, the official mean of nothing). Candidates in scoring order; `lengths` their
+    L, `responses` their response token ids.
+
+    The official code (ExGRPO experience_helpers.py `compute_postcal_metrics`, exp_metric=ent) scores candidates
+    in chunks of `chunk` = 8, each row prompt + response left-padded, the entropies those of the last
+    `max_target` positions (verl's `compute_log_prob`; padding removed, so 0 on pad positions), and then masks
+    candidate i with `responses[i % 8] == pad` of the batch left over from the loop: the last chunk's (its dummy
+    rows are all pad). With m = the non-pad tokens of that response (its first max_target), window positions
+    m..max_target-1 count: our t >= L - max_target - 1 + m, divided by max_target - m. So it sums the entropy over
+    the prompt and the response (no response mask), and the divisor depends on another row."""
+    n = len(lengths)
+    last = chunk * ((n - 1) // chunk) if n else 0
+    out = []
+    for i, length in enumerate(lengths):
+        j = last + i % chunk
+        m = int(np.count_nonzero(np.asarray(responses[j][:max_target]) != pad_id)) if j < n else 0
+        out.append((max(0, length - max_target - 1 + m), max_target - m))
+    return out
+
+
 def balanced_partition(lengths: list[int], k: int) -> list[list[int]]:
     """Indices of `lengths` in `k` parts of balanced sums: the largest differencing method (Karmarkar and Karp
     1982, k-way), as verl's dynamic batch size runs it (`get_seqlen_balanced_partitions`, equal_size=False), with

@@ -50,8 +50,8 @@ from torch import Tensor
 from common.config import LearnerConfig
 from common.messages import Rollout, TrainingBatch
 from learner import loss as L
-from learner.batching import (BatchError, MicroBatch, Row, batch_rows, collate, rank_micro_batches,
-                              split_mini_batches)
+from learner.batching import (BatchError, MicroBatch, Row, batch_rows, collate, entropy_weights, official_score_windows,
+                              rank_micro_batches, split_mini_batches)
 from learner.forward import forward_stats
 from learner.lora import adapters_disabled
 
@@ -83,9 +83,12 @@ class StepFeedback:
     valid_scored: list[tuple[float, int]] = field(default_factory=list)
 
 
-def complete_groups(batch: TrainingBatch, scores: dict[tuple[int, int], float]) -> tuple[TrainingBatch, StepFeedback]:
+def complete_groups(batch: TrainingBatch, scores: dict[tuple[int, int], float],
+                    entropies: dict[tuple[int, int], float] | None = None) -> tuple[TrainingBatch, StepFeedback]:
     """Each mixed group's fresh rollouts + its chosen o*: the argmin of `scores` over its candidates
-    (ties: the first), or its only candidate. Pure; the batch is not modified."""
+    (ties and NaN: the first, as numpy's argmin), or its only candidate. `entropies` (default: `scores`): the
+    mean token entropies reported back to the buffer. Pure; the batch is not modified."""
+    entropies = scores if entropies is None else entropies
     fb = StepFeedback()
     groups = []
     for g, group in enumerate(batch.groups):
@@ -95,9 +98,8 @@ def complete_groups(batch: TrainingBatch, scores: dict[tuple[int, int], float]) 
         if len(group.candidates) == 1:
             best = 0
         else:
-            ents = [scores[(g, c)] for c in range(len(group.candidates))]
-            best = min(range(len(ents)), key=ents.__getitem__)
-            for ro, h in zip(group.candidates, ents):
+            best = int(np.argmin([scores[(g, c)] for c in range(len(group.candidates))]))
+            for ro, h in zip(group.candidates, (entropies[(g, c)] for c in range(len(group.candidates)))):
                 fb.keys.append(ro.key)
                 fb.entropies.append(h)
                 if ro.valid >= 0:
@@ -355,8 +357,8 @@ class TrainStep:
         t0 = time.perf_counter()
         cfg = self.cfg
         stats = RankStats(padding_free=float(cfg.packs_padding_free), store_logprobs=cfg.stores_learner_logprobs)
-        scores = self.score_candidates(batch, stats)
-        batch, stats.feedback = complete_groups(batch, scores)
+        entropies, scores = self.score_candidates(batch, stats)
+        batch, stats.feedback = complete_groups(batch, scores, entropies)
         rows = batch_rows(batch, std_normalize=cfg.std_normalize, max_positions=self.max_positions,
                           overlong=cfg.overlong, max_new_tokens=self.max_new_tokens,
                           overlong_buffer=cfg.overlong_buffer or max(1, self.max_new_tokens // 5))
@@ -379,29 +381,40 @@ class TrainStep:
                 stats.skipped += 1
                 continue
             tokens = float(sum(len(r.response_ids) for r in mini))
+            weights = self._entropy_weights(mini)
             for chunk in self._micro_batches(mini):
                 self._micro_step(self._collate(chunk), normalizer, stats, first=i == 0,
-                                 clip=clip, tokens=tokens)
+                                 clip=clip, tokens=tokens, ent_weights=weights)
             self._optimizer_step(stats)
         stats.finish()  # the step's metrics in one transfer, after the last update was queued
         stats.seconds = time.perf_counter() - t0
         return stats
 
     @torch.no_grad()
-    def score_candidates(self, batch: TrainingBatch, stats: RankStats) -> dict[tuple[int, int], float]:
-        """Mean token entropy of every candidate with a choice, under the current weights. Collective:
-        each rank scores a slice (equally many micro-batches on every rank), one all-reduce sums them."""
+    def score_candidates(self, batch: TrainingBatch, stats: RankStats
+                         ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
+        """Mean token entropy of every candidate with a choice, under the current weights, and the score the
+        choice minimises (`batch.trajectory_score`: the same, or the official code's, `official_score_windows`).
+        Collective: each rank scores a slice (equally many micro-batches on every rank), one all-reduce sums them."""
         cands = candidate_rows(batch)
         if not cands:
-            return {}
+            return {}, {}
         t0 = time.perf_counter()
         for r in (c[2] for c in cands):
             if r.length > self.max_positions:
                 raise BatchError(f"group {r.group} (question {batch.groups[r.group].question_id!r}): a stored "
                                  f"candidate is {r.length} tokens, above max_position_embeddings {self.max_positions}")
         rows = [c[2] for c in cands]
+        official = batch.trajectory_score == "official"
+        if official:  # the official score sums prompt positions too: the head computes every position
+            windows = official_score_windows([r.length for r in rows], [r.response_ids for r in rows],
+                                             self.max_new_tokens, self.pad_id)
+            response = [(len(r.prompt_ids) - 1, len(r.response_ids)) for r in rows]
+            rows = [replace(r, prompt_ids=ids[:1], response_ids=ids[1:],  # the same tokens, all as "response"
+                            behaviour_logprobs=np.zeros(len(ids) - 1, np.float32))
+                    for r, ids in ((r, np.concatenate([r.prompt_ids, r.response_ids])) for r in rows)]
         index = {id(r): i for i, r in enumerate(rows)}
-        ent = torch.zeros(len(rows), dtype=torch.float32, device=self.device)  # [N]
+        sums = torch.zeros(2, len(rows), dtype=torch.float32, device=self.device)  # [2, N] mean entropy, score
         self.model.eval()
         for chunk in self._micro_batches(rows):
             if not chunk:  # this rank's dummy: the forward keeps FSDP in step, nothing to record
@@ -409,13 +422,32 @@ class TrainStep:
                 continue
             mb = self._collate(chunk)
             _, h, _ = forward_stats(self.model, mb)  # [R, L-1]
-            where = torch.tensor([index[id(r)] for r in chunk]).to(self.device, non_blocking=True)  # [R]
-            ent.index_copy_(0, where, L.row_mean(h, mb.response_mask).nan_to_num(nan=0.0))  # empty response: 0
+            mine = [index[id(r)] for r in chunk]
+            where = torch.tensor(mine).to(self.device, non_blocking=True)  # [R]
+            if official:
+                sums[0].index_copy_(0, where, self._window_means(h, [response[i] for i in mine]).nan_to_num(nan=0.0))
+                sums[1].index_copy_(0, where, self._window_means(
+                    h, [(s, d) for s, d in (windows[i] for i in mine)], [r.length - 1 for r in chunk]))
+            else:
+                sums[0].index_copy_(0, where, L.row_mean(h, mb.response_mask).nan_to_num(nan=0.0))  # empty: 0
         if self.world > 1:
-            torch.distributed.all_reduce(ent)
+            torch.distributed.all_reduce(sums)
         stats.candidates_scored = len(rows)
         stats.selection_s = time.perf_counter() - t0
-        return {(g, c): h for (g, c, _), h in zip(cands, ent.tolist())}
+        ent_list, score_list = sums.tolist()
+        entropies = {(g, c): h for (g, c, _), h in zip(cands, ent_list)}
+        return entropies, ({(g, c): s for (g, c, _), s in zip(cands, score_list)} if official else entropies)
+
+    def _window_means(self, h: Tensor, windows: list[tuple[int, int]], ends: list[int] | None = None) -> Tensor:
+        """[R] each row's entropies h [R, L-1] summed over positions start <= t < end (default: start + divisor)
+        and divided by the divisor (0: NaN, a mean of nothing). Windows are (start, divisor) per row."""
+        t = torch.arange(h.shape[1], device=self.device)  # [L-1]
+        start = torch.tensor([s for s, _ in windows]).to(self.device)  # [R]
+        end = torch.tensor(ends if ends is not None else [s + d for s, d in windows]).to(self.device)  # [R]
+        mask = (t[None] >= start[:, None]) & (t[None] < end[:, None])  # [R, L-1]
+        total = (h.float() * mask).sum(-1)  # [R]
+        div = torch.tensor([float(d) for _, d in windows], device=self.device)  # [R]
+        return torch.where(div > 0, total / div.clamp(min=1.0), torch.full_like(total, float("nan")))
 
     @torch.no_grad()
     def record_old_logprobs(self, minis: list[list[Row]]) -> None:
@@ -446,6 +478,16 @@ class TrainStep:
     def _collate(self, rows: list[Row]) -> MicroBatch:
         return collate(rows, self.pad_id, self.device, packed=self.cfg.packs_padding_free and bool(rows))
 
+    def _entropy_weights(self, mini: list[Row]) -> dict[int, float] | None:
+        """entropy_agg=micro_batch: each row's entropy weight (by id), from the mini-batch split over
+        official_world_size GPUs as the official run splits it (else over our ranks, as we split it)."""
+        if self.cfg.entropy_agg != "micro_batch":
+            return None
+        cfg = self.cfg
+        w = entropy_weights(mini, cfg.official_world_size or self.world, cfg.micro_batch_rows,
+                            cfg.micro_batch_tokens, cfg.packs_padding_free, cfg.micro_batch_split)
+        return {id(r): x for r, x in zip(mini, w)}
+
     def _normalizer(self, mini: list[Row]) -> float:
         tokens = sum(len(r.response_ids) for r in mini)
         if tokens == 0:
@@ -455,14 +497,15 @@ class TrainStep:
         return float(tokens)
 
     def _micro_step(self, mb: MicroBatch, normalizer: float, stats: RankStats, first: bool = False,
-                    clip: bool = True, tokens: float | None = None) -> None:
+                    clip: bool = True, tokens: float | None = None,
+                    ent_weights: dict[int, float] | None = None) -> None:
         """Forward, loss, backward of one micro-batch. `first`: part of the step's first mini-batch (no
         update yet), where the fresh tokens' train/inference gap is measured, and where the forward itself
         gives TIS its start-of-step log-probs (later mini-batches use `record_old_logprobs`). `clip`: clip
         fresh tokens' ratio. `tokens`: response tokens of the whole mini-batch, the entropy bonus's divisor (a
-        masked token mean under either loss_agg; None: `normalizer`). `learner.entropy_agg=micro_batch` takes this
-        micro-batch's masked token mean instead, divided by official_world_size (else the world size): summed over
-        the micro-batches and ranks, the official weighting."""
+        masked token mean under either loss_agg; None: `normalizer`). `ent_weights` (`learner.entropy_agg=
+        micro_batch`): each row's weight by id (`batching.entropy_weights`): each official micro-batch's masked token
+        mean / official_world_size, summed over the rows of every rank, whichever micro-batch computes them."""
         cfg = self.cfg
         ref_logp = self.reference_logprobs(mb)  # before the policy's forward: a no-grad forward of its own
         logp, ent, anchor = forward_stats(self.model, mb)  # [R, L-1] each
@@ -481,10 +524,10 @@ class TrainStep:
                                     shaping_beta=cfg.shaping_beta, normalizer=normalizer,
                                     old_logprobs=old, tis_cap=cfg.tis_cap, icepop_band=cfg.icepop_band,
                                     mis=cfg.mis, mis_cap=cfg.mis_cap)
-        if cfg.entropy_agg == "micro_batch":  # this micro-batch's token mean / official GPUs (a dummy: 0)
-            mb_tokens = sum(len(r.response_ids) for r in mb.rows)
-            ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.entropy_coef,
-                                       mb_tokens * (cfg.official_world_size or self.world) or 1.0)
+        if ent_weights is not None:  # each row's tokens weighted by its official micro-batch (a dummy: 0)
+            w = torch.tensor([ent_weights[id(r)] for r in mb.rows] or [0.0], dtype=torch.float32)  # [R]
+            ent_term = L.entropy_bonus(ent, mb.response_mask * w.to(self.device, non_blocking=True)[:, None],
+                                       cfg.entropy_coef, 1.0)
         else:
             ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.entropy_coef, tokens if tokens else normalizer)
         kl_term = torch.zeros((), device=self.device)

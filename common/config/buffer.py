@@ -27,9 +27,17 @@ class BufferConfig(Section):
     bucket_std: float = Field(0.125, gt=0, le=10)
     """sigma of the bucket weight."""
     trajectory_selector: Literal["lowest_entropy", "random"] = "lowest_entropy"
-    """Which stored trajectory completes a mixed group. lowest_entropy (official): the buffer ships the
-    question's stored trajectories and the learner picks the one with the lowest mean token entropy under
-    the policy it is training (one no-grad forward per candidate). random (ablation): one at random."""
+    """Which stored trajectory completes a mixed group. lowest_entropy (the paper): the buffer ships the
+    question's stored trajectories and the learner picks the one with the lowest score (`trajectory_score`)
+    under the policy it is training (one no-grad forward per candidate). random (ablation): one at random."""
+    trajectory_score: Literal["mean_entropy", "official"] = "mean_entropy"
+    """What lowest_entropy minimises. mean_entropy (the paper's rule): the candidate's mean token entropy over its
+    response. official: what the official code computes (experience_helpers.py, exp_metric=ent): candidates scored
+    in chunks of 8, each masked with the padding of the response in its slot of the LAST chunk, so candidate i
+    scores (its entropies of the last max_new_tokens positions of prompt + response, from the first not covered by
+    that other response) / (max_new_tokens - that response's non-pad tokens): it favours short trajectories, with
+    noise from the other row (docs/algorithm.md). Either way the buffer keeps and ranks stored trajectories by the
+    mean entropy the learner reports."""
     collect: bool = True
     """Manage experience: store correct rollouts of partly solved questions and retire solved ones.
     `collect=false` with `replay_ratio=0` is plain on-policy GRPO with the same components."""

@@ -232,14 +232,18 @@ class LearnerConfig(Section):
     """The GPU count of a run whose loss scale to reproduce whatever num_ranks is (8 for the official ExGRPO run).
     With loss_agg=constant the mini-batch's token sum is divided by loss_constant x official_world_size: the
     official code divides each GPU's micro-batch token sums by loss_constant (8192) and FSDP averages the gradients
-    over its 8 GPUs, so its divisor is 65,536. With entropy_agg=micro_batch it divides the sum of the micro-batch
-    entropy means. None: loss_constant alone (one rank training on the whole mini-batch), and num_ranks."""
+    over its 8 GPUs, so its divisor is 65,536. With entropy_agg=micro_batch it also sets the micro-batches the
+    entropy term is weighted by: the mini-batch split over this many GPUs (rows dealt longest first), each taking
+    its micro-batches by micro_batch_tokens / micro_batch_split (the official run: ceil(its tokens / 32,768), the
+    largest count for all, Karmarkar-Karp), whatever our own ranks and micro-batches are; the sum of those means is
+    divided by it. None: loss_constant alone (one rank training on the whole mini-batch), and our own num_ranks
+    and micro-batches."""
     entropy_agg: Literal["token_mean", "micro_batch"] = "token_mean"
     """How the entropy bonus aggregates. token_mean: one masked token mean over the mini-batch. micro_batch: the
-    official weighting (verl's actor with use_dynamic_bsz): each micro-batch's masked token mean, summed over the
-    mini-batch's micro-batches and divided by official_world_size (else num_ranks): summed over a GPU's micro-batches
-    and averaged over the GPUs. Its weight then grows with the number of micro-batches, which micro_batch_tokens
-    sets (the official run: 32,768 tokens per GPU)."""
+    official weighting (verl's actor with use_dynamic_bsz): each micro-batch's masked token mean, summed over a GPU's
+    micro-batches and averaged over the GPUs. The micro-batches are those of official_world_size GPUs when it is
+    set (computed per row, so it holds at any num_ranks), else our own over num_ranks. Its weight then grows with the
+    number of micro-batches per GPU, which micro_batch_tokens sets (the official run: 32,768 tokens per GPU)."""
     store_learner_logprobs: bool | Literal["auto"] = "auto"
     """Store the learner's start-of-step log-probs of the fresh correct rollouts it trains (sent back with the
     step's feedback) in place of the generator's, so that a replay's weight pi_theta / pi_stored compares the
@@ -315,6 +319,17 @@ class LearnerConfig(Section):
             policy = "the mini-batch's token mean"
         entropy = (f"entropy_coef x sum of the micro-batches' token means / {w or 'num_ranks'}"
                    if self.entropy_agg == "micro_batch" else "entropy_coef x the mini-batch's token mean")
+        if self.entropy_agg == "micro_batch":
+            gpus = f"official_world_size {w}" if w else f"num_ranks {self.num_ranks}"
+            if self.micro_batch_tokens is None:
+                rule = f"{self.micro_batch_rows} rows each"
+            elif self.micro_batch_split == "balanced" and self.packs_padding_free:
+                rule = (f"ceil(its tokens / {self.micro_batch_tokens}) each, the largest count for all, rows "
+                        "balanced by Karmarkar-Karp")
+            else:
+                rule = f"first fit within {self.micro_batch_tokens} tokens"
+            entropy += f", micro-batches: the mini-batch over {gpus} GPUs, {rule}"
+
         return f"policy loss = {policy}; entropy bonus = {entropy}"
 
     @property

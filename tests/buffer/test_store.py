@@ -42,6 +42,20 @@ def test_dedup_by_response_ids():
     assert record_entropy(s.entries["q1"].recs[0]) == 1.0  # the first copy is kept
 
 
+def test_a_duplicate_fresh_rollout_keeps_the_first_stored_logprobs():
+    """Issue 44 (3): the learner's log-probs replace a stored trajectory's once, when its own group is trained; a
+    later fresh rollout with the same tokens (its key is the same) does not overwrite them (the official pool
+    keeps the first entry)."""
+    s = make_store()
+    key = s.observe("q1", 2, [rollout([5, 6], 1.0)], collect=True)[0]
+    s.feedback([], [], version=1, fresh_keys=[key], fresh_entropies=[0.7], fresh_logprobs=[np.array([-1.0, -2.0])])
+    assert s.observe("q1", 2, [rollout([5, 6], 1.0)], collect=True) == [key]  # the duplicate, known by its key
+    s.feedback([], [], version=3, fresh_keys=[key], fresh_entropies=[0.4], fresh_logprobs=[np.array([-9.0, -9.0])])
+    assert record_to_rollout(s.entries["q1"].recs[0], "q1").logprobs.tolist() == [-1.0, -2.0]
+    assert s.c["logprobs_from_learner"] == 1
+    assert s.entries["q1"].ents[0] == pytest.approx(0.4)  # its entropy is still re-measured
+
+
 def test_all_correct_retires_and_deletes():
     s = make_store()
     s.observe("q1", 3, correct(3), collect=True)

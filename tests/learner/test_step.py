@@ -8,8 +8,8 @@ import torch
 
 from common.config import LearnerConfig
 from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
-from learner.batching import (BatchError, balanced_partition, batch_rows, collate, rank_micro_batches,
-                              split_mini_batches)
+from learner.batching import (BatchError, Row, balanced_partition, batch_rows, collate, official_score_windows,
+                              rank_micro_batches, split_mini_batches)
 from learner.forward import prepare_model
 from learner.step import RankStats, TrainStep, complete_groups
 from tests.learner.batches import make_batch, with_own_logprobs
@@ -85,8 +85,8 @@ def test_selection_uses_entropy_under_the_current_weights(tiny_model_dir):
     model, step = plain_step(tiny_model_dir)
     batch = make_batch(5, groups=4, candidates=4, vocab=60)
     stats = RankStats()
-    scores = step.score_candidates(batch, stats)
-    assert stats.candidates_scored == 8 and len(scores) == 8
+    scores, chosen_by = step.score_candidates(batch, stats)
+    assert stats.candidates_scored == 8 and len(scores) == 8 and chosen_by == scores  # mean_entropy: the same
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     for (g, c), h in scores.items():
         grp, cand = batch.groups[g], batch.groups[g].candidates[c]
@@ -676,3 +676,100 @@ def test_stored_trajectories_carry_the_learners_start_of_step_logprobs(tiny_mode
             stored = record_to_rollout(rec, g.question_id).logprobs
             np.testing.assert_allclose(stored, want, rtol=1e-4, atol=1e-5)
             assert not np.allclose(stored, ro.logprobs)  # no longer the generator's
+
+
+# (response tokens, {weight: rows}, official micro-batches per GPU, ours at 1 rank without official_world_size)
+PAPER_SPLITS = [
+    (400, {1 / 102_400: 512}, 2, 9),
+    (800, {1 / 204_800: 512}, 2, 15),
+    (1500, {1 / 192_000: 512}, 4, 26),
+    (3000, {1 / 240_000: 80, 1 / 216_000: 432}, 7, 49),
+    (5000, {1 / 280_000: 224, 1 / 240_000: 288}, 10, 80),
+]
+
+
+@pytest.mark.parametrize("response, want, per_gpu, ours", PAPER_SPLITS)
+def test_the_papers_entropy_weights_are_the_official_ones_at_any_rank_count(response, want, per_gpu, ours):
+    """Issue 44 (1): the paper command (docs/algorithm.md) at num_ranks 1 and 2 weighs each row's entropy as the
+    official 8 GPUs do. A mini-batch is 64 questions x 8 = 512 rows; here every row is a 120-token prompt and a
+    `response`-token response (length n = response + 120). Officially each GPU holds 64 rows, 64 n tokens, in
+    ceil(64 n / 32768) = ceil(n / 512) micro-batches, the rows balanced over them (equal rows: counts within one);
+    a row's weight is 1 / (8 x the response tokens of its micro-batch):
+      400: n 520, ceil(1.016) = 2 parts of 32 rows: 1 / (8 x 32 x 400) = 1/102,400
+      800: n 920, ceil(1.797) = 2 parts of 32: 1 / (8 x 32 x 800) = 1/204,800
+      1500: n 1620, ceil(3.164) = 4 parts of 16: 1 / (8 x 16 x 1500) = 1/192,000
+      3000: n 3120, ceil(6.094) = 7 parts, 64 = 10 + 6 x 9: 1/(8 x 10 x 3000) = 1/240,000 on 8 x 10 = 80 rows,
+            1/(8 x 9 x 3000) = 1/216,000 on the other 432
+      5000: n 5120, ceil(10.0) = 10 parts, 64 = 4 x 7 + 6 x 6: 1/280,000 on 8 x 28 = 224 rows, 1/240,000 on 288
+    Summed over a micro-batch's tokens the weights give its mean / 8, so the total is the per-GPU count (with equal
+    entropies the term is that count times it). The rule before (our own micro-batches at 1 rank, divided by 8)
+    took ceil(512 n / 32768) = ceil(n / 64) = 9 / 15 / 26 / 49 / 80 micro-batches: a total of 1.125 / 1.875 / 3.25
+    / 6.125 / 10 against the official 2 / 2 / 4 / 7 / 10."""
+    import types
+
+    import yaml
+
+    from tests.cluster.test_algorithm_doc import paper_command
+
+    learner = {k.split(".", 1)[1]: yaml.safe_load(v) for k, v in (w.split("=", 1) for w in paper_command())
+               if k.startswith("learner.")}
+    mini = [Row(np.zeros(120, np.int64), np.zeros(response, np.int64), np.zeros(response, np.float32), 0.0, False,
+                f"{g}/{i}", g) for g in range(64) for i in range(8)]
+    for ranks in (1, 2):
+        cfg = LearnerConfig(**learner, num_ranks=ranks)
+        weights = TrainStep._entropy_weights(types.SimpleNamespace(cfg=cfg, world=ranks), mini)
+        got: dict[float, int] = {}
+        for r in mini:
+            got[weights[id(r)]] = got.get(weights[id(r)], 0) + 1
+        assert got.keys() == want.keys() and all(got[w] == want[w] for w in want)
+        assert sum(weights.values()) * response == pytest.approx(per_gpu)
+    assert len(rank_micro_batches(mini, 0, 1, cfg.micro_batch_rows, cfg.micro_batch_tokens, True, "balanced")) == ours
+
+
+def test_official_score_windows_worked_by_hand():
+    """Issue 44 (2): buffer.trajectory_score=official. 10 candidates, max_target 10, pad 0: the last chunk holds
+    candidates 8 and 9 in slots 0 and 1 and dummies (all pad, m = 0) in slots 2-7; candidate i is masked with
+    slot i % 8's response. Candidate 8's response has 3 non-pad tokens (a pad inside does not count), 9's 12
+    (the first 10 count: m = 10, divisor 0, NaN as the official mean of nothing). With L = the row's length,
+    start = max(0, L - 10 - 1 + m), divisor 10 - m:
+      i = 0 (L 8, slot 0, m 3): start max(0, 8 - 11 + 3) = 0, divisor 7
+      i = 1 (L 8, slot 1, m 10): start 7, divisor 0
+      i = 2 (L 14, slot 2, a dummy: m 0): start 3, divisor 10
+      i = 8 (L 7, m 3): start 0, divisor 7;  i = 9 (L 15, m 10): start 14, divisor 0"""
+    resp = [np.full(5, 7)] * 2 + [np.full(11, 7)] * 6 + [np.array([5, 0, 5, 5]), np.full(12, 7)]
+    lengths = [8, 8, 14, 14, 14, 14, 14, 14, 7, 15]
+    got = official_score_windows(lengths, resp, max_target=10, pad_id=0)
+    assert got[:3] == [(0, 7), (7, 0), (3, 10)] and got[8:] == [(0, 7), (14, 0)]
+    assert got[3:8] == [(3, 10)] * 5
+
+
+def test_official_trajectory_score_is_the_official_computation(tiny_model_dir):
+    """Issue 44 (2): with trajectory_score=official the learner picks the argmin of the official score (the
+    windows above), computed directly from the model's entropies over prompt + response, and still reports the
+    mean response entropy to the buffer. 3 mixed groups x 4 candidates = 12: the last chunk is candidates 8-11."""
+    from transformers import AutoModelForCausalLM
+
+    model, step = plain_step(tiny_model_dir)
+    batch = make_batch(5, groups=6, candidates=4, vocab=60, prompt_len=(4, 10), response_len=(1, 12))
+    batch.trajectory_score = "official"
+    stats = RankStats()
+    entropies, scores = step.score_candidates(batch, stats)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    order = [(g, c) for g in (0, 2, 4) for c in range(4)]
+    cands = [(batch.groups[g].prompt_ids, batch.groups[g].candidates[c].response_ids) for g, c in order]
+    windows = official_score_windows([len(p) + len(r) for p, r in cands], [r for _, r in cands], 12, 0)
+    for (g, c), (p, r), (start, div) in zip(order, cands, windows):
+        ids = torch.tensor([list(p) + list(r)])  # [1, L]
+        with torch.no_grad():
+            h = torch.distributions.Categorical(logits=ref(input_ids=ids).logits[0, :-1]).entropy()  # [L-1]
+        assert entropies[(g, c)] == pytest.approx(h[len(p) - 1:].mean().item(), rel=1e-4)
+        if div == 0:
+            assert np.isnan(scores[(g, c)])
+        else:
+            assert scores[(g, c)] == pytest.approx(h[start:].sum().item() / div, rel=1e-4)
+    assert any(d for _, d in windows) and any(s > 0 for s, _ in windows)  # the window cuts into some prompts
+    done, fb = complete_groups(batch, scores, entropies)
+    for g in (0, 2, 4):
+        assert fb.chosen[(0, 2, 4).index(g)] == batch.groups[g].candidates[
+            int(np.argmin([scores[(g, c)] for c in range(4)]))].key
+    assert fb.entropies == [entropies[k] for k in order]
