@@ -105,7 +105,33 @@ def input_problems(cfg) -> list[str]:
             resolve_reward(cfg.reward.name)
         except ValueError as e:
             problems.append(str(e))
+    problems.append(answers_problem(cfg.data, cfg.reward.name))
     return [p for p in problems if p]
+
+
+ANSWERS_CHECKED = 20
+"""Rows of data.train_path whose reference answers `answers_problem` gives to the reward's parser."""
+
+
+def answers_problem(data, reward_name: str) -> str | None:
+    """Why the reward cannot read the reference answers of data.train_path's first rows (None: it reads one of
+    them, the reward reads any text, or there is no readable file: the data checks report that)."""
+    from common.data import DataError, read_rows
+    from common.reward_registry import unreadable_answers
+
+    if data.train_path is None:
+        return None
+    answers = []
+    try:
+        for _, row in read_rows(data.train_path):
+            value = row.get(data.answer_field) if isinstance(row, dict) else None
+            if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                answers.append(str(value))
+            if len(answers) == ANSWERS_CHECKED:
+                break
+    except (DataError, OSError, ValueError):
+        return None
+    return unreadable_answers(reward_name, answers, f"data.train_path {data.train_path}")
 
 
 # ------------------------------------------------------------------------------------ checkpoints

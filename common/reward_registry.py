@@ -64,3 +64,41 @@ def check_task_matches(reward_name: str, task_name: str | None) -> None:
     if task_name in TASKS and reward_name in TASKS and reward_name != task_name:
         raise ValueError(f"reward.name: {reward_name!r} cannot score questions of task {task_name!r}; "
                          f"set reward.name={task_name}")
+
+
+def _countdown_answer(answer: str) -> bool:
+    from common.tasks import _parse_answer
+
+    try:
+        _parse_answer(answer)
+    except (ValueError, TypeError, KeyError):  # JSONDecodeError is a ValueError
+        return False
+    return True
+
+
+def _whole_number(answer: str) -> bool:
+    from common.tasks import _is_int
+
+    return bool(answer.strip()) and _is_int(answer.strip())
+
+
+ANSWER_FORMATS = {
+    "countdown": ('JSON text such as {"target": 24, "numbers": [3, 5, 8]}', _countdown_answer),
+    "arithmetic": ("a whole number such as 42", _whole_number),
+}
+"""The reference answers a built-in task's verifier reads (the other rewards read any text): a verifier given
+answers it cannot parse scores every rollout 0 or raises, and a run would train on nothing."""
+
+
+def unreadable_answers(reward_name: str, answers: list[str], source: str) -> str | None:
+    """Why `reward_name` cannot score questions whose reference answers are `answers` (the first rows of
+    `source`), when it can read none of them; None when it reads one, or reads any text."""
+    if reward_name not in ANSWER_FORMATS or not answers:
+        return None
+    form, reads = ANSWER_FORMATS[reward_name]
+    if any(reads(a) for a in answers):
+        return None
+    shown = ", ".join(repr(a[:40]) for a in answers[:3])
+    return (f"reward.name: {reward_name} cannot read the reference answers of {source} (its first rows have "
+            f"{shown}; {reward_name} expects {form}); set reward.name to the reward for your data: math "
+            "(math-verify), math_think (math-verify after </think>), exact, or your own package.module:function")

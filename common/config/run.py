@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from common.config.base import Section
+from common.config.base import Section, yaml_value
 from common.config.buffer import BufferConfig
 from common.config.cluster import ClusterConfig
 from common.config.data import DataConfig, _fill_task_defaults
@@ -120,6 +120,8 @@ class RunConfig(Section):
             problems.append("data: set data.task to a built-in task or data.train_path to a file")
         if self.data.train_path is None and self.data.task is not None:
             problems += _task_problems(self.data, self.reward.name, self.model.path is None)
+        elif "task" in self.data.model_fields_set and self.data.task not in (None, "countdown"):
+            problems.append(_task_with_a_file(self.data))  # countdown, the default: what `exgrpo config` writes
         if isinstance(self.generator.engine, SyntheticEngineConfig) or self.reward.name == "synthetic":
             problems.append("generator.engine.kind / reward.name: synthetic is a simulation for bench/cluster_sim.py; "
                             "its random tokens cannot train a model: use engine kind vllm, transformers or auto "
@@ -161,3 +163,16 @@ def _task_problems(data: DataConfig, reward_name: str, builtin_model: bool) -> l
             f"data.use_chat_template: the built-in {task.name} model has a character tokenizer and no chat "
             "template; set data.use_chat_template=false, or model.path to a chat model")
     return problems
+
+
+def _task_with_a_file(data: DataConfig) -> str:
+    """`data.task=think_arith data.train_path=x.jsonl`: the questions come from the file, so the task would be
+    printed and then ignored, its settings with it."""
+    from common.config.data import TASK_DEFAULTS
+
+    sets = [f"{k}={yaml_value(v)}" for k, v in TASK_DEFAULTS.get(data.task, {}).items()
+            if not k.startswith(("model.toy.", "generator.max_new_tokens"))]
+    what = f"; for your data in the {data.task} format set {' '.join(sets)}" if sets else ""
+    return (f"data.task: {data.task} is not used when data.train_path is set (the questions come from "
+            f"{data.train_path}, not from the task): set data.task=null{what}; or leave out data.train_path to "
+            f"train on the built-in {data.task} task")

@@ -149,6 +149,33 @@ def test_unusable_data_is_refused_and_the_name_stays_free(capsys, runs, tmp_path
     assert "already holds a run" not in out
 
 
+def test_own_data_scored_by_a_verifier_that_cannot_read_its_answers_is_refused(capsys, runs, tmp_path):
+    """math.jsonl with the default reward (countdown, the built-in task's): every rollout would score 0."""
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"question": "1/2 + 1/2?", "answer": "1"}\n{"question": "x", "answer": "\\\\frac{1}{2}"}\n')
+    says = (f"reward.name: countdown cannot read the reference answers of data.train_path {data} (its first rows "
+            "have '1', '\\\\frac{1}{2}'; countdown expects JSON text such as "
+            '{"target": 24, "numbers": [3, 5, 8]}); set reward.name to the reward for your data: math '
+            "(math-verify), math_think")
+    code, out = cli(capsys, "config", f"data.train_path={data}")
+    assert code == 2 and says in out and "exgrpo train refuses this config" in out, out
+    assert_refused(*train(capsys, runs, f"data.train_path={data}"), "invalid configuration:", says)
+    assert not (runs / "r").exists()
+    for reward in ("math", "arithmetic"):  # arithmetic reads one of them ('1'): that is enough
+        code, out = cli(capsys, "config", f"data.train_path={data}", f"reward.name={reward}")
+        assert code == 0, out
+
+
+def test_a_task_with_a_data_file_is_refused_with_why(capsys):
+    assert_refused(*cli(capsys, "config", "data.train_path=x.jsonl", "data.task=think_arith"),
+                   "data.task: think_arith is not used when data.train_path is set (the questions come from x.jsonl, "
+                   "not from the task): set data.task=null; for your data in the think_arith format set "
+                   "reward.name=math_think data.use_chat_template=true; or leave out data.train_path to train on the "
+                   "built-in think_arith task")
+    code, out = cli(capsys, "config", "data.train_path=x.jsonl", "data.task=countdown")  # `exgrpo config`'s output
+    assert "data.task" not in out.split("refuses")[-1], out
+
+
 def test_runs_root_that_is_a_file_is_refused(capsys, tmp_path, tiny_model_dir):
     (tmp_path / "file").write_text("")
     assert_refused(*train(capsys, tmp_path / "file", f"model.path={tiny_model_dir}"),
