@@ -16,6 +16,11 @@ Per RMS of s B A (the issue's 8e-7 ... 8e-4; scaling 1, B A drawn at random and 
 Cost of unmerged adapters (the option not built): bytes of A and B beside W per target and for all targets of the
 1.5B model (rank 8, q/k/v/o/gate/up/down), and the time of one decode step of this projection for 1 and 32 rows,
 x W^T vs x W^T + s (x A^T) B^T (bf16 on this CPU, median of `--repeats`, `--threads` torch threads).
+
+`--network`: the same through a whole model, a random Qwen2 (`common.modeling.init_tiny_qwen2`, h512 L4, vocab 512,
+weights std 0.02, LoRA rank 8 on the default targets, every adapter at the RMS) over 8 x 128 random tokens: the
+share of the float32 model's log-prob update U = log π - log π_base that the bf16 learner (`LoRALinear`) and the bf16
+merged model carry beyond the bf16 base, and their mean |Δ log π| against the learner's own bf16 error.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--network", action="store_true", help="also the whole-model check (about a minute)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -116,6 +122,56 @@ def main() -> None:
             t_m = timed(lambda: linear(xr, w), args.repeats)
             t_u = timed(lambda: linear(xr, w) + linear(linear(xr, a), b), args.repeats)
             print(f"| {rows} | {t_m * 1e3:.3f} | {t_u * 1e3:.3f} | {t_u / t_m - 1:+.0%} |")
+    if args.network:
+        network_check()
+
+
+def network_check() -> None:
+    import copy
+
+    from common.config import LoRAConfig
+    from common.modeling import init_tiny_qwen2
+    from learner.lora import adapters_disabled, apply_lora, lora_modules
+
+    model = init_tiny_qwen2(512, hidden_size=512, num_layers=4, num_heads=4, num_kv_heads=2, seed=1,
+                            max_positions=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    base16 = copy.deepcopy(model).bfloat16().eval()
+    apply_lora(model, LoRAConfig(rank=RANK, alpha=RANK))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 512, (8, 128), generator=g)  # [rows, T]
+
+    def logp(m) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(m(input_ids=ids).logits.double(), -1)  # [rows, T, V]
+
+    print("\nwhole model (random Qwen2 h512 L4, 8 x 128 tokens): share of the float32 log-prob update carried")
+    print("| RMS of s·B·A | learner bf16 | merged bf16 | mean |merged − learner| | mean |learner bf16 − float32| "
+          "| mean |U| |\n|---|---|---|---|---|---|")
+    for rms in (1e-6, 1e-5, 1e-4, 1e-3):
+        for mod in lora_modules(model).values():
+            a, b = torch.randn(mod.lora_A.shape, generator=g), torch.randn(mod.lora_B.shape, generator=g)
+            b *= rms / (b @ a).pow(2).mean().sqrt()
+            mod.lora_A.data, mod.lora_B.data = a, b
+        m32, l16, merged = copy.deepcopy(model).eval(), copy.deepcopy(model).bfloat16().eval(), copy.deepcopy(base16)
+        merged.load_state_dict({f"{n}.weight": (m.weight.float() + m.lora_B.float() @ m.lora_A.float()).bfloat16()
+                                for n, m in lora_modules(l16).items()}, strict=False)
+        with adapters_disabled(m32):
+            u = logp(m32)
+        l32 = logp(m32)
+        u = l32 - u
+        with adapters_disabled(l16):
+            b16 = logp(l16)
+        ll, lm = logp(l16), logp(merged)
+
+        def share(lp):
+            return float(((lp - b16) * u).sum() / (u * u).sum())
+
+        print(f"| {rms:.0e} | {share(ll):.3f} | {share(lm):.3f} | {float((lm - ll).abs().mean()):.1e} "
+              f"| {float((ll - l32).abs().mean()):.1e} | {float(u.abs().mean()):.1e} |")
 
 
 if __name__ == "__main__":
