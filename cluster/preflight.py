@@ -9,10 +9,14 @@ it and exits with code 2.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
 """Any of these makes a folder worth handing to AutoTokenizer (which explains itself badly when none exist)."""
+
+HUB_ID = re.compile(r"([A-Za-z0-9][\w.-]*)/([A-Za-z0-9][\w.-]*)")
+"""`Qwen/Qwen2.5-0.5B-Instruct`: an organisation and a model name, the form of a Hugging Face hub id."""
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
@@ -27,6 +31,14 @@ class BadInput(Exception):
 def model_folder_problem(path: Path, field: str = "model.path") -> str | None:
     """Why `path` is not a usable Hugging Face model folder (None when it is): config.json present and
     readable, weights present, tokenizer files present."""
+    if not path.exists():
+        hub = HUB_ID.fullmatch(str(path))
+        if hub:
+            folder = f"models/{hub.group(2)}"
+            return (f"{field}: {path} does not exist here; it looks like a Hugging Face hub id, and runs load a folder "
+                    f"and never download: download it first (.venv/bin/hf download {path} --local-dir {folder}) "
+                    f"and set {field}={folder}")
+        return f"{field}: {path} does not exist, so it is not a Hugging Face model folder{_nearby_model(path)}"
     if not path.is_dir():
         return f"{field}: {path} is not a Hugging Face model folder (no config.json){_nearby_model(path)}"
     config = path / "config.json"

@@ -67,7 +67,10 @@ def _message(e: dict, pl: Place) -> str:
     if kind in ("literal_error", "bool_parsing", "bool_type") and pl.field is not None \
             and choices(pl.field.annotation):
         return _not_a_choice(value, pl.field)
-    return e["msg"].removeprefix("Value error, ")
+    msg = e["msg"].removeprefix("Value error, ")
+    if kind != "value_error" and msg.startswith("Input should") and not isinstance(value, (dict, list)):
+        return f"{msg} (given {_shown(value)})"  # `learner.lr=fast`: the value as the user wrote it
+    return msg
 
 
 def _item_problem(e: dict, pl: Place) -> str:
@@ -92,9 +95,20 @@ def _shown(value: Any) -> str:
         return repr(value)
 
 
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+            "yes": "true", "no": "false", "on": "true", "off": "false", "none": "null"}
+"""Short names people write for a choice (`model.dtype=bf16`)."""
+
+
 def _not_a_choice(value: Any, field: FieldInfo) -> str:
     options = choices(field.annotation) or []
-    return f"{_shown(value)} is not one of {', '.join(options)}" if options else f"{_shown(value)} is not valid"
+    if not options:
+        return f"{_shown(value)} is not valid"
+    text = str(value).strip().lower()
+    meant = _ALIASES.get(text) if _ALIASES.get(text) in options else None
+    meant = meant or next(iter(difflib.get_close_matches(text, options, n=1, cutoff=0.6)), None)
+    hint = f"; did you mean {meant}?" if meant and meant != str(value) else ""
+    return f"{_shown(value)} is not one of {', '.join(options)}{hint}"
 
 
 # ----------------------------------------------------------------------------------------- unknown keys
@@ -124,6 +138,10 @@ def _suggest(pl: Place) -> str:
     name, section = pl.path[-1], ".".join(pl.path[:-1])
     prefix = section + "." if section else ""
     own = [n for n in (pl.model.model_fields if pl.model is not None else ()) if n != "kind"]
+    exact = [p for p in _elsewhere(name, prefix) if p.rsplit(".", 1)[-1] == name]
+    affix = [n for n in own if n.endswith("_" + name) or n.startswith(name + "_")]  # `data.path`: train_path
+    if exact and section and not affix:  # `buffer.max_new_tokens`: generator's field of that name, not max_bytes
+        return f"{name} is not in {section}: {_or(exact)}; {LISTS}"
     near = _near(name, own)
     if near:
         return f"did you mean {_or([prefix + n for n in near])}? {LISTS}"
@@ -164,12 +182,14 @@ def _elsewhere(name: str, prefix: str) -> list[str]:
 def _section_given_a_value(pl: Place, value: Any) -> str:
     """`tracking=false`, `eval.sets.aime=aime.jsonl`: the section's fields, and the field the value fits."""
     fields = {n: f for n, f in pl.model.model_fields.items() if n != "kind"}
-    fits = next((n for n, f in fields.items() if _accepts(f.annotation, value)), None)
-    example = (f"{pl.dotted}.{fits}={yaml_value(value)}" if fits else
-               f"{pl.dotted}.{next(iter(fields))}=...")
+    fits = [n for n, f in fields.items() if _accepts(f.annotation, value)]
     names = list(fields)
     shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-    return f"a section, not a value ({_shown(value)}): set its fields, e.g. {example} (its fields: {shown})"
+    written = f"{pl.dotted}.<field>={yaml_value(value) if fits else '<value>'}"
+    sure = len(fits) == 1 or fits and fits[0] == names[0]  # the only taker, or the section's first field
+    example = f", e.g. {pl.dotted}.{fits[0]}={yaml_value(value)}" if sure else ""  # `learner=1e-5`: no num_cpus
+    return (f"a section, not a value ({_shown(value)}): a section needs a key, written {written}{example} (its "
+            f"fields: {shown})")
 
 
 def _accepts(ann: Any, value: Any) -> bool:

@@ -62,7 +62,7 @@ def assert_refused(code: int, out: str, *expected: str) -> None:
     (["foo.bar=1"], ["foo: unknown field"]),
     (["buffer.grup_size=4"], ["buffer.grup_size: unknown field (did you mean buffer.group_size?"]),
     (["total_steps=-1"], ["total_steps: Input should be greater than or equal to 1"]),
-    (["buffer=3"], ["buffer: a section, not a value (3): set its fields, e.g. buffer."]),
+    (["buffer=3"], ["buffer: a section, not a value (3): a section needs a key, written buffer.<field>=3"]),
     (["generator.engine.batch_rows=4", "generator.engine.max_num_seqs=8"],
      ["generator.engine: batch_rows is a field of kind transformers; max_num_seqs is a field of kind vllm: one kind "
       "at a time; set generator.engine.kind"]),
@@ -127,7 +127,7 @@ def test_unusable_model_folder_is_refused_before_the_run_folder(capsys, runs, tm
 
 
 def test_missing_model_folder_and_unimportable_reward_leave_no_run_folder(capsys, runs, tmp_path, tiny_model_dir):
-    assert_refused(*train(capsys, runs, f"model.path={tmp_path / 'nope'}"), "model.path:", "no config.json")
+    assert_refused(*train(capsys, runs, f"model.path={tmp_path / 'nope'}"), "model.path:", "does not exist")
     assert_refused(*train(capsys, runs, f"model.path={tiny_model_dir}", "data.task=arithmetic",
                           "reward.name=nosuchmod:score"), "reward.name: cannot import module 'nosuchmod'")
     assert not (runs / "r").exists()

@@ -54,9 +54,19 @@ def refused(capsys, *args: str) -> str:
     (["generator.dtype=fp8"], "generator.dtype: 'fp8' is not one of float32, bfloat16, float16, null"),
     (["generator.engine.kind=tpu"], "generator.engine: kind 'tpu' is not one of vllm, transformers, auto"),
     # a value given to a section shows the form
-    (["tracking=false"], "tracking: a section, not a value (false): set its fields, e.g. tracking.enabled=false"),
-    (["eval.sets.aime=aime.jsonl"], "eval.sets.aime: a section, not a value ('aime.jsonl'): set its fields, e.g. "
-                                    "eval.sets.aime.path=aime.jsonl"),
+    (["tracking=false"], "tracking: a section, not a value (false): a section needs a key, written "
+                         "tracking.<field>=false, e.g. tracking.enabled=false"),
+    (["eval.sets.aime=aime.jsonl"], "eval.sets.aime: a section, not a value ('aime.jsonl'): a section needs a key, "
+                                    "written eval.sets.aime.<field>=aime.jsonl, e.g. eval.sets.aime.path=aime.jsonl"),
+    (["learner=0.00001"], "learner: a section, not a value (1.0e-05): a section needs a key, written "
+                          "learner.<field>=1.0e-05 (its fields: num_ranks,"),  # no guess: learner.num_cpus is not it
+    (["buffer.max_new_tokens=64"], "buffer.max_new_tokens: unknown field (max_new_tokens is not in buffer: "
+                                   "generator.max_new_tokens;"),  # an exact name elsewhere beats buffer.max_bytes
+    (["model.dtype=bf16"], "model.dtype: 'bf16' is not one of float32, bfloat16, float16; did you mean bfloat16?"),
+    (["learner.padding_free=ture"], "learner.padding_free: 'ture' is not one of true, false, auto; did you mean true?"),
+    (["learner.lr=fast"], "learner.lr: Input should be a valid number, unable to parse string as a number (given "
+                          "'fast')"),
+    (["buffer.group_size=1"], "buffer.group_size: Input should be greater than or equal to 2 (given 1)"),
     (["generator.node_labels=H100"], "generator.node_labels: a mapping, not 'H100': write "
                                      "generator.node_labels.<key>=<value>"),
     # lists and tuples with an example
@@ -143,7 +153,7 @@ def test_config_reports_what_train_checks_at_start(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert code == 2 and yaml.safe_load(out)["model"]["path"] == str(tmp_path / "no-model")
     assert "exgrpo train refuses this config on this machine" in err and "Traceback" not in err
-    assert f"model.path: {tmp_path / 'no-model'} is not a Hugging Face model folder" in err
+    assert f"model.path: {tmp_path / 'no-model'} does not exist, so it is not a Hugging Face model folder" in err
     assert f"data.train_path: {tmp_path / 'no.jsonl'} is not a file" in err
     assert f"data.test_path: {tmp_path / 'no-test.jsonl'} is not a file" in err
     assert "reward.name: cannot import module 'nopkg.nomod'" in err
@@ -202,3 +212,11 @@ def test_a_dotted_key_inside_its_own_section_merges(tmp_path):
     f.write_text("learner:\n  lora.rank: 8\n  lora:\n    alpha: 16\n")
     lora = load_config(f).learner.lora
     assert (lora.rank, lora.alpha) == (8, 16)
+
+
+def test_a_hub_id_as_model_path_says_how_to_download_it(capsys):
+    assert main(["config", "model.path=Qwen/Qwen2.5-0.5B-Instruct"]) == 2
+    assert ("model.path: Qwen/Qwen2.5-0.5B-Instruct does not exist here; it looks like a Hugging Face hub id, and "
+            "runs load a folder and never download: download it first (.venv/bin/hf download "
+            "Qwen/Qwen2.5-0.5B-Instruct --local-dir models/Qwen2.5-0.5B-Instruct) and set "
+            "model.path=models/Qwen2.5-0.5B-Instruct") in capsys.readouterr().err
