@@ -51,6 +51,7 @@ class Row:
     old_logprobs: np.ndarray | None = None  # [T] float32 learner log-probs at the start of the step (TIS only)
     truncated: bool = False  # cut at max_new_tokens (finish reason "length")
     penalty: float = 0.0  # the overlong penalty added to its reward (learner.overlong=penalty)
+    eval_entropy: float | None = None  # mean response entropy at the start of the step, eval mode (LoRA dropout)
 
     @property
     def length(self) -> int:

@@ -220,7 +220,7 @@ class RankStats:
             lp = None if start is None else np.fromiter(start, np.float32, len(r.response_ids))  # [T]
             if r.key and not r.replayed:
                 self.fresh_keys.append(r.key)
-                self.fresh_entropies.append(h)
+                self.fresh_entropies.append(h if r.eval_entropy is None else r.eval_entropy)
                 if self.store_logprobs:  # first mini-batch: its own forward; later ones: record_old_logprobs
                     self.fresh_logprobs.append(lp if lp is not None else np.asarray(r.old_logprobs, np.float32))
         s["fresh_entropy_sum"] += m["fresh_entropy_sum"]
@@ -368,7 +368,9 @@ class TrainStep:
             stats.overlong_masked = sum(r.truncated for r in rows)
             rows = [r for r in rows if not r.truncated]
         minis = split_mini_batches(rows, cfg.mini_batches, seed=cfg.seed * 1_000_003 + batch.version)
-        if cfg.needs_old_logprobs:
+        if self._eval_stored:  # LoRA dropout: what the buffer stores comes from the eval-mode forward
+            self.record_old_logprobs(minis, entropies=True)
+        elif cfg.needs_old_logprobs:
             self.record_old_logprobs(minis[1:])  # the first mini-batch's forward is itself at the start weights
         # clip_fresh auto: clipped until the buffer's mixed mode starts (the official schedule)
         clip = (not batch.stats.get("mixed_mode", 0.0)) if cfg.clip_fresh == "auto" else cfg.clip_fresh
@@ -449,17 +451,28 @@ class TrainStep:
         div = torch.tensor([float(d) for _, d in windows], device=self.device)  # [R]
         return torch.where(div > 0, total / div.clamp(min=1.0), torch.full_like(total, float("nan")))
 
+    @property
+    def _eval_stored(self) -> bool:
+        """Whether the log-probs and entropies the buffer stores come from `record_old_logprobs`'s eval-mode forward
+        rather than the training forward: with LoRA dropout, which that forward applies (issue 44)."""
+        return self.cfg.lora is not None and self.cfg.lora.dropout > 0
+
     @torch.no_grad()
-    def record_old_logprobs(self, minis: list[list[Row]]) -> None:
-        """Set `Row.old_logprobs` of this rank's rows of `minis` under the current weights (for TIS).
+    def record_old_logprobs(self, minis: list[list[Row]], entropies: bool = False) -> None:
+        """Set `Row.old_logprobs` of this rank's rows of `minis` under the current weights (for TIS), and with
+        `entropies` `Row.eval_entropy` (the mean over the response). Eval mode: no dropout.
         Collective (FSDP forwards): the same micro-batches as training, so every rank runs as many."""
         self.model.eval()
         done: list[tuple[list[Row], Tensor]] = []
         for mini in minis:
             for chunk in self._micro_batches(mini):
-                lp, _, _ = forward_stats(self.model, self._collate(chunk))  # [R, L-1]
+                mb = self._collate(chunk)
+                lp, h, _ = forward_stats(self.model, mb)  # [R, L-1]
                 if chunk:
                     done.append((chunk, lp))
+                    if entropies:
+                        for r, x in zip(chunk, L.row_mean(h, mb.response_mask).nan_to_num(nan=0.0).tolist()):
+                            r.eval_entropy = x
         if not done:
             return
         flat = torch.cat([lp.reshape(-1) for _, lp in done]).cpu().numpy()  # one transfer for all of them
@@ -538,7 +551,8 @@ class TrainStep:
         # (fewer rows than ranks) still runs the backward that FSDP's gradient collectives wait for.
         ((total + 0.0 * anchor) * self.world).backward()
         parts = {"loss": total.detach(), "entropy_loss": ent_term.detach(), "kl_loss": kl_term.detach()}
-        stats.add_micro(metrics, parts, ent.detach(), mb, start_logp=logp.detach() if first else None)
+        stats.add_micro(metrics, parts, ent.detach(), mb,
+                        start_logp=logp.detach() if first and not self._eval_stored else None)
 
     @torch.no_grad()
     def reference_logprobs(self, mb: MicroBatch) -> Tensor | None:

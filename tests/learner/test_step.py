@@ -634,12 +634,15 @@ def test_the_official_gradient_at_its_gpu_count(tiny_model_dir, entropy_agg):
     assert close == (entropy_agg == "micro_batch")
 
 
-def test_stored_trajectories_carry_the_learners_start_of_step_logprobs(tiny_model_dir):
+@pytest.mark.parametrize("lora", [None, {"rank": 4, "alpha": 8.0, "dropout": 0.5}])
+def test_stored_trajectories_carry_the_learners_start_of_step_logprobs(tiny_model_dir, lora):
     """Issue 35 (4): with learner.store_learner_logprobs (auto: on with recompute_old_logprobs, the official setting)
     the step sends back, for every trained fresh row the buffer stored, the learner's log-probs at the start of the
     step, over two mini-batches (the first from its own forward, the second from the recomputed pi_old); through
     the wire message and the shard they replace the generator's in the stored trajectory, which a replay then
-    ships (official: experience_trainer_ops.py stores the actor's recomputed old_log_probs)."""
+    ships (official: experience_trainer_ops.py stores the actor's recomputed old_log_probs). Issue 44 (3): with LoRA
+    dropout (B set non-zero, so the dropout matters) they, and the entropies sent back, are the eval-mode forward's,
+    not the dropout forward's."""
     import copy
 
     from buffer.core import ShardCore
@@ -654,9 +657,18 @@ def test_stored_trajectories_carry_the_learners_start_of_step_logprobs(tiny_mode
     items = core.lease("g", 4, now=1000.0)
     core.submit([group_for(it, 2, seed=i) for i, it in enumerate(items)], now=1000.0)  # generator log-probs -0.5
     groups = core.take(0, 4, 0)
-    model, step = plain_step(tiny_model_dir, recompute_old_logprobs=True, mini_batches=2)
+    model, step = plain_step(tiny_model_dir, recompute_old_logprobs=True, mini_batches=2, lora=lora)
     assert step.cfg.stores_learner_logprobs
-    start = copy.deepcopy(model)
+    if lora:
+        from learner.lora import apply_lora
+
+        apply_lora(model, step.cfg.lora)
+        torch.manual_seed(0)
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data.normal_(0, 0.5)
+        assert any(isinstance(m, torch.nn.Dropout) for m in model.modules())
+    start = copy.deepcopy(model).eval()
     _, fb = merge_rank_stats([step.run(TrainingBatch(groups=groups, version=0))])
     assert len(fb.fresh_keys) == len(fb.fresh_logprobs) == 8  # 2 correct rows stored per group
     wire = LearnerFeedback(0, fb.keys, float32_array(fb.entropies), fb.chosen, fb.fresh_keys,
@@ -675,6 +687,8 @@ def test_stored_trajectories_carry_the_learners_start_of_step_logprobs(tiny_mode
             [rec] = [r for r in e.recs if record_to_rollout(r, g.question_id).key == ro.key]
             stored = record_to_rollout(rec, g.question_id).logprobs
             np.testing.assert_allclose(stored, want, rtol=1e-4, atol=1e-5)
+            h = torch.distributions.Categorical(logits=logits).entropy().mean().item()
+            assert fb.fresh_entropies[fb.fresh_keys.index(ro.key)] == pytest.approx(h, rel=1e-4)
             assert not np.allclose(stored, ro.logprobs)  # no longer the generator's
 
 
