@@ -118,7 +118,23 @@ def input_problems(cfg) -> list[str]:
         except ValueError as e:
             problems.append(str(e))
     problems.append(answers_problem(cfg.data, cfg.reward.name))
+    problems.append(_response_too_long(cfg))
     return [p for p in problems if p]
+
+
+def _response_too_long(cfg) -> str | None:
+    """generator.max_new_tokens at or beyond the model's positions: no prompt would leave room for a response."""
+    new = cfg.generator.max_new_tokens
+    if cfg.model.path is None:
+        limit, what, fix = cfg.model.toy.max_positions, "the built-in model's", "or raise model.toy.max_positions"
+    else:
+        path = Path(cfg.model.path).expanduser()
+        limit = model_max_positions(path) if path.is_dir() else None
+        what, fix = f"{path}'s", "or use a model with more (max_position_embeddings in its config.json)"
+    if limit is None or new < limit:
+        return None
+    return (f"generator.max_new_tokens: {new} tokens do not fit {what} {limit} positions (the prompt included); "
+            f"set it below {limit}, {fix}")
 
 
 ANSWERS_CHECKED = 20

@@ -54,7 +54,24 @@ def resolve_reward(name: str) -> tuple[RewardFn, bool]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward.name: {module_name} has no callable {attr!r}")
+    _check_signature(name, fn)
     return fn, False
+
+
+def _check_signature(name: str, fn: RewardFn) -> None:
+    """A reward is called fn(response, answer): `os:system`, which takes one argument, is refused here rather
+    than as an error on every rollout."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: the calls will tell
+        return
+    try:
+        sig.bind("response", "answer")
+    except TypeError:
+        raise ValueError(f"reward.name: {name} takes {sig}, not (response, answer); a reward is a function "
+                         "fn(response: str, answer: str) -> float") from None
 
 
 def check_task_matches(reward_name: str, task_name: str | None) -> None:

@@ -79,6 +79,11 @@ class RunConfig(Section):
             raise ValueError(f"learner.min_lr: {lc.min_lr:g} is above learner.lr {lc.lr:g}")
         update: dict[str, Any] = {}
         horizon = lc.lr_decay_steps or self.total_steps
+        if lc.warmup_steps > horizon:
+            raise ValueError(f"learner.warmup_steps: {lc.warmup_steps} warmup steps outlast the schedule's {horizon} "
+                             f"steps ({'learner.lr_decay_steps' if lc.lr_decay_steps else 'total_steps'}): the "
+                             f"learning rate would never reach learner.lr; set learner.warmup_steps at most {horizon} "
+                             "(or learner.warmup_ratio), or raise total_steps")
         if lc.lr_decay_steps is None and (lc.lr_schedule != "constant" or lc.warmup_ratio is not None):
             update["lr_decay_steps"] = horizon
         if lc.warmup_ratio is not None:
@@ -130,6 +135,7 @@ class RunConfig(Section):
         if budget is not None and budget < longest:
             problems.append(f"learner.micro_batch_tokens: {budget} cannot hold one row of data.max_prompt_tokens + "
                             f"generator.max_new_tokens = {longest} tokens; raise it to at least {longest}")
+        problems += self._sizes()
         ws = self.learner.weight_sync
         if isinstance(ws, CollectiveSyncConfig) and ws.backend == "nccl" and (
                 self.generator.num_gpus == 0 or self.learner.num_gpus == 0):
@@ -138,6 +144,19 @@ class RunConfig(Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+
+    def _sizes(self) -> list[str]:
+        """Sizes that cannot work together: a mini-batch with fewer rows than learner ranks."""
+        problems = []
+        b, lc = self.buffer, self.learner
+        rows = b.batch_questions * b.group_size // lc.mini_batches
+        if lc.num_ranks > rows:
+            problems.append(f"learner.num_ranks: {lc.num_ranks} ranks share {rows} rows per mini-batch "
+                            f"(buffer.batch_questions {b.batch_questions} x buffer.group_size {b.group_size} / "
+                            f"learner.mini_batches {lc.mini_batches}): a rank would get none; set learner.num_ranks at "
+                            f"most {rows}, or raise buffer.batch_questions")
+        return problems
 
 
 def _task_problems(data: DataConfig, reward_name: str, builtin_model: bool) -> list[str]:

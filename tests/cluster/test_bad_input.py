@@ -67,6 +67,12 @@ def assert_refused(code: int, out: str, *expected: str) -> None:
      ["generator.engine: batch_rows is a field of kind transformers; max_num_seqs is a field of kind vllm: one kind "
       "at a time; set generator.engine.kind"]),
     (["generator.engine.kind=synthetic"], ["synthetic is a simulation for bench/cluster_sim.py"]),
+    (["learner.warmup_steps=500", "total_steps=10"],
+     ["learner.warmup_steps: 500 warmup steps outlast the schedule's 10 steps (total_steps): the learning rate would "
+      "never reach learner.lr; set learner.warmup_steps at most 10"]),
+    (["learner.num_ranks=4", "buffer.batch_questions=1", "buffer.group_size=2"],
+     ["learner.num_ranks: 4 ranks share 2 rows per mini-batch (buffer.batch_questions 1 x buffer.group_size 2 / "
+      "learner.mini_batches 1): a rank would get none; set learner.num_ranks at most 2"]),
 ])
 def test_bad_config_is_refused_naming_the_field(capsys, args, expected):
     code, out = cli(capsys, "config", *args)
@@ -81,6 +87,19 @@ def test_bad_config_files_are_refused(capsys, tmp_path):
     assert_refused(*cli(capsys, "config", tmp_path), "is a folder; pass a YAML config file")
     assert_refused(*cli(capsys, "config", tmp_path / "list.yaml", "group_size", "8"),
                    "did you mean group_size=8?")
+
+
+def test_a_response_longer_than_the_model_is_reported_by_config(capsys):
+    code, out = cli(capsys, "config", "generator.max_new_tokens=100000")
+    assert code == 2 and "exgrpo train refuses this config" in out and "generator.max_new_tokens: 100000 tokens do " \
+        "not fit the built-in model's 512 positions (the prompt included); set it below 512, or raise " \
+        "model.toy.max_positions" in out, out
+
+
+def test_a_user_reward_that_cannot_be_called_with_response_and_answer_is_refused(capsys):
+    code, out = cli(capsys, "config", "reward.name=os:system")
+    assert code == 2 and "reward.name: os:system takes (command), not (response, answer); a reward is a function " \
+                         "fn(response: str, answer: str) -> float" in out, out
 
 
 def test_good_names_and_user_rewards_are_accepted(capsys):
