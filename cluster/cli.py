@@ -40,8 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("config", nargs="?", help="YAML config file (optional)")
     e.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
 
-    x = sub.add_parser("experiment", help="variants x seeds at an equal rollout budget: a table and a plot")
-    x.add_argument("spec", help="experiment spec YAML, or a bundled spec name (ablations)")
+    x = sub.add_parser("experiment", help="variants x seeds at an equal rollout budget: a table and a plot",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bundled = sorted(f.stem for f in (Path(__file__).resolve().parent / "experiments").glob("*.yaml"))
+    x.add_argument("spec", help=f"experiment spec YAML, or a bundled spec name: {', '.join(bundled)} "
+                   "(cluster/experiments/)")
     x.add_argument("--runs-root", default="runs", help="parent of the run folders and of the MLflow store")
     x.add_argument("--jobs", type=_positive, default=1, help="runs at a time (each is an `exgrpo train`)")
     x.add_argument("--rerun", action="store_true", help="rerun variants that already finished")

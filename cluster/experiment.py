@@ -116,10 +116,32 @@ def load_spec(path_or_name: str) -> ExperimentSpec:
     except YamlFileError as e:
         raise SpecError([str(e)]) from None
     except ValidationError as e:
-        raise SpecError([f"{'.'.join(str(x) for x in err['loc']) or 'spec'}: {err['msg']}"
-                         for err in e.errors()]) from None
+        raise SpecError(_spec_problems(p, raw, e)) from None
     _check_variants(spec)
     return spec
+
+
+def _spec_problems(p: Path, raw: Any, err: ValidationError) -> list[str]:
+    """pydantic's errors in the spec's terms: an empty file, an unknown key with the field it probably is, a
+    missing field with what it holds."""
+    import difflib
+
+    fields = ExperimentSpec.model_fields
+    form = (f"a spec is a mapping of {', '.join(fields)} ({', '.join(n for n, f in fields.items() if f.is_required())}"
+            " required; cluster/experiments/ablations.yaml is one)")
+    if not isinstance(raw, dict):
+        return [f"{p}: {'empty' if raw is None else 'not a mapping'}; {form}"]
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(x) for x in e["loc"]) or "spec"
+        if e["type"] == "extra_forbidden" and len(e["loc"]) == 1:
+            close = difflib.get_close_matches(str(e["loc"][0]), list(fields), n=1, cutoff=0.6)
+            lines.append(f"{where}: unknown field" + (f"; did you mean {close[0]}?" if close else f"; {form}"))
+        elif e["type"] == "missing" and len(e["loc"]) == 1:
+            lines.append(f"{where}: missing: {fields[where].description or 'required'}")
+        else:
+            lines.append(f"{where}: {e['msg']}")
+    return lines
 
 
 def overrides(values: dict[str, Any]) -> list[str]:

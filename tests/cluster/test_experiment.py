@@ -94,3 +94,23 @@ def test_an_unreadable_spec_is_answered_with_its_file_and_line(tmp_path, content
     p = subprocess.run([sys.executable, "-m", "cluster.cli", "experiment", str(tmp_path / "s.yaml")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr and says in p.stderr, p.stderr
+
+
+def test_an_empty_spec_and_a_misspelt_key_are_answered_in_the_spec_s_terms(tmp_path):
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(SpecError, match=r"empty.yaml: empty; a spec is a mapping of name, budget_rollouts, seeds, "
+                                        r"base, variants, run_timeout_s \(name, budget_rollouts, seeds, variants "
+                                        r"required; cluster/experiments/ablations.yaml is one\)"):
+        load_spec(str(tmp_path / "empty.yaml"))
+    with pytest.raises(SpecError) as e:
+        load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variant={"a": {}})))
+    assert e.value.lines == ["variants: missing: Variant name -> its overrides ({} = the defaults).",
+                             "variant: unknown field; did you mean variants?"]
+
+
+def test_experiment_help_lists_the_bundled_specs_and_the_defaults():
+    p = subprocess.run([sys.executable, "-m", "cluster.cli", "experiment", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    text = " ".join(p.stdout.split())
+    assert p.returncode == 0 and "(default: runs)" in text and "(default: 1)" in text, p.stdout
+    assert all(f.stem in text for f in BUNDLED.glob("*.yaml")), p.stdout
