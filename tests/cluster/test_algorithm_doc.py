@@ -56,7 +56,8 @@ def paper_command() -> list[str]:
 
 def test_the_one_command_paper_run_has_the_official_hyper_parameters():
     # config.yaml stands for the user's model and math data: a task math_think can grade takes its place
-    overrides = ["data.task=think_arith", *paper_command()]
+    # (and the built-in model, with positions for 8k responses, stands for the user's model folder)
+    overrides = ["data.task=think_arith", "model.toy.max_positions=10240", *paper_command()]
     out = subprocess.run([sys.executable, "-m", "cluster.cli", "config", *overrides], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
