@@ -71,6 +71,7 @@ class BufferClient:
         self.shards, self.run, self.namespace = list(shards), run, namespace
         self.batch_questions, self.replay_ratio, self.call_timeout_s = cfg.batch_questions, cfg.replay_ratio, cfg.call_timeout_s
         self.group_size, self.max_lag = cfg.group_size, cfg.max_lag
+        self.trajectory_score = cfg.trajectory_score  # how the learner picks o* (buffer.trajectory_score)
         self.switch = MixedSwitch(cfg.switch_groups, cfg.mixed_switch_accuracy)
         self._zero_signal_seen: list[list[int]] | None = None  # per shard: cumulative (fresh groups kept out, of
         # which all correct) at the last batch
@@ -255,7 +256,7 @@ class BufferClient:
         stats = {"batch_mixed": float(n_mixed), "batch_fresh": float(len(got) - n_mixed),
                  "batch_wait_s": time.monotonic() - t0, "batch_short": float(b - len(got)),
                  "switch_accuracy": self.switch.mean(), "mixed_mode": float(built_mixed)}
-        return TrainingBatch(groups=got, version=version, stats=stats, trajectory_score=self.cfg.trajectory_score)
+        return TrainingBatch(groups=got, version=version, stats=stats, trajectory_score=self.trajectory_score)
 
     def feedback(self, fb: LearnerFeedback) -> None:
         """Route entropy feedback by the question id in each key (one call per shard)."""
