@@ -165,8 +165,9 @@ def test_the_task_sets_its_defaults_and_explicit_values_win():
     default = load_config()  # countdown: nothing changes
     assert (default.reward.name, default.data.use_chat_template, default.generator.max_new_tokens) == \
         ("countdown", False, 24)
-    files = load_config(None, ["data.task=think_arith", "data.train_path=q.jsonl", "reward.name=math"])
-    assert files.generator.max_new_tokens == 24 and not files.data.use_chat_template  # a file: no task defaults
+    # a task beside a file would be ignored: refused with why and what to set instead (issue 45)
+    with pytest.raises(ConfigError, match="data.task: think_arith is not used when data.train_path is set"):
+        load_config(None, ["data.task=think_arith", "data.train_path=q.jsonl", "reward.name=math"])
 
 
 def test_the_documented_defaults_are_the_applied_ones():
