@@ -406,7 +406,7 @@ class LearnerPool:
                     "see the ranks' logs in the run folder's logs/ray, or raise learner.start_timeout_s for a large "
                     "model")
             value = ray.get(ready[0])
-            if ready[0] is self._setup[1]:  # rank 0's setup: the levers the ranks agreed to switch off
+            if ready[0] == self._setup[1]:  # rank 0's setup: the levers the ranks agreed to switch off
                 self.levers_off = dict(value)
         self._setup = None
 
