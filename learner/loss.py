@@ -50,6 +50,65 @@ def aggregate(per_token: Tensor, mask: Tensor, normalizer: float | None = None) 
     return total / normalizer
 
 
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "sapo")
+"""`learner.policy_loss`: the surrogate of fresh tokens (and of replayed ones with replay_loss="policy_loss")."""
+
+
+def _grad_carrier(logprobs: Tensor, mask: Tensor) -> Tensor:
+    """exp(logp - sg(logp)) [R, T]: 1 in value, d/dtheta = d logp/dtheta (0 where masked, garbage or not)."""
+    return torch.exp(torch.where(mask > 0, logprobs - logprobs.detach(), torch.zeros_like(logprobs)))
+
+
+def sequence_ratio(logprobs: Tensor, log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's sequence-level importance ratio in its token form [R, T] (Zheng et al. 2025, "Group Sequence Policy
+    Optimization", GSPO-token; verl's compute_policy_loss_gspo): s_i = exp(mean over the row's masked tokens of
+    log_ratio), taken as s_i,t = sg(s_i) * pi(y_t) / sg(pi(y_t)). Every token of a row has the value s_i, and
+    d/dtheta sum_t s_i,t / |y_i| = d s_i / dtheta, so with a per-row token mean the gradient is GSPO's own.
+    log s_i is capped at 10 (exp overflow, as verl)."""
+    n = mask.sum(-1).clamp(min=1)  # [R]
+    seq_log = ((log_ratio * mask).sum(-1) / n).clamp(max=10.0)  # [R]
+    return _grad_carrier(logprobs, mask) * torch.exp(seq_log.detach()).unsqueeze(-1)  # [R, T]
+
+
+def surrogate(kind: str, logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float,
+              clip_high: float, tau_pos: float = 1.0, tau_neg: float = 1.05, clip: bool = True
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """One policy loss per token over the tokens in `mask` [R, T]: (loss_t [R, T], weight [R, T], active [R, T]).
+
+    `log_ratio` [R, T]: log pi_theta - log pi_old (0 where masked); `adv` [R, 1]. `weight` (detached): the importance
+    weight the loss applies; `active` (0/1): where its clip or gate acts. `clip_low`/`clip_high`: the loss's band.
+    - ppo_clip: r = exp(log_ratio); max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) (-A r without `clip`).
+    - gspo: the same with GSPO's sequence ratio s (`sequence_ratio`) for r: a row is clipped whole.
+    - cispo (MiniMax-M1, arXiv 2506.13585, eq. 4-5; bands as ScaleRL, arXiv 2510.13786): -A sg(w) exp(logp - sg(logp))
+      with w = clip(r, 1 - clip_low, 1 + clip_high): the gradient -A w d logp of the paper's sg(w) A log pi,
+      the value -A w (not -A w log pi: comparable with the other losses). No token loses its gradient; active
+      where r lies outside the band (its weight truncated).
+    - sapo (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347; verl's compute_policy_loss_sapo):
+      -A (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos where A > 0, else tau_neg. Its gradient weight
+      4 sigmoid (1 - sigmoid) r is r at r = 1 and decays smoothly away from it; active where the gate's factor
+      4 sigmoid (1 - sigmoid) is below 1/2 (the token's gradient at least halved).
+    gspo, cispo and sapo have no unclipped form here (`clip` False is refused: their band or gate is the loss)."""
+    if kind != "ppo_clip" and not clip:
+        raise ValueError(f"surrogate: {kind} has no unclipped form (its band or gate is the loss)")
+    if kind in ("ppo_clip", "gspo"):
+        ratio = torch.exp(log_ratio) if kind == "ppo_clip" else sequence_ratio(logprobs, log_ratio, mask)
+        pg_loss1 = -adv * ratio
+        if not clip:
+            return pg_loss1, ratio.detach(), torch.zeros_like(ratio)
+        pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        return torch.maximum(pg_loss1, pg_loss2), ratio.detach(), (pg_loss2 > pg_loss1).to(ratio.dtype)
+    ratio = torch.exp(log_ratio).detach()
+    if kind == "cispo":
+        w = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        return -adv * w * _grad_carrier(logprobs, mask), ratio, (w != ratio).to(ratio.dtype)
+    if kind == "sapo":
+        tau = torch.where(adv > 0, tau_pos, tau_neg).to(logprobs.dtype)  # [R, 1]
+        gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0))  # [R, T]
+        active = (4.0 * gate * (1.0 - gate) < 0.5).to(ratio.dtype).detach()
+        return -adv * gate * (4.0 / tau), ratio, active
+    raise ValueError(f"surrogate: policy loss must be one of {POLICY_LOSSES}, got {kind!r}")
+
+
 def policy_loss(
     logprobs: Tensor,
     behaviour_logprobs: Tensor,
@@ -67,20 +126,29 @@ def policy_loss(
     icepop_band: tuple[float, float] | None = None,
     mis: str = "none",
     mis_cap: float = 2.0,
+    loss: str = "ppo_clip",
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    replay_loss: str = "shaping",
+    seq_mean: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The mixed-policy surrogate. Returns (loss, metrics) with metrics as detached 0-d tensors.
 
     logprobs, behaviour_logprobs, response_mask, replay_mask: [R, T]; advantages: [R].
-    - fresh tokens (replay_mask 0): ratio r = exp(logp - logp_behaviour);
-      loss_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) (plain -A r when not clip_fresh);
+    - fresh tokens (replay_mask 0): ratio r = exp(logp - logp_behaviour); with `loss` ppo_clip (the default)
+      loss_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) (plain -A r when not clip_fresh); gspo, cispo
+      and sapo as `surrogate` says, `clip_low`/`clip_high` then being their own band (gspo's, cispo's) and
+      `tau_pos`/`tau_neg` sapo's temperatures.
     - fresh tokens with `tis_cap` (truncated importance sampling, as verl/OpenRLHF's TIS on top of
       decoupled PPO): `old_logprobs` [R, T] are the learner's log-probs under the weights at the start
       of the step (no gradient). The trust region is centred on that policy, r = exp(logp - logp_old),
       and the off-policy gap to the sampler (train/inference mismatch, staleness) is corrected by the
       detached weight c = min(exp(logp_old - logp_behaviour), tis_cap):
       loss_t = c * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)).
-    - replayed tokens (replay_mask 1): w = exp(logp - logp_stored), loss_t = -A w / (w + beta),
-      no clipping; beta None gives -A w. TIS does not apply to them: w already weights against the
+    - replayed tokens (replay_mask 1), `replay_loss` "shaping" (ExGRPO's): w = exp(logp - logp_stored),
+      loss_t = -A w / (w + beta), no clipping; beta None gives -A w; with gspo, w is the row's sequence ratio
+      against the stored log-probs (`sequence_ratio`), shaped the same way. "policy_loss": the fresh tokens' loss
+      with its ratio against the stored log-probs. TIS does not apply to them: w already weights against the
       stored log-probs.
     - mismatch corrections of fresh tokens beside TIS, all from m_t = exp(logp_old - logp_behaviour)
       (detached, so `old_logprobs` is required): `icepop_band` (low, high) multiplies a token's loss by
@@ -88,16 +156,21 @@ def policy_loss(
       tokens) "truncate" multiplies the row's fresh loss by min(rho, mis_cap), "mask" by 0 when rho is
       outside [1/mis_cap, mis_cap]. Whenever `old_logprobs` is given (also alone: learner.recompute_old_logprobs)
       the trust region is centred on it, r = exp(logp - logp_old).
-    The loss is aggregated over all masked tokens (see `aggregate`); `fresh_loss` + `replay_loss`
-    = `loss`. Metrics: clip_frac (fraction of fresh tokens where the clipped branch is active),
-    mean/max ratio of fresh tokens, mean/max weight of replayed tokens, token counts; with `tis_cap`
-    also tis_weight_mean (mean c over fresh tokens) and tis_truncated_frac (fraction with c = tis_cap).
+    The loss is aggregated over all masked tokens (see `aggregate`); with `seq_mean` each token counts
+    1 / (its row's response tokens), so that `normalizer` (then the mini-batch's rows; None: this batch's rows
+    with tokens) divides a sum of per-row token means (GRPO's own seq-mean-token-mean). `fresh_loss` +
+    `replay_loss` = `loss`. Metrics: clip_frac (fraction of fresh tokens where the loss's clip or gate is
+    active), mean/max importance weight of fresh tokens (gspo: their row's sequence ratio), mean/max weight of
+    replayed tokens, token counts; replay_clip_frac with replay_loss "policy_loss"; with `tis_cap` also
+    tis_weight_mean (mean c over fresh tokens) and tis_truncated_frac (fraction with c = tis_cap).
     """
     if (tis_cap is not None or icepop_band is not None or mis != "none") and old_logprobs is None:
         raise ValueError("policy_loss: tis_cap, icepop_band and mis need old_logprobs (the learner's log-probs at "
                          "the start of the step)")
     if mis not in ("none", "truncate", "mask"):
         raise ValueError(f"policy_loss: mis must be none, truncate or mask, got {mis!r}")
+    if replay_loss not in ("shaping", "policy_loss"):
+        raise ValueError(f"policy_loss: replay_loss must be shaping or policy_loss, got {replay_loss!r}")
     mask = response_mask.to(logprobs.dtype)
     replay = replay_mask.to(logprobs.dtype) * mask  # [R, T]
     fresh = mask - replay  # [R, T]
@@ -105,10 +178,10 @@ def policy_loss(
     # Masked positions may hold garbage (padding): zero the log-ratio there so exp() stays finite.
     log_ratio = torch.where(mask > 0, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))  # [R, T]
     ratio = torch.exp(log_ratio)  # [R, T] against the behaviour log-probs
-    fresh_ratio, tis, keep, row_w = ratio, None, None, None
+    fresh_log_ratio, tis, keep, row_w = log_ratio, None, None, None
     if old_logprobs is not None:  # recomputed pi_old: the trust region is centred on it
         old = old_logprobs.detach()
-        fresh_ratio = torch.exp(torch.where(mask > 0, logprobs - old, torch.zeros_like(logprobs)))  # [R, T]
+        fresh_log_ratio = torch.where(mask > 0, logprobs - old, torch.zeros_like(logprobs))  # [R, T]
         mm_log = torch.where(fresh > 0, old - behaviour_logprobs, torch.zeros_like(logprobs))  # [R, T] detached
         if tis_cap is not None:
             tis = torch.exp(mm_log).clamp(max=tis_cap)  # [R, T]
@@ -122,34 +195,42 @@ def policy_loss(
             else:
                 row_w = ((seq_log >= -math.log(mis_cap)) & (seq_log <= math.log(mis_cap))).to(logprobs.dtype)
 
-    pg_loss1 = -adv * fresh_ratio
-    if clip_fresh:
-        pg_loss2 = -adv * torch.clamp(fresh_ratio, 1.0 - clip_low, 1.0 + clip_high)
-        fresh_loss_t = torch.maximum(pg_loss1, pg_loss2)  # [R, T]
-        clipped = (pg_loss2 > pg_loss1).to(logprobs.dtype)
-    else:
-        fresh_loss_t = pg_loss1
-        clipped = torch.zeros_like(ratio)
+    fresh_loss_t, fresh_w, clipped = surrogate(loss, logprobs, fresh_log_ratio, adv, fresh, clip_low=clip_low,
+                                               clip_high=clip_high, tau_pos=tau_pos, tau_neg=tau_neg,
+                                               clip=clip_fresh)  # [R, T] each
     if tis is not None:
         fresh_loss_t = tis * fresh_loss_t
     if keep is not None:
         fresh_loss_t = keep * fresh_loss_t
     if row_w is not None:
         fresh_loss_t = row_w.unsqueeze(-1) * fresh_loss_t
-    replay_loss_t = -adv * ratio if shaping_beta is None else -adv * ratio / (ratio + shaping_beta)  # [R, T]
+    replay_clipped = None
+    if replay_loss == "policy_loss":
+        replay_loss_t, replay_w, replay_clipped = surrogate(loss, logprobs, log_ratio, adv, replay, clip_low=clip_low,
+                                                            clip_high=clip_high, tau_pos=tau_pos, tau_neg=tau_neg)
+    else:
+        w = sequence_ratio(logprobs, log_ratio, replay) if loss == "gspo" else ratio  # [R, T]
+        replay_loss_t = -adv * w if shaping_beta is None else -adv * w / (w + shaping_beta)  # [R, T]
+        replay_w = w.detach()
 
-    fresh_loss = aggregate(fresh_loss_t, fresh, normalizer if normalizer is not None else mask.sum().clamp(min=1))
-    replay_loss = aggregate(replay_loss_t, replay, normalizer if normalizer is not None else mask.sum().clamp(min=1))
-    loss = fresh_loss + replay_loss
+    agg_fresh, agg_replay, default_norm = fresh, replay, mask.sum().clamp(min=1)
+    if seq_mean:  # each token weighs 1 / its row's response tokens; the divisor counts rows
+        per_row = mask / mask.sum(-1, keepdim=True).clamp(min=1)  # [R, T]
+        agg_fresh, agg_replay = fresh * per_row, replay * per_row
+        default_norm = (mask.sum(-1) > 0).sum().clamp(min=1).to(logprobs.dtype)
+    norm = normalizer if normalizer is not None else default_norm
+    fresh_loss = aggregate(fresh_loss_t, agg_fresh, norm)
+    replay_loss_v = aggregate(replay_loss_t, agg_replay, norm)
+    total = fresh_loss + replay_loss_v
 
     with torch.no_grad():
         n_fresh, n_replay = fresh.sum(), replay.sum()
-        r, fr = ratio.detach(), fresh_ratio.detach()
+        r, fr = replay_w, fresh_w
         zero = torch.zeros((), dtype=r.dtype, device=r.device)
         metrics = {
-            "loss": loss.detach(),
+            "loss": total.detach(),
             "fresh_loss": fresh_loss.detach(),
-            "replay_loss": replay_loss.detach(),
+            "replay_loss": replay_loss_v.detach(),
             "clip_frac": (clipped * fresh).sum() / n_fresh.clamp(min=1),
             "fresh_ratio_mean": (fr * fresh).sum() / n_fresh.clamp(min=1),
             # 0 where there is none; ratios are positive, so no branch on the count (which would read the device)
@@ -159,6 +240,8 @@ def policy_loss(
             "fresh_tokens": n_fresh,
             "replay_tokens": n_replay,
         }
+        if replay_clipped is not None:
+            metrics["replay_clip_frac"] = (replay_clipped * replay).sum() / n_replay.clamp(min=1)
         if keep is not None:
             metrics["icepop_masked_frac"] = ((1 - keep) * fresh).sum() / n_fresh.clamp(min=1)
         if row_w is not None:  # token-weighted: each fresh token carries its row's weight
@@ -167,7 +250,7 @@ def policy_loss(
         if tis is not None:
             metrics["tis_weight_mean"] = (tis * fresh).sum() / n_fresh.clamp(min=1)
             metrics["tis_truncated_frac"] = ((tis >= tis_cap).to(r.dtype) * fresh).sum() / n_fresh.clamp(min=1)
-    return loss, metrics
+    return total, metrics
 
 
 def logprob_gap(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, lag0_mask: Tensor) -> dict[str, Tensor]:

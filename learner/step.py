@@ -56,6 +56,15 @@ from learner.forward import forward_stats
 from learner.lora import adapters_disabled
 
 
+def loss_options(cfg: LearnerConfig) -> dict:
+    """`loss.policy_loss`'s choice of loss and its band or temperatures, from `learner.policy_loss` and its fields."""
+    band = {"ppo_clip": (cfg.clip_low, cfg.clip_high), "gspo": (cfg.gspo_clip_low, cfg.gspo_clip_high),
+            "cispo": (cfg.cispo_clip_low, cfg.cispo_clip_high), "sapo": (cfg.clip_low, cfg.clip_high)}
+    low, high = band[cfg.policy_loss]
+    return dict(loss=cfg.policy_loss, clip_low=low, clip_high=high, tau_pos=cfg.sapo_tau_pos,
+                tau_neg=cfg.sapo_tau_neg, replay_loss=cfg.replay_loss, seq_mean=cfg.loss_agg == "seq_mean_token_mean")
+
+
 def candidate_rows(batch: TrainingBatch) -> list[tuple[int, int, Row]]:
     """(group index, candidate index, row) for every candidate of a mixed group that has a choice (> 1)."""
     out = []
@@ -118,7 +127,7 @@ SUM_KEYS = ("loss", "pg_loss", "fresh_loss", "replay_loss", "entropy_loss", "kl_
             "replay_tokens", "rows", "abs_adv_sum", "tis_weight_sum", "tis_truncated_tokens",
             "gap_abs_sum", "gap_tokens", "gap_ratio_sum", "gap_ratio_sq_sum", "gap_lag0_tokens",
             "icepop_masked_tokens", "mis_weight_sum", "mis_masked_tokens", "icepop_tokens", "mis_tokens",
-            "forward_tokens", "row_tokens")
+            "forward_tokens", "row_tokens", "replay_clipped_tokens", "replay_clip_tokens")
 MAX_KEYS = ("fresh_ratio_max", "replay_weight_max", "gap_abs_max")
 
 
@@ -209,6 +218,9 @@ class RankStats:
         s["clipped_tokens"] += m["clip_frac"] * nf
         s["fresh_ratio_sum"] += m["fresh_ratio_mean"] * nf
         s["replay_weight_sum"] += m["replay_weight_mean"] * nr
+        if "replay_clip_frac" in m:  # learner.replay_loss=policy_loss
+            s["replay_clipped_tokens"] += m["replay_clip_frac"] * nr
+            s["replay_clip_tokens"] += nr
         s["fresh_tokens"] += nf
         s["replay_tokens"] += nr
         s["rows"] += len(q.rows)
@@ -335,6 +347,9 @@ def _mismatch_metrics(s: dict[str, float], mx: dict[str, float]) -> dict[str, fl
         "learner/icepop_masked_frac": s["icepop_masked_tokens"] / s["icepop_tokens"] if s["icepop_tokens"] else nan,
         "learner/mis_weight_mean": s["mis_weight_sum"] / s["mis_tokens"] if s["mis_tokens"] else nan,
         "learner/mis_masked_frac": s["mis_masked_tokens"] / s["mis_tokens"] if s["mis_tokens"] else nan,
+        # replayed tokens whose policy loss clipped or gated them (learner.replay_loss=policy_loss; NaN under shaping)
+        "learner/replay_clip_frac": (s["replay_clipped_tokens"] / s["replay_clip_tokens"] if s["replay_clip_tokens"]
+                                     else nan),
     }
 
 
@@ -505,6 +520,8 @@ class TrainStep:
         tokens = sum(len(r.response_ids) for r in mini)
         if tokens == 0:
             return 0.0
+        if self.cfg.loss_agg == "seq_mean_token_mean":  # rows with a response token: each row's token mean counts once
+            return float(sum(1 for r in mini if len(r.response_ids)))
         if self.cfg.loss_agg == "constant":
             return float(self.cfg.loss_constant or len(mini) * self.max_new_tokens) * (self.cfg.official_world_size or 1)
         return float(tokens)
@@ -533,10 +550,9 @@ class TrainStep:
                                    "no start-of-step "
                                    "log-probs (record_old_logprobs must run before the first update)")
         pg, metrics = L.policy_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.response_mask, mb.replay_mask,
-                                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_fresh=clip,
-                                    shaping_beta=cfg.shaping_beta, normalizer=normalizer,
+                                    clip_fresh=clip, shaping_beta=cfg.shaping_beta, normalizer=normalizer,
                                     old_logprobs=old, tis_cap=cfg.tis_cap, icepop_band=cfg.icepop_band,
-                                    mis=cfg.mis, mis_cap=cfg.mis_cap)
+                                    mis=cfg.mis, mis_cap=cfg.mis_cap, **loss_options(cfg))
         if ent_weights is not None:  # each row's tokens weighted by its official micro-batch (a dummy: 0)
             w = torch.tensor([ent_weights[id(r)] for r in mb.rows] or [0.0], dtype=torch.float32)  # [R]
             ent_term = L.entropy_bonus(ent, mb.response_mask * w.to(self.device, non_blocking=True)[:, None],
@@ -544,8 +560,9 @@ class TrainStep:
         else:
             ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.entropy_coef, tokens if tokens else normalizer)
         kl_term = torch.zeros((), device=self.device)
-        if ref_logp is not None:
-            kl_term = L.kl_penalty(logp, ref_logp, mb.response_mask, cfg.kl_coef, normalizer)
+        if ref_logp is not None:  # a token mean under seq_mean_token_mean (whose normalizer counts rows)
+            kl_term = L.kl_penalty(logp, ref_logp, mb.response_mask, cfg.kl_coef,
+                                   tokens if cfg.loss_agg == "seq_mean_token_mean" else normalizer)
         total = pg + ent_term + kl_term
         # 0 * anchor keeps every parameter in the graph: a rank whose micro-batch is an all-masked dummy
         # (fewer rows than ranks) still runs the backward that FSDP's gradient collectives wait for.

@@ -209,6 +209,28 @@ class LearnerConfig(Section):
     parameters are on CUDA (it ran in every H100 case of issue 42). Tried at setup with a step that moves no
     weight (`learner.trial`); falls back to the foreach AdamW, and says why, where the kernel fails or does not take
     the parameters."""
+    policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo"] = "ppo_clip"
+    """The fresh tokens' surrogate (docs/algorithm.md, Policy losses). ppo_clip: PPO's clipped ratio (clip_low,
+    clip_high). gspo: GSPO's sequence-level ratio, a row clipped whole (gspo_clip_low, gspo_clip_high). cispo:
+    MiniMax-M1's clipped, stop-gradient importance weight on every token's log-prob gradient (cispo_clip_low,
+    cispo_clip_high). sapo: SAPO's soft sigmoid gate (sapo_tau_pos, sapo_tau_neg). Replayed rows take ExGRPO's
+    policy shaping whichever it is (`replay_loss`)."""
+    replay_loss: Literal["shaping", "policy_loss"] = "shaping"
+    """Replayed tokens' objective. shaping: ExGRPO's -A w / (w + shaping_beta), w the ratio to the stored
+    log-probs (with gspo the row's sequence ratio, shaped the same way). policy_loss: `policy_loss` itself with its
+    ratio taken to the stored log-probs (an ablation: is the loss's own band or gate enough for replayed data?)."""
+    gspo_clip_low: float = Field(3e-4, gt=0, le=1)
+    """gspo: the sequence ratio's clip below 1 (the GSPO paper's 3e-4: a mean per-token log-ratio is small)."""
+    gspo_clip_high: float = Field(4e-4, gt=0, le=100)
+    """gspo: the sequence ratio's clip above 1 (the GSPO paper's 4e-4)."""
+    cispo_clip_low: float = Field(1.0, ge=0, le=1)
+    """cispo: the importance weight's band below 1 (1: no lower bound, as MiniMax-M1 and ScaleRL)."""
+    cispo_clip_high: float = Field(4.0, gt=0, le=100)
+    """cispo: the importance weight's band above 1 (4: weights capped at 5, as ScaleRL; MiniMax-M1 tunes it)."""
+    sapo_tau_pos: float = Field(1.0, gt=0, le=100)
+    """sapo: the gate's temperature for tokens of positive advantage (the SAPO paper's 1.0)."""
+    sapo_tau_neg: float = Field(1.05, gt=0, le=100)
+    """sapo: the gate's temperature for the others (the SAPO paper's 1.05: negative updates decay faster)."""
     clip_low: float = Field(0.2, ge=0, le=1)
     """PPO ratio clip below 1 for fresh tokens."""
     clip_high: float = Field(0.2, ge=0, le=100)
@@ -224,8 +246,11 @@ class LearnerConfig(Section):
     """KL-to-reference coefficient (0: no reference model is kept)."""
     std_normalize: bool = False
     """Divide advantages by the group's std."""
-    loss_agg: Literal["token_mean", "constant"] = "token_mean"
-    """Token mean, or sum divided by a constant (Dr. GRPO)."""
+    loss_agg: Literal["token_mean", "constant", "seq_mean_token_mean"] = "token_mean"
+    """How the policy loss aggregates over a mini-batch: token_mean (every token alike), constant (the token sum
+    divided by a constant: Dr. GRPO), or seq_mean_token_mean (each row's token mean, averaged over the mini-batch's
+    rows: the original GRPO's, GSPO's and SAPO's reference aggregation). The entropy bonus and the KL term stay token
+    means under seq_mean_token_mean."""
     loss_constant: float | None = Field(None, gt=0)
     """Divisor for loss_agg=constant (default: batch rows x max_new_tokens), times official_world_size when set."""
     official_world_size: int | None = Field(None, ge=1, le=100_000)
@@ -315,6 +340,8 @@ class LearnerConfig(Section):
                 policy = f"the mini-batch's token sum / {self.loss_constant * w:g} (loss_constant {c} x official_world_size {w})"
             else:
                 policy = f"the mini-batch's token sum / {c}" + (f" x official_world_size {w}" if w else "")
+        elif self.loss_agg == "seq_mean_token_mean":
+            policy = "the mean over the mini-batch's rows of each row's token mean"
         else:
             policy = "the mini-batch's token mean"
         entropy = (f"entropy_coef x sum of the micro-batches' token means / {w or 'num_ranks'}"
@@ -342,6 +369,11 @@ class LearnerConfig(Section):
         if self.store_learner_logprobs is True and self.mini_batches > 1 and not self.needs_old_logprobs:
             raise ValueError("learner.store_learner_logprobs=true with mini_batches > 1 needs the start-of-step "
                              "log-probs of every mini-batch: set learner.recompute_old_logprobs=true")
+        if self.policy_loss != "ppo_clip" and self.clip_fresh is not True:
+            raise ValueError(f"learner.clip_fresh={str(self.clip_fresh).lower()} turns PPO's clip off (auto: once mixed "
+                             f"mode starts), but learner.policy_loss={self.policy_loss} has no unclipped form: its "
+                             f"{'gate' if self.policy_loss == 'sapo' else 'band'} is the loss itself. Set "
+                             f"learner.clip_fresh=true, or learner.policy_loss=ppo_clip")
         if self.micro_batch_split == "balanced" and (self.micro_batch_tokens is None or self.padding_free is False):
             raise ValueError("learner.micro_batch_split=balanced cuts padding-free micro-batches by their token budget: "
                              "set learner.micro_batch_tokens (32768 in the paper's runs) and leave learner.padding_free "

@@ -1,0 +1,221 @@
+"""The policy losses (`learner.policy_loss`, issue 46) worked by hand on small batches: values and gradients, fresh
+and replayed rows, both aggregations; ppo_clip bit for bit what it was; each loss through the real training step."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import LearnerConfig
+from learner import loss as L
+
+LN = math.log
+
+
+def _run(logprobs, behaviour, adv, mask, replay, **kw):
+    """(loss, d loss / d logprobs, metrics as floats)."""
+    x = torch.tensor(logprobs, dtype=torch.float32, requires_grad=True)
+    loss, m = L.policy_loss(x, torch.tensor(behaviour), torch.tensor(adv), torch.tensor(mask), torch.tensor(replay),
+                            **kw)
+    loss.backward()
+    return loss.item(), x.grad, {k: float(v) for k, v in m.items()}
+
+
+# Two fresh rows of two tokens, log-probs measured from a behaviour of log 0.5: row 0's ratios are 1.5 and 0.5,
+# row 1's 2 and (masked) anything.
+LOGP = [[LN(0.75), LN(0.25)], [LN(1.0), -7.0]]
+BEH = [[LN(0.5), LN(0.5)], [LN(0.5), LN(0.5)]]
+MASK = [[1.0, 1.0], [1.0, 0.0]]
+FRESH = [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_gspo_clips_a_row_by_its_sequence_ratio_worked_by_hand():
+    # row 0: s = exp((ln 1.5 + ln 0.5) / 2) = sqrt(0.75) = 0.8660, A = +1: below the band, min(s, clip) = s:
+    #   unclipped, each token -A s = -0.8660, gradient d/dlogp_t = -A s = -0.8660 (before the divisor);
+    # row 1: s = 2 (its one token), A = +1: above 1 + 4e-4, clipped to -1.0004, no gradient.
+    s0 = math.sqrt(0.75)
+    loss, grad, m = _run(LOGP, BEH, [1.0, 1.0], MASK, FRESH, loss="gspo", clip_low=3e-4, clip_high=4e-4)
+    assert loss == pytest.approx((-s0 * 2 - 1.0004) / 3, rel=1e-6)  # token mean over 3 tokens
+    torch.testing.assert_close(grad, torch.tensor([[-s0 / 3, -s0 / 3], [0.0, 0.0]]))
+    assert m["clip_frac"] == pytest.approx(1 / 3)  # row 1's one token
+    assert m["fresh_ratio_mean"] == pytest.approx((2 * s0 + 2) / 3, rel=1e-6)  # the row's sequence ratio per token
+    # seq_mean_token_mean: (row 0's mean -0.8660 + row 1's -1.0004) / 2 rows; row 0's tokens weigh 1/2 each
+    loss, grad, _ = _run(LOGP, BEH, [1.0, 1.0], MASK, FRESH, loss="gspo", clip_low=3e-4, clip_high=4e-4,
+                         seq_mean=True)
+    assert loss == pytest.approx((-s0 - 1.0004) / 2, rel=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-s0 / 4, -s0 / 4], [0.0, 0.0]]))
+
+
+def test_gspo_token_gradient_is_the_sequence_ratios_gradient():
+    """GSPO-token with a per-row token mean has GSPO's own gradient: d s_i / d theta with s_i = (pi / pi_old)^(1/|y|)
+    (here with no clip in reach)."""
+    torch.manual_seed(0)
+    lp = (torch.randn(3, 5) * 0.1 - 2).requires_grad_(True)
+    old = lp.detach() + torch.randn(3, 5) * 0.05
+    mask = torch.ones(3, 5)
+    mask[2, 3:] = 0
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    loss, _ = L.policy_loss(lp, old, adv, mask, torch.zeros(3, 5), loss="gspo", clip_low=0.9, clip_high=9.0,
+                            seq_mean=True)
+    loss.backward()
+    x = lp.detach().clone().requires_grad_(True)
+    s = torch.exp(((x - old) * mask).sum(-1) / mask.sum(-1))  # [R]
+    (-(adv * s).mean()).backward()
+    torch.testing.assert_close(lp.grad, x.grad)
+
+
+def test_cispo_truncates_the_weight_and_keeps_every_tokens_gradient():
+    # row 0 (A = +1): ratios 1.5 and 0.5, band [1 - 1, 1 + 0.2] = [0, 1.2]: weights 1.2 and 0.5; value -A w, gradient
+    # -A w per token; row 1 (A = -1): ratio 2 -> weight 1.2, value +1.2, gradient +1.2. Token mean over 3.
+    loss, grad, m = _run(LOGP, BEH, [1.0, -1.0], MASK, FRESH, loss="cispo", clip_low=1.0, clip_high=0.2)
+    assert loss == pytest.approx((-1.2 - 0.5 + 1.2) / 3, rel=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-1.2 / 3, -0.5 / 3], [1.2 / 3, 0.0]]))
+    assert m["clip_frac"] == pytest.approx(2 / 3)  # ratios 1.5 and 2 truncated
+    assert m["fresh_ratio_mean"] == pytest.approx((1.5 + 0.5 + 2) / 3, rel=1e-6)
+    # ppo_clip on the same tokens: the clipped ones (1.5 with A > 0, 2 with A < 0: max(2, 1.2) is not clipped) ...
+    _, ppo_grad, _ = _run(LOGP, BEH, [1.0, -1.0], MASK, FRESH, clip_low=0.2, clip_high=0.2)
+    # ... lose their gradient under PPO (token 0: clip(1.5) = 1.2 is the max for A > 0), never under CISPO
+    torch.testing.assert_close(ppo_grad, torch.tensor([[0.0, -0.5 / 3], [2.0 / 3, 0.0]]))
+
+
+def test_sapo_gate_worked_by_hand():
+    # ratios 1 (A = +1, tau_pos 1), 2 (A = -1, tau_neg 1.05), 4 (A = +1); one token each, token mean over 3
+    logp = [[LN(0.5)], [LN(1.0)], [LN(2.0)]]
+    beh = [[LN(0.5)], [LN(0.5)], [LN(0.5)]]
+    sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
+    g0, g1, g2 = sig(0.0), sig(1.05 * (2 - 1)), sig(1.0 * (4 - 1))  # 0.5, 0.74077, 0.95257
+    values = [-1 * g0 * 4 / 1.0, +1 * g1 * 4 / 1.05, -1 * g2 * 4 / 1.0]  # -A (4/tau) sigmoid(tau (r - 1))
+    # d/dlogp of -A (4/tau) sigmoid(tau (r - 1)) = -A 4 sigmoid (1 - sigmoid) r
+    grads = [-1 * 4 * g0 * (1 - g0) * 1, +1 * 4 * g1 * (1 - g1) * 2, -1 * 4 * g2 * (1 - g2) * 4]
+    loss, grad, m = _run(logp, beh, [1.0, -1.0, 1.0], [[1.0]] * 3, [[0.0]] * 3, loss="sapo", tau_pos=1.0,
+                         tau_neg=1.05)
+    assert loss == pytest.approx(sum(values) / 3, rel=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[g / 3] for g in grads]))
+    assert grads[0] == pytest.approx(-1.0)  # at r = 1 the gate passes the plain policy gradient -A
+    # gated (4 sigmoid (1 - sigmoid) < 1/2): only r = 4 (0.181); r = 2 keeps 0.768 of it
+    assert m["clip_frac"] == pytest.approx(1 / 3)
+
+
+# One fresh row (A = +1) and one replayed row (A = -1), two tokens each; the replayed row's stored log-probs give
+# ratios 2 and 0.5 (sequence ratio exp((ln 2 + ln 0.5) / 2) = 1).
+R_LOGP = [[LN(0.5), LN(0.5)], [LN(0.8), LN(0.1)]]
+R_BEH = [[LN(0.5), LN(0.5)], [LN(0.4), LN(0.2)]]
+R_MASK = [[1.0, 1.0], [1.0, 1.0]]
+R_REPLAY = [[0.0, 0.0], [1.0, 1.0]]
+R_ADV = [1.0, -1.0]
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "cispo", "sapo"])
+def test_replayed_tokens_are_shaped_per_token_under_the_token_losses(loss):
+    # replayed (A = -1): -A w / (w + 0.1) per token: 2/2.1 and 0.5/0.6; d/dlogp = -A 0.1 w / (w + 0.1)^2
+    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, loss=loss, clip_low=0.2 if loss != "cispo" else 1.0,
+                      clip_high=0.2)
+    want = [0.1 * 2 / 2.1 ** 2 / 4, 0.1 * 0.5 / 0.6 ** 2 / 4]
+    torch.testing.assert_close(grad[1], torch.tensor(want))
+    assert m["replay_loss"] == pytest.approx((2 / 2.1 + 0.5 / 0.6) / 4, rel=1e-6)
+    assert m["replay_weight_mean"] == pytest.approx(1.25) and "replay_clip_frac" not in m
+
+
+def test_replayed_rows_are_shaped_by_their_sequence_ratio_under_gspo():
+    # s = 1: each token -A s/(s + 0.1) = 1/1.1; d/dlogp_t = -A 0.1 s / (s + 0.1)^2 = 0.1/1.21 (per token, / 4 tokens)
+    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, loss="gspo", clip_low=3e-4, clip_high=4e-4)
+    torch.testing.assert_close(grad[1], torch.tensor([0.1 / 1.21 / 4] * 2))
+    assert m["replay_loss"] == pytest.approx(2 / 1.1 / 4, rel=1e-6)
+    assert m["replay_weight_mean"] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_replay_loss_policy_loss_applies_the_loss_to_replayed_rows():
+    # cispo on the replayed row (A = -1): weights clip([2, 0.5], 0, 1.2) = [1.2, 0.5]: value +1.2 + 0.5, gradient the
+    # same per token; one of its two tokens truncated
+    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, loss="cispo", clip_low=1.0, clip_high=0.2,
+                      replay_loss="policy_loss")
+    torch.testing.assert_close(grad[1], torch.tensor([1.2 / 4, 0.5 / 4]))
+    assert m["replay_loss"] == pytest.approx(1.7 / 4, rel=1e-6) and m["replay_clip_frac"] == 0.5
+    # ppo_clip against the stored log-probs (A = -1): ratio 2 -> max(2, 1.2) = 2 unclipped; 0.5 -> max(0.5, 0.8)
+    # = 0.8 clipped (no gradient)
+    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, replay_loss="policy_loss")
+    torch.testing.assert_close(grad[1], torch.tensor([2.0 / 4, 0.0]))
+    assert m["replay_clip_frac"] == 0.5
+
+
+def test_fresh_and_replayed_losses_add_up_under_seq_mean():
+    for loss in L.POLICY_LOSSES:
+        _, _, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, loss=loss, seq_mean=True, normalizer=2.0)
+        assert m["loss"] == pytest.approx(m["fresh_loss"] + m["replay_loss"], rel=1e-6)
+
+
+def test_the_bandless_losses_refuse_to_run_unclipped():
+    with pytest.raises(ValueError, match="no unclipped form"):
+        _run(LOGP, BEH, [1.0, 1.0], MASK, FRESH, loss="sapo", clip_fresh=False)
+
+
+# ppo_clip's values, gradients and metrics before issue 46, bit for bit (computed at 9314e02): sha256 of the gradient
+# and the sorted metrics as float32 bytes, and the loss as a float's hex
+PPO_GOLDEN = [
+    ({}, "-0x1.3df0a80000000p-1", "bd2cb8a392780145"),
+    ({"clip_fresh": False}, "-0x1.4b21f20000000p-1", "32b2bceaffa227b4"),
+    ({"normalizer": 37.0}, "-0x1.7a17440000000p-1", "5d11ad06eb1f7116"),
+    ({"old": True, "tis_cap": 2.0}, "-0x1.4b21f40000000p-1", "09f820921846507e"),
+    ({"old": True, "icepop_band": (0.7, 1.5), "mis": "truncate"}, "-0x1.f50fe60000000p-2", "6cc91ef25f264c1c"),
+    ({"shaping_beta": None, "clip_low": 0.1, "clip_high": 0.3}, "-0x1.50fd3a0000000p-1", "f1786dbb2b79e701"),
+]
+
+
+@pytest.mark.parametrize("kw, loss_hex, digest", PPO_GOLDEN)
+def test_ppo_clip_is_unchanged_bit_for_bit(kw, loss_hex, digest):
+    torch.manual_seed(0)
+    lp = torch.randn(6, 9) * 0.5 - 1.0
+    beh = lp + torch.randn(6, 9) * 0.3
+    old = lp + torch.randn(6, 9) * 0.1
+    adv = torch.randn(6)
+    mask = (torch.rand(6, 9) > 0.2).float()
+    replay = torch.zeros(6, 9)
+    replay[4:] = 1
+    kw = dict(kw)
+    if kw.pop("old", False):
+        kw["old_logprobs"] = old
+    x = lp.clone().requires_grad_(True)
+    loss, m = L.policy_loss(x, beh, adv, mask, replay, **kw)
+    loss.backward()
+    metrics = torch.stack([v.float() for _, v in sorted(m.items())]).numpy().tobytes()
+    assert loss.item().hex() == loss_hex
+    assert hashlib.sha256(x.grad.numpy().tobytes() + metrics).hexdigest()[:16] == digest
+
+
+def test_config_takes_each_loss_and_refuses_what_has_no_meaning():
+    for loss in L.POLICY_LOSSES:
+        LearnerConfig(policy_loss=loss, loss_agg="seq_mean_token_mean")
+    with pytest.raises(ValueError, match=r"clip_fresh=auto.*policy_loss=cispo has no unclipped form.*clip_fresh=true"):
+        LearnerConfig(policy_loss="cispo", clip_fresh="auto")
+    with pytest.raises(ValueError, match="policy_loss=sapo has no unclipped form: its gate"):
+        LearnerConfig(policy_loss="sapo", clip_fresh=False)
+    LearnerConfig(policy_loss="ppo_clip", clip_fresh="auto")
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo", "cispo", "sapo"])
+def test_each_loss_trains_through_the_real_step(tiny_model_dir, loss):
+    """Two mini-batches (two updates) of fresh and replayed rows through `TrainStep` with each loss, the original
+    GRPO aggregation, and the loss applied to replayed rows too: finite, updating, metrics in range."""
+    from learner.batching import batch_rows
+    from learner.step import complete_groups, merge_rank_stats
+    from tests.learner.batches import make_batch
+    from tests.learner.test_step import plain_step
+
+    for overrides in ({}, {"loss_agg": "seq_mean_token_mean", "replay_loss": "policy_loss"}):
+        model, step = plain_step(tiny_model_dir, mini_batches=2, policy_loss=loss, lr=1e-3, **overrides)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        m, _ = merge_rank_stats([step.run(make_batch(0))])
+        assert m["learner/updates"] == 2 and np.isfinite(m["learner/loss"]), m
+        assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert 0 <= m["learner/clip_frac"] <= 1 and m["learner/fresh_ratio_mean"] > 0
+        assert m["learner/replay_tokens"] > 0 and m["learner/replay_weight_mean"] > 0
+        if overrides:
+            assert 0 <= m["learner/replay_clip_frac"] <= 1
+            rows = batch_rows(complete_groups(make_batch(0, candidates=1), {})[0], std_normalize=False, max_positions=512)
+            assert step._normalizer(rows) == sum(1 for r in rows if len(r.response_ids)) > 0  # rows, not tokens
+        else:
+            assert np.isnan(m["learner/replay_clip_frac"])
