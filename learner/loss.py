@@ -83,7 +83,7 @@ def surrogate(kind: str, logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask:
       with w = clip(r, 1 - clip_low, 1 + clip_high): the gradient -A w d logp of the paper's sg(w) A log pi,
       the value -A w (not -A w log pi: comparable with the other losses). No token loses its gradient; active
       where r lies outside the band (its weight truncated).
-    - sapo (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347; verl's compute_policy_loss_sapo):
+    - sapo ("Soft Adaptive Policy Optimization", Qwen 2025, arXiv 2511.20347; verl's compute_policy_loss_sapo):
       -A (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos where A > 0, else tau_neg. Its gradient weight
       4 sigmoid (1 - sigmoid) r is r at r = 1 and decays smoothly away from it; active where the gate's factor
       4 sigmoid (1 - sigmoid) is below 1/2 (the token's gradient at least halved).

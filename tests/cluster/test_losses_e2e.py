@@ -1,0 +1,35 @@
+"""`exgrpo train` with each policy loss other than ppo_clip (every other end-to-end run trains ppo_clip): two steps
+each, on the transformers engine, replay from the first step (buffer.mixed_switch_accuracy=0), the loss's metrics
+in MLflow. One run also takes GRPO's seq_mean_token_mean aggregation and the loss on replayed rows. Issue 46's
+smoke test; `exgrpo experiment losses` compares them (docs/results.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.cluster.runs import history, mlflow_client, run_train, state
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("loss, extra", [
+    ("gspo", ()),
+    ("cispo", ("learner.loss_agg=seq_mean_token_mean", "learner.replay_loss=policy_loss")),
+    ("sapo", ()),
+])
+def test_two_steps_train_with_each_policy_loss(tmp_path, loss, extra):
+    r = run_train(tmp_path, loss, f"learner.policy_loss={loss}", *extra, "total_steps=2", "checkpoint.every_steps=0",
+                  "generator.engine.kind=transformers", "buffer.mixed_switch_accuracy=0",
+                  "buffer.collect_before_mixed=true", "tracking.log_plots=false", timeout_s=600)
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "step 2/2" in r.stdout
+    client = mlflow_client(tmp_path)
+    run_id = state(tmp_path / loss)["mlflow_run_id"]
+    assert client.get_run(run_id).data.params["learner.policy_loss"] == loss
+    for key in ("learner/clip_frac", "learner/fresh_ratio_mean", "learner/loss"):
+        values = [v for _, v in history(client, run_id, key)]
+        assert len(values) == 2 and all(math.isfinite(v) for v in values), (key, values)
+    assert all(0 <= v <= 1 for _, v in history(client, run_id, "learner/clip_frac"))
+    assert [v for _, v in history(client, run_id, "learner/updates")] == [1.0, 1.0]
