@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="built-in task (default: the config's); its reward and chat settings come with it")
     e.add_argument("--data", help="JSONL/Parquet test file (instead of a built-in task)")
     e.add_argument("--samples", type=_positive, default=None,
-                   help="samples per question for pass@k (default: 8, or each eval.sets entry's own)")
+                   help="samples per question for pass@k (default: eval.samples, 4, as the in-run evaluator; "
+                        "each eval.sets entry's own)")
     e.add_argument("--limit", type=_positive, default=None, help="evaluate at most this many questions")
     e.add_argument("config", nargs="?", help="YAML config file (optional)")
     e.add_argument("overrides", nargs="*", help="dotted.key=value overrides")

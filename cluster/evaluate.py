@@ -124,9 +124,9 @@ def eval_main(args, cfg: RunConfig) -> int:
     results = []
     for st in sets:
         run_cfg = cfg.model_copy(update={"reward": st.reward})
-        samples = args.samples or (st.samples if st.name else 8)
-        result = evaluate(str(model), run_cfg, st.questions, samples=samples,
-                          temperature=st.temperature if st.name else 0.6, task=st.task)
+        # eval.samples / eval.temperature (or the set's own), as the in-run evaluator: offline and in-run pass@k compare
+        result = evaluate(str(model), run_cfg, st.questions, samples=args.samples or st.samples,
+                          temperature=st.temperature, task=st.task)
         print(result.table(str(model), st.name))
         results.append((st.name, result))
     if cfg.tracking.enabled:

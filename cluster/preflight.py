@@ -119,7 +119,24 @@ def input_problems(cfg) -> list[str]:
             problems.append(str(e))
     problems.append(answers_problem(cfg.data, cfg.reward.name))
     problems.append(_response_too_long(cfg))
+    problems.append(gpus_missing(cfg))
     return [p for p in problems if p]
+
+
+def gpus_missing(cfg) -> str | None:
+    """GPUs asked of a local run (no cluster.address: Ray starts here with this machine's GPUs) on a machine
+    without any: the placement check would refuse the run once Ray is up; said at config time instead."""
+    asked = {f"{s}.num_gpus": getattr(cfg, s).num_gpus for s in ("learner", "generator", "eval")}
+    asked = {k: v for k, v in asked.items() if v > 0}
+    if not asked or cfg.cluster.address is not None:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    keys = ", ".join(f"{k}={v:g}" for k, v in asked.items())
+    return (f"{keys}: GPUs asked of a local run, but this machine has none (torch.cuda.is_available() is False); "
+            f"set {' '.join(f'{k}=0' for k in asked)}, or cluster.address to a Ray cluster with GPUs")
 
 
 def _response_too_long(cfg) -> str | None:

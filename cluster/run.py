@@ -212,7 +212,7 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str]):
     """Check the model folder, reward and data, then create the run folder (or, resuming, apply the
     overrides and pick the newest usable checkpoint): a bad input leaves nothing behind and the same
     `name=` free. Returns (cfg, run_dir, state, model_path, questions); BadInput says what to change."""
-    from cluster.preflight import BadInput, answers_problem, check_reward
+    from cluster.preflight import BadInput, answers_problem, check_reward, gpus_missing
     from cluster.runtime import RunDir, RunFolderError
 
     try:
@@ -222,7 +222,7 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str]):
             assert cfg is not None
             run_dir, changes = RunDir.planned(cfg), {}
         check_reward(cfg.reward.name, cfg.data.task if cfg.data.train_path is None else None)
-        unread = answers_problem(cfg.data, cfg.reward.name)
+        unread = answers_problem(cfg.data, cfg.reward.name) or gpus_missing(cfg)
         if unread:
             raise BadInput("invalid configuration:", unread)
         model_path = _resolve_model(cfg)  # may build the built-in model (minutes): after the quick checks

@@ -114,6 +114,12 @@ class RunConfig(Section):
                 f"learner.mini_batches: {self.learner.mini_batches} does not divide "
                 f"buffer.batch_questions {self.buffer.batch_questions}"
             )
+        ahead = self.buffer.batch_questions * (self.buffer.max_lag + 1)  # the most questions ever issued at once
+        if "questions_per_lease" in self.generator.model_fields_set and self.generator.questions_per_lease > ahead:
+            problems.append(f"generator.questions_per_lease: {self.generator.questions_per_lease} is more than a lease "
+                            f"can ever hold: the buffer issues at most buffer.batch_questions x (buffer.max_lag + 1) = "
+                            f"{ahead} questions ahead of the learner, and one lease that large leaves the other "
+                            f"generators idle; set it at most {ahead} (the default, 8, adapts)")
         if self.buffer.replay_ratio > 0 and not self.buffer.collect:
             problems.append("buffer.collect: false leaves nothing to replay while buffer.replay_ratio > 0; "
                             "set buffer.replay_ratio=0 for plain GRPO")

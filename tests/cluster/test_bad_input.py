@@ -73,6 +73,11 @@ def assert_refused(code: int, out: str, *expected: str) -> None:
     (["learner.num_ranks=4", "buffer.batch_questions=1", "buffer.group_size=2"],
      ["learner.num_ranks: 4 ranks share 2 rows per mini-batch (buffer.batch_questions 1 x buffer.group_size 2 / "
       "learner.mini_batches 1): a rank would get none; set learner.num_ranks at most 2"]),
+    (["generator.questions_per_lease=10000", "buffer.batch_questions=1"],
+     ["generator.questions_per_lease: 10000 is more than a lease can ever hold: the buffer issues at most "
+      "buffer.batch_questions x (buffer.max_lag + 1) = 2 questions ahead", "set it at most 2"]),
+    (["learner.policy_loss=cispo", "learner.clip_fresh=auto"],
+     ["learner.clip_fresh=auto turns PPO's clip off", "learner.policy_loss=cispo has no unclipped form"]),
 ])
 def test_bad_config_is_refused_naming_the_field(capsys, args, expected):
     code, out = cli(capsys, "config", *args)
@@ -193,6 +198,18 @@ def test_a_task_with_a_data_file_is_refused_with_why(capsys):
                    "built-in think_arith task")
     code, out = cli(capsys, "config", "data.train_path=x.jsonl", "data.task=countdown")  # `exgrpo config`'s output
     assert "data.task" not in out.split("refuses")[-1], out
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU: nothing to refuse")
+def test_gpus_asked_of_a_local_run_without_any_are_refused_at_config_time(capsys, runs):
+    says = ("learner.num_gpus=1, generator.num_gpus=0.5: GPUs asked of a local run, but this machine has none "
+            "(torch.cuda.is_available() is False); set learner.num_gpus=0 generator.num_gpus=0, or cluster.address "
+            "to a Ray cluster with GPUs")
+    assert_refused(*cli(capsys, "config", "learner.num_gpus=1", "generator.num_gpus=0.5"), says)
+    assert_refused(*train(capsys, runs, "learner.num_gpus=1", "generator.num_gpus=0.5"), "invalid configuration:", says)
+    assert not (runs / "r").exists()
+    code, out = cli(capsys, "config", "learner.num_gpus=1", "cluster.address=auto")  # the cluster's GPUs: not ours
+    assert "GPUs asked" not in out, out
 
 
 def test_runs_root_that_is_a_file_is_refused(capsys, tmp_path, tiny_model_dir):

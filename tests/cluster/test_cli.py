@@ -67,6 +67,12 @@ def test_eval_prints_a_table_for_a_model_folder(capsys, tiny_model_dir, tmp_path
     out = capsys.readouterr().out
     assert "greedy accuracy" in out and "pass@2" in out and "questions                       6" not in out
     assert any(line.split()[:1] == ["questions"] and line.split()[-1] == "6" for line in out.splitlines())
+    # without --samples: eval.samples and eval.temperature, as the in-run evaluator (issue 45: it was a fixed 8, 0.6)
+    code = main(["eval", "--model", str(tiny_model_dir), "--task", "arithmetic", "--limit", "3", "eval.samples=3",
+                 "eval.temperature=1.0", "generator.engine.kind=transformers", "tracking.enabled=false",
+                 f"checkpoint.runs_root={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == 0 and "pass@3" in out and "T=1.0, 3 samples" in out, out
 
 
 def test_eval_reports_every_eval_set_with_its_own_reward_and_samples(capsys, tiny_model_dir, tmp_path):
