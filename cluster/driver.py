@@ -116,6 +116,8 @@ class Trainer:
                 self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)
         with phase("start-up: learner ranks (the rest of their start)"):
             self.learner.wait_ready()
+        if self.learner.summary:  # LoRA: rank, targets, trainable parameters and their share
+            log.info("%s", self.learner.summary)
         if self.learner.levers_off:  # the rank logged each one; the driver's log and state keep them
             self.state.levers_off.update(self.learner.levers_off)
             log.warning("learner levers off for this run (they failed their trial at setup; the run trains on): %s",

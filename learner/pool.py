@@ -102,10 +102,10 @@ class LearnerRank:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, address: tuple[str, int]) -> dict[str, str]:
+    def setup(self, address: tuple[str, int]) -> tuple[dict[str, str], str | None]:
         """Join the process group at rank 0's `address` (`rendezvous_address`), load and shard the model
         (`learner.setup.setup_rank`). Returns the levers that failed their trial at setup and are off, with the
-        error of each (`learner.trial`; the same on every rank)."""
+        error of each (`learner.trial`; the same on every rank), and the model's line for the console (LoRA)."""
         from learner.setup import setup_rank
 
         host, port = address
@@ -119,7 +119,7 @@ class LearnerRank:
         self.model, self.optimizer, self.trainer = built.model, built.optimizer, built.trainer
         self.model_config = built.model.config
         self.staging = Staging()
-        return dict(built.levers_off or {})
+        return dict(built.levers_off or {}), built.summary
 
     def train(self, payload: bytes) -> RankStats:
         """One step on a msgpack-encoded TrainingBatch (the driver puts it once; every rank reads it), at the
@@ -363,6 +363,7 @@ class LearnerPool:
         self.steps = 0
         self.skipped_updates = 0
         self.levers_off: dict[str, str] = {}  # levers that failed their trial at setup -> error (after wait_ready)
+        self.summary: str | None = None  # rank 0's line for the console (LoRA's adapters), after wait_ready
         self.store = get_or_create_store(run, namespace)
         reset = self.store.reset.remote()  # a resumed pool may publish a lower version than a dead one did
         actor = ray.remote(LearnerRank)
@@ -407,7 +408,7 @@ class LearnerPool:
                     "model")
             value = ray.get(ready[0])
             if ready[0] == self._setup[1]:  # rank 0's setup: the levers the ranks agreed to switch off
-                self.levers_off = dict(value)
+                self.levers_off, self.summary = dict(value[0]), value[1]
         self._setup = None
 
     def step(self, batch: TrainingBatch) -> StepResult:

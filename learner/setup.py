@@ -54,6 +54,7 @@ class RankModel:
     ref_model: torch.nn.Module | None = None  # frozen reference copy (learner.kl_coef > 0 without LoRA)
     packing_gap: float | None = None  # largest change measured by check_packing (None: padded micro-batches)
     levers_off: dict[str, str] | None = None  # levers that failed their trial at setup -> the error (learner.trial)
+    summary: str | None = None  # one line for the run's console (LoRA: rank, targets, trainable parameters)
 
 
 def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, device: torch.device,
@@ -108,8 +109,14 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
             load_shards(model, model_path, rank, world, skip=adapter_names(model))
         else:
             fill(model)
+    summary = None
     if cfg.lora is not None:
         init_adapters(model, cfg.seed, rank, world)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # global counts (DTensor numel)
+        total = sum(p.numel() for p in model.parameters())
+        summary = (f"learner.lora: rank {cfg.lora.rank} adapters (alpha {cfg.lora.alpha:g}) on {len(targets)} Linear "
+                   f"modules ({', '.join(sorted({t.rsplit('.', 1)[-1] for t in targets}))}): {trainable / 1e6:.3g} M "
+                   f"trainable parameters of {total / 1e6:.4g} M ({trainable / max(total, 1):.2%})")
         if rank == 0:
             log.info("learner.lora: rank %d adapters (alpha %g) on %d Linear modules (%s); only they train. "
                      "Checkpoints export the merged model (W + alpha/rank B A under the base names) and the "
@@ -150,7 +157,8 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
                  "padding-free packing" if cfg.packs_padding_free else "padded", model.config._attn_implementation,
                  "" if gap is None else f"; packed rows checked apart (largest change {gap:.2g})")
         log.info("learner levers on %s: %s; %s", device.type, "; ".join(notes), optimizer_note)
-    return RankModel(model=model, optimizer=optimizer, trainer=trainer, ref_model=ref, packing_gap=gap, levers_off=off)
+    return RankModel(model=model, optimizer=optimizer, trainer=trainer, ref_model=ref, packing_gap=gap, levers_off=off,
+                     summary=summary)
 
 
 class _RankLevers:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -68,6 +69,10 @@ def test_lora_run_resumes_after_kill_9_with_adapters_only_and_a_peft_export(tmp_
     r = run_train(runs_root, NAME, f"total_steps={total}", resume=run_dir, log_name="resumed", timeout_s=300)
     assert r.returncode == 0, r.stdout[-4000:]
     assert f"step {total}/{total}" in r.stdout, r.stdout[-4000:]
+    # the console says LoRA is on (issue 45): rank, targets, trainable parameters and their share
+    assert re.search(r"learner\.lora: rank 8 adapters \(alpha 16\) on 21 Linear modules \(down_proj, gate_proj, "
+                     r"k_proj, o_proj, q_proj, up_proj, v_proj\): [\d.]+ M trainable parameters of [\d.]+ M "
+                     r"\([\d.]+%\)", r.stdout), r.stdout[:4000]
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"  # the same MLflow run continued
     assert run.data.params["learner.lora.rank"] == "8"
