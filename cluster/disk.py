@@ -30,6 +30,20 @@ def free_bytes(folder: str | os.PathLike) -> int | None:
     return st.f_bavail * st.f_frsize if st.f_blocks else None
 
 
+def not_writable(folder: str | os.PathLike) -> OSError | None:
+    """Why nothing can be written into `folder` (or its nearest existing parent), before trying: a read-only file
+    system (EROFS, from statvfs's flags: a read-only mount still reports its free bytes), or a folder this user may
+    not write (EACCES). None: writable as far as can be told without writing."""
+    p = Path(folder).absolute()
+    while not p.exists():
+        p = p.parent
+    if os.statvfs(p).f_flag & os.ST_RDONLY:
+        return OSError(errno.EROFS, os.strerror(errno.EROFS), str(p))
+    if not os.access(p, os.W_OK | os.X_OK):
+        return OSError(errno.EACCES, os.strerror(errno.EACCES), str(p))
+    return None
+
+
 def folder_bytes(folder: str | os.PathLike) -> int:
     """Bytes of the files under `folder`, each file (inode) once. The estimate of the next checkpoint: buffer
     segments it will hard-link rather than write are counted too, so the estimate errs on the safe side."""
@@ -86,6 +100,7 @@ class DiskFault:
     last: Path | None
     need: int | None = None
     error: OSError | None = None
+    before: bool = False  # `error` found before writing (`not_writable`): nothing was written
 
     @property
     def space(self) -> bool:
@@ -101,8 +116,11 @@ class DiskFault:
                     f"{self.folder}, {size_text(self.free)} are free; {last}")
         e = self.error
         kind = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EIO: "disk I/O error",
-                errno.EROFS: "read-only disk"}.get(e.errno, "disk error")
+                errno.EROFS: "read-only disk", errno.EACCES: "folder not writable"}.get(e.errno, "disk error")
         where = f" ({e.filename})" if e.filename else ""
+        if self.before:
+            return (f"{kind}: the checkpoint of step {self.step} cannot be written into {self.folder}: {e.strerror} "
+                    f"[{errno.errorcode.get(e.errno, e.errno)}]{where}; nothing was written; {last}")
         free = "free space unknown" if self.free is None else f"{size_text(self.free)} free"
         return (f"{kind}: writing the checkpoint of step {self.step} into {self.folder} failed: {e.strerror} "
                 f"[{errno.errorcode.get(e.errno, e.errno)}]{where}; {free}; the partial checkpoint was removed; "

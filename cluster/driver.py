@@ -396,7 +396,14 @@ class Trainer:
 
         final = self.run_dir.checkpoint_dir(self.state.step)
         tmp = final.with_name(final.name + ".partial")
+        vanished = self.run_dir.forget_vanished_checkpoints()
+        if vanished:
+            log.warning("%s", vanished)
         need, free = self._checkpoint_bytes(), disk.free_bytes(final.parent)
+        blocked = disk.not_writable(final.parent)
+        if blocked is not None:  # a read-only mount still reports free bytes: say read-only, not "disk full"
+            return self._refused(disk.DiskFault(self.state.step, final.parent, free, self.run_dir.latest_checkpoint(),
+                                                error=blocked, before=True))
         if free is not None and need > free:
             return self._refused(disk.DiskFault(self.state.step, final.parent, free, self.run_dir.latest_checkpoint(),
                                                 need=need))

@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,22 @@ def shutdown_ray() -> None:
     if src.is_dir():
         try:
             shutil.copytree(src, logs, dirs_exist_ok=True, ignore_dangling_symlinks=True)
-        except (OSError, shutil.Error) as e:  # keep going: the temp folder must not pile up in /tmp
-            log.warning("could not copy Ray's logs from %s to %s: %s", src, logs, e)
+        except (OSError, shutil.Error) as e:  # the logs stay where they are, and the line says where
+            log.warning("%s", log_copy_failure(e, src, logs))
+            return
     shutil.rmtree(temp, ignore_errors=True)
+
+
+def log_copy_failure(e: OSError | shutil.Error, src: Path, dst: Path) -> str:
+    """One line for a failed copy of Ray's logs: how many files, the commonest reason, where they still are
+    (shutil.Error carries one (source, destination, reason) per file: thousands on a full disk)."""
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list):
+        reasons = Counter(str(why).split(": '", 1)[0] for *_, why in e.args[0])
+        n, (why, _) = len(e.args[0]), reasons.most_common(1)[0]
+    else:
+        n, why = 1, str(e).split(": '", 1)[0]
+    return (f"Ray's logs: {n} file{'s' if n != 1 else ''} not copied to {dst} ({why}); they are still in {src}, "
+            "left in place for you (remove that folder when done)")
 
 
 _OWNED_TEMP: dict[str, str] = {}
@@ -171,6 +185,19 @@ class RunDir:
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.path / "checkpoints" / f"step-{step:06d}"
+
+    def forget_vanished_checkpoints(self) -> str | None:
+        """Listed checkpoints that are gone (deleted from outside while the run goes on) leave state.json; returns
+        the warning naming them and what is left to resume from (None: every listed one is still there)."""
+        listed = self.read_state().get("checkpoints", [])
+        gone = [c for c in listed if not (Path(c) / "driver.json").is_file()]
+        if not gone:
+            return None
+        left = [c for c in listed if c not in gone]
+        self.update_state(checkpoints=left)
+        return (f"{len(gone)} earlier checkpoint(s) of this run vanished while it ran ({', '.join(gone)}: deleted "
+                "from outside?); " + (f"left to resume from: {', '.join(left)}" if left else
+                                      "nothing is left to resume from until the checkpoint being written is complete"))
 
     def latest_checkpoint(self) -> Path | None:
         ckpts = self.read_state().get("checkpoints", [])

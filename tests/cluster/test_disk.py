@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import struct
+import subprocess
 from pathlib import Path
 
 from cluster.disk import DiskFault, first_checkpoint_bytes, folder_bytes, free_bytes, model_params, size_text
@@ -77,3 +79,70 @@ def test_a_log_file_on_a_full_disk_is_one_console_line_not_a_traceback_per_line(
         finally:
             logger.removeHandler(handler)
             handler.close()
+
+
+def test_logs_that_could_not_be_copied_are_one_line_that_says_where_they_still_are(tmp_path: Path):
+    """A full disk as a run ends: shutil.copytree's error lists (source, destination, reason) for each of Ray's log
+    files (~10 KB printed before issue 45); the line counts them, gives the reason once, and where they are."""
+    import shutil
+
+    from cluster.runtime import log_copy_failure
+
+    src, dst = tmp_path / "session_latest" / "logs", tmp_path / "run" / "logs" / "ray"
+    full = shutil.Error([(f"{src}/worker-{i}.err", f"{dst}/worker-{i}.err",
+                          f"[Errno 28] No space left on device: '{dst}/worker-{i}.err'") for i in range(1000)])
+    line = log_copy_failure(full, src, dst)
+    assert line == (f"Ray's logs: 1000 files not copied to {dst} ([Errno 28] No space left on device); they are still "
+                    f"in {src}, left in place for you (remove that folder when done)")
+    (src / "a").mkdir(parents=True)  # a real copytree failure: named pipes are not copied
+    for i in range(3):
+        os.mkfifo(src / "a" / f"p{i}")
+    try:
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+    except shutil.Error as e:
+        line = log_copy_failure(e, src, dst)
+    assert line.startswith("Ray's logs: 3 files not copied") and "is a named pipe" in line and len(line) < 400
+    assert "Errno 28" in log_copy_failure(OSError(errno.ENOSPC, "No space left on device"), src, dst)
+
+
+def test_a_read_only_checkpoint_folder_is_named_read_only_not_full(tmp_path: Path):
+    """A read-only mount reports its free bytes (a 1 MB tmpfs: 1 MB free): the check before a checkpoint says
+    read-only (issue 45: it said "disk full ... 1.0 MB free"), and a write that meets EROFS says so too."""
+    from cluster.disk import not_writable
+    from tests.small_fs import small_fs
+
+    with small_fs(tmp_path / "ro", 1) as fs:
+        (fs / "checkpoints").mkdir()
+        assert not_writable(fs / "checkpoints" / "step-000002") is None
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+        try:
+            e = not_writable(fs / "checkpoints" / "step-000002")  # not there yet: its nearest existing parent
+            assert e is not None and e.errno == errno.EROFS and e.filename == str(fs / "checkpoints")
+            line = DiskFault(2, fs / "checkpoints", free_bytes(fs), None, error=e, before=True).line()
+            assert line == (f"read-only disk: the checkpoint of step 2 cannot be written into {fs / 'checkpoints'}: "
+                            f"Read-only file system [EROFS] ({fs / 'checkpoints'}); nothing was written; no checkpoint "
+                            "is complete yet"), line
+            assert "disk full" not in line and not DiskFault(2, fs, 0, None, error=e, before=True).space
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(fs)], check=False)
+
+
+def test_checkpoints_deleted_from_outside_are_named_and_forgotten(tmp_path: Path):
+    from cluster.runtime import RunDir
+
+    run = RunDir(tmp_path / "r")
+    run.path.mkdir()
+    ckpts = [run.checkpoint_dir(s) for s in (10, 20)]
+    for c in ckpts:
+        c.mkdir(parents=True)
+        (c / "driver.json").write_text("{}")
+    run.write_state({"name": "r", "mlflow_run_id": None, "checkpoints": [str(c) for c in ckpts]})
+    assert run.forget_vanished_checkpoints() is None
+    shutil.rmtree(ckpts[0])
+    assert run.forget_vanished_checkpoints() == (f"1 earlier checkpoint(s) of this run vanished while it ran "
+                                                 f"({ckpts[0]}: deleted from outside?); left to resume from: {ckpts[1]}")
+    assert run.read_state()["checkpoints"] == [str(ckpts[1])]
+    shutil.rmtree(run.path / "checkpoints")  # the whole folder
+    assert run.forget_vanished_checkpoints().endswith("nothing is left to resume from until the checkpoint being "
+                                                      "written is complete")
+    assert run.read_state()["checkpoints"] == []
