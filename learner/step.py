@@ -65,6 +65,20 @@ def loss_options(cfg: LearnerConfig) -> dict:
                 tau_neg=cfg.sapo_tau_neg, replay_loss=cfg.replay_loss, seq_mean=cfg.loss_agg == "seq_mean_token_mean")
 
 
+def append_eos(rows: list[Row], eos_id: int, max_positions: int) -> int:
+    """learner.replay_eos: each replayed row cut at the length limit (and not ending in EOS) gets `eos_id` appended,
+    its stored log-prob NaN (the step fills it with the policy's own: weight 1), where the model has a position
+    left. Returns how many rows changed."""
+    n = 0
+    for r in rows:
+        if r.replayed and r.truncated and (not len(r.response_ids) or r.response_ids[-1] != eos_id) \
+                and r.length < max_positions:
+            r.response_ids = np.append(r.response_ids, np.asarray(eos_id, r.response_ids.dtype))
+            r.behaviour_logprobs = np.append(r.behaviour_logprobs, np.float32("nan"))
+            n += 1
+    return n
+
+
 def candidate_rows(batch: TrainingBatch) -> list[tuple[int, int, Row]]:
     """(group index, candidate index, row) for every candidate of a mixed group that has a choice (> 1)."""
     out = []
@@ -160,6 +174,7 @@ class RankStats:
     candidates_scored: int = 0
     selection_s: float = 0.0
     overlong_masked: int = 0  # truncated rows left out of the loss (learner.overlong=mask)
+    replay_eos_appended: int = 0  # truncated replayed rows given an EOS token (learner.replay_eos)
     overlong_penalty_sum: float = 0.0  # sum of the overlong penalties over the batch's rows
     overlong_rows: int = 0
     padding_free: float = 0.0  # 1 when the micro-batches ran packed without padding (learner.padding_free)
@@ -296,6 +311,7 @@ def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeed
         "learner/candidates_scored": float(lead.candidates_scored),
         "learner/selection_s": max(st.selection_s for st in stats),
         "learner/overlong_masked": float(lead.overlong_masked),
+        "learner/replay_eos_appended": float(lead.replay_eos_appended),
         "learner/clip_fresh": lead.clip_fresh,
         "learner/padding_free": lead.padding_free,
         "learner/padding_frac": 1.0 - s["row_tokens"] / s["forward_tokens"] if s["forward_tokens"] else nan,
@@ -362,10 +378,14 @@ class TrainStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, *,
                  rank: int, world: int, device: torch.device, pad_id: int, max_positions: int,
-                 max_new_tokens: int, ref_model: torch.nn.Module | None = None):
+                 max_new_tokens: int, ref_model: torch.nn.Module | None = None, eos_id: int | None = None):
         self.model, self.optimizer, self.cfg = model, optimizer, cfg
         self.rank, self.world, self.device = rank, world, device
         self.pad_id, self.max_positions, self.max_new_tokens = pad_id, max_positions, max_new_tokens
+        self.eos_id = eos_id  # learner.replay_eos
+        if cfg.replay_eos and eos_id is None:
+            raise ValueError("learner.replay_eos: the model names no EOS token (eos_token_id in its config.json or "
+                             "generation_config.json); set learner.replay_eos=false")
         self.ref_model = ref_model
 
     def run(self, batch: TrainingBatch) -> RankStats:
@@ -377,6 +397,8 @@ class TrainStep:
         rows = batch_rows(batch, std_normalize=cfg.std_normalize, max_positions=self.max_positions,
                           overlong=cfg.overlong, max_new_tokens=self.max_new_tokens,
                           overlong_buffer=cfg.overlong_buffer or max(1, self.max_new_tokens // 5))
+        if cfg.replay_eos:
+            stats.replay_eos_appended = append_eos(rows, self.eos_id, self.max_positions)
         stats.overlong_penalty_sum = sum(r.penalty for r in rows)
         stats.overlong_rows = len(rows)
         if cfg.overlong == "mask":  # after the advantages: a truncated row still counts in its group's mean
@@ -539,6 +561,9 @@ class TrainStep:
         cfg = self.cfg
         ref_logp = self.reference_logprobs(mb)  # before the policy's forward: a no-grad forward of its own
         logp, ent, anchor = forward_stats(self.model, mb)  # [R, L-1] each
+        if cfg.replay_eos:  # an appended EOS has no stored log-prob (NaN): its weight is 1, the policy's own
+            mb.behaviour_logprobs = torch.where(torch.isnan(mb.behaviour_logprobs), logp.detach(),
+                                                mb.behaviour_logprobs)
         fresh = mb.response_mask * (1.0 - mb.replay_mask)  # [R, L-1]
         if first:
             stats.add_gap(L.logprob_gap(logp, mb.behaviour_logprobs, fresh, mb.lag0_mask))

@@ -282,6 +282,12 @@ class LearnerConfig(Section):
     fine-tuning. Fixed for a run (the checkpoint holds the adapters and their optimizer state), except `base_dtype`."""
     skip_grad_norm: float = Field(500.0, gt=0)
     """Skip (and count) an update whose gradient norm is above this or non-finite."""
+    replay_eos: bool = False
+    """Append the model's EOS token to a replayed trajectory that was cut at generator.max_new_tokens (finish reason
+    "length"), as the official code appends it to every replayed o* (a truncated one gains a token; one that ended
+    with EOS is unchanged). The appended token has no stored log-prob: its weight w is 1 (the policy's own
+    log-prob in the forward that trains it). Not where prompt + response already fill the model's positions.
+    Metric learner/replay_eos_appended."""
     recompute_old_logprobs: bool = False
     """Centre the fresh tokens' PPO ratio on the learner's own log-probs at the start of the step (pi_old
     recomputed with one extra no-grad forward through the chunked path, as the official code and verl do),

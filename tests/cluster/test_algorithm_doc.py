@@ -34,6 +34,8 @@ OFFICIAL = {  # the paper (arXiv 2510.02245) and its official code
     ("learner", "micro_batch_split"): "balanced",  # use_dynamic_bsz: ceil(tokens / 32768) parts, Karmarkar-Karp
     ("learner", "store_learner_logprobs"): "auto",  # stores the recomputed old_log_probs (with recompute_old_logprobs)
     ("learner", "shaping_beta"): 0.1,
+    ("learner", "replay_eos"): True,  # mix_vllm_rollout: every replayed o* gets EOS (a truncated one gains it)
+    ("learner", "policy_loss"): "ppo_clip",
     ("learner", "entropy_coef"): 0.001,
     ("learner", "kl_coef"): 0.0,
     ("learner", "grad_clip"): 1.0,

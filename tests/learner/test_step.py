@@ -787,3 +787,38 @@ def test_official_trajectory_score_is_the_official_computation(tiny_model_dir):
         assert fb.chosen[(0, 2, 4).index(g)] == batch.groups[g].candidates[
             int(np.argmin([scores[(g, c)] for c in range(4)]))].key
     assert fb.entropies == [entropies[k] for k in order]
+
+
+def test_replay_eos_appends_eos_to_truncated_replays_only_and_weighs_it_one(tiny_model_dir):
+    """learner.replay_eos (issue 44, the official o*): a replayed row cut at the length limit gains the EOS token,
+    whose stored log-prob (NaN: it was never sampled) becomes the policy's own in the forward (weight 1); fresh
+    rows, replays that ended on their own, and rows with no position left are unchanged."""
+    from learner.step import append_eos, merge_rank_stats
+
+    def row(ids, replayed, truncated, prompt=3):
+        return Row(np.arange(prompt), np.asarray(ids, np.int32), np.full(len(ids), -1.0, np.float32), 1.0, replayed,
+                   "k", 0, truncated=truncated)
+
+    rows = [row([5, 6], True, True), row([5, 6], False, True), row([5, 2], True, True), row([5, 6], True, False),
+            row([5, 6, 7], True, True, prompt=5)]  # eos 2; the last fills 8 positions already
+    assert append_eos(rows, 2, max_positions=8) == 1
+    assert rows[0].response_ids.tolist() == [5, 6, 2] and np.isnan(rows[0].behaviour_logprobs[-1])
+    assert [len(r.response_ids) for r in rows[1:]] == [2, 2, 2, 3]
+
+    from transformers import AutoModelForCausalLM
+
+    batch = make_batch(0, candidates=1)
+    for g in batch.groups:
+        for ro in g.candidates:
+            ro.finish_reason = "length"
+    cfg = LearnerConfig(micro_batch_rows=4, replay_eos=True)
+    model = prepare_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), cfg)
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), cfg, rank=0, world=1,
+                     device=torch.device("cpu"), pad_id=0, max_positions=512, max_new_tokens=12, eos_id=3)
+    m, _ = merge_rank_stats([step.run(batch)])
+    mixed = sum(g.mixed for g in batch.groups)
+    assert m["learner/replay_eos_appended"] == mixed == 2 and np.isfinite(m["learner/loss"])
+    assert np.isfinite(m["learner/replay_weight_mean"]) and np.isfinite(m["learner/logprob_diff_mean"])
+    with pytest.raises(ValueError, match="learner.replay_eos: the model names no EOS token"):
+        TrainStep(model, step.optimizer, cfg, rank=0, world=1, device=torch.device("cpu"), pad_id=0,
+                  max_positions=512, max_new_tokens=12)
