@@ -135,7 +135,7 @@ class ShardCore:
                       expired=0, returned=0, rejected=0, reissued=0, reissued_replay=0, replay_reissue_dropped=0,
                       late_submissions=0, accepted=0, zero_signal_seen=0, zero_signal_fresh=0,
                       zero_signal_fresh_correct=0, candidates_shipped=0, epochs_completed=0,
-                      lease_requests_throttled=0)
+                      lease_requests_throttled=0, fresh_discarded=0)
 
     # -------------------------------------------------------------------------------------- issuing
 
@@ -183,6 +183,10 @@ class ShardCore:
             q = self.reissue.popleft()
             if q not in self.store.retired:
                 return q
+        return self._next_in_epoch()
+
+    def _next_in_epoch(self) -> str | None:
+        """The next question of the epoch order that is not retired (a new epoch when it ends); None: all retired."""
         if len(self.store.retired) >= len(self.order_ids):
             return None
         while True:
@@ -217,7 +221,11 @@ class ShardCore:
                     mixed += 1
                     live_mixed += 1
                 total += 1
-        items = [self._issue(generator_id, qid, now, ref, recs) for qid, ref, recs in self._replay_picks(n_replay)]
+        picks = self._replay_picks(n_replay)
+        items = [self._issue(generator_id, qid, now, ref, recs) for qid, ref, recs in picks]
+        if self.cfg.fresh_draw == "official":  # each new replay takes the place of a fresh question, consumed unused
+            for _ in range(sum(not ref.reissue for _, ref, _ in picks)):
+                self.n["fresh_discarded"] += self._next_in_epoch() is not None
         for _ in range(n - len(items)):
             qid = self._next_fresh()
             if qid is None:

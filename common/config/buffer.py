@@ -30,6 +30,12 @@ class BufferConfig(Section):
     """Which stored trajectory completes a mixed group. lowest_entropy (the paper): the buffer ships the
     question's stored trajectories and the learner picks the one with the lowest score (`trajectory_score`)
     under the policy it is training (one no-grad forward per candidate). random (ablation): one at random."""
+    fresh_draw: Literal["trained", "official"] = "trained"
+    """Which fresh questions a run consumes. trained: only those it trains (a replayed group takes no fresh
+    question). official: as the official loader, which draws batch_questions fresh questions each step and
+    replaces the replay_ratio share of them by replays: each replay issued (not a re-issue) also consumes the
+    next fresh question of the epoch order, unused (`buffer/fresh_discarded`); 700 steps at rho 0.5 then cover
+    about twice the questions."""
     trajectory_score: Literal["mean_entropy", "official"] = "mean_entropy"
     """What lowest_entropy minimises. mean_entropy (the paper's rule): the candidate's mean token entropy over its
     response. official: what the official code computes (experience_helpers.py, exp_metric=ent): candidates scored

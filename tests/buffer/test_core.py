@@ -266,6 +266,31 @@ def test_batch_ratio_and_fresh_filling():
     balanced(core)
 
 
+@pytest.mark.parametrize("fresh_draw", ["trained", "official"])
+def test_official_fresh_draw_consumes_a_fresh_question_per_replay(fresh_draw):
+    """buffer.fresh_draw=official (issue 44): the official loader draws B fresh questions a step and replaces rho B
+    of them by replays, so each new replay consumes the next fresh question unused; a re-issued replay does not."""
+    core = _mixed_core(batch_questions=4, max_lag=3, fresh_draw=fresh_draw)
+    seeds = core.lease("g", 4, now=NOW)
+    core.submit([group_for(it, 2) for it in seeds], now=NOW)
+    core.take(0, 4, 0)
+    cursor = core.cursor
+    items = core.lease("g", 8, now=NOW)
+    replays = [it for it in items if it.replay]
+    fresh = [it for it in items if not it.replay]
+    assert len(replays) == len(fresh) == 4
+    skipped = 4 if fresh_draw == "official" else 0
+    assert core.cursor - cursor == len(fresh) + skipped and core.n["fresh_discarded"] == skipped
+    issued = {it.question.id for it in items} | {it.question.id for it in seeds}
+    discarded = core._order[cursor:core.cursor]
+    assert len(set(discarded) - issued) == skipped  # the skipped ones were never issued
+    core.return_leases([it.lease_id for it in replays[:2]])  # issued again as replay: nothing more consumed
+    again = core.lease("g", 2, now=NOW)
+    assert [bool(it.replay and it.replay.reissue) for it in again] == [True, True]
+    assert core.n["fresh_discarded"] == skipped
+    balanced(core)
+
+
 def test_stale_groups_are_dropped_and_reissued():
     core = ShardCore(cfg(max_lag=1, batch_questions=4, mixed_switch_accuracy=1.0), make_questions(20))
     a, b = core.lease("g", 2, now=NOW)

@@ -19,6 +19,7 @@ OFFICIAL = {  # the paper (arXiv 2510.02245) and its official code
     ("buffer", "batch_questions"): 128,
     ("buffer", "group_size"): 8,
     ("buffer", "replay_ratio"): 0.5,
+    ("buffer", "fresh_draw"): "official",  # 128 fresh drawn per step, rho B of them replaced by replays
     ("buffer", "mixed_switch_accuracy"): 0.35,
     ("learner", "mini_batches"): 2,
     ("learner", "lr"): 1e-6,
