@@ -1,46 +1,46 @@
 """The device carry is complete before a GPU sees it (issue 43): `scripts/device_e2e.sh --quick` passes from a bare
-virtual environment that holds only the GPU image's packages (scripts/device_image.txt, pip-installed by name) plus
-the carry built for this machine's Python (`scripts/device_carry.py --python 3.11`). A module the image lacks and the
-carry does not bring fails here, not on a lent GPU.
+virtual environment that holds only the GPU image's packages (scripts/device_image.txt) plus the carry built for
+this machine's Python (`scripts/device_carry.py --python 3.11`). A module the image lacks and the carry does not
+bring fails here, not on a lent GPU.
 
-The bare environment is built once per package list and kept in ~/.cache/exgrpo/device-image-venv-<hash> (outside
-the checkout, so a clean clone reuses it, as the built-in model's cache): cold ~9 min on 2 cores, then nothing. The
-carry's third-party wheels are kept the same way (~1 min cold); the project's wheel is rebuilt on every run.
+The bare environment is a link farm, built in seconds on every run: a venv without site-packages of its own
+(`--without-pip`) whose site-packages holds a symbolic link to every installed file of the image's distributions
+and of what they require (their metadata's requirements, markers evaluated, extras left out), taken from this
+.venv, except what the carry brings (`CARRIED_ELSEWHERE`: the traversal stops there, so a package that only those
+require is left out too). It was a pip install of the same list (~9 minutes cold on 2 cores, most of the suite's
+growth).
 
-Differences from the image, on purpose: torch is 2.13.0's CPU wheel (the image has 2.11, a CUDA build: from PyPI a
-multi-GB download); today's typer (under huggingface-hub) requires pydantic, which the image lacks, so what the carry
-brings is uninstalled from the bare environment after the install (`CARRIED_ELSEWHERE`).
+Differences from the image, on purpose: the versions are this .venv's (torch 2.13.0's CPU build, not the image's
+2.11 CUDA build; transformers as installed here), and the image's pip is this .venv's.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
+import re
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("EXGRPO_DEVICE_CACHE", "~/.cache/exgrpo")).expanduser()
-TORCH = "torch==2.13.0"  # the image's torch is 2.11 (CUDA); 2.13.0's CPU wheel is on local disk here
-TRANSFORMERS = ("transformers==5.17.0", f"transformers=={metadata.version('transformers')}")  # the image's, else ours
 CARRIED_ELSEWHERE = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "jsonschema",
                      "jsonschema-specifications", "referencing", "rpds-py", "ray", "math-verify",
                      "latex2sympy2-extended", "antlr4-python3-runtime", "mlflow", "vllm")
-"""What the image lacks (or only the lacking packages bring): removed from the bare environment if a dependency
-of the image's packages pulled it in."""
+"""What the image lacks (or only the lacking packages bring): never linked into the bare environment."""
 
 pytestmark = pytest.mark.slow
 
 
 def _image_requirements() -> list[str]:
     lines = (ln.split("#", 1)[0].strip() for ln in (ROOT / "scripts/device_image.txt").read_text().splitlines())
-    return [ln for ln in lines if ln and ln not in ("torch", "transformers")]
+    return [ln for ln in lines if ln] + ["pip"]
 
 
 def _bare_env() -> dict[str, str]:
@@ -51,45 +51,59 @@ def _bare_env() -> dict[str, str]:
     return env
 
 
-def bare_venv() -> Path:
-    """The bare environment's python (built once per package list)."""
-    key = hashlib.sha256(json.dumps([sys.version_info[:2], TORCH, TRANSFORMERS, _image_requirements(),
-                                     CARRIED_ELSEWHERE]).encode()).hexdigest()[:12]
-    venv = CACHE / f"device-image-venv-{key}"
-    python = venv / "bin" / "python"
-    if (venv / ".done").is_file():
-        return python
-    tmp = venv.with_name(venv.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    base = getattr(sys, "_base_executable", None) or shutil.which("python3")
-    env = _bare_env()
-    subprocess.run([base, "-m", "venv", str(tmp)], check=True, env=env)
-    pip = [str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    for transformers in TRANSFORMERS:
-        r = subprocess.run([*pip, TORCH, transformers, *_image_requirements()], env=env, capture_output=True,
-                           text=True)
-        if r.returncode == 0:
-            break
-    assert r.returncode == 0, r.stderr[-3000:]
-    subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "uninstall", "-q", "-y", *CARRIED_ELSEWHERE],
-                   env=env, capture_output=True)
-    (tmp / ".done").write_text("\n".join([TORCH, transformers, *_image_requirements()]))
-    # a venv's scripts name their folder: rebuilt in place under the final name would be simpler, but a crash
-    # mid-install must not leave a half-built environment marked done, so the prefix is rewritten after the move
-    shutil.rmtree(venv, ignore_errors=True)
-    tmp.rename(venv)
-    for script in (venv / "bin").iterdir():
-        if script.is_file() and not script.is_symlink():
-            try:
-                text = script.read_text()
-            except UnicodeDecodeError:
+def image_closure(roots: list[str]) -> list[metadata.Distribution]:
+    """The installed distributions `roots` need: each root and, transitively, its requirements whose markers hold
+    here (no extras), never entering CARRIED_ELSEWHERE. KeyError-free: a requirement not installed here is left out
+    (its marker excluded it, or the image does not need it to import what we use)."""
+    skip = {canonicalize_name(n) for n in CARRIED_ELSEWHERE}
+    seen: dict[str, metadata.Distribution] = {}
+    todo = [canonicalize_name(r) for r in roots]
+    while todo:
+        name = todo.pop()
+        if name in seen or name in skip:
+            continue
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        seen[name] = dist
+        for spec in dist.requires or []:
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(canonicalize_name(req.name))
+    return list(seen.values())
+
+
+def bare_venv(where: Path) -> Path:
+    """A venv at `where` holding links to the image closure's files; returns its python."""
+    base = getattr(sys, "_base_executable", None) or "python3"
+    subprocess.run([base, "-m", "venv", "--without-pip", str(where)], check=True, env=_bare_env())
+    site = where / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    for dist in image_closure(_image_requirements()):
+        for rel in dist.files or []:
+            if rel.parts and rel.parts[0] == "..":  # console scripts: `python -m` runs everything here
                 continue
-            script.write_text(text.replace(str(tmp), str(venv)))
-    return python
+            src, dst = Path(dist.locate_file(rel)), site / rel
+            if src.is_file() and not dst.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.symlink_to(src)
+    return where / "bin" / "python"
+
+
+def test_the_bare_environment_has_the_images_packages_and_not_the_carrys(tmp_path):
+    python = bare_venv(tmp_path / "venv")
+    names = {canonicalize_name(d.metadata["Name"]) for d in image_closure(_image_requirements())}
+    assert {"torch", "transformers", "numpy", "safetensors", "tokenizers", "pip"} <= names, names
+    assert not names & {canonicalize_name(n) for n in CARRIED_ELSEWHERE}, names
+    probe = ("import torch, transformers, msgpack, yaml, pytest, pip; import importlib.util as u; "
+             "print(torch.__version__, [m for m in ('pydantic', 'ray', 'mlflow', 'vllm', 'jsonschema') if u.find_spec(m)])")
+    r = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=_bare_env(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"^\S+ \[\]$", r.stdout.strip()), r.stdout  # torch imports; none of the carried ones do
 
 
 def test_device_e2e_quick_runs_from_the_image_packages_and_the_carry(tmp_path):
-    python = bare_venv()
+    python = bare_venv(tmp_path / "venv")
     missing = subprocess.run([str(python), "-c", "import pydantic"], capture_output=True, env=_bare_env())
     assert missing.returncode != 0, "the bare environment holds pydantic: it would hide a carry without it"
     carry = CACHE / "device-carry-py3.11"
