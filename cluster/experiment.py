@@ -86,6 +86,7 @@ class RunResult:
     curve: list[tuple[float, float]] = field(default_factory=list)  # (rollouts, held-out pass@1)
     mechanism: dict[str, float] = field(default_factory=dict)  # what the buffer did (see MECHANISM)
     costs: dict[str, float] = field(default_factory=dict)  # what the learner and publications cost (see COSTS)
+    loss: dict[str, float] = field(default_factory=dict)  # what the policy loss did (see LOSS)
     error: str = ""
 
 
@@ -235,7 +236,7 @@ def collect(runs_root: Path, variant: str, seed: int, name: str, wall_s: float) 
     return RunResult(variant, seed, name, ok=True, wall_s=wall_s, rollouts=max(rollouts_at.values(), default=0.0),
                      final_pass1=evals[-1][1], best_pass1=max(v for _, v in evals),
                      final_greedy=greedy[-1][1] if greedy else float("nan"), curve=curve,
-                     mechanism=_mechanism(client, run_id), costs=_costs(client, run_id))
+                     mechanism=_mechanism(client, run_id), costs=_costs(client, run_id), loss=_loss(client, run_id))
 
 
 MECHANISM = {
@@ -272,6 +273,30 @@ COSTS = {
 the adapters with `learner.lora`), the mean seconds learner rank 0 was busy publishing, the mean learner step
 time, and the learner's peak memory (`learner/peak_memory_gib`: the largest rank's CUDA max allocated, or its peak
 RSS on the CPU)."""
+
+
+LOSS = {
+    "clip_frac": "fresh tokens clipped or gated",
+    "fresh_ratio_mean": "fresh importance weight",
+    "replay_clip_frac": "replayed tokens clipped or gated",
+    "replay_weight_mean": "replayed weight",
+}
+"""Per run, the mean over its steps of the policy loss's own metrics (`learner/clip_frac`, ...): the share of fresh
+tokens whose clip or gate acted (docs/algorithm.md, Policy losses, says what each loss counts), the mean importance
+weight of fresh tokens (gspo: the row's sequence ratio), and the same for replayed tokens (clipped or gated only
+with learner.replay_loss=policy_loss: — under shaping). Printed when a spec varies the loss
+(`LOSS_KEYS`)."""
+
+LOSS_KEYS = ("learner.policy_loss", "learner.replay_loss", "learner.loss_agg", "learner.shaping_beta",
+             "learner.clip_low", "learner.clip_high", "learner.clip_fresh")
+
+
+def _loss(client, run_id: str) -> dict[str, float]:
+    def mean(key: str) -> float:
+        xs = _finite([m.value for m in client.get_metric_history(run_id, f"learner/{key}")])
+        return statistics.fmean(xs) if xs else float("nan")
+
+    return {key: mean(key) for key in LOSS}
 
 
 def _costs(client, run_id: str) -> dict[str, float]:
@@ -371,6 +396,9 @@ def table(spec: ExperimentSpec, results: list[RunResult]) -> str:
     rows += _means_table(spec, results, "What the buffer did", MECHANISM, lambda r: r.mechanism,
                          lambda key, x: f"{x:.0f}" if key in counts else f"{x:.2f}")
     rows += _means_table(spec, results, "What it cost", COSTS, lambda r: r.costs, lambda key, x: f"{x:.3g}")
+    if any(k.startswith(LOSS_KEYS) for v in [spec.base, *spec.variants.values()] for k in v):
+        rows += _means_table(spec, results, "What the policy loss did", LOSS, lambda r: r.loss,
+                             lambda key, x: f"{x:.3f}")
     for r in results:
         if not r.ok:
             rows.append(f"\n{r.name} failed: {r.error}")

@@ -46,7 +46,8 @@ def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, caps
     spec = dict(name="mini", budget_rollouts=256, seeds=[0],
                 base={"total_steps": 50, "checkpoint.every_steps": 0, "eval.every_steps": 1, "eval.questions": 16,
                       "eval.samples": 2, "generator.engine.kind": "transformers"},
-                variants={"exgrpo": {}, "grpo": {"buffer.replay_ratio": 0, "buffer.collect": False}})
+                variants={"exgrpo": {}, "grpo": {"buffer.replay_ratio": 0, "buffer.collect": False,
+                                                 "learner.policy_loss": "cispo"}})
     runs = tmp_path / "runs"
     spec_file = write(tmp_path, spec)
     cmd = [sys.executable, "-m", "cluster.cli", "experiment", spec_file, "--runs-root", str(runs)]
@@ -54,6 +55,7 @@ def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, caps
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results, rest = out.stdout.split("What the buffer did")
     mechanism, costs = rest.split("What it cost")
+    costs, loss = costs.split("What the policy loss did")  # a variant sets learner.policy_loss: the loss's table
     rows = [line for line in results.splitlines() if line.startswith(("| exgrpo", "| grpo"))]
     assert len(rows) == 2 and all("| 1 |" in r for r in rows), out.stdout
     grpo = [line for line in mechanism.splitlines() if line.startswith("| grpo")]
@@ -62,6 +64,12 @@ def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, caps
     # MB per publication, publication s, learner step s, learner peak GiB: read back from each run, all measured
     cost_rows = [line for line in costs.splitlines() if line.startswith(("| exgrpo", "| grpo"))]
     assert len(cost_rows) == 2 and all(float(c) > 0 for r in cost_rows for c in r.strip(" |").split(" | ")[1:]), costs
+    # fresh clipped or gated share, fresh weight, replayed clipped (— under shaping), replayed weight (— for GRPO)
+    loss_rows = {line.split(" | ")[0].strip("| "): line.strip(" |").split(" | ")[1:] for line in loss.splitlines()
+                 if line.startswith(("| exgrpo", "| grpo"))}
+    assert 0 <= float(loss_rows["exgrpo"][0]) <= 1 and float(loss_rows["exgrpo"][1]) > 0, loss
+    assert loss_rows["exgrpo"][2] == "—" and (loss_rows["exgrpo"][3] == "—" or float(loss_rows["exgrpo"][3]) > 0), loss
+    assert loss_rows["grpo"][2:] == ["—", "—"] and 0 <= float(loss_rows["grpo"][0]) <= 1, loss
     assert (runs / "mini" / "results.md").is_file() and (runs / "mini" / "accuracy_vs_rollouts.png").is_file()
 
     client = mlflow_client(runs)
