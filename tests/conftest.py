@@ -57,3 +57,14 @@ def vllm_available() -> bool:
 
 
 requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm is not importable on this machine")
+
+
+_TIMES = os.environ.get("EXGRPO_TEST_TIMES")
+"""A file that gets one line per test phase as it ends ("seconds phase nodeid"): the suite's timings as it goes,
+also from a run stopped before its end (pytest's --durations prints them only at the end)."""
+
+
+def pytest_runtest_logreport(report) -> None:
+    if _TIMES:
+        with open(_TIMES, "a") as f:
+            f.write(f"{report.duration:.2f} {report.when} {report.nodeid} {report.outcome}\n")
