@@ -363,7 +363,13 @@ class LearnerConfig(Section):
                 rule = f"first fit within {self.micro_batch_tokens} tokens"
             entropy += f", micro-batches: the mini-batch over {gpus} GPUs, {rule}"
 
-        return f"policy loss = {policy}; entropy bonus = {entropy}"
+        ppo = {True: "PPO clip", False: "PPO unclipped", "auto": "PPO clip until mixed mode"}[self.clip_fresh]
+        surrogate = {"ppo_clip": f"{ppo} [1-{self.clip_low:g}, 1+{self.clip_high:g}]",
+                     "gspo": f"GSPO sequence ratio clipped to [1-{self.gspo_clip_low:g}, 1+{self.gspo_clip_high:g}]",
+                     "cispo": f"CISPO weight in [{1 - self.cispo_clip_low:g}, {1 + self.cispo_clip_high:g}]",
+                     "sapo": f"SAPO gate, tau {self.sapo_tau_pos:g} / {self.sapo_tau_neg:g}"}[self.policy_loss]
+        replay = "shaped" if self.replay_loss == "shaping" else f"{self.policy_loss} too"
+        return f"policy loss = {policy} ({surrogate}; replayed tokens {replay}); entropy bonus = {entropy}"
 
     @property
     def stores_learner_logprobs(self) -> bool:
