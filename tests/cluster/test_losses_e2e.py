@@ -1,7 +1,8 @@
 """`exgrpo train` with each policy loss other than ppo_clip (every other end-to-end run trains ppo_clip): two steps
 each, on the transformers engine, replay from the first step (buffer.mixed_switch_accuracy=0), the loss's metrics
 in MLflow. One run also takes GRPO's seq_mean_token_mean aggregation and the loss on replayed rows. Issue 46's
-smoke test; `exgrpo experiment losses` compares them (docs/results.md)."""
+smoke test; `exgrpo experiment losses` compares them (docs/results.md). The runs join the module's Ray cluster
+(test_cluster_nodes' fixture): one Ray start for the three."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 import pytest
 
 from tests.cluster.runs import history, mlflow_client, run_train, state
+from tests.cluster.test_cluster_nodes import _env, nodes, runs_root  # noqa: F401 (module fixtures: one cluster here)
 
 pytestmark = pytest.mark.slow
 
@@ -19,14 +21,15 @@ pytestmark = pytest.mark.slow
     ("cispo", ("learner.loss_agg=seq_mean_token_mean", "learner.replay_loss=policy_loss")),
     ("sapo", ()),
 ])
-def test_two_steps_train_with_each_policy_loss(tmp_path, loss, extra):
-    r = run_train(tmp_path, loss, f"learner.policy_loss={loss}", *extra, "total_steps=2", "checkpoint.every_steps=0",
-                  "generator.engine.kind=transformers", "buffer.mixed_switch_accuracy=0",
-                  "buffer.collect_before_mixed=true", "tracking.log_plots=false", timeout_s=600)
+def test_two_steps_train_with_each_policy_loss(nodes, runs_root, loss, extra):
+    r = run_train(runs_root, loss, f"cluster.address={nodes.address}", f"learner.policy_loss={loss}", *extra,
+                  "total_steps=2", "checkpoint.every_steps=0", "generator.engine.kind=transformers",
+                  "buffer.mixed_switch_accuracy=0", "buffer.collect_before_mixed=true", "tracking.log_plots=false",
+                  timeout_s=600, env=_env())
     assert r.returncode == 0, r.stdout[-4000:]
     assert "step 2/2" in r.stdout
-    client = mlflow_client(tmp_path)
-    run_id = state(tmp_path / loss)["mlflow_run_id"]
+    client = mlflow_client(runs_root)
+    run_id = state(runs_root / loss)["mlflow_run_id"]
     assert client.get_run(run_id).data.params["learner.policy_loss"] == loss
     for key in ("learner/clip_frac", "learner/fresh_ratio_mean", "learner/loss"):
         values = [v for _, v in history(client, run_id, key)]
