@@ -211,12 +211,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "config":
-        from cluster.preflight import input_problems
+        from cluster.preflight import gpus_missing, input_problems
         from common.config import to_yaml
 
         cfg = _load(args)
         print(to_yaml(cfg), end="")
         print(f"# learner: {cfg.learner.loss_scale()}")  # derived (a YAML comment: the output still loads)
+        gpus = gpus_missing(cfg)
+        if gpus:  # valid, and what a GPU machine runs; `exgrpo train` here refuses it
+            print(f"warning: exgrpo train refuses this config on this machine: {gpus}", file=sys.stderr)
         problems = input_problems(cfg)
         if problems:  # valid as a config, but `train` would stop at its start-up checks
             print("exgrpo train refuses this config on this machine (the model folder, data files and reward are "

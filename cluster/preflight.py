@@ -119,13 +119,13 @@ def input_problems(cfg) -> list[str]:
             problems.append(str(e))
     problems.append(answers_problem(cfg.data, cfg.reward.name))
     problems.append(_response_too_long(cfg))
-    problems.append(gpus_missing(cfg))
     return [p for p in problems if p]
 
 
 def gpus_missing(cfg) -> str | None:
     """GPUs asked of a local run (no cluster.address: Ray starts here with this machine's GPUs) on a machine
-    without any: the placement check would refuse the run once Ray is up; said at config time instead."""
+    without any: `exgrpo train` refuses it before Ray starts (the placement check would, once Ray is up);
+    `exgrpo config` warns (a GPU run's settings are checked on a CPU machine too: scripts/gpu_check.sh)."""
     asked = {f"{s}.num_gpus": getattr(cfg, s).num_gpus for s in ("learner", "generator", "eval")}
     asked = {k: v for k, v in asked.items() if v > 0}
     if not asked or cfg.cluster.address is not None:

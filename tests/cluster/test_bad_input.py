@@ -201,11 +201,12 @@ def test_a_task_with_a_data_file_is_refused_with_why(capsys):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU: nothing to refuse")
-def test_gpus_asked_of_a_local_run_without_any_are_refused_at_config_time(capsys, runs):
+def test_gpus_asked_of_a_local_run_without_any_are_warned_by_config_and_refused_by_train(capsys, runs):
     says = ("learner.num_gpus=1, generator.num_gpus=0.5: GPUs asked of a local run, but this machine has none "
             "(torch.cuda.is_available() is False); set learner.num_gpus=0 generator.num_gpus=0, or cluster.address "
             "to a Ray cluster with GPUs")
-    assert_refused(*cli(capsys, "config", "learner.num_gpus=1", "generator.num_gpus=0.5"), says)
+    code, out = cli(capsys, "config", "learner.num_gpus=1", "generator.num_gpus=0.5")  # a GPU run's config: valid
+    assert code == 0 and f"warning: exgrpo train refuses this config on this machine: {says}" in out, out
     assert_refused(*train(capsys, runs, "learner.num_gpus=1", "generator.num_gpus=0.5"), "invalid configuration:", says)
     assert not (runs / "r").exists()
     code, out = cli(capsys, "config", "learner.num_gpus=1", "cluster.address=auto")  # the cluster's GPUs: not ours
