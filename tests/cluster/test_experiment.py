@@ -26,7 +26,9 @@ def test_the_bundled_spec_loads_and_bad_specs_say_what_to_change(tmp_path):
     spec = load_spec("ablations")
     assert {"exgrpo", "grpo", "uniform_questions", "random_trajectory", "no_shaping"} <= set(spec.variants)
     for path in sorted(BUNDLED.glob("*.yaml")):  # every bundled spec validates every run's config
-        want = {"full", "lora"} if path.stem == "lora_vs_full" else {"exgrpo", "grpo"}
+        want = {"lora_vs_full": {"full", "lora"}, "losses": {f"{a}_{loss}" for a in ("exgrpo", "grpo") for loss in
+                                                             ("ppo_clip", "gspo", "cispo", "sapo")}
+                }.get(path.stem, {"exgrpo", "grpo"})
         assert want <= set(load_spec(path.stem).variants), path
     assert overrides({"learner.shaping_beta": None, "buffer.replay_ratio": 0.25}) == [
         "learner.shaping_beta=null", "buffer.replay_ratio=0.25"]
