@@ -110,6 +110,30 @@ def surrogate(kind: str, logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask:
     raise ValueError(f"surrogate: policy loss must be one of {POLICY_LOSSES}, got {kind!r}")
 
 
+def _mismatch_corrections(logprobs: Tensor, behaviour_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor,
+                          fresh: Tensor, tis_cap: float | None, icepop_band: tuple[float, float] | None, mis: str,
+                          mis_cap: float) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """With the learner's start-of-step log-probs: the fresh log-ratio centred on them [R, T], and the detached
+    corrections of the train/inference gap m_t = exp(logp_old - logp_behaviour) that `policy_loss` documents:
+    TIS weights [R, T], IcePop's keep mask [R, T], MIS row weights [R] (None where not asked)."""
+    old = old_logprobs.detach()
+    fresh_log_ratio = torch.where(mask > 0, logprobs - old, torch.zeros_like(logprobs))  # [R, T]
+    mm_log = torch.where(fresh > 0, old - behaviour_logprobs, torch.zeros_like(logprobs))  # [R, T] detached
+    tis = keep = row_w = None
+    if tis_cap is not None:
+        tis = torch.exp(mm_log).clamp(max=tis_cap)  # [R, T]
+    if icepop_band is not None:
+        mm = torch.exp(mm_log)
+        keep = ((mm >= icepop_band[0]) & (mm <= icepop_band[1])).to(logprobs.dtype)  # [R, T]
+    if mis != "none":
+        seq_log = mm_log.sum(-1)  # [R] log rho of each row's fresh tokens
+        if mis == "truncate":
+            row_w = torch.exp(seq_log.clamp(max=math.log(mis_cap)))  # [R] min(rho, cap)
+        else:
+            row_w = ((seq_log >= -math.log(mis_cap)) & (seq_log <= math.log(mis_cap))).to(logprobs.dtype)
+    return fresh_log_ratio, tis, keep, row_w
+
+
 def policy_loss(
     logprobs: Tensor,
     behaviour_logprobs: Tensor,
@@ -181,20 +205,8 @@ def policy_loss(
     ratio = torch.exp(log_ratio)  # [R, T] against the behaviour log-probs
     fresh_log_ratio, tis, keep, row_w = log_ratio, None, None, None
     if old_logprobs is not None:  # recomputed pi_old: the trust region is centred on it
-        old = old_logprobs.detach()
-        fresh_log_ratio = torch.where(mask > 0, logprobs - old, torch.zeros_like(logprobs))  # [R, T]
-        mm_log = torch.where(fresh > 0, old - behaviour_logprobs, torch.zeros_like(logprobs))  # [R, T] detached
-        if tis_cap is not None:
-            tis = torch.exp(mm_log).clamp(max=tis_cap)  # [R, T]
-        if icepop_band is not None:
-            mm = torch.exp(mm_log)
-            keep = ((mm >= icepop_band[0]) & (mm <= icepop_band[1])).to(logprobs.dtype)  # [R, T]
-        if mis != "none":
-            seq_log = mm_log.sum(-1)  # [R] log rho of each row's fresh tokens
-            if mis == "truncate":
-                row_w = torch.exp(seq_log.clamp(max=math.log(mis_cap)))  # [R] min(rho, cap)
-            else:
-                row_w = ((seq_log >= -math.log(mis_cap)) & (seq_log <= math.log(mis_cap))).to(logprobs.dtype)
+        fresh_log_ratio, tis, keep, row_w = _mismatch_corrections(logprobs, behaviour_logprobs, old_logprobs, mask,
+                                                                  fresh, tis_cap, icepop_band, mis, mis_cap)
 
     fresh_loss_t, fresh_w, clipped = surrogate(loss, logprobs, fresh_log_ratio, adv, fresh, clip_low=clip_low,
                                                clip_high=clip_high, tau_pos=tau_pos, tau_neg=tau_neg,

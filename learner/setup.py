@@ -44,7 +44,7 @@ from learner.trial import try_levers
 log = logging.getLogger(__name__)
 
 
-def eos_token_id(model: torch.nn.Module, model_path: str) -> int | None:
+def eos_token_id(model: torch.nn.Module) -> int | None:
     """The model's EOS token: generation_config.json's, else config.json's (the first of a list), else None."""
     for source in (getattr(model, "generation_config", None), model.config):
         eos = getattr(source, "eos_token_id", None)
@@ -148,7 +148,7 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
     pad = model.config.pad_token_id
     trainer = TrainStep(model, optimizer, cfg, rank=rank, world=world, device=device,
                         pad_id=0 if pad is None else int(pad), max_positions=int(model.config.max_position_embeddings),
-                        max_new_tokens=max_new_tokens, ref_model=ref, eos_id=eos_token_id(model, model_path))
+                        max_new_tokens=max_new_tokens, ref_model=ref, eos_id=eos_token_id(model))
     levers = _RankLevers(trainer, chose_attention=asked.attn_implementation is None)
 
     def unfused():
