@@ -116,6 +116,7 @@ class ShardCore:
             max_per_question=cfg.max_traj_per_question,
             max_total=cfg.max_traj_total,
             max_bytes=cfg.max_bytes,
+            evict=cfg.trajectory_eviction,
         )
         self.rng = random.Random(cfg.seed * 1_000_003 + shard)
         self.incarnation = new_incarnation()  # a new one when the shard restarts from a snapshot (BufferShard)
@@ -347,7 +348,10 @@ class ShardCore:
         correct_idx = [i for i, r in enumerate(fresh) if r.correct] if self.cfg.collect else []
         if self.cfg.collect:
             collect = self.mixed_mode or self.cfg.collect_before_mixed
-            keys = self.store.observe(qid, k, [fresh[i] for i in correct_idx], collect)
+            solved_kept = k >= self.K and not self.cfg.retire  # plain replay: a solved question is left as for k = 0
+            if solved_kept:
+                correct_idx = []
+            keys = self.store.observe(qid, 0 if solved_kept else k, [fresh[i] for i in correct_idx], collect)
             for i, key in zip(correct_idx, keys):
                 if key:
                     fresh[i] = _with_key(fresh[i], key)

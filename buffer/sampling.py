@@ -6,6 +6,10 @@ with its bucket index; they can be swapped and tested alone (Reverb's `sampler=`
     probs = bucket_probabilities({1, 2, 4}, group_size=8)   # Gaussian weight per non-empty bucket
     picks = GaussianBuckets(8).sample(buckets, n, rng)      # [(question_id, probability)]
     idx = LowestEntropy().candidates(entropies, rng)        # which stored trajectories go to the learner
+
+Question samplers (`buffer.question_sampler`): `GaussianBuckets` (ExGRPO's), `UniformQuestions` (plain replay's
+uniform draw: Arnal et al., arXiv 2604.08706), `AdvantagePrioritised` (|advantage|-prioritised replay: arXiv
+2606.04560, prime-rl issue #2273). Trajectory selectors (`buffer.trajectory_selector`): `LowestEntropy`, `RandomTrajectory`.
 """
 
 from __future__ import annotations
@@ -139,6 +143,37 @@ class UniformQuestions:
         return out
 
 
+class AdvantagePrioritised:
+    """Questions drawn with probability proportional to the |advantage| their stored trajectories had: a correct
+    trajectory (reward 1) in a group of K with k correct has A = 1 - k/K, so q weighs 1 - b/K with b its bucket (its
+    latest k), the same for all of q's trajectories (priority replay by |A|: arXiv 2606.04560, prime-rl #2273).
+    Without replacement (successive draws over the questions left, each bucket's weight its questions left x
+    1 - b/K), uniform inside a bucket. `probability` is q's chance in a single draw, (1 - b/K) / sum over the stored
+    questions of 1 - b'/K. Cost O(n K)."""
+
+    def __init__(self, group_size: int):
+        self.group_size = group_size
+
+    def sample(self, buckets, n, rng):
+        size = {b: len(s.items) for b, s in buckets.items() if s.items}
+        weight = {b: 1.0 - b / self.group_size for b in size}  # b in 1..K-1: every weight in (0, 1)
+        total = sum(size[b] * weight[b] for b in size)
+        count = dict.fromkeys(size, 0)
+        for _ in range(min(n, sum(size.values()))):
+            left = [(b, (size[b] - count[b]) * weight[b]) for b in size if count[b] < size[b]]
+            x, b = rng.random() * sum(w for _, w in left), left[-1][0]
+            for cand, w in left:
+                if x < w:
+                    b = cand
+                    break
+                x -= w
+            count[b] += 1
+        out = []
+        for b, c in count.items():
+            out.extend((buckets[b].items[i], weight[b] / total) for i in rng.sample(range(size[b]), c))
+        return out
+
+
 class TrajectorySelector(Protocol):
     """Chooses which of a question's stored trajectories travel with its mixed group (indices)."""
 
@@ -146,8 +181,10 @@ class TrajectorySelector(Protocol):
 
 
 class LowestEntropy:
-    """Ship every stored trajectory: the learner scores them under the policy it is training and
-    picks the lowest mean token entropy (the official rule). The buffer's own estimates are not used."""
+    """Ship every stored trajectory: the learner scores them under the policy it is training and picks the lowest
+    score (`buffer.trajectory_score`): the lowest mean token entropy by default, the paper's rule (the official
+    code computes another score, `learner.batching.official_score_windows`). The buffer's own estimates are not
+    used."""
 
     def candidates(self, entropies, rng):
         return list(range(len(entropies)))
@@ -165,7 +202,9 @@ def make_question_sampler(kind: str, group_size: int, mean: float, std: float) -
         return GaussianBuckets(group_size, mean, std)
     if kind == "uniform":
         return UniformQuestions()
-    raise ValueError(f"question_sampler must be 'gaussian' or 'uniform', got {kind!r}")
+    if kind == "advantage":
+        return AdvantagePrioritised(group_size)
+    raise ValueError(f"question_sampler must be 'gaussian', 'uniform' or 'advantage', got {kind!r}")
 
 
 def make_trajectory_selector(kind: str) -> TrajectorySelector:

@@ -151,9 +151,13 @@ class ExperienceStore:
         max_per_question: int,
         max_total: int,
         max_bytes: int | None = None,
+        evict: str = "highest_entropy",
     ):
         if group_size < 2:
             raise ValueError(f"group_size must be >= 2, got {group_size}")
+        if evict not in ("highest_entropy", "oldest"):
+            raise ValueError(f"trajectory eviction must be 'highest_entropy' or 'oldest', got {evict!r}")
+        self.evict = evict  # buffer.trajectory_eviction: oldest = FIFO per question (plain replay)
         self.k_max = group_size
         self.sampler, self.selector = sampler, selector
         self.max_per_question, self.max_total, self.max_bytes = max_per_question, max_total, max_bytes
@@ -203,7 +207,10 @@ class ExperienceStore:
         if collect:
             digests = [response_digest(r.response_ids) for r in correct]
             self._add(question_id, e, correct, digests)
-            self._trim_pending(e)
+            if self.evict == "oldest":
+                self._trim_oldest(e)
+            else:
+                self._trim_pending(e)
             self._evict_total()
             have = {record_digest(r) for r in e.recs} if question_id in self.entries else set()
             keys = [make_key(question_id, d) if d in have else "" for d in digests]
@@ -248,8 +255,18 @@ class ExperienceStore:
             self.c["evicted"] += len(drop)
             e.keep([i for i in range(len(e.recs)) if i not in drop])
 
+    def _trim_oldest(self, e: _Entry) -> None:
+        """FIFO (trajectory_eviction=oldest): at most `max_per_question` trajectories, the first stored go."""
+        n = len(e.recs) - self.max_per_question
+        if n > 0:
+            self._drop_recs(e, range(n))
+            self.c["evicted"] += n
+            e.keep(list(range(n, len(e.recs))))
+
     def _trim_measured(self, e: _Entry) -> None:
-        """At most `max_per_question` measured trajectories: the ones with the highest entropy go."""
+        """At most `max_per_question` measured trajectories: the ones with the highest entropy go (FIFO: none here)."""
+        if self.evict == "oldest":
+            return
         measured = [i for i in range(len(e.recs)) if e.evers[i] != ENGINE_ESTIMATE]
         if len(measured) > self.max_per_question:
             drop = set(sorted(measured, key=lambda i: e.ents[i])[self.max_per_question :])

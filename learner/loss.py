@@ -72,13 +72,15 @@ def sequence_ratio(logprobs: Tensor, log_ratio: Tensor, mask: Tensor) -> Tensor:
 
 
 def surrogate(kind: str, logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float,
-              clip_high: float, tau_pos: float = 1.0, tau_neg: float = 1.05, clip: bool = True
-              ) -> tuple[Tensor, Tensor, Tensor]:
+              clip_high: float, tau_pos: float = 1.0, tau_neg: float = 1.05, clip: bool = True,
+              clip_ratio_c: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """One policy loss per token over the tokens in `mask` [R, T]: (loss_t [R, T], weight [R, T], active [R, T]).
 
     `log_ratio` [R, T]: log pi_theta - log pi_old (0 where masked); `adv` [R, 1]. `weight` (detached): the importance
     weight the loss applies; `active` (0/1): where its clip or gate acts. `clip_low`/`clip_high`: the loss's band.
     - ppo_clip: r = exp(log_ratio); max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) (-A r without `clip`).
+      With `clip_ratio_c` (verl's dual-clip, compute_policy_loss_vanilla) tokens with A < 0 take
+      min(that, -A clip_ratio_c): their loss is bounded however far r rises above the band (active there too).
     - gspo: the same with GSPO's sequence ratio s (`sequence_ratio`) for r: a row is clipped whole.
     - cispo (MiniMax-M1, arXiv 2506.13585, eq. 4-5; bands as ScaleRL, arXiv 2510.13786): -A sg(w) exp(logp - sg(logp))
       with w = clip(r, 1 - clip_low, 1 + clip_high): the gradient -A w d logp of the paper's sg(w) A log pi,
@@ -91,13 +93,21 @@ def surrogate(kind: str, logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask:
     gspo, cispo and sapo have no unclipped form here (`clip` False is refused: their band or gate is the loss)."""
     if kind != "ppo_clip" and not clip:
         raise ValueError(f"surrogate: {kind} has no unclipped form (its band or gate is the loss)")
+    if clip_ratio_c is not None and (kind != "ppo_clip" or clip_ratio_c <= 1.0):
+        raise ValueError(f"surrogate: clip_ratio_c is ppo_clip's dual-clip and must be > 1, got {clip_ratio_c} "
+                         f"with {kind}")
     if kind in ("ppo_clip", "gspo"):
         ratio = torch.exp(log_ratio) if kind == "ppo_clip" else sequence_ratio(logprobs, log_ratio, mask)
         pg_loss1 = -adv * ratio
         if not clip:
             return pg_loss1, ratio.detach(), torch.zeros_like(ratio)
         pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-        return torch.maximum(pg_loss1, pg_loss2), ratio.detach(), (pg_loss2 > pg_loss1).to(ratio.dtype)
+        clipped, active = torch.maximum(pg_loss1, pg_loss2), pg_loss2 > pg_loss1  # [R, T]
+        if clip_ratio_c is not None:  # dual-clip: A < 0 tokens' loss capped at -A c
+            pg_loss3 = -adv * clip_ratio_c  # [R, 1]
+            dual = (adv < 0) & (clipped > pg_loss3)  # [R, T]
+            clipped, active = torch.where(dual, pg_loss3.expand_as(clipped), clipped), active | dual
+        return clipped, ratio.detach(), active.to(ratio.dtype)
     ratio = torch.exp(log_ratio).detach()
     if kind == "cispo":
         w = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -156,6 +166,7 @@ def policy_loss(
     tau_neg: float = 1.05,
     replay_loss: str = "shaping",
     seq_mean: bool = False,
+    clip_ratio_c: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The mixed-policy surrogate. Returns (loss, metrics) with metrics as detached 0-d tensors.
 
@@ -163,7 +174,7 @@ def policy_loss(
     - fresh tokens (replay_mask 0): ratio r = exp(logp - logp_behaviour); with `loss` ppo_clip (the default)
       loss_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) (plain -A r when not clip_fresh); gspo, cispo
       and sapo as `surrogate` says, `clip_low`/`clip_high` then being their own band (gspo's, cispo's) and
-      `tau_pos`/`tau_neg` sapo's temperatures.
+      `tau_pos`/`tau_neg` sapo's temperatures; `clip_ratio_c` ppo_clip's dual-clip (`surrogate`), wherever it clips.
     - fresh tokens with `tis_cap` (truncated importance sampling, as verl/OpenRLHF's TIS on top of
       decoupled PPO): `old_logprobs` [R, T] are the learner's log-probs under the weights at the start
       of the step (no gradient). The trust region is centred on that policy, r = exp(logp - logp_old),
@@ -210,7 +221,8 @@ def policy_loss(
 
     fresh_loss_t, fresh_w, clipped = surrogate(loss, logprobs, fresh_log_ratio, adv, fresh, clip_low=clip_low,
                                                clip_high=clip_high, tau_pos=tau_pos, tau_neg=tau_neg,
-                                               clip=clip_fresh)  # [R, T] each
+                                               clip=clip_fresh, clip_ratio_c=clip_ratio_c if clip_fresh else None
+                                               )  # [R, T] each
     if tis is not None:
         fresh_loss_t = tis * fresh_loss_t
     if keep is not None:
@@ -220,7 +232,8 @@ def policy_loss(
     replay_clipped = None
     if replay_loss == "policy_loss":
         replay_loss_t, replay_w, replay_clipped = surrogate(loss, logprobs, log_ratio, adv, replay, clip_low=clip_low,
-                                                            clip_high=clip_high, tau_pos=tau_pos, tau_neg=tau_neg)
+                                                            clip_high=clip_high, tau_pos=tau_pos, tau_neg=tau_neg,
+                                                            clip_ratio_c=clip_ratio_c)
     else:
         w = sequence_ratio(logprobs, log_ratio, replay) if loss == "gspo" else ratio  # [R, T]
         replay_loss_t = -adv * w if shaping_beta is None else -adv * w / (w + shaping_beta)  # [R, T]

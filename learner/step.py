@@ -62,7 +62,8 @@ def loss_options(cfg: LearnerConfig) -> dict:
             "cispo": (cfg.cispo_clip_low, cfg.cispo_clip_high), "sapo": (cfg.clip_low, cfg.clip_high)}
     low, high = band[cfg.policy_loss]
     return dict(loss=cfg.policy_loss, clip_low=low, clip_high=high, tau_pos=cfg.sapo_tau_pos,
-                tau_neg=cfg.sapo_tau_neg, replay_loss=cfg.replay_loss, seq_mean=cfg.loss_agg == "seq_mean_token_mean")
+                tau_neg=cfg.sapo_tau_neg, replay_loss=cfg.replay_loss, seq_mean=cfg.loss_agg == "seq_mean_token_mean",
+                clip_ratio_c=cfg.clip_ratio_c)
 
 
 def append_eos(rows: list[Row], eos_id: int, max_positions: int) -> int:

@@ -20,12 +20,25 @@ class BufferConfig(Section):
     """B: groups per learner batch."""
     replay_ratio: float = Field(0.5, ge=0, lt=1)
     """rho: fraction of each batch made of mixed (replayed) groups once mixed mode is on."""
-    question_sampler: Literal["gaussian", "uniform"] = "gaussian"
-    """Replay question sampling: Gaussian over accuracy buckets, or uniform over questions (ablation)."""
+    question_sampler: Literal["gaussian", "uniform", "advantage"] = "gaussian"
+    """Which stored question a replay draws (`buffer/sampling.py`). gaussian (ExGRPO's): a bucket by N(b/K;
+    bucket_mean, bucket_std), then uniform inside it. uniform: every stored question alike, buckets unused (plain
+    replay's draw, Arnal et al., arXiv 2604.08706). advantage: in proportion to the |advantage| its correct
+    trajectories had in its latest group, 1 - k/K (|advantage|-prioritised replay: arXiv 2606.04560, prime-rl issue
+    #2273). Always without repeats within a batch."""
     bucket_mean: float = Field(0.5, ge=0, le=1)
-    """mu of the bucket weight N(b/K; mu, sigma)."""
+    """mu of the bucket weight N(b/K; mu, sigma) (question_sampler=gaussian only)."""
     bucket_std: float = Field(0.125, gt=0, le=10)
-    """sigma of the bucket weight."""
+    """sigma of the bucket weight (question_sampler=gaussian only)."""
+    retire: bool = True
+    """A question whose latest group is all correct (k = K) is retired (ExGRPO's): its stored trajectories are
+    deleted and it is never issued fresh again. false (plain replay): nothing happens to it (as for k = 0: its
+    trajectories and bucket stay, nothing of that group is stored, it stays in the fresh epochs)."""
+    trajectory_eviction: Literal["highest_entropy", "oldest"] = "highest_entropy"
+    """Which of a question's stored trajectories go past max_traj_per_question. highest_entropy (ExGRPO's): the
+    learner-measured ones with the highest entropy, new ones waiting unmeasured beside them (docs/algorithm.md).
+    oldest (plain replay's FIFO): the first stored, measured or not, as soon as a group brings more. Either way whole
+    questions go least recently refreshed first past max_traj_total / max_bytes."""
     trajectory_selector: Literal["lowest_entropy", "random"] = "lowest_entropy"
     """Which stored trajectory completes a mixed group. lowest_entropy (the paper): the buffer ships the
     question's stored trajectories and the learner picks the one with the lowest score (`trajectory_score`)
@@ -91,6 +104,30 @@ class BufferConfig(Section):
     """Threads of each shard actor for idle generators' long-poll leases (generator.lease_wait_s), apart from
     max_concurrency so that waiting generators never hold up the learner's calls. More idle generators than
     this queue at the shard (each still returns within its bound)."""
+
+    @model_validator(mode="after")
+    def _modes_that_apply(self) -> BufferConfig:
+        """Settings of one replay mode given beside another that never reads them are refused, by name."""
+        given = self.model_fields_set
+        unused = [f"buffer.{f}" for f in ("bucket_mean", "bucket_std") if f in given]
+        if unused and self.question_sampler != "gaussian":
+            raise ValueError(f"{' and '.join(unused)}: the bucket weight of question_sampler=gaussian, unused by "
+                             f"buffer.question_sampler={self.question_sampler}; leave them out or use gaussian")
+        if "trajectory_score" in given and self.trajectory_selector == "random":
+            raise ValueError("buffer.trajectory_score: trajectory_selector=random ships one candidate and nothing "
+                             "is scored; leave trajectory_score out or use trajectory_selector=lowest_entropy")
+        managed = [f"buffer.{f}={v}" for f, v, d in (("retire", "false", True),
+                                                     ("trajectory_eviction", "oldest", "highest_entropy"))
+                   if getattr(self, f) != d]
+        if managed and not self.collect:
+            raise ValueError(f"{' and '.join(managed)}: buffer.collect=false stores and retires nothing; set "
+                             "buffer.collect=true (replay) or leave them out (plain GRPO)")
+        replay = [f"buffer.{f}" for f in ("question_sampler", "trajectory_selector", "trajectory_eviction")
+                  if f in given and getattr(self, f) != type(self).model_fields[f].default]
+        if replay and self.replay_ratio == 0:
+            raise ValueError(f"{' and '.join(replay)}: buffer.replay_ratio=0 replays nothing; set "
+                             "buffer.replay_ratio > 0 or leave them out")
+        return self
 
     @model_validator(mode="after")
     def _window_covers_a_batch(self) -> BufferConfig:

@@ -59,6 +59,11 @@ class CollectiveSyncConfig(Section):
 
 WeightSyncConfig = Annotated[ObjectStoreSyncConfig | CollectiveSyncConfig, Field(discriminator="kind")]
 
+OWN_LOSS_AGG = {"ppo_clip": "token_mean", "gspo": "seq_mean_token_mean", "cispo": "token_mean",
+                "sapo": "seq_mean_token_mean"}
+"""Each `policy_loss`'s own `loss_agg` (what learner.loss_agg None resolves to): GSPO's and SAPO's papers, and verl,
+average each row's token mean over the rows; PPO's and CISPO's (MiniMax-M1's token-level) take a token mean."""
+
 LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -235,6 +240,12 @@ class LearnerConfig(Section):
     """PPO ratio clip below 1 for fresh tokens."""
     clip_high: float = Field(0.2, ge=0, le=100)
     """PPO ratio clip above 1 for fresh tokens."""
+    clip_ratio_c: float | None = Field(None, gt=1, le=100)
+    """ppo_clip's dual-clip (verl's `clip_ratio_c`, 3.0 there; Ye et al. 2020, "Mastering Complex Control in MOBA
+    Games with Deep RL"): a token of negative advantage loses at most -A x clip_ratio_c, so a ratio far above the
+    band cannot push its loss without bound. None (the default, and the paper command's: the official ExGRPO loss
+    has none): PPO's clip alone. Counted in learner/clip_frac; only with policy_loss=ppo_clip and while fresh
+    tokens are clipped."""
     clip_fresh: bool | Literal["auto"] = True
     """Clip fresh tokens' PPO ratio. auto: clip until the buffer's mixed mode starts, not after (the official
     ExGRPO schedule: the policy-shaped replayed tokens take over the role of the trust region); false: never."""
@@ -246,11 +257,13 @@ class LearnerConfig(Section):
     """KL-to-reference coefficient (0: no reference model is kept)."""
     std_normalize: bool = False
     """Divide advantages by the group's std."""
-    loss_agg: Literal["token_mean", "constant", "seq_mean_token_mean"] = "token_mean"
+    loss_agg: Literal["token_mean", "constant", "seq_mean_token_mean"] | None = None
     """How the policy loss aggregates over a mini-batch: token_mean (every token alike), constant (the token sum
     divided by a constant: Dr. GRPO), or seq_mean_token_mean (each row's token mean, averaged over the mini-batch's
-    rows: the original GRPO's, GSPO's and SAPO's reference aggregation). The entropy bonus and the KL term stay token
-    means under seq_mean_token_mean."""
+    rows: the original GRPO's, and GSPO's and SAPO's as their papers and verl aggregate them). None (the default):
+    the policy loss's own, resolved when the config loads: seq_mean_token_mean for gspo and sapo, token_mean for
+    ppo_clip and cispo; another combination only when named (`exgrpo config` prints the one in force and says when
+    it is not the loss's own). The entropy bonus and the KL term stay token means under seq_mean_token_mean."""
     loss_constant: float | None = Field(None, gt=0)
     """Divisor for loss_agg=constant (default: batch rows x max_new_tokens), times official_world_size when set."""
     official_world_size: int | None = Field(None, ge=1, le=100_000)
@@ -363,13 +376,24 @@ class LearnerConfig(Section):
                 rule = f"first fit within {self.micro_batch_tokens} tokens"
             entropy += f", micro-batches: the mini-batch over {gpus} GPUs, {rule}"
 
+        own = OWN_LOSS_AGG[self.policy_loss]
+        policy += (f", loss_agg {self.loss_agg} ({self.policy_loss}'s own)" if self.loss_agg == own else
+                   f", loss_agg {self.loss_agg} (named; {self.policy_loss}'s own is {own})")
         ppo = {True: "PPO clip", False: "PPO unclipped", "auto": "PPO clip until mixed mode"}[self.clip_fresh]
-        surrogate = {"ppo_clip": f"{ppo} [1-{self.clip_low:g}, 1+{self.clip_high:g}]",
+        dual = f", dual-clip {self.clip_ratio_c:g} for A < 0" if self.clip_ratio_c is not None else ""
+        surrogate = {"ppo_clip": f"{ppo} [1-{self.clip_low:g}, 1+{self.clip_high:g}]{dual}",
                      "gspo": f"GSPO sequence ratio clipped to [1-{self.gspo_clip_low:g}, 1+{self.gspo_clip_high:g}]",
                      "cispo": f"CISPO weight in [{1 - self.cispo_clip_low:g}, {1 + self.cispo_clip_high:g}]",
                      "sapo": f"SAPO gate, tau {self.sapo_tau_pos:g} / {self.sapo_tau_neg:g}"}[self.policy_loss]
         replay = "shaped" if self.replay_loss == "shaping" else f"{self.policy_loss} too"
         return f"policy loss = {policy} ({surrogate}; replayed tokens {replay}); entropy bonus = {entropy}"
+
+    @model_validator(mode="after")
+    def _loss_agg_of_the_loss(self) -> LearnerConfig:
+        """loss_agg None means the policy loss's own aggregation: resolved here so the saved config carries it."""
+        if self.loss_agg is None:
+            self.__dict__["loss_agg"] = OWN_LOSS_AGG[self.policy_loss]  # no re-validation: nothing else changes
+        return self
 
     @property
     def stores_learner_logprobs(self) -> bool:
@@ -386,6 +410,11 @@ class LearnerConfig(Section):
                              f"mode starts), but learner.policy_loss={self.policy_loss} has no unclipped form: its "
                              f"{'gate' if self.policy_loss == 'sapo' else 'band'} is the loss itself. Set "
                              f"learner.clip_fresh=true, or learner.policy_loss=ppo_clip")
+        if self.clip_ratio_c is not None and (self.policy_loss != "ppo_clip" or self.clip_fresh is False):
+            raise ValueError(f"learner.clip_ratio_c={self.clip_ratio_c:g} is a second bound of PPO's clip, but "
+                             + (f"learner.policy_loss={self.policy_loss} has no PPO clip" if self.policy_loss != "ppo_clip"
+                                else "learner.clip_fresh=false never clips")
+                             + ": leave learner.clip_ratio_c unset (null)")
         if self.micro_batch_split == "balanced" and (self.micro_batch_tokens is None or self.padding_free is False):
             raise ValueError("learner.micro_batch_split=balanced cuts padding-free micro-batches by their token budget: "
                              "set learner.micro_batch_tokens (32768 in the paper's runs) and leave learner.padding_free "

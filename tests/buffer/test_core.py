@@ -209,6 +209,59 @@ def test_random_selector_ships_one_candidate():
     assert len(core.ready_mixed[0].group.candidates) == 1
 
 
+def test_without_retirement_a_solved_question_keeps_its_experience_and_comes_back_fresh():
+    # K = 4. q stores 2 correct rollouts (k = 2, bucket 2), then a group of 4 correct: ExGRPO retires it (deletes the
+    # two, never issues it fresh again); retire=false leaves it as a k = 0 group would: bucket 2, the two stored,
+    # nothing of the solved group stored, and the next epoch issues it again.
+    for retire in (True, False):
+        core = ShardCore(cfg(collect_before_mixed=True, batch_questions=100, max_lag=0, retire=retire),
+                         make_questions(1))
+        [a] = core.lease("g", 1, now=NOW)
+        core.submit([group_for(a, 2)], now=NOW)
+        [b] = core.lease("g", 1, now=NOW)  # epoch 2
+        core.submit([group_for(b, 4, seed=3)], now=NOW)
+        e = core.store.entries.get("q0")
+        if retire:
+            assert e is None and core.store.retired == {"q0"} and core.lease("g", 1, now=NOW) == []
+        else:
+            assert e.bucket == 2 and len(e.recs) == 2 and not core.store.retired
+            assert [it.question.id for it in core.lease("g", 1, now=NOW)] == ["q0"]
+        assert core.n["zero_signal_seen"] == 1  # the solved group still counts as all-correct for the switch
+        balanced(core)
+
+
+def test_fifo_eviction_keeps_the_newest_trajectories():
+    # max 3 per question. Group 1 stores t0 t1 (entropies 0.1, 0.2), group 2 stores t2 t3 (0.9, 1.0): FIFO drops
+    # t0, the oldest, though its entropy is the lowest; ExGRPO's rule keeps all 4 (t2, t3 wait unmeasured) and,
+    # once the learner measures them, drops the highest (t3).
+    for evict, left in (("oldest", [0.2, 0.9, 1.0]), ("highest_entropy", [0.1, 0.2, 0.9])):
+        core = ShardCore(cfg(collect_before_mixed=True, batch_questions=100, max_lag=0, max_traj_per_question=3,
+                             trajectory_eviction=evict), make_questions(1))
+        [a] = core.lease("g", 1, now=NOW)
+        core.submit([group_for(a, 2, entropies=[0.1, 0.2, 5, 5])], now=NOW)
+        [b] = core.lease("g", 1, now=NOW)
+        core.submit([group_for(b, 2, seed=4, entropies=[0.9, 1.0, 5, 5])], now=NOW)
+        keys = [r.key for q in (core.ready_fresh[0], core.ready_fresh[1]) for r in q.group.rollouts if r.key]
+        core.feedback(LearnerFeedback(1, [], float32_array([]), [], keys, float32_array([0.1, 0.2, 0.9, 1.0])))
+        assert sorted(core.store.entries["q0"].ents) == pytest.approx(left)
+        assert core.store.c["evicted"] == 1
+        balanced(core)
+
+
+def test_replay_modes_refuse_settings_they_never_read():
+    BufferConfig(question_sampler="uniform", trajectory_selector="random", retire=False, trajectory_eviction="oldest")
+    BufferConfig(question_sampler="advantage")
+    with pytest.raises(ValueError, match="buffer.bucket_std: the bucket weight of question_sampler=gaussian, unused "
+                                         "by buffer.question_sampler=uniform"):
+        BufferConfig(question_sampler="uniform", bucket_std=0.2)
+    with pytest.raises(ValueError, match="trajectory_selector=random ships one candidate and nothing is scored"):
+        BufferConfig(trajectory_selector="random", trajectory_score="official")
+    with pytest.raises(ValueError, match="buffer.retire=false: buffer.collect=false stores and retires nothing"):
+        BufferConfig(collect=False, replay_ratio=0, retire=False)
+    with pytest.raises(ValueError, match="buffer.question_sampler: buffer.replay_ratio=0 replays nothing"):
+        BufferConfig(replay_ratio=0, question_sampler="advantage")
+
+
 def test_a_question_is_never_replayed_twice_while_live():
     core = _mixed_core(batch_questions=8, max_lag=3, replay_ratio=0.75)
     seeds = core.lease("g", 2, now=NOW)
@@ -384,21 +437,35 @@ class SimRun:
         return split_mini_batches(rows, self.mini_batches, seed=version), fb
 
 
-@pytest.mark.parametrize("shards,max_lag,replay_ratio,mini_batches,fast,seed", [
-    (1, 0, 0.5, 1, False, 0), (1, 0, 0.25, 2, False, 1), (2, 1, 0.5, 2, False, 2), (3, 2, 0.75, 2, False, 3),
-    (2, 1, 0.5, 2, True, 4), (4, 1, 0.5, 2, True, 5)])
-def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, mini_batches, fast, seed):
+REPLAY_MODES = {  # the bundled ablations' buffer modes (cluster/experiments/ablations.yaml)
+    "exgrpo": {},
+    "plain_replay": dict(question_sampler="uniform", trajectory_selector="random", retire=False,
+                         trajectory_eviction="oldest"),
+    "advantage_replay": dict(question_sampler="advantage", trajectory_selector="random", retire=False,
+                             trajectory_eviction="oldest"),
+}
+
+
+@pytest.mark.parametrize("shards,max_lag,replay_ratio,mini_batches,fast,seed,mode", [
+    (1, 0, 0.5, 1, False, 0, "exgrpo"), (1, 0, 0.25, 2, False, 1, "exgrpo"), (2, 1, 0.5, 2, False, 2, "exgrpo"),
+    (3, 2, 0.75, 2, False, 3, "exgrpo"), (2, 1, 0.5, 2, True, 4, "exgrpo"), (4, 1, 0.5, 2, True, 5, "exgrpo"),
+    (1, 0, 0.5, 2, False, 6, "plain_replay"), (2, 1, 0.5, 2, True, 7, "plain_replay"),
+    (2, 1, 0.5, 2, False, 8, "advantage_replay")])
+def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, mini_batches, fast, seed, mode):
     """Generators with random delays, failures and zero-signal groups; a learner that steps the version
     by one per batch. Checked after every step: accounting balances; no question replayed twice in a
     batch; every trained rollout within max_lag steps; the switch fires exactly when the windowed
     batch accuracy first crosses; every mini-batch mixes fresh and mixed groups when both exist; every
-    batch holds ceil(rho * B) mixed groups once the store has filled (most batches with lagging generators)."""
+    batch holds ceil(rho * B) mixed groups once the store has filled (most batches with lagging generators);
+    no question holds more trajectories than its mode allows. The plain-replay modes: nothing is retired, a
+    mixed group carries one candidate, a question keeps at most max_traj_per_question (FIFO)."""
     rng = random.Random(seed)
     bcfg = cfg(num_shards=shards, max_lag=max_lag, replay_ratio=replay_ratio, batch_questions=8, group_size=4,
-               lease_timeout_s=5.0, max_traj_per_question=3)
+               lease_timeout_s=5.0, max_traj_per_question=3, **REPLAY_MODES[mode])
+    per_question = bcfg.max_traj_per_question + (0 if bcfg.trajectory_eviction == "oldest" else bcfg.group_size)
     sim = SimRun(bcfg, make_questions(120), mini_batches)
     skill = {f"q{i}": rng.uniform(0.05, 0.7) for i in range(120)}
-    version, now, in_flight, batches, mixed_trained, mixed_per_batch = 0, NOW, [], 0, 0, []
+    version, now, in_flight, batches, mixed_trained, mixed_per_batch, solved = 0, NOW, [], 0, 0, [], set()
     for _ in range(2500):
         now += 0.1
         in_flight += [(it, version) for it in sim.lease(rng.randint(0, 6), now)]
@@ -411,6 +478,8 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
                 continue  # generator died: the lease will expire
             skill[it.question.id] = min(0.95, skill[it.question.id] + 0.002)  # the policy improves
             n_ok = sum(rng.random() < skill[it.question.id] for _ in range(it.num_samples))
+            if n_ok == it.num_samples:
+                solved.add(it.question.id)
             groups.append(group_for(it, n_ok, version=v, seed=rng.randint(0, 3),
                                     entropies=[rng.uniform(0.1, 2.0) for _ in range(it.num_samples)]))
         sim.submit(groups, now)
@@ -424,6 +493,8 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
             assert len(replayed) == len(set(replayed)), replayed
             assert all(version - r.version <= max_lag for g in batch for r in g.rollouts)
             assert all(g.candidates for g in batch if g.mixed)
+            if bcfg.trajectory_selector == "random":
+                assert all(len(g.candidates) == 1 for g in batch if g.mixed)
             minis, fb = sim.learn(batch, version)
             mixed_trained += len(replayed)
             assert len(fb.chosen) == len(replayed)
@@ -437,6 +508,8 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
                 c.set_version(version)
         for c in sim.cores:
             balanced(c)
+            assert all(len(e.recs) <= per_question for e in c.store.entries.values())
+            assert bcfg.retire or not c.store.retired
     # the switch fired at the first batch whose window (>= one batch of fresh groups) crossed 0.35
     first_crossing = next(b for b, mean in sim.window_means if mean > 0.35)
     assert sim.switched_at == first_crossing
@@ -453,6 +526,8 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
     else:
         assert sum(settled) >= 0.85 * target * len(settled), mixed_per_batch  # per-shard floors: 5 of 6 (0.83)
     assert batches > 40, [c.accounting() for c in sim.cores]
+    if not bcfg.retire:  # questions were solved (k = K) after they were stored, and they stay stored
+        assert any(q in c.store.entries for c in sim.cores for q in solved), len(solved)
     if fast and max_lag >= 1:  # generators keep up: (almost) nothing goes stale
         assert sum(c.n["stale_dropped"] for c in sim.cores) <= 0.02 * trained, (sum(c.n["stale_dropped"] for c in sim.cores), trained)
 

@@ -6,8 +6,8 @@ import random
 import pytest
 
 from buffer.keys import shard_of, split_key, trajectory_key
-from buffer.sampling import (GaussianBuckets, IndexedSet, LowestEntropy, RandomTrajectory, UniformQuestions,
-                             bucket_probabilities)
+from buffer.sampling import (AdvantagePrioritised, GaussianBuckets, IndexedSet, LowestEntropy, RandomTrajectory,
+                             UniformQuestions, bucket_probabilities)
 from common.messages import int32_array
 
 
@@ -74,6 +74,27 @@ def test_uniform_sampler_distinct():
     picks = UniformQuestions().sample(buckets, 5, random.Random(0))
     assert sorted(q for q, _ in picks) == ["a", "b", "c"]
     assert picks[0][1] == pytest.approx(1 / 3)
+
+
+def test_advantage_sampler_by_hand():
+    # K = 8: a correct trajectory of a question in bucket b had |A| = 1 - b/8: "a" (bucket 1) 0.875, "b" and "c"
+    # (bucket 4) 0.5 each; total 1.875: P(a) = 0.875 / 1.875 = 0.4667, P(b) = P(c) = 0.5 / 1.875 = 0.2667
+    buckets, _ = _buckets({1: ["a"], 4: ["b", "c"]})
+    s, rng = AdvantagePrioritised(8), random.Random(0)
+    counts = {"a": 0, "b": 0, "c": 0}
+    for _ in range(20000):
+        [(q, prob)] = s.sample(buckets, 1, rng)
+        counts[q] += 1
+        assert prob == pytest.approx(0.875 / 1.875 if q == "a" else 0.5 / 1.875)
+    assert counts["a"] / 20000 == pytest.approx(0.4667, abs=0.015)
+    assert counts["b"] / 20000 == pytest.approx(0.2667, abs=0.015)
+    # without replacement: two draws never repeat; the second is over what is left. P(a not among 2) = P(b, c or
+    # c, b) = 2 x (0.5 / 1.875) x (0.5 / 1.375) = 0.1939
+    pairs = [s.sample(buckets, 2, rng) for _ in range(20000)]
+    assert all(len({q for q, _ in p}) == 2 for p in pairs)
+    assert sum(all(q != "a" for q, _ in p) for p in pairs) / 20000 == pytest.approx(0.1939, abs=0.012)
+    assert sorted(q for q, _ in s.sample(buckets, 10, rng)) == ["a", "b", "c"]
+    assert s.sample(_buckets({})[0], 3, rng) == []
 
 
 def test_indexed_set_swap_remove():

@@ -252,3 +252,50 @@ def test_icepop_and_sequence_level_mis_by_hand():
         assert loss.item() == pytest.approx(-0.31, abs=1e-6), kw
     with pytest.raises(ValueError, match="old_logprobs"):
         L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, mis="mask")
+
+
+def test_dual_clip_bounds_negative_advantages_by_hand():
+    # verl's dual-clip, c = 3, eps 0.2. row 0: A = -1, r = [4, 1.1, 0.5]; row 1: A = +1, r = [4] (+ 2 padding).
+    # row 0: r = 4: -A r = 4, -A clip(r) = 1.2, max 4; A < 0: min(4, -A c = 3) = 3 (constant: no gradient, active)
+    #        r = 1.1: 1.1 in the band: loss 1.1, gradient -A r = 1.1
+    #        r = 0.5: max(0.5, -A 0.8 = 0.8) = 0.8 (clipped: no gradient, active)
+    # row 1: r = 4: max(-4, -1.2) = -1.2 (clipped, no gradient); A > 0: no second bound
+    # sum = 3 + 1.1 + 0.8 - 1.2 = 3.7 over 4 tokens = 0.925; gradient / 4 tokens: row 0 [0, 0.275, 0]; active 3 of 4
+    beh = torch.full((2, 3), -2.0)
+    ratios = torch.tensor([[4.0, 1.1, 0.5], [4.0, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    adv = torch.tensor([-1.0, 1.0])
+    x = (beh + torch.log(ratios)).requires_grad_(True)
+    loss, m = L.policy_loss(x, beh, adv, mask, torch.zeros(2, 3), clip_ratio_c=3.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.925, abs=1e-6)
+    torch.testing.assert_close(x.grad, torch.tensor([[0.0, 0.275, 0.0], [0.0, 0.0, 0.0]]))
+    assert m["clip_frac"].item() == pytest.approx(3 / 4)
+    # without it (the default, as the official ExGRPO loss): row 0's r = 4 token keeps -A r = 4 and its gradient
+    # 4 / 4 = 1: sum 4.7 / 4 = 1.175
+    x.grad = None
+    loss, m = L.policy_loss(x, beh, adv, mask, torch.zeros(2, 3))
+    loss.backward()
+    assert loss.item() == pytest.approx(1.175, abs=1e-6)
+    torch.testing.assert_close(x.grad, torch.tensor([[1.0, 0.275, 0.0], [0.0, 0.0, 0.0]]))
+    assert m["clip_frac"].item() == pytest.approx(2 / 4)
+    # the same rows replayed under replay_loss=policy_loss take the same bound
+    loss, m = L.policy_loss(x, beh, adv, mask, torch.ones(2, 3), clip_ratio_c=3.0, replay_loss="policy_loss")
+    assert loss.item() == pytest.approx(0.925, abs=1e-6) and m["replay_clip_frac"].item() == pytest.approx(3 / 4)
+    # unclipped fresh tokens (learner.clip_fresh off) have no second bound either: -A r summed = 4 + 1.1 + 0.5 - 4
+    loss, _ = L.policy_loss(x, beh, adv, mask, torch.zeros(2, 3), clip_ratio_c=3.0, clip_fresh=False)
+    assert loss.item() == pytest.approx(1.6 / 4, abs=1e-6)
+    with pytest.raises(ValueError, match="dual-clip and must be > 1"):
+        L.policy_loss(x, beh, adv, mask, torch.zeros(2, 3), clip_ratio_c=3.0, loss="gspo")
+
+
+def test_dual_clip_config_is_ppo_clips_only():
+    from common.config import LearnerConfig
+    assert LearnerConfig().clip_ratio_c is None  # off by default: the official loss has no dual-clip
+    assert "dual-clip 3 for A < 0" in LearnerConfig(clip_ratio_c=3.0, clip_fresh="auto").loss_scale()
+    with pytest.raises(ValueError, match="policy_loss=sapo has no PPO clip: leave learner.clip_ratio_c unset"):
+        LearnerConfig(policy_loss="sapo", clip_ratio_c=3.0)
+    with pytest.raises(ValueError, match="clip_fresh=false never clips"):
+        LearnerConfig(clip_ratio_c=3.0, clip_fresh=False)
+    with pytest.raises(ValueError, match="greater than 1"):
+        LearnerConfig(clip_ratio_c=0.5)

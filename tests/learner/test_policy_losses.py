@@ -219,3 +219,56 @@ def test_each_loss_trains_through_the_real_step(tiny_model_dir, loss):
             assert step._normalizer(rows) == sum(1 for r in rows if len(r.response_ids)) > 0  # rows, not tokens
         else:
             assert np.isnan(m["learner/replay_clip_frac"])
+
+
+# Two fresh rows of unequal length for the aggregation: row 0 (A = +1) ratios 1.5 and 0.5, row 1 (A = -1) one token
+# of ratio 1. Under seq_mean_token_mean a token of row i weighs 1 / (|y_i| x 2 rows): row 0's 1/4, row 1's 1/2
+# (under token_mean every token would weigh 1/3).
+AGG_LOGP = [[LN(0.75), LN(0.25)], [LN(0.5), -7.0]]
+
+
+def _default_options(loss: str) -> dict:
+    from learner.step import loss_options
+    return loss_options(LearnerConfig(policy_loss=loss))
+
+
+def test_gspo_by_default_aggregates_as_its_paper_worked_by_hand():
+    # row 0: s = sqrt(1.5 x 0.5) = 0.866025 (in GSPO's band only below: A > 0 and s < 1, so unclipped):
+    #   each token's loss -A s = -0.866025, its gradient -A s x 1/4 = -0.216506;
+    # row 1: s = 1, unclipped: loss -A s = +1, gradient -A s x 1/2 = +0.5.
+    # loss = (row 0's token mean -0.866025 + row 1's +1) / 2 rows = 0.066987
+    assert LearnerConfig(policy_loss="gspo").loss_agg == "seq_mean_token_mean"
+    loss, grad, m = _run(AGG_LOGP, BEH, [1.0, -1.0], MASK, FRESH, **_default_options("gspo"))
+    assert loss == pytest.approx(0.066987, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-0.216506, -0.216506], [0.5, 0.0]]))
+    assert m["clip_frac"] == 0
+    # named token_mean is still possible: every token 1/3 (row 0: -0.288675, row 1: +0.333333)
+    from learner.step import loss_options
+    opts = loss_options(LearnerConfig(policy_loss="gspo", loss_agg="token_mean"))
+    _, grad, _ = _run(AGG_LOGP, BEH, [1.0, -1.0], MASK, FRESH, **opts)
+    torch.testing.assert_close(grad, torch.tensor([[-0.288675, -0.288675], [0.333333, 0.0]]))
+
+
+def test_sapo_by_default_aggregates_as_its_paper_worked_by_hand():
+    # loss_t = -A (4 / tau) sigmoid(tau (r - 1)), d/dlogp_t = -A 4 sigmoid (1 - sigmoid) r.
+    # row 0 (A = +1, tau 1): r = 1.5: sigmoid(0.5) = 0.622459, 4 x 0.622459 x 0.377541 = 0.940014, x 1.5 = 1.410021;
+    #   r = 0.5: sigmoid(-0.5) = 0.377541, the same 0.940014, x 0.5 = 0.470007; gradients -1.410021 / 4 = -0.352505
+    #   and -0.470007 / 4 = -0.117502; losses -4 x 0.622459 = -2.489837 and -4 x 0.377541 = -1.510163, mean -2.0.
+    # row 1 (A = -1, tau 1.05): r = 1, sigmoid(0) = 0.5: loss +(4 / 1.05) x 0.5 = 1.904762, gradient 4 x 0.25 x 1
+    #   x 1/2 = +0.5.
+    # loss = (-2.0 + 1.904762) / 2 rows = -0.047619
+    assert LearnerConfig(policy_loss="sapo").loss_agg == "seq_mean_token_mean"
+    loss, grad, _ = _run(AGG_LOGP, BEH, [1.0, -1.0], MASK, FRESH, **_default_options("sapo"))
+    assert loss == pytest.approx(-0.047619, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-0.352505, -0.117502], [0.5, 0.0]]))
+
+
+def test_each_loss_has_its_own_aggregation_unless_named_and_the_config_line_says_which():
+    own = {"ppo_clip": "token_mean", "gspo": "seq_mean_token_mean", "cispo": "token_mean", "sapo": "seq_mean_token_mean"}
+    for loss, agg in own.items():
+        cfg = LearnerConfig(policy_loss=loss)
+        assert cfg.loss_agg == agg and f"loss_agg {agg} ({loss}'s own)" in cfg.loss_scale()
+    named = LearnerConfig(policy_loss="sapo", loss_agg="token_mean")
+    assert named.loss_agg == "token_mean"
+    assert "loss_agg token_mean (named; sapo's own is seq_mean_token_mean)" in named.loss_scale()
+    assert "loss_agg constant (named; ppo_clip's own is token_mean)" in LearnerConfig(loss_agg="constant").loss_scale()
