@@ -13,7 +13,8 @@ Departures from the textbook: replayed tokens use policy shaping -A*w/(w+beta) i
 clipped surrogate (ExGRPO/LUFFY); `shaping_beta=None` is the ablation with the plain importance
 weighted -A*w. Aggregation is a token mean, or a sum divided by a constant (Dr. GRPO). With
 `tis_cap`, fresh tokens use decoupled PPO with truncated importance sampling (see `policy_loss`). The fresh
-tokens' surrogate is PPO's clip by default, or GSPO's, CISPO's or SAPO's (`surrogate`, `learner.policy_loss`).
+tokens' surrogate is PPO's clip by default (verl's dual-clip with `clip_ratio_c`), or GSPO's, CISPO's or SAPO's
+(`surrogate`, `learner.policy_loss`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Every rank receives the whole `TrainingBatch` and derives the same rows, advantages, mini-batch
 split and loss normalizer from it, so no collective is needed for bookkeeping.
 
-Replay selection (the official rule): a mixed group arrives with its K-1 fresh rollouts and the
+Replay selection (the paper's rule; `buffer.trajectory_score=official` takes the official code's score instead,
+`learner.batching.official_score_windows`): a mixed group arrives with its K-1 fresh rollouts and the
 question's stored correct trajectories (`TrainGroup.candidates`). Before training, the ranks score
 every candidate of groups with more than one in a no-grad forward under the current weights (the
 policy this step trains), each rank a slice, summed with one all-reduce; every rank then completes

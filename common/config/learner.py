@@ -216,7 +216,7 @@ class LearnerConfig(Section):
     the parameters."""
     policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo"] = "ppo_clip"
     """The fresh tokens' surrogate (docs/algorithm.md, Policy losses). ppo_clip: PPO's clipped ratio (clip_low,
-    clip_high). gspo: GSPO's sequence-level ratio, a row clipped whole (gspo_clip_low, gspo_clip_high). cispo:
+    clip_high; verl's vanilla loss without its dual-clip unless clip_ratio_c is set). gspo: GSPO's sequence-level ratio, a row clipped whole (gspo_clip_low, gspo_clip_high). cispo:
     MiniMax-M1's clipped, stop-gradient importance weight on every token's log-prob gradient (cispo_clip_low,
     cispo_clip_high). sapo: SAPO's soft sigmoid gate (sapo_tau_pos, sapo_tau_neg). Replayed rows take ExGRPO's
     policy shaping whichever it is (`replay_loss`)."""
@@ -297,10 +297,11 @@ class LearnerConfig(Section):
     """Skip (and count) an update whose gradient norm is above this or non-finite."""
     replay_eos: bool = False
     """Append the model's EOS token to a replayed trajectory that was cut at generator.max_new_tokens (finish reason
-    "length"), as the official code appends it to every replayed o* (a truncated one gains a token; one that ended
-    with EOS is unchanged). The appended token has no stored log-prob: its weight w is 1 (the policy's own
-    log-prob in the forward that trains it). Not where prompt + response already fill the model's positions.
-    Metric learner/replay_eos_appended."""
+    "length"): a truncated one gains a token (max_new_tokens + 1); one that ended with EOS is unchanged. Not the
+    official rule: the official code appends EOS to every replayed o* and then cuts the response back to the length
+    limit, so a full-length truncated o* keeps no EOS, as with replay_eos=false (the paper command leaves it off).
+    The appended token has no stored log-prob: its weight w is 1 (the policy's own log-prob in the forward that
+    trains it). Not where prompt + response already fill the model's positions. Metric learner/replay_eos_appended."""
     recompute_old_logprobs: bool = False
     """Centre the fresh tokens' PPO ratio on the learner's own log-probs at the start of the step (pi_old
     recomputed with one extra no-grad forward through the chunked path, as the official code and verl do),

@@ -35,7 +35,12 @@ OFFICIAL = {  # the paper (arXiv 2510.02245) and its official code
     ("learner", "micro_batch_split"): "balanced",  # use_dynamic_bsz: ceil(tokens / 32768) parts, Karmarkar-Karp
     ("learner", "store_learner_logprobs"): "auto",  # stores the recomputed old_log_probs (with recompute_old_logprobs)
     ("learner", "shaping_beta"): 0.1,
-    ("learner", "replay_eos"): True,  # mix_vllm_rollout: every replayed o* gets EOS (a truncated one gains it)
+    # mix_vllm_rollout appends EOS to every replayed o*, then cuts the response back to the length limit: a
+    # full-length truncated o* keeps no EOS, as with replay_eos off (issue 52)
+    ("learner", "replay_eos"): False,
+    ("learner", "clip_ratio_c"): None,  # the official loss has no dual-clip (verl's vanilla has it at 3)
+    ("model", "dtype"): "bfloat16",  # FSDP: bf16 compute, fp32 master weights, optimizer state, gradient reduction
+    ("generator", "dtype"): "bfloat16",  # vLLM samples in bf16
     ("learner", "policy_loss"): "ppo_clip",
     ("learner", "entropy_coef"): 0.001,
     ("learner", "kl_coef"): 0.0,
