@@ -113,9 +113,6 @@ class BufferConfig(Section):
         if unused and self.question_sampler != "gaussian":
             raise ValueError(f"{' and '.join(unused)}: the bucket weight of question_sampler=gaussian, unused by "
                              f"buffer.question_sampler={self.question_sampler}; leave them out or use gaussian")
-        if "trajectory_score" in given and self.trajectory_selector == "random":
-            raise ValueError("buffer.trajectory_score: trajectory_selector=random ships one candidate and nothing "
-                             "is scored; leave trajectory_score out or use trajectory_selector=lowest_entropy")
         managed = [f"buffer.{f}={v}" for f, v, d in (("retire", "false", True),
                                                      ("trajectory_eviction", "oldest", "highest_entropy"))
                    if getattr(self, f) != d]

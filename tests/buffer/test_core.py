@@ -254,8 +254,6 @@ def test_replay_modes_refuse_settings_they_never_read():
     with pytest.raises(ValueError, match="buffer.bucket_std: the bucket weight of question_sampler=gaussian, unused "
                                          "by buffer.question_sampler=uniform"):
         BufferConfig(question_sampler="uniform", bucket_std=0.2)
-    with pytest.raises(ValueError, match="trajectory_selector=random ships one candidate and nothing is scored"):
-        BufferConfig(trajectory_selector="random", trajectory_score="official")
     with pytest.raises(ValueError, match="buffer.retire=false: buffer.collect=false stores and retires nothing"):
         BufferConfig(collect=False, replay_ratio=0, retire=False)
     with pytest.raises(ValueError, match="buffer.question_sampler: buffer.replay_ratio=0 replays nothing"):
