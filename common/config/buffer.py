@@ -107,9 +107,10 @@ class BufferConfig(Section):
 
     @model_validator(mode="after")
     def _modes_that_apply(self) -> BufferConfig:
-        """Settings of one replay mode given beside another that never reads them are refused, by name."""
-        given = self.model_fields_set
-        unused = [f"buffer.{f}" for f in ("bucket_mean", "bucket_std") if f in given]
+        """Settings of one replay mode set beside another that never reads them are refused, by name. By value, not
+        by what the input named: a saved config (every field written out) loads again."""
+        default = {f: type(self).model_fields[f].default for f in type(self).model_fields}
+        unused = [f"buffer.{f}" for f in ("bucket_mean", "bucket_std") if getattr(self, f) != default[f]]
         if unused and self.question_sampler != "gaussian":
             raise ValueError(f"{' and '.join(unused)}: the bucket weight of question_sampler=gaussian, unused by "
                              f"buffer.question_sampler={self.question_sampler}; leave them out or use gaussian")
@@ -120,7 +121,7 @@ class BufferConfig(Section):
             raise ValueError(f"{' and '.join(managed)}: buffer.collect=false stores and retires nothing; set "
                              "buffer.collect=true (replay) or leave them out (plain GRPO)")
         replay = [f"buffer.{f}" for f in ("question_sampler", "trajectory_selector", "trajectory_eviction")
-                  if f in given and getattr(self, f) != type(self).model_fields[f].default]
+                  if getattr(self, f) != default[f]]
         if replay and self.replay_ratio == 0:
             raise ValueError(f"{' and '.join(replay)}: buffer.replay_ratio=0 replays nothing; set "
                              "buffer.replay_ratio > 0 or leave them out")

@@ -251,6 +251,9 @@ def test_fifo_eviction_keeps_the_newest_trajectories():
 def test_replay_modes_refuse_settings_they_never_read():
     BufferConfig(question_sampler="uniform", trajectory_selector="random", retire=False, trajectory_eviction="oldest")
     BufferConfig(question_sampler="advantage")
+    # a saved config writes every field out (the defaults of the bucket weight too) and loads again
+    full = BufferConfig(question_sampler="uniform", retire=False).model_dump()
+    assert BufferConfig(**full).model_dump() == full
     with pytest.raises(ValueError, match="buffer.bucket_std: the bucket weight of question_sampler=gaussian, unused "
                                          "by buffer.question_sampler=uniform"):
         BufferConfig(question_sampler="uniform", bucket_std=0.2)
