@@ -114,52 +114,129 @@ class LayerShape:
                    int(config.num_hidden_layers))
 
 
-def activation_bytes(mode: str, tokens: int, shape: LayerShape, dtype_bytes: int) -> int:
-    """Estimated activation memory of one micro-batch's forward/backward with `mode`, in bytes.
+def bytes_per_token(mode: str, shape: LayerShape, dtype_bytes: int, compiled: bool = False) -> int:
+    """Activation bytes one token of a micro-batch costs its forward/backward with `mode`.
 
     Counted from what autograd keeps in a Llama/Qwen decoder layer, per token, in elements of the compute dtype:
-    - none: 12 h + 2 kv + 4 i: each RMSNorm keeps its float32 input and two h-wide results (4 h each, the float32
-      counting twice), the attention q, k, v, its output and o_proj's input (3 h + 2 kv), the MLP's gate, up,
-      SiLU(gate) and down_proj's input (4 i); `tests/learner/test_checkpointing.py` counts the tiny model's;
+    - none, eager: 12 h + 2 kv + 4 i: each RMSNorm keeps its float32 input and two h-wide results (4 h each, the
+      float32 counting twice), the attention q, k, v, its output and o_proj's input (3 h + 2 kv), the MLP's gate,
+      up, SiLU(gate) and down_proj's input (4 i); `tests/learner/test_checkpointing.py` counts the tiny model's;
     - selective: 5 h + 2 kv + 2 i: the layer's input and the matmul/attention outputs (q, k, v, attention, o_proj,
       gate, up, down); the rest is recomputed;
     - full: h per layer (its input), plus one layer's `none` while its backward recomputes it.
+    `compiled` (per-layer torch.compile with inductor): inductor's partitioner keeps only the matmul and attention
+    outputs and recomputes the elementwise ops in the backward, so a layer's none costs what selective does
+    (5 h + 2 kv + 2 i), and full's one recomputed layer too (issue 49's reading of the code; unmeasured on a GPU).
     Outside the layers, every mode: 8 h per token (embeddings, final norm, the head's hidden states)."""
     h, kv, i, n = shape.hidden, shape.kv_hidden, shape.intermediate, shape.layers
-    per_layer = {"none": 12 * h + 2 * kv + 4 * i, "selective": 5 * h + 2 * kv + 2 * i}
+    selective = 5 * h + 2 * kv + 2 * i
+    none = selective if compiled else 12 * h + 2 * kv + 4 * i
+    per_layer = {"none": none, "selective": selective}
     if mode == "full":
         elements = n * h + per_layer["none"]
     else:
         elements = n * per_layer[mode]
-    return tokens * (elements + 8 * h) * dtype_bytes
+    return (elements + 8 * h) * dtype_bytes
 
 
-USABLE = 0.9  # of the device's memory: the rest is the CUDA context, NCCL's buffers and the allocator's slack
+def activation_bytes(mode: str, tokens: int, shape: LayerShape, dtype_bytes: int, compiled: bool = False) -> int:
+    """Estimated activation memory of one micro-batch of `tokens` tokens with `mode`, in bytes: `tokens` x
+    `bytes_per_token`."""
+    return tokens * bytes_per_token(mode, shape, dtype_bytes, compiled)
+
+
+USABLE = 0.9  # of the budget: the rest is the CUDA context, NCCL's buffers and the allocator's slack
 RESERVE = 2 << 30  # bytes: the chunked LM head's logits and gradients, FSDP2's gathered layers in flight
 
+# Whether op-level selective checkpointing has trained on a GPU (`scripts/device_bench.sh`, part ckpt). Until it
+# has, "auto" never chooses it (a set `learner.activation_checkpointing=selective` still runs); set True, with the
+# device_bench run that showed it, to let auto choose it where none does not fit and it does.
+SELECTIVE_RAN_ON_GPU = False
+# What "auto" may choose, least recompute first: the modes that have run on a GPU.
+AUTO_MODES: tuple[Mode, ...] = ("none", "selective", "full") if SELECTIVE_RAN_ON_GPU else ("none", "full")
 
-# What "auto" may choose: the modes that have run on a GPU. selective is opt-in until it has (issue 42).
-AUTO_MODES: tuple[Mode, ...] = ("none", "full")
+
+@dataclass(frozen=True, slots=True)
+class MemoryBudget:
+    """Where auto's budget came from, in bytes: the device's memory free now (the CUDA driver's free plus what the
+    caching allocator holds unused), capped at the Ray GPU share of the card's total."""
+
+    free: int
+    total: int
+    share: float  # learner.num_gpus of one rank: 1 = the whole card; 0.5: half of it (a vLLM engine beside it)
+
+    @property
+    def bytes(self) -> int:
+        return min(self.free, int(self.share * self.total))
 
 
-def choose_checkpointing(memory_bytes: int, state_bytes: int, tokens: int, shape: LayerShape,
-                         dtype_bytes: int, modes: tuple[Mode, ...] = AUTO_MODES) -> tuple[Mode, str]:
-    """(mode, why): the checkpointing of least recompute among `modes` whose activations fit the memory left.
+def gpu_share(num_gpus: float) -> float:
+    """The fraction of one card a rank was given (`learner.num_gpus`, what Ray reserved for the actor): a
+    fraction below 1 as given, else the whole card (0, a rank not placed by Ray, included)."""
+    return num_gpus if 0 < num_gpus < 1 else 1.0
 
-    Left = USABLE x `memory_bytes` - RESERVE - `state_bytes` (the rank's parameters, gradients and AdamW state);
-    none if its `activation_bytes` fit in it, else selective, else full (also when full does not fit: the reason
-    says so and what to lower). `tokens`: of one micro-batch."""
-    left = USABLE * memory_bytes - RESERVE - state_bytes
-    need = {m: activation_bytes(m, tokens, shape, dtype_bytes) for m in ("none", "selective", "full")}
-    gib = 2 ** 30
-    sizes = ", ".join(f"{m} {b / gib:.1f}" for m, b in need.items())
-    head = (f"auto: activations of {tokens} tokens ~ {sizes} GiB; {left / gib:.1f} GiB left of "
-            f"{memory_bytes / gib:.1f} after {state_bytes / gib:.1f} GiB of weights, gradients and AdamW state")
+
+def micro_batch_tokens(cfg: LearnerConfig, max_length: int, rows: int | None = None) -> tuple[int, str]:
+    """(tokens of the largest micro-batch, how it was counted): `learner.micro_batch_tokens` where set (every
+    micro-batch is packed up to it); else `micro_batch_rows`, or the `rows` a rank trains per update where fewer,
+    x `max_length` (prompt + response of the longest row)."""
+    if cfg.micro_batch_tokens:
+        return cfg.micro_batch_tokens, "learner.micro_batch_tokens"
+    n = cfg.micro_batch_rows if rows is None else max(1, min(cfg.micro_batch_rows, rows))
+    return n * max_length, f"{n} rows x {max_length} tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """What auto chose and the numbers it used (`choose_checkpointing`)."""
+
+    mode: Mode
+    budget: MemoryBudget
+    state: int  # bytes: the rank's parameters, gradients and AdamW state
+    tokens: int  # of one micro-batch
+    per_token: dict[str, int]  # mode -> activation bytes per token
+    compiled: bool
+    modes: tuple[Mode, ...]  # those auto could choose
+    counted: str = ""  # how `tokens` was counted (`micro_batch_tokens`)
+
+    @property
+    def left(self) -> float:
+        return USABLE * self.budget.bytes - RESERVE - self.state
+
+    def need(self, mode: str) -> int:
+        return self.tokens * self.per_token[mode]
+
+    def note(self) -> str:
+        """One line for the start log (no semicolons: the levers' notes are joined by them)."""
+        gib, b = 2 ** 30, self.budget
+        kb = ", ".join(f"{m} {self.per_token[m] / 1e3:.1f}" for m in self.per_token)
+        need = ", ".join(f"{m} {self.need(m) / gib:.1f}" for m in self.per_token)
+        out = (f"auto{', compiled' if self.compiled else ''}: {self.left / gib:.1f} GiB left = {USABLE:g} x "
+               f"{b.bytes / gib:.1f} GiB budget (free {b.free / gib:.1f}, GPU share {b.share:g} of "
+               f"{b.total / gib:.1f}) - {RESERVE / gib:.1f} reserve - {self.state / gib:.1f} weights, gradients "
+               f"and AdamW state, activations of {self.tokens} tokens{f' ({self.counted})' if self.counted else ''} "
+               f"x kB/token {kb} = {need} GiB")
+        if "selective" not in self.modes:
+            out += ", selective not auto's until it has run on a GPU"
+        if self.need(self.mode) > self.left:
+            out += (", even full may not fit: lower learner.micro_batch_tokens (or micro_batch_rows), "
+                    "or add learner ranks")
+        return out
+
+
+def choose_checkpointing(budget: MemoryBudget, state_bytes: int, tokens: int, shape: LayerShape, dtype_bytes: int,
+                         compiled: bool = False, modes: tuple[Mode, ...] = AUTO_MODES, counted: str = "") -> Choice:
+    """The checkpointing of least recompute among `modes` whose activations fit the memory left.
+
+    Left = USABLE x `budget.bytes` - RESERVE - `state_bytes` (the rank's parameters, gradients and AdamW state);
+    none if its `activation_bytes` fit in it, else selective, else full (also when full does not fit: the note
+    says so and what to lower). `tokens`: of one micro-batch; `compiled`: the layers run under inductor."""
+    per_token = {m: bytes_per_token(m, shape, dtype_bytes, compiled) for m in ("none", "selective", "full")}
+    choice = Choice("full", budget, state_bytes, tokens, per_token, compiled, tuple(modes), counted)
     for mode in (m for m in ("none", "selective", "full") if m in modes):
-        if need[mode] <= left:
-            return mode, head
-    return "full", head + ("; even full may not fit: lower learner.micro_batch_tokens (or micro_batch_rows), "
-                           "or add learner ranks")
+        if choice.need(mode) <= choice.left:
+            return Choice(mode, budget, state_bytes, tokens, per_token, compiled, tuple(modes), counted)
+    return choice
 
 
 def state_bytes(model: torch.nn.Module, world: int) -> int:
@@ -171,23 +248,36 @@ def state_bytes(model: torch.nn.Module, world: int) -> int:
     return math.ceil((held + 12 * trained) / world)
 
 
+def device_budget(device: torch.device, share: float) -> MemoryBudget:
+    """The budget of `device` now: free (driver free + the allocator's cached, unused bytes), its total, `share`."""
+    free, total = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return MemoryBudget(free=free + unused, total=total, share=share)
+
+
 def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, *,
-                          world: int, max_length: int, memory_bytes: int | None = None) -> tuple[LearnerConfig, str]:
+                          world: int, max_length: int, rows: int | None = None,
+                          budget: MemoryBudget | None = None) -> tuple[LearnerConfig, str]:
     """`cfg` with `activation_checkpointing` "auto" decided for this rank, and the note for the start log.
 
-    Off CUDA "auto" is none (what the CPU runs always did). On CUDA: `choose_checkpointing` over the device's
-    memory (`memory_bytes`, else the device's total), `model`'s parameters (`state_bytes`; call after the build and
-    LoRA, before sharding) and a micro-batch of `learner.micro_batch_tokens` tokens, or `micro_batch_rows` x
-    `max_length` without a token budget. A set mode is kept and its note says so."""
+    Off CUDA "auto" is none (what the CPU runs always did). On CUDA: `choose_checkpointing` over `budget` (None:
+    the device's free memory now, capped at `learner.num_gpus`' share of its total: a learner beside a vLLM
+    engine on one card budgets only what it was given), `model`'s parameters (`state_bytes`; call after the build
+    and LoRA, before sharding: the free memory then still holds the weights to come), the micro-batch's tokens
+    (`micro_batch_tokens`: `max_length` = the longest row's prompt + response, `rows` = the rows one rank trains
+    per update where known), and bytes per token with `cfg.compile` (resolved) as the layers will run. A set mode
+    is kept and its note says so."""
     mode = cfg.activation_checkpointing
     if mode != "auto":
         return cfg, f"activation checkpointing {mode} (set)"
     if device.type != "cuda":
         mode, why = "none", "auto: not CUDA"
     else:
-        if memory_bytes is None:
-            memory_bytes = torch.cuda.get_device_properties(device).total_memory
-        tokens = cfg.micro_batch_tokens or cfg.micro_batch_rows * max_length
-        mode, why = choose_checkpointing(memory_bytes, state_bytes(model, world), tokens, LayerShape.of(model.config),
-                                         dtype.itemsize)
+        if budget is None:
+            budget = device_budget(device, gpu_share(cfg.num_gpus))
+        tokens, counted = micro_batch_tokens(cfg, max_length, rows)
+        compiled = cfg.compile is True and cfg.compile_backend == "inductor"
+        choice = choose_checkpointing(budget, state_bytes(model, world), tokens, LayerShape.of(model.config),
+                                      dtype.itemsize, compiled, counted=counted)
+        mode, why = choice.mode, choice.note()
     return cfg.model_copy(update={"activation_checkpointing": mode}), f"activation checkpointing {mode} ({why})"

@@ -47,7 +47,7 @@ def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, *, trainable: bool
     none) and then, with `compile` true (`levers.resolve_levers` decides "auto"; unresolved it means off), per-layer
     torch.compile, which compiles the selectively checkpointed forward as torchtitan does."""
     if cfg.logits_chunk_tokens != 0:
-        install_token_stats_head(model, cfg.logits_chunk_tokens)
+        install_token_stats_head(model, cfg.logits_chunk_tokens, compile_math=cfg.compile_head_math)
     if trainable:
         apply_checkpointing(model, cfg.activation_checkpointing)
     if trainable and cfg.compile is True:

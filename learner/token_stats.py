@@ -32,7 +32,8 @@ Block size: `chunk` tokens' worth of logits (chunk x V values; `learner.logits_c
 float32 buffers of a block (`BYTES_PER_LOGIT`). Default (`chunk_tokens` None): on CPU `LOGITS_PER_CHUNK`
 logits, as before; on CUDA sized once, at the head's first forward, from the free memory (a quarter of it, at
 most `BLOCK_BYTES_CAP`): no per-step host call. The per-block elementwise math can be torch.compile'd
-(`compile_math`, off by default: never measured on a GPU yet).
+(`compile_math`, the config switch `learner.compile_head_math`; off by default everywhere, CUDA included, until
+tests/gpu/test_head_math.py has passed on a GPU and `bench/gpu_bench.py --compile-head-math` has measured it).
 
 Cost of one call, forward + backward, at Qwen2.5-1.5B shapes (V = 151,936, H = 1,536, N = 16,384 response
 tokens, bf16 hidden states and weight). Blocks, ops (non-view aten ops, about the kernel launches) and bytes
@@ -70,7 +71,10 @@ BYTES_PER_LOGIT = 8  # peak temporaries per logit of a block: two float32 buffer
 FREE_MEMORY_FRACTION = 0.25  # CUDA default: a block's temporaries take at most this share of the free memory...
 BLOCK_BYTES_CAP = 2 << 30  # ...and at most 2 GiB: with the [V, H] gradient, the per-chunk path's peak at 1.5B
 SLICE_ALIGN = 128  # vocabulary slices are whole multiples of this many rows (the last one excepted)
-COMPILE_BLOCK_MATH = False  # torch.compile the per-block elementwise math (opt-in: never measured on a GPU yet)
+# torch.compile (inductor) the per-block float32 math, so that its [N, V] elementwise passes fuse (issue 49: ~0.37 s
+# of a 1.5B step's kernel time, estimated). Off: `learner.compile_head_math=true` opts in; it becomes a CUDA
+# default only after tests/gpu/test_head_math.py shows it exact on a GPU (never run on one yet).
+COMPILE_BLOCK_MATH = False
 
 
 class HeadError(ValueError):

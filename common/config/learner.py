@@ -184,6 +184,11 @@ class LearnerConfig(Section):
     tensor exists. None: on CUDA sized once from the free memory (a quarter, at most 2 GiB of temporaries: 1,766
     tokens at a 152k vocabulary), elsewhere about 32M logits (220 tokens at 152k). 0: full logits (the old path;
     its memory grows with rows x length x vocabulary; for comparison only)."""
+    compile_head_math: bool = False
+    """torch.compile (inductor) the chunked head's per-block float32 math (`learner.token_stats.COMPILE_BLOCK_MATH`),
+    fusing its elementwise passes over [tokens, vocabulary] blocks. Exact against full logits on CPU
+    (tests/learner/test_token_stats.py); opt-in everywhere until tests/gpu/test_head_math.py has passed on a GPU
+    (built, unmeasured: `python bench/gpu_bench.py --runs 1.5B:fixed --compile-head-math` measures it)."""
     activation_checkpointing: Literal["auto", "full", "selective", "none"] = "auto"
     """Recompute decoder layers' activations in the backward instead of keeping them (`learner/checkpointing.py`).
     full: each layer keeps only its input and re-runs its forward (about 1/3 more compute; one layer's activations

@@ -14,8 +14,9 @@ import torch
 
 from common.config import LearnerConfig, LoRAConfig
 from learner.batching import batch_rows, collate
-from learner.checkpointing import (RESERVE, USABLE, LayerShape, activation_bytes, apply_checkpointing,
-                                   choose_checkpointing, resolve_checkpointing, state_bytes)
+from learner.checkpointing import (AUTO_MODES, RESERVE, SELECTIVE_RAN_ON_GPU, USABLE, LayerShape, MemoryBudget,
+                                   activation_bytes, apply_checkpointing, bytes_per_token, choose_checkpointing,
+                                   gpu_share, micro_batch_tokens, resolve_checkpointing, state_bytes)
 from learner.forward import forward_stats, prepare_model
 from learner.levers import build_optimizer
 from learner.lora import apply_lora, init_adapters
@@ -56,7 +57,14 @@ SHAPE = LayerShape(hidden=1024, kv_hidden=256, intermediate=4096, layers=10)
 # selective 10 x (5 x 1024 + 2 x 256 + 2 x 4096 = 13,824) + 8,192 = 146,432; full 10 x 1024 + 29,184 + 8,192 = 47,616.
 # At 2 bytes and 16,384 tokens: none 9,831,448,576 B (9.16 GiB), selective 4,798,283,776 B (4.47 GiB),
 # full 1,560,281,088 B (1.45 GiB).
+# Compiled (inductor keeps only matmul/attention outputs): a layer's none is selective's 13,824, so none 146,432
+# (as selective) and full 10,240 + 13,824 + 8,192 = 32,256 elements, 64,512 B per token, 1,056,964,608 B (0.98 GiB).
 TOKENS = 16_384
+
+
+def whole(gib: float, share: float = 1.0) -> MemoryBudget:
+    """A card of `gib` GiB, all of it free."""
+    return MemoryBudget(free=int(gib * GIB), total=int(gib * GIB), share=share)
 
 
 def test_activation_estimate_by_hand():
@@ -64,6 +72,35 @@ def test_activation_estimate_by_hand():
     assert activation_bytes("selective", TOKENS, SHAPE, 2) == 4_798_283_776
     assert activation_bytes("full", TOKENS, SHAPE, 2) == 1_560_281_088
     assert activation_bytes("none", TOKENS, SHAPE, 4) == 2 * 9_831_448_576
+    assert [bytes_per_token(m, SHAPE, 2) for m in ("none", "selective", "full")] == [600_064, 292_864, 95_232]
+
+
+def test_under_compile_none_costs_what_selective_does():
+    assert [bytes_per_token(m, SHAPE, 2, compiled=True) for m in ("none", "selective", "full")] == [
+        292_864, 292_864, 64_512]
+    assert activation_bytes("none", TOKENS, SHAPE, 2, compiled=True) == 4_798_283_776
+    assert activation_bytes("full", TOKENS, SHAPE, 2, compiled=True) == 1_056_964_608
+
+
+def test_the_budget_is_the_free_memory_capped_at_the_ray_share():
+    """80 GiB card: 70 free, the whole card given: 70; half the card given (a vLLM engine beside it): 40, though
+    70 are free; 30 free of a half: 30."""
+    assert MemoryBudget(free=70 * GIB, total=80 * GIB, share=1.0).bytes == 70 * GIB
+    assert MemoryBudget(free=70 * GIB, total=80 * GIB, share=0.5).bytes == 40 * GIB
+    assert MemoryBudget(free=30 * GIB, total=80 * GIB, share=0.5).bytes == 30 * GIB
+    # learner.num_gpus: a fraction is the share; 0 (not placed by Ray) and whole GPUs are the card
+    assert [gpu_share(g) for g in (0.0, 0.25, 0.5, 1.0, 2.0)] == [1.0, 0.25, 0.5, 1.0, 1.0]
+
+
+def test_the_micro_batch_is_the_token_budget_or_the_rows_a_rank_trains():
+    """No token budget: micro_batch_rows (64) x the longest row (256 + 8,192 = 8,448) = 540,672, but a rank that
+    trains 8 rows per update has micro-batches of 8 x 8,448 = 67,584; a budget of 18,432 is the micro-batch."""
+    cfg = LearnerConfig()
+    assert micro_batch_tokens(cfg, 8448) == (540_672, "64 rows x 8448 tokens")
+    assert micro_batch_tokens(cfg, 8448, rows=8) == (67_584, "8 rows x 8448 tokens")
+    assert micro_batch_tokens(cfg, 8448, rows=100) == (540_672, "64 rows x 8448 tokens")
+    budget = LearnerConfig(micro_batch_tokens=18_432)
+    assert micro_batch_tokens(budget, 8448, rows=8) == (18_432, "learner.micro_batch_tokens")
 
 
 @pytest.mark.parametrize("state_gib, want, want_default", [(40, "none", "none"), (64, "selective", "full"),
@@ -71,17 +108,48 @@ def test_activation_estimate_by_hand():
 def test_auto_takes_the_least_recompute_that_fits(state_gib, want, want_default):
     """80 GiB: 0.9 x 80 - 2 (reserve) = 70 GiB before the states. States of 40 GiB leave 30: none (9.16) fits;
     64 leave 6: selective (4.47), not none; 68 leave 2: full (1.45); 69.5 leave 0.5: nothing fits, full, and the
-    reason says what to lower. By default auto chooses only among the modes that have run on a GPU (none, full):
+    note says what to lower. By default auto chooses only among the modes that have run on a GPU (none, full):
     64 then gives full."""
     assert USABLE * 80 * GIB - RESERVE == 70 * GIB
-    mode, why = choose_checkpointing(80 * GIB, int(state_gib * GIB), TOKENS, SHAPE, 2,
-                                     modes=("none", "selective", "full"))
-    assert mode == want
-    assert choose_checkpointing(80 * GIB, int(state_gib * GIB), TOKENS, SHAPE, 2)[0] == want_default
+    choice = choose_checkpointing(whole(80), int(state_gib * GIB), TOKENS, SHAPE, 2,
+                                  modes=("none", "selective", "full"))
+    assert choice.mode == want
+    assert choose_checkpointing(whole(80), int(state_gib * GIB), TOKENS, SHAPE, 2).mode == want_default
     left = 70 - state_gib
-    assert why.startswith(f"auto: activations of {TOKENS} tokens ~ none 9.2, selective 4.5, full 1.5 GiB; "
-                          f"{left:.1f} GiB left of 80.0 after {state_gib:.1f} GiB")
-    assert ("lower learner.micro_batch_tokens" in why) == (state_gib == 69.5)
+    note = choice.note()
+    assert note == (f"auto: {left:.1f} GiB left = 0.9 x 80.0 GiB budget (free 80.0, GPU share 1 of 80.0) - 2.0 "
+                    f"reserve - {state_gib:.1f} weights, gradients and AdamW state, activations of {TOKENS} tokens x "
+                    f"kB/token none 600.1, selective 292.9, full 95.2 = none 9.2, selective 4.5, full 1.5 GiB"
+                    + (", even full may not fit: lower learner.micro_batch_tokens (or micro_batch_rows), or add "
+                       "learner ranks" if state_gib == 69.5 else ""))
+    assert ";" not in note  # the levers' notes are joined by semicolons
+    assert "selective not auto's until it has run on a GPU" in choose_checkpointing(
+        whole(80), int(state_gib * GIB), TOKENS, SHAPE, 2).note()
+
+
+def test_under_compile_auto_keeps_everything_where_eager_would_recompute():
+    """States of 64 GiB leave 6: eager none (9.16 GiB) does not fit and auto recomputes (full); compiled none costs
+    selective's 4.47 GiB, fits, and no layer runs twice."""
+    assert choose_checkpointing(whole(80), 64 * GIB, TOKENS, SHAPE, 2).mode == "full"
+    choice = choose_checkpointing(whole(80), 64 * GIB, TOKENS, SHAPE, 2, compiled=True)
+    assert choice.mode == "none" and choice.note().startswith("auto, compiled: 6.0 GiB left")
+
+
+def test_a_half_card_beside_an_engine_recomputes_what_the_whole_card_keeps():
+    """80 GiB card, 75 free, states of 20 GiB: the whole card leaves 0.9 x 75 - 2 - 20 = 45.5 GiB and none (9.16)
+    fits; half the card (40 GiB) leaves 0.9 x 40 - 2 - 20 = 14, none still fits; a quarter (20) leaves -4: full."""
+    free = MemoryBudget(free=75 * GIB, total=80 * GIB, share=1.0)
+    assert choose_checkpointing(free, 20 * GIB, TOKENS, SHAPE, 2).mode == "none"
+    half = MemoryBudget(free=75 * GIB, total=80 * GIB, share=0.5)
+    assert choose_checkpointing(half, 20 * GIB, TOKENS, SHAPE, 2).mode == "none"
+    quarter = MemoryBudget(free=75 * GIB, total=80 * GIB, share=0.25)
+    choice = choose_checkpointing(quarter, 20 * GIB, TOKENS, SHAPE, 2)
+    assert choice.mode == "full" and "budget (free 75.0, GPU share 0.25 of 80.0)" in choice.note()
+    assert "even full may not fit" in choice.note()
+
+
+def test_selective_is_auto_s_only_once_it_ran_on_a_gpu():
+    assert AUTO_MODES == (("none", "selective", "full") if SELECTIVE_RAN_ON_GPU else ("none", "full"))
 
 
 def test_state_bytes_by_hand():
@@ -93,13 +161,13 @@ def test_state_bytes_by_hand():
 
 
 def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir):
-    """Off CUDA "auto" is none and a set mode stays; on CUDA (the device's memory given, so this runs anywhere) the
-    micro-batch is `micro_batch_tokens`, or `micro_batch_rows` x `max_length` without it, against the model's own
-    shape and state."""
+    """Off CUDA "auto" is none and a set mode stays; on CUDA (the budget given, so this runs anywhere) the
+    micro-batch is `micro_batch_tokens`, or `micro_batch_rows` (or the rows a rank trains) x `max_length` without
+    it, against the model's own shape and state, with bytes per token as `compile` runs the layers."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    cfg = LearnerConfig(micro_batch_rows=4)
+    cfg = LearnerConfig(micro_batch_rows=4, compile=False)
     got, note = resolve_checkpointing(cfg, model, CPU, torch.float32, world=1, max_length=100)
     assert got.activation_checkpointing == "none" and note == "activation checkpointing none (auto: not CUDA)"
     got, note = resolve_checkpointing(cfg.model_copy(update={"activation_checkpointing": "selective"}), model,
@@ -109,14 +177,26 @@ def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir)
     shape, state = LayerShape.of(model.config), state_bytes(model, 2)
     assert shape == LayerShape(hidden=64, kv_hidden=64, intermediate=192, layers=2)
     selective = activation_bytes("selective", 400, shape, 2)  # 4 rows x 100
-    memory = int((RESERVE + state + selective) / USABLE) + 1  # selective just fits, none does not
-    got, note = resolve_checkpointing(cfg, model, torch.device("cuda"), torch.bfloat16, world=2, max_length=100,
-                                      memory_bytes=memory)  # selective is not auto's until it has run on a GPU
-    assert got.activation_checkpointing == "full" and "activations of 400 tokens" in note
-    budget = cfg.model_copy(update={"micro_batch_tokens": 100})  # a quarter of the tokens: none fits
-    got, note = resolve_checkpointing(budget, model, torch.device("cuda"), torch.bfloat16, world=2, max_length=100,
-                                      memory_bytes=memory)
-    assert got.activation_checkpointing == "none" and "activations of 100 tokens" in note
+    memory = int((RESERVE + state + selective) / USABLE) + 1  # selective just fits, eager none does not
+    budget = MemoryBudget(free=memory, total=memory, share=1.0)
+    cuda = torch.device("cuda")
+    got, note = resolve_checkpointing(cfg, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
+    assert got.activation_checkpointing == "full"  # selective is not auto's until it has run on a GPU
+    assert "activations of 400 tokens (4 rows x 100 tokens)" in note and "GPU share 1 of" in note
+    # the rows one rank trains per update: 2 of them, 200 tokens, none fits
+    got, note = resolve_checkpointing(cfg, model, cuda, torch.bfloat16, world=2, max_length=100, rows=2,
+                                      budget=budget)
+    assert got.activation_checkpointing == "none" and "activations of 200 tokens (2 rows x 100 tokens)" in note
+    tokens = cfg.model_copy(update={"micro_batch_tokens": 100})  # a quarter of the tokens: none fits
+    got, note = resolve_checkpointing(tokens, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
+    assert got.activation_checkpointing == "none" and "activations of 100 tokens (learner.micro_batch_tokens)" in note
+    # per-layer compile under inductor: none costs what selective does, and fits the same budget
+    compiled = cfg.model_copy(update={"compile": True})
+    got, note = resolve_checkpointing(compiled, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
+    assert got.activation_checkpointing == "none" and note.startswith("activation checkpointing none (auto, compiled:")
+    eager_backend = compiled.model_copy(update={"compile_backend": "aot_eager"})  # no partitioner: eager's bytes
+    got, _ = resolve_checkpointing(eager_backend, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
+    assert got.activation_checkpointing == "full"
 
 
 def _saved_outside_checkpoints(model, mb) -> int:
