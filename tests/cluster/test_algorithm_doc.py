@@ -74,6 +74,9 @@ def test_the_one_command_paper_run_has_the_official_hyper_parameters():
     assert got == OFFICIAL
     # the derived divisor, printed under the YAML: the official gradient's scale at its GPU count (issue 35)
     assert "policy loss = the mini-batch's token sum / 65536 (loss_constant 8192 x official_world_size 8)" in out.stdout
+    # the aggregation in force, named against the loss's own (issue 52), and PPO's clip without dual-clip
+    assert "loss_agg constant (named; ppo_clip's own is token_mean) (PPO clip until mixed mode [1-0.2, 1+0.2];" \
+        in out.stdout
     # and the entropy term's micro-batches: the official 8 GPUs' whatever num_ranks is (issue 44)
     assert ("entropy bonus = entropy_coef x sum of the micro-batches' token means / 8, micro-batches: the mini-batch "
             "over official_world_size 8 GPUs, ceil(its tokens / 32768) each, the largest count for all") in out.stdout
