@@ -37,6 +37,9 @@ weights, lease again (the same two threads, one batch at a time).
 Replay items arrive with `num_samples = K-1` (the buffer joins the stored trajectory), fresh ones
 with K: the generator just generates what the item asks for.
 
+Weights (`actors.weight_loading.WeightLoader`, `self.weights`): what the generator knows of the published versions
+and the loads into its engine; the engine thread calls `weights.sync(engine)` every iteration.
+
 Failures: a buffer or weight-store call that fails with a Ray/availability error is logged, counted
 (`source_errors`) and retried after `retry_backoff_s` (a shard may be restarting from its snapshot);
 groups whose submit keeps failing until their leases' deadlines are dropped and counted
@@ -61,6 +64,7 @@ import ray
 from common.config import GeneratorConfig, RewardConfig, VllmEngineConfig
 from common.interfaces import Engine, WeightSource, WorkSource
 from actors.generator_stats import GeneratorStats
+from actors.weight_loading import WeightLoader
 from common.messages import Rollout, ScoredGroup, WorkItem, float32_array, int32_array
 
 log = logging.getLogger(__name__)
@@ -107,14 +111,8 @@ class GeneratorWorker:
         self._queue: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()  # complete, waiting for the scorer
         self._scoring: list[_Group] = []  # being scored and submitted
         self._unsubmitted = 0  # groups complete but not yet submitted (queued or being scored)
-        self._known_version = 0  # newest version the weight store announced
-        self._load_pending = False  # a newer version waits for the samples in flight (in_flight_updates=false)
-        self._torn = False  # a load failed part-way: the engine holds parts of two versions and must not step
-        self._next_poll = 0.0
-        self._watcher: threading.Thread | None = None  # waits at the weight store for new versions (weight_wait_s)
-        self._watch_token = 0  # a watcher of an earlier start ends when it sees a newer token
-        self._announced = None  # the newest announcement the watcher saw
-        self._merger = None  # actors.adapters.AdapterMerger: the base of adapter publications (LoRA), on first use
+        self.weights = WeightLoader(generator_id, gen_cfg, weight_source, model_path, self.stats, self._stop,
+                                    self._wake, self._call, RETRYABLE)  # the published versions, the loads
         self._next_lease = 0.0
         self._samples_per_item = 1  # samples per leased question (K or K-1), learned from the last lease
         self._requests = 0
@@ -150,7 +148,7 @@ class GeneratorWorker:
                     register(self.generator_id)
                 except LookupError as e:  # no learner yet: the first ack registers us
                     log.info("generator %s: not registered with the weight store yet (%s)", self.generator_id, e)
-            self._sync_weights(required=True)
+            self.weights.sync(self.engine, required=True)
             self.stats.startup_s = time.monotonic() - t0
             if self.stats.batches == 0:
                 self.stats.started_at = time.monotonic()  # rates count from the first lease, not model loading
@@ -159,13 +157,7 @@ class GeneratorWorker:
             self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._run, name=f"{self.generator_id}-loop", daemon=True)
             self._thread.start()
-            self._watch_token += 1
-            self._announced = None
-            self._watcher = None
-            if self.cfg.weight_wait_s > 0 and hasattr(self.weight_source, "wait_newer"):
-                self._watcher = threading.Thread(target=self._watch_weights, args=(self._watch_token,),
-                                                 name=f"{self.generator_id}-weights", daemon=True)
-                self._watcher.start()
+            self.weights.start_watching()
             log.info("generator %s started at version %d in %.1fs", self.generator_id, self.engine.version,
                      self.stats.startup_s)
             return {"version": float(self.engine.version), "startup_s": self.stats.startup_s}
@@ -247,7 +239,7 @@ class GeneratorWorker:
             while not self._stop.is_set():
                 self._iterate()
             self._return_leases(self._pop_held())  # not started: nothing to finish
-            if self._return_in_flight or self._torn:  # (never finish samples on half-loaded weights)
+            if self._return_in_flight or self.weights.torn:  # (never finish samples on half-loaded weights)
                 with self._lock:
                     groups, self._groups = list(self._groups.values()), {}
                 self.engine.abort([self._request_id(g.item, j) for g in groups for j in range(len(g.samples))])
@@ -273,8 +265,8 @@ class GeneratorWorker:
     def _iterate(self) -> None:
         """One engine-thread iteration: weights, leases, one engine step (or an idle wait)."""
         self._check_scorer()
-        self._sync_weights(poll=False)
-        if self._torn:  # nothing generates on half-loaded weights: retry the load after a backoff
+        self.weights.sync(self.engine, poll=False)
+        if self.weights.torn:  # nothing generates on half-loaded weights: retry the load after a backoff
             self._stop.wait(self.cfg.retry_backoff_s)
             return
         self._start_held()
@@ -290,7 +282,7 @@ class GeneratorWorker:
 
     def _top_up(self) -> bool:
         """Lease more questions when there is room (streaming) or when the last batch is submitted (batch mode)."""
-        if self._load_pending or self._torn or self._held or time.monotonic() < self._next_lease:
+        if self.weights.load_pending or self.weights.torn or self._held or time.monotonic() < self._next_lease:
             return False  # (leases held for their weights: the next work is already here)
         if self._unsubmitted >= self.cfg.max_in_flight:  # the scorer is behind: do not pile up finished groups
             return False
@@ -323,7 +315,7 @@ class GeneratorWorker:
         # advances), so an item whose weights have not arrived yet is held, out of the engine, until they have
         # (`_start_held`).
         if max(it.version for it in items) > self.engine.version:
-            self._sync_weights(poll=True)
+            self.weights.sync(self.engine, poll=True)
         self._samples_per_item = max(it.num_samples for it in items) or 1
         now = time.time()
         with self._lock:
@@ -498,7 +490,7 @@ class GeneratorWorker:
                 ))
                 self.stats.tokens += len(s.token_ids)
             if rollouts:
-                lag = max(0, self._known_version - min(r.version for r in rollouts))
+                lag = max(0, self.weights.known_version - min(r.version for r in rollouts))
                 self.stats.lag_sum += lag
                 self.stats.lag_max = max(self.stats.lag_max, lag)
             self.stats.rollouts += len(rollouts)
@@ -542,96 +534,7 @@ class GeneratorWorker:
             log.warning("generator %s: could not return %d leases (%s: %s); they will expire and be reissued",
                         self.generator_id, len(ids), type(e).__name__, e)
 
-    # ---------------------------------------------------------------------------------------- weights
-
-    def _sync_weights(self, *, required: bool = False, poll: bool = True) -> None:
-        """Load the newest published version if it is newer than the engine's.
-
-        `poll=False` reads what the weight watcher learnt (`weight_wait_s`; no call), or asks the weight store at
-        most every `weight_poll_s`. With samples in flight the load happens now (`in_flight_updates`) or once they
-        are done (leasing pauses meanwhile)."""
-        now = time.monotonic()
-        watched = None if poll or self._load_pending or self._torn else self._watched()
-        if watched is False or (watched is None and not poll and not self._load_pending and not self._torn
-                                and now < self._next_poll):
-            return  # the watcher saw nothing newer than the engine's version, or the next poll is not due
-        if self._torn or not self._load_pending or self.engine.in_flight() == 0:
-            self._next_poll = now + self.cfg.weight_poll_s
-            ann = watched or self._call("latest", self.weight_source.latest, required=required)
-            if ann is None:
-                return
-            self._known_version = max(self._known_version, ann.version)
-            if ann.version <= self.engine.version and not self._torn:
-                self._load_pending = False
-                return
-            in_flight = self.engine.in_flight()
-            if in_flight and not self.cfg.in_flight_updates and not self._torn:
-                self._load_pending = True  # leasing pauses; the samples in flight finish under the old version
-                return
-            t0 = time.monotonic()
-            buckets = self._call("fetch", self._fetch, ann, required=required)
-            if buckets is None:
-                return
-            try:  # bucket by bucket, each fetched as it is loaded
-                self.engine.load_weights(buckets, ann.version, partial=ann.adapters is not None)
-            except RETRYABLE as e:
-                self._torn = True
-                self.stats.loads_torn += 1
-                self.stats.source_errors += 1
-                log.error("generator %s: loading version %d failed part-way (%s: %s); the engine holds parts of "
-                          "two versions and generates nothing until a whole version has loaded", self.generator_id,
-                          ann.version, type(e).__name__, e)
-                return
-            self._torn = False
-            dt = time.monotonic() - t0
-            self._load_pending = False
-            self.stats.weight_loads += 1
-            self.stats.loads_in_flight += in_flight > 0
-            self.stats.weight_load_s += dt
-            self.stats.weight_load_s_last = dt
-            self._call("ack", self.weight_source.ack, self.generator_id, ann.version, required=required)
-            log.info("generator %s loaded weights version %d in %.2fs (%d samples in flight)", self.generator_id,
-                     ann.version, dt, in_flight)
-
-    def _fetch(self, ann):
-        """The buckets of `ann`'s version for `engine.load_weights`, fetched as they are loaded; an adapter-only
-        publication (LoRA) is received whole here and merged into the base as the engine loads it
-        (`actors.adapters`: a partial state), so a failed transfer tears nothing. The merger is made at the first
-        one (it logs once)."""
-        buckets = self.weight_source.fetch_buckets(ann)
-        if ann.adapters is None:
-            return buckets
-        if self._merger is None:
-            from actors.adapters import AdapterMerger
-
-            self._merger = AdapterMerger(self.model_path, who=f"generator {self.generator_id}")
-        return self._merger.merge(buckets, ann.adapters)
-
-    def _watched(self):
-        """With the weight watcher running: its newest announcement if newer than the engine's version, else False;
-        None without a watcher (the caller polls)."""
-        if self._watcher is None or not self._watcher.is_alive():
-            return None
-        ann = self._announced
-        return ann if ann is not None and ann.version > self.engine.version else False
-
-    def _watch_weights(self, token: int) -> None:
-        """The weight watcher: one long-poll call at the weight store at a time (`weight_wait_s`); a new version
-        is recorded for the engine loop, which is woken. Ends with the loop (stop) or when a newer watcher starts."""
-        known = -1
-        while not self._stop.is_set() and token == self._watch_token:
-            try:
-                ann = self.weight_source.wait_newer(known, self.cfg.weight_wait_s)
-            except (LookupError, *RETRYABLE) as e:  # the store restarts or is not there yet: ask again shortly
-                self.stats.source_errors += 1
-                log.info("generator %s: waiting for weights failed (%s: %s); retrying", self.generator_id,
-                         type(e).__name__, e)
-                self._stop.wait(self.cfg.retry_backoff_s)
-                continue
-            if ann is not None and ann.version != known:
-                known = ann.version
-                self._announced = ann
-                self._wake.set()
+    # ----------------------------------------------------------------------------------- remote calls
 
     def _call(self, what: str, fn, *args, required: bool = False):
         """A remote call that may fail transiently: log, count, back off; None when it failed.

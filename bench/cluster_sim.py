@@ -177,13 +177,13 @@ def rebindable_generator_class():
         def rebind(self, gen_cfg, work_source, weight_source) -> None:
             if self._thread is not None and self._thread.is_alive():
                 raise RuntimeError(f"{self.generator_id}: stop() before rebind()")
-            engine, token = self.engine, self._watch_token
+            engine = self.engine
             if engine is not None and (engine.cfg != gen_cfg.engine or engine.in_flight()):
                 raise RuntimeError(f"{self.generator_id}: rebind keeps the engine: same engine settings, "
                                    "nothing in flight")
             GeneratorWorker.__init__(self, self.generator_id, gen_cfg, self.reward_cfg, self.model_path, work_source,
                                      weight_source, self.task_name)
-            self._watch_token = token  # a weight watcher of the last run still waiting ends at the next start
+            # a weight watcher of the last run still waiting ends by itself: its loader's stop event stays set
             if engine is not None:
                 engine.version = 0
                 engine.sampling = type(engine.sampling).from_config(gen_cfg)

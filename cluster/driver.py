@@ -52,9 +52,12 @@ class Trainer:
     """Owns the components of one attempt of a run (rebuilt from the checkpoint on restart)."""
 
     def __init__(self, cfg: RunConfig, run_dir, state: DriverState, model_path: Path, questions, tracker,
-                 profile: Profile | None = None):
+                 profile: Profile | None = None, launched: float | None = None):
         self.cfg, self.run_dir, self.state, self.model_path, self.tracker = cfg, run_dir, state, model_path, tracker
         self.profile = profile or Profile()
+        # time.monotonic() when `exgrpo train` started: the first update of this attempt logs driver/first_update_s
+        # (None: a restarted attempt, which does not)
+        self.launched = launched
         self._first_batch = False
         self.questions = questions
         self.stop_flag = False
@@ -203,6 +206,7 @@ class Trainer:
                 self._finish_publish()  # the previous version's gather overlapped with the batch fetch
             with phase("step: learner compute"):
                 result = self.learner.step(batch)
+            first_update_s = self._first_update_s()
             with phase("step: start publication"):
                 self._pending = (self.learner.publish_async(), time.monotonic())
                 if cfg.buffer.max_lag == 0:  # synchronous: no rollout of the next batch may see the old weights
@@ -215,6 +219,8 @@ class Trainer:
             self.state.rollouts += sum(len(g.rollouts) for g in batch.groups)  # fresh ones (o* joins in the learner)
             with phase("step: metrics, MLflow, progress"):
                 metrics = self._metrics(batch, result, time.monotonic() - t0, buffer_metrics)
+                if first_update_s is not None:
+                    metrics["driver/first_update_s"] = first_update_s
                 too_many_errors = self._check_reward_errors(metrics)
                 self.tracker.log_metrics(metrics, self.state.step)
                 progress.update(self.state.step, {**metrics, **(self.evaluation.last if self.evaluation else {})})
@@ -236,6 +242,15 @@ class Trainer:
         if self.run_dir.latest_checkpoint() != self.run_dir.checkpoint_dir(self.state.step):
             with phase("checkpoints"):
                 self.checkpoint()
+
+    def _first_update_s(self) -> float | None:
+        """At the first learner update of the command: seconds since `exgrpo train` started (logged and said once,
+        `driver/first_update_s`); None at every other step."""
+        if self.launched is None:
+            return None
+        seconds, self.launched = time.monotonic() - self.launched, None
+        log.info("first learner update %.1f s after exgrpo train started", seconds)
+        return seconds
 
     def _budget_spent(self) -> bool:
         return self.cfg.total_rollouts is not None and self.state.rollouts >= self.cfg.total_rollouts

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import signal
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,6 +47,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     from cluster.runtime import start_ray
     from cluster.tracking import default_tracking_uri
 
+    launched = command_started()
     profile = Profile()
     setup_logging(None)  # the console only, until the run folder exists
     try:
@@ -74,7 +77,8 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     progress = Progress(cfg.total_steps, start=state.step)
     status, stopped = "FAILED", None
     try:
-        status = _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress, profile)
+        status = _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress, profile,
+                                      launched)
     except RunStopped as e:  # said why already; the run folder and MLflow lines still follow
         stopped = e
     finally:
@@ -107,6 +111,19 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     return 0 if status in ("FINISHED", "KILLED") else 1
 
 
+def command_started() -> float:
+    """time.monotonic() at which this process started (Linux: its start time in /proc/self/stat, so the interpreter's
+    start and the imports count), else now."""
+    now = time.monotonic()
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return now
+    return now - age if 0 <= age < 3600 else now
+
+
 def _start_tracking(cfg: RunConfig, run_dir, state: DriverState, uri: str, resume: str | None):
     """Open the run's MLflow run (a new one, or the resumed run's) and, for a new run, log its config."""
     from cluster.tracking import Tracker
@@ -123,7 +140,8 @@ def _start_tracking(cfg: RunConfig, run_dir, state: DriverState, uri: str, resum
     return tracker
 
 
-def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress, profile) -> str:
+def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress, profile,
+                         launched: float | None = None) -> str:
     """Build and train, restarting from the last checkpoint after a component failure (bounded).
 
     Returns FINISHED or KILLED (a signal); raises RunStopped (exit code 1 or 3, after a checkpoint
@@ -139,7 +157,8 @@ def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, pr
 
     attempts = 0
     while True:
-        trainer = Trainer(cfg, run_dir, state, model_path, questions, tracker, profile)
+        trainer = Trainer(cfg, run_dir, state, model_path, questions, tracker, profile, launched)
+        launched = None  # driver/first_update_s: the command's first update only, not a restarted attempt's
         restore_signals = _stop_on_signals(trainer)
         try:
             trainer.build(run_dir.latest_checkpoint())
