@@ -23,6 +23,14 @@ Cases, each with the levers given (unset: the product's default):
 - publish: the publication alone, for a size that no step case published (one too large to train on the device:
   the publication needs only the fp32 master weights).
 
+One build per size and lever set: consecutive cases of the same size and levers (the defaults' 1.5B fixed and
+mixed padded) run their batch shapes on one rank, so its compile is paid once; the first of them reports the
+setup, and each case the seconds to its first finished step (from the setup's start where it built the rank) and
+its recompiles (graphs torch.compile built after the rank's first step: a new shape's, a failed guard's).
+The checkpointing column shows the mode and, where `auto` chose it, the numbers it used (the setup's note: tokens
+of the micro-batch, bytes per token, GiB left of the free memory x the Ray GPU share). --profile-first profiles
+the first case only; --compile-cache DIR loads a past lease's inductor artifacts and saves this one's.
+
 A case that fails is a row of the table with its error (out of memory is a result; any other failure prints its
 traceback and makes the bench exit 1 after the table and the JSON), and the next case runs. Each finished case
 prints a line and rewrites --out, so a bench killed at a lease's time limit leaves every finished case;
@@ -51,7 +59,7 @@ bucket (GB/s = bytes published / seconds), beside this machine's copy limit: the
 device bucket into two reused pinned host buffers with non_blocking copies. Bytes published are compared
 with the unique parameter bytes (a tied embedding counted once).
 
-Output: a table headed by the command line, the top kernels of each profiled step, issue 42's "Done when"
+Output: a table headed by the command line, the top kernels of each profiled step, issue 49's "Done when"
 targets judged on the runs of the product's defaults (on a GPU), and --out JSON with every number (read by
 `bench/scale_model.py --gpu-json`).
 """
@@ -61,6 +69,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import re
 import shlex
@@ -106,12 +115,15 @@ LEVERS = {
     "fused_optimizer": ("fused_optimizer", True, False),
     "activation_checkpointing": ("activation_checkpointing", "full", "none"),
     "chunked_head": ("logits_chunk_tokens", None, 0),
+    "compile_head_math": ("compile_head_math", True, False),  # opt-in (issue 49): the head's fused float32 math
 }
+FIRST_STEP_S = {"warm": 60.0, "cold": 120.0}  # 1.5B: setup to the first finished step, with/without a loaded cache
 CHECKPOINTING = ("auto", "full", "selective", "none")  # learner.activation_checkpointing (true/false: full/none)
 TOP_KERNELS = 10
-# issue 42's "Done when", judged on a GPU on the runs of the product's defaults: (key, what, size, case, target)
-TARGETS = (("mfu_1.5B_fixed", "1.5B fixed: MFU (recompute not counted)", "1.5B", "fixed", 0.32),
-           ("mfu_3B_mixed", "3B mixed: MFU (recompute not counted)", "3B", "mixed", 0.30),
+# issue 49's "Done when", judged on a GPU on the runs of the product's defaults: (key, what, size, case, target);
+# with the recompiles and the time to the first step (`judge`)
+TARGETS = (("mfu_1.5B_fixed", "1.5B fixed: MFU (recompute not counted)", "1.5B", "fixed", 0.36),
+           ("mfu_3B_mixed", "3B mixed: MFU (recompute not counted)", "3B", "mixed", 0.36),
            ("packed_over_padded_1.5B", "1.5B mixed: packed / padded response tokens/s", "1.5B", "mixed", 1.2),
            ("publication_1.5B", "1.5B publication, bf16, GB/s", "1.5B", "publish", 40.0))
 CATEGORIES = (  # first match wins; names lower-cased (CUDA kernels, or aten ops on CPU)
@@ -359,7 +371,6 @@ def profile_step(trainer, batch, device: torch.device) -> dict:
     `TOP_KERNELS` kernels that took most of it (CUDA kernels by name; CPU ops' self time on CPU), the host syncs
     (CUDA runtime sync calls, device-to-host memcpys, scalar reads `aten::_local_scalar_dense`), and what the
     profiler cost: the profiled step's wall time and the seconds spent reading its trace afterwards."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -375,20 +386,20 @@ def profile_step(trainer, batch, device: torch.device) -> dict:
     kernels: dict[str, list] = {}  # name -> [ms, calls]
     syncs = {name: 0 for name in SYNC_CALLS}
     sync_cpu_us, dtoh, scalar_reads = 0.0, 0, 0
-    for e in prof.events():
-        if device.type == "cuda" and e.device_type == DeviceType.CUDA:  # a kernel, memcpy or memset on the GPU
-            if getattr(e, "is_user_annotation", False):  # a record_function span drawn on the GPU: not a kernel
+    for name, on_device, us, annotation in trace_events(prof):
+        if device.type == "cuda" and on_device:  # a kernel, memcpy or memset on the GPU
+            if annotation:  # a record_function span drawn on the GPU: not a kernel
                 continue
-            k = kernels.setdefault(e.name, [0.0, 0])
-            k[0] += e.time_range.elapsed_us() / 1e3
+            k = kernels.setdefault(name, [0.0, 0])
+            k[0] += us / 1e3
             k[1] += 1
-            dtoh += e.name.startswith("Memcpy DtoH")
+            dtoh += name.startswith("Memcpy DtoH")
             continue
-        call = re.sub(r"(_v\d+|_ptsz|_ptds)+$", "", e.name)  # runtime API variants: cudaMemcpy_v2, ..._ptsz
+        call = re.sub(r"(_v\d+|_ptsz|_ptds)+$", "", name)  # runtime API variants: cudaMemcpy_v2, ..._ptsz
         if call in syncs:
             syncs[call] += 1
-            sync_cpu_us += e.time_range.elapsed_us()
-        scalar_reads += e.name == "aten::_local_scalar_dense"
+            sync_cpu_us += us
+        scalar_reads += name == "aten::_local_scalar_dense"
     if device.type != "cuda":
         for a in prof.key_averages():  # self time: nested ops are not counted twice
             kernels[a.key] = [a.self_cpu_time_total / 1e3, a.count]
@@ -411,23 +422,150 @@ def profile_step(trainer, batch, device: torch.device) -> dict:
             "profiled_step_s": round(step_s, 6), "profile_read_s": round(time.perf_counter() - t0, 3)}
 
 
-def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path, device: torch.device,
-             dtype: torch.dtype, want_publication: bool) -> dict:
-    """Build the rank (the product's setup), warm up, time --steps steps, profile one more, maybe publish."""
+def trace_events(prof):
+    """(name, on the device, microseconds, a user annotation) of every event of a finished profile, read from
+    kineto's raw events: the profiler's own `events()` builds a FunctionEvent tree first (parents, children, a
+    Python object per op), which took most of the time of reading a 1.5B step's trace; these are read as they
+    are. Falls back to `events()` on a torch without `kineto_results`."""
+    from torch.autograd import DeviceType
+
+    raw = getattr(prof.profiler, "kineto_results", None)
+    if raw is None:
+        for e in prof.events():
+            yield (e.name, e.device_type == DeviceType.CUDA, e.time_range.elapsed_us(),
+                   bool(getattr(e, "is_user_annotation", False)))
+        return
+    for e in raw.events():
+        yield e.name(), e.device_type() == DeviceType.CUDA, e.duration_ns() / 1e3, e.is_user_annotation()
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far: a rise after a rank's first step is a recompile
+    (`learner.compile_cache.compiled_graphs`, issue 49 item 2; 0 on a tree without it)."""
+    if "torch._dynamo" not in sys.modules:  # nothing compiled yet (and importing dynamo costs seconds)
+        return 0
+    try:
+        from learner.compile_cache import compiled_graphs as graphs
+    except ImportError:
+        return 0
+    return graphs()
+
+
+def recompiles_from_stats(stats) -> int | None:
+    """The learner's own recompile count of a step, where this tree's TrainStep reports one (issue 49's
+    `learner/recompiles`), else None."""
+    for where in ("metrics", "sums"):
+        value = (getattr(stats, where, None) or {}).get("recompiles")
+        if value is not None:
+            return int(value)
+    return None
+
+
+class _SetupLog(logging.Handler):
+    """The lines `learner.setup` logs while a rank is built (its levers' notes: what auto chose and why)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def checkpointing_choice(lines: list[str]) -> dict | None:
+    """The activation checkpointing note of the setup's log (`learner.checkpointing.resolve_checkpointing`): the
+    mode, whether auto chose it, and the numbers auto used (None where this tree's note does not give them)."""
+    m = next((m for line in lines for m in [re.search(r"activation checkpointing (\w+) \(([^;]*)\)", line)] if m),
+             None)
+    if m is None:
+        return None
+    mode, note = m.group(1), m.group(2)
+
+    def num(pattern: str) -> float | None:
+        hit = re.search(pattern, note)
+        return float(hit.group(1)) if hit else None
+
+    kb = re.search(r"kB/token (.*?) =", note)
+    return {"mode": mode, "auto": note.startswith("auto"), "compiled": note.startswith("auto, compiled"),
+            "note": note, "tokens": None if num(r"activations of (\d+) tokens") is None
+            else int(num(r"activations of (\d+) tokens")), "left_gib": num(r"([-\d.]+) GiB left"),
+            "budget_gib": num(r"x ([\d.]+) GiB budget"), "free_gib": num(r"\(free ([\d.]+),"),
+            "gpu_share": num(r"GPU share ([\d.]+)"),
+            "kb_per_token": {k: float(v) for k, v in re.findall(r"(none|selective|full) ([\d.]+)", kb.group(1))}
+            if kb else {}}
+
+
+def checkpointing_cell(s: dict, choice: dict | None) -> str:
+    """The table's checkpointing cell: the mode, and where auto chose it, the numbers it used."""
+    mode = s.get("activation_checkpointing", "-")
+    if not choice:
+        return str(mode)
+    if not choice["auto"]:
+        return f"{mode} (set)"
+    if choice.get("tokens") is None:  # off CUDA, or a tree whose note gives no numbers
+        return f"{mode} ({choice['note']})"
+    kb = choice["kb_per_token"].get(mode)
+    return (f"{mode} (auto{', compiled' if choice['compiled'] else ''}: {choice['tokens']:,} tok x "
+            f"{kb if kb is not None else '?'} kB, {choice['left_gib']} GiB left of free {choice['free_gib']} "
+            f"x share {choice['gpu_share']:g})")
+
+
+def build_rank(args, size: str, padding_free: bool | None, folder: Path, device: torch.device,
+               dtype: torch.dtype) -> dict:
+    """The product's rank setup for `size` and the levers asked for, built once and reused by the consecutive
+    cases (batch shapes) of that size and lever set: {"cfg", "built", "setup_s", "started", "graphs", "checkpointing",
+    "first_step_done"}, or with "error" (and "failed", "traceback" for anything but running out of memory)."""
     from learner.setup import setup_rank
 
     cfg = learner_config(args, padding_free, device, dtype)
+    rank = {"cfg": cfg, "built": None, "started": time.perf_counter(), "first_step_done": False}
+    log = logging.getLogger("learner.setup")
+    notes, level = _SetupLog(), log.level
+    log.addHandler(notes)
+    log.setLevel(logging.INFO)
+    try:
+        rank["built"] = setup_rank(cfg, str(folder), rank=0, world=1, device=device, dtype=dtype,
+                                   max_new_tokens=args.response, fill=random_fill(args.seed))
+        rank["setup_s"] = round(time.perf_counter() - rank["started"], 2)
+    except torch.OutOfMemoryError as e:  # a result of the case: the next case starts from a free device
+        rank["error"] = f"out of memory: {str(e).splitlines()[0]}"
+        print(f"[gpu_bench] {size}: {rank['error']}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - one case's failure must not cost the others' numbers (a lease is short)
+        # recorded with its traceback, and the bench exits 1 after the table and the JSON (main)
+        rank["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+        rank["failed"] = True
+        print(f"[gpu_bench] {size} setup FAILED:\n{traceback.format_exc()}", file=sys.stderr)
+    finally:
+        log.removeHandler(notes)
+        log.setLevel(level)
+    rank["checkpointing"] = checkpointing_choice(notes.lines)
+    rank["graphs"] = compiled_graphs()
+    return rank
+
+
+def run_case(args, size: str, case: str, rank: dict, device: torch.device, dtype: torch.dtype,
+             want_publication: bool, profile: bool) -> dict:
+    """One batch shape on a built rank (`build_rank`): warm up, time --steps steps, profile one more (`profile`),
+    maybe publish. The rank's first case also reports its setup and the time from setup to its first step."""
     lengths = row_lengths(case, args.rows, args.response, seed=1)
     out = {"size": size, "case": case, "rows": len(lengths), "prompt_tokens": args.prompt,
            "response_min": min(lengths), "response_max": max(lengths), "response_tokens": sum(lengths),
            "tokens": sum(lengths) + len(lengths) * args.prompt}
-    built = model = trainer = None
-    t_case = time.perf_counter()
+    cfg, built = rank["cfg"], rank["built"]
+    first = not rank["first_step_done"]  # this case runs the rank's first step: setup + compile are its cost
+    t_case = rank["started"] if first else time.perf_counter()
+    model = trainer = None
     try:
-        t0 = time.perf_counter()
-        built = setup_rank(cfg, str(folder), rank=0, world=1, device=device, dtype=dtype,
-                           max_new_tokens=max(lengths), fill=random_fill(args.seed))
-        out["setup_s"] = round(time.perf_counter() - t0, 2)
+        if "error" in rank:
+            out["error"] = rank["error"]
+            if rank.get("failed"):
+                out["failed"] = True
+            return out
+        if first:
+            out["setup_s"] = rank["setup_s"]
+        out["built_here"] = first  # False: the rank (and its compiled graphs) of the case before, reused
+        if rank["checkpointing"] is not None:
+            out["checkpointing"] = rank["checkpointing"]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # the steps' peak (the model, AdamW state, activations)
         model, trainer = built.model, built.trainer
@@ -440,7 +578,8 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
         if case == "publish":  # the publication alone: no step, so no AdamW state or activations
             out["publication"] = publication(model, device, int(args.bucket_mb * 2**20), args.pub_repeats)
             return out
-        times, warm = [], []
+        times, warm, learner_recompiles = [], [], []
+        graphs = rank["graphs"]
         for i in range(args.warmup + args.steps):
             batch = make_batch(lengths, args.prompt, shape.vocab_size, version=i, seed=100 + i)
             sync(device)
@@ -448,6 +587,13 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
             stats = trainer.run(batch)
             sync(device)
             (warm if i < args.warmup else times).append(time.perf_counter() - t0)
+            learner_recompiles.append(recompiles_from_stats(stats))
+            if i == 0:
+                out["first_step_s"] = round(time.perf_counter() - t_case, 2)  # setup (if built here) + first step
+                if first:  # the graphs of the setup's trial and the first step; any later one is a recompile
+                    graphs = compiled_graphs()
+                    out["graphs_first_step"] = graphs
+                    rank["first_step_done"] = True
         step_s = statistics.median(times)
         ran = out["settings"]
         flops = step_flops(counts, shape.num_hidden_layers, shape.hidden_size, lengths, args.prompt,
@@ -471,10 +617,15 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
             out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         else:
             out["peak_rss_gib"] = round(peak_rss_gib(), 3)
-        if args.profile:
+        if profile:
             out.update(profile_step(trainer, make_batch(lengths, args.prompt, shape.vocab_size, version=99, seed=99),
                                     device))
             out["profile_overhead"] = round(out["profiled_step_s"] / step_s - 1, 4)  # the profiler's cost on a step
+        # graphs built after the rank's first step (this case's new shapes included): recompiles
+        out["recompiles"] = compiled_graphs() - graphs
+        rank["graphs"] = compiled_graphs()
+        if any(n is not None for n in learner_recompiles):
+            out["learner_recompiles"] = learner_recompiles
         if want_publication:
             out["publication"] = publication(model, device, int(args.bucket_mb * 2**20), args.pub_repeats)
     except torch.OutOfMemoryError as e:  # a result of the case: the next case starts from a free device
@@ -490,10 +641,19 @@ def run_case(args, size: str, case: str, padding_free: bool | None, folder: Path
             from learner.levers import resolve_levers
 
             out["settings"] = lever_settings(resolve_levers(cfg, device, dtype)[0], None)
-        out["case_s"] = round(time.perf_counter() - t_case, 2)  # set-up, warm-up (compile), steps, profile, publication
-        del built, model, trainer
-        free(device)
+        # set-up and warm-up (compile) where this case built the rank, steps, profile, publication
+        out["case_s"] = round(time.perf_counter() - t_case, 2)
+        del model, trainer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # what this case's activations left cached, before the next shape
     return out
+
+
+def release(rank: dict | None, device: torch.device) -> None:
+    """Drop a built rank (its model, AdamW state, compiled layers) before the next size or lever set."""
+    if rank is not None:
+        rank.clear()
+    free(device)
 
 
 def free(device: torch.device) -> None:
@@ -595,27 +755,37 @@ def levers_on(s: dict) -> str:
     on = [name for name, yes in (("packed", s["packs_padding_free"]), ("compile", s.get("compile")),
                                  ("fused", s.get("fused_optimizer")), (f"ckpt {ckpt}", ckpt not in (None, "none")),
                                  ("chunked", s.get("logits_chunk_tokens") != 0),
+                                 ("head math compiled", s.get("compile_head_math")),
                                  (f"lora r{s.get('lora_rank')}", s.get("lora_rank"))) if yes]
     return " ".join(on) or "none"
 
 
 def judge(result: dict) -> list[dict]:
-    """Issue 42's "Done when", each with its measured value and PASS/FAIL (judged on a GPU only), from the runs of
-    the product's defaults (`run["defaults"]`), the 1.5B mixed pair and the 1.5B publication."""
+    """Issue 49's "Done when", each with its measured value and PASS/FAIL (judged on a GPU only), from the runs of
+    the product's defaults (`run["defaults"]`), the 1.5B mixed pair and the 1.5B publication: every case runs, the
+    MFU targets, no recompile after a rank's first step, the 1.5B time from setup to the first step (warm: the
+    run loaded a compile cache), packed / padded, the publication. Each target has `target_text` and `value_text`
+    for the tables."""
     gpu = result["device"]["type"] == "cuda"
 
-    def verdict(value, target) -> str:
+    def verdict(value, target, at_most: bool = False) -> str:
         if value is None:
             return "not measured"
-        return ("PASS" if value >= target else "FAIL") if gpu else "not judged (CPU)"
+        return ("PASS" if (value <= target if at_most else value >= target) else "FAIL") if gpu \
+            else "not judged (CPU)"
+
+    def fmt(value, mfu: bool) -> str:
+        return "-" if value is None else pct(value) if mfu else f"{value:.2f}" if isinstance(value, float) else str(value)
 
     out = []
     defaults = [r for r in result["runs"] if r.get("defaults") and r["case"] != "publish"]
     failed = [f"{r['size']} {r['case']}" for r in defaults if "error" in r]
+    value = f"{len(defaults) - len(failed)}/{len(defaults)} ran" if defaults else None
     out.append({"key": "defaults_run", "what": "the product's defaults run every case", "target": "no error",
-                "value": f"{len(defaults) - len(failed)}/{len(defaults)} ran" if defaults else None,
+                "value": value, "target_text": "no error", "value_text": value or "-",
                 "verdict": ("FAIL: " + ", ".join(failed) if failed else "PASS") if defaults else "not measured"})
     for key, what, size, case, target in TARGETS:
+        mfu = key.startswith("mfu")
         if case == "publish":
             value = result["publication"].get(size, {}).get("gb_per_s")
         elif key.startswith("packed_over_padded"):
@@ -625,9 +795,24 @@ def judge(result: dict) -> list[dict]:
             value = run.get("mfu") if run is not None else None
             if run is not None and "error" in run:
                 out.append({"key": key, "what": what, "target": target, "value": None,
+                            "target_text": f">= {target:.0%}", "value_text": "-",
                             "verdict": "FAIL: " + run["error"][:80]})
                 continue
-        out.append({"key": key, "what": what, "target": target, "value": value, "verdict": verdict(value, target)})
+        out.append({"key": key, "what": what, "target": target, "value": value,
+                    "target_text": f">= {target:.0%}" if mfu else f">= {target:g}", "value_text": fmt(value, mfu),
+                    "verdict": verdict(value, target)})
+    counted = [r["recompiles"] for r in defaults if "recompiles" in r]
+    value = sum(counted) if counted else None
+    out.append({"key": "recompiles", "what": "recompiles after a rank's first step, the defaults' cases",
+                "target": 0, "value": value, "target_text": "0", "value_text": fmt(value, False),
+                "verdict": verdict(value, 0, at_most=True)})
+    warm = bool(result.get("compile_cache", {}).get("loaded"))
+    first = next((r for r in defaults if r["size"] == "1.5B" and r.get("built_here") and "first_step_s" in r), None)
+    target = FIRST_STEP_S["warm" if warm else "cold"]
+    value = first["first_step_s"] if first else None
+    out.append({"key": "first_step_1.5B", "what": f"1.5B: setup to the first finished step, s ({'warm' if warm else 'cold'}"
+                f" compile cache)", "target": target, "value": value, "target_text": f"<= {target:g}",
+                "value_text": fmt(value, False), "verdict": verdict(value, target, at_most=True)})
     return out
 
 
@@ -638,6 +823,14 @@ def target_cell(r: dict, targets: list[dict]) -> str:
         if r.get("defaults") and hit == (r["size"], r["case"]) and t["key"].startswith("mfu_"):
             return f">= {t['target']:.0%}: {t['verdict']}"
     return ""
+
+
+def first_step_cell(r: dict) -> str:
+    """Seconds from the start of the rank's setup (where this case built it; else from the case's start, on the
+    rank of the case before) to its first finished step."""
+    if "first_step_s" not in r:
+        return "-"
+    return f"{r['first_step_s']:.1f}" + ("" if r.get("built_here") else " (reused)")
 
 
 def pct(x: float | None) -> str:
@@ -661,8 +854,8 @@ def print_report(result: dict) -> None:
           + "; levers: packed = padding-free, ckpt = activation checkpointing, chunked = chunked LM head; "
             "defaults: every lever the product's default (the runs the targets judge)\n")
     head = ["size", "case", "rows x response", "levers on", "attention", "defaults", "step s", "min-max s",
-            "resp tok/s", "MFU", "MFU (torchtitan)", "HFU", "peak GiB" if gpu else "peak RSS GiB"] + cats + [
-            "syncs/step", "target"]
+            "resp tok/s", "MFU", "MFU (torchtitan)", "HFU", "peak GiB" if gpu else "peak RSS GiB",
+            "first step s", "recompiles", "checkpointing"] + cats + ["syncs/step", "target"]
     targets = result.get("targets", [])
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
@@ -681,7 +874,9 @@ def print_report(result: dict) -> None:
         split = r.get("kernel_split", {})
         cells = lead + [f"{r['step_s']:.3f}", f"{r['step_s_min']:.3f}-{r['step_s_max']:.3f}",
                         f"{r['response_tokens_per_s']:,.0f}", pct(r["mfu"]), pct(r.get("mfu_torchtitan")),
-                        pct(r.get("hfu")), f"{mem:.2f}"]
+                        pct(r.get("hfu")), f"{mem:.2f}", first_step_cell(r),
+                        str(r["recompiles"]) if "recompiles" in r else "-",
+                        checkpointing_cell(s, r.get("checkpointing"))]
         cells += [f"{split[c]['share']:.0%}" if c in split else "-" for c in cats]
         cells.append(str(r["host_syncs"]["total"]) if "host_syncs" in r else "-")
         cells.append(target_cell(r, targets))
@@ -722,15 +917,10 @@ def print_top_kernels(r: dict, gpu: bool) -> None:
 
 
 def print_targets(targets: list[dict]) -> None:
-    print("\n| Done when (issue 42) | target | measured | verdict |")
+    print("\n| Done when (issue 49) | target | measured | verdict |")
     print("|---|---|---|---|")
     for t in targets:
-        target, value = t["target"], t["value"]
-        if isinstance(target, float) and target < 1:  # an MFU
-            target, value = f">= {target:.0%}", pct(value)
-        elif isinstance(target, float):
-            target, value = f">= {target:g}", "-" if value is None else f"{value:.2f}"
-        print(f"| {t['what']} | {target} | {value if value is not None else '-'} | {t['verdict']} |")
+        print(f"| {t['what']} | {t['target_text']} | {t['value_text']} | {t['verdict']} |")
 
 
 def versions() -> dict:
@@ -777,6 +967,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="publication bucket (weight_sync.bucket_mb)")
     ap.add_argument("--pub-repeats", type=int, default=3, help="timed publications per size (median)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled step")
+    ap.add_argument("--profile-first", action="store_true",
+                    help="profile the first case that runs a step only (the defaults' 1.5B fixed in a lease)")
+    ap.add_argument("--compile-cache", type=Path, metavar="DIR",
+                    help="inductor's compiled artifacts: load every DIR/*.bin at the start (a past lease's), save "
+                         "this process's as DIR/<--out's name>.bin at the end")
     ap.add_argument("--no-publish", dest="publish", action="store_false",
                     help="no publication after the step cases (an A/B run beside one that published)")
     ap.add_argument("--seed", type=int, default=0)
@@ -842,6 +1037,8 @@ def main(argv: list[str] | None = None) -> dict:
     default_packs = product_packs(device, dtype)
     levers_given = any(getattr(args, flag) is not None for flag in LEVERS) or bool(args.lora or args.attn)
     started = time.perf_counter()
+    result["compile_cache"] = {"loaded": load_lease_cache(args.compile_cache)}
+    rank, rank_key, profiled = None, None, False
     try:
         with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
             for size, case, pf in plan(args):
@@ -852,15 +1049,25 @@ def main(argv: list[str] | None = None) -> dict:
                     mode = {True: " packed", False: " padded"}.get(pf, "") if case == "mixed" else ""
                     result["skipped"][f"{size} {case}{mode}"] = why
                     continue
-                folder = model_folder(size, vocab, Path(tmp))
-                run = run_case(args, size, case, pf, folder, device, dtype,
+                # one build per size and lever set: consecutive cases of both run their batch shapes on it
+                key = (size, pf if pf is not None else args.padding_free if args.padding_free is not None
+                       else default_packs)
+                if rank is None or key != rank_key:
+                    release(rank, device)
+                    rank = build_rank(args, size, pf, model_folder(size, vocab, Path(tmp)), device, dtype)
+                    rank_key = key
+                run = run_case(args, size, case, rank, device, dtype,
                                want_publication=size not in result["publication"] and (args.publish or
-                                                                                        case == "publish"))
+                                                                                        case == "publish"),
+                               profile=args.profile and not (args.profile_first and profiled))
+                profiled = profiled or "top_kernels" in run
                 run["defaults"] = not levers_given and pf in (None, default_packs)
                 if "publication" in run:
                     result["publication"][size] = run.pop("publication")
                 result["runs"].append(run)
                 progress(run, result, args.out)
+            release(rank, device)
+            rank = None
         for size in dict.fromkeys(r["size"] for r in result["runs"]):
             mixed = {r["settings"]["packs_padding_free"]: r for r in result["runs"]
                      if r["size"] == size and r["case"] == "mixed" and "error" not in r}
@@ -869,6 +1076,7 @@ def main(argv: list[str] | None = None) -> dict:
                     mixed[True]["response_tokens_per_s"] / mixed[False]["response_tokens_per_s"], 3)
     finally:
         torch.distributed.destroy_process_group()
+        result["compile_cache"]["saved"] = save_lease_cache(args.compile_cache, args.out)
     result["wall_s"] = round(time.perf_counter() - started, 1)
     result["targets"] = judge(result)
     print_report(result)
@@ -881,6 +1089,35 @@ def main(argv: list[str] | None = None) -> dict:
         if argv is None:
             sys.exit(1)
     return result
+
+
+def load_lease_cache(folder: Path | None) -> list[str]:
+    """Load every inductor artifact file a past lease saved into `folder` (`save_lease_cache`), before anything
+    compiles: the names loaded. The loading is the learner's (`learner.compile_cache.load_compile_cache`, issue 49
+    item 1); on a tree without it, nothing is loaded and the bench says so."""
+    if folder is None or not folder.is_dir():
+        return []
+    try:
+        from learner.compile_cache import load_compile_cache
+    except ImportError:
+        print("[gpu_bench] --compile-cache: this tree has no learner.compile_cache (issue 49 item 1): nothing "
+              "loaded", file=sys.stderr)
+        return []
+    return [f.name for f in sorted(folder.glob("*.bin")) if load_compile_cache(f)]
+
+
+def save_lease_cache(folder: Path | None, out: Path | None) -> dict | None:
+    """Save this process's inductor artifacts into `folder` as <--out's name>.bin (a lease brings them back
+    under $OUT; carry the folder to the next one): {"file", "bytes"}, or None where nothing was saved."""
+    if folder is None:
+        return None
+    try:
+        from learner.compile_cache import save_compile_cache
+    except ImportError:  # issue 49 item 1 not in this tree: nothing to save with
+        return None
+    path = folder / f"{out.stem if out else 'gpu-bench'}.bin"
+    size = save_compile_cache(path)
+    return None if size is None else {"file": path.name, "bytes": size}
 
 
 def plan(args) -> list[tuple[str, str, bool | None]]:
@@ -939,7 +1176,9 @@ def progress(run: dict, result: dict, out: Path | None) -> None:
         line = (f"{head}: {run['step_s']:.3f} s/step ({run['step_s_min']:.3f}-{run['step_s_max']:.3f}), "
                 f"{run['response_tokens_per_s']:,.0f} response tok/s, MFU {pct(run['mfu'])}, MFU (torchtitan) "
                 f"{pct(run['mfu_torchtitan'])}, HFU {pct(run['hfu'])}, peak {mem:.2f} GiB, "
-                f"warm-up {sum(run['warmup_s']):.0f} s")
+                f"warm-up {sum(run['warmup_s']):.0f} s, first step {first_step_cell(run)} s, "
+                f"recompiles {run.get('recompiles', '-')}, checkpointing "
+                f"{checkpointing_cell(run['settings'], run.get('checkpointing'))}")
     if run.get("levers_off"):
         off = "; ".join(f"{lever} ({error})" for lever, error in run["levers_off"].items())
         line += f"; off after failing their trial at setup: {off}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 42's GPU figures in one call of a short GPU lease (15 minutes of device time, machine start included):
-# bench/gpu_bench.py's cases, most needed first, each started only while the budget lasts, so that the call and its
-# A/B parts fit in about 6 minutes of device time.
+# Issue 49's GPU figures in one call of a short GPU lease (15 minutes of device time, machine start included):
+# bench/gpu_bench.py's parts, most needed first, each started only while the budget lasts, in one call of at most
+# 8 minutes (DEVICE_BUDGET_S=420 s of parts, plus the case already running when it runs out).
 #
 #   bash scripts/device_bench.sh [--quick] [GPU_BENCH_ARG ...]
 #   PARTS="eager ckpt lora" bash scripts/device_bench.sh      # only these parts (say, a second call of a lease)
@@ -9,23 +9,32 @@
 # --quick: the same plan on tiny shapes, on a CPU (the suite runs it); further arguments go to every
 # gpu_bench.py call (--peak-tflops, --bucket-mb, ...). The parts, in order:
 # 1. defaults: the product's defaults, nothing set (on CUDA: per-layer compile, fused AdamW, padded micro-batches,
-#    activation checkpointing auto), profiled, on 8 x 8k responses: --runs 1.5B:fixed 1.5B:mixed:padded 3B:mixed
-#    1.5B:mixed:packed. The 1.5B fixed case and its bf16 publication beside the pinned-copy limit; mixed lengths
-#    padded; the 3B mixed case (and its publication); then the opt-in lever learner.padding_free=true (flex_attention
-#    on CUDA) on the same mixed lengths, for packed / padded. Its tables end with issue 42's "Done when", judged.
-#    Where a case failed (a lever broke on the GPU), the plain step (no compile, padded, full checkpointing) runs
-#    next, so the lease still measures a baseline step and the publication.
+#    activation checkpointing auto), on 8 x 8k responses: --runs 1.5B:fixed 1.5B:mixed:padded 3B:mixed
+#    1.5B:mixed:packed. 1.5B fixed and mixed padded share one build (one compile, two batch shapes); only 1.5B fixed
+#    is profiled (--profile-first). The 1.5B fixed case and its bf16 publication beside the pinned-copy limit; mixed
+#    lengths padded; the 3B mixed case (and its publication); then the opt-in lever learner.padding_free=true
+#    (flex_attention on CUDA) on the same mixed lengths, for packed / padded. Its tables end with the "Done when",
+#    judged. Where a case failed (a lever broke on the GPU), the plain step (no compile, padded, full
+#    checkpointing) runs next, so the lease still measures a baseline step and the publication.
 # 2. eager: the compile A/B, the 1.5B fixed case with --no-compile.
 # 3. ckpt: the 1.5B fixed case with activation checkpointing full, selective and none (none where memory allows:
 #    running out is a result), except the mode auto chose in part 1 (measured there).
 # 4. lora: the 1.5B fixed case with rank-8 LoRA (the frozen base in bf16): its peak memory, one timed step.
-# Parts 2-4 skip the profiled step and the publication (part 1 has both).
+# Parts 2-4 skip the profiled step and the publication (part 1 has both). Every table row shows the recompiles
+# after the rank's first step, the seconds from setup to the first step, and the checkpointing mode with the
+# numbers auto used.
 #
-# DEVICE_BUDGET_S (default 330): no part starts unless its estimate (PART_S below, seconds on an H100, guessed
-# before any measurement: replace them with measured ones) fits in what is left, and within a part gpu_bench starts
-# no case that the last case's time says would overrun it; a case already started finishes (a first compile takes
-# a minute or more), so give the call's timeout ~1.6x the budget, and a 15-minute lease holds a start, this and a
-# rerun. Output: the tables on stdout, the lines of finished cases as they come, a line per part skipped, and
+# Budget: no part starts unless its estimate fits in what is left, and within a part gpu_bench starts no case that
+# the last case's time says would overrun it; a case already started finishes, so give the call's timeout ~1.15x
+# the budget. The estimates are measured: each part's wall seconds of the last lease (part-seconds.txt in the
+# compile cache folder below, written at the end of every call), else the last figures measured by hand (issue 49,
+# one H100, torch 2.11, project at 133d780: ~135 s of compiling per build, ~15 s of timed steps per case, ~10 s
+# of process start and setup), in PART_S below.
+#
+# Inductor's compiled artifacts: loaded at the start from COMPILE_CACHE (default runs-gpu-check/inductor-cache, an
+# ignored folder: carry it with the call), saved at the end under $OUT/inductor-cache (with part-seconds.txt), so
+# the device tool brings them back: copy that folder to runs-gpu-check/inductor-cache and carry it next time.
+# Output: the tables on stdout, the lines of finished cases as they come, a line per part skipped, and
 # gpu-bench-*.json + *.log in $OUT (the device tool's folder) or runs-gpu-check/.
 #
 # Needs python3 with torch, transformers, numpy, safetensors, pyyaml; pydantic where it is missing comes from the
@@ -37,12 +46,29 @@ if [ "${1:-}" = "--quick" ]; then QUICK=(--quick); shift; fi
 EXTRA=("$@")
 OUTDIR=${OUT:-runs-gpu-check}
 mkdir -p "$OUTDIR"
-BUDGET=${DEVICE_BUDGET_S:-330}
+BUDGET=${DEVICE_BUDGET_S:-420}
 PARTS=${PARTS:-defaults eager ckpt lora}
 START=$(date +%s)
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-declare -A PART_S=([plain]=60 [eager]=50 [ckpt]=70 [lora]=70)  # a part's (one mode's) seconds, guessed
+# a part's (one mode's) seconds, last measured by hand (issue 49, H100): a build with compile 135 + one case's steps
+# 15 + start and setup 10; eager and plain compile nothing. part-seconds.txt of the last lease replaces them.
+declare -A PART_S=([plain]=25 [eager]=25 [ckpt]=160 [lora]=160)
+CACHE_IN=${COMPILE_CACHE:-runs-gpu-check/inductor-cache}
+CACHE_OUT=$OUTDIR/inductor-cache
+mkdir -p "$CACHE_OUT"
+# --quick's tiny CPU seconds never become a GPU lease's estimates
+PART_FILE=$CACHE_OUT/part-seconds${QUICK:+-quick}.txt
+if [ -d "$CACHE_IN" ] && [ "$(cd "$CACHE_IN" && pwd)" != "$(cd "$CACHE_OUT" && pwd)" ]; then
+    cp "$CACHE_IN"/* "$CACHE_OUT"/ 2>/dev/null
+fi
+if [ -f "$PART_FILE" ]; then  # "part seconds" lines, the last lease's measurements
+    while read -r part secs; do
+        [ -n "${PART_S[$part]+x}" ] && [[ $secs =~ ^[0-9]+$ ]] && PART_S[$part]=$secs
+    done < "$PART_FILE"
+    echo "device_bench: part estimates measured by the last lease: $(for k in "${!PART_S[@]}"; do printf '%s %s s, ' "$k" "${PART_S[$k]}"; done)" >&2
+fi
+declare -A MEASURED=()
 
 if ! "$PY" -c "import pydantic" 2>/dev/null; then
     WHEELS=""
@@ -74,11 +100,15 @@ bench() {  # name, the part's estimate in seconds (0: start while any budget is 
         return
     fi
     : > "$OUTDIR/gpu-bench-$name.log"  # both streams append to it (one truncating writer would overwrite the other)
+    local t0
+    t0=$(date +%s)
     "$PY" bench/gpu_bench.py "${QUICK[@]}" "$@" "${EXTRA[@]}" --budget-s "$budget" --out "$OUTDIR/gpu-bench-$name.json" \
+        --compile-cache "$CACHE_OUT" \
         > >(tee -a "$OUTDIR/gpu-bench-$name.log") 2> >(grep --line-buffered -v '^USDT:' | tee -a "$OUTDIR/gpu-bench-$name.log" >&2)
     local rc=$?
     wait
     [ $rc -ne 0 ] && STATUS=$rc
+    MEASURED[${name%%-*}]=$(( $(date +%s) - t0 ))  # ckpt-full -> ckpt: one mode's seconds
 }
 
 failed() {  # whether any case of gpu-bench-NAME.json failed (not out of memory: a failure with a traceback)
@@ -98,9 +128,9 @@ takes_mode() {  # whether this tree's learner.activation_checkpointing takes the
 
 if wanted defaults; then
     if [ -n "$BIG" ]; then
-        bench defaults 0 --runs $SIZE:fixed $SIZE:mixed:padded $BIG:mixed $SIZE:mixed:packed
+        bench defaults 0 --profile-first --runs $SIZE:fixed $SIZE:mixed:padded $BIG:mixed $SIZE:mixed:packed
     else
-        bench defaults 0 --runs $SIZE:fixed $SIZE:mixed:padded $SIZE:mixed:packed
+        bench defaults 0 --profile-first --runs $SIZE:fixed $SIZE:mixed:padded $SIZE:mixed:packed
     fi
     if failed defaults; then  # a lever of the defaults broke (compile, checkpointing, flex packing): the plain step
         bench plain "${PART_S[plain]}" --runs $SIZE:fixed --no-compile --no-padding-free --activation-checkpointing full
@@ -126,14 +156,18 @@ if wanted lora; then
     bench lora "${PART_S[lora]}" --runs $SIZE:fixed --lora 8 --steps 1 --no-profile --no-publish
 fi
 # the lease on one screen (a device call may return only the end of its output): every case of every part, then
-# issue 42's "Done when" as part 1 judged it
+# the "Done when" as part 1 judged it
 "$PY" - "$OUTDIR" "$START" <<'SUMMARY'
 import json, sys
 from pathlib import Path
 
+sys.path.insert(0, ".")
+from bench.gpu_bench import checkpointing_cell, first_step_cell
+
 pct = lambda x: "-" if x is None else f"{x:.1%}"
-print("\n## device_bench: every case\n\n| part | case | levers on | step s (min-max) | MFU | MFU (torchtitan) | HFU | peak GiB |")
-print("|---|---|---|---|---|---|---|---|")
+print("\n## device_bench: every case\n\n| part | case | levers on | step s (min-max) | MFU | MFU (torchtitan) | HFU | "
+      "peak GiB | first step s | recompiles | checkpointing |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for path in sorted(Path(sys.argv[1]).glob("gpu-bench-*.json"), key=lambda f: f.stat().st_mtime):
     if path.stat().st_mtime < int(sys.argv[2]):  # an earlier call's
         continue
@@ -146,23 +180,26 @@ for path in sorted(Path(sys.argv[1]).glob("gpu-bench-*.json"), key=lambda f: f.s
                                           (f"lora r{s.get('lora_rank')}", s.get("lora_rank"))) if on) or "none"
         name = path.stem.removeprefix("gpu-bench-")
         if "error" in x:
-            print(f"| {name} | {case} | {levers} | {x['error'][:100]} | | | | |")
+            print(f"| {name} | {case} | {levers} | {x['error'][:100]} | | | | | | | |")
         elif "step_s" in x:
             mem = x.get("peak_mem_gib", x.get("peak_rss_gib"))
             print(f"| {name} | {case} | {levers} | {x['step_s']:.3f} ({x['step_s_min']:.3f}-{x['step_s_max']:.3f}) | "
-                  f"{pct(x['mfu'])} | {pct(x.get('mfu_torchtitan'))} | {pct(x.get('hfu'))} | {mem:.2f} |")
+                  f"{pct(x['mfu'])} | {pct(x.get('mfu_torchtitan'))} | {pct(x.get('hfu'))} | {mem:.2f} | "
+                  f"{first_step_cell(x)} | {x.get('recompiles', '-')} | {checkpointing_cell(s, x.get('checkpointing'))} |")
     for size, p in r["publication"].items():
         print(f"| {path.stem.removeprefix('gpu-bench-')} | {size} publication | bf16 | {p['seconds']:.3f} s, "
-              f"{p['gb_per_s']:.2f} GB/s (pinned copy {p['copy_gb_per_s']:.2f}) | | | | |")
+              f"{p['gb_per_s']:.2f} GB/s (pinned copy {p['copy_gb_per_s']:.2f}) | | | | | | | |")
 done = Path(sys.argv[1]) / "gpu-bench-defaults.json"
 if done.exists() and done.stat().st_mtime >= int(sys.argv[2]):
-    print("\n| Done when (issue 42), part 1 | target | measured | verdict |\n|---|---|---|---|")
+    print("\n| Done when (issue 49), part 1 | target | measured | verdict |\n|---|---|---|---|")
     for t in json.loads(done.read_text()).get("targets", []):
-        mfu, v, target = t["key"].startswith("mfu"), t["value"], t["target"]
-        if isinstance(target, float):
-            target = f">= {target:.0%}" if mfu else f">= {target:g}"
-        v = pct(v) if mfu and isinstance(v, float) else f"{v:.2f}" if isinstance(v, float) else "-" if v is None else v
-        print(f"| {t['what']} | {target} | {v} | {t['verdict']} |")
+        print(f"| {t['what']} | {t.get('target_text', t['target'])} | {t.get('value_text', t['value'])} | "
+              f"{t['verdict']} |")
 SUMMARY
-echo "device_bench: $(( $(date +%s) - START )) s of the ${BUDGET} s budget; JSON and logs in $OUTDIR" >&2
+# this lease's part seconds replace the last lease's (parts not run this time keep theirs): the next estimates
+for part in "${!MEASURED[@]}"; do PART_S[$part]=${MEASURED[$part]}; done
+for part in "${!PART_S[@]}"; do echo "$part ${PART_S[$part]}"; done | sort > "$PART_FILE"
+echo "device_bench: $(( $(date +%s) - START )) s of the ${BUDGET} s budget; JSON and logs in $OUTDIR;" \
+     "inductor's artifacts and part-seconds.txt in $CACHE_OUT (copy it to runs-gpu-check/inductor-cache and carry" \
+     "that path to the next call)" >&2
 exit $STATUS

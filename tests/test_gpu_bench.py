@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_KEYS = {"size", "case", "rows", "response_tokens", "tokens", "settings", "params", "param_counts", "defaults",
             "step_s", "step_s_all", "step_s_min", "step_s_max", "step_spread", "response_tokens_per_s", "tokens_per_s",
             "flops_per_step", "flops_per_step_torchtitan", "flops_per_step_hardware", "mfu", "mfu_torchtitan", "hfu",
-            "peak_rss_gib", "kernel_split", "kernel_ms", "top_kernels", "profiled_step_s", "profile_overhead",
-            "host_syncs", "scalar_reads", "updates", "padding_frac", "levers_off"}
+            "peak_rss_gib", "updates", "padding_frac", "levers_off", "first_step_s", "recompiles", "built_here",
+            "checkpointing", "case_s"}
+PROFILE_KEYS = {"kernel_split", "kernel_ms", "top_kernels", "profiled_step_s", "profile_overhead", "host_syncs",
+                "scalar_reads", "profile_read_s"}
 PUB_KEYS = {"bytes_published", "unique_bytes", "buckets", "seconds", "gb_per_s", "copy_s", "copy_gb_per_s",
             "copy_pinned"}
 CATEGORIES = {"matmul", "attention", "elementwise/copy", "reduction/softmax", "communication", "other"}
@@ -36,18 +38,25 @@ def flops_by_hand(run: dict) -> tuple[float, float, float]:
 
 def test_the_lease_script_runs_the_whole_pipeline_and_writes_every_number(tmp_path):
     """scripts/device_bench.sh --quick: the GPU lease's plan on tiny shapes (the product's defaults: fixed, mixed
-    padded, mixed packed; then full checkpointing; then LoRA), through the bench's whole pipeline."""
+    padded, mixed packed; then full checkpointing; then LoRA), through the bench's whole pipeline: fixed and mixed
+    padded on one build, only fixed profiled, the table's recompiles / first step / checkpointing columns, the
+    part seconds written for the next lease's estimates."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "DEVICE_BUDGET_S": "3600"}
     # a nominal peak (a CPU has none in the table), so that MFU is computed and reaches the scale model below
     proc = subprocess.run(["bash", "scripts/device_bench.sh", "--quick", "--peak-tflops", "0.001"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the table says which command made it; each case's line came as it finished
-    assert ("$ python bench/gpu_bench.py --quick --runs tiny:fixed tiny:mixed:padded tiny:mixed:packed "
-            "--peak-tflops 0.001") in proc.stdout
+    assert ("$ python bench/gpu_bench.py --quick --profile-first --runs tiny:fixed tiny:mixed:padded "
+            "tiny:mixed:packed --peak-tflops 0.001") in proc.stdout
     assert proc.stderr.count("[gpu_bench] tiny ") == 5 and "JSON and logs in" in proc.stderr
-    assert "| Done when (issue 42) | target | measured | verdict |" in proc.stdout
+    assert "| Done when (issue 49) | target | measured | verdict |" in proc.stdout
     assert "## device_bench: every case" in proc.stdout and "| lora | tiny fixed | " in proc.stdout
+    assert "| peak GiB | first step s | recompiles | checkpointing |" in proc.stdout
+    assert "| first step s | recompiles | checkpointing |" in proc.stdout.split("## device_bench")[0]
+    # the next call's part estimates: this one's seconds per part (--quick's in a file of their own)
+    seconds = dict(line.split() for line in (tmp_path / "inductor-cache" / "part-seconds-quick.txt").read_text().splitlines())
+    assert {"defaults", "ckpt", "lora", "eager", "plain"} <= set(seconds) and all(v.isdigit() for v in seconds.values())
     out = tmp_path / "gpu-bench-defaults.json"
     assert (tmp_path / "gpu-bench-defaults.log").read_text().count("[gpu_bench] tiny ") == 3
     r = json.loads(out.read_text())
@@ -57,8 +66,12 @@ def test_the_lease_script_runs_the_whole_pipeline_and_writes_every_number(tmp_pa
     # fixed and mixed padded are the product's defaults on a CPU; packed is the opt-in lever
     assert [(x["case"], x["settings"]["packs_padding_free"], x["defaults"]) for x in r["runs"]] == [
         ("fixed", False, True), ("mixed", False, True), ("mixed", True, False)]
+    assert r["compile_cache"]["loaded"] == []  # nothing carried in
     for run in r["runs"]:
         assert RUN_KEYS <= set(run), RUN_KEYS - set(run)
+        # compile is off on a CPU: no graph, no recompile; auto's note says why it chose none
+        assert run["recompiles"] == 0 and run["first_step_s"] > 0
+        assert run["checkpointing"]["mode"] == "none" and run["checkpointing"]["note"] == "auto: not CUDA"
         assert run["settings"]["activation_checkpointing"] in {"auto", "full", "selective", "none"}
         assert run["updates"] == 1 and run["step_s"] > 0 and run["response_tokens_per_s"] > 0
         assert len(run["step_s_all"]) == 2 and run["step_s_min"] <= run["step_s"] <= run["step_s_max"]
@@ -71,6 +84,11 @@ def test_the_lease_script_runs_the_whole_pipeline_and_writes_every_number(tmp_pa
         # HFU adds the chunked head's recompute (and full checkpointing's); None only while auto is unresolved
         assert run["hfu"] is None if run["settings"]["activation_checkpointing"] == "auto" else run["hfu"] > run["mfu"]
         assert run["tokens"] == run["response_tokens"] + run["rows"] * run["prompt_tokens"]
+        # the profile: the first case only (--profile-first)
+        if run is not r["runs"][0]:
+            assert not PROFILE_KEYS & set(run)
+            continue
+        assert PROFILE_KEYS <= set(run)
         assert set(run["kernel_split"]) == CATEGORIES
         assert abs(sum(c["share"] for c in run["kernel_split"].values()) - 1) < 1e-3
         assert run["kernel_split"]["matmul"]["ms"] > 0
@@ -84,6 +102,10 @@ def test_the_lease_script_runs_the_whole_pipeline_and_writes_every_number(tmp_pa
         assert abs(run["profile_overhead"] - (run["profiled_step_s"] / run["step_s"] - 1)) < 1e-3
         assert run["scalar_reads"] > 0  # the step reads scalars back (a host sync each on a GPU)
     fixed, padded, packed = r["runs"]
+    # one build per size and lever set: mixed padded ran on fixed's rank; packed (another lever) built its own
+    assert [x["built_here"] for x in r["runs"]] == [True, False, True]
+    assert "setup_s" in fixed and "setup_s" not in padded and "setup_s" in packed
+    assert fixed["first_step_s"] >= fixed["setup_s"]  # from the setup's start
     model, torchtitan, _ = flops_by_hand(fixed)
     assert fixed["flops_per_step"] == model and fixed["flops_per_step_torchtitan"] == torchtitan
     assert packed["padding_frac"] == 0 < padded["padding_frac"]
@@ -91,7 +113,8 @@ def test_the_lease_script_runs_the_whole_pipeline_and_writes_every_number(tmp_pa
     # the targets name 1.5B and 3B: none measured here; the defaults ran every case
     targets = {t["key"]: t for t in r["targets"]}
     assert targets["defaults_run"]["verdict"] == "PASS" and targets["defaults_run"]["value"] == "2/2 ran"
-    assert targets["mfu_1.5B_fixed"]["verdict"] == "not measured" and targets["mfu_1.5B_fixed"]["target"] == 0.32
+    assert targets["mfu_1.5B_fixed"]["verdict"] == "not measured" and targets["mfu_1.5B_fixed"]["target"] == 0.36
+    assert targets["recompiles"]["value"] == 0 and targets["recompiles"]["verdict"] == "not judged (CPU)"
     pub = r["publication"]["tiny"]
     assert PUB_KEYS <= set(pub)
     # every parameter in bfloat16, the tied embedding once
@@ -101,6 +124,10 @@ def test_the_lease_script_runs_the_whole_pipeline_and_writes_every_number(tmp_pa
     # full checkpointing: HFU counts one more forward of the layers, MFU does not
     (ckpt,) = json.loads((tmp_path / "gpu-bench-ckpt-full.json").read_text())["runs"]
     assert ckpt["settings"]["activation_checkpointing"] == "full" and "top_kernels" not in ckpt
+    assert ckpt["checkpointing"] == {"mode": "full", "auto": False, "compiled": False,
+                                     "note": "set", "tokens": None, "left_gib": None, "budget_gib": None,
+                                     "free_gib": None, "gpu_share": None, "kb_per_token": {}}
+    assert "| ckpt-full | tiny fixed | ckpt full | " in proc.stdout and " | full (set) |" in proc.stdout
     model, _, recompute = flops_by_hand(ckpt)
     assert ckpt["flops_per_step"] == model and ckpt["flops_per_step_hardware"] == model + recompute
     assert ckpt["hfu"] > ckpt["mfu"]
@@ -202,3 +229,43 @@ def test_publish_alone_measures_the_publication_without_a_step(tmp_path):
     assert run["case"] == "publish" and "step_s" not in run and "error" not in run
     pub = r["publication"]["tiny"]
     assert pub["bytes_published"] == pub["unique_bytes"] == 2 * run["params"] and pub["gb_per_s"] > 0
+
+
+def test_recompiles_are_graphs_built_after_the_first_step():
+    """dynamo's graph counter, as the bench reads it: a new dtype is a new graph (a recompile)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_bench import compiled_graphs
+
+    f = torch.compile(lambda x: x.sin() + 1, backend="eager")
+    f(torch.ones(3))
+    before = compiled_graphs()
+    f(torch.ones(3))  # the same guards: nothing new
+    assert compiled_graphs() == before
+    f(torch.ones(3, dtype=torch.float64))  # a failed dtype guard: one more graph
+    assert compiled_graphs() == before + 1
+
+
+def test_the_table_shows_what_auto_chose_and_from_which_numbers():
+    """The setup's note (learner.checkpointing's own, from numbers worked by hand in
+    tests/learner/test_checkpointing.py) read back into the JSON and the table's cell."""
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_bench import checkpointing_cell, checkpointing_choice
+    from learner.checkpointing import LayerShape, MemoryBudget, choose_checkpointing
+
+    gib = 2 ** 30
+    shape = LayerShape(hidden=1024, kv_hidden=256, intermediate=4096, layers=10)
+    choice = choose_checkpointing(MemoryBudget(free=75 * gib, total=80 * gib, share=0.5), 20 * gib, 16_384, shape, 2,
+                                  compiled=True, counted="learner.micro_batch_tokens")
+    line = (f"learner levers on cuda: per-layer compile; activation checkpointing {choice.mode} ({choice.note()}); "
+            "fused AdamW")
+    got = checkpointing_choice(["learner micro-batches: padded (attention sdpa)", line])
+    # half of 80 GiB: 0.9 x 40 - 2 - 20 = 14 GiB left; compiled none 292,864 B/token x 16,384 = 4.5 GiB: none
+    assert got["mode"] == "none" and got["auto"] and got["compiled"]
+    assert (got["tokens"], got["left_gib"], got["budget_gib"], got["free_gib"], got["gpu_share"]) == (
+        16_384, 14.0, 40.0, 75.0, 0.5)
+    assert got["kb_per_token"] == {"none": 292.9, "selective": 292.9, "full": 64.5}
+    assert checkpointing_cell({"activation_checkpointing": "none"}, got) == (
+        "none (auto, compiled: 16,384 tok x 292.9 kB, 14.0 GiB left of free 75.0 x share 0.5)")
+    assert checkpointing_choice(["activation checkpointing full (set)"])["auto"] is False
