@@ -5,6 +5,8 @@
     python bench/gpu_bench.py --sizes 1.5B --compile --fused-optimizer    # one lever at a time: --no-X turns it off
     python bench/gpu_bench.py --sizes 1.5B --activation-checkpointing selective   # auto | full | selective | none
     python bench/gpu_bench.py --quick --out /tmp/gpu_bench.json          # tiny shapes on CPU (the suite runs it)
+    python bench/gpu_bench.py --quick --compile --compile-backend aot_eager --runs tiny:fixed tiny:mixed:padded
+                                                   # compile's graphs and recompiles on CPU, one build for both
     bash scripts/device_bench.sh                                         # a short GPU lease, planned (see there)
 
 Needs torch, transformers, numpy, pydantic, pyyaml, safetensors: no Ray, vLLM or MLflow is imported
@@ -225,6 +227,8 @@ def learner_config(args, padding_free: bool | None, device: torch.device, dtype:
         from common.config.learner import LoRAConfig
 
         over["lora"] = LoRAConfig(rank=args.lora)
+    if args.compile_backend:
+        over["compile_backend"] = args.compile_backend
     if args.attn:
         over["attn_implementation"] = args.attn
     elif over.get("padding_free") is True:
@@ -436,7 +440,9 @@ def trace_events(prof):
                    bool(getattr(e, "is_user_annotation", False)))
         return
     for e in raw.events():
-        yield e.name(), e.device_type() == DeviceType.CUDA, e.duration_ns() / 1e3, e.is_user_annotation()
+        us = e.duration_ns() / 1e3 if hasattr(e, "duration_ns") else e.duration_us()  # older torch: microseconds
+        annotation = e.is_user_annotation() if hasattr(e, "is_user_annotation") else False
+        yield e.name(), e.device_type() == DeviceType.CUDA, us, annotation
 
 
 def compiled_graphs() -> int:
@@ -960,6 +966,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
     ap.add_argument("--device", choices=["cuda", "cpu"], help="default cuda where available (cpu with --quick)")
     ap.add_argument("--peak-tflops", type=float, help="the device's dense peak for MFU (default: by device name)")
+    ap.add_argument("--compile-backend", help="learner.compile_backend (inductor; aot_eager traces without "
+                                              "generating kernels: --quick --compile on a CPU)")
     ap.add_argument("--attn", help="learner.attn_implementation (sdpa, flex_attention, flash_attention_2, ...)")
     ap.add_argument("--lora", type=int, metavar="RANK",
                     help="train rank-RANK adapters (learner.lora.rank): peak memory without the base's gradients and "

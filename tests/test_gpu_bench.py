@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN_KEYS = {"size", "case", "rows", "response_tokens", "tokens", "settings", "params", "param_counts", "defaults",
             "step_s", "step_s_all", "step_s_min", "step_s_max", "step_spread", "response_tokens_per_s", "tokens_per_s",
@@ -232,10 +234,12 @@ def test_publish_alone_measures_the_publication_without_a_step(tmp_path):
 
 
 def test_recompiles_are_graphs_built_after_the_first_step():
-    """dynamo's graph counter, as the bench reads it: a new dtype is a new graph (a recompile)."""
+    """dynamo's graph counter, as the bench reads it (the learner's, learner.compile_cache): a new dtype is a new
+    graph (a recompile)."""
     import torch
 
     sys.path.insert(0, str(ROOT))
+    pytest.importorskip("learner.compile_cache", reason="issue 49 item 1 (the learner's counter) not in this tree")
     from bench.gpu_bench import compiled_graphs
 
     f = torch.compile(lambda x: x.sin() + 1, backend="eager")
@@ -269,3 +273,20 @@ def test_the_table_shows_what_auto_chose_and_from_which_numbers():
     assert checkpointing_cell({"activation_checkpointing": "none"}, got) == (
         "none (auto, compiled: 16,384 tok x 292.9 kB, 14.0 GiB left of free 75.0 x share 0.5)")
     assert checkpointing_choice(["activation checkpointing full (set)"])["auto"] is False
+
+
+def test_under_compile_the_second_shape_reuses_the_build_without_recompiling(tmp_path):
+    """--compile (aot_eager on a CPU: the graphs without inductor's kernels): fixed builds the rank, its setup and
+    first step compile the layers' graphs; mixed padded (other lengths, more rows) runs on the same build and
+    compiles nothing (issue 49: 0 recompiles after the first step)."""
+    pytest.importorskip("learner.compile_cache", reason="issue 49 item 1 (the learner's counter) not in this tree")
+    out = tmp_path / "gpu_bench.json"
+    proc = subprocess.run([sys.executable, "bench/gpu_bench.py", "--quick", "--compile", "--compile-backend",
+                           "aot_eager", "--runs", "tiny:fixed", "tiny:mixed:padded", "--steps", "1", "--no-profile",
+                           "--no-publish", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fixed, mixed = json.loads(out.read_text())["runs"]
+    assert fixed["settings"]["compile"] is True and fixed["built_here"] and not mixed["built_here"]
+    assert fixed["graphs_first_step"] >= 1 and "graphs_first_step" not in mixed
+    assert fixed["recompiles"] == 0 and mixed["recompiles"] == 0, (fixed["recompiles"], mixed["recompiles"])
+    assert "| tiny | mixed | 7 x 14-92 | compile chunked |" in proc.stdout and " | 0 | none (auto: not CUDA) |" in proc.stdout
