@@ -119,12 +119,13 @@ def _reads_as_key(token: str) -> bool:
     """`buffer.group_size` or `total_steps`, not an existing file nor a `.yaml` path."""
     if Path(token).exists() or token.endswith((".yaml", ".yml", ".json")):
         return False
-    return all(part.isidentifier() for part in token.split("."))
+    return all(part.isidentifier() for part in token.partition(":")[0].split("."))  # `key:value` is one too
 
 
 def _not_overrides(items: list[str], path: str | None = None) -> list[str]:
     """One problem per token that is not key=value, naming the override it was probably meant to be."""
     from common.config import RunConfig
+    from common.config.loading import colon_override
 
     problems, i = [], 0
     while i < len(items):
@@ -138,7 +139,9 @@ def _not_overrides(items: list[str], path: str | None = None) -> list[str]:
                             "as key=value overrides" if Path(tok).is_file() else f"{tok}: config file not found")
             i += 1
             continue
-        if tok.endswith("=") and nxt is not None and "=" not in nxt:  # `key= 8`
+        if colon_override(tok, nxt):  # `key:8`, `key: 8`: YAML's form
+            guess, i = colon_override(tok, nxt)[0], i + colon_override(tok, nxt)[1]
+        elif tok.endswith("=") and nxt is not None and "=" not in nxt:  # `key= 8`
             guess, i = tok + nxt, i + 2
         elif nxt == "=" and after is not None and tok and "=" not in tok:  # `key = 8`
             guess, i = f"{tok}={after}", i + 3
@@ -201,12 +204,24 @@ def _resumed_address(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _refuse_dashed_overrides(sys.argv[1:] if argv is None else [str(a) for a in argv])
     args = _parser().parse_args(argv)
     try:
         return _dispatch(args)
     except KeyboardInterrupt:  # e.g. Ctrl-C while the built-in model builds: no traceback
         print(f"exgrpo {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _refuse_dashed_overrides(argv: list[str]) -> None:
+    """`--buffer.group_size=8`: an override written as an option (argparse would answer "unrecognized arguments")."""
+    if not any(a.startswith("--") and {".", "_"} & set(a.partition("=")[0]) for a in argv):
+        return  # no option that could be a field (ours are dashed words): no config import
+    from common.config import ConfigError
+    from common.config.loading import dashed_overrides
+
+    if dashed_overrides(argv):
+        _exit_invalid(ConfigError(dashed_overrides(argv)))
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -63,6 +63,16 @@ class ExperimentSpec(BaseModel):
             raise ValueError(f"{v!r}: use letters, digits, '.', '_' and '-' (it names run folders)")
         return v
 
+    @field_validator("seeds")
+    @classmethod
+    def _each_seed_once(cls, v: list[int]) -> list[int]:
+        twice = sorted({s for s in v if v.count(s) > 1})
+        if twice:
+            raise ValueError(f"{v}: each seed once (a variant's runs are named by their seed, so seed "
+                             f"{', '.join(map(str, twice))} would be one run twice); e.g. seeds: "
+                             f"{sorted(set(v) | set(range(len(v))))[:len(v)]}")
+        return v
+
     @field_validator("variants")
     @classmethod
     def _safe_variants(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -141,7 +151,7 @@ def _spec_problems(p: Path, raw: Any, err: ValidationError) -> list[str]:
         elif e["type"] == "missing" and len(e["loc"]) == 1:
             lines.append(f"{where}: missing: {fields[where].description or 'required'}")
         else:
-            lines.append(f"{where}: {e['msg']}")
+            lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
     return lines
 
 
@@ -163,6 +173,32 @@ def _check_variants(spec: ExperimentSpec) -> None:
             load_config(None, overrides(spec.base) + overrides(values) + [f"total_rollouts={spec.budget_rollouts}"])
         except ConfigError as e:
             problems += [f"variants.{variant}: {line}" for line in e.lines]
+    if problems:
+        raise SpecError(problems)
+
+
+def check_inputs(spec: ExperimentSpec) -> None:
+    """The start checks of `exgrpo train` for every variant, as `exgrpo config` runs them (the model folder, the
+    data, the reward, the cluster address; the built-in model only when cached), before any run starts: a variant
+    that names a missing model folder or a reward that does not import is refused here, not at its own run's start
+    hours later. Variants that share what the checks read (model, data, reward, generator, cluster, LoRA) are
+    checked once. SpecError with every variant's problems."""
+    from cluster.preflight import BadInput, check_start
+    from common.config import load_config
+
+    problems, seen = [], {}
+    for variant, values in spec.variants.items():
+        cfg = load_config(None, overrides(spec.base) + overrides(values) + [f"total_rollouts={spec.budget_rollouts}"])
+        key = json.dumps([getattr(cfg, k).model_dump(mode="json") for k in ("model", "data", "reward", "generator",
+                                                                            "cluster")]
+                         + [cfg.learner.lora and cfg.learner.lora.model_dump(mode="json")])
+        if key not in seen:
+            try:
+                check_start(cfg, new_run=False, build_model=False)
+                seen[key] = []
+            except BadInput as e:
+                seen[key] = e.lines or [e.heading]
+        problems += [f"variants.{variant}: {line}" for line in seen[key]]
     if problems:
         raise SpecError(problems)
 
@@ -445,6 +481,7 @@ def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool) -> in
     """`exgrpo experiment`: returns the exit code (0 all runs finished, 1 some failed, 2 bad spec)."""
     try:
         spec = load_spec(spec_arg)
+        check_inputs(spec)  # every variant's start checks, before any run starts
     except SpecError as e:
         print("invalid experiment spec:\n  " + "\n  ".join(e.lines), file=sys.stderr)
         return 2

@@ -12,6 +12,8 @@ import json
 import re
 from pathlib import Path
 
+from cluster import input_checks
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
 """Any of these makes a folder worth handing to AutoTokenizer (which explains itself badly when none exist)."""
 
@@ -119,6 +121,7 @@ def input_problems(cfg) -> list[str]:
             problems.append(str(e))
     problems.append(answers_problem(cfg.data, cfg.reward.name))
     problems.append(_response_too_long(cfg))
+    problems.extend(input_checks.problems(cfg))  # the model folder's vocabulary, LoRA targets, cluster.address
     return [p for p in problems if p]
 
 

@@ -100,6 +100,10 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
         return _jsonl_rows(p)
     if suffix in (".parquet", ".pq"):
         return _parquet_rows(p)
+    if suffix in (".gz", ".bz2", ".xz", ".zst", ".zip"):
+        inner = Path(p.stem).suffix or "?"
+        raise DataError(f"{p}: a compressed file ({suffix}); data files are read uncompressed (JSONL or Parquet): "
+                        f"decompress it and name the {inner} file, or save it as Parquet (compressed inside)")
     raise DataError(f"{p}: unknown dataset format {suffix!r}; use .jsonl or .parquet")
 
 
@@ -109,14 +113,38 @@ class _BadRow:
 
 
 def _jsonl_rows(p: Path) -> Iterator[tuple[int, Any]]:
+    first = True
     with p.open("rb") as f:
         for n, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             try:
-                yield n, json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-                yield n, _BadRow(f"not valid JSON ({type(e).__name__})")
+                row = json.loads(raw)
+            except UnicodeDecodeError as e:
+                row = _BadRow(f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}): the file has "
+                              "another encoding (latin-1?); re-save it as UTF-8")
+            except (json.JSONDecodeError, RecursionError) as e:
+                if first:
+                    _refuse_one_document(p)
+                row = _BadRow(f"not valid JSON ({type(e).__name__})")
+            first = False
+            yield n, row
+
+
+def _refuse_one_document(p: Path) -> None:
+    """DataError when the whole file is one JSON value spread over lines (a JSON array of rows, or one
+    pretty-printed object), not JSON Lines: every line of it alone would be reported as invalid JSON."""
+    try:
+        whole = json.loads(p.read_bytes())
+    except (ValueError, RecursionError):
+        return  # not one document either: report the lines
+    fix = (f"JSON Lines is one object per line; convert it with python -c \"import json, sys; [print(json.dumps(r)) "
+           f"for r in json.load(open(sys.argv[1]))]\" {p} > {p.with_suffix('.jsonl').name}")
+    if isinstance(whole, list):
+        raise DataError(f"{p}: a JSON array of {len(whole)} items, not JSON Lines; {fix}")
+    raise DataError(f"{p}: one JSON {type(whole).__name__ if not isinstance(whole, dict) else 'object'} spread over "
+                    "several lines, not JSON Lines (one object per line, each a row with the question and answer "
+                    "fields)")
 
 
 def _parquet_rows(p: Path) -> Iterator[tuple[int, Any]]:
@@ -186,6 +214,9 @@ def _question(row: Any, cfg: DataConfig, tokenizer: Any, task: str, builtin: boo
               template: str | None = None) -> Question:
     if isinstance(row, _BadRow):
         raise _RowError(row.problem)
+    if isinstance(row, list):
+        raise _RowError("expected an object, got a JSON array (JSON Lines is one object per line, "
+                        '{"question": ..., "answer": ...})')
     if not isinstance(row, dict):
         raise _RowError(f"expected an object, got {type(row).__name__}")
     qf, af, idf = ("question", "answer", "id") if builtin else (cfg.question_field, cfg.answer_field, cfg.id_field)

@@ -63,6 +63,21 @@ class DataConfig(Section):
             raise ValueError(f"data.chat_template_path: {self.chat_template_path} is not a file")
         return self
 
+    @model_validator(mode="after")
+    def _fields_apart(self) -> DataConfig:
+        """One field of a row per role: a question field that is the answer field makes every prompt its own
+        reference answer; an id field that is either makes ids repeat (rows skipped as duplicates)."""
+        if self.question_field == self.answer_field:
+            raise ValueError(f"data.question_field and data.answer_field both name {self.question_field!r}: every "
+                             "prompt would be its own reference answer; set data.question_field to the field holding "
+                             "the question text (default question)")
+        same = [k for k in ("question_field", "answer_field") if getattr(self, k) == self.id_field]
+        if same:
+            raise ValueError(f"data.id_field and data.{same[0]} both name {self.id_field!r}: rows with the same "
+                             f"{same[0].removesuffix('_field')} would be skipped as duplicate ids; set data.id_field "
+                             "to a field holding a unique id, or null to derive ids from the content")
+        return self
+
 
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "countdown": {"reward.name": "countdown"},

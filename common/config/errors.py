@@ -182,6 +182,12 @@ def _elsewhere(name: str, prefix: str) -> list[str]:
 def _section_given_a_value(pl: Place, value: Any) -> str:
     """`tracking=false`, `eval.sets.aime=aime.jsonl`: the section's fields, and the field the value fits."""
     fields = {n: f for n, f in pl.model.model_fields.items() if n != "kind"}
+    if isinstance(value, bool) and _off_by_default(pl):  # `learner.lora=true`: not rank=true
+        first = next(iter(fields))
+        example = example_value(fields[first]) or yaml_value(fields[first].get_default(call_default_factory=True))
+        return (f"a section that is off by default (null), not {_shown(value)}: "
+                + (f"setting any of its fields turns it on, e.g. {pl.dotted}.{first}={example} (its fields: "
+                   f"{', '.join(fields)})" if value else f"{pl.dotted}=null turns it off"))
     fits = [n for n, f in fields.items() if _accepts(f.annotation, value)]
     names = list(fields)
     shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
@@ -190,6 +196,18 @@ def _section_given_a_value(pl: Place, value: Any) -> str:
     example = f", e.g. {pl.dotted}.{fits[0]}={yaml_value(value)}" if sure else ""  # `learner=1e-5`: no num_cpus
     return (f"a section, not a value ({_shown(value)}): a section needs a key, written {written}{example} (its "
             f"fields: {shown})")
+
+
+def _off_by_default(pl: Place) -> bool:
+    """Whether the section at `pl` is an optional one whose default is None (`learner.lora`)."""
+    from common.config.run import RunConfig
+
+    model: type[BaseModel] | None = RunConfig
+    for part in pl.path[:-1]:
+        f = model.model_fields.get(part) if model is not None else None
+        model = section_model(f.annotation) if f is not None else None
+    f = model.model_fields.get(pl.path[-1]) if model is not None else None
+    return f is not None and f.default is None and not f.is_required()
 
 
 def _accepts(ann: Any, value: Any) -> bool:

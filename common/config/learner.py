@@ -425,6 +425,10 @@ class LearnerConfig(Section):
             raise ValueError("learner.micro_batch_split=balanced cuts padding-free micro-batches by their token budget: "
                              "set learner.micro_batch_tokens (32768 in the paper's runs) and leave learner.padding_free "
                              "true or auto, or use micro_batch_split=first_fit")
+        if self.lora is not None and self.lora.publish == "adapters" and self.weight_sync.delta:
+            raise ValueError("learner.weight_sync.delta=true applies to merged publications only, and "
+                             "learner.lora.publish=adapters sends the adapters whole: set learner.weight_sync.delta=false, "
+                             "or learner.lora.publish=merged to send deltas of the merged weights")
         return self
 
     @property

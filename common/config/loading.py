@@ -50,6 +50,41 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+def _names_a_field(key: str) -> bool:
+    """`buffer.group_size`, `total_steps`: a dotted key whose first part is a config field (a section's name
+    alone, `data`, is no override)."""
+    parts = key.split(".")
+    f = RunConfig.model_fields.get(parts[0])
+    return f is not None and all(p.isidentifier() for p in parts) and (len(parts) > 1 or not section_model(f.annotation))
+
+
+def colon_override(token: str, following: str | None = None) -> tuple[str, int] | None:
+    """`buffer.group_size:8` or `buffer.group_size: 8` (YAML's form on the command line): the override meant,
+    `buffer.group_size=8`, and how many tokens it takes (1 or 2); None when `token` is not that form."""
+    key, sep, value = token.partition(":")
+    if not sep or "=" in token or not _names_a_field(key) or Path(token).exists():
+        return None
+    if value.strip():
+        return f"{key}={value.strip()}", 1
+    if following is not None and "=" not in following:
+        return f"{key}={following}", 2
+    return f"{key}=<value>", 1
+
+
+def dashed_overrides(argv: list[str]) -> list[str]:
+    """`--buffer.group_size=8`, `--total_steps 5`: overrides written as options (argparse would answer
+    "unrecognized arguments"); one line per token naming the key=value form."""
+    problems = []
+    for i, tok in enumerate(argv):
+        key, sep, value = tok.removeprefix("--").partition("=")
+        if not tok.startswith("--") or not _names_a_field(key):
+            continue
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        value = value if sep else (nxt if nxt is not None and not nxt.startswith("-") and "=" not in nxt else "<value>")
+        problems.append(f"{tok}: overrides are written key=value, without dashes: did you mean {key}={value}?")
+    return problems
+
+
 def _below_a_value(parts: list[str]) -> str | None:
     """`buffer.group_size.x`: group_size is a value, so nothing is below it."""
     pl = place(tuple(parts))

@@ -137,3 +137,46 @@ def load_config_text(text: str):
 def test_padding_free_auto_follows_the_attention(attn, padding_free, packs):
     cfg = load_config(None, [f"learner.attn_implementation={attn or 'null'}", f"learner.padding_free={padding_free}"])
     assert cfg.learner.packs_padding_free is packs
+
+
+# ------------------------------------------------------------- accepted without a word before (issue 51, part B)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["data.question_field=answer"], "data.question_field and data.answer_field both name 'answer': every prompt would "
+                                     "be its own reference answer"),
+    (["data.id_field=question"], "data.id_field and data.question_field both name 'question': rows with the same "
+                                 "question would be skipped as duplicate ids"),
+    (["learner.lora.rank=8", "learner.weight_sync.delta=true"],
+     "learner.weight_sync.delta=true applies to merged publications only, and learner.lora.publish=adapters sends the "
+     "adapters whole: set learner.weight_sync.delta=false, or learner.lora.publish=merged"),
+    (["learner.lora=true"], "learner.lora: a section that is off by default (null), not true: setting any of its "
+                            "fields turns it on, e.g. learner.lora.rank=8"),
+    (["learner.lora=false"], "learner.lora: a section that is off by default (null), not false: learner.lora=null "
+                             "turns it off"),
+])
+def test_settings_that_would_be_silently_wrong_are_refused(overrides, expected):
+    lines = _lines(overrides)
+    assert len(lines) == 1 and expected in lines[0], lines
+
+
+def test_lora_with_merged_publications_keeps_delta_and_the_fields_stay_apart():
+    cfg = load_config(None, ["learner.lora.rank=8", "learner.lora.publish=merged", "learner.weight_sync.delta=true"])
+    assert cfg.learner.weight_sync.delta and cfg.learner.lora.publish == "merged"
+    assert load_config(None, ["data.question_field=problem", "data.id_field=null"]).data.id_field is None
+
+
+@pytest.mark.parametrize("argv, meant", [
+    (["buffer.group_size:8"], "overrides are written key=value: did you mean buffer.group_size=8?"),
+    (["buffer.group_size:", "8"], "overrides are written key=value: did you mean buffer.group_size=8?"),
+    (["total_steps=3", "buffer.group_size:8"], "did you mean buffer.group_size=8?"),
+    (["--buffer.group_size=8"], "--buffer.group_size=8: overrides are written key=value, without dashes: did you "
+                                "mean buffer.group_size=8?"),
+    (["--total_steps", "5"], "--total_steps: overrides are written key=value, without dashes: did you mean "
+                             "total_steps=5?"),
+])
+def test_overrides_in_yaml_or_option_form_are_answered_with_the_key_value_form(capsys, argv, meant):
+    with pytest.raises(SystemExit) as e:
+        main(["config", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and meant in err and "config file not found" not in err, err

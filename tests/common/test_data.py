@@ -35,7 +35,7 @@ BAD_ROWS = [
     ({"q": "1+1=", "a": "2", "key": 1.5}, "field 'key' (id) must be a string or integer, got float"),
     ({"q": "y" * 60, "a": "2"}, "prompt has 61 tokens, above data.max_prompt_tokens=50"),
     ({"q": "3+3=", "a": "6", "key": "first"}, "duplicate id 'first'"),
-    ("[1, 2]", "expected an object, got list"),
+    ("[1, 2]", "expected an object, got a JSON array (JSON Lines is one object per line"),
     ("{not json", "not valid JSON"),
 ]
 
@@ -178,3 +178,26 @@ def test_system_prompt_template_kwargs_and_a_template_file(tmp_path, tok):
     template.write_text("{% for m in messages %}{{ m.content | nofilter }}{% endfor %}")
     with pytest.raises(DataError, match="the chat template failed to render .*check data.chat_template_path"):
         load_questions(_cfg(path, use_chat_template=True, chat_template_path=str(template)), tok, "train")
+
+
+# ------------------------------------------------------------------ files that are not JSON Lines (issue 51)
+
+
+def test_a_json_array_file_is_named_as_such_with_the_conversion(tmp_path, tok):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(GOOD, indent=2))  # what json.dump(rows, f, indent=2) writes
+    with pytest.raises(DataError, match=r"d.json: a JSON array of 2 items, not JSON Lines; JSON Lines is one object "
+                                        r"per line; convert it with python -c .* > d.jsonl"):
+        load_questions(_cfg(str(path)), tok, "train")
+    path.write_text(json.dumps(GOOD[0], indent=2))
+    with pytest.raises(DataError, match=r"one JSON object spread over several lines, not JSON Lines"):
+        load_questions(_cfg(str(path)), tok, "train")
+
+
+def test_a_latin1_file_is_named_not_utf8(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(json.dumps({"q": "café=", "a": "1"}, ensure_ascii=False).encode("latin-1") + b"\n"
+                     + json.dumps(GOOD[0]).encode() + b"\n")
+    qs, rep = load_questions(_cfg(str(path)), tok, "train")
+    assert len(qs) == 1 and rep.problems == ["d.jsonl line 1: not UTF-8 text (byte 0xe9 at column 11): the file has "
+                                             "another encoding (latin-1?); re-save it as UTF-8"]

@@ -1,0 +1,135 @@
+"""Inputs that were accepted without a word, or refused only inside an actor (issue 51, part B): each is now
+refused by `exgrpo config` and by `exgrpo train` before Ray starts (nothing created), with the numbers and the
+file that disagree. No Ray is started (`cluster.input_checks`, hooked into `cluster.preflight.input_problems`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.experiment import SpecError, check_inputs, load_spec
+from cluster.input_checks import cluster_address_problem, embedding_rows, model_problems
+from tests.cluster.test_bad_input import assert_refused, cli
+
+
+@pytest.fixture(autouse=True)
+def _no_console_of_an_earlier_train():
+    """The console handler an in-process `exgrpo train` installs (cluster.console.setup_logging) keeps the sys.stderr
+    of the test that ran it, closed by the next test: removed, as a fresh `exgrpo` process has none."""
+    def remove() -> None:
+        root = logging.getLogger()
+        for h in [h for h in root.handlers if type(h) is logging.StreamHandler]:
+            root.removeHandler(h)
+
+    remove()
+    yield
+    remove()
+
+
+def _copy(src: Path, dst: Path, **config) -> Path:
+    shutil.copytree(src, dst)
+    if config:
+        (dst / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **config}))
+    return dst
+
+
+def _config_and_train(capsys, tmp_path: Path, *overrides: str, expected: str) -> None:
+    """`exgrpo config` and `exgrpo train` both refuse with `expected`; train leaves no run folder."""
+    assert_refused(*cli(capsys, "config", *overrides), expected)
+    runs = tmp_path / "runs"
+    code, out = cli(capsys, "train", f"checkpoint.runs_root={runs}", "tracking.enabled=false", "name=r", *overrides)
+    assert_refused(code, out, "invalid configuration:", expected)
+    assert not (runs / "r").exists()
+
+
+def test_a_config_vocab_size_the_weights_do_not_hold_is_refused_naming_both(capsys, tmp_path, tiny_model_dir):
+    rows = embedding_rows(tiny_model_dir)
+    assert rows is not None and rows[:2] == ("model.embed_tokens.weight", 99)  # read from the header alone
+    model = _copy(tiny_model_dir, tmp_path / "model", vocab_size=163)
+    _config_and_train(capsys, tmp_path, f"model.path={model}",
+                      expected=f"model.path: {model / 'config.json'} says vocab_size 163, but the weights hold 99 rows "
+                               "in model.embed_tokens.weight (model.safetensors)")
+
+
+def test_a_tokenizer_with_ids_beyond_the_vocabulary_is_refused_naming_both(capsys, tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    model = _copy(tiny_model_dir, tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.add_tokens(["<extra_a>", "<extra_b>"])  # ids 99 and 100: the embedding has rows 0..98
+    tok.save_pretrained(model)
+    _config_and_train(capsys, tmp_path, f"model.path={model}",
+                      expected=f"model.path: the tokenizer in {model} has token ids up to 100, but config.json's "
+                               "vocab_size is 99 (the embedding has rows 0..98)")
+    assert model_problems(tiny_model_dir) == []  # the folder as made agrees with itself
+
+
+def test_lora_targets_that_match_no_linear_are_refused_with_the_model_s_names(capsys, tmp_path, tiny_model_dir):
+    _config_and_train(capsys, tmp_path, f"model.path={tiny_model_dir}", "learner.lora.target_modules=[no_such_proj]",
+                      expected="learner.lora.target_modules: no_such_proj match no Linear of this model; its Linear "
+                               "modules are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj")
+    code, out = cli(capsys, "config", f"model.path={tiny_model_dir}", "learner.lora.target_modules=[q_proj, v_proj]")
+    assert code == 0, out
+
+
+def test_an_unreachable_cluster_address_is_one_line_before_ray(capsys, tmp_path):
+    closed = socket.socket()  # bound, never listening: a connect is refused
+    closed.bind(("127.0.0.1", 0))
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    with closed, listening:
+        refused = f"127.0.0.1:{closed.getsockname()[1]}"
+        assert cluster_address_problem(refused).startswith(f"cluster.address: {refused} could not be reached "
+                                                           "(Connection refused); check that the head runs (`ray "
+                                                           "start --head` there")
+        assert "RAY_AUTH_MODE" in cluster_address_problem(refused)
+        assert cluster_address_problem(f"127.0.0.1:{listening.getsockname()[1]}") is None
+    assert cluster_address_problem("auto") is None and cluster_address_problem(None) is None
+    assert "'localhost' has no port" in cluster_address_problem("localhost")
+    assert "is not a Ray address" in cluster_address_problem("http://head:6379")
+    _config_and_train(capsys, tmp_path, "cluster.address=not-a-host:99999",
+                      expected="cluster.address: 'not-a-host:99999': '99999' is not a port (1 to 65535)")
+    _config_and_train(capsys, tmp_path, "cluster.address=not-a-host.invalid:6379",
+                      expected="cluster.address: not-a-host.invalid:6379: the host 'not-a-host.invalid' does not resolve")
+
+
+def _spec(tmp_path: Path, **spec) -> str:
+    p = tmp_path / "spec.yaml"
+    p.write_text(yaml.safe_dump({"name": "t", "budget_rollouts": 10, "seeds": [0], "variants": {"a": {}}, **spec}))
+    return str(p)
+
+
+def test_an_experiment_checks_every_variant_s_inputs_before_any_run(capsys, tmp_path):
+    with pytest.raises(SpecError, match=r"seeds: \[0, 0\]: each seed once .* e.g. seeds: \[0, 1\]"):
+        load_spec(_spec(tmp_path, seeds=[0, 0]))
+    spec = load_spec(_spec(tmp_path, variants={"ok": {}, "nomodel": {"model.path": str(tmp_path / "nope")},
+                                               "noreward": {"reward.name": "nosuchmod:score"}}))
+    with pytest.raises(SpecError) as e:
+        check_inputs(spec)
+    assert [line.split(" (")[0] for line in e.value.lines] == [
+        f"variants.nomodel: model.path: {tmp_path / 'nope'} does not exist, so it is not a Hugging Face model folder",
+        "variants.noreward: reward.name: cannot import module 'nosuchmod'"]
+    runs = tmp_path / "runs"
+    assert_refused(*cli(capsys, "experiment", _spec(tmp_path, variants={"nomodel": {"model.path": "/nope"}}),
+                        "--runs-root", runs), "invalid experiment spec:", "variants.nomodel: model.path: /nope")
+    assert not runs.exists()  # no run, no MLflow store, no results folder
+
+
+@pytest.mark.parametrize("content, expected", [
+    (json.dumps([{"question": "1 2 -> 3", "answer": "3"}] * 2, indent=1),
+     "a JSON array of 2 items, not JSON Lines; JSON Lines is one object per line; convert it with python -c"),
+    ('{"question": "caf\xe9", "answer": "1"}\n', "not UTF-8 text (byte 0xe9 at column 18): the file has another "
+                                                  "encoding (latin-1?); re-save it as UTF-8"),
+])
+def test_data_that_is_not_json_lines_says_what_it_is(capsys, tmp_path, tiny_model_dir, content, expected):
+    data = tmp_path / "d.json"
+    data.write_bytes(content.encode("latin-1"))
+    assert_refused(*cli(capsys, "config", f"model.path={tiny_model_dir}", f"data.train_path={data}",
+                        "reward.name=exact"), expected)
