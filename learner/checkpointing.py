@@ -17,6 +17,8 @@ Order with `compile` (`learner.levers.apply_compile`, applied after this): selec
 checkpointed call, so the compiled region holds the checkpoint and its policy (torchtitan's order, where inductor's
 partitioner reads the policy); full checkpoints in the layer's `__call__`, around the compiled forward. Both sit
 inside FSDP2's per-layer hooks: the recompute runs while the layer's parameters are gathered for its backward.
+Under full, FSDP2 hands the forward a view and the recompute a plain tensor: the compiled forward takes its input
+as a view either way (`learner.levers.apply_compile`), so the recompute reuses the forward's graph.
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ def apply_checkpointing(model: torch.nn.Module, mode: str) -> int:
     layers = model.model.layers
     if mode == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers also hooks the embeddings to make their output require grad, which only reentrant
+        # checkpointing needs; under no_grad it made the first layer's input require grad and the others' not,
+        # two compiled graphs for one forward (issue 49). The gradients are the same without it.
+        model.disable_input_require_grads()
         return len(layers)
     if mode == "selective":
         for layer in layers:

@@ -45,13 +45,16 @@ def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, *, trainable: bool
     `logits_chunk_tokens=0`) and, on the trained model, per-layer activation checkpointing
     (`learner.checkpointing`: full, selective or none; `resolve_checkpointing` decides "auto", unresolved it means
     none) and then, with `compile` true (`levers.resolve_levers` decides "auto"; unresolved it means off), per-layer
-    torch.compile, which compiles the selectively checkpointed forward as torchtitan does."""
+    torch.compile, which compiles the selectively checkpointed forward as torchtitan does. The model keeps
+    `learner.pad_multiple` (`exgrpo_pad_multiple`; "auto" unresolved means 1): `forward_stats` rounds padded
+    micro-batches' length up to it."""
     if cfg.logits_chunk_tokens != 0:
         install_token_stats_head(model, cfg.logits_chunk_tokens, compile_math=cfg.compile_head_math)
     if trainable:
         apply_checkpointing(model, cfg.activation_checkpointing)
     if trainable and cfg.compile is True:
         apply_compile(model, cfg.compile_backend)
+    model.exgrpo_pad_multiple = cfg.pad_multiple if isinstance(cfg.pad_multiple, int) else 1  # `round_up_length`
     return model
 
 
@@ -68,7 +71,12 @@ def forward_stats(model: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tenso
     the host built; the one device read is transformers' own look for packed rows where no mask is given."""
     if mb.packed is None:
         attn, pos = attention_inputs(model, mb)
-        return _stats(model, mb.input_ids, attn, pos, mb.targets, mb.response_mask, mb.response_index)
+        width = mb.targets.shape[1]  # L-1
+        ids, attn, targets, mask, index = round_up_length(model, mb, attn)
+        logp, ent, anchor = _stats(model, ids, attn, pos, targets, mask, index)  # [R, L'-1] each
+        if targets.shape[1] == width:
+            return logp, ent, anchor
+        return logp[:, :width].contiguous(), ent[:, :width].contiguous(), anchor
     p = mb.packed
     attn, pos = attention_inputs(model, mb)
     logp, ent, anchor = _stats(model, p.input_ids, attn, pos, p.targets, p.mask, p.index)  # [1, T-1] each
@@ -80,6 +88,33 @@ def forward_stats(model: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tenso
     shape = mb.response_mask.shape
     return (zeros.index_put((index,), logp[0].index_select(0, packed_index)).view(shape),
             zeros.index_put((index,), ent[0].index_select(0, packed_index)).view(shape), anchor)
+
+
+def round_up_length(model: torch.nn.Module, mb: MicroBatch, attention_mask
+                    ) -> tuple[Tensor, object, Tensor, Tensor, Tensor | None]:
+    """(input_ids [R, L'], attention_mask, targets [R, L'-1], response mask [R, L'-1], response positions [N]) of a
+    padded micro-batch, its length L rounded up to the model's `exgrpo_pad_multiple` (`learner.pad_multiple`; at
+    most the model's max_position_embeddings, never below L). The new positions are padding after every row's
+    last token: no real token attends to them (causal; a 2D padding mask gets zeros), their targets are masked
+    out, so every real token's log-prob, entropy and gradient is the unrounded micro-batch's. The response
+    positions, flat in [R, L-1], move to [R, L'-1] on the device (no host read). Unchanged where L is already a
+    multiple (and always with a multiple of 1)."""
+    ids, targets, mask, index = mb.input_ids, mb.targets, mb.response_mask, mb.response_index
+    multiple = getattr(model, "exgrpo_pad_multiple", 1)
+    rows, length = ids.shape
+    limit = max(length, int(getattr(model.config, "max_position_embeddings", None) or length))
+    extra = min(-(-length // multiple) * multiple, limit) - length
+    if extra <= 0:
+        return ids, attention_mask, targets, mask, index
+    pad = getattr(model.config, "pad_token_id", None)
+    ids = torch.nn.functional.pad(ids, (0, extra), value=0 if pad is None else int(pad))  # [R, L']
+    targets = torch.nn.functional.pad(targets, (0, extra), value=0)  # [R, L'-1]
+    mask = torch.nn.functional.pad(mask, (0, extra), value=0.0)  # [R, L'-1]
+    if index is not None:
+        index = index + (index // (length - 1)) * extra  # [N]: row r's positions shift by r x extra
+    if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2:
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, extra), value=0)  # [R, L']
+    return ids, attention_mask, targets, mask, index
 
 
 def _full_attention_only(config) -> bool:

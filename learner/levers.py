@@ -16,6 +16,7 @@ them changes what is computed (the CPU tests train the same update with each on 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from collections.abc import Iterable
@@ -54,9 +55,10 @@ def resolve_levers(cfg: LearnerConfig, device: torch.device, dtype: torch.dtype 
         compile_on, why = False, "torch.compile is not supported by this Python/platform; eager instead"
     update["compile"] = compile_on
     notes.append(f"compile {'on' if compile_on else 'off'} ({why})" + (
-        f": each decoder layer, backend {cfg.compile_backend}, dynamic shapes; the first step compiles (minutes "
-        "at 1.5B), later processes on this machine reuse inductor's cache (TORCHINDUCTOR_CACHE_DIR)"
-        if compile_on else ""))
+        f": each decoder layer, backend {cfg.compile_backend}, rows and length dynamic (every other size a "
+        "constant); the lever trial compiles the graphs the run uses, before the first step (minutes at 1.5B)" if compile_on else ""))
+    pad = (64 if cuda else 1) if cfg.pad_multiple == "auto" else cfg.pad_multiple
+    update["pad_multiple"] = pad
 
     fused = cuda if cfg.fused_optimizer == "auto" else bool(cfg.fused_optimizer)
     update["fused_optimizer"] = fused
@@ -81,7 +83,9 @@ def resolve_levers(cfg: LearnerConfig, device: torch.device, dtype: torch.dtype 
         packs, why = True, "set; this torch/transformers has no flex_attention: sdpa with a dense mask per micro-batch"
     update["padding_free"], update["attn_implementation"] = packs, attn
     notes.append(f"{'padding-free packing' if packs else 'padded micro-batches'} ({why}; attention "
-                 f"{attn or 'sdpa (transformers default)'})")
+                 f"{attn or 'sdpa (transformers default)'})" + (
+                     f", lengths rounded up to a multiple of {pad} (learner.pad_multiple)" if pad > 1 and not packs
+                     else ""))
     if cfg.micro_batch_split == "balanced":  # verl's dynamic batch size balances the real tokens of packed rows
         if packs:  # the config refuses it without micro_batch_tokens or with padding_free=false
             notes.append("micro-batches balanced (verl's dynamic batch size: ceil(tokens / micro_batch_tokens) per "
@@ -104,21 +108,77 @@ def apply_compile(model: torch.nn.Module, backend: str | object = "inductor") ->
 
     Per block, as torchtitan: the layers share one code object, so one set of graphs serves them all, and the
     module hooks around each forward (FSDP2's all-gather, activation checkpointing) stay eager. The module and
-    its parameter names are unchanged (checkpoints and publications see the same state dict). `dynamic=True`:
-    sequence lengths are symbolic from the first compile, so a new micro-batch length does not recompile
-    (row counts 1 and >1 are two specialisations, train/eval and grad/no-grad a few more; bounded). That is the
-    compile measured on an H100 (+12.4% at 1.5B, padded sdpa; issue 42).
+    its parameter names are unchanged (checkpoints and publications see the same state dict). Measured on an H100
+    (+12.4% at 1.5B, padded sdpa; issue 42).
+
+    Shapes (issue 49): `dynamic=None` with the rows and length dimensions of the layer's inputs marked dynamic
+    (`mark_shapes`), so every other size (hidden, head_dim, num_key_value_groups) is a constant in the kernels; and
+    dynamo's size-oblivious reasoning while it traces (`backed_size_oblivious`), so a 1-row micro-batch (one long
+    response, the packed layout, a rank's dummy) runs the graphs built for several rows instead of compiling its
+    own. The layer's input always arrives as a view (`hidden_states.view_as(...)`, free): FSDP2's post-backward
+    hook hands the forward a view but full checkpointing's recompute a plain tensor, and dynamo guards on the
+    difference (a second graph). So one graph with gradients and one without serve every micro-batch of a run
+    (`tests/learner/test_trial.py` counts them).
 
     flex_attention stays out of the layers' graphs (`isolate_flex_attention`), as torchtitan keeps it out of its
     compiled blocks: traced inside them with dynamic shapes, the hidden size became a symbol, the head count
     floor(T*H / (T*d)), and flex's lowering failed on it on an H100 (InductorError, issue 42). Out of the graph,
-    flex runs as transformers runs it uncompiled: its own separately compiled flex_attention."""
-    if getattr(model.config, "_attn_implementation", None) == "flex_attention":
+    flex runs as transformers runs it uncompiled: its own separately compiled flex_attention. The layer's graph then
+    breaks at flex, and dynamo compiles the pieces around it as frames of their own whose inputs carry no marks:
+    there the layers keep `dynamic=True` (every size symbolic, as before issue 49; packed rows are always 1)."""
+    flex = getattr(model.config, "_attn_implementation", None) == "flex_attention"
+    if flex:
         isolate_flex_attention()
     layers = model.model.layers
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
+        layer.forward = _shape_marked(torch.compile(layer.forward, backend=backend, dynamic=True if flex else None),
+                                      mark=not flex)
     return len(layers)
+
+
+def _shape_marked(compiled, mark: bool = True):
+    """`compiled` (a torch.compile'd layer forward) called with its input as a view and, with `mark`, its rows and
+    length dimensions marked dynamic under size-oblivious tracing (see `apply_compile`). Eager code around the
+    compiled region: marking is refused while tracing."""
+    from torch.fx.experimental import _config as shapes_config
+
+    @functools.wraps(compiled)
+    def forward(hidden_states, *args, **kwargs):
+        hidden_states = hidden_states.view_as(hidden_states)  # [R, L, H]: a view, in the forward and the recompute
+        if not mark:
+            return compiled(hidden_states, *args, **kwargs)
+        mark_shapes(hidden_states, kwargs)
+        with shapes_config.patch(backed_size_oblivious=True):
+            return compiled(hidden_states, *args, **kwargs)
+
+    forward._exgrpo_compiled = compiled
+    return forward
+
+
+def mark_shapes(hidden_states: torch.Tensor, kwargs: dict) -> None:
+    """Mark the dimensions that change from micro-batch to micro-batch dynamic: rows and length of `hidden_states`
+    [R, L, H] (and of its base), length of the rotary `position_embeddings` ([B, L, d] each), of `position_ids`
+    [B, L], of `cache_position` [L], and of a tensor `attention_mask` ([R, L] or [R, 1, L, L]). B = 1 (transformers'
+    position ids of padded rows, or a packed sequence) is left as the constant it is: it broadcasts.
+    `maybe_mark_dynamic`: a model whose code needs one of them constant specializes it (a recompile, which
+    `learner/recompiles` counts and logs) instead of raising, which would switch compile off for the run."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    mark(hidden_states, [0, 1])
+    base = hidden_states._base
+    if base is not None and base.shape == hidden_states.shape:
+        mark(base, [0, 1])
+    for t in kwargs.get("position_embeddings") or ():
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            mark(t, 1)
+    ids = kwargs.get("position_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        mark(ids, 1)
+    cache = kwargs.get("cache_position")
+    if isinstance(cache, torch.Tensor) and cache.dim() == 1:
+        mark(cache, 0)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() in (2, 4):  # rows only where not broadcast (1)
+        mark(mask, ([0] if mask.shape[0] > 1 else []) + ([1] if mask.dim() == 2 else [2, 3]))
 
 
 def isolate_flex_attention() -> None:

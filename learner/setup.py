@@ -27,6 +27,7 @@ disabled (`TrainStep.reference_logprobs`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ import torch
 
 from common.config import LearnerConfig
 from learner.checkpointing import resolve_checkpointing
+from learner.compile_cache import compiled_graphs, enable_cache
 from learner.forward import check_packing, prepare_model
 from learner.levers import apply_compile, build_optimizer, remove_compile, resolve_levers
 from learner.loading import build_empty, load_shards, materialize
@@ -66,6 +68,8 @@ class RankModel:
     packing_gap: float | None = None  # largest change measured by check_packing (None: padded micro-batches)
     levers_off: dict[str, str] | None = None  # levers that failed their trial at setup -> the error (learner.trial)
     summary: str | None = None  # one line for the run's console (LoRA: rank, targets, trainable parameters)
+    trial_graphs: int = 0  # graphs torch.compile built during the lever trial (the run's compile warm-up)
+    trial_s: float = 0.0  # seconds the lever trial took (with compile on: mostly compiling)
 
 
 def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, device: torch.device,
@@ -156,10 +160,17 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
         optimizer, optimizer_note = build_optimizer((p for p in model.parameters() if p.requires_grad), levers.cfg)
         trainer.optimizer = optimizer
 
+    if cfg.compile is True and cfg.compile_backend == "inductor":
+        notes.append(enable_cache())
+    graphs, t0 = compiled_graphs(), time.perf_counter()
     off = try_levers(levers, trainer, unfused)  # collective: every rank tries the same micro-batches
+    trial_graphs, trial_s = compiled_graphs() - graphs, time.perf_counter() - t0
     cfg = levers.cfg
     for lever, error in off.items():
         notes.append(f"{lever} off: it failed its trial at setup ({error})")
+    if cfg.compile is True:
+        notes.append(f"the trial compiled {trial_graphs} graph(s) in {trial_s:.1f} s (the run's warm-up: a graph "
+                     "compiled later is counted in learner/recompiles)")
     gap = None
     if cfg.packs_padding_free:  # collective under FSDP: every rank runs the same two forwards
         gap = check_packing(model, device, tolerance=1e-3 if dtype == torch.float32 else 2e-2)
@@ -169,7 +180,7 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
                  "" if gap is None else f"; packed rows checked apart (largest change {gap:.2g})")
         log.info("learner levers on %s: %s; %s", device.type, "; ".join(notes), optimizer_note)
     return RankModel(model=model, optimizer=optimizer, trainer=trainer, ref_model=ref, packing_gap=gap, levers_off=off,
-                     summary=summary)
+                     summary=summary, trial_graphs=trial_graphs, trial_s=trial_s)
 
 
 class _RankLevers:

@@ -53,6 +53,7 @@ from common.messages import Rollout, TrainingBatch
 from learner import loss as L
 from learner.batching import (BatchError, MicroBatch, Row, batch_rows, collate, entropy_weights, official_score_windows,
                               rank_micro_batches, split_mini_batches)
+from learner.compile_cache import RecompileWatch
 from learner.forward import forward_stats
 from learner.lora import adapters_disabled
 
@@ -186,6 +187,7 @@ class RankStats:
     fresh_logprobs: list[np.ndarray] = field(default_factory=list)  # their start-of-step log-probs [T] (store_logprobs)
     store_logprobs: bool = False  # learner.store_learner_logprobs
     seconds: float = 0.0
+    recompiles: int = 0  # graphs torch.compile built during this step (0 after the setup's trial: learner.trial)
     peak_memory_bytes: int = 0  # the rank's peak so far: CUDA's max allocated, else the process's peak RSS (VmHWM)
     queued: list[_Queued] = field(default_factory=list, repr=False)  # empty once `finish` ran
 
@@ -308,6 +310,7 @@ def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeed
         "learner/updates": float(lead.updates),
         "learner/skipped_updates": float(lead.skipped),
         "learner/step_time_s": seconds,
+        "learner/recompiles": float(max(st.recompiles for st in stats)),
         "learner/peak_memory_gib": max(st.peak_memory_bytes for st in stats) / 2**30,
         "learner/tokens_per_s": tokens / seconds if seconds > 0 else nan,
         "learner/candidates_scored": float(lead.candidates_scored),
@@ -392,6 +395,7 @@ class TrainStep:
 
     def run(self, batch: TrainingBatch) -> RankStats:
         t0 = time.perf_counter()
+        watch = RecompileWatch()
         cfg = self.cfg
         stats = RankStats(padding_free=float(cfg.packs_padding_free), store_logprobs=cfg.stores_learner_logprobs)
         entropies, scores = self.score_candidates(batch, stats)
@@ -428,6 +432,7 @@ class TrainStep:
                                  clip=clip, tokens=tokens, ent_weights=weights)
             self._optimizer_step(stats)
         stats.finish()  # the step's metrics in one transfer, after the last update was queued
+        stats.recompiles = watch.done(f"the step of policy version {batch.version}", self.rank)
         stats.seconds = time.perf_counter() - t0
         return stats
 

@@ -8,13 +8,17 @@ Why: the CUDA levers (per-layer compile, padding-free packing, fused AdamW) were
 first time per-layer compile met flex_attention packing on an H100 the learner stopped at its first step with an
 InductorError (issue 42). A trial is what a step does, with nothing applied to the weights:
 
-- one real micro-batch of the run's layout (packed where packing is on), forward and backward under the run's
-  levers, then no-grad forwards in eval mode (candidate scoring and old log-probs take that path) and, with a KL
-  term, the reference forward; the gradients are dropped;
+- no-grad forwards in eval mode (candidate scoring and old log-probs take that path), then real micro-batches of
+  the run's layout (packed where packing is on), forward and backward under the run's levers, with a KL term the
+  reference forward before each; 2 rows and 1 row of each (a run meets 1-row micro-batches: one long response,
+  the packed layout, a rank's dummy); the gradients are dropped;
 - one optimizer step with learning rate and weight decay 0 over zeroed gradients (AdamW then changes no weight,
   bit for bit), whose state is then cleared: the fused kernel runs on the real parameters.
 
 The random number generators are forked around it, so a run draws the same numbers with or without a trial.
+Under per-layer compile the trial is also the warm-up: it compiles the graphs every step uses (one with
+gradients, one without; `learner.levers.apply_compile`), so the first step compiles nothing and a graph compiled
+later is a stall, counted (`learner/recompiles`) and explained in one line (`learner.compile_cache`).
 Where the micro-batch fails, the levers in play are switched off one at a time, newest first (packing, then
 compile), until a trial passes; a failure with every lever off is not a lever's and is raised. All ranks agree:
 each attempt's outcome is all-reduced (a rank's failure fails the attempt everywhere), so all ranks end with the
@@ -88,9 +92,11 @@ def injected_faults() -> set[str]:
     return names
 
 
-def trial_rows(vocab: int) -> tuple[list[Row], list[Row]]:
-    """(the trained micro-batch: 2 rows of different lengths, the eval forward: 3 rows of other lengths). Token ids
-    are drawn from a fixed generator (not the run's), away from the ids special tokens usually take."""
+def trial_rows(vocab: int) -> tuple[list[list[Row]], list[list[Row]]]:
+    """(the trained micro-batches: 2 rows of different lengths, then 1 row; the eval forwards: 3 rows of other
+    lengths, then 1 row). One row is its own case for a compiler (a size of 1 broadcasts): a run meets it with one
+    long response, the packed layout and a rank's dummy, so the trial runs it before the first step. Token ids are
+    drawn from a fixed generator (not the run's), away from the ids special tokens usually take."""
     g = np.random.default_rng(12345)
     lo, hi = min(3, vocab - 1), max(min(vocab, 1000), min(3, vocab - 1) + 1)
 
@@ -98,24 +104,28 @@ def trial_rows(vocab: int) -> tuple[list[Row], list[Row]]:
         return Row(g.integers(lo, hi, prompt), g.integers(lo, hi, response), np.zeros(response, np.float32),
                    1.0 if i % 2 else -1.0, False, f"trial-{i}", i)
 
-    return [row(5, 19, 0), row(7, 9, 1)], [row(4, 6, 0), row(6, 13, 1), row(3, 4, 2)]
+    return ([[row(5, 19, 0), row(7, 9, 1)], [row(6, 11, 2)]],
+            [[row(4, 6, 0), row(6, 13, 1), row(3, 4, 2)], [row(8, 21, 3)]])
 
 
 def attempt_micro_batch(trainer, faults: set[str]) -> str | None:
-    """One trial micro-batch under the trainer's levers (see the module doc); None when it ran, else the error
+    """The trial micro-batches under the trainer's levers (see the module doc): what a step runs, in a step's
+    order, so that the graphs they compile are the ones the first step uses; None when they ran, else the error
     in one line. Nothing reaches the weights: the gradients are dropped."""
     cfg, model = trainer.cfg, trainer.model
-    train_rows, eval_rows = trial_rows(int(model.config.vocab_size))
+    train_batches, eval_batches = trial_rows(int(model.config.vocab_size))
     was_training = model.training
     try:
-        model.train()
-        mb = trainer._collate(train_rows)
-        trainer.reference_logprobs(mb)
-        logp, ent, anchor = forward_stats(model, mb)  # [R, L-1] each
-        (logp.sum() + ent.sum() + 0.0 * anchor).backward()
         model.eval()
-        with torch.no_grad():
-            forward_stats(model, trainer._collate(eval_rows))
+        with torch.no_grad():  # candidate scoring and old log-probs: eval mode, no grad
+            for rows in eval_batches:
+                forward_stats(model, trainer._collate(rows))
+        model.train()
+        for rows in train_batches:
+            mb = trainer._collate(rows)
+            trainer.reference_logprobs(mb)
+            logp, ent, anchor = forward_stats(model, mb)  # [R, L-1] each
+            (logp.sum() + ent.sum() + 0.0 * anchor).backward()
         for lever in MICRO_BATCH_LEVERS:  # after the collectives, so that ranks drilled apart stay in step
             if lever in faults and is_on(cfg, lever):
                 raise InjectedLeverFault(f"{lever}: made to fail by {FAULTS_ENV}")

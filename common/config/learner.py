@@ -214,6 +214,21 @@ class LearnerConfig(Section):
     compile_backend: str = Field("inductor", min_length=1, max_length=64)
     """The torch.compile backend of `compile`: inductor (the fast one); aot_eager or eager trace without
     generating kernels (tests, debugging)."""
+    pad_multiple: int | Literal["auto"] = "auto"
+    """Padded micro-batches' length (rows x longest row) rounded up to a multiple of this many tokens (1 to 4096).
+    The extra positions come after every real token, so no real token attends to them: log-probs, entropies and
+    gradients are those of the unrounded micro-batch. Kernels chosen per shape (cuDNN attention builds a graph per
+    rows x length; inductor's autotuning) then meet a few lengths instead of every one. auto: 64 on CUDA, 1 (no
+    rounding: the CPU path bit for bit as before) elsewhere. Packed micro-batches (`padding_free`) are not rounded."""
+
+    @field_validator("pad_multiple")
+    @classmethod
+    def _pad_multiple_bounds(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 1 <= v <= 4096:
+            raise ValueError(f"learner.pad_multiple={v}: give a token count from 1 (no rounding) to 4096, or auto "
+                             "(64 on CUDA, 1 elsewhere)")
+        return v
+
     fused_optimizer: bool | Literal["auto"] = "auto"
     """AdamW's fused kernel (one launch over all parameters instead of several per tensor). auto: on when the
     parameters are on CUDA (it ran in every H100 case of issue 42). Tried at setup with a step that moves no

@@ -1,0 +1,163 @@
+"""What per-layer compile costs a run after its first step: inductor's cache across processes, and a watch on
+recompiles (`learner.levers.apply_compile` builds the graphs; `learner.trial` builds them before the first step).
+
+    note = enable_cache()                         # FX graph + AOTAutograd caches on, in TORCHINDUCTOR_CACHE_DIR
+    load_compile_cache("/data/cc.bin")            # a lease's start: the kernels the last lease built (False: none)
+    watch = RecompileWatch()                      # at a step's start
+    ...                                           # the step
+    n = watch.done("step 7")                      # graphs compiled during it; one line naming the guard if n > 0
+    save_compile_cache("/data/cc.bin")            # a lease's end: every kernel this process compiled, in one file
+
+Why: a first compile of a 1.5B model costs ~135 s of an H100 (issue 49), and a recompile in the middle of a run
+~50 s at a step nobody can predict. Inductor's on-disk caches (FX graph cache, AOTAutograd cache) make a second
+process on the same machine skip most of it; `torch.compiler.save_cache_artifacts` / `load_cache_artifacts`
+carry the same cache to a fresh machine in one file (the bench and the GPU end-to-end script save it at the end of
+a lease and load it at the start of the next). A recompile is counted from dynamo's own counters
+(`counters["stats"]["unique_graphs"]`) and explained from its guard-failure record (`torch._dynamo.utils.
+guard_failures`); dynamo's recompile limit, past which a layer silently runs eager, is a warning on our logger.
+Nothing here raises: a cache that cannot be saved or loaded is one log line and the run compiles as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> str:
+    """Inductor's on-disk cache folder (TORCHINDUCTOR_CACHE_DIR, else torch's default under the temp dir)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+        return inductor_cache_dir()
+    except ImportError:  # an older torch: the variable or torch's documented default
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_" + os.environ.get("USER", "user"))
+
+
+def enable_cache() -> str:
+    """Turn on inductor's FX graph cache and AOTAutograd's cache (process-wide; torch's defaults, made sure of),
+    so that a later process on this machine reuses the compiled kernels; returns a note naming the folder."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        functorch_config.enable_autograd_cache = True
+    return f"inductor's cache in {cache_dir()} (TORCHINDUCTOR_CACHE_DIR), reused by later processes on this machine"
+
+
+def save_compile_cache(path: str | Path) -> int | None:
+    """Write every compiled artifact of this process (`torch.compiler.save_cache_artifacts`) to `path`; returns
+    its bytes, or None (one log line) where there is nothing to save or torch cannot."""
+    save = getattr(torch.compiler, "save_cache_artifacts", None)
+    if save is None:
+        log.info("compile cache not saved: torch %s has no torch.compiler.save_cache_artifacts", torch.__version__)
+        return None
+    try:
+        saved = save()
+    except Exception as e:  # noqa: BLE001 -- torch's own failure to serialise: the run goes on without the file
+        log.warning("compile cache not saved to %s: %s: %s", path, type(e).__name__, e)
+        return None
+    if saved is None:
+        log.info("compile cache not saved to %s: nothing was compiled in this process", path)
+        return None
+    data = saved[0]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)  # whole or not at all: a lease cut short leaves the previous file
+    log.info("compile cache saved: %s (%.1f MB)", path, len(data) / 1e6)
+    return len(data)
+
+
+def load_compile_cache(path: str | Path) -> bool:
+    """Load a file `save_compile_cache` wrote (`torch.compiler.load_cache_artifacts`) before anything compiles;
+    True when loaded, else False with one log line (no file, a torch without the call, a file it refuses)."""
+    path = Path(path)
+    load = getattr(torch.compiler, "load_cache_artifacts", None)
+    if load is None:
+        log.info("compile cache not loaded: torch %s has no torch.compiler.load_cache_artifacts", torch.__version__)
+        return False
+    if not path.is_file():
+        log.info("compile cache not loaded: no file %s (the first lease on this setup compiles from scratch)", path)
+        return False
+    try:
+        load(path.read_bytes())
+    except Exception as e:  # noqa: BLE001 -- a file of another torch or a corrupt one: compile from scratch
+        log.warning("compile cache %s not loaded (compiling from scratch): %s: %s", path, type(e).__name__, e)
+        return False
+    log.info("compile cache loaded: %s (%.1f MB)", path, path.stat().st_size / 1e6)
+    return True
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (dynamo's `counters["stats"]["unique_graphs"]`)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _guard_failures() -> int:
+    from torch._dynamo.utils import guard_failures
+
+    return sum(len(v) for v in guard_failures.values())
+
+
+def _last_guard_failure() -> str | None:
+    """The newest recorded guard failure (dynamo records one per cache entry it tried before recompiling)."""
+    from torch._dynamo.utils import guard_failures
+
+    latest = [reasons[-1] for reasons in guard_failures.values() if reasons]
+    return latest[-1] if latest else None
+
+
+class RecompileWatch:
+    """Graphs compiled between its construction and `done()`: 0 in a step after the trial (`learner.trial`)
+    compiled the graphs the step uses. `done` logs one line naming the guard that failed when it is not 0."""
+
+    def __init__(self) -> None:
+        watch_recompile_limit()
+        self.graphs, self.failures = compiled_graphs(), _guard_failures()
+
+    def done(self, what: str = "the step", rank: int = 0) -> int:
+        """Graphs compiled since the watch began; `what` names the span in the log line (rank 0 logs it)."""
+        n = compiled_graphs() - self.graphs
+        if n > 0 and rank == 0:
+            reason = _last_guard_failure() if _guard_failures() > self.failures else None
+            log.warning("learner: %d graph(s) compiled during %s (a compile stall after the warm-up): %s", n, what,
+                        f"guard failed: {_one_line(reason)}" if reason else
+                        "a first compile of code the setup's trial did not run (no guard failed)")
+        return n
+
+
+class _RecompileLimitHandler(logging.Handler):
+    """Dynamo's "hit config.recompile_limit" warning as one WARNING line of ours: past it the function runs eager
+    for the rest of the process (a silent slowdown otherwise; torch's own logging may not reach our log)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "hit config." in message:
+            head = _one_line(message.split("To log all recompilation reasons")[0])
+            log.warning("learner.compile: dynamo's recompile limit reached, the function below runs EAGER from now "
+                        "on (slow; raise torch._dynamo.config.recompile_limit or remove the recompile): %s", head)
+
+
+_HANDLER = _RecompileLimitHandler(level=logging.WARNING)
+
+
+def watch_recompile_limit() -> None:
+    """Route dynamo's recompile-limit warning to this module's logger (idempotent, process-wide)."""
+    dynamo_log = logging.getLogger("torch._dynamo.convert_frame")
+    if _HANDLER not in dynamo_log.handlers:
+        dynamo_log.addHandler(_HANDLER)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text[:limit] + ("..." if len(text) > limit else "")
