@@ -459,13 +459,10 @@ def compiled_graphs() -> int:
 
 
 def recompiles_from_stats(stats) -> int | None:
-    """The learner's own recompile count of a step, where this tree's TrainStep reports one (issue 49's
-    `learner/recompiles`), else None."""
-    for where in ("metrics", "sums"):
-        value = (getattr(stats, where, None) or {}).get("recompiles")
-        if value is not None:
-            return int(value)
-    return None
+    """Graphs the learner itself counted as compiled during a step (`RankStats.recompiles`, the metric
+    `learner/recompiles`), where this tree's TrainStep reports it, else None."""
+    value = getattr(stats, "recompiles", None)
+    return None if value is None else int(value)
 
 
 class _SetupLog(logging.Handler):
@@ -570,6 +567,9 @@ def run_case(args, size: str, case: str, rank: dict, device: torch.device, dtype
             return out
         if first:
             out["setup_s"] = rank["setup_s"]
+            for key in ("trial_graphs", "trial_s"):  # the setup's lever trial: the run's compile warm-up
+                if hasattr(built, key):
+                    out[key] = round(getattr(built, key), 2)
         out["built_here"] = first  # False: the rank (and its compiled graphs) of the case before, reused
         if rank["checkpointing"] is not None:
             out["checkpointing"] = rank["checkpointing"]

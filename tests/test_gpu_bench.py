@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 RUN_KEYS = {"size", "case", "rows", "response_tokens", "tokens", "settings", "params", "param_counts", "defaults",
             "step_s", "step_s_all", "step_s_min", "step_s_max", "step_spread", "response_tokens_per_s", "tokens_per_s",
@@ -239,7 +237,6 @@ def test_recompiles_are_graphs_built_after_the_first_step():
     import torch
 
     sys.path.insert(0, str(ROOT))
-    pytest.importorskip("learner.compile_cache", reason="issue 49 item 1 (the learner's counter) not in this tree")
     from bench.gpu_bench import compiled_graphs
 
     f = torch.compile(lambda x: x.sin() + 1, backend="eager")
@@ -279,7 +276,6 @@ def test_under_compile_the_second_shape_reuses_the_build_without_recompiling(tmp
     """--compile (aot_eager on a CPU: the graphs without inductor's kernels): fixed builds the rank, its setup and
     first step compile the layers' graphs; mixed padded (other lengths, more rows) runs on the same build and
     compiles nothing (issue 49: 0 recompiles after the first step)."""
-    pytest.importorskip("learner.compile_cache", reason="issue 49 item 1 (the learner's counter) not in this tree")
     out = tmp_path / "gpu_bench.json"
     proc = subprocess.run([sys.executable, "bench/gpu_bench.py", "--quick", "--compile", "--compile-backend",
                            "aot_eager", "--runs", "tiny:fixed", "tiny:mixed:padded", "--steps", "1", "--no-profile",
@@ -289,4 +285,7 @@ def test_under_compile_the_second_shape_reuses_the_build_without_recompiling(tmp
     assert fixed["settings"]["compile"] is True and fixed["built_here"] and not mixed["built_here"]
     assert fixed["graphs_first_step"] >= 1 and "graphs_first_step" not in mixed
     assert fixed["recompiles"] == 0 and mixed["recompiles"] == 0, (fixed["recompiles"], mixed["recompiles"])
+    # the learner's own count agrees: every graph came from the setup's trial, none from a step (learner/recompiles)
+    assert fixed["trial_graphs"] == fixed["graphs_first_step"] and "trial_graphs" not in mixed
+    assert fixed["learner_recompiles"] == mixed["learner_recompiles"] == [0, 0]
     assert "| tiny | mixed | 7 x 14-92 | compile chunked |" in proc.stdout and " | 0 | none (auto: not CUDA) |" in proc.stdout
