@@ -109,14 +109,16 @@ class Trainer:
             self.learner = LearnerPool(learner_cfg, str(self.model_path), run=name, namespace=ns,
                                        max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype,
                                        publish_dtype=cfg.generator.dtype, wait=False)
-        with phase("start-up: buffer shards"):
+        with phase("start-up: buffer shards"):  # early: the generators start beside them, their first calls queue
             self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
-                                              snapshot_dir=str(self.run_dir.path / "buffer-live"))
+                                              snapshot_dir=str(self.run_dir.path / "buffer-live"), wait=not early)
         if early:
             with phase("start-up: schedule generators"):
                 self._schedule_generators()
             with phase("start-up: in-run evaluator"):  # its engine loads beside the generators' too
                 self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)
+            with phase("start-up: buffer shards (the rest of their start)"):
+                self.buffer.wait_ready()
         with phase("start-up: learner ranks (the rest of their start)"):
             self.learner.wait_ready()
         if self.learner.summary:  # LoRA: rank, targets, trainable parameters and their share

@@ -1,7 +1,9 @@
 """The device carry is complete before a GPU sees it (issue 43): `scripts/device_e2e.sh --quick` passes from a bare
 virtual environment that holds only the GPU image's packages (scripts/device_image.txt) plus the carry built for
 this machine's Python (`scripts/device_carry.py --python 3.11`). A module the image lacks and the carry does not
-bring fails here, not on a lent GPU.
+bring fails here, not on a lent GPU. Its learning run is ExGRPO's own machinery (issue 50): mixed mode switches on,
+stored trajectories are replayed in the learner's step, rewards are above 0, and the summary judges it; the summary
+is printed from whatever the parts left (`bench/device_e2e.py summary`, tested here on hand-made parts too).
 
 The bare environment is a link farm, built in seconds on every run: a venv without site-packages of its own
 (`--without-pip`) whose site-packages holds a symbolic link to every installed file of the image's distributions
@@ -35,7 +37,6 @@ CARRIED_ELSEWHERE = ("pydantic", "pydantic-core", "annotated-types", "typing-ins
                      "latex2sympy2-extended", "antlr4-python3-runtime", "mlflow", "vllm")
 """What the image lacks (or only the lacking packages bring): never linked into the bare environment."""
 
-pytestmark = pytest.mark.slow
 
 
 def _image_requirements() -> list[str]:
@@ -90,6 +91,7 @@ def bare_venv(where: Path) -> Path:
     return where / "bin" / "python"
 
 
+@pytest.mark.slow
 def test_the_bare_environment_has_the_images_packages_and_not_the_carrys(tmp_path):
     python = bare_venv(tmp_path / "venv")
     names = {canonicalize_name(d.metadata["Name"]) for d in image_closure(_image_requirements())}
@@ -102,6 +104,7 @@ def test_the_bare_environment_has_the_images_packages_and_not_the_carrys(tmp_pat
     assert re.search(r"^\S+ \[\]$", r.stdout.strip()), r.stdout  # torch imports; none of the carried ones do
 
 
+@pytest.mark.slow
 def test_device_e2e_quick_runs_from_the_image_packages_and_the_carry(tmp_path):
     python = bare_venv(tmp_path / "venv")
     missing = subprocess.run([str(python), "-c", "import pydantic"], capture_output=True, env=_bare_env())
@@ -117,9 +120,17 @@ def test_device_e2e_quick_runs_from_the_image_packages_and_the_carry(tmp_path):
     assert r.returncode == 0, out[-6000:]
     assert "exgrpo from " + str(tmp_path / "site") in out, out[-3000:]  # the carry's wheel, not the checkout
     fig = json.loads((tmp_path / "out" / "device_e2e.json").read_text())
-    assert fig["steps"] >= 4 and fig["learner_step_time_s"] > 0 and fig["generated_tokens_per_s"] > 0, fig
-    assert fig["probe_tokens"] > 0 and fig["probe_median_exp_abs_diff"] >= 1.0, fig
-    assert "probe: median exp|d|" in out and "skipped" in out  # the table, then tests/gpu skipped without CUDA
+    learn, probe, parts = fig["learning"], fig["probe"], {p["name"]: p for p in fig["parts"]}
+    # ExGRPO's machinery ran: the switch, o* candidates shipped and scored, mixed groups trained with replayed tokens
+    assert learn["mixed_mode"] == 1 and learn["mixed_from_step"] >= 1, learn
+    assert learn["replayed_rows"] > 0 and learn["replayed_tokens"] > 0, learn
+    assert learn["candidates_shipped"] > 0 and learn["candidates_scored"] > 0, learn
+    assert learn["reward_max"] > 0 and learn["steps"] >= 1, learn
+    # the first update's time: measured from the process's start, so within the learning part's own seconds
+    assert 0 < learn["first_update_s"] <= parts["learning run"]["seconds"], (learn, parts)
+    assert probe["tokens"] > 0 and probe["median_exp_abs_diff"] >= 1.0 and probe["generated_tokens_per_s"] > 0, probe
+    assert fig["passed"] and {g["gate"] for g in fig["gates"] if g["passed"] is None} >= {"reward rising"}, fig
+    assert "device_e2e: PASSED" in out and "skipped" in out  # the summary; tests/gpu skipped without CUDA
 
 
 def test_the_carry_holds_what_the_image_lacks_and_nothing_it_has():
@@ -135,3 +146,68 @@ def test_the_carry_holds_what_the_image_lacks_and_nothing_it_has():
     assert {"ray", "pydantic", "pydantic-core", "jsonschema", "math-verify", "typing-extensions"} <= names, names
     assert not names & {"torch", "transformers", "numpy", "tokenizers", "safetensors", "aiohttp", "protobuf", "mlflow",
                         "vllm", "sympy", "pyyaml", "requests"}, names
+
+
+def _device_e2e():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("device_e2e", ROOT / "bench" / "device_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _points(path: Path, series: dict[str, list[float]]) -> None:
+    """A metrics-unsent.jsonl as the offline tracker writes it: one point per line, steps from 1."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for key, values in series.items():
+            for step, v in enumerate(values, 1):
+                f.write(json.dumps({"key": key, "value": v, "timestamp": 0, "step": step}) + "\n")
+        f.write('{"key": "train/reward_mean", "val')  # a line cut short by a killed run
+
+
+def test_the_summary_judges_a_run_that_replayed_and_prints_the_parts_that_did_not_finish(tmp_path, capsys):
+    """Six steps: mixed mode from step 3, one mixed group at steps 4-6 (3 replayed rows), rewards 0.2, 0.2, 0.3, 0.3,
+    0.4, 0.4 (first third's mean 0.2, last third's 0.4: rising), first update 42 s; the probe ran, tests/gpu ran out of
+    time after two tests passed. Every gate but tests/gpu passes; the summary says so and exits 1."""
+    de = _device_e2e()
+    out, run = tmp_path / "out", tmp_path / "run"
+    _points(run / de.UNSENT_FILE, {
+        "train/reward_mean": [0.2, 0.2, 0.3, 0.3, 0.4, 0.4], "train/mixed_mode": [0, 0, 1, 1, 1, 1],
+        "train/mixed_groups": [0, 0, 0, 1, 1, 1], "learner/replay_tokens": [0, 0, 0, 5, 6, 7],
+        "buffer/candidates_shipped": [0, 0, 2, 4, 9, 9], "driver/first_update_s": [42.0]})
+    out.mkdir()
+    (out / "parts.tsv").write_text("carry install\t0\t2.0\t60\t\nlearning run\t0\t80.5\t110\t\n"
+                                   "mismatch probe\t0\t20.0\t45\t\ntests/gpu\t124\t40.0\t40\t\n")
+    (out / "probe.json").write_text(json.dumps({
+        "tokens": 4000, "median_exp_abs_diff": 1.004, "mean_abs_diff": 0.004, "max_abs_diff": 0.05, "kl_k3": 2e-5,
+        "kl_k1": 1e-5, "generated_tokens_per_s": 9000.0, "scored_tokens_per_s": 50000.0, "train_tokens_per_s": 20000.0,
+        "parameters": 3.6e8, "device": "cuda", "dtype": "bfloat16"}))
+    (out / "pytest-gpu.log").write_text("tests/gpu/test_a.py::test_x PASSED\ntests/gpu/test_a.py::test_y PASSED\n")
+    assert de.summary(out, run, quick=False, budget_s=240, whole_s=230.0, device="cuda (test)") == 1
+    text = capsys.readouterr().out
+    fig = json.loads((out / "device_e2e.json").read_text())
+    assert fig["learning"]["replayed_rows"] == 3 and fig["learning"]["mixed_from_step"] == 3, fig["learning"]
+    assert fig["learning"]["reward_first"] == pytest.approx(0.2) and fig["learning"]["reward_last"] == pytest.approx(0.4)
+    assert fig["learning"]["candidates_shipped"] == 9 and fig["learning"]["first_update_s"] == 42.0
+    judged = {g["gate"]: g["passed"] for g in fig["gates"]}
+    assert [g for g, ok in judged.items() if not ok] == ["tests/gpu passed"], judged
+    assert "2 passed before it stopped (out of time)" in text and "FAILED (9 of 10 gates; failed: tests/gpu passed)" in text
+    assert len(text.splitlines()) <= 30  # one screen
+
+
+def test_the_summary_of_a_check_whose_parts_never_ran_fails_every_gate_it_cannot_judge(tmp_path, capsys):
+    """The carry failed: no parts ran, no run folder, no probe. The summary still prints, and --quick judges the
+    replay, reward, probe and tests/gpu gates (all failed) and shows the rest."""
+    de = _device_e2e()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "parts.tsv").write_text("carry install\t2\t0.5\t60\tdevice-carry into /tmp/site\n")
+    assert de.summary(out, None, quick=True, budget_s=900, whole_s=1.0, device="cpu") == 1
+    fig = json.loads((out / "device_e2e.json").read_text())
+    assert {g["gate"]: g["passed"] for g in fig["gates"]} == {
+        "replayed rows > 0": False, "mixed mode on": False, "candidates shipped > 0": False, "rewards > 0": False,
+        "reward rising": None, "first update <= 60 s": None, "probe median exp|d| < 1.1": False,
+        "probe KL < 0.0005": False, "tests/gpu passed": False, "whole check <= 900 s": None}
+    assert "failed (2)" in capsys.readouterr().out
