@@ -272,7 +272,11 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
     and LoRA, before sharding: the free memory then still holds the weights to come), the micro-batch's tokens
     (`micro_batch_tokens`: `max_length` = the longest row's prompt + response, `rows` = the rows one rank trains
     per update where known), and bytes per token with `cfg.compile` (resolved) as the layers will run. A set mode
-    is kept and its note says so."""
+    is kept and its note says so. Not covered: a compile that then fails its trial at setup (`learner.trial`)
+    leaves the layers eager under a mode chosen from compiled bytes (none may then need up to twice its estimate);
+    `learner.setup` does not re-resolve it. Callers do not pass `rows` yet (`learner.setup` passes `max_length`
+    = max_new_tokens + 2,048, an assumed prompt): it takes the rows a rank trains per update once the driver
+    hands them down."""
     mode = cfg.activation_checkpointing
     if mode != "auto":
         return cfg, f"activation checkpointing {mode} (set)"
