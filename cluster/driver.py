@@ -74,6 +74,7 @@ class Trainer:
         self._ingest_mark: tuple[float, float] | None = None  # (time, groups accepted by the buffer)
         self._reward_errors = ErrorWindow(REWARD_ERROR_WINDOW)
         self._errors_warned_at = -REWARD_ERROR_WINDOW
+        self._all_error_steps: int | None = 0  # steps of this attempt with every rollout a reward error (None: not all)
         self._params: int | None = None  # the model's parameters (the first checkpoint's size estimate)
         self._buffer_bytes = 0.0  # the buffer's stored trajectories at the last step
 
@@ -370,6 +371,8 @@ class Trainer:
         errors, rollouts = self._reward_errors.observe(g("reward_errors"), g("rollouts"))
         limit = self.cfg.reward.max_error_fraction
         metrics["train/reward_error_fraction"] = errors / rollouts if rollouts else 0.0
+        if self._all_error_steps is not None and rollouts:  # the window holds this attempt's first steps
+            self._all_error_steps = self._all_error_steps + 1 if errors >= rollouts else None
         if not rollouts or errors / rollouts <= (0.5 if limit is None else limit):
             return None
         what = (f"{errors:.0f} of the {rollouts:.0f} rollouts of the last {len(self._reward_errors.window)} steps "
@@ -379,10 +382,19 @@ class Trainer:
             return RunStopped(f"{what}: above reward.max_error_fraction={limit:g}; stopping instead of training on "
                               f"zeros: fix the reward function; {sample_text(self.generators.last_sample())}",
                               EXIT_FAILED)
+        first = self.cfg.reward.stop_after_error_steps
+        if first and self._all_error_steps is not None and self._all_error_steps >= first:
+            return RunStopped(f"every rollout of the first {first} steps was a reward error scored 0 ({errors:.0f} of "
+                              f"{rollouts:.0f}) with reward.name={self.cfg.reward.name}: the reward function fails on "
+                              f"every call; stopping instead of training on zeros (reward.stop_after_error_steps="
+                              f"{first}): fix the reward function; {sample_text(self.generators.last_sample())}",
+                              EXIT_FAILED)
         if self.state.step - self._errors_warned_at >= REWARD_ERROR_WINDOW:
             self._errors_warned_at = self.state.step
-            log.warning("%s: training goes on with those zeros (set reward.max_error_fraction to stop instead); %s",
-                        what, sample_text(self.generators.last_sample()))
+            still = f", until {first} steps of nothing else (reward.stop_after_error_steps)" if first and \
+                self._all_error_steps is not None else ""
+            log.warning("%s: training goes on with those zeros%s (set reward.max_error_fraction to stop instead); %s",
+                        what, still, sample_text(self.generators.last_sample()))
         return None
 
     def stop_with(self, e: RunStopped) -> None:

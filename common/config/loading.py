@@ -188,7 +188,7 @@ RESUMABLE_FIELDS = (
     "generator.retry_backoff_s", "generator.start_timeout_s", "generator.replace_budget",
     "generator.replace_window_s", "generator.idle_sleep_s",
     "reward.num_workers", "reward.timeout_s", "reward.worker_memory_mb", "reward.worker_start_timeout_s",
-    "reward.max_error_fraction",
+    "reward.max_error_fraction", "reward.stop_after_error_steps",
     "buffer.call_timeout_s", "buffer.start_timeout_s", "buffer.lease_timeout_s", "buffer.snapshot_every_s", "buffer.max_restarts",
     "buffer.max_concurrency",
     "learner.publish_timeout_s", "learner.start_timeout_s", "learner.placement", "learner.num_cpus",

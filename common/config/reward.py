@@ -31,6 +31,11 @@ class RewardConfig(Section):
     """Stop the run (exit 1, after a checkpoint) when more than this share of the rollouts of the last 10 learner
     steps were reward errors (raised, hung past `timeout_s`, bad value: each scored 0) instead of training on
     zeros. None: warn when more than half were, and go on."""
+    stop_after_error_steps: int = Field(3, ge=0, le=1000)
+    """Stop the run (exit 1, after a checkpoint) when every rollout of its first this many learner steps (counted
+    from each start, a resume's too) was a reward error: a reward function that fails on every call (raises, returns
+    no number, or does not import in the generators) would otherwise train on zeros. 0: never stop for it.
+    `max_error_fraction` is the knob for partial failures."""
 
     @field_validator("name")
     @classmethod

@@ -133,3 +133,25 @@ def test_data_that_is_not_json_lines_says_what_it_is(capsys, tmp_path, tiny_mode
     data.write_bytes(content.encode("latin-1"))
     assert_refused(*cli(capsys, "config", f"model.path={tiny_model_dir}", f"data.train_path={data}",
                         "reward.name=exact"), expected)
+
+
+# ------------------------------------------------------------------------------------------------ at run time
+
+
+@pytest.mark.slow
+def test_a_run_whose_rewards_all_fail_stops_by_default_saying_so(tmp_path):
+    """Before: every rollout a reward error, one warning a step, and every update made on zeros (rc 0). Now the
+    run stops after reward.stop_after_error_steps (3) steps of nothing but errors, with a checkpoint;
+    reward.max_error_fraction (unset here) stays the knob for partial failures."""
+    from tests.cluster.runs import run_train, state
+
+    r = run_train(tmp_path, "errors", "reward.name=tests.common.reward_fns:raises", "total_steps=10",
+                  "tracking.enabled=false")
+    assert r.returncode == 1, r.stdout[-4000:]
+    assert "every rollout of the first 3 steps was a reward error scored 0" in r.stdout
+    assert "with reward.name=tests.common.reward_fns:raises: the reward function fails on every call; stopping " \
+           "instead of training on zeros (reward.stop_after_error_steps=3)" in r.stdout
+    assert "(reward error: raised RuntimeError: broken on" in r.stdout  # the error itself, with its sample
+    assert "training goes on with those zeros, until 3 steps of nothing else (reward.stop_after_error_steps)" \
+        in r.stdout  # the warning of step 1
+    assert "step 4/10" not in r.stdout and state(tmp_path / "errors")["checkpoints"][-1].endswith("step-000003")
