@@ -62,7 +62,7 @@ def model_problems(path: Path, field: str = "model.path") -> list[str]:
         config = json.loads((path / "config.json").read_text())
     except (ValueError, OSError):
         return []  # preflight.model_folder_problem says why
-    vocab = _vocab_size(config)
+    vocab = _vocab_size(config) if isinstance(config, dict) else None
     if vocab is None:
         return []
     found = [weights_vocab_problem(path, vocab, field), tokenizer_vocab_problem(path, vocab, field)]
