@@ -88,9 +88,12 @@ def load_compile_cache(path: str | Path) -> bool:
         log.info("compile cache not loaded: no file %s (the first lease on this setup compiles from scratch)", path)
         return False
     try:
-        load(path.read_bytes())
+        info = load(path.read_bytes())
     except Exception as e:  # noqa: BLE001 -- a file of another torch or a corrupt one: compile from scratch
         log.warning("compile cache %s not loaded (compiling from scratch): %s: %s", path, type(e).__name__, e)
+        return False
+    if info is None:  # torch refused the bytes (and said why in its own log)
+        log.warning("compile cache %s not loaded (compiling from scratch): torch could not read it", path)
         return False
     log.info("compile cache loaded: %s (%.1f MB)", path, path.stat().st_size / 1e6)
     return True
@@ -103,23 +106,24 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _guard_failures() -> int:
+def _guard_failures() -> dict:
+    """{code object: how many guard failures dynamo has recorded for it} (one per cache entry it tried before each
+    recompile; `torch._dynamo.utils.guard_failures`)."""
     from torch._dynamo.utils import guard_failures
 
-    return sum(len(v) for v in guard_failures.values())
+    return {code: len(reasons) for code, reasons in guard_failures.items()}
 
 
-def _last_guard_failure() -> str | None:
-    """The newest recorded guard failure (dynamo records one per cache entry it tried before recompiling)."""
+def _new_guard_failures(before: dict) -> list[str]:
     from torch._dynamo.utils import guard_failures
 
-    latest = [reasons[-1] for reasons in guard_failures.values() if reasons]
-    return latest[-1] if latest else None
+    return [r for code, reasons in guard_failures.items() for r in reasons[before.get(code, 0):]]
 
 
 class RecompileWatch:
     """Graphs compiled between its construction and `done()`: 0 in a step after the trial (`learner.trial`)
-    compiled the graphs the step uses. `done` logs one line naming the guard that failed when it is not 0."""
+    compiled the graphs the step uses. `done` logs one line naming the guard that failed when it is not 0 (each
+    cached graph's failed guard, as dynamo records them: `0/1: tensor 'hidden_states' ... mismatch`)."""
 
     def __init__(self) -> None:
         watch_recompile_limit()
@@ -129,9 +133,9 @@ class RecompileWatch:
         """Graphs compiled since the watch began; `what` names the span in the log line (rank 0 logs it)."""
         n = compiled_graphs() - self.graphs
         if n > 0 and rank == 0:
-            reason = _last_guard_failure() if _guard_failures() > self.failures else None
+            reasons = _new_guard_failures(self.failures)
             log.warning("learner: %d graph(s) compiled during %s (a compile stall after the warm-up): %s", n, what,
-                        f"guard failed: {_one_line(reason)}" if reason else
+                        "guard failed: " + _one_line(" | ".join(reasons), 400) if reasons else
                         "a first compile of code the setup's trial did not run (no guard failed)")
         return n
 

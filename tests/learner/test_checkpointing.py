@@ -296,6 +296,28 @@ def test_checkpointing_trains_the_same_update_as_none(tiny_model_dir, mode, over
         torch.testing.assert_close(states[1][k], states[0][k], rtol=1e-5, atol=1e-7)
 
 
+def test_full_leaves_the_embeddings_output_alone_and_trains_the_same_gradients(tiny_model_dir):
+    """Full checkpointing without transformers' input-grad hook (it split a compiled no-grad forward in two: issue
+    49): no hook is left on the embeddings, and the log-probs, entropies and every gradient equal those with the
+    hook (non-reentrant checkpointing does not need it), bit for bit."""
+    out = []
+    for hook in (True, False):
+        model, _ = _step(tiny_model_dir, activation_checkpointing="full")
+        assert not getattr(model, "_require_grads_hooks", None)
+        if hook:  # the path before issue 49: gradient_checkpointing_enable's own hook
+            model.enable_input_require_grads()
+        model.train()
+        mb = collate(_rows(2), 0, CPU)
+        logp, ent, _ = forward_stats(model, mb)
+        on = mb.response_mask > 0
+        weight = torch.linspace(-1, 1, int(on.sum()))  # [N]
+        ((logp[on] * weight).sum() + 0.1 * (ent[on] * weight).sum()).backward()
+        out.append((logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    for name, g in out[0][2].items():
+        assert torch.equal(out[1][2][name], g), name
+
+
 def test_auto_left_unresolved_checkpoints_nothing(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

@@ -6,6 +6,7 @@ the profiler sees) is measured by bench/gpu_bench.py where a GPU is."""
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -258,3 +259,103 @@ def test_setup_builds_the_levers_it_logs(tiny_model_dir, caplog):
     assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in built.model.model.layers)
     log = " ".join(r.getMessage() for r in caplog.records)
     assert "compile on (set)" in log and "AdamW fused" in log and "padded micro-batches (auto: not CUDA" in log
+
+
+# ------------------------------------------------------------------------------------------------- compile once
+
+def test_resolve_rounds_padded_lengths_on_cuda_only():
+    """learner.pad_multiple auto: 64 on CUDA (said in the padded note), 1 elsewhere; a set value stays."""
+    cfg, notes = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=True)
+    assert cfg.pad_multiple == 64 and "multiple of 64 (learner.pad_multiple)" in notes[2]
+    cfg, notes = resolve_levers(LearnerConfig(), CPU, torch.float32, flash=False, flex=True)
+    assert cfg.pad_multiple == 1 and "pad_multiple" not in notes[2]
+    assert resolve_levers(LearnerConfig(pad_multiple=128), CPU, torch.float32)[0].pad_multiple == 128
+    with pytest.raises(ValueError, match="learner.pad_multiple=0: give a token count from 1"):
+        LearnerConfig(pad_multiple=0)
+
+
+@pytest.mark.parametrize("multiple", [8, 64])
+def test_rounded_lengths_give_the_same_values_and_gradients(tiny_model_dir, multiple):
+    """A padded micro-batch rounded up to a multiple (21 tokens -> 24 or 64; the padding after every row's last
+    token): the log-probs, entropies and every gradient of the unrounded one, within float32 rounding: not bit for
+    bit on a CPU (its matmuls block differently for a longer sequence), which is why the CPU default is 1 and the
+    CPU path is unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    rows = batch_rows(complete_groups(make_batch(2, groups=2, candidates=1), {})[0], std_normalize=False,
+                      max_positions=512)
+    out = {}
+    for m in (1, multiple):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        model = prepare_model(model, LearnerConfig(pad_multiple=m)).train()
+        mb = collate(rows, 0, CPU)
+        logp, ent, _ = forward_stats(model, mb)  # [R, L-1] each
+        assert logp.shape == mb.response_mask.shape
+        on = mb.response_mask > 0
+        weight = torch.linspace(-1, 1, int(on.sum()))  # [N]
+        ((logp[on] * weight).sum() + 0.1 * (ent[on] * weight).sum()).backward()
+        out[m] = (logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert mb.input_ids.shape[1] % multiple != 0  # the rounding did pad
+    torch.testing.assert_close(out[multiple][0], out[1][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[multiple][1], out[1][1], rtol=1e-5, atol=1e-6)
+    for name, g in out[1][2].items():
+        torch.testing.assert_close(out[multiple][2][name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_recompile_limit_is_a_warning_of_ours(caplog):
+    """Past dynamo's recompile limit a function runs eager for the rest of the process: our log says so in one
+    WARNING line (torch's own warning may not reach a run's log)."""
+    from learner.compile_cache import RecompileWatch
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING,
+                                                                         logger="learner.compile_cache"):
+        watch = RecompileWatch()
+        for dtype in (torch.float32, torch.float64, torch.float16):  # a new dtype each: a recompile each
+            f(torch.ones(3, dtype=dtype))
+        assert watch.done("the test") == 1  # the graphs past the limit were never built
+    lines = [r.getMessage() for r in caplog.records if "recompile limit" in r.getMessage()]
+    assert lines and all("EAGER" in line and "\n" not in line for line in lines), lines
+
+
+CACHE_PROCESS = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from learner.compile_cache import enable_cache, load_compile_cache, save_compile_cache
+mode, path = sys.argv[1], sys.argv[2]
+enable_cache()
+loaded = load_compile_cache(path) if mode == "load" else None
+torch.compile(lambda x: torch.cos(x) * 3 + 1)(torch.randn(8))
+saved = save_compile_cache(path) if mode == "save" else None
+print("RESULT", json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]["fxgraph_cache_hit"]}))
+"""
+
+
+def test_inductors_cache_persists_on_the_machine_and_travels_in_a_file(tmp_path, caplog):
+    """Three processes compiling one function with inductor (CPU kernels): the first compiles and saves its
+    artifacts to a file; a second on a fresh cache folder loads the file and compiles nothing (an FX graph cache
+    hit); a third on the first's folder, without the file, hits the on-disk cache. A missing or corrupt file is one
+    line and False."""
+    import json
+    import subprocess
+    import sys
+
+    from learner.compile_cache import load_compile_cache
+
+    def run(mode: str, folder: str) -> dict:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / folder), "PYTHONPATH": os.getcwd()}
+        proc = subprocess.run([sys.executable, "-c", CACHE_PROCESS, mode, str(tmp_path / "cache.bin")], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))[7:])
+
+    first = run("save", "a")
+    assert first["saved"] > 0 and first["hits"] == 0
+    assert run("load", "b") == {"loaded": True, "saved": None, "hits": 1}
+    assert run("none", "a")["hits"] == 1
+    (tmp_path / "corrupt.bin").write_bytes(b"not a cache")
+    with caplog.at_level(logging.INFO, logger="learner.compile_cache"):
+        assert not load_compile_cache(tmp_path / "missing.bin") and not load_compile_cache(tmp_path / "corrupt.bin")
+    said = [r.getMessage() for r in caplog.records if r.name == "learner.compile_cache"]
+    assert len(said) == 2 and "not loaded: no file" in said[0] and "corrupt.bin not loaded" in said[1], said

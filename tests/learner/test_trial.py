@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from common.config import LearnerConfig
+from learner.compile_cache import compiled_graphs
 from learner.setup import setup_rank
+from learner.step import merge_rank_stats
 from learner.trial import FAULTS_ENV, LEVERS, LeverError, injected_faults, switch_off, try_levers
 from tests.learner.batches import make_batch
 
@@ -119,6 +121,105 @@ def test_switch_off_and_the_fault_names_are_checked(monkeypatch):
     monkeypatch.setenv(FAULTS_ENV, "compile, flash")
     with pytest.raises(ValueError, match=r"\['flash'\] is not a lever; name some of padding_free, compile"):
         injected_faults()
+
+
+# ------------------------------------------------------------------------------------------------- compile once
+
+def _mixed_steps(*trainers):
+    """Three steps of new lengths on each trainer, the second cut into 1-row micro-batches (one long response, a
+    rank's dummy): (each step's stats per trainer)."""
+    out = []
+    for v, rows in enumerate((4, 1, 3)):
+        batch = make_batch(30 + v, candidates=2, response_len=(1, 5 + 11 * v), version=v)
+        stats = []
+        for t in trainers:
+            t.cfg = t.cfg.model_copy(update={"micro_batch_rows": rows})
+            stats.append(t.run(batch))
+        out.append(stats)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_the_trial_compiles_the_graphs_every_step_uses(tiny_model_dir, monkeypatch, mode):
+    """Per-layer compile (aot_eager: AOT autograd's graphs without kernels): the setup's trial builds 2 graphs
+    (with gradients; without, for eval forwards), and three steps of new lengths, one of them all 1-row
+    micro-batches, build none: learner/recompiles is 0 at every step. Bit for bit what eager trains."""
+    monkeypatch.delenv(FAULTS_ENV, raising=False)
+    torch._dynamo.reset()
+    built = _setup(tiny_model_dir, compile=True, compile_backend="aot_eager", activation_checkpointing=mode)
+    assert built.trial_graphs == 2
+    graphs = compiled_graphs()
+    eager = _setup(tiny_model_dir, activation_checkpointing=mode)
+    for got, want in _mixed_steps(built.trainer, eager.trainer):
+        assert got.recompiles == 0 and merge_rank_stats([got])[0]["learner/recompiles"] == 0
+        assert got.updates == want.updates == 2 and got.sums["loss"] == want.sums["loss"]
+    assert compiled_graphs() == graphs
+    want = eager.model.state_dict()
+    for k, v in built.model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+def test_a_recompile_after_the_trial_is_counted_and_names_its_guard(tiny_model_dir, monkeypatch, caplog):
+    """A step under autocast (a global state the trial's graphs were not built for) compiles new graphs: the step
+    counts them (learner/recompiles) and logs one line naming the guard that failed; the next step is clean."""
+    monkeypatch.delenv(FAULTS_ENV, raising=False)
+    torch._dynamo.reset()
+    built = _setup(tiny_model_dir, compile=True, compile_backend="aot_eager")
+    with caplog.at_level(logging.WARNING, logger="learner.compile_cache"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            stats = built.trainer.run(make_batch(3, candidates=2))
+    assert stats.recompiles > 0 and merge_rank_stats([stats])[0]["learner/recompiles"] == stats.recompiles
+    lines = [r.getMessage() for r in caplog.records if "compiled during" in r.getMessage()]
+    assert len(lines) == 1 and "guard failed: " in lines[0] and "autocast" in lines[0].lower(), lines
+    assert "the step of policy version 0" in lines[0]
+    assert built.trainer.run(make_batch(4, candidates=2)).recompiles == 0
+
+
+ONE_FSDP_RANK = textwrap.dedent("""
+    import json, os, sys, torch
+    import torch.distributed as dist
+    sys.path.insert(0, os.getcwd())
+    from common.config import LearnerConfig
+    from learner.compile_cache import compiled_graphs
+    from learner.setup import setup_rank
+    from tests.learner.batches import make_batch
+
+    port, model_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    cfg = LearnerConfig(micro_batch_rows=4, mini_batches=2, lr=1e-3, compile=True, compile_backend="aot_eager",
+                        activation_checkpointing="full")
+    built = setup_rank(cfg, model_dir, rank=0, world=1, device=torch.device("cpu"), dtype=torch.bfloat16,
+                       max_new_tokens=40)
+    after_trial, recompiles = compiled_graphs(), []
+    for v, rows in enumerate((4, 1, 3)):
+        built.trainer.cfg = built.trainer.cfg.model_copy(update={"micro_batch_rows": rows})
+        batch = make_batch(30 + v, candidates=2, response_len=(1, 5 + 11 * v), version=v)
+        recompiles.append(built.trainer.run(batch).recompiles)
+    print("RESULT", json.dumps({"trial": built.trial_graphs, "steps": compiled_graphs() - after_trial,
+                                "recompiles": recompiles}))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+""")
+
+
+def test_under_fsdp2_full_checkpointing_reuses_the_forwards_graph(tiny_model_dir):
+    """One FSDP2 rank (bf16: sharded, FSDP2's hooks on every layer), full checkpointing, per-layer compile
+    (aot_eager): FSDP2's post-backward hook hands the forward a view and the recompute a plain tensor, and
+    transformers' input-grad hook split the no-grad forward; with both handled the trial builds 2 graphs (it built
+    4), and steps of new lengths with 1-row micro-batches build none."""
+    import json
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != FAULTS_ENV} | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", ONE_FSDP_RANK, str(port), str(tiny_model_dir)], cwd=os.getcwd(),
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))[7:])
+    assert got == {"trial": 2, "steps": 0, "recompiles": [0, 0, 0]}
 
 
 class _Levers:
