@@ -57,6 +57,23 @@ def test_a_config_vocab_size_the_weights_do_not_hold_is_refused_naming_both(caps
                                "in model.embed_tokens.weight (model.safetensors)")
 
 
+def test_the_embedding_rows_are_read_from_a_sharded_checkpoint_s_headers(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(7, 2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"lm_head.weight": torch.zeros(7, 2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+        "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    assert embedding_rows(tmp_path) == ("model.embed_tokens.weight", 7, tmp_path / "model-00001-of-00002.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8}))
+    assert model_problems(tmp_path) == [  # no tokenizer here: that check is model_folder_problem's
+        f"model.path: {tmp_path / 'config.json'} says vocab_size 8, but the weights hold 7 rows in "
+        "model.embed_tokens.weight (model-00001-of-00002.safetensors); the config and the weights come from different "
+        "models: set vocab_size to 7 in config.json, or copy the config.json that came with these weights"]
+
+
 def test_a_tokenizer_with_ids_beyond_the_vocabulary_is_refused_naming_both(capsys, tmp_path, tiny_model_dir):
     from transformers import AutoTokenizer
 
