@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -50,6 +51,16 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--jobs", type=_positive, default=1, help="runs at a time (each is an `exgrpo train`)")
     x.add_argument("--rerun", action="store_true", help="rerun variants that already finished")
 
+    g = sub.add_parser("extend-context", help="copy a model folder with longer positions (config.json's "
+                       "max_position_embeddings and rope_theta, as the LUFFY/ExGRPO recipe does; weights linked)")
+    g.add_argument("src", help="the model folder (Hugging Face layout)")
+    g.add_argument("dst", help="the new folder (must not exist)")
+    g.add_argument("--max-positions", type=_positive, required=True,
+                   help="config.json's new max_position_embeddings, e.g. 16384")
+    g.add_argument("--rope-theta", type=_positive_float, default=None,
+                   help="config.json's new rope_theta (RoPE base), e.g. 40000 (default: unchanged)")
+    g.add_argument("--copy", action="store_true", help="copy the weights and tokenizer instead of linking them")
+
     k = sub.add_parser("track", help="send a run's metric points that its MLflow store did not take")
     k.add_argument("--replay", metavar="RUN_DIR", required=True,
                    help="the run folder whose metrics-unsent.jsonl goes into its MLflow run (then removed)")
@@ -80,6 +91,16 @@ def _version() -> str:
 
 def _positive(text: str) -> int:
     return _int_at_least(text, 1)
+
+
+def _positive_float(text: str) -> int | float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return int(x) if x.is_integer() else x  # 40000 stays 40000 in config.json
 
 
 def _non_negative(text: str) -> int:
@@ -206,6 +227,7 @@ def _resumed_address(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     _refuse_dashed_overrides(sys.argv[1:] if argv is None else [str(a) for a in argv])
     args = _parser().parse_args(argv)
+    _current_folder_importable()
     try:
         return _dispatch(args)
     except KeyboardInterrupt:  # e.g. Ctrl-C while the built-in model builds: no traceback
@@ -224,9 +246,19 @@ def _refuse_dashed_overrides(argv: list[str]) -> None:
         _exit_invalid(ConfigError(dashed_overrides(argv)))
 
 
+def _current_folder_importable() -> None:
+    """The folder the command runs in is importable, as with `python -m`: a reward module `my_rewards.py` there is
+    found by reward.name=my_rewards:fn (`.venv/bin/exgrpo` alone puts only its own folder on sys.path). After the
+    installed packages, so a file there named like one of them does not shadow it. The run ships the module to its
+    Ray workers (`cluster.preflight.user_modules`)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "config":
-        from cluster.preflight import gpus_missing, input_problems
+        from cluster.preflight import BadInput, check_start, gpus_missing
         from common.config import to_yaml
 
         cfg = _load(args)
@@ -235,10 +267,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         gpus = gpus_missing(cfg)
         if gpus:  # valid, and what a GPU machine runs; `exgrpo train` here refuses it
             print(f"warning: exgrpo train refuses this config on this machine: {gpus}", file=sys.stderr)
-        problems = input_problems(cfg)
-        if problems:  # valid as a config, but `train` would stop at its start-up checks
-            print("exgrpo train refuses this config on this machine (the model folder, data files and reward are "
-                  "checked when a run starts):", *problems, sep="\n  ", file=sys.stderr)
+        try:  # the start checks of `exgrpo train` (cluster.preflight.check_start), the built-in model unbuilt
+            check_start(cfg, build_model=False)
+        except BadInput as e:  # valid as a config, but `train` would stop at its start
+            print("exgrpo train refuses this config on this machine (its start checks: the run folder, the model "
+                  "folder, the data and the reward):", *(e.lines or [e.heading]), sep="\n  ", file=sys.stderr)
             return 2
         return 0
     if args.command == "toy-model":
@@ -274,6 +307,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from cluster.experiment import experiment_main
 
         return experiment_main(args.spec, args.runs_root, args.jobs, args.rerun)
+    if args.command == "extend-context":
+        from cluster.extend_context import extend_context_main
+
+        return extend_context_main(args)
     if args.command == "track":
         from cluster.tracking import replay_main
 

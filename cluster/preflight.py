@@ -1,5 +1,9 @@
-"""Checks of a run's inputs, made before anything is created or started: the model folder and its
-tokenizer, the reward function, and a run checkpoint to resume from.
+"""Checks of a run's inputs, made before anything is created or started: the run folder, the model folder and
+its tokenizer, the reward function, the data, and a run checkpoint to resume from.
+
+`check_start(cfg)` is the one start check: `exgrpo train` runs it before it creates the run folder and uses what
+it returns (the fitted config, the model folder, the training questions); `exgrpo config` runs the same, so that
+its exit code 0 means `train` gets past its start.
 
 Each check answers with a message that names what to change (`model.path: ... has no tokenizer files;
 copy ...`), never with a library's traceback. `BadInput` carries such a message to the CLI, which prints
@@ -9,7 +13,10 @@ it and exits with code 2.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from cluster import input_checks
@@ -20,6 +27,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 HUB_ID = re.compile(r"([A-Za-z0-9][\w.-]*)/([A-Za-z0-9][\w.-]*)")
 """`Qwen/Qwen2.5-0.5B-Instruct`: an organisation and a model name, the form of a Hugging Face hub id."""
 
+log = logging.getLogger("exgrpo")
+
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
@@ -28,6 +37,7 @@ class BadInput(Exception):
 
     def __init__(self, heading: str, *lines: str):
         super().__init__("\n  ".join([heading, *lines]))
+        self.heading, self.lines = heading, list(lines)
 
 
 def model_folder_problem(path: Path, field: str = "model.path") -> str | None:
@@ -84,10 +94,16 @@ def load_tokenizer(path: Path, field: str = "model.path"):
 
     try:
         return auto_tokenizer(path)
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BadInput("invalid configuration:", f"{field}: the tokenizer in {path} cannot be loaded ({first}); "
-                       "copy the tokenizer files of the model it was made from into the folder") from None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise BadInput("invalid configuration:", f"{field}: the tokenizer in {path} cannot be loaded "
+                       f"({one_line(e)}); copy the tokenizer files of the model it was made from into the folder "
+                       "(tokenizer.json with tokenizer_config.json: tokenizer.save_pretrained(path))") from None
+
+
+def one_line(e: BaseException, limit: int = 600) -> str:
+    """A library's multi-line message as one line (transformers ends "... one of:" and lists on the next lines)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def check_reward(reward_name: str, task: str | None) -> None:
@@ -102,27 +118,189 @@ def check_reward(reward_name: str, task: str | None) -> None:
         raise BadInput("invalid configuration:", str(e)) from None
 
 
-def input_problems(cfg) -> list[str]:
-    """What `exgrpo train` would refuse at start on this machine, as "field: problem" lines (no model is built
-    or loaded): the model folder, the data files, and a user reward that must import."""
-    from common.reward_registry import BUILTIN_NAMES, resolve_reward
+def user_modules(cfg) -> list[str]:
+    """The user's reward modules (reward.name, eval.sets.<name>.reward) that are not installed: for each, the module
+    file or its top-level package folder, found on sys.path outside site-packages and outside this project's
+    source. The run gives them to Ray as the runtime_env's `py_modules`, so Ray uploads them and puts them on the
+    path of every worker on every node (a reward module in the folder the run starts from reaches the generators
+    of every node). Ray's upload limit applies (a package folder of data is better installed on the nodes)."""
+    import importlib.util
 
+    root = Path(__file__).resolve().parents[1]
+    names = [cfg.reward.name, *(s.reward for s in cfg.eval.sets.values() if s.reward)]
+    found = []
+    for name in names:
+        if ":" not in name:
+            continue
+        top = name.partition(":")[0].split(".")[0]
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            continue  # the start checks report it
+        if spec is None:
+            continue
+        if spec.submodule_search_locations:  # a package (or namespace package): its folder
+            path = Path(next(iter(spec.submodule_search_locations)))
+        elif spec.origin and spec.origin.endswith(".py"):
+            path = Path(spec.origin)
+        else:
+            continue  # built-in or compiled: installed, nothing to ship
+        path = path.resolve()
+        if {"site-packages", "dist-packages"} & set(path.parts) or (path.is_dir() and path.is_relative_to(root)):
+            continue  # installed, or one of this project's packages (installed with it on every node)
+        if str(path) not in found:
+            found.append(str(path))
+    return found
+
+
+def input_problems(cfg) -> list[str]:
+    """The quick part of the start checks (`check_start`), as "field: problem" lines, all of them at once (no
+    model is built or loaded, no data file read whole): the model folder and its positions, the data files, the
+    reward (it imports, it can score the task, it can read the first answers)."""
     problems = []
     if cfg.model.path is not None:
         problems.append(model_folder_problem(Path(cfg.model.path).expanduser()))
     for key in ("train_path", "test_path"):
-        p = getattr(cfg.data, key)
-        if p is not None and not Path(p).expanduser().is_file():
-            problems.append(f"data.{key}: {p} is not a file")
-    if cfg.reward.name not in BUILTIN_NAMES and ":" in cfg.reward.name:
-        try:
-            resolve_reward(cfg.reward.name)
-        except ValueError as e:
-            problems.append(str(e))
+        problems.append(data_file_problem(getattr(cfg.data, key), f"data.{key}"))
+    try:
+        check_reward(cfg.reward.name, cfg.data.task if cfg.data.train_path is None else None)
+    except BadInput as e:
+        problems.extend(e.lines)
     problems.append(answers_problem(cfg.data, cfg.reward.name))
     problems.append(_response_too_long(cfg))
     problems.extend(input_checks.problems(cfg))  # the model folder's vocabulary, LoRA targets, cluster.address
     return [p for p in problems if p]
+
+
+def data_file_problem(path: str | None, field: str) -> str | None:
+    """Why `path` cannot be read as a data file (missing, not JSONL or Parquet, compressed); None when it can
+    be opened (its rows are checked when the questions are loaded)."""
+    from common.data import DataError, read_rows
+
+    if path is None:
+        return None
+    try:
+        read_rows(path)  # checks the file and its format now; the rows are read lazily
+    except DataError as e:
+        return f"{field}: {e}"
+    return None
+
+
+def run_folder_problem(cfg) -> str | None:
+    """Why a new run of `cfg` cannot have its folder (checkpoint.runs_root a file or not writable, `name=` a run
+    that exists); None when it can."""
+    import tempfile
+
+    from cluster.runtime import RunDir, RunFolderError
+
+    try:
+        path = RunDir.planned(cfg).path
+    except RunFolderError as e:
+        return str(e)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    try:  # a folder made and removed: what the run will do (permission bits do not tell for root, nor for ACLs)
+        os.rmdir(tempfile.mkdtemp(prefix=".exgrpo-check-", dir=existing))
+    except OSError as e:
+        return (f"checkpoint.runs_root: cannot create {path}: {existing} refuses a new folder ({e.strerror}); point "
+                "checkpoint.runs_root at a writable folder")
+    return None
+
+
+@dataclass
+class Start:
+    """What a run starts from once every input passed `check_start`."""
+
+    cfg: object  # RunConfig, with the prompt and sequence lengths fitted to the model (`fit_lengths`)
+    model_path: Path | None  # None: the built-in model is not built yet (`exgrpo config`)
+    questions: list | None  # the training questions (None when model_path is None)
+
+
+def check_start(cfg, *, new_run: bool = True, build_model: bool = True) -> Start:
+    """Every check `exgrpo train` makes before it creates anything, and the one `exgrpo config` makes, so that
+    `config` rc 0 means `train` gets past its start: the run folder (`new_run`), the quick input checks (all
+    reported at once), then the model's lengths, its tokenizer and the training data (tokenised, as the run
+    loads them). `build_model=False` (config): the built-in model is used only when cached (a build takes
+    minutes), else the tokenizer and data checks wait for `train`. BadInput with what to change."""
+    problems = [run_folder_problem(cfg) if new_run else None, *input_problems(cfg)]
+    problems = [p for p in problems if p]
+    if problems:
+        raise BadInput("invalid configuration:", *problems)
+    model_path = resolve_model(cfg, build=build_model)
+    if model_path is None:
+        return Start(cfg, None, None)
+    cfg = fit_lengths(cfg, model_path)
+    return Start(cfg, model_path, train_questions(cfg, model_path))
+
+
+def resolve_model(cfg, build: bool = True) -> Path | None:
+    """The model folder: model.path, or the built-in model (built once and cached; with `build=False` only
+    when cached, else None)."""
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path).expanduser()
+        problem = model_folder_problem(path)
+        if problem is not None:
+            raise BadInput("invalid configuration:", problem)
+        return path
+    from common import toy_model
+
+    if build:
+        return toy_model.ensure_toy_model(cfg.model, cfg.data, verbose=True)
+    if cfg.data.task is None:
+        return None
+    folder = Path(cfg.model.cache_dir).expanduser() / f"toy-{cfg.data.task}-{toy_model.cache_key(cfg.model.toy, cfg.data)}"
+    return folder if (folder / toy_model.INFO_FILE).is_file() else None
+
+
+def fit_lengths(cfg, model_path: Path):
+    """Prompt and sequence lengths that the model's positions hold, resolved once (the saved config carries
+    them): data.max_prompt_tokens is lowered to max_position_embeddings - generator.max_new_tokens when
+    above it (longer prompts are skipped and counted, as always), and the vLLM engine's max_model_len,
+    when None, becomes data.max_prompt_tokens + generator.max_new_tokens. BadInput when the model cannot
+    hold max_new_tokens, or a max_model_len set by hand cannot hold a prompt and its response."""
+    new, prompt = cfg.generator.max_new_tokens, cfg.data.max_prompt_tokens
+    limit = model_max_positions(model_path)
+    if limit is not None and new >= limit:
+        raise BadInput("invalid configuration:", f"generator.max_new_tokens: {new} does not fit the model's {limit} "
+                       f"positions (max_position_embeddings of {model_path}) with any prompt; lower it below {limit}, "
+                       "or use a model with longer positions (docs/own-task.md, section 4: exgrpo extend-context)")
+    if limit is not None and prompt + new > limit:
+        log.info("data.max_prompt_tokens: lowered from %d to %d (the model's %d positions - generator.max_new_tokens "
+                 "%d); longer prompts are skipped and counted", prompt, limit - new, limit, new)
+        prompt = limit - new
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_prompt_tokens": prompt})})
+    engine = cfg.generator.engine
+    nested = hasattr(engine, "vllm")  # engine kind auto holds its vLLM settings in .vllm
+    vllm_cfg = engine.vllm if nested else engine
+    if hasattr(vllm_cfg, "max_model_len"):
+        if vllm_cfg.max_model_len is None:
+            vllm_cfg = vllm_cfg.model_copy(update={"max_model_len": prompt + new})
+            engine = engine.model_copy(update={"vllm": vllm_cfg}) if nested else vllm_cfg
+            cfg = cfg.model_copy(update={"generator": cfg.generator.model_copy(update={"engine": engine})})
+        elif vllm_cfg.max_model_len < prompt + new:
+            raise BadInput("invalid configuration:", f"generator.engine.max_model_len: {vllm_cfg.max_model_len} cannot "
+                           f"hold data.max_prompt_tokens + generator.max_new_tokens = {prompt} + {new}; raise it to "
+                           f"{prompt + new} or unset it (None derives it)")
+    return cfg
+
+
+def train_questions(cfg, model_path: Path) -> list:
+    """The training questions, tokenised as the run uses them; BadInput when none is usable."""
+    from common.data import DataError, load_questions
+
+    tokenizer = load_tokenizer(model_path)
+    try:
+        questions, report = load_questions(cfg.data, tokenizer, "train")
+    except DataError as e:
+        raise BadInput("invalid data:", str(e)) from None
+    if not questions:
+        hint = ([f"data.question_field / data.answer_field name the fields of each row (now {cfg.data.question_field!r} "
+                 f"/ {cfg.data.answer_field!r})"] if any("missing field" in p for p in report.problems) else [])
+        raise BadInput("invalid data:", f"data: no usable training questions ({report.summary()})",
+                       *report.problems[:3], *hint)
+    if report.skipped:
+        log.warning("data: %s; first problems: %s", report.summary(), "; ".join(report.problems[:5]))
+    log.info("data: %s", report.summary())
+    return questions
 
 
 def gpus_missing(cfg) -> str | None:
@@ -150,7 +328,8 @@ def _response_too_long(cfg) -> str | None:
     else:
         path = Path(cfg.model.path).expanduser()
         limit = model_max_positions(path) if path.is_dir() else None
-        what, fix = f"{path}'s", "or use a model with more (max_position_embeddings in its config.json)"
+        what, fix = f"{path}'s", ("or give the model more (max_position_embeddings in its config.json: a copy made by "
+                                  "`exgrpo extend-context`, docs/own-task.md section 4)")
     if limit is None or new < limit:
         return None
     return (f"generator.max_new_tokens: {new} tokens do not fit {what} {limit} positions (the prompt included); "

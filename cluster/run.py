@@ -29,6 +29,7 @@ import numpy as np
 from cluster.driver import Trainer
 from cluster.liveness import EXIT_CONFIG, EXIT_FAILED, RunStopped
 from cluster.profile import Profile
+from cluster.preflight import fit_lengths  # noqa: F401  (moved to the start checks; imported from here too)
 from cluster.state import DriverState, set_rng_state
 from common.config import ConfigError, RunConfig, flatten, to_yaml
 
@@ -43,7 +44,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     folder, train with bounded self-restarts, report. Returns the exit code (2: bad input, nothing created).
     The run's wall-time profile is saved as profile.json in the run folder (`show_profile`: printed too)."""
     from cluster.console import Progress, setup_logging
-    from cluster.preflight import BadInput
+    from cluster.preflight import BadInput, user_modules
     from cluster.runtime import start_ray
     from cluster.tracking import default_tracking_uri
 
@@ -67,7 +68,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     with ThreadPoolExecutor(1, thread_name_prefix="mlflow-start") as pool:
         tracking = pool.submit(_start_tracking, cfg, run_dir, state, uri, resume)
         with profile.phase("start-up: Ray (MLflow starts beside it)"):
-            start_ray(cfg.cluster, run_dir.path)
+            start_ray(cfg.cluster, run_dir.path, user_modules(cfg))
         with profile.phase("start-up: MLflow (the rest of its start)"):
             tracker = tracking.result()
     run_dir.update_state(mlflow_run_id=state.mlflow_run_id, status="RUNNING", cause=None)
@@ -228,10 +229,11 @@ def _load_driver_state(run_dir) -> DriverState:
 
 
 def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str]):
-    """Check the model folder, reward and data, then create the run folder (or, resuming, apply the
-    overrides and pick the newest usable checkpoint): a bad input leaves nothing behind and the same
-    `name=` free. Returns (cfg, run_dir, state, model_path, questions); BadInput says what to change."""
-    from cluster.preflight import BadInput, answers_problem, check_reward, gpus_missing
+    """Check the run's inputs (`cluster.preflight.check_start`, the checks `exgrpo config` makes), then create
+    the run folder (or, resuming, apply the overrides and pick the newest usable checkpoint): a bad input leaves
+    nothing behind and the same `name=` free. Returns (cfg, run_dir, state, model_path, questions); BadInput says
+    what to change."""
+    from cluster.preflight import BadInput, check_start, gpus_missing
     from cluster.runtime import RunDir, RunFolderError
 
     try:
@@ -239,15 +241,14 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str]):
             run_dir, cfg, changes = _reopen(resume, overrides)
         else:
             assert cfg is not None
-            run_dir, changes = RunDir.planned(cfg), {}
-        check_reward(cfg.reward.name, cfg.data.task if cfg.data.train_path is None else None)
-        unread = answers_problem(cfg.data, cfg.reward.name) or gpus_missing(cfg)
-        if unread:
-            raise BadInput("invalid configuration:", unread)
-        model_path = _resolve_model(cfg)  # may build the built-in model (minutes): after the quick checks
-        cfg = fit_lengths(cfg, model_path)
-        questions = _load_train_questions(cfg, model_path)
+            changes = {}
+        gpus = gpus_missing(cfg)  # `exgrpo config` warns of it (a GPU run's config is checked on CPU machines too)
+        if gpus:
+            raise BadInput("invalid configuration:", gpus)
+        start = check_start(cfg, new_run=not resume)
+        cfg, model_path, questions = start.cfg, start.model_path, start.questions
         if not resume:
+            run_dir = RunDir.planned(cfg)
             return cfg, run_dir.make(cfg), DriverState(generators=cfg.generator.num_generators), model_path, questions
         run_dir.usable_checkpoint(cfg.buffer.num_shards)
     except RunFolderError as e:
@@ -285,77 +286,6 @@ def _reopen(resume: str, overrides: list[str]):
     except ConfigError as e:
         raise BadInput("invalid configuration:", *e.lines) from None
     return run_dir, cfg, changes
-
-
-def _resolve_model(cfg: RunConfig) -> Path:
-    """The model folder (the built-in model is built once and cached); BadInput when it is unusable."""
-    from cluster.preflight import BadInput, model_folder_problem
-
-    if cfg.model.path is None:
-        from common.toy_model import ensure_toy_model
-
-        p = ensure_toy_model(cfg.model, cfg.data, verbose=True)
-    else:
-        p = Path(cfg.model.path).expanduser()
-        problem = model_folder_problem(p)
-        if problem is not None:
-            raise BadInput("invalid configuration:", problem)
-    return p
-
-
-def fit_lengths(cfg: RunConfig, model_path: Path) -> RunConfig:
-    """Prompt and sequence lengths that the model's positions hold, resolved once (the saved config carries
-    them): data.max_prompt_tokens is lowered to max_position_embeddings - generator.max_new_tokens when
-    above it (longer prompts are skipped and counted, as always), and the vLLM engine's max_model_len,
-    when None, becomes data.max_prompt_tokens + generator.max_new_tokens. BadInput when the model cannot
-    hold max_new_tokens, or a max_model_len set by hand cannot hold a prompt and its response."""
-    from cluster.preflight import BadInput, model_max_positions
-
-    new, prompt = cfg.generator.max_new_tokens, cfg.data.max_prompt_tokens
-    limit = model_max_positions(model_path)
-    if limit is not None and new >= limit:
-        raise BadInput("invalid configuration:", f"generator.max_new_tokens: {new} does not fit the model's {limit} "
-                       f"positions (max_position_embeddings of {model_path}) with any prompt; lower it below {limit}, "
-                       "or use a model with longer positions")
-    if limit is not None and prompt + new > limit:
-        log.info("data.max_prompt_tokens: lowered from %d to %d (the model's %d positions - generator.max_new_tokens "
-                    "%d); longer prompts are skipped and counted", prompt, limit - new, limit, new)
-        prompt = limit - new
-        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_prompt_tokens": prompt})})
-    engine = cfg.generator.engine
-    nested = hasattr(engine, "vllm")  # engine kind auto holds its vLLM settings in .vllm
-    vllm_cfg = engine.vllm if nested else engine
-    if hasattr(vllm_cfg, "max_model_len"):
-        if vllm_cfg.max_model_len is None:
-            vllm_cfg = vllm_cfg.model_copy(update={"max_model_len": prompt + new})
-            engine = engine.model_copy(update={"vllm": vllm_cfg}) if nested else vllm_cfg
-            cfg = cfg.model_copy(update={"generator": cfg.generator.model_copy(update={"engine": engine})})
-        elif vllm_cfg.max_model_len < prompt + new:
-            raise BadInput("invalid configuration:", f"generator.engine.max_model_len: {vllm_cfg.max_model_len} cannot "
-                           f"hold data.max_prompt_tokens + generator.max_new_tokens = {prompt} + {new}; raise it to "
-                           f"{prompt + new} or unset it (None derives it)")
-    return cfg
-
-
-def _load_train_questions(cfg: RunConfig, model_path: Path):
-    """The training questions, checked before any actor starts; BadInput when none is usable."""
-    from cluster.preflight import BadInput, load_tokenizer
-    from common.data import DataError, load_questions
-
-    tokenizer = load_tokenizer(model_path)
-    try:
-        questions, report = load_questions(cfg.data, tokenizer, "train")
-    except DataError as e:
-        raise BadInput("invalid data:", str(e)) from None
-    if not questions:
-        hint = ([f"data.question_field / data.answer_field name the fields of each row (now {cfg.data.question_field!r} "
-                 f"/ {cfg.data.answer_field!r})"] if any("missing field" in p for p in report.problems) else [])
-        raise BadInput("invalid data:", f"data: no usable training questions ({report.summary()})",
-                       *report.problems[:3], *hint)
-    if report.skipped:
-        log.warning("data: %s; first problems: %s", report.summary(), "; ".join(report.problems[:5]))
-    log.info("data: %s", report.summary())
-    return questions
 
 
 def prompt_example(questions, tokenizer) -> str:

@@ -31,11 +31,14 @@ ACTOR_ENV = {
 }
 
 
-def start_ray(cfg: ClusterConfig, run_dir: Path) -> str:
-    """Join `cfg.address`, or start an embedded local Ray with its own temp dir. Returns the GCS address."""
+def start_ray(cfg: ClusterConfig, run_dir: Path, py_modules: list[str] = ()) -> str:
+    """Join `cfg.address`, or start an embedded local Ray with its own temp dir. Returns the GCS address.
+    `py_modules`: the user's modules (a reward module) that Ray uploads to every worker of every node."""
     env = dict(ACTOR_ENV)
     # every worker process: our INFO lines to its stderr, kept by Ray and copied into the run's logs/ray
     runtime_env = {"env_vars": env, "worker_process_setup_hook": "cluster.console.setup_worker_logging"}
+    if py_modules:
+        runtime_env["py_modules"] = list(py_modules)
     # Ray announces its defaults (token auth on, local instance started) at WARNING/INFO on the console;
     # the user's console is for training progress. Token auth itself stays on.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)

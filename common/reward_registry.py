@@ -46,16 +46,64 @@ def resolve_reward(name: str) -> tuple[RewardFn, bool]:
     if not sep or not module_name or not attr:
         raise ValueError(f"reward.name: unknown reward {name!r}; use one of {sorted(builtin)} "
                          "or a user function written package.module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward.name: cannot import module {module_name!r} ({e}); "
-                         "check the spelling and that it is on PYTHONPATH") from None
+    module = _import_user_module(module_name)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward.name: {module_name} has no callable {attr!r}")
     _check_signature(name, fn)
+    _check_returns_a_value(name, fn)
     return fn, False
+
+
+def _import_user_module(module_name: str):
+    """The user's reward module; ValueError with one line when its import fails: not found (the spelling, the
+    path), found but failing (its file, line and error: a syntax error, an exception, a missing dependency of
+    its own), or exiting at import (`sys.exit(3)` would otherwise end the command with code 3, which means a
+    stall)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ValueError(f"reward.name: cannot import module {module_name!r} ({e}); check the spelling, and "
+                             "start the run from the folder that holds it or put that folder on PYTHONPATH") from None
+        raise ValueError(f"reward.name: module {module_name!r} was found, but its import failed on {e.name!r} "
+                         f"({_where(e, module_name)}: {e}); install {e.name} where the run starts and on every "
+                         "node that runs generators") from None
+    except SyntaxError as e:
+        raise ValueError(f"reward.name: module {module_name!r} does not compile ({e.filename} line {e.lineno}: "
+                         f"{type(e).__name__}: {e.msg}); fix the module") from None
+    except SystemExit as e:
+        raise ValueError(f"reward.name: module {module_name!r} called sys.exit({e.code!r}) while being imported "
+                         f"({_where(e, module_name)}); a reward module must not exit at import: move that code under "
+                         "`if __name__ == \"__main__\":`") from None
+    except Exception as e:  # anything the module's own code raises at import: say where, not a traceback
+        raise ValueError(f"reward.name: importing module {module_name!r} raised {type(e).__name__}: {e} "
+                         f"({_where(e, module_name)}); fix the module") from None
+
+
+def _where(e: BaseException, module_name: str) -> str:
+    """`file line N` of the deepest frame of `e`'s traceback in the user's module (else the deepest frame)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    top = module_name.split(".")[0]
+    own = [f for f in frames if f"/{top}/" in f.filename or f.filename.endswith(f"/{top}.py")]
+    frame = (own or frames or [None])[-1]
+    return "no traceback" if frame is None else f"{frame.filename} line {frame.lineno}"
+
+
+def _check_returns_a_value(name: str, fn: RewardFn) -> None:
+    """`async def` and generator functions return a coroutine or a generator, not a float: every call would be
+    scored as an error, so they are refused here."""
+    import inspect
+
+    call = getattr(fn, "__call__", None) if not inspect.isroutine(fn) else None
+    for what, test in (("an async def function: its calls return coroutines", inspect.iscoroutinefunction),
+                       ("an async generator: its calls return async generators", inspect.isasyncgenfunction),
+                       ("a generator function (it yields): its calls return generators", inspect.isgeneratorfunction)):
+        if test(fn) or (call is not None and test(call)):
+            raise ValueError(f"reward.name: {name} is {what}, not a float; a reward is a plain function "
+                             "fn(response: str, answer: str) -> float that returns its score")
 
 
 def _check_signature(name: str, fn: RewardFn) -> None:

@@ -157,17 +157,18 @@ def test_missing_model_folder_and_unimportable_reward_leave_no_run_folder(capsys
     assert not (runs / "r").exists()
 
 
-@pytest.mark.parametrize("content, expected", [
-    (None, "dataset file not found"),
-    ("", "no usable training questions"),
-    ('{"q": "1+1", "a": "2"}\n' * 3, "data.question_field / data.answer_field name the fields"),
+@pytest.mark.parametrize("content, heading, expected", [
+    (None, "invalid configuration:", "train.jsonl: dataset file not found"),
+    ("", "invalid data:", "no usable training questions"),
+    ('{"q": "1+1", "a": "2"}\n' * 3, "invalid data:", "data.question_field / data.answer_field name the fields"),
 ])
-def test_unusable_data_is_refused_and_the_name_stays_free(capsys, runs, tmp_path, tiny_model_dir, content, expected):
+def test_unusable_data_is_refused_and_the_name_stays_free(capsys, runs, tmp_path, tiny_model_dir, content, heading,
+                                                          expected):
     data = tmp_path / "train.jsonl"
     if content is not None:
         data.write_text(content)
     args = (f"model.path={tiny_model_dir}", f"data.train_path={data}", "reward.name=exact")
-    assert_refused(*train(capsys, runs, *args), "invalid data:", expected)
+    assert_refused(*train(capsys, runs, *args), heading, expected)
     assert not (runs / "r").exists()
     code, out = train(capsys, runs, *args)  # the same name again: the same answer, not "already holds a run"
     assert "already holds a run" not in out
@@ -381,7 +382,8 @@ def test_lengths_the_model_cannot_hold_are_refused_or_fitted(capsys, runs, tmp_p
     limit = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
     assert_refused(*train(capsys, runs, f"model.path={tiny_model_dir}", "data.task=arithmetic",
                           f"generator.max_new_tokens={limit}"),
-                   f"generator.max_new_tokens: {limit} does not fit the model's {limit} positions")
+                   f"generator.max_new_tokens: {limit} tokens do not fit {tiny_model_dir}'s {limit} positions (the "
+                   f"prompt included); set it below {limit}, or give the model more", "exgrpo extend-context")
     assert not (runs / "r").exists()
     cfg = load_config(None, ["data.task=arithmetic", "generator.max_new_tokens=100", "data.max_prompt_tokens=4096",
                              "generator.engine.kind=vllm"])
@@ -393,3 +395,92 @@ def test_lengths_the_model_cannot_hold_are_refused_or_fitted(capsys, runs, tmp_p
         fit_lengths(load_config(None, ["data.task=arithmetic", "data.max_prompt_tokens=64", "generator.max_new_tokens=24",
                                        "generator.engine.kind=vllm", "generator.engine.max_model_len=32"]),
                     tiny_model_dir)
+
+
+# ------------------------------------------------------------------ exgrpo config and exgrpo train: one preflight
+
+
+def _not_creatable(tmp_path: Path) -> Path:
+    """A runs_root whose parent refuses a new folder (root ignores permission bits: /sys refuses it anyway)."""
+    import os
+
+    if os.geteuid() == 0:
+        return Path("/sys/exgrpo-runs")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    return locked / "runs"
+
+
+def _setup(case: str, tmp_path: Path, model: Path) -> tuple[list[str], str]:
+    """The overrides of one of the seven inputs `exgrpo config` used to accept and `exgrpo train` refused, and
+    the words both now answer with."""
+    import gzip
+
+    rows = "".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4))
+    data = tmp_path / "train.jsonl"
+    data.write_text(rows)
+    runs = tmp_path / "runs"
+    if case == "runs_root is a file":
+        (tmp_path / "file").write_text("")
+        return [f"checkpoint.runs_root={tmp_path / 'file'}"], "is a file, not a folder"
+    if case == "runs_root cannot be created":
+        return [f"checkpoint.runs_root={_not_creatable(tmp_path)}"], "checkpoint.runs_root: cannot create"
+    if case == "name= a run that exists":
+        (runs / "r").mkdir(parents=True)
+        (runs / "r" / "state.json").write_text('{"name": "r", "checkpoints": []}')
+        return [], "already holds a run; pass name=<new name>"
+    if case == "a tokenizer folder that does not load":
+        broken = model_copy(model, tmp_path / "no-tokenizer-json", ("tokenizer.json",))
+        return [f"model.path={broken}"], "the tokenizer in"
+    if case == "use_chat_template without a template":
+        return ["data.use_chat_template=true"], "data.use_chat_template is set but the tokenizer has no chat template"
+    if case == "every prompt above max_prompt_tokens":
+        return ["data.max_prompt_tokens=2"], "(4 of them with a prompt over data.max_prompt_tokens=2)"
+    if case == "a .jsonl.gz data file":
+        gz = tmp_path / "train.jsonl.gz"
+        gz.write_bytes(gzip.compress(rows.encode()))
+        return [f"data.train_path={gz}"], "a compressed file (.gz); data files are read uncompressed"
+    raise AssertionError(case)
+
+
+def _args(tmp_path: Path, model: Path, overrides: list[str]) -> list[str]:
+    """A run of the tiny model on the data file, with `overrides` in place of the defaults they name."""
+    args = dict(a.split("=", 1) for a in [
+        f"checkpoint.runs_root={tmp_path / 'runs'}", "tracking.enabled=false", "name=r", f"model.path={model}",
+        f"data.train_path={tmp_path / 'train.jsonl'}", "reward.name=exact", *overrides])
+    return [f"{k}={v}" for k, v in args.items()]
+
+
+SEVEN = ["runs_root is a file", "runs_root cannot be created", "name= a run that exists",
+         "a tokenizer folder that does not load", "use_chat_template without a template",
+         "every prompt above max_prompt_tokens", "a .jsonl.gz data file"]
+
+
+@pytest.mark.parametrize("case", SEVEN)
+def test_config_refuses_what_train_refuses_at_its_start(capsys, tmp_path, tiny_model_dir, case):
+    """Issue 51: each of these passed `exgrpo config` (rc 0) and stopped `exgrpo train` at its start. Both run
+    `cluster.preflight.check_start`: both refuse, with the same words, and nothing is created."""
+    from cluster.console import setup_logging
+
+    setup_logging(None)  # the console handler on this test's stderr (an earlier test's train left one on its own)
+    overrides, says = _setup(case, tmp_path, tiny_model_dir)
+    args = _args(tmp_path, tiny_model_dir, overrides)
+    code, out = cli(capsys, "config", *args)
+    assert_refused(code, out, "exgrpo train refuses this config on this machine", says)
+    before = sorted(tmp_path.rglob("*"))
+    assert_refused(*cli(capsys, "train", *args), says)
+    assert sorted(tmp_path.rglob("*")) == before  # no run folder, no runs_root
+
+
+def test_what_config_accepts_train_starts_from(capsys, tmp_path, tiny_model_dir):
+    """The other half: the same inputs without their fault pass `exgrpo config`, and train's start (everything
+    before Ray) makes its run folder and loads the questions."""
+    from cluster.run import _prepare
+    from common.config import load_config
+
+    _setup("every prompt above max_prompt_tokens", tmp_path, tiny_model_dir)  # writes the data file
+    args = _args(tmp_path, tiny_model_dir, [])
+    code, out = cli(capsys, "config", *args)
+    assert code == 0, out
+    cfg, run_dir, _, model_path, questions = _prepare(load_config(None, args), None, [])
+    assert run_dir.path == tmp_path / "runs" / "r" and model_path == tiny_model_dir and len(questions) == 4

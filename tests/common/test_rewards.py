@@ -219,3 +219,44 @@ def test_bad_reward_names_fail_at_construction_with_what_to_change():
     with pytest.raises(ValueError, match="'countdown' cannot score questions of task 'arithmetic'"):
         RewardPool(RewardConfig(name="countdown"), task_name="arithmetic")
     assert resolve_reward(f"{FNS}:good")[1] is False and resolve_reward("exact")[1] is True
+
+
+@pytest.mark.parametrize("source, says", [
+    ("def score(response, answer):\n    return 1.0 if response == answer else 0.0\n)\n",
+     ["does not compile (", ".py line 3: SyntaxError: ", "fix the module"]),
+    ("X = 1\nraise RuntimeError('no config file here')\n",
+     ["raised RuntimeError: no config file here (", ".py line 2)", "fix the module"]),
+    ("import sys\nsys.exit(3)\n",
+     ["called sys.exit(3) while being imported (", ".py line 2)", "must not exit at import",
+      'if __name__ == "__main__":']),
+    ("import no_such_dependency_xyz\n",
+     ["was found, but its import failed on 'no_such_dependency_xyz' (", ".py line 1: No module named "
+      "'no_such_dependency_xyz')", "install no_such_dependency_xyz where the run starts"]),
+    ("async def score(response, answer):\n    return 1.0\n",
+     [":score is an async def function: its calls return coroutines, not a float", "fn(response: str, answer: str) "
+      "-> float"]),
+    ("def score(response, answer):\n    yield 1.0\n",
+     [":score is a generator function (it yields): its calls return generators, not a float"]),
+])
+def test_a_reward_module_that_fails_at_import_or_returns_no_float_is_one_line(tmp_path, monkeypatch, source, says):
+    """Issue 51: a traceback (or, for sys.exit(3), a silent exit with the code that means a stall) became one line
+    with the module's file, line and error; async and generator rewards are refused before any rollout."""
+    import uuid
+
+    name = f"user_reward_{uuid.uuid4().hex[:8]}"  # a fresh module name: nothing cached in sys.modules
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as e:
+        resolve_reward(f"{name}:score")
+    text = str(e.value)
+    assert text.startswith("reward.name: ") and "\n" not in text, text
+    assert all(s in text for s in says), text
+    if any(".py line" in s for s in says):  # the failing line of the user's own file
+        assert f"{tmp_path / name}.py line" in text, text
+
+
+def test_a_missing_module_is_told_to_check_the_spelling_and_the_folder():
+    with pytest.raises(ValueError, match=r"cannot import module 'no_such_module_xyz' \(No module named "
+                                         r"'no_such_module_xyz'\); check the spelling, and start the run from the "
+                                         r"folder that holds it or put that folder on PYTHONPATH"):
+        resolve_reward("no_such_module_xyz:f")
