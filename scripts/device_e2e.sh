@@ -7,25 +7,27 @@
 #   on the host first: make device-carry && .venv/bin/python bench/device_e2e.py carry-model device-carry
 #   device tool: run(command="bash scripts/device_e2e.sh", carry=["device-carry"], timeout_s=300)
 #
-# The parts, in order (budget at the default DEVICE_E2E_BUDGET_S=240; --quick: 900 on a slow CPU):
+# The parts (budget at the default DEVICE_E2E_BUDGET_S=240; --quick: 900 on a slow CPU):
 # 1. the carry (60 s): the image has python3 with torch, transformers, pytest, ... (scripts/device_image.txt) but no
 #    ray, pydantic, jsonschema, math-verify or mlflow: `make device-carry` puts their wheels and the project's in
 #    device-carry/ (carried with the call), pip-installed here with --no-index into DEVICE_SITE, first on PYTHONPATH.
 #    Without MLflow a run keeps its metric points in <run>/metrics-unsent.jsonl (the tracker's offline mode), which
 #    the summary reads.
-# 2. the learning run (110 s; --quick 480): `exgrpo train` of the built-in countdown model (common/toy_model.py; it
+# 2. the learning run (130 s; --quick 480): `exgrpo train` of the built-in countdown model (common/toy_model.py; it
 #    solves about a third of the questions from the start) on the GPU, learner and a transformers-engine generator
 #    sharing it (0.4 each), weights through Ray's object store, up to 30 steps (--quick 8) at the defaults: mixed
 #    mode switches on and stored trajectories are replayed. The model comes from device-carry/models
 #    (`bench/device_e2e.py carry-model`), else it is built here first (minutes, outside the budgets). SIGTERM at
-#    the budget: the run finishes its step and stops; the summary judges what it logged.
-# 3. the mismatch probe (45 s; --quick 180): a random Qwen2 with Qwen2.5-0.5B's layers in bfloat16 (--quick: a tiny
-#    one in float32 on the CPU), made while the learning run runs; the engine samples, the learner's forward scores
-#    (bench/device_e2e.py probe): NeMo-RL's gates, and tokens/s at that width.
-# 4. tests/gpu (pytest -m gpu; skipped, and said so, without CUDA): what is left of the budget, 8 s kept for 5.
+#    the budget: the run finishes its step and stops; the summary judges what it logged. DEVICE_E2E_TRAIN_ARGS:
+#    more key=value overrides.
+# 3. the mismatch probe (60 s; --quick 240): a random Qwen2 with Qwen2.5-0.5B's layers in bfloat16 (--quick: a tiny
+#    one in float32 on the CPU), made on the CPU while the learning run runs; the engine samples, the learner's
+#    forward scores (bench/device_e2e.py probe): NeMo-RL's gates, and tokens/s at that width.
+# 4. tests/gpu (pytest -m gpu; skipped, and said so, without CUDA), beside the probe (neither judges time): what is
+#    left of the budget, 8 s kept for 5.
 # 5. the summary (bench/device_e2e.py summary): parts, figures, gates; OUT/device_e2e.json.
 #
-# Environment: OUT (default runs-device-e2e/) gets device_e2e.json, device_e2e.log, parts.tsv, probe.json,
+# Environment: OUT (default runs-device-e2e/) gets device_e2e.json, device_e2e.log, parts.tsv, probe.json, probe.log,
 # pytest-gpu.log and the run folder's small files (run/); DEVICE_WORK (default /tmp/exgrpo-device-e2e) holds the
 # 0.5B model and the run folder; PYTHON (default python3); DEVICE_CARRY (default device-carry, or device-carry-pyX.Y
 # for this python when it exists); DEVICE_SITE (default /tmp/exgrpo-device-site, kept on a warm machine: a second
@@ -39,28 +41,31 @@ if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
 OUTDIR=${OUT:-runs-device-e2e}
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
-rm -f "$OUTDIR"/{parts.tsv,probe.json,pytest-gpu.log,device_e2e.json}
+rm -f "$OUTDIR"/{parts.tsv,probe.json,probe.log,pytest-gpu.log,device_e2e.json,make-model.*}
 PY=${PYTHON:-python3}
 case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac  # parts run from $OUT too
 START=$(date +%s.%N)
 if [ $QUICK -eq 1 ]; then
-    BUDGET=${DEVICE_E2E_BUDGET_S:-900}; STEPS=${DEVICE_E2E_STEPS:-8}; LEARN_S=480; PROBE_S=180
+    BUDGET=${DEVICE_E2E_BUDGET_S:-900}; STEPS=${DEVICE_E2E_STEPS:-8}; LEARN_S=480; PROBE_S=240
 else
-    BUDGET=${DEVICE_E2E_BUDGET_S:-240}; STEPS=${DEVICE_E2E_STEPS:-30}; LEARN_S=110; PROBE_S=45
+    BUDGET=${DEVICE_E2E_BUDGET_S:-240}; STEPS=${DEVICE_E2E_STEPS:-30}; LEARN_S=130; PROBE_S=60
 fi
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUTDIR/device_e2e.log") 2>&1
 elapsed() { awk -v a="$START" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 say() { echo "device_e2e [$(elapsed) s]: $*"; }
 left() { awk -v a="$START" -v b="$(date +%s.%N)" -v t="$BUDGET" 'BEGIN { printf "%d", t - (b - a) }'; }
-# part NAME BUDGET_S NOTE COMMAND...: run it under its budget (SIGTERM, then SIGKILL 15 s later; a shell function
-# runs unbounded), record it in parts.tsv
+# part NAME BUDGET_S NOTE LOG COMMAND...: run it under its budget (SIGTERM, then SIGKILL 15 s later; a shell
+# function runs unbounded), its output into LOG (-: this log), and record it in parts.tsv
 part() {
-    local name=$1 budget=$2 note=$3 t0 rc
-    shift 3
+    local name=$1 budget=$2 note=$3 log=$4 t0 rc
+    shift 4
     t0=$(date +%s.%N)
     say "$name (at most $budget s): $*"
-    if declare -F "$1" >/dev/null; then "$@"; else timeout -k 15 "$budget" "$@"; fi
+    if declare -F "$1" >/dev/null; then "$@"
+    elif [ "$log" = - ]; then timeout -k 15 "$budget" "$@"
+    else timeout -k 15 "$budget" "$@" > "$log" 2>&1
+    fi
     rc=$?
     printf '%s\t%d\t%s\t%d\t%s\n' "$name" "$rc" "$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')" \
         "$budget" "$note" >> "$OUTDIR/parts.tsv"
@@ -117,7 +122,7 @@ print("mlflow: " + ("installed" if importlib.util.find_spec("mlflow") else
       "`exgrpo track --replay <run>` sends them to a store later"))
 EOF
 }
-if ! part "carry install" 60 "$CARRY into $SITE" install_carry; then
+if ! part "carry install" 60 "$CARRY into $SITE" - install_carry; then
     say "FAILED: the image with the carry cannot run the check (above)"
     summary
     exit 2
@@ -138,6 +143,7 @@ MODELS=()  # the built-in model: the carry's copy, else the default cache (built
 ls -d "$CARRY"/models/toy-countdown-* >/dev/null 2>&1 && MODELS=(model.cache_dir="$(cd "$CARRY/models" && pwd)")
 LEARN=(name="$NAME" checkpoint.runs_root="$RUNS" checkpoint.every_steps=0 eval.final=false total_steps="$STEPS"
        generator.engine.kind=transformers 'learner.weight_sync={kind: object_store}' "${MODELS[@]}")
+read -r -a EXTRA <<< "${DEVICE_E2E_TRAIN_ARGS:-}"  # more key=value overrides of the learning run
 if [ $QUICK -eq 1 ]; then
     DEVICE=cpu; DTYPE=float32; SIZE=tiny
 else
@@ -148,37 +154,42 @@ else
     LEARN+=(generator.num_gpus=0.4 learner.num_gpus=0.4)
 fi
 if [ ${#MODELS[@]} -eq 0 ]; then  # not in the budgets: a carry without the model pays minutes here, once per machine
-    say "no built-in model in $CARRY/models (bench/device_e2e.py carry-model puts it there): building it"
+    say "no built-in model in $CARRY/models (bench/device_e2e.py carry-model puts it there): the default cache's" \
+        "(built there first when absent: minutes)"
     (cd "$OUTDIR" && "${EXGRPO[@]}" toy-model) || say "building the built-in model failed (above)"
 fi
 # the probe's model, made on the CPU while the learning run starts (niced: the run's start is what is measured)
 (OMP_NUM_THREADS=4 nice -n 19 "$PY" bench/device_e2e.py make-model "$WORK/probe-model-$SIZE" --size $SIZE \
     > "$OUTDIR/make-model.log" 2>&1; echo $? > "$OUTDIR/make-model.rc") &
 MAKE_PID=$!
-(cd "$OUTDIR" && part "learning run" $LEARN_S "built-in countdown model, $STEPS steps" \
-    "${EXGRPO[@]}" train "${LEARN[@]}")
+(cd "$OUTDIR" && part "learning run" $LEARN_S "built-in countdown model, $STEPS steps" - \
+    "${EXGRPO[@]}" train "${LEARN[@]}" "${EXTRA[@]}")
 mkdir -p "$OUTDIR/run"  # its small files come back: metric points, state, profile, the driver's and Ray's logs
 cp -r "$RUN_DIR"/{metrics-unsent.jsonl,state.json,profile.json,config.yaml,logs} "$OUTDIR/run/" 2>/dev/null
 
-# 3. The probe.
+# 3-4. The probe and, beside it, the tests only a GPU answers (skipped, and said so, without CUDA): neither judges
+# time, and side by side they fit the budget (the probe's tokens/s are measured beside the tests).
 wait $MAKE_PID
 cat "$OUTDIR/make-model.log"
+PROBE_PID=
 if [ "$(cat "$OUTDIR/make-model.rc" 2>/dev/null)" = 0 ]; then
-    part "mismatch probe" $PROBE_S "random Qwen2, $SIZE's layers, $DTYPE" "$PY" bench/device_e2e.py probe \
-        --model "$WORK/probe-model-$SIZE" --out "$OUTDIR/probe.json" --device $DEVICE --dtype $DTYPE
+    part "mismatch probe" $PROBE_S "random Qwen2, $SIZE's layers, $DTYPE, beside tests/gpu" "$OUTDIR/probe.log" \
+        "$PY" bench/device_e2e.py probe --model "$WORK/probe-model-$SIZE" --out "$OUTDIR/probe.json" --device $DEVICE \
+        --dtype $DTYPE &
+    PROBE_PID=$!
 else
     printf 'mismatch probe\t1\t0\t%d\tits model could not be made (make-model.log)\n' $PROBE_S >> "$OUTDIR/parts.tsv"
 fi
-
-# 4. The tests only a GPU answers (skipped, and said so, without CUDA).
 LEFT=$(( $(left) - 8 ))
 if [ $LEFT -ge 20 ]; then
-    part "tests/gpu" $LEFT "pytest tests/gpu -m gpu" "$PY" -m pytest tests/gpu -m gpu -v -rs -p no:cacheprovider \
-        > "$OUTDIR/pytest-gpu.log" 2>&1
+    part "tests/gpu" $LEFT "pytest tests/gpu -m gpu" "$OUTDIR/pytest-gpu.log" \
+        "$PY" -m pytest tests/gpu -m gpu -v -rs -p no:cacheprovider
     tail -n 12 "$OUTDIR/pytest-gpu.log"
 else
     printf 'tests/gpu\t124\t0\t%d\tno time left in DEVICE_E2E_BUDGET_S=%d\n' $LEFT "$BUDGET" >> "$OUTDIR/parts.tsv"
 fi
+[ -n "$PROBE_PID" ] && wait $PROBE_PID
+cat "$OUTDIR/probe.log" 2>/dev/null
 
 # 5. The summary.
 summary
