@@ -6,7 +6,7 @@
                                  vocab_size, which the weights' embedding rows hold (safetensors headers only)
     lora_target_problem(cfg)     learner.lora.target_modules name Linear modules of the model (built on the
                                  meta device: no weights read)
-    cluster_address_problem(a)   cluster.address resolves and its port answers, within a few seconds
+    cluster_address_problem(a)   cluster.address resolves and its port answers as a GCS, within a few seconds
 
 The folder checks read what is cheap: config.json, the weights' headers, the tokenizer (seconds at most); a
 folder that another check refuses (missing, no config.json, no tokenizer) is left to that check's message.
@@ -197,11 +197,30 @@ def cluster_address_problem(address: str | None, timeout_s: float = ADDRESS_TIME
             with socket.socket(family, kind, proto) as s:
                 s.settimeout(timeout_s)
                 s.connect(sockaddr)
-            return None
+            not_gcs = None if client else _not_a_gcs(address, timeout_s)
+            return f"cluster.address: {address} answers, but not as a Ray cluster's GCS ({not_gcs}); {fix}" \
+                if not_gcs else None
         except OSError as e:
             last = e
     why = f"no answer within {timeout_s:g} s" if isinstance(last, socket.timeout) else _reason(last)
     return f"cluster.address: {address} could not be reached ({why}); {fix}"
+
+
+def _not_a_gcs(address: str, timeout_s: float) -> str | None:
+    """Why the server at `address` is not a GCS (another program on that port: a web server, another gRPC
+    service), or None: it answered GetClusterId, asked for a token, or was slow (not refused for that). The call
+    `cluster.auth.cluster_auth_mode` makes too."""
+    import grpc
+
+    channel = grpc.insecure_channel(address)
+    try:
+        channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(b"", timeout=timeout_s)
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
+            return f"{e.code().name}: {' '.join((e.details() or '').split())[:200]}"
+    finally:
+        channel.close()
+    return None
 
 
 def _resolve(host: str, port: int, timeout_s: float) -> list:

@@ -4,10 +4,12 @@ file that disagree. No Ray is started (`cluster.input_checks`, hooked into `clus
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
 import shutil
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -109,6 +111,13 @@ def test_an_unreachable_cluster_address_is_one_line_before_ray(capsys, tmp_path)
         assert "RAY_AUTH_MODE" in cluster_address_problem(refused)
         assert cluster_address_problem(f"127.0.0.1:{listening.getsockname()[1]}") is None
     assert cluster_address_problem("auto") is None and cluster_address_problem(None) is None
+    web = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # another program's port
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        assert cluster_address_problem(f"127.0.0.1:{web.server_port}").startswith(
+            f"cluster.address: 127.0.0.1:{web.server_port} answers, but not as a Ray cluster's GCS (UNAVAILABLE: ")
+    finally:
+        web.shutdown()
     assert "'localhost' has no port" in cluster_address_problem("localhost")
     assert "is not a Ray address" in cluster_address_problem("http://head:6379")
     _config_and_train(capsys, tmp_path, "cluster.address=not-a-host:99999",
