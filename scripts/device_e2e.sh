@@ -31,7 +31,8 @@
 # pytest-gpu.log and the run folder's small files (run/); DEVICE_WORK (default /tmp/exgrpo-device-e2e) holds the
 # 0.5B model and the run folder; PYTHON (default python3); DEVICE_CARRY (default device-carry, or device-carry-pyX.Y
 # for this python when it exists); DEVICE_SITE (default /tmp/exgrpo-device-site, kept on a warm machine: a second
-# call skips the install); DEVICE_E2E_BUDGET_S (the whole check); DEVICE_E2E_STEPS (the learning run's steps).
+# call skips the install); DEVICE_E2E_BUDGET_S (the whole check); DEVICE_E2E_STEPS (the learning run's steps);
+# DEVICE_E2E_LEARN_S, DEVICE_E2E_PROBE_S (those parts' budgets).
 # Exit code: 0 when every gate judged passed, 1 when one failed, 2 when the carry cannot be installed or imported.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +51,7 @@ if [ $QUICK -eq 1 ]; then
 else
     BUDGET=${DEVICE_E2E_BUDGET_S:-240}; STEPS=${DEVICE_E2E_STEPS:-30}; LEARN_S=130; PROBE_S=60
 fi
+LEARN_S=${DEVICE_E2E_LEARN_S:-$LEARN_S}; PROBE_S=${DEVICE_E2E_PROBE_S:-$PROBE_S}
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUTDIR/device_e2e.log") 2>&1
 elapsed() { awk -v a="$START" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
