@@ -66,8 +66,13 @@ def extend_context_main(args) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
+    what = ", ".join(f"{k} {_number(old)} -> {_number(new)}" for k, (old, new) in changes.items())
     how = "copied" if args.copy else f"linked to {src.resolve()}"
     print(f"wrote {dst}: config.json {what}; the other files {how}\n"
           f"use it with model.path={dst}")
     return 0
+
+
+def _number(x):
+    """10000.0 as 10000 (config.json files write either)."""
+    return int(x) if isinstance(x, float) and x.is_integer() else x

@@ -451,3 +451,145 @@ def test_own_task_reward_module_imports_and_scores_the_example(tmp_path, monkeyp
 
     numeric = [r for r in _own_task_rows() if re.fullmatch(r"-?\d+", r["answer"])]
     assert numeric and all(fn(f"so it is \\boxed{{{r['answer']}}}.", r["answer"]) == 1.0 for r in numeric)
+
+
+# ------------------------------------------------------------------ docs/own-task.md sections 3 and 4, as written
+
+QWEN25_MATH_1_5B_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,
+    "hidden_act": "silu", "hidden_size": 1536, "initializer_range": 0.02, "intermediate_size": 8960,
+    "max_position_embeddings": 4096, "max_window_layers": 21, "model_type": "qwen2", "num_attention_heads": 12,
+    "num_hidden_layers": 28, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "sliding_window": 4096, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.37.0",
+    "use_cache": True, "use_mrope": False, "use_sliding_window": False, "vocab_size": 151936,
+}
+"""config.json of Qwen/Qwen2.5-Math-1.5B as the hub ships it (issue 51: max_position_embeddings 4096; the recipe's
+rope_theta 10000 -> 40000)."""
+
+TINY_WIDTH = {"hidden_size": 16, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "max_window_layers": 1}
+"""The stand-in's only departures from that config.json: its width, so that its weights are a few MB."""
+
+
+def _stand_in_qwen_math(folder: Path) -> Path:
+    """A stand-in for the folder `hf download Qwen/Qwen2.5-Math-1.5B` makes: its config.json's values (positions,
+    RoPE base, the 151,936-row vocabulary, tied embeddings, tokens, dtype) at the tiny width above, weights of that
+    width (the embedding's 151,936 rows included), and a character tokenizer with a chat template."""
+    import json
+
+    import torch
+
+    from common.modeling import CHAT_TEMPLATE, build_char_tokenizer, init_tiny_qwen2, save_model_folder
+
+    model = init_tiny_qwen2(hidden_size=TINY_WIDTH["hidden_size"], intermediate_size=TINY_WIDTH["intermediate_size"],
+                            num_layers=1, num_heads=2, num_kv_heads=1, max_positions=4096, rope_theta=10000.0)
+    tok = build_char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    save_model_folder(model.to(torch.bfloat16), tok, folder)
+    (folder / "config.json").write_text(json.dumps({**QWEN25_MATH_1_5B_CONFIG, **TINY_WIDTH}, indent=2))
+    return folder
+
+
+def _section(doc: Path, heading: str) -> str:
+    text = doc.read_text()
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start:] if end < 0 else text[start:end]
+
+
+def _block_after(section: str, marker: str, lang: str) -> str:
+    """The first fenced block of `lang` after the text `marker` of `section`."""
+    rest = section[section.index(marker) + len(marker):]
+    return rest.split(f"```{lang}\n", 1)[1].split("```", 1)[0]
+
+
+def test_own_task_section_4_works_as_written_on_the_models_real_config(tmp_path, monkeypatch, capsys):
+    """Issue 51: section 4 against a stand-in for the model section 1 downloads (Qwen2.5-Math-1.5B's config.json,
+    tiny weights), every /data path moved under a scratch folder: the model as downloaded is refused for its 4096
+    positions; the page's `exgrpo extend-context` line makes the copy and prints what the page shows; the page's
+    config then passes `exgrpo config` (the start checks of `exgrpo train`: the folder, its tokenizer and chat
+    template, the data read and tokenised, the reward), with only the warning that this machine has no GPU."""
+    import json
+
+    from cluster.cli import main
+    from cluster.console import setup_logging
+
+    setup_logging(None)  # the console handler on this test's stderr (an earlier test's `exgrpo train` left one)
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data"
+    here = lambda text: text.replace("/data/", f"{data}/")  # noqa: E731
+    _stand_in_qwen_math(data / "models" / "Qwen2.5-Math-1.5B")
+    rows = OWN_TASK.read_text().split("```jsonl\n")[1].split("```")[0]
+    for name in ("openr1_math.jsonl", "math500.jsonl"):
+        (data / name).write_text(rows)
+    section = _section(OWN_TASK, "## 4. ")
+    config = tmp_path / "qwen_math.yaml"
+    config.write_text(here(_block_after(section, "Save it as `qwen_math.yaml`", "yaml")))
+
+    def exgrpo(words: list[str]) -> tuple[int, str, str]:
+        try:
+            code = main(words)
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    code, _, err = exgrpo(["config", str(config), f"model.path={data}/models/Qwen2.5-Math-1.5B"])
+    assert code == 2 and "generator.max_new_tokens: 8192 tokens do not fit" in err and "4096 positions" in err, err
+    assert "exgrpo extend-context" in err, err
+
+    block = _block_after(section, "Make that copy", "bash")
+    (line,) = [w for w in block.splitlines() if "exgrpo extend-context" in w]
+    assert line == _block_after(_section(ROOT / "docs" / "cluster.md", "## 4. "), "extend-context", "bash").strip()
+    code, out, err = exgrpo(_command_words(here(line)))
+    shown = _block_after(section, "--rope-theta 40000\n```", "")
+    assert code == 0 and out == here(shown), out + err
+    extended = data / "models" / "Qwen2.5-Math-1.5B-16k"
+    cfg = json.loads((extended / "config.json").read_text())
+    assert (cfg["max_position_embeddings"], cfg["rope_theta"]) == (16384, 40000)
+    assert {k: v for k, v in cfg.items() if k not in ("max_position_embeddings", "rope_theta")} == \
+        {k: v for k, v in {**QWEN25_MATH_1_5B_CONFIG, **TINY_WIDTH}.items() if k not in ("max_position_embeddings",
+                                                                                          "rope_theta")}
+    assert (extended / "model.safetensors").is_symlink()
+
+    for line in _block_after(section, "then train:", "bash").splitlines():
+        words = _command_words(line)
+        if words and words[0] == "config":
+            code, out, err = exgrpo(words)
+            refused = [e for e in err.splitlines() if not e.startswith(("[exgrpo] ", "warning: exgrpo train refuses "
+                                                                        "this config on this machine: learner.num_gpus=1"))]
+            assert code == 0 and not refused, err
+            assert f"path: {extended}" in out
+
+
+def test_own_task_section_3_runs_from_the_folder_that_holds_the_module(tmp_path):
+    """Issue 51: "start the run from the folder that holds my_rewards.py", as written: the page's module and data
+    in a folder, the page's `exgrpo config` line run there by `.venv/bin/exgrpo` (no PYTHONPATH) passes; its
+    `exgrpo train` line gets past the reward's import (stopped right after it by a runs_root that is a file, before
+    anything starts)."""
+    import os
+    import subprocess
+    import sys
+
+    blocks = [body for _, lang, body in code_blocks(OWN_TASK) if lang == "python"]
+    module = next(b for b in blocks if b and re.fullmatch(r"# \w+\.py", b[0]))
+    (tmp_path / module[0][2:]).write_text("\n".join(module) + "\n")
+    (tmp_path / "math.jsonl").write_text(OWN_TASK.read_text().split("```jsonl\n")[1].split("```")[0])
+    (tmp_path / "a-file").write_text("")
+    section = _section(OWN_TASK, "## 3. ")
+    lines = [w for w in _block_after(section, "How the module reaches the workers", "bash").splitlines()
+             if _command_words(w)]
+    assert [_command_words(w)[0] for w in lines] == ["config", "train"]
+    exgrpo = Path(sys.executable).parent / "exgrpo"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for line in lines:
+        words = _command_words(line)
+        extra = ["checkpoint.runs_root=a-file"] if words[0] == "train" else []
+        p = subprocess.run([str(exgrpo), *words, *extra], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+        out = p.stdout + p.stderr
+        assert "cannot import module" not in out and "Traceback" not in out, out
+        if words[0] == "config":
+            assert p.returncode == 0, out
+        else:
+            assert p.returncode == 2 and "checkpoint.runs_root:" in out and "is a file" in out, out

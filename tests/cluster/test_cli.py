@@ -123,3 +123,32 @@ def test_version_prints_the_installed_package_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"exgrpo {version('exgrpo')}"
+
+
+def test_extend_context_copies_a_model_folder_with_longer_positions(capsys, tiny_model_dir, tmp_path):
+    """`exgrpo extend-context` (issue 51): only config.json changes; the other files are linked (or copied with
+    --copy); a destination that exists, or a source that is not a model folder, is refused with what to change."""
+    src = json.loads((tiny_model_dir / "config.json").read_text())
+    dst = tmp_path / "long"
+    assert main(["extend-context", str(tiny_model_dir), str(dst), "--max-positions", "2048", "--rope-theta", "40000"]) == 0
+    assert f"wrote {dst}: config.json max_position_embeddings {src['max_position_embeddings']} -> 2048" in \
+        capsys.readouterr().out
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 2048 and cfg["rope_theta"] == 40000
+    if isinstance(cfg.get("rope_parameters"), dict):  # transformers 5 keeps the base there too
+        assert cfg["rope_parameters"]["rope_theta"] == 40000
+    assert {k: v for k, v in cfg.items() if k not in ("max_position_embeddings", "rope_theta", "rope_parameters")} == \
+        {k: v for k, v in src.items() if k not in ("max_position_embeddings", "rope_theta", "rope_parameters")}
+    linked = sorted(p.name for p in dst.iterdir() if p.is_symlink())
+    assert linked == sorted(p.name for p in tiny_model_dir.iterdir() if p.name != "config.json")
+
+    copied = tmp_path / "copied"
+    assert main(["extend-context", str(tiny_model_dir), str(copied), "--max-positions", "1024", "--copy"]) == 0
+    assert not any(p.is_symlink() for p in copied.iterdir())
+    capsys.readouterr()
+    assert main(["extend-context", str(tiny_model_dir), str(dst), "--max-positions", "2048"]) == 2
+    assert f"DST: {dst} exists; name a new folder" in capsys.readouterr().err
+    assert main(["extend-context", str(tmp_path / "nope"), str(tmp_path / "x"), "--max-positions", "2048"]) == 2
+    assert "SRC: " in capsys.readouterr().err and not (tmp_path / "x").exists()
+    with pytest.raises(SystemExit):
+        main(["extend-context", str(tiny_model_dir), str(tmp_path / "y"), "--max-positions", "2048", "--rope-theta", "-1"])
