@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -100,7 +101,10 @@ def load_compile_cache(path: str | Path) -> bool:
 
 
 def compiled_graphs() -> int:
-    """Graphs torch.compile has built in this process so far (dynamo's `counters["stats"]["unique_graphs"]`)."""
+    """Graphs torch.compile has built in this process so far (dynamo's `counters["stats"]["unique_graphs"]`; 0
+    before dynamo is imported, which a run without compile then never pays for)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
@@ -109,6 +113,8 @@ def compiled_graphs() -> int:
 def _guard_failures() -> dict:
     """{code object: how many guard failures dynamo has recorded for it} (one per cache entry it tried before each
     recompile; `torch._dynamo.utils.guard_failures`)."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
     from torch._dynamo.utils import guard_failures
 
     return {code: len(reasons) for code, reasons in guard_failures.items()}

@@ -112,13 +112,15 @@ def apply_compile(model: torch.nn.Module, backend: str | object = "inductor") ->
     (+12.4% at 1.5B, padded sdpa; issue 42).
 
     Shapes (issue 49): `dynamic=None` with the rows and length dimensions of the layer's inputs marked dynamic
-    (`mark_shapes`), so every other size (hidden, head_dim, num_key_value_groups) is a constant in the kernels; and
-    dynamo's size-oblivious reasoning while it traces (`backed_size_oblivious`), so a 1-row micro-batch (one long
-    response, the packed layout, a rank's dummy) runs the graphs built for several rows instead of compiling its
-    own. The layer's input always arrives as a view (`hidden_states.view_as(...)`, free): FSDP2's post-backward
-    hook hands the forward a view but full checkpointing's recompute a plain tensor, and dynamo guards on the
-    difference (a second graph). So one graph with gradients and one without serve every micro-batch of a run
-    (`tests/learner/test_trial.py` counts them).
+    (`mark_shapes`), so every other size (hidden, head_dim, num_key_value_groups) is a constant in the kernels. One
+    row is a case of its own (dynamo specializes a size of 1, which broadcasts): a 1-row micro-batch (one long
+    response, the packed layout, a rank's dummy) has its own graphs, which the lever trial builds before the first
+    step. Dynamo's size-oblivious tracing (`backed_size_oblivious`) would let 1 row share the graphs of several, but
+    under inductor it fixed the length of the graph with gradients (a recompile for every new length, on CPU), so it
+    is not used. The layer's input always arrives as a view (`hidden_states.view_as(...)`, free): FSDP2's
+    post-backward hook hands the forward a view but full checkpointing's recompute a plain tensor, and dynamo
+    guards on the difference (a second graph). So a run uses 4 graphs: with and without gradients, for 1 row and
+    for more (`tests/learner/test_trial.py` counts them: all built by the trial, none by the steps).
 
     flex_attention stays out of the layers' graphs (`isolate_flex_attention`), as torchtitan keeps it out of its
     compiled blocks: traced inside them with dynamic shapes, the hidden size became a symbol, the head count
@@ -138,18 +140,15 @@ def apply_compile(model: torch.nn.Module, backend: str | object = "inductor") ->
 
 def _shape_marked(compiled, mark: bool = True):
     """`compiled` (a torch.compile'd layer forward) called with its input as a view and, with `mark`, its rows and
-    length dimensions marked dynamic under size-oblivious tracing (see `apply_compile`). Eager code around the
-    compiled region: marking is refused while tracing."""
-    from torch.fx.experimental import _config as shapes_config
+    length dimensions marked dynamic (see `apply_compile`). Eager code around the compiled region: marking is
+    refused while tracing."""
 
     @functools.wraps(compiled)
     def forward(hidden_states, *args, **kwargs):
         hidden_states = hidden_states.view_as(hidden_states)  # [R, L, H]: a view, in the forward and the recompute
-        if not mark:
-            return compiled(hidden_states, *args, **kwargs)
-        mark_shapes(hidden_states, kwargs)
-        with shapes_config.patch(backed_size_oblivious=True):
-            return compiled(hidden_states, *args, **kwargs)
+        if mark:
+            mark_shapes(hidden_states, kwargs)
+        return compiled(hidden_states, *args, **kwargs)
 
     forward._exgrpo_compiled = compiled
     return forward

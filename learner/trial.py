@@ -16,9 +16,9 @@ InductorError (issue 42). A trial is what a step does, with nothing applied to t
   bit for bit), whose state is then cleared: the fused kernel runs on the real parameters.
 
 The random number generators are forked around it, so a run draws the same numbers with or without a trial.
-Under per-layer compile the trial is also the warm-up: it compiles the graphs every step uses (one with
-gradients, one without; `learner.levers.apply_compile`), so the first step compiles nothing and a graph compiled
-later is a stall, counted (`learner/recompiles`) and explained in one line (`learner.compile_cache`).
+Under per-layer compile the trial is also the warm-up: it compiles the graphs every step uses (with gradients and
+without, for several rows and for one; `learner.levers.apply_compile`), so the first step compiles nothing and a
+graph compiled later is a stall, counted (`learner/recompiles`) and explained in one line (`learner.compile_cache`).
 Where the micro-batch fails, the levers in play are switched off one at a time, newest first (packing, then
 compile), until a trial passes; a failure with every lever off is not a lever's and is raised. All ranks agree:
 each attempt's outcome is all-reduced (a rank's failure fails the attempt everywhere), so all ranks end with the
