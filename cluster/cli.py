@@ -268,11 +268,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         if gpus:  # valid, and what a GPU machine runs; `exgrpo train` here refuses it
             print(f"warning: exgrpo train refuses this config on this machine: {gpus}", file=sys.stderr)
         try:  # the start checks of `exgrpo train` (cluster.preflight.check_start), the built-in model unbuilt
-            check_start(cfg, build_model=False)
+            start = check_start(cfg, build_model=False)
         except BadInput as e:  # valid as a config, but `train` would stop at its start
             print("exgrpo train refuses this config on this machine (its start checks: the run folder, the model "
                   "folder, the data and the reward):", *(e.lines or [e.heading]), sep="\n  ", file=sys.stderr)
             return 2
+        if start.model_path is None:
+            print("note: the built-in model is not built yet (exgrpo toy-model builds it, in minutes): the prompts are "
+                  "tokenised and checked against data.max_prompt_tokens once it is", file=sys.stderr)
         return 0
     if args.command == "toy-model":
         from common.toy_model import ensure_toy_model

@@ -179,8 +179,10 @@ def data_file_problem(path: str | None, field: str) -> str | None:
 
     if path is None:
         return None
+    if not Path(path).expanduser().is_file():
+        return f"{field}: {path} is not a file"
     try:
-        read_rows(path)  # checks the file and its format now; the rows are read lazily
+        read_rows(path)  # checks the format now; the rows are read lazily
     except DataError as e:
         return f"{field}: {e}"
     return None

@@ -158,7 +158,7 @@ def test_missing_model_folder_and_unimportable_reward_leave_no_run_folder(capsys
 
 
 @pytest.mark.parametrize("content, heading, expected", [
-    (None, "invalid configuration:", "train.jsonl: dataset file not found"),
+    (None, "invalid configuration:", "train.jsonl is not a file"),
     ("", "invalid data:", "no usable training questions"),
     ('{"q": "1+1", "a": "2"}\n' * 3, "invalid data:", "data.question_field / data.answer_field name the fields"),
 ])
