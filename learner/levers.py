@@ -11,7 +11,8 @@ the first time it met per-layer compile on a GPU it stopped the learner at its f
 42); `auto` packs only where the user chose a variable-length attention (flash_attention_2/3). Every lever that
 is on is tried at setup (`learner.trial`), and one that fails is switched off for the run instead of stopping it.
 A lever that cannot run here falls back and its note says why; the notes go into the rank's start log. None of
-them changes what is computed (the CPU tests train the same update with each on and off).
+them changes what is computed (the CPU tests train the same update with each on and off). `learner.pad_multiple`
+(auto: 64 on CUDA, 1 elsewhere) is decided here too: padded lengths rounded up for kernels chosen per shape.
 """
 
 from __future__ import annotations
