@@ -106,10 +106,14 @@ class Trainer:
         if self.state.levers_off:
             log.info("learner levers kept off from the run's first start: %s",
                      "; ".join(f"{k} ({v})" for k, v in self.state.levers_off.items()))
+        # the rows one rank trains per optimizer step: the micro-batch checkpointing "auto" budgets for
+        rows_per_update = max(1, cfg.buffer.batch_questions * cfg.buffer.group_size
+                              // (cfg.learner.mini_batches * cfg.learner.num_ranks))
         with phase("start-up: ask for the learner ranks"):  # they load and shard the model while the rest builds
             self.learner = LearnerPool(learner_cfg, str(self.model_path), run=name, namespace=ns,
                                        max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype,
-                                       publish_dtype=cfg.generator.dtype, wait=False)
+                                       publish_dtype=cfg.generator.dtype, wait=False,
+                                       prompt_tokens=cfg.data.max_prompt_tokens, rows_per_update=rows_per_update)
         with phase("start-up: buffer shards"):  # early: the generators start beside them, their first calls queue
             self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
                                               snapshot_dir=str(self.run_dir.path / "buffer-live"), wait=not early)

@@ -274,9 +274,9 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
     per update where known), and bytes per token with `cfg.compile` (resolved) as the layers will run. A set mode
     is kept and its note says so. Not covered: a compile that then fails its trial at setup (`learner.trial`)
     leaves the layers eager under a mode chosen from compiled bytes (none may then need up to twice its estimate);
-    `learner.setup` does not re-resolve it. Callers do not pass `rows` yet (`learner.setup` passes `max_length`
-    = max_new_tokens + 2,048, an assumed prompt): it takes the rows a rank trains per update once the driver
-    hands them down."""
+    `learner.setup` does not re-resolve it. A run's driver hands down `data.max_prompt_tokens` (so `max_length` =
+    that + `generator.max_new_tokens`) and the rows a rank trains per optimizer step (batch_questions x group_size
+    / (mini_batches x num_ranks)); a caller that passes neither budgets a 2,048-token prompt."""
     mode = cfg.activation_checkpointing
     if mode != "auto":
         return cfg, f"activation checkpointing {mode} (set)"

@@ -41,17 +41,26 @@ def flex_attention_available() -> bool:
     return bool(is_torch_flex_attn_available())
 
 
+COMPILE_MIN_WIDTH = 512  # hidden size below which compile "auto" stays off on CUDA too
+
+
 def resolve_levers(cfg: LearnerConfig, device: torch.device, dtype: torch.dtype = torch.float32, *,
-                   flash: bool | None = None, flex: bool | None = None) -> tuple[LearnerConfig, list[str]]:
+                   flash: bool | None = None, flex: bool | None = None,
+                   width: int | None = None) -> tuple[LearnerConfig, list[str]]:
     """`cfg` with `compile`, `fused_optimizer` and `padding_free` decided for `device` (and, for an unset
     attention on CUDA, `attn_implementation`), and one note per lever saying what runs and why.
-    `flash`/`flex`: whether those kernels are available (None: look)."""
+    `flash`/`flex`: whether those kernels are available (None: look). `width`: the model's hidden size where
+    known: compile "auto" stays off below `COMPILE_MIN_WIDTH` (a toy model's step is a few launch-bound
+    milliseconds that compiling cannot buy back, while the compile costs the run's first update tens of seconds)."""
     cuda = device.type == "cuda"
     update: dict = {}
     notes = []
 
     compile_on = cuda if cfg.compile == "auto" else bool(cfg.compile)
     why = _why(cfg.compile, cuda)
+    if compile_on and cfg.compile == "auto" and width is not None and width < COMPILE_MIN_WIDTH:
+        compile_on, why = False, (f"auto: a hidden size of {width} is below {COMPILE_MIN_WIDTH}, where compiling "
+                                  "costs the first update more than it saves; learner.compile=true compiles anyway")
     if compile_on and not torch._dynamo.is_dynamo_supported():
         compile_on, why = False, "torch.compile is not supported by this Python/platform; eager instead"
     update["compile"] = compile_on

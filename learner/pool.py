@@ -80,12 +80,14 @@ class LearnerRank:
     """One FSDP rank (run as a Ray actor by `LearnerPool`; usable in-process for world size 1)."""
 
     def __init__(self, cfg: LearnerConfig, model_path: str, *, rank: int, world: int, max_new_tokens: int,
-                 run: str, namespace: str | None, dtype: str = "float32", publish_dtype: str = "float32"):
+                 run: str, namespace: str | None, dtype: str = "float32", publish_dtype: str = "float32",
+                 prompt_tokens: int | None = None, rows_per_update: int | None = None):
         torch.set_num_threads(max(1, int(cfg.num_cpus)))  # one intra-op thread per reserved CPU (1 by default)
         self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
         self.dtype = getattr(torch, dtype)  # compute dtype; master weights stay float32
         self.publish_dtype = getattr(torch, publish_dtype)  # what publications carry (the engines' dtype)
         self.max_new_tokens, self.run, self.namespace = max_new_tokens, run, namespace
+        self.prompt_tokens, self.rows_per_update = prompt_tokens, rows_per_update  # checkpointing auto's micro-batch
         use_nccl = cfg.backend == "nccl" or (cfg.backend == "auto" and cfg.num_gpus > 0 and torch.cuda.is_available())
         if use_nccl and not torch.cuda.is_available():
             raise RuntimeError("learner.backend=nccl but this rank sees no GPU: "
@@ -115,7 +117,8 @@ class LearnerRank:
         torch.manual_seed(self.cfg.seed + self.rank)
         np.random.seed(self.cfg.seed + self.rank)
         built = setup_rank(self.cfg, self.model_path, rank=self.rank, world=self.world, device=self.device,
-                           dtype=self.dtype, max_new_tokens=self.max_new_tokens)
+                           dtype=self.dtype, max_new_tokens=self.max_new_tokens, prompt_tokens=self.prompt_tokens,
+                           rows_per_update=self.rows_per_update)
         self.model, self.optimizer, self.trainer = built.model, built.optimizer, built.trainer
         self.model_config = built.model.config
         self.staging = Staging()
@@ -353,11 +356,15 @@ class LearnerPool:
     """N `LearnerRank` actors training one policy; see the module docstring for the loop."""
 
     def __init__(self, cfg: LearnerConfig, model_path: str, *, run: str, namespace: str | None, max_new_tokens: int,
-                 dtype: str = "float32", publish_dtype: str = "float32", wait: bool = True):
+                 dtype: str = "float32", publish_dtype: str = "float32", wait: bool = True,
+                 prompt_tokens: int | None = None, rows_per_update: int | None = None):
         """`dtype`: the run's `model.dtype`, the compute dtype of the ranks (see the module docstring);
         `publish_dtype`: what publications carry (the engines' dtype, `generator.dtype`; float32 = exact).
         `wait=False` returns as soon as the ranks are asked for (their processes start, load and shard the
-        model in the background: the driver builds the rest meanwhile); call `wait_ready()` before use."""
+        model in the background: the driver builds the rest meanwhile); call `wait_ready()` before use.
+        `prompt_tokens` (the longest prompt, `data.max_prompt_tokens`) and `rows_per_update` (the rows one rank
+        trains per optimizer step): the micro-batch activation checkpointing "auto" budgets for (None: a
+        2,048-token prompt, `learner.micro_batch_rows` rows)."""
         self.cfg, self.model_path, self.run, self.namespace = cfg, str(model_path), run, namespace
         self.version = 0
         self.steps = 0
@@ -374,7 +381,8 @@ class LearnerPool:
                           **({"label_selector": dict(cfg.node_labels)}
                              if cfg.node_labels and self.placement_group is None else {})).remote(
                 cfg, self.model_path, rank=r, world=cfg.num_ranks, max_new_tokens=max_new_tokens, run=run,
-                namespace=namespace, dtype=dtype, publish_dtype=publish_dtype)
+                namespace=namespace, dtype=dtype, publish_dtype=publish_dtype, prompt_tokens=prompt_tokens,
+                rows_per_update=rows_per_update)
             for r in range(cfg.num_ranks)
         ]
         address = self.ranks[0].rendezvous_address.remote()  # resolved by Ray before each rank's setup runs

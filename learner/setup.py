@@ -26,7 +26,9 @@ disabled (`TrainStep.reference_logprobs`).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,19 +74,32 @@ class RankModel:
     trial_s: float = 0.0  # seconds the lever trial took (with compile on: mostly compiling)
 
 
+def _hidden_size(model_path: str) -> int | None:
+    """The model folder's config.json hidden_size (None where it cannot be read: the levers' rule without it)."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            width = json.load(f).get("hidden_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return width if isinstance(width, int) else None
+
+
 def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, device: torch.device,
-               dtype: torch.dtype, max_new_tokens: int,
-               fill: Callable[[torch.nn.Module], None] | None = None) -> RankModel:
+               dtype: torch.dtype, max_new_tokens: int, prompt_tokens: int | None = None,
+               rows_per_update: int | None = None, fill: Callable[[torch.nn.Module], None] | None = None) -> RankModel:
     """Build, prepare, shard and fill the model of `model_path` on `device`, its AdamW and its `TrainStep`.
     Collective under FSDP (the packing check runs forwards): every rank of the group calls it.
-    `fill(model)`: fills the allocated parameters instead of reading them from the folder's weight files."""
+    `fill(model)`: fills the allocated parameters instead of reading them from the folder's weight files.
+    `prompt_tokens`, `rows_per_update`: the longest prompt and the rows a rank trains per optimizer step, so that
+    activation checkpointing "auto" budgets the run's real micro-batch (None: a 2,048-token prompt, and
+    `learner.micro_batch_rows` rows)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
     sharded = world > 1 or dtype != torch.float32
     asked = cfg
-    cfg, notes = resolve_levers(cfg, device, dtype)  # the GPU levers' "auto", decided for this device
+    cfg, notes = resolve_levers(cfg, device, dtype, width=_hidden_size(model_path))  # "auto", for this device
     try:
         model = _build(cfg, model_path, device, empty=sharded or fill is not None)
     except (ImportError, ValueError) as e:
@@ -103,7 +118,8 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
     # activation checkpointing "auto": from the memory the weights, gradients and AdamW state leave (meta shapes)
     cfg, checkpointing_note = resolve_checkpointing(
         cfg, model, device, dtype, world=world,
-        max_length=min(int(model.config.max_position_embeddings), max_new_tokens + 2048))
+        max_length=min(int(model.config.max_position_embeddings),
+                       max_new_tokens + (2048 if prompt_tokens is None else prompt_tokens)), rows=rows_per_update)
     notes.append(checkpointing_note)
     prepare_model(model, cfg)  # before sharding: FSDP then manages the new head's (tied) weight as before
     frozen = 0

@@ -359,3 +359,16 @@ def test_inductors_cache_persists_on_the_machine_and_travels_in_a_file(tmp_path,
         assert not load_compile_cache(tmp_path / "missing.bin") and not load_compile_cache(tmp_path / "corrupt.bin")
     said = [r.getMessage() for r in caplog.records if r.name == "learner.compile_cache"]
     assert len(said) == 2 and "not loaded: no file" in said[0] and "corrupt.bin not loaded" in said[1], said
+
+
+def test_compile_auto_stays_off_below_the_minimum_width_on_cuda():
+    """A toy width's step is launch-bound: compile "auto" is off there (the first update is not spent compiling),
+    on at a real width, and learner.compile=true compiles any width."""
+    from learner.levers import COMPILE_MIN_WIDTH
+    toy, _ = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=True, width=96)
+    real, _ = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=True, width=COMPILE_MIN_WIDTH)
+    forced, _ = resolve_levers(LearnerConfig(compile=True), CUDA, torch.bfloat16, flash=False, flex=True, width=96)
+    unknown, _ = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=True)
+    assert (toy.compile, real.compile, forced.compile, unknown.compile) == (False, True, True, True)
+    _, notes = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=True, width=96)
+    assert "hidden size of 96 is below 512" in notes[0]
