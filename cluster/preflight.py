@@ -193,13 +193,18 @@ def run_folder_problem(cfg) -> str | None:
     that exists); None when it can."""
     import tempfile
 
-    from cluster.runtime import RunDir, RunFolderError
-
-    try:
-        path = RunDir.planned(cfg).path
-    except RunFolderError as e:
-        return str(e)
+    if cfg.name is None:  # a new timestamped name: only the runs_root can be in the way
+        path = Path(cfg.checkpoint.runs_root).expanduser() / ".exgrpo-new-run"
+    else:
+        path = Path(cfg.checkpoint.runs_root).expanduser() / cfg.name
+    # the checks of cluster.runtime.RunDir.planned, without importing it: that imports ray, and `exgrpo train`
+    # must set RAY_AUTH_MODE for its cluster before ray is imported (cluster/cli.py)
+    if cfg.name is not None and (path / "state.json").exists():
+        return (f"{path} already holds a run; pass name=<new name> or resume it with "
+                f"`exgrpo train --resume {path}`")
     existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"checkpoint.runs_root: {existing} is a file, not a folder; point checkpoint.runs_root at a folder"
     try:  # a folder made and removed: what the run will do (permission bits do not tell for root, nor for ACLs)
         os.rmdir(tempfile.mkdtemp(prefix=".exgrpo-check-", dir=existing))
     except OSError as e:
