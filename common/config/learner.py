@@ -205,12 +205,14 @@ class LearnerConfig(Section):
         return {True: "full", False: "none"}[v] if isinstance(v, bool) else v
 
     compile: bool | Literal["auto"] = "auto"
-    """torch.compile each decoder layer of the trained model (torchtitan's per-block compile; dynamic shapes, so
-    micro-batches of any length reuse the same graphs; measured +12.4% on a 1.5B step on an H100). auto: on where
-    the learner runs on CUDA, off on CPU. The first step pays the compile (minutes at 1.5B); later processes
-    on the machine reuse inductor's on-disk cache. Tried at setup (`learner.trial`): a compile that fails is off
-    for the run, which trains eager and says so; falls back to eager where torch.compile is unsupported
-    (docs/cluster.md, GPU levers)."""
+    """torch.compile each decoder layer of the trained model (torchtitan's per-block compile; only rows and length
+    dynamic, so micro-batches of any length reuse the same graphs; measured +12.4% on a 1.5B step on an H100).
+    auto: on where the learner runs on CUDA and the model's hidden size is 512 or more (a toy model's step never
+    buys its compile back), off on CPU. The setup's trial compiles the graphs the run uses (minutes at 1.5B; later
+    steps reuse them, and a later graph is counted in learner/recompiles); later processes on the machine reuse
+    inductor's on-disk cache. Tried at setup (`learner.trial`): a compile that fails is off for the run, which
+    trains eager and says so; falls back to eager where torch.compile is unsupported (docs/cluster.md, GPU
+    levers)."""
     compile_backend: str = Field("inductor", min_length=1, max_length=64)
     """The torch.compile backend of `compile`: inductor (the fast one); aot_eager or eager trace without
     generating kernels (tests, debugging)."""
@@ -221,13 +223,18 @@ class LearnerConfig(Section):
     rows x length; inductor's autotuning) then meet a few lengths instead of every one. auto: 64 on CUDA, 1 (no
     rounding: the CPU path bit for bit as before) elsewhere. Packed micro-batches (`padding_free`) are not rounded."""
 
-    @field_validator("pad_multiple")
+    @field_validator("pad_multiple", mode="before")
     @classmethod
-    def _pad_multiple_bounds(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and not 1 <= v <= 4096:
-            raise ValueError(f"learner.pad_multiple={v}: give a token count from 1 (no rounding) to 4096, or auto "
-                             "(64 on CUDA, 1 elsewhere)")
-        return v
+    def _pad_multiple_bounds(cls, v: object) -> object:
+        """One line for any wrong value (before pydantic's union, whose members' errors name its internals)."""
+        if v == "auto":
+            return v
+        n = v if isinstance(v, int) and not isinstance(v, bool) else (
+            int(v) if isinstance(v, str) and v.strip().isdigit() else None)
+        if n is None or not 1 <= n <= 4096:
+            raise ValueError(f"give a token count from 1 (no rounding) to 4096, or auto (64 on CUDA, 1 elsewhere), "
+                             f"not {v!r}")
+        return n
 
     fused_optimizer: bool | Literal["auto"] = "auto"
     """AdamW's fused kernel (one launch over all parameters instead of several per tensor). auto: on when the
