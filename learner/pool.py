@@ -163,9 +163,8 @@ class LearnerRank:
                                             timeout_s=self.cfg.publish_timeout_s)
             if adapters is not None:
                 log.info("learner.lora.publish=adapters: publications carry only the adapters of %d Linear modules "
-                         "(A and B, rank %d); each generator merges W + %g B A into its base%s", len(adapters.targets),
-                         lora.rank, adapters.scaling, "; learner.weight_sync.delta does not apply to them (they "
-                         "travel whole)" if self.cfg.weight_sync.delta else "")
+                         "(A and B, rank %d); each generator merges W + %g B A into its base", len(adapters.targets),
+                         lora.rank, adapters.scaling)
         on_device = self.rank == 0 and getattr(self.publisher, "takes_device_buckets", False)
         keeper = getattr(self.publisher, "bucket_buffer", None) if self.rank == 0 else None  # keeps every bucket
         buckets = iter_flat_buckets(self.model, self.rank, self.world, dtype=self.publish_dtype,

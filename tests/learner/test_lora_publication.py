@@ -19,7 +19,7 @@ NS = "exgrpo-test"
 RANK, ALPHA = 3, 6.0
 
 
-@pytest.mark.parametrize("sync", [ObjectStoreSyncConfig(delta=True, bucket_mb=0.01),  # delta: ignored for adapters
+@pytest.mark.parametrize("sync", [ObjectStoreSyncConfig(bucket_mb=0.01),
                                   CollectiveSyncConfig(timeout_s=20, bucket_mb=0.01)],
                          ids=["object_store", "collective"])
 def test_two_ranks_publish_adapters_only_and_a_generator_merges_them(ray_cluster, tiny_model_dir, sync):
@@ -54,7 +54,7 @@ def test_two_ranks_publish_adapters_only_and_a_generator_merges_them(ray_cluster
 
 def test_publish_merged_still_carries_the_whole_merged_model(ray_cluster, tiny_model_dir, caplog):
     """`learner.lora.publish: merged`: the announcement says nothing of adapters and the payload is the merged state
-    under the base names; `adapters` (the default) with `weight_sync.delta` says once that delta does not apply."""
+    under the base names; `adapters` (the default) with `weight_sync.delta` is refused where the config is made."""
     import logging
 
     from learner.gather import Staging, gather_full_state
@@ -66,7 +66,7 @@ def test_publish_merged_still_carries_the_whole_merged_model(ray_cluster, tiny_m
     try:
         for publish in ("merged", "adapters"):
             cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, publish_timeout_s=30,
-                                weight_sync=ObjectStoreSyncConfig(delta=True),
+                                weight_sync=ObjectStoreSyncConfig(delta=publish == "merged"),
                                 lora=LoRAConfig(rank=RANK, alpha=ALPHA, publish=publish))
             r = LearnerRank(cfg, str(tiny_model_dir), rank=0, world=1, max_new_tokens=12, run=f"lorapub-{publish}",
                             namespace=NS)
@@ -86,5 +86,5 @@ def test_publish_merged_still_carries_the_whole_merged_model(ray_cluster, tiny_m
         torch.set_num_threads(threads)
     assert anns["merged"].adapters is None and anns["adapters"].adapters is not None
     assert anns["adapters"].num_bytes < 0.15 * anns["merged"].num_bytes
-    said = [m for m in caplog.messages if "learner.lora.publish=adapters" in m]
-    assert len(said) == 1 and "learner.weight_sync.delta does not apply to them" in said[0]
+    with pytest.raises(ValueError, match="learner.lora.publish=adapters sends the adapters whole"):
+        LearnerConfig(weight_sync=ObjectStoreSyncConfig(delta=True), lora=LoRAConfig(rank=RANK, alpha=ALPHA))
