@@ -82,7 +82,7 @@ class BufferClient:
         """Pickled without the shards' handles (a generator actor gets the client as a constructor argument, and Ray
         keeps arguments holding actor handles in its object store, which a restart would depend on): the copy finds
         the shards by name when it first calls them."""
-        return {**{k: v for k, v in self.__dict__.items() if k != "_starting"}, "_shards": None}
+        return {**self.__dict__, "_shards": None}
 
     @property
     def shards(self) -> list:
@@ -103,10 +103,8 @@ class BufferClient:
 
     @classmethod
     def create(cls, cfg: BufferConfig, questions: list[Question], *, run: str, namespace: str | None,
-               snapshot_dir: str | None, wait: bool = True) -> BufferClient:
-        """Start the S named shard actors, each owning the questions that hash to it. `wait=False` returns at once
-        (the client can already be handed to generators: their calls queue until the shards run); `wait_ready()`
-        then waits for the shards' start."""
+               snapshot_dir: str | None) -> BufferClient:
+        """Start the S named shard actors, each owning the questions that hash to it."""
         parts: list[list[Question]] = [[] for _ in range(cfg.num_shards)]
         for q in questions:
             parts[shard_of(q.id, cfg.num_shards)].append(q)
@@ -117,27 +115,18 @@ class BufferClient:
             for i in range(cfg.num_shards)
         ]
         client = cls(shards, cfg=cfg, run=run, namespace=namespace)
-        client._starting = ([s.ping.remote() for s in shards], cfg.start_timeout_s)
-        if wait:
-            client.wait_ready()
-        return client
-
-    def wait_ready(self) -> None:
-        """Wait for the start of the shards `create(wait=False)` started (at once when there is none):
-        BufferUnavailableError past buffer.start_timeout_s, or a shard's own start error."""
-        pings, timeout_s = self.__dict__.pop("_starting", ([], 0.0))
-        if not pings:
-            return
-        _, late = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+        pings = [s.ping.remote() for s in shards]
+        _, late = ray.wait(pings, num_returns=len(pings), timeout=cfg.start_timeout_s)
         if late:
             which = [i for i, ref in enumerate(pings) if ref in late]
             for ref in late:
                 ray.cancel(ref)
             raise BufferUnavailableError(
-                f"buffer start: shard(s) {which} of run {self.run!r} not ready within buffer.start_timeout_s="
-                f"{timeout_s:g}s (each starts a worker process, then restores its snapshot on resume); "
+                f"buffer start: shard(s) {which} of run {run!r} not ready within buffer.start_timeout_s="
+                f"{cfg.start_timeout_s:g}s (each starts a worker process, then restores its snapshot on resume); "
                 "see the run's logs/ray for the shard's own log, or raise buffer.start_timeout_s")
-        self._get(pings, "start")  # all answered: raises a shard's own start error, if any
+        client._get(pings, "start")  # all answered: raises a shard's own start error, if any
+        return client
 
     @classmethod
     def connect(cls, run: str, namespace: str | None, num_shards: int, *, cfg: BufferConfig | None = None) -> BufferClient:

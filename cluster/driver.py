@@ -114,9 +114,6 @@ class Trainer:
                                        max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype,
                                        publish_dtype=cfg.generator.dtype, wait=False,
                                        prompt_tokens=cfg.data.max_prompt_tokens, rows_per_update=rows_per_update)
-        # The shards are waited for before the generators start: starting generators beside them (create(wait=False)
-        # + wait_ready) measured no earlier first update on 2 cores (47 s against 40-52 s), and the first CI run with
-        # it dropped 14 stale groups of 640 at the defaults (the bound is 2%)
         with phase("start-up: buffer shards"):
             self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
                                               snapshot_dir=str(self.run_dir.path / "buffer-live"))

@@ -2,13 +2,15 @@
 (None, or an empty list, when there is nothing to say). `exgrpo config` and `exgrpo train` run them through
 `cluster.preflight.input_problems`; `exgrpo experiment` runs that for every variant before any run starts.
 
-    model_problems(cfg)          the model folder agrees with itself: the tokenizer's ids fit config.json's
-                                 vocab_size, which the weights' embedding rows hold (safetensors headers only)
+    model_problems(cfg)          the model folder agrees with itself: config.json's vocab_size is the weights'
+                                 embedding rows (safetensors headers only)
+    tokenizer_vocab_problem(t)   the tokenizer's ids fit config.json's vocab_size (called where preflight has
+                                 loaded the tokenizer for the data, so it is loaded once)
     lora_target_problem(cfg)     learner.lora.target_modules name Linear modules of the model (built on the
                                  meta device: no weights read)
     cluster_address_problem(a)   cluster.address resolves and its port answers as a GCS, within a few seconds
 
-The folder checks read what is cheap: config.json, the weights' headers, the tokenizer (seconds at most); a
+The folder checks read what is cheap: config.json and the weights' headers (seconds at most); a
 folder that another check refuses (missing, no config.json, no tokenizer) is left to that check's message.
 """
 
@@ -65,7 +67,7 @@ def model_problems(path: Path, field: str = "model.path") -> list[str]:
     vocab = _vocab_size(config) if isinstance(config, dict) else None
     if vocab is None:
         return []
-    found = [weights_vocab_problem(path, vocab, field), tokenizer_vocab_problem(path, vocab, field)]
+    found = [weights_vocab_problem(path, vocab, field)]
     return [p for p in found if p]
 
 
@@ -127,14 +129,16 @@ def safetensors_header(file: Path) -> dict:
     return header
 
 
-def tokenizer_vocab_problem(path: Path, vocab: int, field: str = "model.path") -> str | None:
-    """A token id of the folder's tokenizer at or beyond config.json's vocab_size: a prompt holding that token
-    would index past the embedding (a CUDA assert or an index error inside an actor)."""
-    from common.tokenizer import auto_tokenizer
-
+def tokenizer_vocab_problem(tok, path: Path, field: str = "model.path") -> str | None:
+    """A token id of `tok` (the folder's tokenizer, as `preflight.train_questions` loaded it: loaded once) at or
+    beyond config.json's vocab_size: a prompt holding that token would index past the embedding (a CUDA assert or an
+    index error inside an actor)."""
     try:
-        tok = auto_tokenizer(path)
-    except Exception:  # noqa: BLE001 - any tokenizer that fails to load is preflight.load_tokenizer's to report
+        config = json.loads((path / "config.json").read_text())
+    except (ValueError, OSError):
+        return None  # preflight.model_folder_problem says why
+    vocab = _vocab_size(config) if isinstance(config, dict) else None
+    if vocab is None:
         return None
     largest = max([len(tok) - 1, *(i for i in tok.get_added_vocab().values() if isinstance(i, int))])
     if largest < vocab:

@@ -294,7 +294,13 @@ def train_questions(cfg, model_path: Path) -> list:
     """The training questions, tokenised as the run uses them; BadInput when none is usable."""
     from common.data import DataError, load_questions
 
+    from cluster.input_checks import tokenizer_vocab_problem
+
     tokenizer = load_tokenizer(model_path)
+    problem = tokenizer_vocab_problem(tokenizer, model_path,
+                                      "model.path" if cfg.model.path is not None else "the built-in model")
+    if problem is not None:
+        raise BadInput("invalid configuration:", problem)
     try:
         questions, report = load_questions(cfg.data, tokenizer, "train")
     except DataError as e:
