@@ -262,13 +262,13 @@ def test_the_table_shows_what_auto_chose_and_from_which_numbers():
     line = (f"learner levers on cuda: per-layer compile; activation checkpointing {choice.mode} ({choice.note()}); "
             "fused AdamW")
     got = checkpointing_choice(["learner micro-batches: padded (attention sdpa)", line])
-    # half of 80 GiB: 0.9 x 40 - 2 - 20 = 14 GiB left; compiled none 292,864 B/token x 16,384 = 4.5 GiB: none
+    # half of 80 GiB: 0.9 x 40 - 2 - 20 = 14 GiB left; compiled none 395,264 B/token x 16,384 = 6.0 GiB: none
     assert got["mode"] == "none" and got["auto"] and got["compiled"]
     assert (got["tokens"], got["left_gib"], got["budget_gib"], got["free_gib"], got["gpu_share"]) == (
         16_384, 14.0, 40.0, 75.0, 0.5)
-    assert got["kb_per_token"] == {"none": 292.9, "selective": 292.9, "full": 64.5}
+    assert got["kb_per_token"] == {"none": 395.3, "selective": 292.9, "full": 74.8}
     assert checkpointing_cell({"activation_checkpointing": "none"}, got) == (
-        "none (auto, compiled: 16,384 tok x 292.9 kB, 14.0 GiB left of free 75.0 x share 0.5)")
+        "none (auto, compiled: 16,384 tok x 395.3 kB, 14.0 GiB left of free 75.0 x share 0.5)")
     assert checkpointing_choice(["activation checkpointing full (set)"])["auto"] is False
 
 

@@ -57,8 +57,9 @@ SHAPE = LayerShape(hidden=1024, kv_hidden=256, intermediate=4096, layers=10)
 # selective 10 x (5 x 1024 + 2 x 256 + 2 x 4096 = 13,824) + 8,192 = 146,432; full 10 x 1024 + 29,184 + 8,192 = 47,616.
 # At 2 bytes and 16,384 tokens: none 9,831,448,576 B (9.16 GiB), selective 4,798,283,776 B (4.47 GiB),
 # full 1,560,281,088 B (1.45 GiB).
-# Compiled (inductor keeps only matmul/attention outputs): a layer's none is selective's 13,824, so none 146,432
-# (as selective) and full 10,240 + 13,824 + 8,192 = 32,256 elements, 64,512 B per token, 1,056,964,608 B (0.98 GiB).
+# Compiled (inductor's partitioner, as measured on an H100): a layer's none keeps 6 h + 2 kv + 3 i = 18,944, so none
+# 189,440 + 8,192 = 197,632 elements, 395,264 B per token, 6,476,005,376 B (6.03 GiB); full 10,240 + 18,944 + 8,192
+# = 37,376 elements, 74,752 B per token, 1,224,736,768 B (1.14 GiB); selective as eager.
 TOKENS = 16_384
 
 
@@ -75,11 +76,11 @@ def test_activation_estimate_by_hand():
     assert [bytes_per_token(m, SHAPE, 2) for m in ("none", "selective", "full")] == [600_064, 292_864, 95_232]
 
 
-def test_under_compile_none_costs_what_selective_does():
+def test_under_compile_none_keeps_about_what_selective_does():
     assert [bytes_per_token(m, SHAPE, 2, compiled=True) for m in ("none", "selective", "full")] == [
-        292_864, 292_864, 64_512]
-    assert activation_bytes("none", TOKENS, SHAPE, 2, compiled=True) == 4_798_283_776
-    assert activation_bytes("full", TOKENS, SHAPE, 2, compiled=True) == 1_056_964_608
+        395_264, 292_864, 74_752]
+    assert activation_bytes("none", TOKENS, SHAPE, 2, compiled=True) == 6_476_005_376
+    assert activation_bytes("full", TOKENS, SHAPE, 2, compiled=True) == 1_224_736_768
 
 
 def test_the_budget_is_the_free_memory_capped_at_the_ray_share():
@@ -103,18 +104,18 @@ def test_the_micro_batch_is_the_token_budget_or_the_rows_a_rank_trains():
     assert micro_batch_tokens(budget, 8448, rows=8) == (18_432, "learner.micro_batch_tokens")
 
 
-@pytest.mark.parametrize("state_gib, want, want_default", [(40, "none", "none"), (64, "selective", "full"),
-                                                            (68, "full", "full"), (69.5, "full", "full")])
-def test_auto_takes_the_least_recompute_that_fits(state_gib, want, want_default):
+@pytest.mark.parametrize("state_gib, want, want_without_selective", [(40, "none", "none"), (64, "selective", "full"),
+                                                                      (68, "full", "full"), (69.5, "full", "full")])
+def test_auto_takes_the_least_recompute_that_fits(state_gib, want, want_without_selective):
     """80 GiB: 0.9 x 80 - 2 (reserve) = 70 GiB before the states. States of 40 GiB leave 30: none (9.16) fits;
     64 leave 6: selective (4.47), not none; 68 leave 2: full (1.45); 69.5 leave 0.5: nothing fits, full, and the
-    note says what to lower. By default auto chooses only among the modes that have run on a GPU (none, full):
-    64 then gives full."""
+    note says what to lower. Auto chooses among the modes that have run on a GPU: all three since selective has
+    (an H100, issue 49); without selective, 64 gives full."""
     assert USABLE * 80 * GIB - RESERVE == 70 * GIB
-    choice = choose_checkpointing(whole(80), int(state_gib * GIB), TOKENS, SHAPE, 2,
-                                  modes=("none", "selective", "full"))
+    choice = choose_checkpointing(whole(80), int(state_gib * GIB), TOKENS, SHAPE, 2)
     assert choice.mode == want
-    assert choose_checkpointing(whole(80), int(state_gib * GIB), TOKENS, SHAPE, 2).mode == want_default
+    without = choose_checkpointing(whole(80), int(state_gib * GIB), TOKENS, SHAPE, 2, modes=("none", "full"))
+    assert without.mode == want_without_selective
     left = 70 - state_gib
     note = choice.note()
     assert note == (f"auto: {left:.1f} GiB left = 0.9 x 80.0 GiB budget (free 80.0, GPU share 1 of 80.0) - 2.0 "
@@ -123,16 +124,34 @@ def test_auto_takes_the_least_recompute_that_fits(state_gib, want, want_default)
                     + (", even full may not fit: lower learner.micro_batch_tokens (or micro_batch_rows), or add "
                        "learner ranks" if state_gib == 69.5 else ""))
     assert ";" not in note  # the levers' notes are joined by semicolons
-    assert "selective not auto's until it has run on a GPU" in choose_checkpointing(
-        whole(80), int(state_gib * GIB), TOKENS, SHAPE, 2).note()
+    assert without.note().endswith("selective not auto's" + (
+        ", even full may not fit: lower learner.micro_batch_tokens (or micro_batch_rows), or add learner ranks"
+        if state_gib == 69.5 else ""))
 
 
 def test_under_compile_auto_keeps_everything_where_eager_would_recompute():
-    """States of 64 GiB leave 6: eager none (9.16 GiB) does not fit and auto recomputes (full); compiled none costs
-    selective's 4.47 GiB, fits, and no layer runs twice."""
-    assert choose_checkpointing(whole(80), 64 * GIB, TOKENS, SHAPE, 2).mode == "full"
-    choice = choose_checkpointing(whole(80), 64 * GIB, TOKENS, SHAPE, 2, compiled=True)
-    assert choice.mode == "none" and choice.note().startswith("auto, compiled: 6.0 GiB left")
+    """States of 63 GiB leave 7: eager none (9.16 GiB) does not fit and auto recomputes (selective); compiled none
+    (6.03 GiB) fits, and no layer runs twice."""
+    assert choose_checkpointing(whole(80), 63 * GIB, TOKENS, SHAPE, 2).mode == "selective"
+    choice = choose_checkpointing(whole(80), 63 * GIB, TOKENS, SHAPE, 2, compiled=True)
+    assert choice.mode == "none" and choice.note().startswith("auto, compiled: 7.0 GiB left")
+
+
+def test_where_only_full_fits_auto_halves_a_token_budget_for_selective():
+    """States of 66 GiB leave 4: selective at 16,384 tokens (4.47 GiB) does not fit, full (1.45) does. With a floor
+    of 8,192 (a token budget), selective at 8,192 tokens (2.23 GiB) fits: auto takes it and says so. A floor above
+    the half, no floor (rows, not a token budget) or selective not among the modes: full at the budget as set."""
+    choice = choose_checkpointing(whole(80), 66 * GIB, TOKENS, SHAPE, 2, floor=8192)
+    assert (choice.mode, choice.tokens, choice.halved_from) == ("selective", 8192, TOKENS)
+    assert "activations of 8192 tokens" in choice.note()
+    assert "learner.micro_batch_tokens halved from 16384 so that selective fits" in choice.note()
+    for kept in (choose_checkpointing(whole(80), 66 * GIB, TOKENS, SHAPE, 2, floor=8193),
+                 choose_checkpointing(whole(80), 66 * GIB, TOKENS, SHAPE, 2),
+                 choose_checkpointing(whole(80), 66 * GIB, TOKENS, SHAPE, 2, modes=("none", "full"), floor=8192)):
+        assert (kept.mode, kept.tokens, kept.halved_from) == ("full", TOKENS, 0)
+        assert "halved" not in kept.note()
+    # where selective fits at the budget as set, nothing is halved
+    assert choose_checkpointing(whole(80), 64 * GIB, TOKENS, SHAPE, 2, floor=8192).tokens == TOKENS
 
 
 def test_a_half_card_beside_an_engine_recomputes_what_the_whole_card_keeps():
@@ -148,8 +167,8 @@ def test_a_half_card_beside_an_engine_recomputes_what_the_whole_card_keeps():
     assert "even full may not fit" in choice.note()
 
 
-def test_selective_is_auto_s_only_once_it_ran_on_a_gpu():
-    assert AUTO_MODES == (("none", "selective", "full") if SELECTIVE_RAN_ON_GPU else ("none", "full"))
+def test_selective_is_auto_s_since_it_ran_on_a_gpu():
+    assert SELECTIVE_RAN_ON_GPU and AUTO_MODES == ("none", "selective", "full")
 
 
 def test_state_bytes_by_hand():
@@ -181,7 +200,7 @@ def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir)
     budget = MemoryBudget(free=memory, total=memory, share=1.0)
     cuda = torch.device("cuda")
     got, note = resolve_checkpointing(cfg, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
-    assert got.activation_checkpointing == "full"  # selective is not auto's until it has run on a GPU
+    assert got.activation_checkpointing == "selective"  # eager none does not fit
     assert "activations of 400 tokens (4 rows x 100 tokens)" in note and "GPU share 1 of" in note
     # the rows one rank trains per update: 2 of them, 200 tokens, none fits
     got, note = resolve_checkpointing(cfg, model, cuda, torch.bfloat16, world=2, max_length=100, rows=2,
@@ -190,13 +209,25 @@ def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir)
     tokens = cfg.model_copy(update={"micro_batch_tokens": 100})  # a quarter of the tokens: none fits
     got, note = resolve_checkpointing(tokens, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
     assert got.activation_checkpointing == "none" and "activations of 100 tokens (learner.micro_batch_tokens)" in note
-    # per-layer compile under inductor: none costs what selective does, and fits the same budget
+    # per-layer compile under inductor: a budget where compiled none just fits, eager none does not
     compiled = cfg.model_copy(update={"compile": True})
+    memory = int((RESERVE + state + activation_bytes("none", 400, shape, 2, compiled=True)) / USABLE) + 1
+    budget = MemoryBudget(free=memory, total=memory, share=1.0)
     got, note = resolve_checkpointing(compiled, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
     assert got.activation_checkpointing == "none" and note.startswith("activation checkpointing none (auto, compiled:")
     eager_backend = compiled.model_copy(update={"compile_backend": "aot_eager"})  # no partitioner: eager's bytes
     got, _ = resolve_checkpointing(eager_backend, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
-    assert got.activation_checkpointing == "full"
+    assert got.activation_checkpointing == "selective"
+    # a token budget of 20,000 where selective fits only at half of it: auto halves it, the cfg carries the half
+    memory = int((RESERVE + state + activation_bytes("selective", 10_000, shape, 2)) / USABLE) + 1
+    budget = MemoryBudget(free=memory, total=memory, share=1.0)
+    tokens = cfg.model_copy(update={"micro_batch_tokens": 20_000})
+    got, note = resolve_checkpointing(tokens, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
+    assert (got.activation_checkpointing, got.micro_batch_tokens) == ("selective", 10_000)
+    assert "learner.micro_batch_tokens halved from 20000 so that selective fits" in note
+    # not below the longest row: a 12,000-token row keeps the budget and recomputes
+    got, note = resolve_checkpointing(tokens, model, cuda, torch.bfloat16, world=2, max_length=12_000, budget=budget)
+    assert (got.activation_checkpointing, got.micro_batch_tokens) == ("full", 20_000) and "halved" not in note
 
 
 def _saved_outside_checkpoints(model, mb) -> int:
