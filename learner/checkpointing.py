@@ -159,10 +159,12 @@ RESERVE = 2 << 30  # bytes: the chunked LM head's logits and gradients, FSDP2's 
 # Whether op-level selective checkpointing has trained on a GPU. It has: an H100 (issue 49, torch 2.11) trained
 # Qwen2.5-3B's shapes on 14 rows of 1,273-7,837 tokens with it under per-layer compile, 0 recompiles, 4.03 s a step
 # (MFU 38.6%) at learner.micro_batch_tokens=9216, against full's 4.78 s (32.5%) at 18,432; at 18,432 it ran out of
-# memory, as its count says (41 GiB of activations where 22.5 were left). Auto takes it where none does not fit.
+# memory, as its count says (41 GiB of activations where 22.5 were left). Auto takes it where none does not fit,
+# under compile only: eager selective (compile off or failed) has not run on a GPU.
 SELECTIVE_RAN_ON_GPU = True
 # What "auto" may choose, least recompute first: the modes that have run on a GPU.
 AUTO_MODES: tuple[Mode, ...] = ("none", "selective", "full") if SELECTIVE_RAN_ON_GPU else ("none", "full")
+EAGER_AUTO_MODES: tuple[Mode, ...] = ("none", "full")  # the layers eager: selective has not run so on a GPU
 # A token budget (`learner.micro_batch_tokens`) auto may halve, once, so that selective fits where only full does
 # at the budget as set: the H100 measurement above (3B, 18,432 -> 9,216 tokens: 16% less time a step). Never
 # below this many tokens (smaller matmuls lose more than the recompute costs; unmeasured below it) nor below the
@@ -235,7 +237,7 @@ class Choice:
             out += (f", learner.micro_batch_tokens halved from {self.halved_from} so that selective fits "
                     f"(where only full did: on an H100 at 3B, 16% less time a step)")
         if "selective" not in self.modes:
-            out += ", selective not auto's"
+            out += ", selective not auto's without compile (it has run on a GPU compiled only)"
         if self.need(self.mode) > self.left:
             out += (", even full may not fit: lower learner.micro_batch_tokens (or micro_batch_rows), "
                     "or add learner ranks")
@@ -292,7 +294,8 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
     engine on one card budgets only what it was given), `model`'s parameters (`state_bytes`; call after the build
     and LoRA, before sharding: the free memory then still holds the weights to come), the micro-batch's tokens
     (`micro_batch_tokens`: `max_length` = the longest row's prompt + response, `rows` = the rows one rank trains
-    per update where known), and bytes per token with `cfg.compile` (resolved) as the layers will run. A set mode
+    per update where known), and bytes per token with `cfg.compile` (resolved) as the layers will run (selective
+    only under inductor's compile, `EAGER_AUTO_MODES` without: how it ran on a GPU). A set mode
     is kept and its note says so. Where only full fits and `learner.micro_batch_tokens` is set, auto may halve that
     budget once so that selective fits (`choose_checkpointing`'s floor: `HALVE_FLOOR`, and the longest row rounded
     up to `pad_multiple`); the returned cfg then carries the halved budget, and the note says so. Not covered: a compile that then fails its trial at setup (`learner.trial`)
@@ -314,7 +317,8 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
         pad = cfg.pad_multiple if isinstance(cfg.pad_multiple, int) else 1
         floor = max(HALVE_FLOOR, -(-max_length // pad) * pad) if cfg.micro_batch_tokens else None
         choice = choose_checkpointing(budget, state_bytes(model, world), tokens, LayerShape.of(model.config),
-                                      dtype.itemsize, compiled, counted=counted, floor=floor)
+                                      dtype.itemsize, compiled, counted=counted, floor=floor,
+                                      modes=AUTO_MODES if compiled else EAGER_AUTO_MODES)
         mode, why = choice.mode, choice.note()
         if choice.halved_from:
             update["micro_batch_tokens"] = choice.tokens

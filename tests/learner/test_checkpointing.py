@@ -124,7 +124,7 @@ def test_auto_takes_the_least_recompute_that_fits(state_gib, want, want_without_
                     + (", even full may not fit: lower learner.micro_batch_tokens (or micro_batch_rows), or add "
                        "learner ranks" if state_gib == 69.5 else ""))
     assert ";" not in note  # the levers' notes are joined by semicolons
-    assert without.note().endswith("selective not auto's" + (
+    assert without.note().endswith("selective not auto's without compile (it has run on a GPU compiled only)" + (
         ", even full may not fit: lower learner.micro_batch_tokens (or micro_batch_rows), or add learner ranks"
         if state_gib == 69.5 else ""))
 
@@ -200,7 +200,8 @@ def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir)
     budget = MemoryBudget(free=memory, total=memory, share=1.0)
     cuda = torch.device("cuda")
     got, note = resolve_checkpointing(cfg, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
-    assert got.activation_checkpointing == "selective"  # eager none does not fit
+    assert got.activation_checkpointing == "full"  # eager none does not fit; eager selective is not auto's
+    assert "selective not auto's without compile" in note
     assert "activations of 400 tokens (4 rows x 100 tokens)" in note and "GPU share 1 of" in note
     # the rows one rank trains per update: 2 of them, 200 tokens, none fits
     got, note = resolve_checkpointing(cfg, model, cuda, torch.bfloat16, world=2, max_length=100, rows=2,
@@ -217,11 +218,11 @@ def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir)
     assert got.activation_checkpointing == "none" and note.startswith("activation checkpointing none (auto, compiled:")
     eager_backend = compiled.model_copy(update={"compile_backend": "aot_eager"})  # no partitioner: eager's bytes
     got, _ = resolve_checkpointing(eager_backend, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
-    assert got.activation_checkpointing == "selective"
+    assert got.activation_checkpointing == "full"
     # a token budget of 20,000 where selective fits only at half of it: auto halves it, the cfg carries the half
     memory = int((RESERVE + state + activation_bytes("selective", 10_000, shape, 2)) / USABLE) + 1
     budget = MemoryBudget(free=memory, total=memory, share=1.0)
-    tokens = cfg.model_copy(update={"micro_batch_tokens": 20_000})
+    tokens = compiled.model_copy(update={"micro_batch_tokens": 20_000})
     got, note = resolve_checkpointing(tokens, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
     assert (got.activation_checkpointing, got.micro_batch_tokens) == ("selective", 10_000)
     assert "learner.micro_batch_tokens halved from 20000 so that selective fits" in note
