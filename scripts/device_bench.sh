@@ -27,9 +27,7 @@
 # Budget: no part starts unless its estimate fits in what is left, and within a part gpu_bench starts no case that
 # the last case's time says would overrun it; a case already started finishes, so give the call's timeout ~1.15x
 # the budget. The estimates are measured: each part's wall seconds of the last lease (part-seconds.txt in the
-# compile cache folder below, written at the end of every call), else the last figures measured by hand (issue 49,
-# one H100, torch 2.11, project at 133d780: ~135 s of compiling per build, ~15 s of timed steps per case, ~10 s
-# of process start and setup), in PART_S below.
+# compile cache folder below, written at the end of every call), else the H100 lease of 2026-11-27 (PART_S below).
 #
 # Inductor's compiled artifacts: loaded at the start from COMPILE_CACHE (default runs-gpu-check/inductor-cache, an
 # ignored folder: carry it with the call), saved at the end under $OUT/inductor-cache (with part-seconds.txt), so
@@ -51,9 +49,10 @@ PARTS=${PARTS:-defaults eager ckpt lora}
 START=$(date +%s)
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-# a part's (one mode's) seconds, last measured by hand (issue 49, H100): a build with compile 135 + one case's steps
-# 15 + start and setup 10; eager and plain compile nothing. part-seconds.txt of the last lease replaces them.
-declare -A PART_S=([plain]=25 [eager]=25 [ckpt]=160 [lora]=160)
+# a part's (one mode's) seconds, from the H100 lease of 2026-11-27 (issue 49): the defaults part took 243 s cold (4
+# cases, one profile, 2 publications); one 1.5B case ~15 s of process start and build, 31 s to its first step
+# cold (10 s warm), ~15 s of timed steps; eager compiles nothing. part-seconds.txt of the last lease replaces them.
+declare -A PART_S=([plain]=40 [eager]=40 [ckpt]=70 [lora]=70)
 CACHE_IN=${COMPILE_CACHE:-runs-gpu-check/inductor-cache}
 CACHE_OUT=$OUTDIR/inductor-cache
 mkdir -p "$CACHE_OUT"
