@@ -210,6 +210,8 @@ def learner_config(args, padding_free: bool | None, device: torch.device, dtype:
     # every step applies its update (random weights may give a gradient norm above the default skip threshold,
     # and a skipped update would leave AdamW out of the timing)
     over = {"micro_batch_tokens": args.micro_batch_tokens, "lr": 1e-6, "skip_grad_norm": 1e12}
+    if args.pad_multiple is not None:  # the pad_multiple A/B: 1 against auto's 64 on CUDA
+        over["pad_multiple"] = args.pad_multiple
     for flag, (field, on, off) in LEVERS.items():
         value = getattr(args, flag)
         if flag == "padding_free" and padding_free is not None:
@@ -271,6 +273,7 @@ def lever_settings(cfg, model) -> dict:
     out["packs_padding_free"] = cfg.packs_padding_free
     out["attention"] = model.config._attn_implementation if model is not None else cfg.attn_implementation
     out["micro_batch_tokens"] = cfg.micro_batch_tokens
+    out["pad_multiple"] = getattr(cfg, "pad_multiple", None)
     lora = getattr(cfg, "lora", None)
     out["lora_rank"] = lora.rank if lora is not None else None
     return out
@@ -495,6 +498,8 @@ def checkpointing_choice(lines: list[str]) -> dict | None:
             else int(num(r"activations of (\d+) tokens")), "left_gib": num(r"([-\d.]+) GiB left"),
             "budget_gib": num(r"x ([\d.]+) GiB budget"), "free_gib": num(r"\(free ([\d.]+),"),
             "gpu_share": num(r"GPU share ([\d.]+)"),
+            "halved_from": None if num(r"micro_batch_tokens halved from (\d+)") is None
+            else int(num(r"micro_batch_tokens halved from (\d+)")),
             "kb_per_token": {k: float(v) for k, v in re.findall(r"(none|selective|full) ([\d.]+)", kb.group(1))}
             if kb else {}}
 
@@ -509,7 +514,8 @@ def checkpointing_cell(s: dict, choice: dict | None) -> str:
     if choice.get("tokens") is None:  # off CUDA, or a tree whose note gives no numbers
         return f"{mode} ({choice['note']})"
     kb = choice["kb_per_token"].get(mode)
-    return (f"{mode} (auto{', compiled' if choice['compiled'] else ''}: {choice['tokens']:,} tok x "
+    halved = f" (halved from {choice['halved_from']:,})" if choice.get("halved_from") else ""
+    return (f"{mode} (auto{', compiled' if choice['compiled'] else ''}: {choice['tokens']:,} tok{halved} x "
             f"{kb if kb is not None else '?'} kB, {choice['left_gib']} GiB left of free {choice['free_gib']} "
             f"x share {choice['gpu_share']:g})")
 
@@ -961,6 +967,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt", type=int, help=f"prompt tokens per row (default {PROMPT})")
     ap.add_argument("--response", type=int, help="response tokens of a fixed row, the longest mixed one (8192)")
     ap.add_argument("--micro-batch-tokens", type=int, help="learner.micro_batch_tokens (default 18432)")
+    ap.add_argument("--pad-multiple", type=int, help="learner.pad_multiple (default auto: 64 on CUDA, 1 elsewhere); "
+                                                     "1 is the A/B against rounding padded lengths up")
     ap.add_argument("--steps", type=int, help="timed steps: the median, fastest and slowest reported (default 5; "
                                               "2 with --quick)")
     ap.add_argument("--warmup", type=int, help="untimed steps first (default 1)")

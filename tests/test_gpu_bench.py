@@ -187,6 +187,18 @@ def test_checkpointing_flag_takes_the_modes_and_runs_name_their_cases():
         ("1.5B", "fixed", None), ("3B", "mixed", None), ("1.5B", "mixed", True)]
 
 
+def test_pad_multiple_flag_sets_the_learner_s():
+    """--pad-multiple 1: the A/B against auto's rounding (64 on CUDA); left out, the product's auto."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_bench import learner_config, parse_args
+
+    cpu = torch.device("cpu")
+    assert learner_config(parse_args(["--quick", "--pad-multiple", "1"]), None, cpu, torch.float32).pad_multiple == 1
+    assert learner_config(parse_args(["--quick"]), None, cpu, torch.float32).pad_multiple == "auto"
+
+
 def test_imports_neither_ray_nor_vllm_nor_mlflow():
     code = ("import sys; sys.path.insert(0, '.'); import bench.gpu_bench, learner.setup, learner.gather; "
             "print([m for m in ('ray', 'vllm', 'mlflow') if m in sys.modules])")
@@ -270,6 +282,13 @@ def test_the_table_shows_what_auto_chose_and_from_which_numbers():
     assert checkpointing_cell({"activation_checkpointing": "none"}, got) == (
         "none (auto, compiled: 16,384 tok x 395.3 kB, 14.0 GiB left of free 75.0 x share 0.5)")
     assert checkpointing_choice(["activation checkpointing full (set)"])["auto"] is False
+    # where only full fit the token budget, auto halved it for selective: the cell says so
+    halved = choose_checkpointing(MemoryBudget(free=80 * gib, total=80 * gib, share=1.0), 66 * gib, 16_384, shape, 2,
+                                  counted="learner.micro_batch_tokens", floor=8192)
+    got = checkpointing_choice([f"activation checkpointing {halved.mode} ({halved.note()}); fused AdamW"])
+    assert (got["mode"], got["tokens"], got["halved_from"]) == ("selective", 8192, 16_384)
+    assert checkpointing_cell({"activation_checkpointing": "selective"}, got) == (
+        "selective (auto: 8,192 tok (halved from 16,384) x 292.9 kB, 4.0 GiB left of free 80.0 x share 1)")
 
 
 def test_under_compile_the_second_shape_reuses_the_build_without_recompiling(tmp_path):
