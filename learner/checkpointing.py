@@ -300,7 +300,7 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
     budget once so that selective fits (`choose_checkpointing`'s floor: `HALVE_FLOOR`, and the longest row rounded
     up to `pad_multiple`); the returned cfg then carries the halved budget, and the note says so. Not covered: a compile that then fails its trial at setup (`learner.trial`)
     leaves the layers eager under a mode chosen from compiled bytes (none may then need up to twice its estimate);
-    `learner.setup` does not re-resolve it. A run's driver hands down `data.max_prompt_tokens` (so `max_length` =
+    `learner.setup` does not re-resolve it, and logs `eager_fallback_note`'s WARNING instead. A run's driver hands down `data.max_prompt_tokens` (so `max_length` =
     that + `generator.max_new_tokens`) and the rows a rank trains per optimizer step (batch_questions x group_size
     / (mini_batches x num_ranks)); a caller that passes neither budgets a 2,048-token prompt."""
     mode = cfg.activation_checkpointing
@@ -324,3 +324,16 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
             update["micro_batch_tokens"] = choice.tokens
     update["activation_checkpointing"] = mode
     return cfg.model_copy(update=update), f"activation checkpointing {mode} ({why})"
+
+
+def eager_fallback_note(mode: str, note: str, off: dict[str, str]) -> str | None:
+    """The WARNING for a compile that failed its trial after auto chose `mode` from compiled layers' bytes (`note`:
+    resolve_checkpointing's), None otherwise. The mode is not re-resolved (the layers are already checkpointed and
+    sharded): an eager layer's none keeps 12 h + 2 kv + 4 i where the compiled count was 6 h + 2 kv + 3 i, and
+    selective then runs eager, which has not run on a GPU; full is safe either way."""
+    if "compile" not in off or "(auto, compiled:" not in note or mode == "full":
+        return None
+    keeps = "about 1.5-2x the activations auto counted" if mode == "none" else "eager selective (not run on a GPU)"
+    return (f"learner.compile failed its trial after activation checkpointing auto chose {mode} from compiled "
+            f"layers' memory: the layers now run eager with {mode}, {keeps}; if this run runs out of memory, set "
+            "learner.activation_checkpointing=full (or learner.compile=false: auto then counts eager layers)")

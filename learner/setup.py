@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import LearnerConfig
-from learner.checkpointing import resolve_checkpointing
+from learner.checkpointing import eager_fallback_note, resolve_checkpointing
 from learner.compile_cache import compiled_graphs, enable_cache
 from learner.forward import check_packing, prepare_model
 from learner.levers import apply_compile, build_optimizer, remove_compile, resolve_levers
@@ -184,6 +184,9 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
     cfg = levers.cfg
     for lever, error in off.items():
         notes.append(f"{lever} off: it failed its trial at setup ({error})")
+    fallback = eager_fallback_note(cfg.activation_checkpointing, checkpointing_note, off)
+    if fallback and rank == 0:
+        log.warning("%s", fallback)
     if cfg.compile is True:
         notes.append(f"the trial compiled {trial_graphs} graph(s) in {trial_s:.1f} s (the run's warm-up: a graph "
                      "compiled later is counted in learner/recompiles)")

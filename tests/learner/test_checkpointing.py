@@ -14,7 +14,7 @@ import torch
 
 from common.config import LearnerConfig, LoRAConfig
 from learner.batching import batch_rows, collate
-from learner.checkpointing import (AUTO_MODES, RESERVE, SELECTIVE_RAN_ON_GPU, USABLE, LayerShape, MemoryBudget,
+from learner.checkpointing import (AUTO_MODES, eager_fallback_note, RESERVE, SELECTIVE_RAN_ON_GPU, USABLE, LayerShape, MemoryBudget,
                                    activation_bytes, apply_checkpointing, bytes_per_token, choose_checkpointing,
                                    gpu_share, micro_batch_tokens, resolve_checkpointing, state_bytes)
 from learner.forward import forward_stats, prepare_model
@@ -434,3 +434,18 @@ def test_two_fsdp_ranks_train_the_same_update_with_each_mode(tiny_model_dir, tmp
         assert got[mode]["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
         for k, v in want["weights"].items():
             torch.testing.assert_close(got[mode]["weights"][k], v, rtol=1e-5, atol=1e-7)
+
+
+def test_a_compile_that_fails_after_auto_chose_from_compiled_bytes_warns_in_one_line():
+    """The mode stays (the layers are checkpointed and sharded by then); the WARNING says what to set. Full, a set
+    mode, an eager choice or a compile that passed its trial: nothing to say."""
+    compiled = "activation checkpointing none (auto, compiled: 7.0 GiB left = ...)"
+    failed = {"compile": "InductorError: ..."}
+    line = eager_fallback_note("none", compiled, failed)
+    assert line.startswith("learner.compile failed its trial after activation checkpointing auto chose none")
+    assert "set learner.activation_checkpointing=full" in line and "\n" not in line
+    assert "eager selective" in eager_fallback_note("selective", compiled.replace("none", "selective", 1), failed)
+    assert eager_fallback_note("full", compiled, failed) is None
+    assert eager_fallback_note("none", "activation checkpointing none (set)", failed) is None
+    assert eager_fallback_note("none", "activation checkpointing none (auto: not CUDA)", failed) is None
+    assert eager_fallback_note("none", compiled, {"padding_free": "..."}) is None
