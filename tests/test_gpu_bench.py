@@ -126,7 +126,7 @@ def test_the_lease_script_runs_the_whole_pipeline_and_writes_every_number(tmp_pa
     assert ckpt["settings"]["activation_checkpointing"] == "full" and "top_kernels" not in ckpt
     assert ckpt["checkpointing"] == {"mode": "full", "auto": False, "compiled": False,
                                      "note": "set", "tokens": None, "left_gib": None, "budget_gib": None,
-                                     "free_gib": None, "gpu_share": None, "kb_per_token": {}}
+                                     "free_gib": None, "gpu_share": None, "kb_per_token": {}, "halved_from": None}
     assert "| ckpt-full | tiny fixed | ckpt full | " in proc.stdout and " | full (set) |" in proc.stdout
     model, _, recompute = flops_by_hand(ckpt)
     assert ckpt["flops_per_step"] == model and ckpt["flops_per_step_hardware"] == model + recompute
