@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--runs-root", default="runs", help="parent of the run folders and of the MLflow store")
     x.add_argument("--jobs", type=_positive, default=1, help="runs at a time (each is an `exgrpo train`)")
     x.add_argument("--rerun", action="store_true", help="rerun variants that already finished")
+    x.add_argument("--variants", nargs="+", metavar="NAME", help="run only these variants of the spec (default: all)")
 
     g = sub.add_parser("extend-context", help="copy a model folder with longer positions (config.json's "
                        "max_position_embeddings and rope_theta, as the LUFFY/ExGRPO recipe does; weights linked)")
@@ -309,7 +310,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "experiment":
         from cluster.experiment import experiment_main
 
-        return experiment_main(args.spec, args.runs_root, args.jobs, args.rerun)
+        return experiment_main(args.spec, args.runs_root, args.jobs, args.rerun, args.variants)
     if args.command == "extend-context":
         from cluster.extend_context import extend_context_main
 

@@ -2,6 +2,7 @@
 
     exgrpo experiment ablations                     # the bundled spec (cluster/experiments/ablations.yaml)
     exgrpo experiment my_spec.yaml --jobs 2         # two runs at a time (e.g. on a cluster)
+    exgrpo experiment ablations --variants exgrpo plain_replay   # only these variants of the spec
 
 A spec names a budget of generated rollouts, seeds, overrides shared by every run (`base`) and the
 variants (overrides each). Every (variant, seed) is one `exgrpo train` subprocess that stops at the
@@ -477,10 +478,23 @@ def plot(spec: ExperimentSpec, results: list[RunResult], path: Path) -> Path | N
 # --------------------------------------------------------------------------------------------- main
 
 
-def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool) -> int:
-    """`exgrpo experiment`: returns the exit code (0 all runs finished, 1 some failed, 2 bad spec)."""
+def select_variants(spec: ExperimentSpec, names: list[str] | None) -> ExperimentSpec:
+    """`spec` with only the variants `names` (in the spec's order; None: all of them). SpecError naming the spec's
+    variants for a name it does not have."""
+    if not names:
+        return spec
+    unknown = [n for n in names if n not in spec.variants]
+    if unknown:
+        raise SpecError([f"--variants: {', '.join(unknown)}: not a variant of {spec.name} (its variants: "
+                         f"{', '.join(spec.variants)})"])
+    return spec.model_copy(update={"variants": {k: v for k, v in spec.variants.items() if k in names}})
+
+
+def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, variants: list[str] | None = None) -> int:
+    """`exgrpo experiment`: returns the exit code (0 all runs finished, 1 some failed, 2 bad spec). `variants`:
+    run only these of the spec's (`select_variants`); their run folders are the same as in a whole run's."""
     try:
-        spec = load_spec(spec_arg)
+        spec = select_variants(load_spec(spec_arg), variants)
         check_inputs(spec)  # every variant's start checks, before any run starts
     except SpecError as e:
         print("invalid experiment spec:\n  " + "\n  ".join(e.lines), file=sys.stderr)
@@ -504,7 +518,7 @@ def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool) -> in
     png = plot(spec, results, out / "accuracy_vs_rollouts.png")
     (out / "results.md").write_text(f"# {spec.name}\n\n{text}\n")
     (out / "results.json").write_text(json.dumps([r.__dict__ for r in results], indent=1))
-    print(f"$ exgrpo experiment {spec_arg}\n{text}")
+    print(f"$ exgrpo experiment {spec_arg}{' --variants ' + ' '.join(variants) if variants else ''}\n{text}")
     if png is not None:
         print(f"plot: {png}")
         tracker.log_artifact(png)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.experiment import BUNDLED, SpecError, load_spec, overrides
+from cluster.experiment import BUNDLED, SpecError, load_spec, overrides, select_variants
 from tests.cluster.runs import ROOT, mlflow_client
 
 
@@ -41,6 +41,17 @@ def test_the_bundled_spec_loads_and_bad_specs_say_what_to_change(tmp_path):
         load_spec(write(tmp_path, {**base, "name": "../x"}))
     with pytest.raises(SpecError, match="no such spec file .*bundled specs: ablations"):
         load_spec(str(tmp_path / "missing.yaml"))
+
+
+def test_variants_runs_a_subset_of_the_spec_and_a_wrong_name_says_which_exist(tmp_path):
+    spec = load_spec("ablations")
+    assert list(select_variants(spec, ["plain_replay", "exgrpo"]).variants) == ["exgrpo", "plain_replay"]
+    assert select_variants(spec, None) is spec
+    with pytest.raises(SpecError, match=r"--variants: plain: not a variant of ablations \(its variants: exgrpo, "):
+        select_variants(spec, ["exgrpo", "plain"])
+    p = subprocess.run([sys.executable, "-m", "cluster.cli", "experiment", "ablations", "--variants", "plain",
+                        "--runs-root", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "--variants: plain: not a variant" in p.stderr
 
 
 @pytest.mark.slow
