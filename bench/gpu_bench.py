@@ -43,18 +43,8 @@ response tokens/s, three FLOP rates, peak memory, and over one more profiled ste
 wall time is reported beside the median, as the profiler's cost) the GPU kernel time by category, the 10 kernels
 that took most of it (on CPU: the ops' self time) and the host syncs. The FLOP counts (`step_flops`), per token
 of every row (prompt and response), over step time x the device's peak (989 TFLOP/s bf16 dense for H100 SXM
-and H200, 312 for A100; --peak-tflops overrides):
-- MFU, as issue 34 counted it (issue 42's target metric): 6 x parameters + 6 x layers x hidden x row length
-  (causal attention: half of the full square). With LoRA the frozen base counts 4 x (forward 2, the backward's
-  input gradient 2, no weight gradient) and the adapters 6 x.
-- MFU (torchtitan): torchtitan's `get_dense_model_nparams_and_flops`: 6 x parameters without the input
-  embedding's lookup (a tied embedding is the head's matmul, so it stays) + 12 x layers x hidden x row length
-  (the full square, the convention of not counting causal sparsity).
-- HFU: MFU's FLOPs plus what the step recomputes: full activation checkpointing re-runs each decoder layer's
-  forward (2 x layer parameters + 2 x layers x hidden x row length per token); selective re-runs only elementwise
-  ops, counted as 0 matmul FLOPs (an approximation); the chunked LM head re-runs its forward in the backward
-  (2 x vocabulary x hidden per response token). Like MFU it counts the head on prompt tokens, which the product
-  skips.
+and H200, 312 for A100; --peak-tflops overrides): MFU (issue 34's count), MFU (torchtitan's) and HFU (MFU's
+FLOPs plus recompute), each defined in bench/gpu_report.py.
 
 Publication, per size: `learner.gather.iter_full_state(model, 0, 1, dtype=bfloat16)` consumed bucket by
 bucket (GB/s = bytes published / seconds), beside this machine's copy limit: the same bytes copied from one
@@ -63,14 +53,14 @@ with the unique parameter bytes (a tied embedding counted once).
 
 Output: a table headed by the command line, the top kernels of each profiled step, issue 49's "Done when"
 targets judged on the runs of the product's defaults (on a GPU), and --out JSON with every number (read by
-`bench/scale_model.py --gpu-json`).
+`bench/scale_model.py --gpu-json`). This module runs the cases; bench/gpu_report.py counts the FLOPs, judges the
+targets and prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import re
@@ -92,6 +82,10 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from bench.gpu_report import (  # noqa: E402
+    FLOP_FORMULAS, ParamCounts, checkpointing_choice, judge, kernel_summary, packed_over_padded, print_report,
+    progress, save, step_flops)
 
 VOCAB = 151_936
 PROMPT = 256
@@ -119,34 +113,7 @@ LEVERS = {
     "chunked_head": ("logits_chunk_tokens", None, 0),
     "compile_head_math": ("compile_head_math", True, False),  # opt-in (issue 49): the head's fused float32 math
 }
-FIRST_STEP_S = {"warm": 60.0, "cold": 120.0}  # 1.5B: setup to the first finished step, with/without a loaded cache
 CHECKPOINTING = ("auto", "full", "selective", "none")  # learner.activation_checkpointing (true/false: full/none)
-TOP_KERNELS = 10
-# issue 49's "Done when", judged on a GPU on the runs of the product's defaults: (key, what, size, case, target);
-# with the recompiles and the time to the first step (`judge`)
-TARGETS = (("mfu_1.5B_fixed", "1.5B fixed: MFU (recompute not counted)", "1.5B", "fixed", 0.36),
-           ("mfu_3B_mixed", "3B mixed: MFU (recompute not counted)", "3B", "mixed", 0.36),
-           ("packed_over_padded_1.5B", "1.5B mixed: packed / padded response tokens/s", "1.5B", "mixed", 1.2),
-           ("publication_1.5B", "1.5B publication, bf16, GB/s", "1.5B", "publish", 40.0))
-CATEGORIES = (  # first match wins; names lower-cased (CUDA kernels, or aten ops on CPU)
-    ("communication", r"nccl|c10d|gloo|all_gather|allgather|reduce_scatter|all_reduce|allreduce|broadcast"),
-    ("attention", r"flash|fmha|attention|sdpa|flex|triton_tem"),
-    ("matmul", r"gemm|gemv|matmul|cublas|cutlass|nvjet|xmma|wgmma|aten::(mm|addmm|bmm|baddbmm|linear)$"),
-    ("reduction/softmax", r"reduce|softmax|norm|logsumexp|cross_entropy|triton_red|triton_per|"
-                          r"aten::(sum|mean|max|min|amax|argmax|var|std)$"),
-    ("elementwise/copy", r"elementwise|vectorized|unrolled|copy|memcpy|memset|fill|cat|index|gather|scatter|"
-                         r"triton_poi|multi_tensor|foreach|aten::(add|add_|mul|mul_|sub|div|neg|exp|log|pow|rsqrt|"
-                         r"sqrt|silu|sigmoid|where|clamp|to|_to_copy|copy_|zero_|zeros|ones|empty|contiguous|"
-                         r"lerp_|addcmul_|addcdiv_|masked_fill)"),
-)
-FLOP_FORMULAS = {  # per token of every row (prompt and response), T its row length; see step_flops
-    "MFU": "(6 x trained + 4 x frozen params + 6 x layers x hidden x T) x tokens / step_s / peak; issue 34's count "
-           "and issue 42's target (recompute not counted); LoRA: the frozen base 4x, the adapters 6x",
-    "MFU (torchtitan)": "(6 x trained + 4 x frozen params, without an untied input embedding's lookup, + 12 x layers "
-                        "x hidden x T) x tokens / step_s / peak (torchtitan's get_dense_model_nparams_and_flops)",
-    "HFU": "MFU's FLOPs + recompute: full checkpointing 2 x layer params + 2 x layers x hidden x T per token, "
-           "selective ~0 (elementwise ops only, not counted), chunked head 2 x vocab x hidden per response token",
-}
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -310,52 +277,6 @@ def make_batch(lengths: list[int], prompt: int, vocab: int, version: int, seed: 
     return TrainingBatch(groups=groups, version=version)
 
 
-@dataclass(frozen=True)
-class ParamCounts:
-    """The parameter counts the FLOP formulas read (unique parameters: a tied embedding once)."""
-    trained: int  # parameters with a weight gradient: all of them, or with LoRA the adapters
-    frozen: int  # LoRA's frozen base: forward and input gradient, no weight gradient (0 without LoRA)
-    layer: int  # the decoder layers' (adapters included): what full activation checkpointing re-runs
-    lookup: int  # an input embedding not tied to the head: a lookup, not a matmul (0 where tied)
-    lookup_trained: bool  # whether that embedding is among `trained` (else among `frozen`)
-    head: int  # vocabulary x hidden: the LM head, re-run in the backward by the chunked head
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> ParamCounts:
-        params = list(model.parameters())  # unique (a tied embedding once); numel of a DTensor is its global size
-        trained = sum(p.numel() for p in params if p.requires_grad)
-        emb, cfg = model.get_input_embeddings().weight, model.config
-        return cls(trained=trained, frozen=sum(p.numel() for p in params) - trained,
-                   layer=sum(p.numel() for p in model.model.layers.parameters()),
-                   lookup=0 if cfg.tie_word_embeddings else emb.numel(), lookup_trained=emb.requires_grad,
-                   head=cfg.vocab_size * cfg.hidden_size)
-
-
-def step_flops(c: ParamCounts, layers: int, hidden: int, lengths: list[int], prompt: int, checkpointing: str,
-               chunked_head: bool) -> dict[str, float | None]:
-    """One step's FLOPs three ways, summed over rows of `prompt` + n tokens for n in `lengths` (T = row length):
-    - model (MFU, issue 34's count): per token 6 x trained + 4 x frozen + 6 x layers x hidden x T.
-    - torchtitan: per token 6 x trained + 4 x frozen without the lookup + 12 x layers x hidden x T (torchtitan's
-      torchtitan/models/utils.py, get_dense_model_nparams_and_flops: `6 * (nparams - nparams_embedding) +
-      12 * l * h * q * t`, h x q = hidden; a tied embedding is the head's weight, so it stays counted).
-    - hardware (HFU): model + recompute. checkpointing full: one more forward of the layers, per token
-      2 x layer + 2 x layers x hidden x T; selective: elementwise ops only, counted as 0; none: 0; "auto" left
-      unresolved: None (unknown). The chunked head's backward re-runs its forward: 2 x head per response token."""
-    model = tt = recompute = 0.0
-    params = 6 * c.trained + 4 * c.frozen
-    lookup = (6 if c.lookup_trained else 4) * c.lookup
-    for n in lengths:
-        t = prompt + n  # tokens of the row, each attending to up to t
-        model += t * (params + 6 * layers * hidden * t)
-        tt += t * (params - lookup + 12 * layers * hidden * t)
-        if checkpointing == "full":
-            recompute += t * (2 * c.layer + 2 * layers * hidden * t)
-        if chunked_head:
-            recompute += n * 2 * c.head
-    known = checkpointing in ("full", "selective", "none")
-    return {"model": model, "torchtitan": tt, "hardware": model + recompute if known else None}
-
-
 # ------------------------------------------------------------------------------------------------- measuring
 
 def sync(device: torch.device) -> None:
@@ -368,14 +289,9 @@ def peak_rss_gib() -> float:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) / 2**30
 
 
-def category(name: str) -> str:
-    low = name.lower()
-    return next((cat for cat, pattern in CATEGORIES if re.search(pattern, low)), "other")
-
-
 def profile_step(trainer, batch, device: torch.device) -> dict:
     """One more step under torch.profiler (not among the timed steps): kernel time by category and the
-    `TOP_KERNELS` kernels that took most of it (CUDA kernels by name; CPU ops' self time on CPU), the host syncs
+    kernels that took most of it (`kernel_summary`: CUDA kernels by name; CPU ops' self time on CPU), the host syncs
     (CUDA runtime sync calls, device-to-host memcpys, scalar reads `aten::_local_scalar_dense`), and what the
     profiler cost: the profiled step's wall time and the seconds spent reading its trace afterwards."""
     from torch.profiler import ProfilerActivity, profile
@@ -388,8 +304,6 @@ def profile_step(trainer, batch, device: torch.device) -> dict:
         sync(device)
         step_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    split = {cat: {"ms": 0.0, "launches": 0} for cat, _ in CATEGORIES}
-    split["other"] = {"ms": 0.0, "launches": 0}
     kernels: dict[str, list] = {}  # name -> [ms, calls]
     syncs = {name: 0 for name in SYNC_CALLS}
     sync_cpu_us, dtoh, scalar_reads = 0.0, 0, 0
@@ -410,19 +324,7 @@ def profile_step(trainer, batch, device: torch.device) -> dict:
     if device.type != "cuda":
         for a in prof.key_averages():  # self time: nested ops are not counted twice
             kernels[a.key] = [a.self_cpu_time_total / 1e3, a.count]
-    for name, (ms, calls) in kernels.items():
-        cat = split[category(name)]
-        cat["ms"] += ms
-        cat["launches"] += calls
-    total = sum(c["ms"] for c in split.values()) or 1.0
-    for c in split.values():
-        c["share"] = round(c["ms"] / total, 4)
-        c["ms"] = round(c["ms"], 3)
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
-    return {"kernel_split": split, "kernel_ms": round(total, 3),
-            "kernel_clock": "CUDA kernel time" if device.type == "cuda" else "CPU op self time",
-            "top_kernels": [{"name": name[:400], "category": category(name), "ms": round(ms, 3),
-                             "share": round(ms / total, 4), "calls": calls} for name, (ms, calls) in top],
+    return {**kernel_summary(kernels, device.type == "cuda"),
             "host_syncs": {**syncs, "memcpy_dtoh": dtoh, "total": sum(syncs.values()),
                            "cpu_s": round(sync_cpu_us / 1e6, 4)},
             "scalar_reads": scalar_reads,
@@ -479,47 +381,6 @@ class _SetupLog(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def checkpointing_choice(lines: list[str]) -> dict | None:
-    """The activation checkpointing note of the setup's log (`learner.checkpointing.resolve_checkpointing`): the
-    mode, whether auto chose it, and the numbers auto used (None where this tree's note does not give them)."""
-    m = next((m for line in lines for m in [re.search(r"activation checkpointing (\w+) \(([^;]*)\)", line)] if m),
-             None)
-    if m is None:
-        return None
-    mode, note = m.group(1), m.group(2)
-
-    def num(pattern: str) -> float | None:
-        hit = re.search(pattern, note)
-        return float(hit.group(1)) if hit else None
-
-    kb = re.search(r"kB/token (.*?) =", note)
-    return {"mode": mode, "auto": note.startswith("auto"), "compiled": note.startswith("auto, compiled"),
-            "note": note, "tokens": None if num(r"activations of (\d+) tokens") is None
-            else int(num(r"activations of (\d+) tokens")), "left_gib": num(r"([-\d.]+) GiB left"),
-            "budget_gib": num(r"x ([\d.]+) GiB budget"), "free_gib": num(r"\(free ([\d.]+),"),
-            "gpu_share": num(r"GPU share ([\d.]+)"),
-            "halved_from": None if num(r"micro_batch_tokens halved from (\d+)") is None
-            else int(num(r"micro_batch_tokens halved from (\d+)")),
-            "kb_per_token": {k: float(v) for k, v in re.findall(r"(none|selective|full) ([\d.]+)", kb.group(1))}
-            if kb else {}}
-
-
-def checkpointing_cell(s: dict, choice: dict | None) -> str:
-    """The table's checkpointing cell: the mode, and where auto chose it, the numbers it used."""
-    mode = s.get("activation_checkpointing", "-")
-    if not choice:
-        return str(mode)
-    if not choice["auto"]:
-        return f"{mode} (set)"
-    if choice.get("tokens") is None:  # off CUDA, or a tree whose note gives no numbers
-        return f"{mode} ({choice['note']})"
-    kb = choice["kb_per_token"].get(mode)
-    halved = f" (halved from {choice['halved_from']:,})" if choice.get("halved_from") else ""
-    return (f"{mode} (auto{', compiled' if choice['compiled'] else ''}: {choice['tokens']:,} tok{halved} x "
-            f"{kb if kb is not None else '?'} kB, {choice['left_gib']} GiB left of free {choice['free_gib']} "
-            f"x share {choice['gpu_share']:g})")
-
-
 def build_rank(args, size: str, padding_free: bool | None, folder: Path, device: torch.device,
                dtype: torch.dtype) -> dict:
     """The product's rank setup for `size` and the levers asked for, built once and reused by the consecutive
@@ -561,7 +422,6 @@ def run_case(args, size: str, case: str, rank: dict, device: torch.device, dtype
     out = {"size": size, "case": case, "rows": len(lengths), "prompt_tokens": args.prompt,
            "response_min": min(lengths), "response_max": max(lengths), "response_tokens": sum(lengths),
            "tokens": sum(lengths) + len(lengths) * args.prompt}
-    cfg, built = rank["cfg"], rank["built"]
     first = not rank["first_step_done"]  # this case runs the rank's first step: setup + compile are its cost
     t_case = rank["started"] if first else time.perf_counter()
     model = trainer = None
@@ -571,74 +431,26 @@ def run_case(args, size: str, case: str, rank: dict, device: torch.device, dtype
             if rank.get("failed"):
                 out["failed"] = True
             return out
-        if first:
-            out["setup_s"] = rank["setup_s"]
-            for key in ("trial_graphs", "trial_s"):  # the setup's lever trial: the run's compile warm-up
-                if hasattr(built, key):
-                    out[key] = round(getattr(built, key), 2)
-        out["built_here"] = first  # False: the rank (and its compiled graphs) of the case before, reused
-        if rank["checkpointing"] is not None:
-            out["checkpointing"] = rank["checkpointing"]
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)  # the steps' peak (the model, AdamW state, activations)
-        model, trainer = built.model, built.trainer
-        shape = model.config
-        params = sum(p.numel() for p in model.parameters())  # unique: a tied embedding once
-        counts = ParamCounts.of(model)
-        out.update(settings=lever_settings(trainer.cfg, model), params=params, param_counts=asdict(counts),
-                   layers=shape.num_hidden_layers, hidden=shape.hidden_size,
-                   levers_off={k: str(v) for k, v in (getattr(built, "levers_off", None) or {}).items()})
+        model, trainer = rank["built"].model, rank["built"].trainer
+        counts = describe_rank(out, rank, first, device)
         if case == "publish":  # the publication alone: no step, so no AdamW state or activations
             out["publication"] = publication(model, device, int(args.bucket_mb * 2**20), args.pub_repeats)
             return out
-        times, warm, learner_recompiles = [], [], []
-        graphs = rank["graphs"]
-        for i in range(args.warmup + args.steps):
-            batch = make_batch(lengths, args.prompt, shape.vocab_size, version=i, seed=100 + i)
-            sync(device)
-            t0 = time.perf_counter()
-            stats = trainer.run(batch)
-            sync(device)
-            (warm if i < args.warmup else times).append(time.perf_counter() - t0)
-            learner_recompiles.append(recompiles_from_stats(stats))
-            if i == 0:
-                out["first_step_s"] = round(time.perf_counter() - t_case, 2)  # setup (if built here) + first step
-                if first:  # the graphs of the setup's trial and the first step; any later one is a recompile
-                    graphs = compiled_graphs()
-                    out["graphs_first_step"] = graphs
-                    rank["first_step_done"] = True
-        step_s = statistics.median(times)
-        ran = out["settings"]
-        flops = step_flops(counts, shape.num_hidden_layers, shape.hidden_size, lengths, args.prompt,
-                           ran.get("activation_checkpointing", "none"), ran.get("logits_chunk_tokens") != 0)
-        tflops, _ = peak_tflops(device, args.peak_tflops)
-
-        def rate(f: float | None) -> float | None:
-            return round(f / step_s / (tflops * 1e12), 4) if tflops and f is not None else None
-
-        out.update(step_s=round(step_s, 6), step_s_all=[round(t, 6) for t in times],
-                   step_s_min=round(min(times), 6), step_s_max=round(max(times), 6),
-                   step_spread=round((max(times) - min(times)) / step_s, 4),
-                   warmup_s=[round(t, 3) for t in warm], updates=stats.updates,
-                   padding_frac=round(1 - float(stats.sums["row_tokens"]) / max(1.0, float(stats.sums["forward_tokens"])),
-                                      4),
-                   response_tokens_per_s=round(sum(lengths) / step_s, 1), tokens_per_s=round(out["tokens"] / step_s, 1),
-                   flops_per_step=flops["model"], flops_per_step_torchtitan=flops["torchtitan"],
-                   flops_per_step_hardware=flops["hardware"], mfu=rate(flops["model"]),
-                   mfu_torchtitan=rate(flops["torchtitan"]), hfu=rate(flops["hardware"]))
+        steps = timed_steps(args, trainer, lengths, model.config.vocab_size, out, rank, t_case, device)
+        out.update(step_numbers(args, out["settings"], counts, model.config, lengths, out["tokens"], steps, device))
         if device.type == "cuda":
             out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         else:
             out["peak_rss_gib"] = round(peak_rss_gib(), 3)
         if profile:
-            out.update(profile_step(trainer, make_batch(lengths, args.prompt, shape.vocab_size, version=99, seed=99),
-                                    device))
-            out["profile_overhead"] = round(out["profiled_step_s"] / step_s - 1, 4)  # the profiler's cost on a step
+            out.update(profile_step(trainer, make_batch(lengths, args.prompt, model.config.vocab_size, version=99,
+                                                        seed=99), device))
+            out["profile_overhead"] = round(out["profiled_step_s"] / steps.median - 1, 4)  # the profiler's cost
         # graphs built after the rank's first step (this case's new shapes included): recompiles
-        out["recompiles"] = compiled_graphs() - graphs
+        out["recompiles"] = compiled_graphs() - steps.graphs
         rank["graphs"] = compiled_graphs()
-        if any(n is not None for n in learner_recompiles):
-            out["learner_recompiles"] = learner_recompiles
+        if any(n is not None for n in steps.learner_recompiles):
+            out["learner_recompiles"] = steps.learner_recompiles
         if want_publication:
             out["publication"] = publication(model, device, int(args.bucket_mb * 2**20), args.pub_repeats)
     except torch.OutOfMemoryError as e:  # a result of the case: the next case starts from a free device
@@ -653,13 +465,104 @@ def run_case(args, size: str, case: str, rank: dict, device: torch.device, dtype
         if "settings" not in out:  # failed before the step was built: the levers as `auto` resolves them here
             from learner.levers import resolve_levers
 
-            out["settings"] = lever_settings(resolve_levers(cfg, device, dtype)[0], None)
+            out["settings"] = lever_settings(resolve_levers(rank["cfg"], device, dtype)[0], None)
         # set-up and warm-up (compile) where this case built the rank, steps, profile, publication
         out["case_s"] = round(time.perf_counter() - t_case, 2)
         del model, trainer
         if device.type == "cuda":
             torch.cuda.empty_cache()  # what this case's activations left cached, before the next shape
     return out
+
+
+def describe_rank(out: dict, rank: dict, first: bool, device: torch.device) -> ParamCounts:
+    """Record into `out` what the case runs on: the rank's setup where this case is its first, the levers as
+    resolved, the parameter counts and shape; reset the device's peak memory for the steps. The counts returned
+    are the FLOP formulas'."""
+    built = rank["built"]
+    if first:
+        out["setup_s"] = rank["setup_s"]
+        for key in ("trial_graphs", "trial_s"):  # the setup's lever trial: the run's compile warm-up
+            if hasattr(built, key):
+                out[key] = round(getattr(built, key), 2)
+    out["built_here"] = first  # False: the rank (and its compiled graphs) of the case before, reused
+    if rank["checkpointing"] is not None:
+        out["checkpointing"] = rank["checkpointing"]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the steps' peak (the model, AdamW state, activations)
+    model, shape = built.model, built.model.config
+    counts = ParamCounts.of(model)
+    out.update(settings=lever_settings(built.trainer.cfg, model),
+               params=sum(p.numel() for p in model.parameters()),  # unique: a tied embedding once
+               param_counts=asdict(counts), layers=shape.num_hidden_layers, hidden=shape.hidden_size,
+               levers_off={k: str(v) for k, v in (getattr(built, "levers_off", None) or {}).items()})
+    return counts
+
+
+@dataclass
+class Steps:
+    """What `timed_steps` measured: seconds of the untimed (warm-up) and timed steps, the last step's RankStats,
+    the learner's own recompile count per step (None where this tree's TrainStep does not report it), and the
+    compiled-graph count that any later graph is a recompile against (taken after the rank's first step)."""
+    warmup: list[float]
+    times: list[float]
+    stats: object
+    learner_recompiles: list[int | None]
+    graphs: int
+
+    @property
+    def median(self) -> float:
+        """Seconds of the median timed step."""
+        return statistics.median(self.times)
+
+
+def timed_steps(args, trainer, lengths: list[int], vocab: int, out: dict, rank: dict, t_case: float,
+                device: torch.device) -> Steps:
+    """--warmup then --steps steps on fresh batches of `lengths`, each timed between device syncs. The first step
+    records into `out` the seconds to it (from `t_case`) and, where it is the rank's first, the graphs compiled."""
+    first = not rank["first_step_done"]
+    times, warm, learner_recompiles = [], [], []
+    graphs, stats = rank["graphs"], None
+    for i in range(args.warmup + args.steps):
+        batch = make_batch(lengths, args.prompt, vocab, version=i, seed=100 + i)
+        sync(device)
+        t0 = time.perf_counter()
+        stats = trainer.run(batch)
+        sync(device)
+        (warm if i < args.warmup else times).append(time.perf_counter() - t0)
+        learner_recompiles.append(recompiles_from_stats(stats))
+        if i == 0:
+            out["first_step_s"] = round(time.perf_counter() - t_case, 2)  # setup (if built here) + first step
+            if first:  # the graphs of the setup's trial and the first step; any later one is a recompile
+                graphs = compiled_graphs()
+                out["graphs_first_step"] = graphs
+                rank["first_step_done"] = True
+    return Steps(warm, times, stats, learner_recompiles, graphs)
+
+
+def step_numbers(args, ran: dict, counts: ParamCounts, shape, lengths: list[int], tokens: int, steps: Steps,
+                 device: torch.device) -> dict:
+    """The timed steps' numbers: seconds per step (median, all, fastest, slowest, spread), updates, padding,
+    tokens/s, the FLOPs per step three ways (`step_flops`, for the levers `ran` with) and their rates against the
+    device's peak (None where the peak is unknown)."""
+    times, stats = steps.times, steps.stats
+    step_s = steps.median
+    flops = step_flops(counts, shape.num_hidden_layers, shape.hidden_size, lengths, args.prompt,
+                       ran.get("activation_checkpointing", "none"), ran.get("logits_chunk_tokens") != 0)
+    tflops, _ = peak_tflops(device, args.peak_tflops)
+
+    def rate(f: float | None) -> float | None:
+        return round(f / step_s / (tflops * 1e12), 4) if tflops and f is not None else None
+
+    return dict(step_s=round(step_s, 6), step_s_all=[round(t, 6) for t in times],
+                step_s_min=round(min(times), 6), step_s_max=round(max(times), 6),
+                step_spread=round((max(times) - min(times)) / step_s, 4),
+                warmup_s=[round(t, 3) for t in steps.warmup], updates=stats.updates,
+                padding_frac=round(1 - float(stats.sums["row_tokens"]) / max(1.0, float(stats.sums["forward_tokens"])),
+                                   4),
+                response_tokens_per_s=round(sum(lengths) / step_s, 1), tokens_per_s=round(tokens / step_s, 1),
+                flops_per_step=flops["model"], flops_per_step_torchtitan=flops["torchtitan"],
+                flops_per_step_hardware=flops["hardware"], mfu=rate(flops["model"]),
+                mfu_torchtitan=rate(flops["torchtitan"]), hfu=rate(flops["hardware"]))
 
 
 def release(rank: dict | None, device: torch.device) -> None:
@@ -742,7 +645,7 @@ def copy_limit(nbytes: int, device: torch.device, bucket_bytes: int) -> tuple[fl
     return one(), pinned
 
 
-# ------------------------------------------------------------------------------------------------- report
+# ------------------------------------------------------------------------------------------------- plan
 
 def fits(size: str, device: torch.device, vocab: int, case: str = "fixed") -> str | None:
     """Why `case` of `size` is skipped on this device (None: it should fit). A step: 16 B per parameter (fp32
@@ -761,179 +664,6 @@ def fits(size: str, device: torch.device, vocab: int, case: str = "fixed") -> st
         return (f"needs ~{need / 2**30:.0f} GiB ({per} B/parameter + {extra} GiB), the device has "
                 f"{have / 2**30:.0f} GiB")
     return None
-
-
-def levers_on(s: dict) -> str:
-    ckpt = s.get("activation_checkpointing")
-    on = [name for name, yes in (("packed", s["packs_padding_free"]), ("compile", s.get("compile")),
-                                 ("fused", s.get("fused_optimizer")), (f"ckpt {ckpt}", ckpt not in (None, "none")),
-                                 ("chunked", s.get("logits_chunk_tokens") != 0),
-                                 ("head math compiled", s.get("compile_head_math")),
-                                 (f"lora r{s.get('lora_rank')}", s.get("lora_rank"))) if yes]
-    return " ".join(on) or "none"
-
-
-def judge(result: dict) -> list[dict]:
-    """Issue 49's "Done when", each with its measured value and PASS/FAIL (judged on a GPU only), from the runs of
-    the product's defaults (`run["defaults"]`), the 1.5B mixed pair and the 1.5B publication: every case runs, the
-    MFU targets, no recompile after a rank's first step, the 1.5B time from setup to the first step (warm: the
-    run loaded a compile cache), packed / padded, the publication. Each target has `target_text` and `value_text`
-    for the tables."""
-    gpu = result["device"]["type"] == "cuda"
-
-    def verdict(value, target, at_most: bool = False) -> str:
-        if value is None:
-            return "not measured"
-        return ("PASS" if (value <= target if at_most else value >= target) else "FAIL") if gpu \
-            else "not judged (CPU)"
-
-    def fmt(value, mfu: bool) -> str:
-        return "-" if value is None else pct(value) if mfu else f"{value:.2f}" if isinstance(value, float) else str(value)
-
-    out = []
-    defaults = [r for r in result["runs"] if r.get("defaults") and r["case"] != "publish"]
-    failed = [f"{r['size']} {r['case']}" for r in defaults if "error" in r]
-    value = f"{len(defaults) - len(failed)}/{len(defaults)} ran" if defaults else None
-    out.append({"key": "defaults_run", "what": "the product's defaults run every case", "target": "no error",
-                "value": value, "target_text": "no error", "value_text": value or "-",
-                "verdict": ("FAIL: " + ", ".join(failed) if failed else "PASS") if defaults else "not measured"})
-    for key, what, size, case, target in TARGETS:
-        mfu = key.startswith("mfu")
-        if case == "publish":
-            value = result["publication"].get(size, {}).get("gb_per_s")
-        elif key.startswith("packed_over_padded"):
-            value = result["packed_over_padded"].get(size)
-        else:
-            run = next((r for r in defaults if r["size"] == size and r["case"] == case), None)
-            value = run.get("mfu") if run is not None else None
-            if run is not None and "error" in run:
-                out.append({"key": key, "what": what, "target": target, "value": None,
-                            "target_text": f">= {target:.0%}", "value_text": "-",
-                            "verdict": "FAIL: " + run["error"][:80]})
-                continue
-        out.append({"key": key, "what": what, "target": target, "value": value,
-                    "target_text": f">= {target:.0%}" if mfu else f">= {target:g}", "value_text": fmt(value, mfu),
-                    "verdict": verdict(value, target)})
-    counted = [r["recompiles"] for r in defaults if "recompiles" in r]
-    value = sum(counted) if counted else None
-    out.append({"key": "recompiles", "what": "recompiles after a rank's first step, the defaults' cases",
-                "target": 0, "value": value, "target_text": "0", "value_text": fmt(value, False),
-                "verdict": verdict(value, 0, at_most=True)})
-    warm = bool(result.get("compile_cache", {}).get("loaded"))
-    first = next((r for r in defaults if r["size"] == "1.5B" and r.get("built_here") and "first_step_s" in r), None)
-    target = FIRST_STEP_S["warm" if warm else "cold"]
-    value = first["first_step_s"] if first else None
-    out.append({"key": "first_step_1.5B", "what": f"1.5B: setup to the first finished step, s ({'warm' if warm else 'cold'}"
-                f" compile cache)", "target": target, "value": value, "target_text": f"<= {target:g}",
-                "value_text": fmt(value, False), "verdict": verdict(value, target, at_most=True)})
-    return out
-
-
-def target_cell(r: dict, targets: list[dict]) -> str:
-    """The table's target cell of run `r`: the MFU target it is judged against, if any."""
-    for t in targets:
-        hit = next(((size, case) for key, _, size, case, _ in TARGETS if key == t["key"]), None)
-        if r.get("defaults") and hit == (r["size"], r["case"]) and t["key"].startswith("mfu_"):
-            return f">= {t['target']:.0%}: {t['verdict']}"
-    return ""
-
-
-def first_step_cell(r: dict) -> str:
-    """Seconds from the start of the rank's setup (where this case built it; else from the case's start, on the
-    rank of the case before) to its first finished step."""
-    if "first_step_s" not in r:
-        return "-"
-    return f"{r['first_step_s']:.1f}" + ("" if r.get("built_here") else " (reused)")
-
-
-def pct(x: float | None) -> str:
-    return f"{x:.1%}" if x is not None else "-"
-
-
-def print_report(result: dict) -> None:
-    d = result["device"]
-    print(f"\n$ {result['command']}")
-    print(f"   ({d['name']}, torch {result['versions']['torch']}, transformers {result['versions']['transformers']}, "
-          f"{result['dtype']}, commit {result['versions']['commit']})")
-    peak = f"{d['peak_tflops']:g} TFLOP/s ({d['peak_source']})" if d["peak_tflops"] else d["peak_source"]
-    print(f"peak {peak}")
-    for name, formula in result["flop_formulas"].items():
-        print(f"- {name} = {formula}")
-    cats = [c for c, _ in CATEGORIES] + ["other"]
-    gpu = d["type"] == "cuda"
-    print("\nstep s: median of the timed steps, with the fastest and slowest; kernel time split: "
-          + ("CUDA kernel time by kernel name" if gpu else "CPU op self time by op name")
-          + " over one more, profiled, step; syncs/step: " + ("CUDA runtime sync calls" if gpu else "none on a CPU")
-          + "; levers: packed = padding-free, ckpt = activation checkpointing, chunked = chunked LM head; "
-            "defaults: every lever the product's default (the runs the targets judge)\n")
-    head = ["size", "case", "rows x response", "levers on", "attention", "defaults", "step s", "min-max s",
-            "resp tok/s", "MFU", "MFU (torchtitan)", "HFU", "peak GiB" if gpu else "peak RSS GiB",
-            "first step s", "recompiles", "checkpointing"] + cats + ["syncs/step", "target"]
-    targets = result.get("targets", [])
-    print("| " + " | ".join(head) + " |")
-    print("|" + "|".join("---" for _ in head) + "|")
-    for r in result["runs"]:
-        if r["case"] == "publish" and "error" not in r:  # its numbers are in the publication table
-            continue
-        s = r["settings"]
-        lead = [r["size"], r["case"], f"{r['rows']} x {r['response_min']}-{r['response_max']}", levers_on(s),
-                str(s["attention"]), "yes" if r.get("defaults") else "no"]
-        if "error" in r:
-            error = r["error"] if len(r["error"]) <= 160 else r["error"][:157] + "..."  # whole in the JSON
-            print("| " + " | ".join(lead + [error] + [""] * (len(head) - len(lead) - 2) + [target_cell(r, targets)])
-                  + " |")
-            continue
-        mem = r.get("peak_mem_gib", r.get("peak_rss_gib"))
-        split = r.get("kernel_split", {})
-        cells = lead + [f"{r['step_s']:.3f}", f"{r['step_s_min']:.3f}-{r['step_s_max']:.3f}",
-                        f"{r['response_tokens_per_s']:,.0f}", pct(r["mfu"]), pct(r.get("mfu_torchtitan")),
-                        pct(r.get("hfu")), f"{mem:.2f}", first_step_cell(r),
-                        str(r["recompiles"]) if "recompiles" in r else "-",
-                        checkpointing_cell(s, r.get("checkpointing"))]
-        cells += [f"{split[c]['share']:.0%}" if c in split else "-" for c in cats]
-        cells.append(str(r["host_syncs"]["total"]) if "host_syncs" in r else "-")
-        cells.append(target_cell(r, targets))
-        print("| " + " | ".join(cells) + " |")
-    for r in result["runs"]:
-        for lever, error in r.get("levers_off", {}).items():
-            print(f"\n{r['size']} {r['case']}: {lever} off, it failed its trial at setup: {error}")
-    for r in result["runs"]:
-        if r.get("top_kernels"):
-            print_top_kernels(r, gpu)
-    for size, ratio in result["packed_over_padded"].items():
-        print(f"\n{size}: mixed lengths, packed / padded response tokens/s = {ratio:.2f}x")
-    if result["publication"]:
-        print("\n| size | published GB | unique GB | iter_full_state s | GB/s | pinned copy GB/s | "
-              "copy / publication |")
-        print("|---|---|---|---|---|---|---|")
-    for size, p in result["publication"].items():
-        print(f"| {size} | {p['bytes_published'] / 1e9:.3g} | {p['unique_bytes'] / 1e9:.3g} | {p['seconds']:.3g} | "
-              f"{p['gb_per_s']:.2f} | {p['copy_gb_per_s']:.2f}{'' if p['copy_pinned'] else ' (plain, CPU)'} | "
-              f"{p['copy_gb_per_s'] / p['gb_per_s']:.1f}x |")
-    for size, why in result["skipped"].items():
-        print(f"\nskipped {size}: {why}")
-    if result["publication"] or any(r.get("defaults") for r in result["runs"]):  # not after an A/B run alone
-        print_targets(targets)
-
-
-def print_top_kernels(r: dict, gpu: bool) -> None:
-    clock = "CUDA kernel time" if gpu else "CPU op self time"
-    print(f"\ntop {len(r['top_kernels'])} kernels, {r['size']} {r['case']} ({levers_on(r['settings'])}): "
-          f"{r['kernel_ms'] / 1e3:.3f} s of {clock}; the profiled step took {r['profiled_step_s']:.3f} s "
-          f"({r['profile_overhead']:+.0%} on the median step) and reading its trace {r['profile_read_s']:.1f} s more")
-    print("| # | kernel | category | ms | share | calls |")
-    print("|---|---|---|---|---|---|")
-    for i, k in enumerate(r["top_kernels"], 1):
-        name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."  # whole (400 characters) in the JSON
-        print(f"| {i} | `{name.replace('|', '/')}` | {k['category']} | {k['ms']:,.1f} | {k['share']:.1%} | "
-              f"{k['calls']:,} |")
-
-
-def print_targets(targets: list[dict]) -> None:
-    print("\n| Done when (issue 49) | target | measured | verdict |")
-    print("|---|---|---|---|")
-    for t in targets:
-        print(f"| {t['what']} | {t['target_text']} | {t['value_text']} | {t['verdict']} |")
 
 
 def versions() -> dict:
@@ -1028,6 +758,8 @@ def run_spec(text: str) -> tuple[str, str, bool | None]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Run the bench: the planned cases on one process group, then the report, the JSON, and exit 1 where a case
+    failed for anything but memory (`argv` given: return the result instead of exiting)."""
     args = parse_args(argv)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -1038,59 +770,14 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     backend = "nccl" if device.type == "cuda" else "gloo"
     torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    tflops, source = peak_tflops(device, args.peak_tflops)
     vocab = 512 if args.quick else VOCAB
-    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, Path.cwd())]
-                                   + (sys.argv[1:] if argv is None else argv))
-    result = {"command": command, "versions": versions(), "dtype": args.dtype,
-              "device": {"type": device.type, "peak_tflops": tflops, "peak_source": source,
-                         "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
-                         "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
-                         if device.type == "cuda" else None},
-              "mfu_formula": "(6 x params + 6 x layers x hidden x row length) x tokens / step_s / peak",
-              "flop_formulas": FLOP_FORMULAS, "recompute_counted": False, "vocab": vocab,
-              "levers": {flag: getattr(args, flag) for flag in LEVERS} | {"attn": args.attn, "lora": args.lora},
-              "runs": [], "publication": {}, "packed_over_padded": {}, "skipped": {}}
+    result = new_result(args, argv, device, vocab)
     default_packs = product_packs(device, dtype)
-    levers_given = any(getattr(args, flag) is not None for flag in LEVERS) or bool(args.lora or args.attn)
     started = time.perf_counter()
     result["compile_cache"] = {"loaded": load_lease_cache(args.compile_cache)}
-    rank, rank_key, profiled = None, None, False
     try:
-        with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
-            for size, case, pf in plan(args):
-                if case == "publish" and size in result["publication"]:  # a step case of this size published
-                    continue
-                why = fits(size, device, vocab, case) or over_budget(args, started, result["runs"])
-                if why:
-                    mode = {True: " packed", False: " padded"}.get(pf, "") if case == "mixed" else ""
-                    result["skipped"][f"{size} {case}{mode}"] = why
-                    continue
-                # one build per size and lever set: consecutive cases of both run their batch shapes on it
-                key = (size, pf if pf is not None else args.padding_free if args.padding_free is not None
-                       else default_packs)
-                if rank is None or key != rank_key:
-                    release(rank, device)
-                    rank = build_rank(args, size, pf, model_folder(size, vocab, Path(tmp)), device, dtype)
-                    rank_key = key
-                run = run_case(args, size, case, rank, device, dtype,
-                               want_publication=size not in result["publication"] and (args.publish or
-                                                                                        case == "publish"),
-                               profile=args.profile and not (args.profile_first and profiled))
-                profiled = profiled or "top_kernels" in run
-                run["defaults"] = not levers_given and pf in (None, default_packs)
-                if "publication" in run:
-                    result["publication"][size] = run.pop("publication")
-                result["runs"].append(run)
-                progress(run, result, args.out)
-            release(rank, device)
-            rank = None
-        for size in dict.fromkeys(r["size"] for r in result["runs"]):
-            mixed = {r["settings"]["packs_padding_free"]: r for r in result["runs"]
-                     if r["size"] == size and r["case"] == "mixed" and "error" not in r}
-            if len(mixed) == 2:
-                result["packed_over_padded"][size] = round(
-                    mixed[True]["response_tokens_per_s"] / mixed[False]["response_tokens_per_s"], 3)
+        run_plan(args, result, device, dtype, vocab, default_packs, started)
+        result["packed_over_padded"] = packed_over_padded(result["runs"])
     finally:
         torch.distributed.destroy_process_group()
         result["compile_cache"]["saved"] = save_lease_cache(args.compile_cache, args.out)
@@ -1106,6 +793,59 @@ def main(argv: list[str] | None = None) -> dict:
         if argv is None:
             sys.exit(1)
     return result
+
+
+def new_result(args, argv: list[str] | None, device: torch.device, vocab: int) -> dict:
+    """The JSON's head, before any case: the command line, versions, device and its peak, the FLOP formulas, the
+    levers asked for; empty runs, publication, packed / padded and skipped for the cases to fill."""
+    tflops, source = peak_tflops(device, args.peak_tflops)
+    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, Path.cwd())]
+                                   + (sys.argv[1:] if argv is None else argv))
+    return {"command": command, "versions": versions(), "dtype": args.dtype,
+            "device": {"type": device.type, "peak_tflops": tflops, "peak_source": source,
+                       "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+                       "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+                       if device.type == "cuda" else None},
+            "mfu_formula": "(6 x params + 6 x layers x hidden x row length) x tokens / step_s / peak",
+            "flop_formulas": FLOP_FORMULAS, "recompute_counted": False, "vocab": vocab,
+            "levers": {flag: getattr(args, flag) for flag in LEVERS} | {"attn": args.attn, "lora": args.lora},
+            "runs": [], "publication": {}, "packed_over_padded": {}, "skipped": {}}
+
+
+def run_plan(args, result: dict, device: torch.device, dtype: torch.dtype, vocab: int, default_packs: bool,
+             started: float) -> None:
+    """Run the cases of `plan` in order into `result` (runs, publication, skipped), one build per size and lever
+    set, each finished case printed and saved (`progress`); a case that does not fit or would overrun --budget-s
+    is skipped with the reason."""
+    levers_given = any(getattr(args, flag) is not None for flag in LEVERS) or bool(args.lora or args.attn)
+    rank, rank_key, profiled = None, None, False
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
+        for size, case, pf in plan(args):
+            if case == "publish" and size in result["publication"]:  # a step case of this size published
+                continue
+            why = fits(size, device, vocab, case) or over_budget(args, started, result["runs"])
+            if why:
+                mode = {True: " packed", False: " padded"}.get(pf, "") if case == "mixed" else ""
+                result["skipped"][f"{size} {case}{mode}"] = why
+                continue
+            # one build per size and lever set: consecutive cases of both run their batch shapes on it
+            key = (size, pf if pf is not None else args.padding_free if args.padding_free is not None
+                   else default_packs)
+            if rank is None or key != rank_key:
+                release(rank, device)
+                rank = build_rank(args, size, pf, model_folder(size, vocab, Path(tmp)), device, dtype)
+                rank_key = key
+            run = run_case(args, size, case, rank, device, dtype,
+                           want_publication=size not in result["publication"] and (args.publish or
+                                                                                    case == "publish"),
+                           profile=args.profile and not (args.profile_first and profiled))
+            profiled = profiled or "top_kernels" in run
+            run["defaults"] = not levers_given and pf in (None, default_packs)
+            if "publication" in run:
+                result["publication"][size] = run.pop("publication")
+            result["runs"].append(run)
+            progress(run, result, args.out)
+        release(rank, device)
 
 
 def load_lease_cache(folder: Path | None) -> list[str]:
@@ -1170,38 +910,6 @@ def over_budget(args, started: float, runs: list[dict]) -> str | None:
     if spent + last > args.budget_s:
         return f"--budget-s {args.budget_s:g}: {spent:.0f} s spent, the last case took {last:.0f} s"
     return None
-
-
-def save(result: dict, out: Path) -> None:
-    """The JSON, whole, replaced atomically: a bench killed at its time limit leaves every finished case."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out)
-
-
-def progress(run: dict, result: dict, out: Path | None) -> None:
-    """One line per finished case (flushed: a lease's output may be all that comes back), and the JSON so far."""
-    head = f"[gpu_bench] {run['size']} {run['case']} ({levers_on(run['settings'])}, {run['case_s']:.0f} s)"
-    if "error" in run:
-        line = f"{head}: {run['error']}"
-    elif run["case"] == "publish":
-        p = result["publication"].get(run["size"], {})
-        line = f"{head}: publication {p.get('gb_per_s', 0):.2f} GB/s, pinned copy {p.get('copy_gb_per_s', 0):.2f} GB/s"
-    else:
-        mem = run.get("peak_mem_gib", run.get("peak_rss_gib"))
-        line = (f"{head}: {run['step_s']:.3f} s/step ({run['step_s_min']:.3f}-{run['step_s_max']:.3f}), "
-                f"{run['response_tokens_per_s']:,.0f} response tok/s, MFU {pct(run['mfu'])}, MFU (torchtitan) "
-                f"{pct(run['mfu_torchtitan'])}, HFU {pct(run['hfu'])}, peak {mem:.2f} GiB, "
-                f"warm-up {sum(run['warmup_s']):.0f} s, first step {first_step_cell(run)} s, "
-                f"recompiles {run.get('recompiles', '-')}, checkpointing "
-                f"{checkpointing_cell(run['settings'], run.get('checkpointing'))}")
-    if run.get("levers_off"):
-        off = "; ".join(f"{lever} ({error})" for lever, error in run["levers_off"].items())
-        line += f"; off after failing their trial at setup: {off}"
-    print(line, file=sys.stderr, flush=True)
-    if out is not None:
-        save(result, out)
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ import json, sys
 from pathlib import Path
 
 sys.path.insert(0, ".")
-from bench.gpu_bench import checkpointing_cell, first_step_cell
+from bench.gpu_report import checkpointing_cell, first_step_cell
 
 pct = lambda x: "-" if x is None else f"{x:.1%}"
 print("\n## device_bench: every case\n\n| part | case | levers on | step s (min-max) | MFU | MFU (torchtitan) | HFU | "

@@ -1,6 +1,7 @@
 """bench/gpu_bench.py runs on a bare GPU machine: `--quick` runs its whole pipeline on CPU (the product's rank
 setup and TrainStep, the profiled step, the publication beside the copy limit) and writes every number, and
-nothing it imports pulls in Ray, vLLM or MLflow."""
+nothing it imports pulls in Ray, vLLM or MLflow; its report (bench/gpu_report.py: FLOPs, targets, tables) imports
+not even torch."""
 
 from __future__ import annotations
 
@@ -150,7 +151,7 @@ def test_the_lease_script_runs_the_whole_pipeline_and_writes_every_number(tmp_pa
 def test_step_flops_worked_by_hand():
     """A model of 100 parameters, 2 layers, hidden 4, one row of 2 prompt + 6 response tokens (T = 8)."""
     sys.path.insert(0, str(ROOT))
-    from bench.gpu_bench import ParamCounts, step_flops
+    from bench.gpu_report import ParamCounts, step_flops
 
     full = ParamCounts(trained=100, frozen=0, layer=80, lookup=0, lookup_trained=True, head=10)
     f = step_flops(full, layers=2, hidden=4, lengths=[6], prompt=2, checkpointing="none", chunked_head=False)
@@ -202,6 +203,12 @@ def test_pad_multiple_flag_sets_the_learner_s():
 def test_imports_neither_ray_nor_vllm_nor_mlflow():
     code = ("import sys; sys.path.insert(0, '.'); import bench.gpu_bench, learner.setup, learner.gather; "
             "print([m for m in ('ray', 'vllm', 'mlflow') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         check=True).stdout
+    assert out.strip() == "[]"
+    # the report alone (scripts/device_bench.sh's summary reads its cells): not even torch
+    code = ("import sys; sys.path.insert(0, '.'); import bench.gpu_report; "
+            "print([m for m in ('ray', 'vllm', 'mlflow', 'torch') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          check=True).stdout
     assert out.strip() == "[]"
@@ -264,7 +271,7 @@ def test_the_table_shows_what_auto_chose_and_from_which_numbers():
     """The setup's note (learner.checkpointing's own, from numbers worked by hand in
     tests/learner/test_checkpointing.py) read back into the JSON and the table's cell."""
     sys.path.insert(0, str(ROOT))
-    from bench.gpu_bench import checkpointing_cell, checkpointing_choice
+    from bench.gpu_report import checkpointing_cell, checkpointing_choice
     from learner.checkpointing import LayerShape, MemoryBudget, choose_checkpointing
 
     gib = 2 ** 30
