@@ -67,8 +67,8 @@ HARDWARE = {
 
 
 ISSUE_34 = "measured: H200, issue 34 (torch 2.11, commit 95e189f)"
-# MFU per Qwen2.5 size by bench/gpu_report.py's formula (step_flops): (6 x params + 6 x layers x hidden x row length) FLOPs per
-# token over every token, recompute not counted. size: (MFU, parameters, the step measured, source)
+# MFU per Qwen2.5 size by bench/gpu_report.py's formula (step_flops): (6 x params + 6 x layers x hidden x row
+# length) FLOPs per token over every token, recompute not counted. size: (MFU, parameters, the step measured, source)
 MFU_MEASURED = {
     "1.5B": (0.242, 1.544e9, "8 x (256 + 8,192) tokens, checkpointing", ISSUE_34),
     "3B": (0.288, 3.086e9, "8 x (256 + 8,192) tokens, checkpointing", ISSUE_34),
