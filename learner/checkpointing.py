@@ -289,20 +289,21 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
                           budget: MemoryBudget | None = None) -> tuple[LearnerConfig, str]:
     """`cfg` with `activation_checkpointing` "auto" decided for this rank, and the note for the start log.
 
-    Off CUDA "auto" is none (what the CPU runs always did). On CUDA: `choose_checkpointing` over `budget` (None:
-    the device's free memory now, capped at `learner.num_gpus`' share of its total: a learner beside a vLLM
-    engine on one card budgets only what it was given), `model`'s parameters (`state_bytes`; call after the build
-    and LoRA, before sharding: the free memory then still holds the weights to come), the micro-batch's tokens
-    (`micro_batch_tokens`: `max_length` = the longest row's prompt + response, `rows` = the rows one rank trains
-    per update where known), and bytes per token with `cfg.compile` (resolved) as the layers will run (selective
-    only under inductor's compile, `EAGER_AUTO_MODES` without: how it ran on a GPU). A set mode
-    is kept and its note says so. Where only full fits and `learner.micro_batch_tokens` is set, auto may halve that
-    budget once so that selective fits (`choose_checkpointing`'s floor: `HALVE_FLOOR`, and the longest row rounded
-    up to `pad_multiple`); the returned cfg then carries the halved budget, and the note says so. Not covered: a compile that then fails its trial at setup (`learner.trial`)
-    leaves the layers eager under a mode chosen from compiled bytes (none may then need up to twice its estimate);
-    `learner.setup` does not re-resolve it, and logs `eager_fallback_note`'s WARNING instead. A run's driver hands down `data.max_prompt_tokens` (so `max_length` =
-    that + `generator.max_new_tokens`) and the rows a rank trains per optimizer step (batch_questions x group_size
-    / (mini_batches x num_ranks)); a caller that passes neither budgets a 2,048-token prompt."""
+    Off CUDA "auto" is none (what the CPU runs always did). On CUDA: `choose_checkpointing` over `budget` (None: the
+    device's free memory now, capped at `learner.num_gpus`' share of its total: a learner beside a vLLM engine on
+    one card budgets only what it was given), `model`'s parameters (`state_bytes`; call after the build and LoRA,
+    before sharding: the free memory then still holds the weights to come), the micro-batch's tokens
+    (`micro_batch_tokens`: `max_length` = the longest row's prompt + response, `rows` = the rows one rank trains per
+    update where known), and bytes per token with `cfg.compile` (resolved) as the layers will run (selective only
+    under inductor's compile, `EAGER_AUTO_MODES` without: how it ran on a GPU). A set mode is kept and its note says
+    so. Where only full fits and `learner.micro_batch_tokens` is set, auto may halve that budget once so that
+    selective fits (`choose_checkpointing`'s floor: `HALVE_FLOOR`, and the longest row rounded up to
+    `pad_multiple`); the returned cfg then carries the halved budget, and the note says so. Not covered: a compile
+    that then fails its trial at setup (`learner.trial`) leaves the layers eager under a mode chosen from compiled
+    bytes (none may then need up to twice its estimate); `learner.setup` does not re-resolve it, and logs
+    `eager_fallback_note`'s WARNING instead. A run's driver hands down `data.max_prompt_tokens` (so `max_length` =
+    that + `generator.max_new_tokens`) and the rows a rank trains per optimizer step (batch_questions x group_size /
+    (mini_batches x num_ranks)); a caller that passes neither budgets a 2,048-token prompt."""
     mode = cfg.activation_checkpointing
     if mode != "auto":
         return cfg, f"activation checkpointing {mode} (set)"

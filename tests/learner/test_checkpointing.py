@@ -14,9 +14,10 @@ import torch
 
 from common.config import LearnerConfig, LoRAConfig
 from learner.batching import batch_rows, collate
-from learner.checkpointing import (AUTO_MODES, eager_fallback_note, RESERVE, SELECTIVE_RAN_ON_GPU, USABLE, LayerShape, MemoryBudget,
+from learner.checkpointing import (AUTO_MODES, RESERVE, SELECTIVE_RAN_ON_GPU, USABLE, LayerShape, MemoryBudget,
                                    activation_bytes, apply_checkpointing, bytes_per_token, choose_checkpointing,
-                                   gpu_share, micro_batch_tokens, resolve_checkpointing, state_bytes)
+                                   eager_fallback_note, gpu_share, micro_batch_tokens, resolve_checkpointing,
+                                   state_bytes)
 from learner.forward import forward_stats, prepare_model
 from learner.levers import build_optimizer
 from learner.lora import apply_lora, init_adapters
