@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -284,6 +284,19 @@ def device_budget(device: torch.device, share: float) -> MemoryBudget:
     return MemoryBudget(free=free + unused, total=total, share=share)
 
 
+def agreed_budget(budget: MemoryBudget, device: torch.device) -> MemoryBudget:
+    """The smallest of the ranks' budgets (one all-reduce at setup; `budget` as it is outside a process group of 2
+    or more), so that every rank chooses the same mode and token budget: FSDP2 needs the same collectives on every
+    rank, and a rank that recomputes its layers, or cuts its rows into more micro-batches, gathers them more often."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return budget
+    smallest = torch.tensor([budget.bytes], dtype=torch.int64, device=device)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    least = int(smallest.item())
+    return replace(budget, free=least) if least < budget.bytes else budget
+
+
 def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, *,
                           world: int, max_length: int, rows: int | None = None,
                           budget: MemoryBudget | None = None) -> tuple[LearnerConfig, str]:
@@ -291,19 +304,19 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
 
     Off CUDA "auto" is none (what the CPU runs always did). On CUDA: `choose_checkpointing` over `budget` (None: the
     device's free memory now, capped at `learner.num_gpus`' share of its total: a learner beside a vLLM engine on
-    one card budgets only what it was given), `model`'s parameters (`state_bytes`; call after the build and LoRA,
-    before sharding: the free memory then still holds the weights to come), the micro-batch's tokens
-    (`micro_batch_tokens`: `max_length` = the longest row's prompt + response, `rows` = the rows one rank trains per
-    update where known), and bytes per token with `cfg.compile` (resolved) as the layers will run (selective only
-    under inductor's compile, `EAGER_AUTO_MODES` without: how it ran on a GPU). A set mode is kept and its note says
-    so. Where only full fits and `learner.micro_batch_tokens` is set, auto may halve that budget once so that
-    selective fits (`choose_checkpointing`'s floor: `HALVE_FLOOR`, and the longest row rounded up to
-    `pad_multiple`); the returned cfg then carries the halved budget, and the note says so. Not covered: a compile
-    that then fails its trial at setup (`learner.trial`) leaves the layers eager under a mode chosen from compiled
-    bytes (none may then need up to twice its estimate); `learner.setup` does not re-resolve it, and logs
-    `eager_fallback_note`'s WARNING instead. A run's driver hands down `data.max_prompt_tokens` (so `max_length` =
-    that + `generator.max_new_tokens`) and the rows a rank trains per optimizer step (batch_questions x group_size /
-    (mini_batches x num_ranks)); a caller that passes neither budgets a 2,048-token prompt."""
+    one card budgets only what it was given; the smallest over the ranks, `agreed_budget`), `model`'s parameters
+    (`state_bytes`; call after the build and LoRA, before sharding: the free memory then still holds the weights to
+    come), the micro-batch's tokens (`micro_batch_tokens`: `max_length` = the longest row's prompt + response,
+    `rows` = the rows one rank trains per update where known), and bytes per token with `cfg.compile` (resolved) as
+    the layers will run (selective only under inductor's compile, `EAGER_AUTO_MODES` without: how it ran on a GPU).
+    A set mode is kept and its note says so. Where only full fits and `learner.micro_batch_tokens` is set, auto may
+    halve that budget once so that selective fits (`choose_checkpointing`'s floor: `HALVE_FLOOR`, and the longest
+    row rounded up to `pad_multiple`); the returned cfg then carries the halved budget, and the note says so. Not
+    covered: a compile that then fails its trial at setup (`learner.trial`) leaves the layers eager under a mode
+    chosen from compiled bytes (none may then need up to twice its estimate); `learner.setup` does not re-resolve
+    it, and logs `eager_fallback_note`'s WARNING instead. A run's driver hands down `data.max_prompt_tokens` (so
+    `max_length` = that + `generator.max_new_tokens`) and the rows a rank trains per optimizer step (batch_questions
+    x group_size / (mini_batches x num_ranks)); a caller that passes neither budgets a 2,048-token prompt."""
     mode = cfg.activation_checkpointing
     if mode != "auto":
         return cfg, f"activation checkpointing {mode} (set)"
@@ -311,8 +324,8 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
     if device.type != "cuda":
         mode, why = "none", "auto: not CUDA"
     else:
-        if budget is None:
-            budget = device_budget(device, gpu_share(cfg.num_gpus))
+        if budget is None:  # every rank's the same: the smallest over the ranks
+            budget = agreed_budget(device_budget(device, gpu_share(cfg.num_gpus)), device)
         tokens, counted = micro_batch_tokens(cfg, max_length, rows)
         compiled = cfg.compile is True and cfg.compile_backend == "inductor"
         pad = cfg.pad_multiple if isinstance(cfg.pad_multiple, int) else 1

@@ -15,9 +15,9 @@ import torch
 from common.config import LearnerConfig, LoRAConfig
 from learner.batching import batch_rows, collate
 from learner.checkpointing import (AUTO_MODES, RESERVE, SELECTIVE_RAN_ON_GPU, USABLE, LayerShape, MemoryBudget,
-                                   activation_bytes, apply_checkpointing, bytes_per_token, choose_checkpointing,
-                                   eager_fallback_note, gpu_share, micro_batch_tokens, resolve_checkpointing,
-                                   state_bytes)
+                                   activation_bytes, agreed_budget, apply_checkpointing, bytes_per_token,
+                                   choose_checkpointing, eager_fallback_note, gpu_share, micro_batch_tokens,
+                                   resolve_checkpointing, state_bytes)
 from learner.forward import forward_stats, prepare_model
 from learner.levers import build_optimizer
 from learner.lora import apply_lora, init_adapters
@@ -390,6 +390,7 @@ TWO_RANKS = textwrap.dedent("""
     import torch.distributed as dist
     sys.path.insert(0, os.getcwd())
     from common.config import LearnerConfig
+    from learner.checkpointing import MemoryBudget, agreed_budget
     from learner.setup import setup_rank
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from tests.learner.batches import make_batch
@@ -398,6 +399,10 @@ TWO_RANKS = textwrap.dedent("""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     got = {}
+    # rank 0 has 30 of 40 GiB free, rank 1 all 40 (GiB as 2**30 B): both budget rank 0's 30
+    own = MemoryBudget(free=(30 + 10 * rank) * 2**30, total=40 * 2**30, share=1.0)
+    agreed = agreed_budget(own, torch.device("cpu"))
+    got["agreed"] = [agreed.free, agreed.total, agreed.share]
     for mode in ("none", "full", "selective"):
         cfg = LearnerConfig(micro_batch_rows=2, mini_batches=2, lr=1e-3, activation_checkpointing=mode)
         built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
@@ -405,6 +410,9 @@ TWO_RANKS = textwrap.dedent("""
         stats = built.trainer.run(make_batch(4, candidates=2))
         full = get_model_state_dict(built.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         got[mode] = {"loss": stats.sums["loss"], "updates": stats.updates, "weights": full}
+    if rank == 1:
+        torch.save(got["agreed"], out + ".rank1")
+    dist.barrier()
     if rank == 0:
         torch.save(got, out)
     dist.barrier()
@@ -416,7 +424,8 @@ TWO_RANKS = textwrap.dedent("""
 
 def test_two_fsdp_ranks_train_the_same_update_with_each_mode(tiny_model_dir, tmp_path):
     """2 FSDP2 ranks over gloo, each layer sharded on its own: full and selective checkpointing (the recompute
-    runs inside the layer's backward, while its parameters are gathered) train the weights none trains."""
+    runs inside the layer's backward, while its parameters are gathered) train the weights none trains. Auto's
+    budget is the smallest of the ranks' (`agreed_budget`), so both choose alike."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -428,6 +437,9 @@ def test_two_fsdp_ranks_train_the_same_update_with_each_mode(tiny_model_dir, tmp
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs
     got = torch.load(out)
+    gib = 2 ** 30
+    assert [got["agreed"], torch.load(str(out) + ".rank1")] == [[30 * gib, 40 * gib, 1.0]] * 2
+    assert agreed_budget(MemoryBudget(free=1, total=2, share=1.0), torch.device("cpu")).free == 1  # no group: as is
     want = got["none"]
     assert want["updates"] == 2
     for mode in ("full", "selective"):
