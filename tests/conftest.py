@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,36 @@ def vllm_available() -> bool:
 
 
 requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm is not importable on this machine")
+
+
+def _torch_thread_leaks() -> list[str]:
+    """What a test left wrong in the main thread's torch state, for the next test (none before torch is imported)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    keys = torch._C.DispatchKey
+    return ([f"dispatch key {k.name} excluded" for k in (keys.Python, keys.PythonTLSSnapshot) if excluded.has(k)]
+            + ([] if torch.is_grad_enabled() else ["grad mode off"]))
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_thread_state(request):
+    """After each test, the main thread's torch state is put back where the next test expects it, with a warning
+    naming the test that left it (in the summary). The suite runs ~870 tests in one process; CI once saw every
+    torch.compile after one point fail with "you set no_dispatch() before calling into this function" and eager
+    backwards with "does not require grad": the thread was left inside meta_utils' `no_grad(), no_dispatch()` (a
+    torch guard restored out of order; not reproduced here), and 11 tests far from the cause failed."""
+    yield
+    leaks = _torch_thread_leaks()
+    if leaks:
+        import torch
+
+        for key in (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+        torch.set_grad_enabled(True)
+        warnings.warn(f"{request.node.nodeid} left torch's main thread with {', '.join(leaks)}: put back",
+                      stacklevel=1)
 
 
 _TIMES = os.environ.get("EXGRPO_TEST_TIMES")
