@@ -8,10 +8,10 @@ small N and stated hardware assumptions.
 
 Each term names what it is built from. MEASURED are points taken on the 2-CPU development machine (the
 command that produced each is next to it); GPU are the learner's MFU and the publication's gather to host,
-measured on a GPU by bench/gpu_bench.py (--gpu-json; without it, issue 34's H200 measurement) or, where no size
-near the target was measured, assumed from the nearest one (each says which); HARDWARE are the assumptions for
-an H100 cluster (change any constant with --set name=value). The model is a roofline: it says which term grows
-first and by how much, not a promise of seconds; docs/scale.md walks through it.
+measured on a GPU by bench/gpu_bench.py (--gpu-json; without it, the H100 lease of 2026-11-27: issue 49,
+docs/gpu.md) or, where no size near the target was measured, assumed from the nearest one (each says which);
+HARDWARE are the assumptions for an H100 cluster (change any constant with --set name=value). The model is a
+roofline: it says which term grows first and by how much, not a promise of seconds; docs/scale.md walks through it.
 """
 
 from __future__ import annotations
@@ -66,21 +66,22 @@ HARDWARE = {
 }
 
 
-ISSUE_34 = "measured: H200, issue 34 (torch 2.11, commit 95e189f)"
+LEASE_49 = "measured: H100 80GB, the lease of 2026-11-27 (issue 49; torch 2.11, docs/gpu.md)"
 # MFU per Qwen2.5 size by bench/gpu_report.py's formula (step_flops): (6 x params + 6 x layers x hidden x row
 # length) FLOPs per token over every token, recompute not counted. size: (MFU, parameters, the step measured, source)
 MFU_MEASURED = {
-    "1.5B": (0.242, 1.544e9, "8 x (256 + 8,192) tokens, checkpointing", ISSUE_34),
-    "3B": (0.288, 3.086e9, "8 x (256 + 8,192) tokens, checkpointing", ISSUE_34),
+    "1.5B": (0.383, 1.544e9, "8 x (256 + 8,192) tokens, compiled, no checkpointing (auto's choice)", LEASE_49),
+    "3B": (0.386, 3.086e9, "14 mixed rows (1,273-7,837), compiled, selective at 9,216 tokens (what auto now "
+                           "chooses; set by hand in that lease)", LEASE_49),
 }
 GPU = {
     # name: (value, unit, what, source)
-    "mfu": (0.288, "x", "learner MFU of the target model (FSDP2, bf16, checkpointing; recompute not counted)",
+    "mfu": (0.386, "x", "learner MFU of the target model (FSDP2, bf16, compiled; recompute not counted)",
             "assumed: the 3B's (the size measured nearest)"),
-    "gather_bytes_per_s": (1.02e9, "B/s", "publication's gather + copy to host on learner rank 0 "
-                                          "(iter_full_state, bf16, 1.5B: 3.55 GB in 3.49 s)", ISSUE_34),
-    "pinned_copy_bytes_per_s": (54.4e9, "B/s", "the same bytes into reused pinned host buffers, non-blocking "
-                                               "(the machine's limit)", ISSUE_34),
+    "gather_bytes_per_s": (47.48e9, "B/s", "publication's gather + copy to host on learner rank 0 "
+                                           "(bf16, 3B: 6.2 GB in 0.130 s)", LEASE_49),
+    "pinned_copy_bytes_per_s": (54.42e9, "B/s", "the same bytes into reused pinned host buffers, non-blocking "
+                                                "(the machine's limit)", LEASE_49),
 }
 
 
