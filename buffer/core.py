@@ -32,7 +32,8 @@ is still in one of two live states, so at any moment
 - issued: work items handed out by `lease` (fresh and replay; a re-issue is a new item).
 - trained: groups handed to the learner by `take`.
 - stale_dropped: ready groups older than `max_lag` versions, dropped at `take`/`ready_counts`; their
-  question is re-issued.
+  question is re-issued. Of them, `stale_dropped_mixed` were mixed groups and `stale_dropped_spanning` were
+  generated across a weight update (their generation outlasted the window; the others started on old weights).
 - zero_signal: groups whose rewards are all equal, kept out of batches (only when
   `drop_zero_signal`; otherwise they are queued like any group). They still update k/buckets/retirement.
 - lost: leases that expired, were returned (`return_leases`) or declared lost, or whose submitted
@@ -136,7 +137,8 @@ class ShardCore:
                       expired=0, returned=0, rejected=0, reissued=0, reissued_replay=0, replay_reissue_dropped=0,
                       late_submissions=0, accepted=0, zero_signal_seen=0, zero_signal_fresh=0,
                       zero_signal_fresh_correct=0, candidates_shipped=0, epochs_completed=0,
-                      lease_requests_throttled=0, fresh_discarded=0)
+                      lease_requests_throttled=0, fresh_discarded=0, stale_dropped_mixed=0,
+                      stale_dropped_spanning=0)
 
     # -------------------------------------------------------------------------------------- issuing
 
@@ -391,6 +393,9 @@ class ShardCore:
                 for x in q:
                     if x.version < oldest:
                         self.n["stale_dropped"] += 1
+                        self.n["stale_dropped_mixed"] += x.group.mixed
+                        # generated across a weight update (a long one) rather than started on old weights
+                        self.n["stale_dropped_spanning"] += any(r.newest_version > r.version for r in x.group.rollouts)
                         self._reissue(x.group.question_id, x.group.mixed)
                     else:
                         keep.append(x)

@@ -27,9 +27,7 @@ import shutil
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 
 from cluster.autoscale import autoscale_target
 from cluster.liveness import (
@@ -38,6 +36,7 @@ from cluster.liveness import (
 )
 from cluster.profile import Profile
 from cluster.state import DriverState, rng_state
+from cluster.step_metrics import batch_metrics, prefixed
 from common.config import ObjectStoreSyncConfig, RunConfig
 from common.messages import TrainingBatch
 
@@ -459,7 +458,7 @@ class Trainer:
         # the counts of exactly the states written: generators keep leasing and submitting meanwhile
         self.state.accounting = self.buffer.snapshot(str(tmp / "buffer"))
         self.state.rng = rng_state()
-        self.tracker.log_metrics(_prefixed("accounting/", self.state.accounting), self.state.step)
+        self.tracker.log_metrics(prefixed("accounting/", self.state.accounting), self.state.step)
         # The metrics of the steps up to this one reach MLflow (or, when it refuses them, the run folder's
         # metrics-unsent.jsonl) before the checkpoint exists: a run killed right after it resumes from the next
         # step and would never log them again.
@@ -548,21 +547,10 @@ class Trainer:
 
     def _metrics(self, batch: TrainingBatch, result, step_s: float, buffer_metrics: dict[str, float]
                  ) -> dict[str, float]:
-        fresh = [r for g in batch.groups for r in g.rollouts if not r.replayed]
-        lags = Counter(batch.version - r.version for r in fresh)  # learner steps between sampling and training
+        out, lags = batch_metrics(batch, self.cfg.generator.max_new_tokens)
         self.staleness.update(lags)
-        out: dict[str, float] = {
-            "train/reward_mean": float(np.mean([r.reward for r in fresh])) if fresh else 0.0,
-            "train/accuracy_fresh": float(np.mean([r.correct for r in fresh])) if fresh else 0.0,
-            "train/mixed_groups": float(sum(g.mixed for g in batch.groups)),
-            "train/groups": float(len(batch.groups)),
+        out.update({
             "train/rollouts_total": float(self.state.rollouts),
-            "train/replay_fraction": sum(g.mixed for g in batch.groups) / max(1, len(batch.groups)),
-            "staleness/mean": float(np.mean([batch.version - r.version for r in fresh])) if fresh else 0.0,
-            "staleness/spanning_fraction": (sum(r.newest_version != r.version for r in fresh) / len(fresh)
-                                            if fresh else 0.0),  # partial rollouts: weights changed mid-sample
-            "train/switch_accuracy": batch.stats.get("switch_accuracy", 0.0),
-            "train/mixed_mode": batch.stats.get("mixed_mode", 0.0),
             "driver/step_s": step_s,
             "driver/learner_wait_fraction": self.state.wait_s / max(1e-9, self.state.wait_s + self.state.train_s),
             "driver/generators": float(self.generators.running),
@@ -576,17 +564,15 @@ class Trainer:
             # gather; driver/weight_publish_s is the whole publication as the driver waits for its announcement
             "weights/publish_blocking_s": self._publish_blocking[0],
             "weights/publish_gather_s": self._publish_blocking[1],
-        }
-        out.update({f"staleness/lag_{k}": float(v) for k, v in lags.items()})
-        out.update(length_metrics(fresh, self.cfg.generator.max_new_tokens))
-        out.update(_prefixed("learner/", result.metrics))
-        buf = _prefixed("buffer/", buffer_metrics)
+        })
+        out.update(prefixed("learner/", result.metrics))
+        buf = prefixed("buffer/", buffer_metrics)
         now, accepted = time.monotonic(), buf.get("buffer/accepted", 0.0) + buf.get("buffer/zero_signal_seen", 0.0)
         if self._ingest_mark is not None and now > self._ingest_mark[0]:
             buf["buffer/groups_per_s"] = (accepted - self._ingest_mark[1]) / (now - self._ingest_mark[0])
         self._ingest_mark = (now, accepted)
         out.update(buf)
-        out.update(_prefixed("generator/", self.generators.metrics()))
+        out.update(prefixed("generator/", self.generators.metrics()))
         return out
 
     # ----------------------------------------------------------------------------------- teardown
@@ -633,27 +619,6 @@ class Trainer:
             log.warning("shutdown interrupted: the remaining actors end with Ray")
 
 
-def length_metrics(rollouts, max_new_tokens: int) -> dict[str, float]:
-    """Response lengths of a batch's fresh rollouts (tokens): mean, p90, max; the share truncated at
-    `max_new_tokens` (finish reason `length`) and the mean reward of truncated and untruncated ones
-    (NaN when there are none: not logged)."""
-    if not rollouts:
-        return {}
-    lengths = np.array([len(r.response_ids) for r in rollouts], dtype=np.float64)  # [N]
-    cut = np.array([r.finish_reason == "length" for r in rollouts])  # [N]
-    rewards = np.array([r.reward for r in rollouts], dtype=np.float64)  # [N]
-    nan = float("nan")
-    return {
-        "train/response_length_mean": float(lengths.mean()),
-        "train/response_length_p90": float(np.percentile(lengths, 90)),
-        "train/response_length_max": float(lengths.max()),
-        "train/truncated_fraction": float(cut.mean()),
-        "train/reward_truncated": float(rewards[cut].mean()) if cut.any() else nan,
-        "train/reward_untruncated": float(rewards[~cut].mean()) if (~cut).any() else nan,
-        "train/max_new_tokens": float(max_new_tokens),
-    }
-
-
 def _removed(pool, key: str) -> float:
     return pool.removed_metrics.get(f"removed_{key}", 0.0)
 
@@ -671,9 +636,3 @@ def _wait_names_released(run: str, namespace: str, timeout_s: float = 60.0) -> N
             return
         time.sleep(0.2)
     log.warning("actors %s of run %s were still registered %ds after shutdown", left, run, timeout_s)
-
-
-def _prefixed(prefix: str, d: dict[str, Any]) -> dict[str, float]:
-    """Numeric entries of d, keys under `prefix` (kept as they are when they already carry it)."""
-    return {(k if k.startswith(prefix) else prefix + k): float(v) for k, v in d.items()
-            if isinstance(v, (int, float, np.integer, np.floating))}

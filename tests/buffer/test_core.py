@@ -357,6 +357,7 @@ def test_stale_groups_are_dropped_and_reissued():
     assert [g.question_id for g in taken] == [b.question.id]
     acc = balanced(core)
     assert acc["stale_dropped"] == 1 and acc["trained"] == 1 and acc["reissued"] == 1
+    assert core.n["stale_dropped_mixed"] == core.n["stale_dropped_spanning"] == 0  # a fresh group started on old weights
 
 
 def test_a_partial_rollout_is_as_stale_as_its_oldest_token():
@@ -368,7 +369,8 @@ def test_a_partial_rollout_is_as_stale_as_its_oldest_token():
     core.submit([spanning, group_for(b, 2, version=1)], now=NOW)
     core.set_version(2)
     assert [g.question_id for g in core.take(2, 4, 0)] == [b.question.id]
-    assert balanced(core)["stale_dropped"] == 1
+    assert balanced(core)["stale_dropped"] == 1 and core.n["stale_dropped_spanning"] == 1
+    assert core.metrics()["stale_dropped_spanning"] == 1.0
 
 
 class SimRun:

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from cluster.driver import length_metrics
+from cluster.step_metrics import length_metrics
 from common.messages import Rollout
 
 
