@@ -33,7 +33,8 @@ is still in one of two live states, so at any moment
 - trained: groups handed to the learner by `take`.
 - stale_dropped: ready groups older than `max_lag` versions, dropped at `take`/`ready_counts`; their
   question is re-issued. Of them, `stale_dropped_mixed` were mixed groups and `stale_dropped_spanning` were
-  generated across a weight update (their generation outlasted the window; the others started on old weights).
+  generated across a weight update (their generation outlasted the window; the others started on old weights or
+  waited ready past it).
 - zero_signal: groups whose rewards are all equal, kept out of batches (only when
   `drop_zero_signal`; otherwise they are queued like any group). They still update k/buckets/retirement.
 - lost: leases that expired, were returned (`return_leases`) or declared lost, or whose submitted
@@ -394,7 +395,7 @@ class ShardCore:
                     if x.version < oldest:
                         self.n["stale_dropped"] += 1
                         self.n["stale_dropped_mixed"] += x.group.mixed
-                        # generated across a weight update (a long one) rather than started on old weights
+                        # generated across a weight update (a long generation), not started late or left waiting
                         self.n["stale_dropped_spanning"] += any(r.newest_version > r.version for r in x.group.rollouts)
                         self._reissue(x.group.question_id, x.group.mixed)
                     else:
