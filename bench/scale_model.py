@@ -87,9 +87,10 @@ GPU = {
 
 def load_gpu_json(path: str, params: float) -> None:
     """Take the GPU constants from bench/gpu_bench.py's JSON: the MFU of every size measured in the fixed case
-    (runs with activation checkpointing where there are any; the best of them), the publication GB/s and the
-    pinned-copy limit of the largest size published. The target's MFU is that of the size measured nearest to
-    `params`: measured within 25% of it, assumed otherwise."""
+    (the runs at the product's defaults where the JSON marks them, `defaults`; else, in older JSONs, runs with
+    activation checkpointing where there are any; the best of them), the publication GB/s and the pinned-copy
+    limit of the largest size published. The target's MFU is that of the size measured nearest to `params`:
+    measured within 25% of it, assumed otherwise."""
     with open(path) as f:
         r = json.load(f)
     where = f"measured: {r['device']['name']}, {path} (commit {r['versions']['commit']}; {r['command']})"
@@ -98,10 +99,10 @@ def load_gpu_json(path: str, params: float) -> None:
         MFU_MEASURED.clear()
     for size in dict.fromkeys(x["size"] for x in runs):
         mine = [x for x in runs if x["size"] == size]
-        mine = [x for x in mine if x["settings"].get("activation_checkpointing")] or mine
+        mine = ([x for x in mine if x.get("defaults")] if any("defaults" in x for x in mine) else
+                [x for x in mine if _checkpointing(x) != "no checkpointing"]) or mine
         best = max(mine, key=lambda x: x["mfu"])
-        step = (f"{best['rows']} x ({best['prompt_tokens']} + {best['response_max']:,}) tokens, "
-                + ("checkpointing" if best["settings"].get("activation_checkpointing") else "no checkpointing"))
+        step = f"{best['rows']} x ({best['prompt_tokens']} + {best['response_max']:,}) tokens, {_checkpointing(best)}"
         MFU_MEASURED[size] = (best["mfu"], float(best["params"]), step, where)
     if r["publication"]:
         size, pub = max(r["publication"].items(), key=lambda kv: kv[1]["bytes_published"])
@@ -112,6 +113,14 @@ def load_gpu_json(path: str, params: float) -> None:
         size, (mfu, n, _, src) = min(MFU_MEASURED.items(), key=lambda kv: abs(kv[1][1] - params))
         how = src if abs(n - params) <= 0.25 * params else f"assumed: the {size}'s (the size measured nearest)"
         GPU["mfu"] = (mfu,) + GPU["mfu"][1:3] + (how,)
+
+
+def _checkpointing(run: dict) -> str:
+    """A bench run's activation checkpointing in words: the JSON holds a bool (older benches) or a mode name."""
+    mode = run["settings"].get("activation_checkpointing")
+    if mode in (None, False, "none"):
+        return "no checkpointing"
+    return "checkpointing" if mode is True else f"{mode} checkpointing"
 
 
 @dataclass

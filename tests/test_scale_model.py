@@ -83,3 +83,28 @@ def test_gpu_constants_come_from_the_gpu_bench_json_and_say_where_from(tmp_path)
     sm = _fresh_model()
     sm.load_gpu_json(str(path), sm.Model().params)
     assert sm.GPU["mfu"][0] == 0.40 and sm.GPU["mfu"][3].startswith("measured: NVIDIA H100")
+
+
+def test_a_bench_that_marks_its_defaults_gives_the_defaults_mfu(tmp_path):
+    """Today's bench marks the runs at the product's defaults and names the checkpointing mode (a string; "none"
+    is no checkpointing): the defaults' run counts, not a faster or a checkpointed one run by hand."""
+    def run(mfu, mode, defaults):
+        return {"size": "1.5B", "case": "fixed", "params": 1.5e9, "mfu": mfu, "rows": 8, "prompt_tokens": 256,
+                "response_max": 8192, "settings": {"activation_checkpointing": mode}, "defaults": defaults}
+
+    bench = {"device": {"name": "NVIDIA H100 80GB HBM3"}, "versions": {"commit": "abc1234"}, "command": "bench",
+             "runs": [run(0.383, "none", True), run(0.30, "full", False), run(0.40, "selective", False)],
+             "publication": {}}
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(bench))
+    sm = _fresh_model()
+    sm.load_gpu_json(str(path), sm.Model().params)
+    mfu, _, step, _ = sm.MFU_MEASURED["1.5B"]
+    assert mfu == 0.383 and step.endswith(", no checkpointing"), step
+    for r in bench["runs"]:
+        del r["defaults"]  # an older bench: checkpointed runs first, the mode in words
+    path.write_text(json.dumps(bench))
+    sm = _fresh_model()
+    sm.load_gpu_json(str(path), sm.Model().params)
+    mfu, _, step, _ = sm.MFU_MEASURED["1.5B"]
+    assert mfu == 0.40 and step.endswith(", selective checkpointing"), step
