@@ -28,7 +28,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-
 from cluster.autoscale import autoscale_target
 from cluster.liveness import (
     EXIT_CONFIG, EXIT_DISK, EXIT_FAILED, EXIT_STALLED, NOTHING_LEFT, ErrorWindow, RunStopped, StallWatch,

@@ -26,7 +26,7 @@ def batch_metrics(batch: TrainingBatch, max_new_tokens: int) -> tuple[dict[str, 
         "train/mixed_groups": float(mixed),
         "train/groups": float(len(batch.groups)),
         "train/replay_fraction": mixed / max(1, len(batch.groups)),
-        "staleness/mean": float(np.mean([batch.version - r.version for r in fresh])) if fresh else 0.0,
+        "staleness/mean": sum(k * n for k, n in lags.items()) / len(fresh) if fresh else 0.0,
         "staleness/spanning_fraction": (sum(r.newest_version != r.version for r in fresh) / len(fresh)
                                         if fresh else 0.0),  # partial rollouts: weights changed mid-sample
         "train/switch_accuracy": batch.stats.get("switch_accuracy", 0.0),

@@ -78,7 +78,7 @@ def _restore_torch_thread_state(request):
     naming the test that left it (in the summary). The suite runs ~870 tests in one process; CI once saw every
     torch.compile after one point fail with "you set no_dispatch() before calling into this function" and eager
     backwards with "does not require grad": the thread was left inside meta_utils' `no_grad(), no_dispatch()` (a
-    torch guard restored out of order; not reproduced here), and 11 tests far from the cause failed."""
+    torch guard restored out of order; not reproduced here), and 10 tests far from the cause failed."""
     yield
     leaks = _torch_thread_leaks()
     if leaks:
