@@ -860,7 +860,8 @@ def load_lease_cache(folder: Path | None) -> list[str]:
         print("[gpu_bench] --compile-cache: this tree has no learner.compile_cache (issue 49 item 1): nothing "
               "loaded", file=sys.stderr)
         return []
-    return [f.name for f in sorted(folder.glob("*.bin")) if load_compile_cache(f)]
+    files = sorted([*folder.glob("*.bin"), *folder.glob("*.bin.gz")])  # .gz: as scripts/device_out.py brings them
+    return [f.name for f in files if load_compile_cache(f)]
 
 
 def save_lease_cache(folder: Path | None, out: Path | None) -> dict | None:

@@ -20,6 +20,7 @@ Nothing here raises: a cache that cannot be saved or loaded is one log line and 
 
 from __future__ import annotations
 
+import gzip
 import logging
 import os
 import sys
@@ -78,8 +79,9 @@ def save_compile_cache(path: str | Path) -> int | None:
 
 
 def load_compile_cache(path: str | Path) -> bool:
-    """Load a file `save_compile_cache` wrote (`torch.compiler.load_cache_artifacts`) before anything compiles;
-    True when loaded, else False with one log line (no file, a torch without the call, a file it refuses)."""
+    """Load a file `save_compile_cache` wrote (`torch.compiler.load_cache_artifacts`) before anything compiles,
+    gzip'd where its name ends in .gz (as scripts/device_out.py brings a lease's back); True when loaded, else False
+    with one log line (no file, a torch without the call, a file it refuses)."""
     path = Path(path)
     load = getattr(torch.compiler, "load_cache_artifacts", None)
     if load is None:
@@ -89,7 +91,8 @@ def load_compile_cache(path: str | Path) -> bool:
         log.info("compile cache not loaded: no file %s (the first lease on this setup compiles from scratch)", path)
         return False
     try:
-        info = load(path.read_bytes())
+        data = path.read_bytes()
+        info = load(gzip.decompress(data) if path.suffix == ".gz" else data)
     except Exception as e:  # noqa: BLE001 -- a file of another torch or a corrupt one: compile from scratch
         log.warning("compile cache %s not loaded (compiling from scratch): %s: %s", path, type(e).__name__, e)
         return False

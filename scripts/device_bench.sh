@@ -30,10 +30,14 @@
 # compile cache folder below, written at the end of every call), else the H100 lease of 2026-11-27 (PART_S below).
 #
 # Inductor's compiled artifacts: loaded at the start from COMPILE_CACHE (default runs-gpu-check/inductor-cache, an
-# ignored folder: carry it with the call), saved at the end under $OUT/inductor-cache (with part-seconds.txt), so
-# the device tool brings them back: copy that folder to runs-gpu-check/inductor-cache and carry it next time.
-# Output: the tables on stdout, the lines of finished cases as they come, a line per part skipped, and
-# gpu-bench-*.json + *.log in $OUT (the device tool's folder) or runs-gpu-check/.
+# ignored folder: carry it with the call), saved at the end under $OUT/inductor-cache (with part-seconds.txt).
+# Output: the tables on stdout and in device_bench.md, the lines of finished cases as they come, a line per part
+# skipped, and gpu-bench-*.json + *.log in $OUT (the device tool's folder) or runs-gpu-check/. With OUT set (the
+# device tool sets it), the call ends with scripts/device_out.py pack: a call brings back at most 8 files, 16 MiB
+# each and 64 MiB together, and one 1.5B build's artifacts are ~50 MB, so OUT is left holding device_bench.md,
+# gpu-bench-defaults.json, results.tar.gz (the rest) and compile-cache.tar (the artifacts gzip'd, the defaults'
+# first, the others while they fit), in 15 MiB pieces where larger. Here:
+#   python3 scripts/device_out.py unpack <files_at> runs-gpu-check/lease --cache-to runs-gpu-check/inductor-cache
 #
 # Needs python3 with torch, transformers, numpy, safetensors, pyyaml; pydantic where it is missing comes from the
 # wheels in wheels/ or .whl/ (`make gpu-wheels` downloads them here; carry the folder with the call).
@@ -156,7 +160,7 @@ if wanted lora; then
 fi
 # the lease on one screen (a device call may return only the end of its output): every case of every part, then
 # the "Done when" as part 1 judged it
-"$PY" - "$OUTDIR" "$START" <<'SUMMARY'
+"$PY" - "$OUTDIR" "$START" <<'SUMMARY' | tee "$OUTDIR/device_bench.md"
 import json, sys
 from pathlib import Path
 
@@ -198,7 +202,15 @@ SUMMARY
 # this lease's part seconds replace the last lease's (parts not run this time keep theirs): the next estimates
 for part in "${!MEASURED[@]}"; do PART_S[$part]=${MEASURED[$part]}; done
 for part in "${!PART_S[@]}"; do echo "$part ${PART_S[$part]}"; done | sort > "$PART_FILE"
-echo "device_bench: $(( $(date +%s) - START )) s of the ${BUDGET} s budget; JSON and logs in $OUTDIR;" \
-     "inductor's artifacts and part-seconds.txt in $CACHE_OUT (copy it to runs-gpu-check/inductor-cache and carry" \
-     "that path to the next call)" >&2
+if [ -n "${OUT:-}" ]; then  # on the device: leave in $OUT only what one call brings back (8 files, 64 MiB)
+    "$PY" scripts/device_out.py pack "$OUTDIR" --keep device_bench.md gpu-bench-defaults.json --cache "$CACHE_OUT" \
+        --cache-first gpu-bench-defaults gpu-bench-ckpt gpu-bench-lora >&2
+    echo "device_bench: $(( $(date +%s) - START )) s of the ${BUDGET} s budget; the tables in device_bench.md, the" \
+         "rest packed: here, 'python3 scripts/device_out.py unpack <files_at> runs-gpu-check/lease" \
+         "--cache-to runs-gpu-check/inductor-cache', then carry runs-gpu-check/inductor-cache with the next call" >&2
+else
+    echo "device_bench: $(( $(date +%s) - START )) s of the ${BUDGET} s budget; JSON and logs in $OUTDIR;" \
+         "inductor's artifacts and part-seconds.txt in $CACHE_OUT (carry that folder with the next call as" \
+         "COMPILE_CACHE)" >&2
+fi
 exit $STATUS

@@ -28,8 +28,12 @@
 # 5. the summary (bench/device_e2e.py summary): parts, figures, gates; OUT/device_e2e.json.
 #
 # Environment: OUT (default runs-device-e2e/) gets device_e2e.json, device_e2e.log, parts.tsv, probe.json, probe.log,
-# pytest-gpu.log and the run folder's small files (run/); DEVICE_WORK (default /tmp/exgrpo-device-e2e) holds the
-# 0.5B model and the run folder; PYTHON (default python3); DEVICE_CARRY (default device-carry, or device-carry-pyX.Y
+# pytest-gpu.log, the run folder's small files (run/) and tests/gpu's inductor artifacts (compile-cache/; the last
+# lease's load from the carry's compile-cache/). With OUT set (the device tool sets it), the summary packs OUT
+# into what one call brings back (scripts/device_out.py: the first three as they are, results.tar.gz,
+# compile-cache.tar); here `python3 scripts/device_out.py unpack <files_at> runs-device-e2e/lease --cache-to
+# device-carry/compile-cache` undoes it and puts the artifacts where the next call carries them; DEVICE_WORK
+# (default /tmp/exgrpo-device-e2e) holds the 0.5B model and the run folder; PYTHON (default python3); DEVICE_CARRY (default device-carry, or device-carry-pyX.Y
 # for this python when it exists); DEVICE_SITE (default /tmp/exgrpo-device-site, kept on a warm machine: a second
 # call skips the install); DEVICE_E2E_BUDGET_S (the whole check); DEVICE_E2E_STEPS (the learning run's steps);
 # DEVICE_E2E_LEARN_S, DEVICE_E2E_PROBE_S (those parts' budgets).
@@ -82,6 +86,13 @@ summary() {  # once, whatever happened: the parts, the figures, the gates
     SUMMARY_DONE=1
     "$PY" bench/device_e2e.py summary "$OUTDIR" ${RUN_DIR:+--run "$RUN_DIR"} --budget-s "$BUDGET" \
         --whole-s "$(elapsed)" --device "$DEVICE_WORDS" $([ $QUICK -eq 1 ] && echo --quick)
+    local rc=$?
+    # on the device: leave in $OUT only what one call brings back (8 files, 16 MiB each, 64 MiB); the cache within
+    # what the next call carries beside device-carry's ~45 MB. Here: python3 scripts/device_out.py unpack
+    # <files_at> runs-device-e2e/lease --cache-to device-carry/compile-cache
+    [ -n "${OUT:-}" ] && "$PY" scripts/device_out.py pack "$OUTDIR" --keep device_e2e.json device_e2e.log parts.tsv \
+        --cache "$OUTDIR/compile-cache" --carry-room-mib 12
+    return $rc
 }
 trap 'summary; exit 130' INT TERM
 
@@ -184,7 +195,10 @@ else
 fi
 LEFT=$(( $(left) - 8 ))
 if [ $LEFT -ge 20 ]; then
-    part "tests/gpu" $LEFT "pytest tests/gpu -m gpu" "$OUTDIR/pytest-gpu.log" \
+    # inductor's artifacts: the last lease's loaded (the carry's compile-cache/), this one's saved (tests/gpu/conftest.py)
+    mkdir -p "$OUTDIR/compile-cache"
+    EXGRPO_GPU_COMPILE_CACHE="$CARRY/compile-cache" EXGRPO_GPU_COMPILE_CACHE_OUT="$OUTDIR/compile-cache" \
+        part "tests/gpu" $LEFT "pytest tests/gpu -m gpu" "$OUTDIR/pytest-gpu.log" \
         "$PY" -m pytest tests/gpu -m gpu -v -rs -p no:cacheprovider
     tail -n 12 "$OUTDIR/pytest-gpu.log"
 else

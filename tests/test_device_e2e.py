@@ -131,6 +131,14 @@ def test_device_e2e_quick_runs_from_the_image_packages_and_the_carry(tmp_path):
     assert probe["tokens"] > 0 and probe["median_exp_abs_diff"] >= 1.0 and probe["generated_tokens_per_s"] > 0, probe
     assert fig["passed"] and {g["gate"] for g in fig["gates"] if g["passed"] is None} >= {"reward rising"}, fig
     assert "device_e2e: PASSED" in out and "skipped" in out  # the summary; tests/gpu skipped without CUDA
+    # $OUT holds what one device call brings back (scripts/device_out.py): the summary's files, the rest packed; no
+    # compile cache, since nothing compiled (tests/gpu skipped)
+    back = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert back == ["device_e2e.json", "device_e2e.log", "parts.tsv", "results.tar.gz"], back
+    subprocess.run([sys.executable, "scripts/device_out.py", "unpack", str(tmp_path / "out"), str(tmp_path / "back")],
+                   cwd=ROOT, check=True, capture_output=True)
+    assert (tmp_path / "back" / "run" / "metrics-unsent.jsonl").is_file(), sorted(os.listdir(tmp_path / "back"))
+    assert "skipped" in (tmp_path / "back" / "pytest-gpu.log").read_text()
 
 
 def test_the_carry_holds_what_the_image_lacks_and_nothing_it_has():

@@ -47,10 +47,20 @@ def test_the_lease_script_runs_the_whole_pipeline_and_writes_every_number(tmp_pa
     proc = subprocess.run(["bash", "scripts/device_bench.sh", "--quick", "--peak-tflops", "0.001"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # $OUT holds what one device call brings back (8 files, 16 MiB each, 64 MiB): the tables, part 1's JSON, the rest
+    # packed (scripts/device_out.py); unpacked here as after a lease, the cache folder merged into the next carry
+    back = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert back == ["compile-cache.tar", "device_bench.md", "gpu-bench-defaults.json", "results.tar.gz"], back
+    assert "## device_bench: every case" in (tmp_path / "device_bench.md").read_text()
+    subprocess.run([sys.executable, "scripts/device_out.py", "unpack", str(tmp_path), str(tmp_path / "back"),
+                    "--cache-to", str(tmp_path / "carry")], cwd=ROOT, check=True, capture_output=True)
+    assert (tmp_path / "carry" / "part-seconds-quick.txt").is_file()
+    tmp_path = tmp_path / "back"
     # the table says which command made it; each case's line came as it finished
     assert ("$ python bench/gpu_bench.py --quick --profile-first --runs tiny:fixed tiny:mixed:padded "
             "tiny:mixed:packed --peak-tflops 0.001") in proc.stdout
-    assert proc.stderr.count("[gpu_bench] tiny ") == 5 and "JSON and logs in" in proc.stderr
+    assert proc.stderr.count("[gpu_bench] tiny ") == 5 and "the rest packed" in proc.stderr
+    assert "device_out: back: results.tar.gz (" in proc.stderr
     assert "| Done when (issue 49) | target | measured | verdict |" in proc.stdout
     assert "## device_bench: every case" in proc.stdout and "| lora | tiny fixed | " in proc.stdout
     assert "| peak GiB | first step s | recompiles | checkpointing |" in proc.stdout

@@ -1,11 +1,17 @@
 """Tests only a GPU can answer (marked `gpu`): skipped, with the reason, where torch sees no CUDA device.
 
 scripts/device_e2e.sh runs them on the lent GPU machines (`pytest tests/gpu -m gpu`). EXGRPO_GPU_TESTS_DEVICE=cpu
-runs them on the CPU instead, as a dry run of their code (the CUDA-only paths they exist for are not exercised)."""
+runs them on the CPU instead, as a dry run of their code (the CUDA-only paths they exist for are not exercised).
+
+Inductor's compile is most of their time on a GPU (123 s of 133 on the H100, issue 49). EXGRPO_GPU_COMPILE_CACHE
+names a folder whose artifact files (*.bin, *.bin.gz) are loaded before any test compiles, and
+EXGRPO_GPU_COMPILE_CACHE_OUT one where the session's are saved (tests-gpu.bin); scripts/device_e2e.sh sets both,
+loading what the last lease brought back (device-carry/compile-cache) and packing what this one built into $OUT."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +27,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_cache():
+    """The artifacts of the last lease loaded, and this session's saved (module docstring); unset: nothing."""
+    src, dst = os.environ.get("EXGRPO_GPU_COMPILE_CACHE"), os.environ.get("EXGRPO_GPU_COMPILE_CACHE_OUT")
+    if src or dst:
+        from learner.compile_cache import load_compile_cache, save_compile_cache
+    if src and Path(src).is_dir():
+        for f in sorted([*Path(src).glob("*.bin"), *Path(src).glob("*.bin.gz")]):
+            load_compile_cache(f)
+    yield
+    if dst:
+        save_compile_cache(Path(dst) / "tests-gpu.bin")
 
 
 @pytest.fixture

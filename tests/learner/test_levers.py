@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -334,31 +335,46 @@ print("RESULT", json.dumps({"loaded": loaded, "saved": saved, "hits": counters["
 
 def test_inductors_cache_persists_on_the_machine_and_travels_in_a_file(tmp_path, caplog):
     """Three processes compiling one function with inductor (CPU kernels): the first compiles and saves its
-    artifacts to a file; a second on a fresh cache folder loads the file and compiles nothing (an FX graph cache
-    hit); a third on the first's folder, without the file, hits the on-disk cache. A missing or corrupt file is one
-    line and False."""
+    artifacts to a file; the file goes the way a lease's does (packed into $OUT by scripts/device_out.py, unpacked
+    here into the next call's carry, gzip'd); a second process on a fresh cache folder loads it and compiles nothing
+    (an FX graph cache hit); a third on the first's folder, without the file, hits the on-disk cache. A missing or
+    corrupt file is one line and False."""
+    import importlib.util
     import json
+    import shutil
     import subprocess
     import sys
 
     from learner.compile_cache import load_compile_cache
 
-    def run(mode: str, folder: str) -> dict:
+    def run(mode: str, folder: str, path) -> dict:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / folder), "PYTHONPATH": os.getcwd()}
-        proc = subprocess.run([sys.executable, "-c", CACHE_PROCESS, mode, str(tmp_path / "cache.bin")], env=env,
+        proc = subprocess.run([sys.executable, "-c", CACHE_PROCESS, mode, str(path)], env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))[7:])
 
-    first = run("save", "a")
+    first = run("save", "a", tmp_path / "cache.bin")
     assert first["saved"] > 0 and first["hits"] == 0
-    assert run("load", "b") == {"loaded": True, "saved": None, "hits": 1}
-    assert run("none", "a")["hits"] == 1
+    spec = importlib.util.spec_from_file_location("device_out", Path("scripts/device_out.py").resolve())
+    device_out = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(device_out)
+    out = tmp_path / "out"
+    (out / "inductor-cache").mkdir(parents=True)
+    shutil.copyfile(tmp_path / "cache.bin", out / "inductor-cache" / "gpu-bench-defaults.bin")
+    device_out.pack(out, [], out / "inductor-cache", ["gpu-bench-defaults"])
+    device_out.unpack(out, tmp_path / "back", tmp_path / "carry")
+    assert run("load", "b", tmp_path / "carry" / "gpu-bench-defaults.bin.gz") == {"loaded": True, "saved": None,
+                                                                                   "hits": 1}
+    assert run("none", "a", tmp_path / "cache.bin")["hits"] == 1
     (tmp_path / "corrupt.bin").write_bytes(b"not a cache")
+    (tmp_path / "corrupt.bin.gz").write_bytes(b"not gzip")
     with caplog.at_level(logging.INFO, logger="learner.compile_cache"):
         assert not load_compile_cache(tmp_path / "missing.bin") and not load_compile_cache(tmp_path / "corrupt.bin")
+        assert not load_compile_cache(tmp_path / "corrupt.bin.gz")
     said = [r.getMessage() for r in caplog.records if r.name == "learner.compile_cache"]
-    assert len(said) == 2 and "not loaded: no file" in said[0] and "corrupt.bin not loaded" in said[1], said
+    assert len(said) == 3 and "not loaded: no file" in said[0] and "corrupt.bin not loaded" in said[1], said
+    assert "corrupt.bin.gz not loaded (compiling from scratch): BadGzipFile" in said[2], said
 
 
 def test_compile_auto_stays_off_below_the_minimum_width_on_cuda():
