@@ -41,16 +41,22 @@ def cache_dir() -> str:
         return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_" + os.environ.get("USER", "user"))
 
 
-def enable_cache() -> str:
+def enable_cache(folder: str | None = None) -> str:
     """Turn on inductor's FX graph cache and AOTAutograd's cache (process-wide; torch's defaults, made sure of),
-    so that a later process on this machine reuses the compiled kernels; returns a note naming the folder."""
+    so that a later process reuses the compiled kernels; returns a note naming the folder. `folder`
+    (`learner.compile_cache_dir`) becomes TORCHINDUCTOR_CACHE_DIR, which inductor reads at each compile: set before
+    the first one, every later compile of this process reads and writes there (on shared storage: every node's)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
+    if folder:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
     inductor_config.fx_graph_cache = True
     if hasattr(functorch_config, "enable_autograd_cache"):
         functorch_config.enable_autograd_cache = True
-    return f"inductor's cache in {cache_dir()} (TORCHINDUCTOR_CACHE_DIR), reused by later processes on this machine"
+    return (f"inductor's cache in {cache_dir()} (learner.compile_cache_dir), reused by every rank that reaches it"
+            if folder else f"inductor's cache in {cache_dir()} (TORCHINDUCTOR_CACHE_DIR), reused by later processes "
+                           "on this machine")
 
 
 def save_compile_cache(path: str | Path) -> int | None:

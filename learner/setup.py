@@ -177,7 +177,7 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
         trainer.optimizer = optimizer
 
     if cfg.compile is True and cfg.compile_backend == "inductor":
-        notes.append(enable_cache())
+        notes.append(enable_cache(cfg.compile_cache_dir))
     graphs, t0 = compiled_graphs(), time.perf_counter()
     off = try_levers(levers, trainer, unfused)  # collective: every rank tries the same micro-batches
     trial_graphs, trial_s = compiled_graphs() - graphs, time.perf_counter() - t0

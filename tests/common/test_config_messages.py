@@ -4,6 +4,7 @@ says what to change, in paths the user can type (issue 37); and the union shorth
 from __future__ import annotations
 
 import gzip
+from pathlib import Path
 
 import pytest
 import yaml
@@ -67,6 +68,8 @@ def refused(capsys, *args: str) -> str:
     (["learner.lr=fast"], "learner.lr: Input should be a valid number, unable to parse string as a number (given "
                           "'fast')"),
     (["buffer.group_size=1"], "buffer.group_size: Input should be greater than or equal to 2 (given 1)"),
+    (["learner.compile_cache_dir=cache"], "learner.compile_cache_dir: 'cache' is relative, and a learner rank's "
+                                          "working folder is Ray's, not yours: give an absolute path"),
     (["generator.node_labels=H100"], "generator.node_labels: a mapping, not 'H100': write "
                                      "generator.node_labels.<key>=<value>"),
     # lists and tuples with an example
@@ -220,3 +223,10 @@ def test_a_hub_id_as_model_path_says_how_to_download_it(capsys):
             "runs load a folder and never download: download it first (.venv/bin/hf download "
             "Qwen/Qwen2.5-0.5B-Instruct --local-dir models/Qwen2.5-0.5B-Instruct) and set "
             "model.path=models/Qwen2.5-0.5B-Instruct") in capsys.readouterr().err
+
+
+def test_the_compile_cache_dir_is_absolute_with_home_expanded():
+    home = load_config(None, ["learner.compile_cache_dir=~/inductor"]).learner.compile_cache_dir
+    assert home == str(Path.home() / "inductor")
+    assert load_config(None, ["learner.compile_cache_dir=/shared/c"]).learner.compile_cache_dir == "/shared/c"
+    assert load_config(None, []).learner.compile_cache_dir is None

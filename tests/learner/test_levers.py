@@ -325,20 +325,22 @@ import json, sys, torch
 from torch._dynamo.utils import counters
 from learner.compile_cache import enable_cache, load_compile_cache, save_compile_cache
 mode, path = sys.argv[1], sys.argv[2]
-enable_cache()
+note = enable_cache(path if mode == "dir" else None)  # dir: learner.compile_cache_dir, over TORCHINDUCTOR_CACHE_DIR
 loaded = load_compile_cache(path) if mode == "load" else None
 torch.compile(lambda x: torch.cos(x) * 3 + 1)(torch.randn(8))
 saved = save_compile_cache(path) if mode == "save" else None
-print("RESULT", json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]["fxgraph_cache_hit"]}))
+print("RESULT", json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]["fxgraph_cache_hit"],
+                           "note": note}))
 """
 
 
 def test_inductors_cache_persists_on_the_machine_and_travels_in_a_file(tmp_path, caplog):
-    """Three processes compiling one function with inductor (CPU kernels): the first compiles and saves its
+    """Four processes compiling one function with inductor (CPU kernels): the first compiles and saves its
     artifacts to a file; the file goes the way a lease's does (packed into $OUT by scripts/device_out.py, unpacked
     here into the next call's carry, gzip'd); a second process on a fresh cache folder loads it and compiles nothing
-    (an FX graph cache hit); a third on the first's folder, without the file, hits the on-disk cache. A missing or
-    corrupt file is one line and False."""
+    (an FX graph cache hit); a third on the first's folder, without the file, hits the on-disk cache, and so does a
+    fourth whose TORCHINDUCTOR_CACHE_DIR is a fresh folder but whose `learner.compile_cache_dir` is the first's (a
+    rank on a new node, the folder shared). A missing or corrupt file is one line and False."""
     import importlib.util
     import json
     import shutil
@@ -364,9 +366,11 @@ def test_inductors_cache_persists_on_the_machine_and_travels_in_a_file(tmp_path,
     shutil.copyfile(tmp_path / "cache.bin", out / "inductor-cache" / "gpu-bench-defaults.bin")
     device_out.pack(out, [], out / "inductor-cache", ["gpu-bench-defaults"])
     device_out.unpack(out, tmp_path / "back", tmp_path / "carry")
-    assert run("load", "b", tmp_path / "carry" / "gpu-bench-defaults.bin.gz") == {"loaded": True, "saved": None,
-                                                                                   "hits": 1}
+    loaded = run("load", "b", tmp_path / "carry" / "gpu-bench-defaults.bin.gz")
+    assert {k: loaded[k] for k in ("loaded", "saved", "hits")} == {"loaded": True, "saved": None, "hits": 1}
     assert run("none", "a", tmp_path / "cache.bin")["hits"] == 1
+    shared = run("dir", "fresh", tmp_path / "a")
+    assert shared["hits"] == 1 and f"cache in {tmp_path / 'a'} (learner.compile_cache_dir)" in shared["note"], shared
     (tmp_path / "corrupt.bin").write_bytes(b"not a cache")
     (tmp_path / "corrupt.bin.gz").write_bytes(b"not gzip")
     with caplog.at_level(logging.INFO, logger="learner.compile_cache"):
