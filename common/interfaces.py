@@ -8,12 +8,14 @@ single-process objects and for their Ray-actor-backed clients alike.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
 from common.messages import LearnerFeedback, ScoredGroup, TrainingBatch, WeightsAnnouncement, WorkItem
+
+if TYPE_CHECKING:  # annotations only: the buffer's and the reward workers' processes never import torch for them
+    import torch
 
 
 class WorkSource(Protocol):
