@@ -102,6 +102,47 @@ def _tar_bytes(members: list[tuple[str, bytes]], root: str) -> bytes:
     return buf.getvalue()
 
 
+def _inside(p: Path, folder: Path | None) -> bool:
+    return folder is not None and (p.resolve() == folder.resolve() or folder.resolve() in p.resolve().parents)
+
+
+def _pack_results(out: Path, kept: list[Path], cache: Path | None) -> Path:
+    """Every file of `out` but the kept ones and the cache folder's into RESULTS (gzip'd tar), then removed, with
+    the folders they leave empty."""
+    rest = sorted(p for p in out.rglob("*") if p.is_file() and p not in kept and not _inside(p, cache))
+    results, tmp = out / RESULTS, out / (RESULTS + ".tmp")
+    with tarfile.open(tmp, "w:gz", compresslevel=6) as tar:
+        for p in rest:
+            tar.add(p, arcname=str(p.relative_to(out)))
+    for p in rest:
+        p.unlink()
+    for d in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        if not _inside(d, cache) and not any(d.iterdir()):
+            d.rmdir()
+    tmp.replace(results)
+    return results
+
+
+def _pack_cache(out: Path, cache: Path, first: list[str], files: int, size: int, carry_room: int) -> list[str]:
+    """The cache folder into CACHE (`_cache_members`: small files, then artifacts in the order wanted while the
+    whole still fits `files` more returned files, `size` more bytes and `carry_room`), the folder removed; the
+    lines saying what went in and what was left out."""
+    small, artifacts = _cache_members(cache, first)
+    taken, lines = [], []
+    for name, data in artifacts:
+        whole = len(_tar_bytes(small + taken + [(name, data)], cache.name))
+        if _n_pieces(whole) <= files and whole <= min(size, carry_room):
+            taken.append((name, data))
+        else:
+            lines.append(f"{cache.name}/{name} ({_mb(len(data))} gzip'd): LEFT OUT, over what comes back "
+                         f"({MAX_FILES} files, {_mb(MAX_TOTAL)}; the next call carries at most {_mb(carry_room)} of "
+                         "cache): the next lease compiles it cold")
+    shutil.rmtree(cache)
+    if small + taken:
+        (out / CACHE).write_bytes(_tar_bytes(small + taken, cache.name))
+    return [f"{cache.name}/{name}: in {CACHE} ({_mb(len(data))})" for name, data in small + taken] + lines
+
+
 def pack(out: Path, keep: list[str], cache: Path | None, first: list[str], carry_room: int = CARRY_ROOM) -> list[str]:
     """Leave in `out` only what the device tool brings back (module docstring); returns the lines it prints."""
     lines: list[str] = []
@@ -111,59 +152,22 @@ def pack(out: Path, keep: list[str], cache: Path | None, first: list[str], carry
             kept.remove(k)
             lines.append(f"{k.name}: into {RESULTS} (too large or oddly named to come back as it is)")
     cache = cache if cache is not None and cache.is_dir() else None
-    small, artifacts = _cache_members(cache, first) if cache else ([], [])
-
-    # everything else but the cache folder, into one gzip'd tar
-    skip = {k.resolve() for k in kept} | ({cache.resolve()} if cache else set())
-    rest = sorted(p for p in out.rglob("*") if p.is_file() and p.resolve() not in skip
-                  and not (cache and cache.resolve() in p.resolve().parents))
-    results = out / RESULTS
-    tmp = out / (RESULTS + ".tmp")
-    with tarfile.open(tmp, "w:gz", compresslevel=6) as tar:
-        for p in rest:
-            tar.add(p, arcname=str(p.relative_to(out)))
-    for p in rest:
-        p.unlink()
-    for d in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-        if not (cache and (d.resolve() == cache.resolve() or cache.resolve() in d.resolve().parents)):
-            try:
-                d.rmdir()
-            except OSError:  # not empty: the cache folder's parent
-                pass
-    tmp.replace(results)
-    used_files = len(kept) + _n_pieces(results.stat().st_size)
-    used_bytes = sum(k.stat().st_size for k in kept) + results.stat().st_size
-
-    if cache:
-        taken, left_out = [], []
-        for name, data in artifacts:
-            trial = _tar_bytes(small + taken + [(name, data)], cache.name)
-            fits = (used_files + _n_pieces(len(trial)) <= MAX_FILES and used_bytes + len(trial) <= MAX_TOTAL
-                    and len(trial) <= carry_room)
-            (taken if fits else left_out).append((name, data))
-        for name, data in left_out:
-            lines.append(f"{cache.name}/{name} ({_mb(len(data))} gzip'd): LEFT OUT, over what comes back "
-                         f"({MAX_FILES} files, {_mb(MAX_TOTAL)}; the next call carries at most {_mb(carry_room)} of "
-                         "cache): the next lease compiles it cold")
-        shutil.rmtree(cache)
-        if small + taken:
-            (out / CACHE).write_bytes(_tar_bytes(small + taken, cache.name))
-        lines += [f"{cache.name}/{name}: in {CACHE} ({_mb(len(data))})" for name, data in small + taken]
-
-    back = [p for k in kept for p in _pieces(k)] + _pieces(results)
-    if (out / CACHE).is_file():
-        back += _pieces(out / CACHE)
-    lines = [f"device_out: back: {p.name} ({_mb(p.stat().st_size)})" for p in back] + [
-        "device_out: " + line for line in lines]
+    results = _pack_results(out, kept, cache)
+    if cache is not None:
+        used = [*kept, results]
+        lines += _pack_cache(out, cache, first, MAX_FILES - sum(_n_pieces(p.stat().st_size) for p in used),
+                             MAX_TOTAL - sum(p.stat().st_size for p in used), carry_room)
+    back = [p for f in [*kept, results, out / CACHE] if f.is_file() for p in _pieces(f)]
     total = sum(p.stat().st_size for p in back)
+    lines = [f"back: {p.name} ({_mb(p.stat().st_size)})" for p in back] + lines
     if len(back) > MAX_FILES or total > MAX_TOTAL:
-        lines.append(f"device_out: WARNING: {len(back)} files, {_mb(total)}: over what one call brings back "
-                     f"({MAX_FILES} files, {_mb(MAX_TOTAL)}); the device tool leaves the last out")
-    return lines
+        lines.append(f"WARNING: {len(back)} files, {_mb(total)}: over what one call brings back ({MAX_FILES} files, "
+                     f"{_mb(MAX_TOTAL)}); the device tool leaves the last out")
+    return ["device_out: " + line for line in lines]
 
 
 def _join_pieces(src: Path, dest: Path) -> list[Path]:
-    """Copy the files of `src` into `dest`, joining NAME.000, NAME.001, ... into NAME; the files it wrote."""
+    """Copy the files of `src` into `dest`, joining NAME.000of002, NAME.001of002 into NAME; the files it wrote."""
     groups: dict[str, list[tuple[int, int, Path]]] = {}
     wrote = []
     for p in sorted(src.iterdir()):
