@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from common.import_cost import skip_sklearn_in_transformers
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="exgrpo", description="ExGRPO: RLVR with managed experience replay on Ray.")
@@ -226,6 +228,7 @@ def _resumed_address(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    skip_sklearn_in_transformers()  # 2.6 s of the driver's start where MLflow installed scikit-learn
     _refuse_dashed_overrides(sys.argv[1:] if argv is None else [str(a) for a in argv])
     args = _parser().parse_args(argv)
     _current_folder_importable()

@@ -49,11 +49,15 @@ def quiet_store_loggers() -> None:
 OUR_PACKAGES = ("actors", "buffer", "cluster", "common", "learner")
 
 
-def setup_worker_logging() -> None:
-    """Ray's `worker_process_setup_hook` (`cluster.runtime.start_ray`): in every worker process of a run, our
+def setup_worker() -> None:
+    """Ray's `worker_process_setup_hook` (`cluster.runtime.start_ray`), in every worker process of a run: our
     packages' INFO lines (a learner rank's levers and LoRA line, a generator's adapter merge, ...) go to the
-    worker's stderr, which Ray keeps as `worker-*.err` (an embedded run copies them into the run's `logs/ray`).
-    Without it they were dropped: a worker's root logger passes WARNING and above only."""
+    worker's stderr, which Ray keeps as `worker-*.err` (an embedded run copies them into the run's `logs/ray`);
+    without it they were dropped, a worker's root logger passing WARNING and above only. And transformers imports
+    no scikit-learn (`common.import_cost`: 2.6 s of each model-loading worker's start)."""
+    from common.import_cost import skip_sklearn_in_transformers
+
+    skip_sklearn_in_transformers()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for name in OUR_PACKAGES:

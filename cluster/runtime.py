@@ -36,7 +36,7 @@ def start_ray(cfg: ClusterConfig, run_dir: Path, py_modules: list[str] = ()) -> 
     `py_modules`: the user's modules (a reward module) that Ray uploads to every worker of every node."""
     env = dict(ACTOR_ENV)
     # every worker process: our INFO lines to its stderr, kept by Ray and copied into the run's logs/ray
-    runtime_env = {"env_vars": env, "worker_process_setup_hook": "cluster.console.setup_worker_logging"}
+    runtime_env = {"env_vars": env, "worker_process_setup_hook": "cluster.console.setup_worker"}
     if py_modules:
         runtime_env["py_modules"] = list(py_modules)
     # Ray announces its defaults (token auth on, local instance started) at WARNING/INFO on the console;
