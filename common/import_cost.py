@@ -50,7 +50,10 @@ class _PatchOnLoad(importlib.abc.MetaPathFinder):
                     run(module)
                     _patch(module)
 
-                spec.loader.exec_module = exec_module  # this spec's own loader object
+                try:
+                    spec.loader.exec_module = exec_module  # this spec's own loader object
+                except (AttributeError, TypeError):  # a loader that takes no attributes: transformers as it is
+                    return None
                 return spec
         return None
 
