@@ -855,13 +855,12 @@ def load_lease_cache(folder: Path | None) -> list[str]:
     if folder is None or not folder.is_dir():
         return []
     try:
-        from learner.compile_cache import load_compile_cache
+        from learner.compile_cache import load_compile_cache_folder
     except ImportError:
         print("[gpu_bench] --compile-cache: this tree has no learner.compile_cache (issue 49 item 1): nothing "
               "loaded", file=sys.stderr)
         return []
-    files = sorted([*folder.glob("*.bin"), *folder.glob("*.bin.gz")])  # .gz: as scripts/device_out.py brings them
-    return [f.name for f in files if load_compile_cache(f)]
+    return load_compile_cache_folder(folder)
 
 
 def save_lease_cache(folder: Path | None, out: Path | None) -> dict | None:

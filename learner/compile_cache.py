@@ -109,6 +109,16 @@ def load_compile_cache(path: str | Path) -> bool:
     return True
 
 
+def load_compile_cache_folder(folder: str | Path) -> list[str]:
+    """`load_compile_cache` of every artifact file in `folder` (*.bin, and *.bin.gz as scripts/device_out.py brings
+    a lease's back), before anything compiles: the names loaded ([] where there is no such folder)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    files = sorted([*folder.glob("*.bin"), *folder.glob("*.bin.gz")])
+    return [f.name for f in files if load_compile_cache(f)]
+
+
 def compiled_graphs() -> int:
     """Graphs torch.compile has built in this process so far (dynamo's `counters["stats"]["unique_graphs"]`; 0
     before dynamo is imported, which a run without compile then never pays for)."""

@@ -34,10 +34,9 @@ def _compile_cache():
     """The artifacts of the last lease loaded, and this session's saved (module docstring); unset: nothing."""
     src, dst = os.environ.get("EXGRPO_GPU_COMPILE_CACHE"), os.environ.get("EXGRPO_GPU_COMPILE_CACHE_OUT")
     if src or dst:
-        from learner.compile_cache import load_compile_cache, save_compile_cache
-    if src and Path(src).is_dir():
-        for f in sorted([*Path(src).glob("*.bin"), *Path(src).glob("*.bin.gz")]):
-            load_compile_cache(f)
+        from learner.compile_cache import load_compile_cache_folder, save_compile_cache
+    if src:
+        load_compile_cache_folder(src)
     yield
     if dst:
         save_compile_cache(Path(dst) / "tests-gpu.bin")
