@@ -71,6 +71,8 @@ class BufferClient:
         self.shards, self.run, self.namespace = list(shards), run, namespace
         self.batch_questions, self.replay_ratio, self.call_timeout_s = cfg.batch_questions, cfg.replay_ratio, cfg.call_timeout_s
         self.group_size, self.max_lag = cfg.group_size, cfg.max_lag
+        self.start_timeout_s = cfg.start_timeout_s
+        self._pings: list = []  # the shards' first answers, until wait_ready has them
         self.trajectory_score = cfg.trajectory_score  # how the learner picks o* (buffer.trajectory_score)
         self.switch = MixedSwitch(cfg.switch_groups, cfg.mixed_switch_accuracy)
         self._zero_signal_seen: list[list[int]] | None = None  # per shard: cumulative (fresh groups kept out, of
@@ -103,8 +105,9 @@ class BufferClient:
 
     @classmethod
     def create(cls, cfg: BufferConfig, questions: list[Question], *, run: str, namespace: str | None,
-               snapshot_dir: str | None) -> BufferClient:
-        """Start the S named shard actors, each owning the questions that hash to it."""
+               snapshot_dir: str | None, wait: bool = True) -> BufferClient:
+        """Start the S named shard actors, each owning the questions that hash to it. `wait=False`: return at
+        once (calls queue until the shards run; `wait_ready` then bounds the start and raises its error)."""
         parts: list[list[Question]] = [[] for _ in range(cfg.num_shards)]
         for q in questions:
             parts[shard_of(q.id, cfg.num_shards)].append(q)
@@ -115,18 +118,27 @@ class BufferClient:
             for i in range(cfg.num_shards)
         ]
         client = cls(shards, cfg=cfg, run=run, namespace=namespace)
-        pings = [s.ping.remote() for s in shards]
-        _, late = ray.wait(pings, num_returns=len(pings), timeout=cfg.start_timeout_s)
+        client._pings = [s.ping.remote() for s in shards]
+        if wait:
+            client.wait_ready()
+        return client
+
+    def wait_ready(self) -> None:
+        """Wait (within buffer.start_timeout_s of this call) until every shard created by `create` answers; raises
+        a shard's own start error, or BufferUnavailableError naming the shards that are late."""
+        pings, self._pings = self._pings, []
+        if not pings:
+            return
+        _, late = ray.wait(pings, num_returns=len(pings), timeout=self.start_timeout_s)
         if late:
             which = [i for i, ref in enumerate(pings) if ref in late]
             for ref in late:
                 ray.cancel(ref)
             raise BufferUnavailableError(
-                f"buffer start: shard(s) {which} of run {run!r} not ready within buffer.start_timeout_s="
-                f"{cfg.start_timeout_s:g}s (each starts a worker process, then restores its snapshot on resume); "
+                f"buffer start: shard(s) {which} of run {self.run!r} not ready within buffer.start_timeout_s="
+                f"{self.start_timeout_s:g}s (each starts a worker process, then restores its snapshot on resume); "
                 "see the run's logs/ray for the shard's own log, or raise buffer.start_timeout_s")
-        client._get(pings, "start")  # all answered: raises a shard's own start error, if any
-        return client
+        self._get(pings, "start")  # all answered: raises a shard's own start error, if any
 
     @classmethod
     def connect(cls, run: str, namespace: str | None, num_shards: int, *, cfg: BufferConfig | None = None) -> BufferClient:

@@ -51,7 +51,10 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, run_dir, state: DriverState, model_path: Path, questions, tracker,
                  profile: Profile | None = None, launched: float | None = None):
-        self.cfg, self.run_dir, self.state, self.model_path, self.tracker = cfg, run_dir, state, model_path, tracker
+        """`tracker`: the run's Tracker, or a function that returns it once its start (beside the components'
+        start) is done; build waits for it after asking for every component."""
+        self.cfg, self.run_dir, self.state, self.model_path = cfg, run_dir, state, model_path
+        self._open_tracker = tracker if callable(tracker) else (lambda: tracker)
         self.profile = profile or Profile()
         # time.monotonic() when `exgrpo train` started: the first update of this attempt logs driver/first_update_s
         # (None: a restarted attempt, which does not)
@@ -77,6 +80,10 @@ class Trainer:
         self._buffer_bytes = 0.0  # the buffer's stored trajectories at the last step
 
     # ------------------------------------------------------------------------------------- build
+
+    @property
+    def tracker(self):
+        return self._open_tracker()
 
     def build(self, checkpoint: Path | None) -> None:
         from actors.engines import describe_engine
@@ -112,14 +119,18 @@ class Trainer:
                                        max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype,
                                        publish_dtype=cfg.generator.dtype, wait=False,
                                        prompt_tokens=cfg.data.max_prompt_tokens, rows_per_update=rows_per_update)
-        with phase("start-up: buffer shards"):
+        with phase("start-up: ask for the buffer shards"):  # their worker processes start beside the rest too
             self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
-                                              snapshot_dir=str(self.run_dir.path / "buffer-live"))
-        if early:
+                                              snapshot_dir=str(self.run_dir.path / "buffer-live"), wait=False)
+        if early:  # the generators' leases queue at the shards until those run
             with phase("start-up: schedule generators"):
                 self._schedule_generators()
             with phase("start-up: in-run evaluator"):  # its engine loads beside the generators' too
                 self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)
+        with phase("start-up: MLflow (the rest of its start)"):
+            self.tracker  # noqa: B018 (waits for the run's MLflow start, which went on beside the components')
+        with phase("start-up: buffer shards (the rest of their start)"):
+            self.buffer.wait_ready()
         with phase("start-up: learner ranks (the rest of their start)"):
             self.learner.wait_ready()
         if self.learner.summary:  # LoRA: rank, targets, trainable parameters and their share

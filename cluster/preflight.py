@@ -222,16 +222,19 @@ class Start:
     questions: list | None  # the training questions (None when model_path is None)
 
 
-def check_start(cfg, *, new_run: bool = True, build_model: bool = True) -> Start:
+def check_start(cfg, *, new_run: bool = True, build_model: bool = True, on_checked=None) -> Start:
     """Every check `exgrpo train` makes before it creates anything, and the one `exgrpo config` makes, so that
     `config` rc 0 means `train` gets past its start: the run folder (`new_run`), the quick input checks (all
     reported at once), then the model's lengths, its tokenizer and the training data (tokenised, as the run
     loads them). `build_model=False` (config): the built-in model is used only when cached (a build takes
-    minutes), else the tokenizer and data checks wait for `train`. BadInput with what to change."""
+    minutes), else the tokenizer and data checks wait for `train`. `on_checked(cfg)` is called once the quick
+    checks pass (`train` starts Ray then, beside the rest). BadInput with what to change."""
     problems = [run_folder_problem(cfg) if new_run else None, *input_problems(cfg)]
     problems = [p for p in problems if p]
     if problems:
         raise BadInput("invalid configuration:", *problems)
+    if on_checked is not None:
+        on_checked(cfg)
     model_path = resolve_model(cfg, build=build_model)
     if model_path is None:
         return Start(cfg, None, None)
@@ -302,7 +305,7 @@ def train_questions(cfg, model_path: Path) -> list:
     if problem is not None:
         raise BadInput("invalid configuration:", problem)
     try:
-        questions, report = load_questions(cfg.data, tokenizer, "train")
+        questions, report = load_questions(cfg.data, tokenizer, "train", cfg.model.cache_dir)
     except DataError as e:
         raise BadInput("invalid data:", str(e)) from None
     if not questions:

@@ -45,18 +45,29 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     The run's wall-time profile is saved as profile.json in the run folder (`show_profile`: printed too)."""
     from cluster.console import Progress, setup_logging
     from cluster.preflight import BadInput, user_modules
-    from cluster.runtime import start_ray
+    from cluster.runtime import RayStart
     from cluster.tracking import default_tracking_uri
 
     launched = command_started()
     profile = Profile()
     setup_logging(None)  # the console only, until the run folder exists
+    ray_start: list[RayStart] = []
+
+    def begin_ray(checked: RunConfig) -> None:  # the quick checks passed: Ray starts while the model and data load
+        ray_start.append(RayStart(checked.cluster, user_modules(checked)))
+
     try:
-        with profile.phase("start-up: model + data"):
-            cfg, run_dir, state, model_path, questions = _prepare(cfg, resume, overrides or [])
-    except BadInput as e:
+        with profile.phase("start-up: model + data (Ray starts beside them)"):
+            cfg, run_dir, state, model_path, questions = _prepare(cfg, resume, overrides or [], begin_ray)
+    except BaseException as e:
+        for r in ray_start:  # nothing will run: stop it, leave nothing behind
+            r.cancel()
+        if not isinstance(e, BadInput):
+            raise
         print(e, file=sys.stderr)
         return 2
+    if not ray_start:
+        begin_ray(cfg)
     setup_logging(run_dir.path / "logs")
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -64,26 +75,34 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
         set_rng_state(state.rng)
     uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
 
-    # MLflow (imports, store migrations: CPU in this process) starts beside Ray (mostly waiting for its processes).
-    with ThreadPoolExecutor(1, thread_name_prefix="mlflow-start") as pool:
-        tracking = pool.submit(_start_tracking, cfg, run_dir, state, uri, resume)
-        with profile.phase("start-up: Ray (MLflow starts beside it)"):
-            start_ray(cfg.cluster, run_dir.path, user_modules(cfg))
-        with profile.phase("start-up: MLflow (the rest of its start)"):
-            tracker = tracking.result()
-    run_dir.update_state(mlflow_run_id=state.mlflow_run_id, status="RUNNING", cause=None)
-    log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, uri, state.mlflow_run_id)
-    _show_prompt(run_dir, questions, model_path, tracker)
+    # MLflow (imports, store migrations: CPU in this process) starts beside the rest of Ray's start and the
+    # components' (mostly waiting for other processes); the trainer waits for it once every component is asked for.
+    pool = ThreadPoolExecutor(1, thread_name_prefix="mlflow-start")
+    tracking = pool.submit(_start_tracking, cfg, run_dir, state, uri, resume)
+    pool.shutdown(wait=False)
+    opened: list = []
+
+    def open_tracker():
+        if not opened:
+            opened.append(tracking.result())
+            run_dir.update_state(mlflow_run_id=state.mlflow_run_id, status="RUNNING", cause=None)
+            log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, uri, state.mlflow_run_id)
+            _show_prompt(run_dir, questions, model_path, opened[0])
+        return opened[0]
+
+    with profile.phase("start-up: Ray (the rest of its start; MLflow starts beside it)"):
+        ray_start[0].finish(run_dir.path)
 
     progress = Progress(cfg.total_steps, start=state.step)
     status, stopped = "FAILED", None
     try:
-        status = _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress, profile,
+        status = _train_with_restarts(cfg, run_dir, state, model_path, questions, open_tracker, progress, profile,
                                       launched)
     except RunStopped as e:  # said why already; the run folder and MLflow lines still follow
         stopped = e
     finally:
         progress.close()
+        tracker = open_tracker()
         with profile.phase("shutdown: plots, MLflow, Ray"):
             if cfg.tracking.log_plots:
                 _unless_the_disk_refuses("the plots", lambda: tracker.log_plots(run_dir.path / "plots"))
@@ -228,11 +247,11 @@ def _load_driver_state(run_dir) -> DriverState:
     return DriverState(**d)
 
 
-def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str]):
+def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str], on_checked=None):
     """Check the run's inputs (`cluster.preflight.check_start`, the checks `exgrpo config` makes), then create
     the run folder (or, resuming, apply the overrides and pick the newest usable checkpoint): a bad input leaves
-    nothing behind and the same `name=` free. Returns (cfg, run_dir, state, model_path, questions); BadInput says
-    what to change."""
+    nothing behind and the same `name=` free. `on_checked(cfg)`: called once the quick checks pass. Returns
+    (cfg, run_dir, state, model_path, questions); BadInput says what to change."""
     from cluster.preflight import BadInput, check_start, gpus_missing
     from cluster.runtime import RunDir, RunFolderError
 
@@ -245,7 +264,7 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str]):
         gpus = gpus_missing(cfg)  # `exgrpo config` warns of it (a GPU run's config is checked on CPU machines too)
         if gpus:
             raise BadInput("invalid configuration:", gpus)
-        start = check_start(cfg, new_run=not resume)
+        start = check_start(cfg, new_run=not resume, on_checked=on_checked)
         cfg, model_path, questions = start.cfg, start.model_path, start.questions
         if not resume:
             run_dir = RunDir.planned(cfg)

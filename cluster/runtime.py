@@ -7,8 +7,10 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import Counter
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +36,64 @@ ACTOR_ENV = {
 def start_ray(cfg: ClusterConfig, run_dir: Path, py_modules: list[str] = ()) -> str:
     """Join `cfg.address`, or start an embedded local Ray with its own temp dir. Returns the GCS address.
     `py_modules`: the user's modules (a reward module) that Ray uploads to every worker of every node."""
+    return RayStart(cfg, py_modules).finish(run_dir)
+
+
+class RayStart:
+    """`ray.init` in a background thread, begun as soon as the config's quick checks pass, so that Ray's processes
+    start while this process loads the model, tokenizer and data. `finish(run_dir)` waits for it (raising its
+    error) and records the address in the run folder; `cancel()`, when nothing will run, stops it and leaves
+    nothing behind.
+
+    The thread lives until Ray is shut down: Ray's processes die with the thread that started them (their parent
+    death signal is the starting thread's), so a pool thread that ended would take the embedded cluster with it."""
+
+    def __init__(self, cfg: ClusterConfig, py_modules: list[str] = ()):
+        self._result: Future = Future()
+        self._down = threading.Event()
+        _HOLDING.append(self._down)
+        threading.Thread(target=self._hold, args=(cfg, list(py_modules)), name="ray-start", daemon=True).start()
+
+    def _hold(self, cfg: ClusterConfig, py_modules: list[str]) -> None:
+        try:
+            self._result.set_result(_init_ray(cfg, py_modules))
+        except BaseException as e:  # noqa: BLE001 (raised in the waiting thread by finish)
+            self._result.set_exception(e)
+            return
+        self._down.wait()
+
+    def finish(self, run_dir: Path) -> str:
+        address = self._result.result()
+        temp = _OWNED_TEMP.get("temp")
+        if temp is not None:  # the embedded Ray's: its actors' logs go to the run folder at shutdown
+            _OWNED_TEMP["logs"] = str(run_dir / "logs" / "ray")
+            (run_dir / "ray_temp_dir").write_text(temp)
+        (run_dir / "ray_address").write_text(address)
+        return address
+
+    def cancel(self) -> None:
+        try:
+            self._result.result()
+        except BaseException:  # noqa: BLE001 (a start that failed has nothing left to stop but its temp folder)
+            pass
+        shutdown_ray()
+
+
+_HOLDING: list[threading.Event] = []
+"""One per thread that started Ray and holds it; shutdown_ray sets them (the thread may end)."""
+
+
+def _init_ray(cfg: ClusterConfig, py_modules: list[str]) -> str:
     env = dict(ACTOR_ENV)
     # every worker process: our INFO lines to its stderr, kept by Ray and copied into the run's logs/ray
     runtime_env = {"env_vars": env, "worker_process_setup_hook": "cluster.console.setup_worker"}
     if py_modules:
         runtime_env["py_modules"] = list(py_modules)
     # Ray announces its defaults (token auth on, local instance started) at WARNING/INFO on the console;
-    # the user's console is for training progress. Token auth itself stays on.
+    # the user's console is for training progress. Token auth itself stays on. Started off the main thread, it
+    # says it leaves SIGTERM alone: the run sets its own handlers before anything starts.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    logging.getLogger("ray._private.worker").addFilter(_NotMainThreadNote())
     if cfg.address:
         ctx = ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False,
                        runtime_env=runtime_env, logging_level=logging.WARNING)
@@ -49,26 +101,33 @@ def start_ray(cfg: ClusterConfig, run_dir: Path, py_modules: list[str] = ()) -> 
         # Unix socket paths are limited to ~107 bytes, so the temp dir stays short (not inside run_dir).
         temp = cfg.temp_dir or tempfile.mkdtemp(prefix="exgrpo-ray-", dir="/tmp")
         if cfg.temp_dir is None:  # ours: removed by shutdown_ray(), even when ray.init fails
-            _OWNED_TEMP.update(temp=temp, logs=str(run_dir / "logs" / "ray"))
+            _OWNED_TEMP.update(temp=temp)
+        # no idle workers started ahead of the actors (they never take them: each actor starts its own), which
+        # on a small machine only take CPU from the start
         ctx = ray.init(address="local", num_cpus=cfg.num_cpus, namespace=cfg.namespace, _temp_dir=temp,
                        include_dashboard=False, log_to_driver=False, runtime_env=runtime_env,
-                       logging_level=logging.WARNING)
-        (run_dir / "ray_temp_dir").write_text(temp)
-    address = ctx.address_info.get("gcs_address") or ctx.address_info.get("address") or ""
-    (run_dir / "ray_address").write_text(address)
-    return address
+                       logging_level=logging.WARNING,
+                       _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False})
+    return ctx.address_info.get("gcs_address") or ctx.address_info.get("address") or ""
+
+
+class _NotMainThreadNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
 
 
 def shutdown_ray() -> None:
     """Stop this process's Ray (an embedded one ends with it) and remove the temp folder start_ray
-    created, after copying the actors' logs into the run folder's `logs/ray`."""
+    created, after copying the actors' logs into the run folder's `logs/ray` (when a run folder took them)."""
     if ray.is_initialized():
         ray.shutdown()
+    while _HOLDING:
+        _HOLDING.pop().set()
     temp, logs = _OWNED_TEMP.pop("temp", None), _OWNED_TEMP.pop("logs", None)
     if temp is None:
         return
     src = Path(temp) / "session_latest" / "logs"
-    if src.is_dir():
+    if logs is not None and src.is_dir():
         try:
             shutil.copytree(src, logs, dirs_exist_ok=True, ignore_dangling_symlinks=True)
         except (OSError, shutil.Error) as e:  # the logs stay where they are, and the line says where

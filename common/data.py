@@ -60,13 +60,14 @@ class LoadReport:
 
 
 def load_questions(
-    data_cfg: DataConfig, tokenizer: Any, split: Literal["train", "test"]
+    data_cfg: DataConfig, tokenizer: Any, split: Literal["train", "test"], cache_dir: str | None = None
 ) -> tuple[list[Question], LoadReport]:
     """Questions of `split` and a report of skipped rows.
 
     Built-in task when `data_cfg.train_path` is None, else the configured file. A file-based config
     without `test_path` has an empty test split (the report says so). Raises DataError for a missing
-    or unreadable file, or, in strict mode, for the first bad row.
+    or unreadable file, or, in strict mode, for the first bad row. `cache_dir`: where a built-in task's questions
+    are kept between runs (model.cache_dir, beside its built-in model).
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -76,7 +77,7 @@ def load_questions(
         from common.tasks import get_task
 
         task = get_task(data_cfg.task)
-        train, test = task.generate(data_cfg.seed, data_cfg.num_train, data_cfg.num_test)
+        train, test = task.generate(data_cfg.seed, data_cfg.num_train, data_cfg.num_test, cache_dir)
         rows = train if split == "train" else test
         source = f"{task.name}:{split}"
         numbered = ((i + 1, row) for i, row in enumerate(rows))

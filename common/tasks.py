@@ -32,12 +32,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import random
 import re
 from collections import Counter
 from functools import lru_cache
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 TEST_SHARE = 8
 """About one generated question in TEST_SHARE goes to the held-out split."""
@@ -69,8 +71,30 @@ class Task:
     """`reasoning(response_text, prompt, answer)`: whether a response's reasoning is valid (checked exactly;
     None when it cannot be told); None for a task without such a check."""
 
-    def generate(self, seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
-        """Deterministic in `seed`; the two splits are disjoint and each holds unique questions."""
+    def generate(self, seed: int, n_train: int, n_test: int, cache_dir: str | Path | None = None
+                 ) -> tuple[list[dict], list[dict]]:
+        """Deterministic in `seed`; the two splits are disjoint and each holds unique questions. `cache_dir`: the
+        splits are kept there (a JSON file named by the task, the arguments and this module's source), so that a
+        run's start reads them instead of searching again (countdown: 0.75 s on 2 CPU cores)."""
+        if cache_dir is None:
+            return self._generate(seed, n_train, n_test)
+        path = Path(cache_dir).expanduser() / "questions" / f"{self.name}-{seed}-{n_train}-{n_test}-{_SOURCE}.json"
+        try:
+            train, test = json.loads(path.read_text())
+            return train, test
+        except (OSError, ValueError):  # absent or unreadable: made again, and kept when the disk lets us
+            pass
+        train, test = self._generate(seed, n_train, n_test)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_suffix(f".{os.getpid()}.part")
+            part.write_text(json.dumps([train, test]))
+            os.replace(part, path)
+        except OSError:
+            pass
+        return train, test
+
+    def _generate(self, seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
         rng = random.Random(f"{self.name}:{seed}")
         train: list[dict] = []
         test: list[dict] = []
@@ -95,6 +119,10 @@ class Task:
             if len(split) < limit:
                 split.append(row)
         return train, test
+
+
+_SOURCE = hashlib.blake2b(Path(__file__).read_bytes(), digest_size=6).hexdigest()
+"""This module's source, in the name of each cached split: a change of the generators makes them again."""
 
 
 def _digest(text: str, nbytes: int) -> str:
