@@ -93,8 +93,6 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
     `prompt_tokens`, `rows_per_update`: the longest prompt and the rows a rank trains per optimizer step, so that
     activation checkpointing "auto" budgets the run's real micro-batch (None: a 2,048-token prompt, and
     `learner.micro_batch_rows` rows)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
     sharded = world > 1 or dtype != torch.float32
@@ -128,7 +126,10 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
     if dtype == torch.float16 and rank == 0:
         log.warning("model.dtype=float16: the learner trains without loss scaling (gradients may underflow); "
                     "use bfloat16 where the hardware has it")
-    if sharded:
+    if sharded:  # (imported here: one float32 rank never loads FSDP, 0.5 s of its start)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         mesh = init_device_mesh(device.type, (world,))
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for layer in model.model.layers:
