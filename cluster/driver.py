@@ -263,6 +263,7 @@ class Trainer:
         if self.launched is None:
             return None
         seconds, self.launched = time.monotonic() - self.launched, None
+        self.profile.first_update_s = seconds
         log.info("first learner update %.1f s after exgrpo train started", seconds)
         return seconds
 

@@ -31,11 +31,17 @@ GENERATOR_ROWS = (
 class Profile:
     """Wall-time accounting of one `exgrpo train` process."""
 
-    def __init__(self) -> None:
+    def __init__(self, launched: float | None = None) -> None:
+        """`launched`: time.monotonic() at which the command's process started (its interpreter and imports are then
+        the first row)."""
         self.started = time.monotonic()
         self.seconds: dict[str, float] = {}
         self.counts: dict[str, int] = {}
         self.generator: dict[str, float] = {}
+        self.first_update_s: float | None = None  # seconds from the command's start to its first learner update
+        if launched is not None and launched < self.started:
+            self.add("start-up: Python and imports", self.started - launched)
+            self.started = launched
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -66,7 +72,11 @@ class Profile:
     def table(self, command: str) -> str:
         rows = self.rows()
         wall = rows[-1][1]
-        lines = [f"$ {command}", "", "| phase | seconds | % of command | count | mean ms |", "|---|---:|---:|---:|---:|"]
+        lines = [f"$ {command}", ""]
+        if self.first_update_s is not None:
+            lines += [f"first learner update {self.first_update_s:.1f} s after the command started: the start-up rows "
+                      "below, then the first step's", ""]
+        lines += ["| phase | seconds | % of command | count | mean ms |", "|---|---:|---:|---:|---:|"]
         for name, s, n in rows:
             lines.append(f"| {name} | {s:.2f} | {100 * s / max(wall, 1e-9):.1f} | {n} | {1000 * s / max(n, 1):.1f} |")
         g = self.generator
@@ -80,4 +90,4 @@ class Profile:
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({"phases": [{"phase": n, "seconds": s, "count": c} for n, s, c in self.rows()],
-                                    "generators": self.generator}, indent=1))
+                                    "generators": self.generator, "first_update_s": self.first_update_s}, indent=1))

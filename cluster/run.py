@@ -49,7 +49,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     from cluster.tracking import default_tracking_uri
 
     launched = command_started()
-    profile = Profile()
+    profile = Profile(launched)
     setup_logging(None)  # the console only, until the run folder exists
     ray_start: list[RayStart] = []
 
@@ -60,11 +60,12 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
         with profile.phase("start-up: model + data (Ray starts beside them)"):
             cfg, run_dir, state, model_path, questions = _prepare(cfg, resume, overrides or [], begin_ray)
     except BaseException as e:
+        if isinstance(e, BadInput):
+            print(e, file=sys.stderr)
         for r in ray_start:  # nothing will run: stop it, leave nothing behind
             r.cancel()
         if not isinstance(e, BadInput):
             raise
-        print(e, file=sys.stderr)
         return 2
     if not ray_start:
         begin_ray(cfg)

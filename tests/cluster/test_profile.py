@@ -29,3 +29,18 @@ def test_phases_add_up_to_the_whole_command_and_generator_time_is_shown(tmp_path
     p.save(tmp_path / "profile.json")
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert saved["phases"][-1]["phase"] == "whole command" and saved["generators"]["score_s"] == 2.0
+
+
+def test_the_interpreter_s_start_is_the_first_row_and_the_first_update_is_said(tmp_path):
+    launched = time.monotonic() - 1.5  # the process started 1.5 s before the profile (its imports)
+    p = Profile(launched)
+    with p.phase("start-up: Ray"):
+        time.sleep(0.01)
+    p.first_update_s = 2.25
+    rows = p.rows()
+    assert rows[0][0] == "start-up: Python and imports" and 1.5 <= rows[0][1] < 1.6
+    assert rows[-1][0] == "whole command" and rows[-1][1] >= 1.51  # counted from the process's start
+    table = p.table("exgrpo train --profile")
+    assert "first learner update 2.2 s after the command started" in table
+    p.save(tmp_path / "profile.json")
+    assert json.loads((tmp_path / "profile.json").read_text())["first_update_s"] == 2.25
