@@ -127,6 +127,11 @@ class RunConfig(Section):
                 and not self.eval.sets:
             problems.append("eval.every_steps: in-run evaluation needs held-out questions; set data.test_path "
                             "or eval.every_steps=0")
+        if self.eval.every_steps and isinstance(self.learner.weight_sync, CollectiveSyncConfig):
+            problems.append("eval.every_steps: the in-run evaluator reads each version from Ray's object store, which "
+                            "learner.weight_sync.kind=collective leaves empty (its versions go over the generators' "
+                            "channels only); set learner.weight_sync.kind=object_store, or eval.every_steps=0 and "
+                            "evaluate checkpoints with `exgrpo eval`")
         if self.data.task is None and self.data.train_path is None:
             problems.append("data: set data.task to a built-in task or data.train_path to a file")
         if self.data.train_path is None and self.data.task is not None:

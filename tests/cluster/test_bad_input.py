@@ -162,14 +162,23 @@ def test_missing_model_folder_and_unimportable_reward_leave_no_run_folder(capsys
     ("", "invalid data:", "no usable training questions"),
     ('{"q": "1+1", "a": "2"}\n' * 3, "invalid data:", "data.question_field / data.answer_field name the fields"),
 ])
-def test_unusable_data_is_refused_and_the_name_stays_free(capsys, runs, tmp_path, tiny_model_dir, content, heading,
-                                                          expected):
+def test_unusable_data_is_refused_and_the_name_stays_free(capsys, monkeypatch, runs, tmp_path, tiny_model_dir,
+                                                          content, heading, expected):
+    import tempfile
+
+    import ray
+
     data = tmp_path / "train.jsonl"
     if content is not None:
         data.write_text(content)
     args = (f"model.path={tiny_model_dir}", f"data.train_path={data}", "reward.name=exact")
+    made = []  # the temp folders of the embedded Ray this command starts
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, mkdtemp=tempfile.mkdtemp, **k: made.append(mkdtemp(*a, **k))
+                        or made[-1])
     assert_refused(*train(capsys, runs, *args), heading, expected)
     assert not (runs / "r").exists()
+    # data is read while Ray starts (after the quick checks): a refusal then stops it and leaves no temp folder
+    assert not ray.is_initialized() and not [t for t in made if Path(t).exists()], made
     code, out = train(capsys, runs, *args)  # the same name again: the same answer, not "already holds a run"
     assert "already holds a run" not in out
 

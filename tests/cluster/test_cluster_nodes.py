@@ -1,7 +1,8 @@
 """`exgrpo train` on a multi-node Ray cluster made with Ray's own test utility (`ray.cluster_utils.Cluster`,
 run in a process of its own: tests/cluster/cluster_nodes.py), as a user joins a cluster with `cluster.address`:
 
-- a run joins a cluster that was not started by `ray start` (no token authentication) and trains;
+- a run joins a cluster that was not started by `ray start` (no token authentication) and trains (asserted by the
+  runs of tests/cluster/test_losses_e2e.py, which join this module's cluster);
 - a process in token mode is told at once that the cluster runs without it (Ray itself would cancel every actor
   it creates: the cluster cannot call back into a driver that demands a token);
 - a worker node lost mid-run (its raylet and workers killed) is reported, the run trains on with what is left,
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.runs import (
-    ROOT, accounting, assert_balanced, mlflow_client, or_exited, read_log, run_train, state, train_cmd, train_process,
+    ROOT, accounting, assert_balanced, mlflow_client, or_exited, read_log, state, train_cmd, train_process,
     wait_for,
 )
 
@@ -92,17 +93,6 @@ def runs_root(tmp_path_factory) -> Path:
 def _env(**kv: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     return dict(env, PYTHONUNBUFFERED="1", **kv)
-
-
-def test_train_joins_a_cluster_made_by_ray_cluster_utils(nodes, runs_root):
-    # as a user's shell: no RAY_AUTH_MODE chosen, a token in ~/.ray (Ray made one): the run asks the cluster
-    r = run_train(runs_root, "joined", f"cluster.address={nodes.address}", "total_steps=4",
-                  "generator.num_generators=2", "generator.engine.kind=transformers", timeout_s=600, env=_env())
-    assert r.returncode == 0, r.stdout[-4000:]
-    assert "SchedulingCancelled" not in r.stdout and "Traceback" not in r.stdout, r.stdout[-4000:]
-    run = mlflow_client(runs_root).get_run(state(runs_root / "joined")["mlflow_run_id"])
-    assert run.info.status == "FINISHED"
-    assert_balanced(accounting(run.data.metrics))
 
 
 def test_token_mode_against_a_cluster_without_authentication_says_what_to_change(nodes, runs_root):

@@ -26,18 +26,47 @@ def _metrics(runs_root: Path, name: str) -> dict[str, float]:
     return mlflow_client(runs_root).get_run(state(runs_root / name)["mlflow_run_id"]).data.metrics
 
 
-def test_all_zero_rewards_stall_names_the_reward_and_a_sample_then_stops(runs_root):
-    """Before: zero-signal groups were dropped forever with no line and no metric."""
-    r = run_train(runs_root, "zero", f"reward.name={FNS}:zero", "buffer.drop_zero_signal=true", "total_steps=2",
-                  "cluster.stall_report_s=10", "cluster.stall_timeout_s=30")
-    assert r.returncode == 3, r.stdout[-4000:]
-    assert "stalled: no learner step for" in r.stdout and "dropped so far: zero-signal" in r.stdout
-    assert "every reward so far is 0" in r.stdout and f"reward.name={FNS}:zero" in r.stdout
-    assert "a sample: question" in r.stdout and "scored 0" in r.stdout
-    assert "stopping after cluster.stall_timeout_s=30s without progress" in r.stdout
+def test_stalls_say_why_and_stop_all_zero_rewards_and_a_reward_that_sleeps_side_by_side(runs_root, tmp_path):
+    """Two runs that each wait out a stall timeout, started side by side (a stall bound of 12 s, reported every 4 s:
+    the smallest that still shows a report before the stop on a slow machine). Each has its own runs root: two
+    processes never share one MLflow SQLite file.
+
+    All-zero rewards. Before: zero-signal groups were dropped forever with no line and no metric.
+
+    A reward that sleeps. Before: every call of the batch waited out its timeout in turn inside one `score`, the stall
+    report said `reward errors 0`, and close waited for that batch to drain (generator.stop_timeout_s). Here the drain
+    bound is an hour: the run still ends (exit 3) right after its checkpoint, because close abandons the reward call
+    and returns the leases instead of draining."""
+    stall = ("cluster.stall_report_s=4", "cluster.stall_timeout_s=12")
+    with train_process(runs_root, "zero", f"reward.name={FNS}:zero", "buffer.drop_zero_signal=true", "total_steps=2",
+                       *stall) as zero, \
+            train_process(tmp_path, "sleeps", f"reward.name={FNS}:sleeps", "total_steps=2", "reward.timeout_s=2",
+                          "generator.stop_timeout_s=3600", *stall) as sleeps:
+        zero_rc, sleeps_rc = zero.wait(900), sleeps.wait(900)
+
+    out = read_log(runs_root, "zero")
+    assert zero_rc == 3, ("all-zero rewards", out[-4000:])
+    assert "stalled: no learner step for" in out and "dropped so far: zero-signal" in out
+    assert "every reward so far is 0" in out and f"reward.name={FNS}:zero" in out
+    assert "a sample: question" in out and "scored 0" in out
+    assert "stopping after cluster.stall_timeout_s=12s without progress" in out
     m = _metrics(runs_root, "zero")
-    assert m["stall/seconds"] >= 10 and m["stall/zero_signal"] > 0 and m["stall/generators_running"] == 1
-    assert state(runs_root / "zero")["checkpoints"], "a stalled run writes a checkpoint before it stops"
+    assert m["stall/seconds"] >= 4 and m["stall/zero_signal"] > 0 and m["stall/generators_running"] == 1
+    assert state(runs_root / "zero")["checkpoints"], "a stalled run (all-zero rewards) writes a checkpoint before it stops"
+
+    out = read_log(tmp_path, "sleeps")
+    assert sleeps_rc == 3, ("a reward that sleeps", out[-4000:])
+    assert "scoring holds the run: no learner step for" in out
+    assert f"the reward function holds the run: reward.name={FNS}:sleeps has" in out
+    assert "timed out after reward.timeout_s=2s" in out
+    assert "the first reward call that timed out: a sample: question" in out
+    assert "(reward error: timed out after 2 s)" in out
+    assert "stopping after cluster.stall_timeout_s=12s without progress" in out
+    assert "generators stopped: " in out and "abandoned the reward calls of" in out
+    assert "Traceback" not in out
+    m = _metrics(tmp_path, "sleeps")
+    assert m["stall/reward_timeouts"] >= 1 and m["stall/reward_in_flight"] >= 1
+    assert state(tmp_path / "sleeps")["checkpoints"], "a stalled run (a reward that sleeps) writes a checkpoint"
 
 
 def test_more_generators_than_cpus_train_with_what_fits_until_every_question_is_retired(runs_root):
@@ -85,27 +114,6 @@ def test_a_config_never_placed_is_refused_and_sigterm_during_start_stops_the_run
     log = read_log(runs_root, "term")
     assert rc == 0, log[-4000:]
     assert "SIGTERM during start: stopping now" in log and "Traceback" not in log
-
-
-def test_a_reward_that_sleeps_is_named_in_the_stall_report_and_the_stop_is_bounded(runs_root):
-    """Before: every call of the batch waited out its 5 s timeout in turn inside one `score`, the stall report
-    said `reward errors 0`, and close waited for that batch to drain (generator.stop_timeout_s). Here the drain
-    bound is an hour: the run still ends (exit 3) right after its checkpoint, because close abandons the
-    reward call and returns the leases instead of draining."""
-    r = run_train(runs_root, "sleeps", f"reward.name={FNS}:sleeps", "total_steps=2", "cluster.stall_report_s=10",
-                  "cluster.stall_timeout_s=30", "generator.stop_timeout_s=3600", timeout_s=900)
-    assert r.returncode == 3, r.stdout[-4000:]
-    assert "scoring holds the run: no learner step for" in r.stdout
-    assert f"the reward function holds the run: reward.name={FNS}:sleeps has" in r.stdout
-    assert "timed out after reward.timeout_s=5s" in r.stdout
-    assert "the first reward call that timed out: a sample: question" in r.stdout
-    assert "(reward error: timed out after 5 s)" in r.stdout
-    assert "stopping after cluster.stall_timeout_s=30s without progress" in r.stdout
-    assert "generators stopped: " in r.stdout and "abandoned the reward calls of" in r.stdout
-    assert "Traceback" not in r.stdout
-    m = _metrics(runs_root, "sleeps")
-    assert m["stall/reward_timeouts"] >= 1 and m["stall/reward_in_flight"] >= 1
-    assert state(runs_root / "sleeps")["checkpoints"], "a stalled run writes a checkpoint before it stops"
 
 
 def test_a_reward_that_hangs_on_some_inputs_trains_on_with_timeouts_counted(runs_root):

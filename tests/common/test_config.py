@@ -154,6 +154,10 @@ def test_padding_free_auto_follows_the_attention(attn, padding_free, packs):
                             "fields turns it on, e.g. learner.lora.rank=8"),
     (["learner.lora=false"], "learner.lora: a section that is off by default (null), not false: learner.lora=null "
                              "turns it off"),
+    # before: every in-run evaluation failed at run time ("in-run evaluation failed (N so far; training goes on)")
+    (["eval.every_steps=3", "learner.weight_sync.kind=collective"],
+     "eval.every_steps: the in-run evaluator reads each version from Ray's object store, which "
+     "learner.weight_sync.kind=collective leaves empty"),
 ])
 def test_settings_that_would_be_silently_wrong_are_refused(overrides, expected):
     lines = _lines(overrides)
