@@ -257,8 +257,11 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str], on
     from cluster.runtime import RunDir, RunFolderError
 
     try:
-        if resume:
+        if resume:  # what the run folder says first: it refuses before Ray starts (beside the checks below)
             run_dir, cfg, changes = _reopen(resume, overrides)
+            run_dir.usable_checkpoint(cfg.buffer.num_shards)
+            state = _load_driver_state(run_dir)
+            _refuse_finished(run_dir, cfg, state)
         else:
             assert cfg is not None
             changes = {}
@@ -270,10 +273,19 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str], on
         if not resume:
             run_dir = RunDir.planned(cfg)
             return cfg, run_dir.make(cfg), DriverState(generators=cfg.generator.num_generators), model_path, questions
-        run_dir.usable_checkpoint(cfg.buffer.num_shards)
     except RunFolderError as e:
         raise BadInput(f"error: {e}") from None
-    state = _load_driver_state(run_dir)
+    if "generator.num_generators" in changes:
+        state.generators = cfg.generator.num_generators
+    if changes:
+        run_dir.save_config(cfg)
+        log.info("resume: %s", ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items()))
+    return cfg, run_dir, state, model_path, questions
+
+
+def _refuse_finished(run_dir, cfg: RunConfig, state: DriverState) -> None:
+    from cluster.preflight import BadInput
+
     if state.step >= cfg.total_steps:
         raise BadInput(f"error: run {run_dir.name} already reached total_steps={cfg.total_steps}; to train further "
                        f"raise it: exgrpo train --resume {run_dir.path} total_steps={cfg.total_steps * 2}")
@@ -281,12 +293,6 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str], on
         raise BadInput(f"error: run {run_dir.name} already spent total_rollouts={cfg.total_rollouts} ({state.rollouts} "
                        f"trained); to train further raise it: exgrpo train --resume {run_dir.path} "
                        f"total_rollouts={cfg.total_rollouts * 2}")
-    if "generator.num_generators" in changes:
-        state.generators = cfg.generator.num_generators
-    if changes:
-        run_dir.save_config(cfg)
-        log.info("resume: %s", ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items()))
-    return cfg, run_dir, state, model_path, questions
 
 
 def _reopen(resume: str, overrides: list[str]):

@@ -55,16 +55,16 @@ def test_variants_runs_a_subset_of_the_spec_and_a_wrong_name_says_which_exist(tm
 
 
 @pytest.mark.slow
-def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, capsys):
+def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, capsys, joined):
     spec = dict(name="mini", budget_rollouts=256, seeds=[0],
                 base={"total_steps": 50, "checkpoint.every_steps": 0, "eval.every_steps": 1, "eval.questions": 16,
-                      "eval.samples": 2, "generator.engine.kind": "transformers"},
+                      "eval.samples": 2, "generator.engine.kind": "transformers", "cluster.address": joined.address},
                 variants={"exgrpo": {}, "grpo": {"buffer.replay_ratio": 0, "buffer.collect": False,
                                                  "learner.policy_loss": "cispo"}})
     runs = tmp_path / "runs"
     spec_file = write(tmp_path, spec)
     cmd = [sys.executable, "-m", "cluster.cli", "experiment", spec_file, "--runs-root", str(runs)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=joined.env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results, rest = out.stdout.split("What the buffer did")
     mechanism, costs = rest.split("What it cost")

@@ -165,14 +165,14 @@ def test_data_that_is_not_json_lines_says_what_it_is(capsys, tmp_path, tiny_mode
 
 
 @pytest.mark.slow
-def test_a_run_whose_rewards_all_fail_stops_by_default_saying_so(tmp_path):
+def test_a_run_whose_rewards_all_fail_stops_by_default_saying_so(tmp_path, joined):
     """Before: every rollout a reward error, one warning a step, and every update made on zeros (rc 0). Now the
     run stops after reward.stop_after_error_steps (3) steps of nothing but errors, with a checkpoint;
     reward.max_error_fraction (unset here) stays the knob for partial failures."""
     from tests.cluster.runs import run_train, state
 
     r = run_train(tmp_path, "errors", "reward.name=tests.common.reward_fns:raises", "total_steps=10",
-                  "tracking.enabled=false")
+                  "tracking.enabled=false", *joined.overrides, env=joined.env)
     assert r.returncode == 1, r.stdout[-4000:]
     assert "every rollout of the first 3 steps was a reward error scored 0" in r.stdout
     assert "with reward.name=tests.common.reward_fns:raises: the reward function fails on every call; stopping " \

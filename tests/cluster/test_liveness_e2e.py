@@ -26,7 +26,7 @@ def _metrics(runs_root: Path, name: str) -> dict[str, float]:
     return mlflow_client(runs_root).get_run(state(runs_root / name)["mlflow_run_id"]).data.metrics
 
 
-def test_stalls_say_why_and_stop_all_zero_rewards_and_a_reward_that_sleeps_side_by_side(runs_root, tmp_path):
+def test_stalls_say_why_and_stop_all_zero_rewards_and_a_reward_that_sleeps_side_by_side(runs_root, tmp_path, joined):
     """Two runs that each wait out a stall timeout, started side by side (a stall bound of 12 s, reported every 4 s:
     the smallest that still shows a report before the stop on a slow machine). Each has its own runs root: two
     processes never share one MLflow SQLite file.
@@ -37,11 +37,11 @@ def test_stalls_say_why_and_stop_all_zero_rewards_and_a_reward_that_sleeps_side_
     report said `reward errors 0`, and close waited for that batch to drain (generator.stop_timeout_s). Here the drain
     bound is an hour: the run still ends (exit 3) right after its checkpoint, because close abandons the reward call
     and returns the leases instead of draining."""
-    stall = ("cluster.stall_report_s=4", "cluster.stall_timeout_s=12")
+    stall = ("cluster.stall_report_s=4", "cluster.stall_timeout_s=12", *joined.overrides)
     with train_process(runs_root, "zero", f"reward.name={FNS}:zero", "buffer.drop_zero_signal=true", "total_steps=2",
-                       *stall) as zero, \
+                       *stall, env=joined.env) as zero, \
             train_process(tmp_path, "sleeps", f"reward.name={FNS}:sleeps", "total_steps=2", "reward.timeout_s=2",
-                          "generator.stop_timeout_s=3600", *stall) as sleeps:
+                          "generator.stop_timeout_s=3600", *stall, env=joined.env) as sleeps:
         zero_rc, sleeps_rc = zero.wait(900), sleeps.wait(900)
 
     out = read_log(runs_root, "zero")
@@ -89,13 +89,13 @@ def test_more_generators_than_cpus_train_with_what_fits_until_every_question_is_
     assert not Path((run_dir / "ray_temp_dir").read_text()).exists() and (run_dir / "logs" / "ray").is_dir()
 
 
-def test_a_config_never_placed_is_refused_and_sigterm_during_start_stops_the_run(runs_root, tmp_path):
+def test_a_config_never_placed_is_refused_and_sigterm_during_start_stops_the_run(runs_root, tmp_path, joined):
     """Two runs that stop before training, started side by side (they only start up). A config that can never
     be placed is refused with what to change. SIGTERM during start stops the run; before, the handler only set
     a flag that the training loop, not yet running, would check. (The refused run has its own runs root: two
     processes never share one MLflow SQLite file.)"""
     with train_process(tmp_path, "one-cpu", "cluster.num_cpus=1", "total_steps=2") as refused, \
-            train_process(runs_root, "term", "total_steps=100000") as p:
+            train_process(runs_root, "term", "total_steps=100000", *joined.overrides, env=joined.env) as p:
         # the start (learner ranks import torch and load the model) takes seconds on any machine: a 50 ms
         # poll sends the signal inside it
         wait_for(lambda: "starting 1 buffer shard" in read_log(runs_root, "term") or p.poll() is not None, 300,
@@ -116,9 +116,10 @@ def test_a_config_never_placed_is_refused_and_sigterm_during_start_stops_the_run
     assert "SIGTERM during start: stopping now" in log and "Traceback" not in log
 
 
-def test_a_reward_that_hangs_on_some_inputs_trains_on_with_timeouts_counted(runs_root):
+def test_a_reward_that_hangs_on_some_inputs_trains_on_with_timeouts_counted(runs_root, joined):
     r = run_train(runs_root, "sometimes", f"reward.name={FNS}:hangs_sometimes", "total_steps=3",
-                  "reward.timeout_s=1", "reward.num_workers=2", "checkpoint.every_steps=0")
+                  "reward.timeout_s=1", "reward.num_workers=2", "checkpoint.every_steps=0", *joined.overrides,
+                  env=joined.env)
     assert r.returncode == 0, r.stdout[-4000:]
     assert "step 3/3" in r.stdout
     client = mlflow_client(runs_root)
@@ -129,8 +130,9 @@ def test_a_reward_that_hangs_on_some_inputs_trains_on_with_timeouts_counted(runs
     assert len(fractions) == 3 and all(0 < f < 0.5 for f in fractions), fractions
 
 
-def test_reward_errors_past_max_error_fraction_stop_the_run(runs_root):
-    r = run_train(runs_root, "errors", f"reward.name={FNS}:raises", "total_steps=10", "reward.max_error_fraction=0.5")
+def test_reward_errors_past_max_error_fraction_stop_the_run(runs_root, joined):
+    r = run_train(runs_root, "errors", f"reward.name={FNS}:raises", "total_steps=10", "reward.max_error_fraction=0.5",
+                  *joined.overrides, env=joined.env)
     assert r.returncode == 1, r.stdout[-4000:]
     assert "were reward errors scored 0" in r.stdout and "above reward.max_error_fraction=0.5" in r.stdout
     assert "(reward error: raised RuntimeError: broken on" in r.stdout  # the error itself, with its sample

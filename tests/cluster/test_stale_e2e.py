@@ -12,7 +12,7 @@ The causes this guards, both counted from the run's own accounting, not from a c
   480 at the paper's settings once the first cause was fixed).
 Measured after both fixes: 0-1 of 480 at the defaults, 1-7 at the paper's settings.
 
-The run joins the module's Ray cluster (test_cluster_nodes' fixture).
+The run joins the package's Ray cluster (tests/cluster/conftest.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.runs import accounting, assert_balanced, mlflow_client, run_train, state
-from tests.cluster.test_cluster_nodes import _env, nodes, runs_root  # noqa: F401 (module fixtures: one cluster here)
 
 pytestmark = pytest.mark.slow
 
@@ -32,9 +31,9 @@ PAPER_ASYNC = ("learner.mini_batches=2", "buffer.num_shards=2", "buffer.max_lag=
 # the defaults' bound is checked by test_train_e2e's 40-step run at the defaults (the same assertions), which saves
 # this module a third of a minute's run of its own
 @pytest.mark.parametrize("name,overrides", [("paper_async", PAPER_ASYNC)])
-def test_thirty_steps_drop_at_most_two_percent_as_stale(nodes, runs_root: Path, name, overrides):
-    r = run_train(runs_root, name, f"cluster.address={nodes.address}", "total_steps=30", *overrides,
-                  timeout_s=900, env=_env())
+def test_thirty_steps_drop_at_most_two_percent_as_stale(joined, tmp_path: Path, name, overrides):
+    runs_root = tmp_path
+    r = run_train(runs_root, name, *joined.overrides, "total_steps=30", *overrides, timeout_s=900, env=joined.env)
     assert r.returncode == 0, r.stdout[-4000:]
     metrics = mlflow_client(runs_root).get_run(state(runs_root / name)["mlflow_run_id"]).data.metrics
     acc = accounting(metrics)

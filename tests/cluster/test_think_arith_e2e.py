@@ -40,7 +40,7 @@ def test_the_built_in_model_is_a_weak_start(start_model):
         start_model / "tokenizer_config.json").read_text()
 
 
-def test_think_arith_trains_in_bfloat16_with_the_chat_template_and_math_verify(tmp_path, start_model):
+def test_think_arith_trains_in_bfloat16_with_the_chat_template_and_math_verify(tmp_path, start_model, joined):
     """One run, two behaviours (each assertion says which):
     - think_arith: the chat template, math-verify in reward workers, in-run evaluation, the reasoning check;
     - the path a GPU run takes, on CPU: bfloat16 end to end (FSDP2 mixed precision in the learner, the transformers
@@ -52,7 +52,7 @@ def test_think_arith_trains_in_bfloat16_with_the_chat_template_and_math_verify(t
                   "tracking.log_plots=false", "eval.every_steps=3", "eval.questions=16", "eval.samples=2",
                   "model.dtype=bfloat16", "generator.engine.kind=transformers", "learner.tis_cap=2",
                   "learner.icepop_band=[0.25,4]", "learner.mis=truncate", "learner.mis_cap=4", "learner.overlong=mask",
-                  timeout_s=900)
+                  *joined.overrides, timeout_s=900, env=joined.env)
     assert r.returncode == 0, r.stdout[-4000:]
     assert "step 3/3" in r.stdout
     client = mlflow_client(tmp_path)

@@ -1,4 +1,5 @@
-"""`exgrpo train` end to end, run as a user runs it: a subprocess with its own embedded Ray cluster,
+"""`exgrpo train` end to end, run as a user runs it: a subprocess that joins the package's Ray cluster
+(tests/cluster/conftest.py; the rank-death run, which finds the ranks among its driver's children, embeds its own),
 the real engine (vLLM pinned where the test is about a real run's path; else `auto`, which picks transformers for
 the toy model on CPU), real FSDP learner ranks over gloo and a real MLflow store.
 
@@ -76,12 +77,13 @@ def _eval(model: Path, cfg, questions, seed: int):
     return evaluate(str(model), eval_cfg, questions, samples=EVAL_SAMPLES, temperature=0.6, seed=seed)
 
 
-def test_train_improves_heldout_accuracy_logs_everything_and_balances(runs_root, default_cfg, start_model):
+def test_train_improves_heldout_accuracy_logs_everything_and_balances(runs_root, default_cfg, start_model, joined):
     """Held-out pass@1 (T=0.6, 32 samples, 200 test questions) rises above the starting model's (the mean of two
     seeds) by more than three standard errors of the difference (binomial sampling error of each estimate: a
     bound that does not itself vary from run to run, as the gap between two seeds did); the MLflow run holds
     every metric and plot; the accounting invariant holds at the end."""
-    r = run_train(runs_root, "e2e", "total_steps=40", "checkpoint.every_steps=20", "generator.engine.kind=vllm")
+    r = run_train(runs_root, "e2e", "total_steps=40", "checkpoint.every_steps=20", "generator.engine.kind=vllm",
+                  *joined.overrides, env=joined.env)
     assert r.returncode == 0, r.stdout[-4000:]
     assert "step 40/40" in r.stdout
 
@@ -127,7 +129,7 @@ def test_train_improves_heldout_accuracy_logs_everything_and_balances(runs_root,
     assert max(v for _, v in history(client, run_id, "train/replay_fraction")) > 0  # mixed mode switched on
 
 
-def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_stops_cleanly(runs_root):
+def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_stops_cleanly(runs_root, joined):
     """learner.mini_batches=2, 2 FSDP ranks, 2 buffer shards, rho 0.5, max_lag 1, the paper's lr 1e-6 with bf16
     engines and delta weight publications relayed between generators (collective, a chain), while `exgrpo scale`
     takes the generators 1 -> 3 -> 1 and SIGTERM then stops the run: it trains, the version advances once per step,
@@ -146,14 +148,15 @@ def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_st
 
     def scale(n: int) -> None:
         out = subprocess.run([sys.executable, "-m", "cluster.cli", "scale", "--run", "paper", "--generators", str(n),
-                              "--runs-root", str(runs_root)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                              "--runs-root", str(runs_root)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env=joined.env)
         assert out.returncode == 0, out.stdout + out.stderr
 
     with train_process(runs_root, "paper", "total_steps=1000", "learner.mini_batches=2", "learner.num_ranks=2",
-                       "buffer.num_shards=2", "cluster.num_cpus=5", "checkpoint.every_steps=0",
+                       "buffer.num_shards=2", *joined.overrides, "checkpoint.every_steps=0",
                        "tracking.log_plots=false", "generator.engine.kind=vllm", "learner.weight_sync.kind=collective",
                        "learner.weight_sync.relay_fanout=1", "learner.weight_sync.delta=true",
-                       "learner.lr=1e-6", "generator.dtype=bfloat16") as p:
+                       "learner.lr=1e-6", "generator.dtype=bfloat16", env=joined.env) as p:
         wait_for(lambda: generators() == 1 or p.poll() is not None, 600, "the first logged step")
         assert p.poll() is None, read_log(runs_root, "paper")
         scale(3)
@@ -187,7 +190,7 @@ def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_st
     assert client.get_run(run_id).info.status == "KILLED"
 
 
-def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root):
+def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, joined):
     """Also in-run evaluation on two named eval sets: one file, scored by the task's verifier (2 samples) and by
     exact match at T=1 (3 samples), each under eval/<set>/."""
     from common.tasks import get_task
@@ -198,7 +201,7 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root):
     r = run_train(runs_root, "sync", "total_steps=6", "buffer.max_lag=0", "checkpoint.every_steps=0",
                   "learner.lr_schedule=cosine", "learner.warmup_steps=2", "learner.min_lr=1e-5", "eval.every_steps=3", "eval.samples=2", f"eval.sets.countdown.path={heldout}",
                   f"eval.sets.strict.path={heldout}", "eval.sets.strict.reward=exact", "eval.sets.strict.samples=3",
-                  "eval.sets.strict.temperature=1.0")
+                  "eval.sets.strict.temperature=1.0", *joined.overrides, env=joined.env)
     assert r.returncode == 0, r.stdout[-4000:]
     client = mlflow_client(runs_root)
     run_id = _run_id(runs_root, "sync")
