@@ -63,11 +63,11 @@ class RayStart:
         self._down.wait()
 
     def finish(self, run_dir: Path) -> str:
-        address = self._result.result()
-        temp = _OWNED_TEMP.get("temp")
-        if temp is not None:  # the embedded Ray's: its actors' logs go to the run folder at shutdown
-            _OWNED_TEMP["logs"] = str(run_dir / "logs" / "ray")
+        address, temp = self._result.result()
+        if temp is not None:  # an embedded Ray's temp folder
             (run_dir / "ray_temp_dir").write_text(temp)
+        if "temp" in _OWNED_TEMP:  # ours: its actors' logs go to the run folder at shutdown
+            _OWNED_TEMP["logs"] = str(run_dir / "logs" / "ray")
         (run_dir / "ray_address").write_text(address)
         return address
 
@@ -83,7 +83,8 @@ _HOLDING: list[threading.Event] = []
 """One per thread that started Ray and holds it; shutdown_ray sets them (the thread may end)."""
 
 
-def _init_ray(cfg: ClusterConfig, py_modules: list[str]) -> str:
+def _init_ray(cfg: ClusterConfig, py_modules: list[str]) -> tuple[str, str | None]:
+    """(the GCS address, the embedded Ray's temp folder or None when joining)."""
     env = dict(ACTOR_ENV)
     # every worker process: our INFO lines to its stderr, kept by Ray and copied into the run's logs/ray
     runtime_env = {"env_vars": env, "worker_process_setup_hook": "cluster.console.setup_worker"}
@@ -93,7 +94,10 @@ def _init_ray(cfg: ClusterConfig, py_modules: list[str]) -> str:
     # the user's console is for training progress. Token auth itself stays on. Started off the main thread, it
     # says it leaves SIGTERM alone: the run sets its own handlers before anything starts.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-    logging.getLogger("ray._private.worker").addFilter(_NotMainThreadNote())
+    worker_log = logging.getLogger("ray._private.worker")
+    if not any(isinstance(f, _NotMainThreadNote) for f in worker_log.filters):
+        worker_log.addFilter(_NotMainThreadNote())
+    temp = None
     if cfg.address:
         ctx = ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False,
                        runtime_env=runtime_env, logging_level=logging.WARNING)
@@ -108,7 +112,7 @@ def _init_ray(cfg: ClusterConfig, py_modules: list[str]) -> str:
                        include_dashboard=False, log_to_driver=False, runtime_env=runtime_env,
                        logging_level=logging.WARNING,
                        _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False})
-    return ctx.address_info.get("gcs_address") or ctx.address_info.get("address") or ""
+    return ctx.address_info.get("gcs_address") or ctx.address_info.get("address") or "", temp
 
 
 class _NotMainThreadNote(logging.Filter):
