@@ -59,16 +59,15 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     try:
         with profile.phase("start-up: model + data (Ray starts beside them)"):
             cfg, run_dir, state, model_path, questions = _prepare(cfg, resume, overrides or [], begin_ray)
-    except BaseException as e:
-        if isinstance(e, BadInput):
-            print(e, file=sys.stderr)
-        for r in ray_start:  # nothing will run: stop it, leave nothing behind
+    except BadInput as e:
+        print(e, file=sys.stderr)  # at once; then Ray, if it is starting, is stopped: nothing is left behind
+        for r in ray_start:
             r.cancel()
-        if not isinstance(e, BadInput):
-            raise
         return 2
-    if not ray_start:
-        begin_ray(cfg)
+    except BaseException:
+        for r in ray_start:
+            r.cancel()
+        raise
     setup_logging(run_dir.path / "logs")
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)

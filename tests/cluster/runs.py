@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -99,3 +100,35 @@ def assert_balanced(acc: dict[str, float]) -> None:
     rhs = acc["trained"] + acc["stale_dropped"] + acc["zero_signal"] + acc["lost"] + acc["outstanding"] + acc["ready"]
     assert acc["issued"] == rhs, f"accounting does not balance: {acc}"
     assert acc["lost"] == acc["expired"] + acc["returned"] + acc["rejected"], acc
+
+
+class ClusterHelper:
+    """A process of its own that holds a Ray cluster for tests (tests/cluster/cluster_nodes.py, shared_ray.py), driven
+    over stdin: one command a line, answered by one line that starts with a word. It prints "address <host:port>"
+    once its cluster runs."""
+
+    def __init__(self, module: str, *args: str, env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.address = self._answer("address", 300)
+
+    def _answer(self, word: str, timeout_s: float) -> str:
+        """The rest of the helper's next line, which must start with `word` (within `timeout_s`)."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        assert line.startswith(word + " "), f"cluster helper: expected {word!r}, got {line!r} (rc {self.proc.poll()})"
+        return line.split(maxsplit=1)[1].strip()
+
+    def _ask(self, cmd: str, word: str, timeout_s: float = 300) -> str:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self._answer(word, timeout_s)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()

@@ -2,8 +2,8 @@
 as a user's runs join a cluster), held by a process of its own and driven over stdin:
 
     idle <seconds>   wait until no named actor of a run is left and every CPU is free (their drivers ended), at
-                     most <seconds>; then kill the named ones left; prints "idle", "killed <namespace/name> ..."
-                     or "busy: ..."
+                     most <seconds>; then kill the named ones left; prints "idle ok", "idle killed
+                     <namespace/name> ..." or "idle busy: ..."
     quit             stop the cluster
 
 It prints "address <host:port>" once the cluster runs. A run that joins it starts no Ray of its own (the embedded
@@ -31,7 +31,7 @@ def main() -> None:
         for line in sys.stdin:
             cmd, *args = line.split()
             if cmd == "idle":
-                print(_idle(float(args[0])), flush=True)
+                print("idle", _idle(float(args[0])), flush=True)
             elif cmd == "quit":
                 break
     finally:
@@ -47,7 +47,7 @@ def _idle(timeout_s: float) -> str:
         left = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] != "shared-ray-holder"]
         free = ray.available_resources().get("CPU", 0.0) >= ray.cluster_resources().get("CPU", 0.0) - 1e-6
         if not left and free:
-            return "idle"
+            return "ok"
         if time.monotonic() > deadline:
             break
         time.sleep(0.5)

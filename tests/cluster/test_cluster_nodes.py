@@ -17,10 +17,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
-import sys
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.runs import (
-    ROOT, accounting, assert_balanced, mlflow_client, or_exited, read_log, state, train_cmd, train_process,
+    ROOT, ClusterHelper, accounting, assert_balanced, mlflow_client, or_exited, read_log, state, train_cmd, train_process,
     wait_for,
 )
 
@@ -37,41 +35,18 @@ pytestmark = pytest.mark.slow
 HEAD_CPUS = 3  # the learner rank (1 CPU) and 2 generators; a 4-generator run needs a worker node for the rest
 
 
-class Nodes:
+class Nodes(ClusterHelper):
     """The cluster helper process: `add(cpus)` a worker node, `remove()` the newest one (a node loss)."""
 
     def __init__(self, temp_dir: str):
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.cluster.cluster_nodes", str(HEAD_CPUS), temp_dir],
-                                     cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.address = self._answer("address", 300)
-
-    def _answer(self, word: str, timeout_s: float) -> str:
-        """The rest of the helper's next line, which must start with `word` (within `timeout_s`)."""
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        line = self.proc.stdout.readline() if ready else ""
-        assert line.startswith(word + " "), f"cluster helper: expected {word!r}, got {line!r} (rc {self.proc.poll()})"
-        return line.split(maxsplit=1)[1].strip()
-
-    def _ask(self, cmd: str, word: str) -> str:
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        return self._answer(word, 300)
+        super().__init__("tests.cluster.cluster_nodes", str(HEAD_CPUS), temp_dir, env=env)
 
     def add(self, cpus: int, labels: dict[str, str] | None = None) -> str:
         return self._ask(f"add {cpus}" + (f" {json.dumps(labels)}" if labels else ""), "added")
 
     def remove(self) -> str:
         return self._ask("remove", "removed")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -116,3 +116,16 @@ def test_unknown_task_names_the_known_ones():
     known = r"\['arithmetic', 'countdown', 'think_arith'\]"
     with pytest.raises(ValueError, match=rf"unknown task 'chess'; built-in tasks are {known}"):
         get_task("chess")
+
+
+def test_the_splits_kept_in_a_cache_folder_are_the_ones_made_and_a_damaged_file_is_made_again(tmp_path):
+    from common.tasks import get_task
+
+    task = get_task("countdown")
+    made = task.generate(3, 40, 10)
+    assert task.generate(3, 40, 10, tmp_path) == made  # made, then kept
+    (kept,) = (tmp_path / "questions").glob("countdown-3-40-10-*.json")
+    assert task.generate(3, 40, 10, tmp_path) == made  # read back
+    kept.write_text('[["truncated"')
+    assert task.generate(3, 40, 10, tmp_path) == made  # unreadable: made again and kept again
+    assert task.generate(3, 40, 10, tmp_path) == made and list((tmp_path / "questions").iterdir()) == [kept]
