@@ -35,11 +35,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from common.config import DataConfig, ModelConfig, ToyModelConfig
+
+if TYPE_CHECKING:  # torch is imported by the build's functions: a cached model is found without it
+    import torch
 
 RECIPE_VERSION = 3
 """Bump when the training recipe or a built-in task's generator changes so cached models are rebuilt."""
@@ -118,6 +121,7 @@ def cache_key(toy: ToyModelConfig, data_cfg: DataConfig) -> str:
 
 def build_toy_model(toy: ToyModelConfig, data_cfg: DataConfig, out: Path, *, verbose: bool = False) -> dict:
     """Train and save the model into `out`; return the info dict (settings, steps, measured spreads)."""
+    import torch
     from common.modeling import init_tiny_llama, init_tiny_qwen2, save_model_folder
     from common.tasks import get_task
 
@@ -160,7 +164,6 @@ def build_toy_model(toy: ToyModelConfig, data_cfg: DataConfig, out: Path, *, ver
         torch.set_num_threads(threads)
 
 
-@torch.no_grad()
 def pad_vocabulary(model, rows: int, examples, pad_id: int) -> float:
     """Grow the vocabulary to `rows` embedding rows (tied or not) whose logits stay far below the real ones.
 
@@ -168,39 +171,44 @@ def pad_vocabulary(model, rows: int, examples, pad_id: int) -> float:
     unit mean direction of the final hidden states on the examples, and beta the smallest scale that keeps
     the padded rows' total probability under `PADDED_MASS` on every example token. Returns the largest
     such total measured afterwards; RuntimeError when no direction separates them (never seen)."""
-    model.eval()
-    old = model.config.vocab_size
-    ids, mask, labels = _batch(examples, list(range(len(examples))), random.Random(0), pad_id)
-    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    keep = mask.bool()
-    h = out.hidden_states[-1][keep]  # [N, H] final hidden states (after the final norm)
-    lse = torch.logsumexp(out.logits[keep].float(), dim=-1)  # [N]
-    u = _separating_direction(h)
-    m = h @ u  # [N]
-    if float(m.min()) <= 0:
-        raise RuntimeError("model.toy.vocab_rows: no direction has every final hidden state on its positive side; "
-                           "the padded rows cannot be kept unlikely (use vocab_rows: null)")
-    n_pad = rows - old
-    # n_pad * exp(-beta * m_i) <= PADDED_MASS * exp(lse_i) for every token i (e: a margin for the noise below)
-    target = math.log(n_pad) - math.log(PADDED_MASS) + 1.0
-    beta = max(0.0, float(((target - lse) / m).max()))
-    model.resize_token_embeddings(rows, mean_resizing=False)
-    emb = model.get_input_embeddings().weight
-    g = torch.Generator().manual_seed(0)
-    emb[old:] = -beta * u + 1e-3 * torch.randn(n_pad, emb.shape[1], generator=g)
-    if model.get_output_embeddings().weight is not emb:
-        model.get_output_embeddings().weight[old:] = emb[old:]
-    # padded mass = 1 / (1 + exp(lse_real - lse_padded)), the padded logits a chunk of tokens at a time:
-    # the probe's [N, rows] logits at a 152k vocabulary would be gigabytes
-    pad = emb[old:]  # [n_pad, H]
-    lse_pad = torch.cat([torch.logsumexp((h[i:i + 256] @ pad.T).float(), dim=-1)
-                         for i in range(0, len(h), 256)])  # [N]
-    return float(torch.sigmoid(lse_pad - lse).max())
+    import torch
+
+    with torch.no_grad():
+        model.eval()
+        old = model.config.vocab_size
+        ids, mask, labels = _batch(examples, list(range(len(examples))), random.Random(0), pad_id)
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        keep = mask.bool()
+        h = out.hidden_states[-1][keep]  # [N, H] final hidden states (after the final norm)
+        lse = torch.logsumexp(out.logits[keep].float(), dim=-1)  # [N]
+        u = _separating_direction(h)
+        m = h @ u  # [N]
+        if float(m.min()) <= 0:
+            raise RuntimeError("model.toy.vocab_rows: no direction has every final hidden state on its positive side; "
+                               "the padded rows cannot be kept unlikely (use vocab_rows: null)")
+        n_pad = rows - old
+        # n_pad * exp(-beta * m_i) <= PADDED_MASS * exp(lse_i) for every token i (e: a margin for the noise below)
+        target = math.log(n_pad) - math.log(PADDED_MASS) + 1.0
+        beta = max(0.0, float(((target - lse) / m).max()))
+        model.resize_token_embeddings(rows, mean_resizing=False)
+        emb = model.get_input_embeddings().weight
+        g = torch.Generator().manual_seed(0)
+        emb[old:] = -beta * u + 1e-3 * torch.randn(n_pad, emb.shape[1], generator=g)
+        if model.get_output_embeddings().weight is not emb:
+            model.get_output_embeddings().weight[old:] = emb[old:]
+        # padded mass = 1 / (1 + exp(lse_real - lse_padded)), the padded logits a chunk of tokens at a time:
+        # the probe's [N, rows] logits at a 152k vocabulary would be gigabytes
+        pad = emb[old:]  # [n_pad, H]
+        lse_pad = torch.cat([torch.logsumexp((h[i:i + 256] @ pad.T).float(), dim=-1)
+                             for i in range(0, len(h), 256)])  # [N]
+        return float(torch.sigmoid(lse_pad - lse).max())
 
 
 def _separating_direction(h: torch.Tensor, steps: int = 2000) -> torch.Tensor:
     """A unit vector u with min_i h_i . u as large as found: the mean direction, then gradient ascent on a
     soft minimum of the margins (the hard-margin problem through the origin). h [N, H] -> [H]."""
+    import torch
+
     x = h.double() / h.double().norm(dim=-1, keepdim=True)  # [N, H] unit rows: the margin of the worst row
     u = x.mean(0)
     u = (u / u.norm()).requires_grad_(True)
@@ -249,6 +257,8 @@ def _examples(task, rows: list[dict], tok) -> list[tuple[list[int], list[list[in
 def _batch(examples, idx: list[int], rng: random.Random, pad_id: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input ids, attention mask and labels (-100 outside responses), each [B, L]."""
+    import torch
+
     seqs, label_seqs = [], []
     for i in idx:
         prompt, responses = examples[i]
@@ -274,6 +284,8 @@ def _spread_score(s: Spread, target: float) -> float:
 
 def _train(model, tok, task, examples, probe, toy: ToyModelConfig, start: float, verbose: bool, budget: int):
     """Supervised training; returns (best state dict, (best step, best spread), steps run)."""
+    import torch
+
     opt = torch.optim.AdamW(model.parameters(), lr=toy.lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     rng = random.Random(toy.seed)
@@ -309,11 +321,12 @@ def _train(model, tok, task, examples, probe, toy: ToyModelConfig, start: float,
 # ------------------------------------------------------------------------------------------ sampling
 
 
-@torch.no_grad()
 def sample_responses(model, tok, prompts: list[str], n: int, max_new_tokens: int, seed: int,
                      temperature: float = 1.0, rows_per_call: int = 1024, chat: bool = False) -> list[list[str]]:
     """`n` sampled response texts per prompt (the `encode_prompt` encoding, chat template when `chat`;
-    stop at EOS)."""
+    stop at EOS). No gradients: `generate` runs without them."""
+    import torch
+
     from common.data import encode_prompt
 
     torch.manual_seed(seed)
