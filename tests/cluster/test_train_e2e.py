@@ -1,5 +1,5 @@
 """`exgrpo train` end to end, run as a user runs it: a subprocess that joins the package's Ray cluster
-(tests/cluster/conftest.py; the rank-death run, which finds the ranks among its driver's children, embeds its own),
+(tests/cluster/conftest.py; the rank-death and kill -9 resume run is in test_resume_e2e.py),
 the real engine (vLLM pinned where the test is about a real run's path; else `auto`, which picks transformers for
 the toy model on CPU), real FSDP learner ranks over gloo and a real MLflow store.
 
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import re
 import signal
 import subprocess
 import sys
@@ -229,97 +227,3 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, join
     assert_balanced(acc)
     # nothing is leased before the next version is published, and generators load it before generating
     assert acc["stale_dropped"] == 0
-
-
-def _learner_ranks(driver_pid: int) -> list:
-    """The learner rank processes of the driver's embedded Ray (never another run's on this machine)."""
-    import psutil
-
-    found = []
-    for q in psutil.Process(driver_pid).children(recursive=True):
-        try:
-            if any("ray::LearnerRank" in part for part in q.cmdline()):
-                found.append(q)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
-
-
-def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothing(runs_root):
-    """Two failures of one run: its learner ranks are killed after the first checkpoint (the run restarts
-    itself from it), then, after a checkpoint of the restarted attempt, the driver is killed with kill -9
-    and `exgrpo train --resume RUN total_steps=N` finishes the run. The run is far longer than the test
-    (it cannot end before the kill on a fast machine); the resume sets where it ends."""
-    run_dir = runs_root / "resume"
-    # the lever drill rides along: compile and fused AdamW on, both made to fail their trial at the first start
-    drill = {**os.environ, "EXGRPO_LEVER_FAULTS": "compile,fused_optimizer"}
-    with train_process(runs_root, "resume", "total_steps=100000", "checkpoint.every_steps=4",
-                       "checkpoint.keep_last=10", "cluster.max_restarts=2", "learner.lr_schedule=linear",
-                       "learner.warmup_steps=3", "learner.lr_decay_steps=20", "learner.compile=true",
-                       "learner.compile_backend=aot_eager", "learner.fused_optimizer=true", env=drill) as p:
-        wait_for(lambda: len(state(run_dir).get("checkpoints", [])) >= 1 or p.poll() is not None, 600,
-                 "the first checkpoint")
-        ranks = _learner_ranks(p.pid)
-        assert ranks, "no learner rank process found"
-        for q in ranks:
-            q.kill()
-        # the restarted attempt says which checkpoint it resumed; a checkpoint after that one is its own (the
-        # first attempt may still commit one between the kill and its detection: counting them would race)
-        resumed = r"resumed the buffer of step-(\d+)"
-        wait_for(lambda: re.search(resumed, read_log(runs_root, "resume")) or p.poll() is not None, 300,
-                 "the restarted attempt's resume")
-        assert p.poll() is None, read_log(runs_root, "resume")
-        resumed_step = int(re.search(resumed, read_log(runs_root, "resume"))[1])
-        wait_for(lambda: max(int(Path(c).name.removeprefix("step-")) for c in state(run_dir)["checkpoints"])
-                 > resumed_step or p.poll() is not None, 600, "a checkpoint of the restarted attempt")
-        assert p.poll() is None, read_log(runs_root, "resume")
-        os.kill(p.pid, signal.SIGKILL)  # kill -9 the driver only
-        p.wait(30)
-    first_log = read_log(runs_root, "resume")
-    assert "restarting from the last checkpoint (1/2)" in first_log
-    # the levers that failed their trial: said once, off for the run, kept off by the restart and the resume
-    assert re.search(r"learner levers off for this run .*learner\.compile: InjectedLeverFault.*"
-                     r"learner\.fused_optimizer: InjectedLeverFault", first_log), first_log[-4000:]
-    assert "learner levers kept off from the run's first start: compile" in first_log  # the restart
-    # the restart, too, ended exactly the leases its checkpoint held
-    restarted = re.search(r"resumed the buffer of (step-\d+): the (\d+) lease\(s\) it held outstanding", first_log)
-    assert restarted, first_log[-4000:]
-    at_restart = json.loads((run_dir / "checkpoints" / restarted[1] / "driver.json").read_text())["accounting"]
-    assert int(restarted[2]) == at_restart["outstanding"]
-    ckpts = state(run_dir)["checkpoints"]
-    ckpt_step = int(Path(ckpts[-1]).name.removeprefix("step-"))
-    run_id = _run_id(runs_root, "resume")
-    client = mlflow_client(runs_root)
-    logged = max(s for s, _ in history(client, run_id, "train/reward_mean"))  # may be past the checkpoint
-    total = max(logged, ckpt_step) + 4
-    at_ckpt = json.loads((Path(ckpts[-1]) / "driver.json").read_text())["accounting"]
-    assert_balanced(at_ckpt)
-
-    assert set(json.loads((Path(ckpts[-1]) / "driver.json").read_text())["levers_off"]) == {"compile",
-                                                                                          "fused_optimizer"}
-    r = run_train(runs_root, "resume", f"total_steps={total}", resume=run_dir, log_name="resumed")  # no drill now
-    assert r.returncode == 0, r.stdout[-4000:]
-    assert "learner levers kept off from the run's first start: compile" in r.stdout, r.stdout[-4000:]
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"  # the same MLflow run continued
-    assert {s for s, _ in history(client, run_id, "train/reward_mean")} == set(range(1, total + 1))
-    # the schedule goes on exactly where the checkpoint left it (a pure function of the restored version)
-    from common.config import LearnerConfig
-    from learner.schedule import learning_rate
-
-    lc = LearnerConfig(lr_schedule="linear", warmup_steps=3, lr_decay_steps=20)
-    lrs = history(client, run_id, "learner/lr")
-    assert {s for s, _ in lrs} == set(range(1, total + 1))
-    assert all(v == pytest.approx(learning_rate(lc, s - 1)) for s, v in lrs), lrs
-    assert {v for _, v in history(client, run_id, "learner/levers_off")} == {2.0}
-    acc = accounting(run.data.metrics)
-    assert_balanced(acc)
-    # Everything the checkpoint held is accounted for after the resume. driver.json holds the counts of
-    # exactly the buffer states the checkpoint wrote (taken under each shard's lock with its state; before,
-    # they were read in a second call while generators went on leasing, and could disagree with the
-    # snapshot). The resume ends exactly the checkpoint's outstanding leases as expired and reissues their
-    # questions; its ready groups are trained, queued or dropped as stale (and reissued).
-    assert (f"resumed the buffer of {Path(ckpts[-1]).name}: the {at_ckpt['outstanding']} lease(s) it held "
-            "outstanding were ended as expired") in r.stdout, r.stdout[-4000:]
-    assert acc["issued"] >= at_ckpt["issued"] and acc["trained"] > at_ckpt["trained"]
-    assert acc["expired"] >= at_ckpt["expired"] + at_ckpt["outstanding"]
