@@ -45,7 +45,8 @@ Failures: a buffer or weight-store call that fails with a Ray/availability error
 groups whose submit keeps failing until their leases' deadlines are dropped and counted
 (`groups_dropped`) — the buffer reissues those leases when they expire. Any other error in either
 thread is a bug: it is logged with its traceback and the actor process exits, so Ray restarts it
-(`max_restarts`); a restarted actor starts itself again (clean start) and its old leases expire.
+(`max_restarts`); a restarted actor starts itself again (clean start) and ends its old process's leases first
+(`end_leases_of`: they would hold the buffer's back-pressure window until lease_timeout_s).
 """
 
 from __future__ import annotations
@@ -149,6 +150,8 @@ class GeneratorWorker:
                 except LookupError as e:  # no learner yet: the first ack registers us
                     log.info("generator %s: not registered with the weight store yet (%s)", self.generator_id, e)
             self.weights.sync(self.engine, required=True)
+            if self._incarnation:
+                self._end_dead_leases()
             self.stats.startup_s = time.monotonic() - t0
             if self.stats.batches == 0:
                 self.stats.started_at = time.monotonic()  # rates count from the first lease, not model loading
@@ -161,6 +164,21 @@ class GeneratorWorker:
             log.info("generator %s started at version %d in %.1fs", self.generator_id, self.engine.version,
                      self.stats.startup_s)
             return {"version": float(self.engine.version), "startup_s": self.stats.startup_s}
+
+    def _end_dead_leases(self) -> None:
+        """Restarted by Ray: the leases of the process that died are ended now (their questions issued again), not
+        left to hold the buffer's back-pressure window until lease_timeout_s. Before this process leases anything,
+        so none of its own work is ended (the pool does the same when it sees the restart first)."""
+        try:
+            n = self.work_source.end_leases_of(self.generator_id)
+        except RETRYABLE as e:
+            log.warning("generator %s: the leases of its previous process could not be ended (%s); they expire at "
+                        "their deadline", self.generator_id, e)
+            self.stats.source_errors += 1
+            return
+        if n:
+            log.warning("generator %s: %d lease(s) of its previous process ended, their questions issued again",
+                        self.generator_id, n)
 
     def _restart(self) -> None:
         try:

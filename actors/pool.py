@@ -30,7 +30,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.generator import Generator, actor_options
+from actors.generator import RETRYABLE, Generator, actor_options
 from common.config import GeneratorConfig, RewardConfig
 from common.interfaces import WeightSource, WorkSource, actor_name
 
@@ -210,6 +210,8 @@ class GeneratorPool:
                     console.warning("generator %s is running again (Ray restarted it)", self.generator_id(i))
                 self.state[i] = "running"
             else:
+                if self.state.get(i) == "running" and st == "RESTARTING":  # its process died (killed, node lost)
+                    self._end_leases(i, "its process died; Ray restarts it")
                 self.state[i] = "restarting"
 
     def _finish_start(self, i: int, actor, ref, t0: float) -> None:
@@ -241,6 +243,8 @@ class GeneratorPool:
         self.placed_at.pop(i, None)
         ray.kill(actor, no_restart=True)  # harmless on a dead actor; frees a live one that failed to start
         gid, now = self.generator_id(i), time.monotonic()
+        if self.state.get(i) != "restarting":  # (a restarting one's leases were ended when it went down)
+            self._end_leases(i, "it died")
         self.last_error[gid] = why
         self.deaths.append((now, gid, why))
         while self.deaths and now - self.deaths[0][0] > self.cfg.replace_window_s:
@@ -259,6 +263,22 @@ class GeneratorPool:
         if not self._spawn(i):
             self.respawn.add(i)
             self.state[i] = "respawn"
+
+    def _end_leases(self, i: int, why: str) -> None:
+        """End the leases generator `i` held, now rather than at their deadline (lease_timeout_s): its process
+        is gone, so they hold the buffer's back-pressure window for work that never comes back. Should its old
+        process submit after all, the buffer counts a late submission. A buffer that does not answer leaves them
+        to expire as before."""
+        gid = self.generator_id(i)
+        try:
+            n = self.work_source.end_leases_of(gid)
+        except RETRYABLE as e:
+            log.warning("generator %s: its leases could not be ended (%s); they expire at their deadline", gid, e)
+            return
+        self.removed_metrics["leases_ended_dead"] = self.removed_metrics.get("leases_ended_dead", 0.0) + n
+        if n:
+            console.warning("generator %s: %s; its %d lease(s) were ended and their questions issued again", gid,
+                            why, n)
 
     def _names(self, indices) -> list[str]:
         return [self.generator_id(i) for i in sorted(indices)]
@@ -406,13 +426,16 @@ def _gcs_state(actor) -> tuple[str, str]:
 
 
 def _probe(actor, timeout_s: float = 2.0) -> tuple[str, str]:
-    """The state of an actor from a ping (Ray Client): a pending or loading one looks RESTARTING."""
+    """The state of an actor from a ping (Ray Client): a pending or loading one looks RESTARTING, one that does not
+    answer in time UNRESPONSIVE (alive and busy, or down: a ping cannot tell)."""
     try:
         ray.get(actor.ping.remote(), timeout=timeout_s)
     except ray.exceptions.ActorDiedError as e:
         return "DEAD", _first_line(e)
-    except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+    except ray.exceptions.ActorUnavailableError:
         return "RESTARTING", ""
+    except ray.exceptions.GetTimeoutError:
+        return "UNRESPONSIVE", ""
     except ray.exceptions.RayTaskError as e:  # ping() raises once the loop crashed; the process exits next
         return "RESTARTING", _first_line(e, skip_ray=True)
     return "ALIVE", ""

@@ -212,6 +212,10 @@ class BufferClient:
             by_shard[self._lease_shard(lid, "")].append(lid)
         self._get([self.shards[i].return_leases.remote(ids) for i, ids in by_shard.items()], "return_leases")
 
+    def end_leases_of(self, generator_id: str) -> int:
+        """End the leases of a generator whose process died, on every shard (`ShardCore.end_leases_of`); how many."""
+        return sum(self._get([s.end_leases_of.remote(generator_id) for s in self.shards], "end_leases_of"))
+
     def _observe_switch(self, batch: list[TrainGroup], zero_signal: list[tuple[int, int, int]]) -> None:
         """Feed the run-wide switch with this batch's fresh groups and the zero-signal groups the shards kept out
         since the last batch (`zero_signal`: per shard, cumulative, with the shard's incarnation); switch every

@@ -37,8 +37,9 @@ is still in one of two live states, so at any moment
   waited ready past it).
 - zero_signal: groups whose rewards are all equal, kept out of batches (only when
   `drop_zero_signal`; otherwise they are queued like any group). They still update k/buckets/retirement.
-- lost: leases that expired, were returned (`return_leases`) or declared lost, or whose submitted
-  group was rejected as malformed; their question is re-issued. `expired + returned + rejected = lost`.
+- lost: leases that expired (past their deadline, or held by a generator whose process died: `end_leases_of`),
+  were returned (`return_leases`), or whose submitted group was rejected as malformed; their question is
+  re-issued. `expired + returned + rejected = lost`.
 - outstanding: leases issued and not yet submitted, returned or expired.
 - ready: accepted groups waiting in the fresh and mixed ready queues.
 A submission for an unknown or already-ended lease (e.g. after expiry) is counted as
@@ -306,6 +307,16 @@ class ShardCore:
                 self._end_lease_reissue(lease, "returned")
                 n += 1
         return n
+
+    def end_leases_of(self, generator_id: str) -> int:
+        """End every lease `generator_id` holds, counted as expired: its process died (the generator pool saw
+        it restarting or dead), so that work never comes back, and waiting out lease_timeout_s would hold the
+        back-pressure window for nothing (a lost node stalled a run for the whole 120 s). Its questions are
+        issued again at once; a group it submits after all is a late submission (counted, discarded)."""
+        gone = [lid for lid, x in self.leases.items() if x.generator_id == generator_id]
+        for lid in gone:
+            self._end_lease_reissue(self.leases.pop(lid), "expired")
+        return len(gone)
 
     # ------------------------------------------------------------------------------------ submitting
 

@@ -116,6 +116,12 @@ class BufferShard:
             self.cond.notify_all()
             return n
 
+    def end_leases_of(self, generator_id: str) -> int:
+        with self.cond:
+            n = self.core.end_leases_of(generator_id)
+            self.cond.notify_all()  # the window they held is open again
+            return n
+
     # -------------------------------------------------------------------------------- learner side
 
     def wait_ready(self, version: int, want: int, wait_s: float) -> list[int]:

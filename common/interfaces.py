@@ -34,6 +34,8 @@ class WorkSource(Protocol):
 
     def return_leases(self, lease_ids: list[str]) -> None: ...
 
+    def end_leases_of(self, generator_id: str) -> int: ...  # its process died: its work never comes back
+
 
 class BatchSource(Protocol):
     """Where the learner gets batches and sends entropy feedback (the buffer client).

@@ -75,7 +75,8 @@ class BufferConfig(Section):
     """Keep groups whose rewards are all equal (no GRPO signal) out of batches (DAPO-style dynamic
     sampling). Off by default: the official code trains on them with advantage 0."""
     lease_timeout_s: float = Field(120.0, gt=0, le=86_400)
-    """A lease not returned within this is expired and its question issued again."""
+    """A lease not returned within this is expired and its question issued again (a generator whose process dies has
+    its leases ended when the run sees it, without waiting for this)."""
     max_traj_per_question: int = Field(8, ge=1, le=10_000)
     """Learner-measured trajectories kept per question (on overflow the highest measured entropy goes, see
     docs/algorithm.md). New correct rollouts wait beside them, up to group_size, until the learner has measured

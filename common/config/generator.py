@@ -153,7 +153,7 @@ class GeneratorConfig(Section):
     """Engine dtype; None = model.dtype (filled in when the run config is validated). The learner publishes
     weights in this dtype (its float32 master weights cast once, before the gather)."""
     max_restarts: int = Field(3, ge=0, le=1000)
-    """Times Ray restarts a crashed generator actor (its leases expire and are issued again)."""
+    """Times Ray restarts a crashed generator actor (its leases are ended at once and their questions issued again)."""
     stop_timeout_s: float = Field(300.0, gt=0, le=86_400)
     """stop() waits at most this long for the batch in flight before returning its leases."""
     retry_backoff_s: float = Field(1.0, gt=0, le=600)

@@ -94,6 +94,24 @@ def test_lease_expiry_reissues_and_late_submission_is_counted():
     assert a["expired"] == 1 and a["issued"] == 2 and a["outstanding"] == 1 and a["late_submissions"] == 1
 
 
+def test_a_dead_generators_leases_end_at_once_and_open_the_window_for_the_others():
+    """A generator whose process died (its node lost, killed) holds leases that never come back: ended at once
+    (counted as expired, their questions issued again first), the back-pressure window they held is free for the
+    live generators, the other generator's leases stay, and a submission of the dead one is late."""
+    core = ShardCore(cfg(batch_questions=2, max_lag=1), make_questions(20))  # a window of (1 + 1) * 2 = 4 items
+    dead = core.lease("g-dead", 3, now=NOW)
+    live = core.lease("g-live", 3, now=NOW)
+    assert len(dead) == 3 and len(live) == 1 and core.lease("g-live", 1, now=NOW) == []  # the window is full
+    assert core.end_leases_of("g-dead") == 3
+    assert core.end_leases_of("g-dead") == 0
+    again = core.lease("g-live", 4, now=NOW + 1)  # well before the dead leases' deadline (NOW + 10)
+    assert [it.question.id for it in again] == [it.question.id for it in dead]
+    assert core.submit([group_for(dead[0], 2)], now=NOW + 1)["late"] == 1
+    assert core.submit([group_for(live[0], 2)], now=NOW + 1)["accepted"] == 1
+    acc = balanced(core)
+    assert acc["expired"] == 3 and acc["reissued"] == 3 and acc["outstanding"] == 3 and acc["late_submissions"] == 1
+
+
 def test_returned_and_rejected_leases_are_reissued():
     core = ShardCore(cfg(), make_questions(20))
     a, b = core.lease("g", 2, now=NOW)

@@ -90,7 +90,10 @@ def test_a_lost_worker_node_is_reported_and_its_generators_run_again_on_a_node_t
     with train_process(runs_root, name, f"cluster.address={nodes.address}", "total_steps=100000",
                        "generator.num_generators=4", "generator.engine.kind=transformers",
                        "checkpoint.every_steps=10", "checkpoint.keep_last=3", "cluster.stall_report_s=5",
-                       env=_env()) as p:
+                       # a lost generator's leases are ended when the pool sees it go, not at their deadline: an
+                       # hour here, which the waits below (10 minutes) would run into (before, the run stood still
+                       # for the default 120 s once the lost node's leases filled the back-pressure window)
+                       "buffer.lease_timeout_s=3600", env=_env()) as p:
         alive = or_exited(p)
 
         wait_for(alive(lambda: _checkpointed(run_dir)), 600, "the first checkpoint")
