@@ -205,12 +205,15 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, join
     run_id = _run_id(runs_root, "sync")
     lags = history(client, run_id, "staleness/mean")
     assert len(lags) == 6 and all(v == 0 for _, v in lags)
-    # in-run evaluation (an evaluator actor, off the training path): logged at the step it measured;
-    # synchronous mode publishes before the request, so it measured exactly steps 3 and 6
+    # in-run evaluation (an evaluator actor, off the training path): asked for at steps 3 and 6, each measures the
+    # newest version published when it runs (at least the step that asked: with 6 fast steps, the first measured 4
+    # in one .ci/run) and is logged at the version it measured; the final policy, 6, is measured last
     evals = history(client, run_id, "eval/countdown/pass_at_1")
-    assert [s for s, _ in evals] == [3, 6] and all(0 <= v <= 1 for _, v in evals)
-    assert [s for s, _ in history(client, run_id, "eval/countdown/pass_at_2")] == [3, 6]
-    assert [s for s, _ in history(client, run_id, "eval/strict/mean_at_3")] == [3, 6]
+    steps = [s for s, _ in evals]
+    assert steps == sorted(steps) and steps[0] >= 3 and steps[-1] == 6 and set(steps) <= {3, 4, 5, 6}, steps
+    assert all(0 <= v <= 1 for _, v in evals)
+    assert [s for s, _ in history(client, run_id, "eval/countdown/pass_at_2")] == steps
+    assert [s for s, _ in history(client, run_id, "eval/strict/mean_at_3")] == steps
     assert all(v > 0 for _, v in history(client, run_id, "eval/strict/response_length_mean"))
     assert not history(client, run_id, "eval/pass_at_1")  # the sets replace the held-out split
     assert "eval of step 6: countdown: greedy" in r.stdout and "; strict: greedy" in r.stdout
