@@ -166,17 +166,12 @@ class GeneratorWorker:
             return {"version": float(self.engine.version), "startup_s": self.stats.startup_s}
 
     def _end_dead_leases(self) -> None:
-        """Restarted by Ray: the leases of the process that died are ended now (their questions issued again), not
-        left to hold the buffer's back-pressure window until lease_timeout_s. Before this process leases anything,
-        so none of its own work is ended (the pool does the same when it sees the restart first)."""
-        try:
-            n = self.work_source.end_leases_of(self.generator_id)
-        except RETRYABLE as e:
-            log.warning("generator %s: the leases of its previous process could not be ended (%s); they expire at "
-                        "their deadline", self.generator_id, e)
+        """Restarted by Ray: the leases of the process that died are ended now, before this process leases anything
+        (none of its own work is ended; the pool does the same when it sees the restart first)."""
+        n = end_dead_leases(self.work_source, self.generator_id)
+        if n is None:
             self.stats.source_errors += 1
-            return
-        if n:
+        elif n:
             log.warning("generator %s: %d lease(s) of its previous process ended, their questions issued again",
                         self.generator_id, n)
 
@@ -586,6 +581,18 @@ def _in_ray_actor() -> bool:
 
 def _reconstructed() -> bool:
     return _in_ray_actor() and ray.get_runtime_context().was_current_actor_reconstructed
+
+
+def end_dead_leases(work_source: WorkSource, generator_id: str) -> int | None:
+    """End the leases `generator_id` holds because its process died (`WorkSource.end_leases_of`): their questions
+    are issued again now instead of holding the buffer's back-pressure window until lease_timeout_s. How many;
+    None when the buffer did not answer (said here: they expire at their deadline, as before)."""
+    try:
+        return work_source.end_leases_of(generator_id)
+    except RETRYABLE as e:
+        log.warning("generator %s: the leases of its dead process could not be ended (%s); they expire at their "
+                    "deadline", generator_id, e)
+        return None
 
 
 def actor_options(gen_cfg: GeneratorConfig) -> dict:

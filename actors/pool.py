@@ -30,7 +30,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.generator import RETRYABLE, Generator, actor_options
+from actors.generator import Generator, actor_options, end_dead_leases
 from common.config import GeneratorConfig, RewardConfig
 from common.interfaces import WeightSource, WorkSource, actor_name
 
@@ -265,18 +265,10 @@ class GeneratorPool:
             self.state[i] = "respawn"
 
     def _end_leases(self, i: int, why: str) -> None:
-        """End the leases generator `i` held, now rather than at their deadline (lease_timeout_s): its process
-        is gone, so they hold the buffer's back-pressure window for work that never comes back. Should its old
-        process submit after all, the buffer counts a late submission. A buffer that does not answer leaves them
-        to expire as before."""
+        """Generator `i`'s process is gone: its leases end now (`end_dead_leases`), said on the console. Should the
+        old process submit after all, the buffer counts a late submission."""
         gid = self.generator_id(i)
-        try:
-            n = self.work_source.end_leases_of(gid)
-        except RETRYABLE as e:
-            log.warning("generator %s: its leases could not be ended (%s); they expire at their deadline", gid, e)
-            return
-        self.removed_metrics["leases_ended_dead"] = self.removed_metrics.get("leases_ended_dead", 0.0) + n
-        if n:
+        if n := end_dead_leases(self.work_source, gid):
             console.warning("generator %s: %s; its %d lease(s) were ended and their questions issued again", gid,
                             why, n)
 

@@ -37,7 +37,8 @@ is still in one of two live states, so at any moment
   waited ready past it).
 - zero_signal: groups whose rewards are all equal, kept out of batches (only when
   `drop_zero_signal`; otherwise they are queued like any group). They still update k/buckets/retirement.
-- lost: leases that expired (past their deadline, or held by a generator whose process died: `end_leases_of`),
+- lost: leases that expired (past their deadline, or held by a generator whose process died: `end_leases_of`,
+  `expired_holder_died` of them),
   were returned (`return_leases`), or whose submitted group was rejected as malformed; their question is
   re-issued. `expired + returned + rejected = lost`.
 - outstanding: leases issued and not yet submitted, returned or expired.
@@ -140,7 +141,7 @@ class ShardCore:
                       late_submissions=0, accepted=0, zero_signal_seen=0, zero_signal_fresh=0,
                       zero_signal_fresh_correct=0, candidates_shipped=0, epochs_completed=0,
                       lease_requests_throttled=0, fresh_discarded=0, stale_dropped_mixed=0,
-                      stale_dropped_spanning=0)
+                      stale_dropped_spanning=0, expired_holder_died=0)
 
     # -------------------------------------------------------------------------------------- issuing
 
@@ -316,6 +317,7 @@ class ShardCore:
         gone = [lid for lid, x in self.leases.items() if x.generator_id == generator_id]
         for lid in gone:
             self._end_lease_reissue(self.leases.pop(lid), "expired")
+        self.n["expired_holder_died"] += len(gone)  # of `expired`: buffer/expired_holder_died
         return len(gone)
 
     # ------------------------------------------------------------------------------------ submitting

@@ -110,6 +110,7 @@ def test_a_dead_generators_leases_end_at_once_and_open_the_window_for_the_others
     assert core.submit([group_for(live[0], 2)], now=NOW + 1)["accepted"] == 1
     acc = balanced(core)
     assert acc["expired"] == 3 and acc["reissued"] == 3 and acc["outstanding"] == 3 and acc["late_submissions"] == 1
+    assert core.metrics()["expired_holder_died"] == 3
 
 
 def test_returned_and_rejected_leases_are_reissued():
