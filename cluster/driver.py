@@ -36,6 +36,7 @@ from cluster.liveness import (
 from cluster.profile import Profile
 from cluster.state import DriverState, rng_state
 from cluster.step_metrics import batch_metrics, prefixed
+from cluster.tracking import LateStart
 from common.config import ObjectStoreSyncConfig, RunConfig
 from common.messages import TrainingBatch
 
@@ -51,10 +52,9 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, run_dir, state: DriverState, model_path: Path, questions, tracker,
                  profile: Profile | None = None, launched: float | None = None):
-        """`tracker`: the run's Tracker, or a function that returns it once its start (beside the components'
-        start) is done; build waits for it after asking for every component."""
+        """`tracker`: the run's Tracker, or a `LateStart` of it, begun after the first learner update."""
         self.cfg, self.run_dir, self.state, self.model_path = cfg, run_dir, state, model_path
-        self._open_tracker = tracker if callable(tracker) else (lambda: tracker)
+        self.tracking = tracker if isinstance(tracker, LateStart) else LateStart.of(tracker)
         self.profile = profile or Profile()
         # time.monotonic() when `exgrpo train` started: the first update of this attempt logs driver/first_update_s
         # (None: a restarted attempt, which does not)
@@ -68,6 +68,8 @@ class Trainer:
         self.staleness: Counter[int] = Counter()
         self.components_built = False
         self.evaluation = None
+        self.control = None  # cluster.runtime.Control, created after the first update (`_start_control`)
+        self._control_started = None  # its first answer, while its process starts
         self._pending = None
         self._publish_s = 0.0
         self._publish_bytes = (0.0, 0.0)  # the last publication: bytes whole, bytes of its delta (0: none)
@@ -83,7 +85,8 @@ class Trainer:
 
     @property
     def tracker(self):
-        return self._open_tracker()
+        """The open Tracker (waits for its start)."""
+        return self.tracking()
 
     def build(self, checkpoint: Path | None) -> None:
         from actors.engines import describe_engine
@@ -127,8 +130,6 @@ class Trainer:
                 self._schedule_generators()
             with phase("start-up: in-run evaluator"):  # its engine loads beside the generators' too
                 self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)
-        with phase("start-up: MLflow (the rest of its start)"):
-            self.tracker  # noqa: B018 (waits for the run's MLflow start, which went on beside the components')
         with phase("start-up: buffer shards (the rest of their start)"):
             self.buffer.wait_ready()
         with phase("start-up: learner ranks (the rest of their start)"):
@@ -172,16 +173,11 @@ class Trainer:
                                                      ("GPU", lc.num_gpus, g.num_gpus, ev.num_gpus)))
 
     def _schedule_generators(self) -> None:
-        """Create the control actor and the generator pool; the generators start in the background (training
-        starts once one runs)."""
+        """Create the generator pool; the generators start in the background (training starts once one runs)."""
         from actors.pool import GeneratorPool
-        from cluster.runtime import create_control
         from learner.weights import make_weight_source
 
         cfg, name, ns = self.cfg, self.run_dir.name, self.cfg.cluster.namespace
-        a = cfg.cluster.autoscale
-        self.control = create_control(name, ns, self.state.generators,
-                                      {"min_generators": a.min_generators, "max_generators": a.max_generators})
         weights = make_weight_source(cfg.learner.weight_sync, run=name, namespace=ns,
                                      timeout_s=cfg.learner.publish_timeout_s)
         self.generators = GeneratorPool(cfg.generator, cfg.reward, str(self.model_path), self.buffer, weights,
@@ -221,6 +217,9 @@ class Trainer:
             with phase("step: learner compute"):
                 result = self.learner.step(batch)
             first_update_s = self._first_update_s()
+            if self.control is None:  # MLflow and the control actor start once the first update is done
+                self._start_control()
+            self.tracking.begin()
             with phase("step: start publication"):
                 self._pending = (self.learner.publish_async(), time.monotonic())
                 if cfg.buffer.max_lag == 0:  # synchronous: no rollout of the next batch may see the old weights
@@ -236,7 +235,7 @@ class Trainer:
                 if first_update_s is not None:
                     metrics["driver/first_update_s"] = first_update_s
                 too_many_errors = self._check_reward_errors(metrics)
-                self.tracker.log_metrics(metrics, self.state.step)
+                self.tracking.log_metrics(metrics, self.state.step)
                 progress.update(self.state.step, {**metrics, **(self.evaluation.last if self.evaluation else {})})
                 if too_many_errors is not None:
                     raise too_many_errors
@@ -275,7 +274,7 @@ class Trainer:
         if self.evaluation is None:
             return
         for step, m in self.evaluation.poll() if reports is None else reports:
-            self.tracker.log_metrics(m, step)
+            self.tracking.log_metrics(m, step)
             per_set = sorted({k.split("/")[1] for k in m if k.count("/") == 2})
             parts = [(f"{name}: " if name else "") + f"greedy {m[p + 'greedy_accuracy']:.3f}  pass@1 "
                      f"{m[p + 'pass_at_1']:.3f}" for name, p in ([(n, f"eval/{n}/") for n in per_set] or [("", "eval/")])]
@@ -347,7 +346,7 @@ class Trainer:
         d = diagnose(self.watch.seconds(now), self.state.step, self.cfg.total_steps, self.generators.status(),
                      self.generators.describe(), buf, self.generators.metrics(), len(self.questions),
                      self.cfg.reward.name, self.cfg.reward.timeout_s, self.cfg.buffer.batch_questions)
-        self.tracker.log_metrics(d.metrics, self.state.step)
+        self.tracking.log_metrics(d.metrics, self.state.step)
         if d.scoring_holds and (not self._timeout_shown or expired):
             self._timeout_shown = True
             d.hints.append("the first reward call that timed out: " + sample_text(self.generators.last_sample("timeout")))
@@ -514,9 +513,25 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ scaling
 
+    def _start_control(self) -> None:
+        """The control actor `exgrpo scale` talks to (created after the first update: its process start would take
+        CPU from the components'); polled once it answers."""
+        from cluster.runtime import create_control
+
+        a = self.cfg.cluster.autoscale
+        self.control = create_control(self.run_dir.name, self.cfg.cluster.namespace, self.state.generators,
+                                      {"min_generators": a.min_generators, "max_generators": a.max_generators})
+        self._control_started = self.control.get.remote()
+
     def _poll_control(self) -> None:
         import ray
 
+        if self.control is None:
+            return
+        if self._control_started is not None:  # its process starts: no wait for it in the loop
+            if not ray.wait([self._control_started], timeout=0)[0]:
+                return
+            self._control_started = None
         ctl = ray.get(self.control.get.remote(), timeout=10)
         if ctl["stop"]:
             self.stop_flag = True
@@ -622,7 +637,7 @@ class Trainer:
                         obj.shutdown()
                 except ray.exceptions.RayError as e:
                     log.warning("shutting down %s: %s", part, str(e).splitlines()[0] if str(e) else type(e).__name__)
-            ctl = getattr(self, "control", None)
+            ctl = self.control
             if ctl is not None:
                 ray.kill(ctl)
             _wait_names_released(self.run_dir.name, self.cfg.cluster.namespace, 10.0 if self.interrupted else 60.0)

@@ -21,7 +21,6 @@ import shutil
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +45,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     from cluster.console import Progress, setup_logging
     from cluster.preflight import BadInput, user_modules
     from cluster.runtime import RayStart
-    from cluster.tracking import default_tracking_uri
+    from cluster.tracking import LateStart, default_tracking_uri
 
     launched = command_started()
     profile = Profile(launched)
@@ -75,22 +74,16 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
         set_rng_state(state.rng)
     uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
 
-    # MLflow (imports, store migrations: CPU in this process) starts beside the rest of Ray's start and the
-    # components' (mostly waiting for other processes); the trainer waits for it once every component is asked for.
-    pool = ThreadPoolExecutor(1, thread_name_prefix="mlflow-start")
-    tracking = pool.submit(_start_tracking, cfg, run_dir, state, uri, resume)
-    pool.shutdown(wait=False)
-    opened: list = []
+    run_dir.update_state(status="RUNNING", cause=None)
 
-    def open_tracker():
-        if not opened:
-            opened.append(tracking.result())
-            run_dir.update_state(mlflow_run_id=state.mlflow_run_id, status="RUNNING", cause=None)
-            log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, uri, state.mlflow_run_id)
-            _show_prompt(run_dir, questions, model_path, opened[0])
-        return opened[0]
+    def opened(tracker) -> None:
+        run_dir.update_state(mlflow_run_id=state.mlflow_run_id)
+        log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, uri, state.mlflow_run_id)
+        _show_prompt(run_dir, questions, model_path, tracker)
 
-    with profile.phase("start-up: Ray (the rest of its start; MLflow starts beside it)"):
+    open_tracker = LateStart(lambda: _start_tracking(cfg, run_dir, state, uri, resume), opened)
+
+    with profile.phase("start-up: Ray (the rest of its start)"):
         ray_start[0].finish(run_dir.path)
 
     progress = Progress(cfg.total_steps, start=state.step)

@@ -3,6 +3,8 @@
 
 The job's driver polls its named control actor (`<run>/control`) between batches and scales the
 pool; new generators fetch the newest weights before leasing, removed ones return their leases.
+The driver creates that actor once its first learner update is done (its start would take CPU from
+the components'): a request to a run whose folder says RUNNING waits for it, at most CONTROL_WAIT_S.
 """
 
 from __future__ import annotations
@@ -10,7 +12,11 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import time
 from pathlib import Path
+
+CONTROL_WAIT_S = 120.0
+"""How long `exgrpo scale` waits for a running job's control actor (created after its first learner update)."""
 
 
 def _address(args) -> str:
@@ -58,6 +64,24 @@ def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
     return None
 
 
+def _control(ray, name: str, namespace: str, wait_s: float):
+    """The job's control actor; while it is not there, asked again every second for `wait_s` (a run whose folder
+    says RUNNING creates it after its first learner update), saying so once. None when it never came."""
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            if time.monotonic() >= deadline:
+                return None
+        if not said:
+            print(f"{name.split('/')[0]}: its folder says RUNNING but its job takes requests only after its first "
+                  f"learner update; waiting for it (at most {wait_s:.0f} s)", file=sys.stderr)
+            said = True
+        time.sleep(1.0)
+
+
 def scale_main(args) -> int:
     if args.generators is None and args.min_generators is None and args.max_generators is None:
         print("error: exgrpo scale needs --generators N, or --min-generators/--max-generators (autoscale bounds)",
@@ -89,10 +113,10 @@ def scale_main(args) -> int:
         print(f"error: cannot reach the Ray cluster at {address!r} ({str(e).splitlines()[0]}); "
               f"{_not_running(args, state)}", file=sys.stderr)
         return 2
-    try:
-        ctl = ray.get_actor(actor_name(args.run, "control"), namespace=args.namespace)
-    except ValueError:
-        print(f"error: no running job named {args.run!r} in namespace {args.namespace!r} at {address}; "
+    ctl = _control(ray, actor_name(args.run, "control"), args.namespace, wait_s=CONTROL_WAIT_S if state else 0.0)
+    if ctl is None:
+        print(f"error: no running job named {args.run!r} in namespace {args.namespace!r} at {address}"
+              f"{f' (waited {CONTROL_WAIT_S:.0f} s for its first learner update)' if state else ''}; "
               f"{_not_running(args, state)}", file=sys.stderr)
         return 2
     try:

@@ -324,6 +324,50 @@ class Tracker:
         return paths
 
 
+class LateStart:
+    """A Tracker whose start (MLflow's imports and store migrations: ~2 CPU-seconds of this process) runs in a thread
+    begun late, after the first learner update (`begin`), so that it takes no CPU from the components' start.
+    Until it is open, `log_metrics` keeps the points in order; calling it returns the open Tracker (beginning the
+    start and waiting for it when needed) with those points logged. `opened(tracker)` runs once, when it opens."""
+
+    def __init__(self, start, opened=None):
+        self._start, self._opened = start, opened
+        self._future = None
+        self._tracker: Tracker | None = None
+        self._early: list[tuple[dict[str, float], int]] = []
+
+    @classmethod
+    def of(cls, tracker: Tracker) -> LateStart:
+        """One already open."""
+        late = cls(lambda: tracker)
+        late._tracker = tracker
+        return late
+
+    def begin(self) -> None:
+        if self._future is None and self._tracker is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = ThreadPoolExecutor(1, thread_name_prefix="mlflow-start")
+            self._future = pool.submit(self._start)
+            pool.shutdown(wait=False)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self._tracker is not None or (self._future is not None and self._future.done()):
+            self().log_metrics(metrics, step)
+        else:
+            self._early.append((metrics, step))
+
+    def __call__(self) -> Tracker:
+        if self._tracker is None:
+            self.begin()
+            self._tracker = self._future.result()
+            if self._opened is not None:
+                self._opened(self._tracker)
+        while self._early:
+            self._tracker.log_metrics(*self._early.pop(0))
+        return self._tracker
+
+
 def _short(e: BaseException) -> str:
     """`Type: the first line that says something` of an exception (SQLAlchemy starts with a hint in brackets)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith("(raised as a result")]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from cluster.tracking import Tracker, default_tracking_uri
+from cluster.tracking import LateStart, Tracker, default_tracking_uri
 
 
 def test_metrics_params_text_and_plots_reach_sqlite_store(tmp_path):
@@ -42,6 +42,34 @@ def test_metrics_params_text_and_plots_reach_sqlite_store(tmp_path):
     arts = {a.path for a in client.list_artifacts(run_id)} | {a.path for a in client.list_artifacts(run_id, "plots")}
     assert "config.yaml" in arts and "plots/bucket_occupancy.png" in arts
     assert run.info.status == "FINISHED"
+
+
+def test_a_late_start_keeps_the_points_logged_before_it_opens_in_order(tmp_path):
+    """The driver begins MLflow's start after the first learner update: the points logged before it opened reach
+    the run, in order, with the later ones; `opened` runs once; a start never begun is begun by the first wait."""
+    uri = default_tracking_uri(tmp_path)
+    gate, opened = threading.Event(), []
+
+    def start():
+        gate.wait(60)  # the start is still going on while the first steps log
+        tr = Tracker(uri, "exp-late", flush_every_s=0.2)
+        tr.start("late")
+        return tr
+
+    late = LateStart(start, opened.append)
+    late.log_metrics({"m": 1.0}, 1)  # not begun yet: kept
+    late.begin()
+    late.begin()  # idempotent
+    late.log_metrics({"m": 2.0}, 2)  # begun, not open: kept
+    gate.set()
+    tracker = late()
+    late.log_metrics({"m": 3.0}, 3)
+    assert late() is tracker and opened == [tracker]
+    tracker.finish()
+    assert [(m.step, m.value) for m in MlflowClient(tracking_uri=uri).get_metric_history(tracker.run_id, "m")] == \
+        [(1, 1.0), (2, 2.0), (3, 3.0)]
+    never = LateStart(lambda: Tracker(uri, "exp-late", enabled=False))
+    assert never().run_id is None  # called without begin: begun and waited for
 
 
 def test_resume_reopens_the_same_run(tmp_path):
