@@ -126,7 +126,8 @@ class MixedSwitch:
 
 
 def plan_take(counts: list[tuple], have_fresh: int, have_mixed: int, batch_questions: int,
-              replay_ratio: float, mixed_on: bool, last_chance: int | None = None) -> list[tuple[int, int]] | None:
+              replay_ratio: float, mixed_on: bool, last_chance: int | None = None, in_flight_last: int = 0
+              ) -> list[tuple[int, int]] | None:
     """Per-shard (n_fresh, n_mixed) to take so that a batch holding `have_*` groups is completed with
     ceil(rho*B) mixed groups when available (once mixed mode is on) and fresh ones for the rest; None
     while the shards' ready `counts` cannot complete it yet.
@@ -140,8 +141,17 @@ def plan_take(counts: list[tuple], have_fresh: int, have_mixed: int, batch_quest
     batch, so they take the places of mixed groups that can wait for the next one (never of mixed groups that
     cannot). That happens when mixed mode starts: the work leased for the next batch was all fresh (nothing was
     stored yet), so the first batch with ceil(rho*B) mixed groups would drop rho*B fresh ones as stale; instead it
-    holds fewer mixed groups, and those wait a batch."""
+    holds fewer mixed groups, and those wait a batch.
+
+    `in_flight_last`: groups still being generated that this batch is the last to be able to train (the shards'
+    `last_chance_in_flight`). While they and the ready groups of the last chance fit in the places left, the batch
+    waits for them (None) instead of filling those places with newer groups and leaving them to go stale: the
+    back-pressure window leased them a place within max_lag, and batches formed oldest-first keep it."""
     b, have = batch_questions, have_fresh + have_mixed
+    if in_flight_last and last_chance is not None and len(counts[0]) > 2:
+        ready_last = sum(n for c in counts for kind in (2, 3) for v, n in c[kind] if v <= last_chance)
+        if ready_last + in_flight_last <= b - have:
+            return None
     avail_m = sum(c[1] for c in counts)
     target_m = mixed_target(b, replay_ratio) if mixed_on else 0
     need_m = max(0, min(target_m - have_mixed, avail_m, b - have))

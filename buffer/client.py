@@ -73,6 +73,8 @@ class BufferClient:
         self.group_size, self.max_lag = cfg.group_size, cfg.max_lag
         self.start_timeout_s = cfg.start_timeout_s
         self._pings: list = []  # the shards' first answers, until wait_ready has them
+        # seconds get_batch held a whole batch for groups in flight that it is the last to be able to train
+        self.held_s = 0.0
         self.trajectory_score = cfg.trajectory_score  # how the learner picks o* (buffer.trajectory_score)
         self.switch = MixedSwitch(cfg.switch_groups, cfg.mixed_switch_accuracy)
         self._zero_signal_seen: list[list[int]] | None = None  # per shard: cumulative (fresh groups kept out, of
@@ -242,14 +244,20 @@ class BufferClient:
         deadline = t0 + timeout_s
         b = self.batch_questions
         got: list[TrainGroup] = []
+        held_since = None  # when the shards first reported groups in flight that this batch is the last chance of
         while True:
             left = deadline - time.monotonic()
             want = math.ceil((b - len(got)) / len(self.shards))  # each shard waits for its part
             counts = self._get([s.wait_ready.remote(version, want, max(0.0, min(left, 0.25))) for s in self.shards],
                                "get_batch", timeout_s=self.call_timeout_s + min(max(left, 0.0), 0.25))
             have_m = sum(1 for g in got if g.mixed)
+            in_flight_last = sum(c[8] for c in counts)
             plan = plan_take([tuple(c[:4]) for c in counts], len(got) - have_m, have_m, b, self.replay_ratio,
-                             self.switch.on, version - self.max_lag)
+                             self.switch.on, version - self.max_lag, in_flight_last)
+            if plan is None and in_flight_last and held_since is None and plan_take(
+                    [tuple(c[:4]) for c in counts], len(got) - have_m, have_m, b, self.replay_ratio, self.switch.on,
+                    version - self.max_lag) is not None:  # whole without them: held for them from now on
+                held_since = time.monotonic()
             if plan is not None:
                 # a second round never replays a question the batch already replays (a shard that restarted
                 # from an older snapshot may have re-leased one taken in the first round)
@@ -263,16 +271,25 @@ class BufferClient:
             if time.monotonic() >= deadline:
                 if got:  # groups already taken are not thrown away: hand back a short batch
                     break
+                self._held(held_since)
                 return None
         if self.switch.on and not all(c[6] for c in counts):  # a shard restarted from an older snapshot
             self._get([s.set_mixed_mode.remote() for s in self.shards], "set_mixed_mode")
         built_mixed = self.switch.on  # the mode this batch was composed in; a switch it fires acts from the next one
         self._observe_switch(got, [(c[4], c[5], c[7]) for c in counts])
         n_mixed = sum(1 for g in got if g.mixed)
+        held = self._held(held_since)
         stats = {"batch_mixed": float(n_mixed), "batch_fresh": float(len(got) - n_mixed),
                  "batch_wait_s": time.monotonic() - t0, "batch_short": float(b - len(got)),
+                 "batch_held_s": held,
                  "switch_accuracy": self.switch.mean(), "mixed_mode": float(built_mixed)}
         return TrainingBatch(groups=got, version=version, stats=stats, trajectory_score=self.trajectory_score)
+
+    def _held(self, since: float | None) -> float:
+        """Seconds since `since` (None: 0), added to `held_s`."""
+        held = 0.0 if since is None else time.monotonic() - since
+        self.held_s += held
+        return held
 
     def feedback(self, fb: LearnerFeedback) -> None:
         """Route entropy feedback by the question id in each key (one call per shard)."""
@@ -283,7 +300,7 @@ class BufferClient:
         """After a learner step: `feedback(fb)`, `set_version(version)` and `metrics()` in one call per shard."""
         parts = self._feedback_parts(fb)
         replies = self._get([s.end_step.remote(parts.get(i), version) for i, s in enumerate(self.shards)], "end_step")
-        return merge_metrics([unpack(r) for r in replies])
+        return {**merge_metrics([unpack(r) for r in replies]), "batch_held_s": self.held_s}
 
     def _feedback_parts(self, fb: LearnerFeedback) -> dict[int, bytes]:
         """Each shard's part of `fb` (routed by the question id in each key), encoded; shards with none left out."""

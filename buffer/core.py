@@ -157,13 +157,15 @@ class ShardCore:
         Work leased at version v can be trained at versions v .. v + max_lag: max_lag + 1 batches, one
         of which (v's) may already be taken. Counting it means a synchronous run (max_lag = 0) leases
         nothing between taking batch v and the learner publishing v + 1 — work leased then would only be
-        generated with the old weights and dropped as stale. Replay items are further limited to
+        generated with the old weights and dropped as stale. All of it is counted, also beyond this shard's share: a
+        batch takes the oldest groups of all shards first, so one shard may give more than its share, and the shards
+        together then lease no more than (max_lag + 1) batches hold. Replay items are further limited to
         floor(rho_i * capacity), rho_i = mixed_share() / batch_share, where the shards' mixed shares sum to
         the batch's ceil(rho * B) mixed groups: together the shards can always lease a whole batch's replays. With
         the batch taking ceil(rho * B) mixed groups, a shard full of ready groups can always contribute to a
         batch: no state in which every shard is full but no batch can be formed (max_lag = 0 included).
         """
-        return max(0, (self.cfg.max_lag + 1) * self.batch_share - min(self.taken_at_version, self.batch_share))
+        return max(0, (self.cfg.max_lag + 1) * self.batch_share - self.taken_at_version)
 
     def mixed_share(self) -> int:
         """This shard's part of the batch's ceil(rho * B) mixed groups at the current version (`mixed_shares`)."""
@@ -273,7 +275,19 @@ class ShardCore:
         self.leased_at_version[0] += lease.replay
         self.leased_at_version[1] += 1
         return WorkItem(lid, self.questions[qid], lease.num_samples, deadline, self.shard, ref, self.version,
-                        min_weights=self.version + 1 - max(self.cfg.max_lag, 1))
+                        min_weights=self._min_weights(self.version))
+
+    def _min_weights(self, lease_version: int) -> int:
+        """The oldest weights a generator may start work leased at `lease_version` on (it loads newer ones first)."""
+        return lease_version + 1 - max(self.cfg.max_lag, 1)
+
+    def last_chance_in_flight(self, version: int) -> int:
+        """Outstanding leases whose group, if generated on the oldest weights its lease allows, can be trained at
+        `version` and not after: a batch of `version` formed without them would leave them to go stale. The client
+        holds such a batch while they are generated (`plan_take`'s `in_flight_last`); the hold ends when they arrive
+        or their leases end (expiry, a holder that died)."""
+        oldest = version - self.cfg.max_lag
+        return sum(1 for x in self.leases.values() if self._min_weights(x.version) <= oldest)
 
     def _end_lease_reissue(self, lease: Lease, reason: str) -> None:
         self.n[reason] += 1
@@ -471,6 +485,7 @@ class ShardCore:
         m = self.store.metrics()
         m.update({k: float(v) for k, v in self.n.items()})
         m.update(leases_outstanding=float(len(self.leases)), ready_fresh=float(len(self.ready_fresh)),
+                 in_flight_last_chance=float(self.last_chance_in_flight(self.version)),
                  ready_mixed=float(len(self.ready_mixed)), mixed_mode=float(self.mixed_mode),
                  version=float(self.version), epoch=float(self.epoch), questions=float(len(self.order_ids)),
                  replay_reissue_pending=float(len(self.reissue_replay)))

@@ -214,7 +214,8 @@ def diagnose(seconds: float, step: int, total_steps: int, pool: dict[str, list[s
                  "stall/expired": b("expired"), "stall/retired": b("retired"),
                  "stall/reward_in_flight": gen.get("reward_in_flight", 0.0), "stall/reward_timeouts": timeouts,
                  "stall/reward_oldest_s": gen.get("reward_oldest_s", 0.0),
-                 "stall/reward_call_max_s": gen.get("reward_call_max_s", 0.0)}
+                 "stall/reward_call_max_s": gen.get("reward_call_max_s", 0.0),
+                 "stall/in_flight_last_chance": b("in_flight_last_chance")}
     for state, ids in pool.items():
         d.metrics[f"stall/generators_{state}"] = float(len(ids))
     if scoring_holds(gen, reward_timeout_s):
@@ -240,6 +241,11 @@ def diagnose(seconds: float, step: int, total_steps: int, pool: dict[str, list[s
     elif b("zero_signal") > 0 and b("accepted") == 0:
         d.hints.append(f"every group so far got equal rewards in all K samples (zero signal, {b('zero_signal'):.0f} "
                        "dropped): the questions are all too hard or all too easy for this model")
+    if b("in_flight_last_chance") > 0 and ready >= batch_questions:
+        d.hints.append(f"a whole batch is ready and waits for {b('in_flight_last_chance'):.0f} group(s) still being "
+                       "generated that it is the last to be able to train within buffer.max_lag (taking newer ones "
+                       "instead would drop them as stale); a generator that stalls holding them has its leases ended "
+                       "after buffer.lease_timeout_s, or at once when its process dies")
     if b("stale_dropped") > 0 and b("stale_dropped") >= b("accepted"):
         d.hints.append("most groups arrive older than buffer.max_lag: raise buffer.max_lag or add generators")
     if reward_errors > 0 and not d.all_rewards_zero:

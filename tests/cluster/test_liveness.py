@@ -85,6 +85,17 @@ def test_diagnosis_names_generators_leases_and_drops():
     assert d.metrics["stall/seconds"] == 95 and not d.nothing_left and not d.all_rewards_zero
 
 
+def test_a_batch_held_for_groups_at_their_last_chance_says_so():
+    buf = {"leases_outstanding": 3, "ready_fresh": 16, "accepted": 40, "in_flight_last_chance": 3}
+    gen = {"reward_errors": 0, "rollouts": 400, "rewarded": 30}
+    d = diagnose(95, 3, 10, POOL, "generators: 1 running", buf, gen, 100, "countdown", batch_questions=16)
+    assert d.metrics["stall/in_flight_last_chance"] == 3
+    assert any("waits for 3 group(s) still being generated" in h and "buffer.lease_timeout_s" in h for h in d.hints)
+    d = diagnose(95, 3, 10, POOL, "generators: 1 running", {**buf, "ready_fresh": 15}, gen, 100, "countdown",
+                 batch_questions=16)
+    assert not any("still being generated" in h for h in d.hints)  # not whole without them: not what holds it
+
+
 def test_all_zero_rewards_name_the_reward_function():
     gen = {"reward_errors": 0, "rollouts": 64, "rewarded": 0}
     d = diagnose(30, 0, 10, POOL, "", {"zero_signal": 8}, gen, 100, "countdown")
