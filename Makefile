@@ -7,8 +7,11 @@ setup:
 train: setup
 	.venv/bin/exgrpo train $(ARGS)
 
+# two pytest workers, each taking whole files (module- and session-scoped clusters stay with their tests): a run
+# waits on Ray, its actors and its subprocesses ~40% of the time, which the other worker fills (TEST_WORKERS=0: one)
+TEST_WORKERS ?= 2
 test: setup
-	.venv/bin/python -m pytest tests $(PYTEST_ARGS)
+	.venv/bin/python -m pytest tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # bench/gpu_bench.py (the learner alone), then bf16 + vLLM on GPU + NCCL weight sync, a short run where vLLM and
 # Ray install (skipped, said so, exit 0 otherwise; everything skipped without a GPU)

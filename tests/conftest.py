@@ -116,6 +116,6 @@ also from a run stopped before its end (pytest's --durations prints them only at
 
 
 def pytest_runtest_logreport(report) -> None:
-    if _TIMES:
+    if _TIMES and not os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist the controller writes every report once
         with open(_TIMES, "a") as f:
             f.write(f"{report.duration:.2f} {report.when} {report.nodeid} {report.outcome}\n")

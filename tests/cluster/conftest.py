@@ -34,7 +34,7 @@ class SharedRay(ClusterHelper):
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")  # (session: under `make test`'s two workers the package's files interleave with others)
 def shared_ray():
     c = SharedRay()
     try:
