@@ -381,7 +381,8 @@ class ShardCore:
             solved_kept = k >= self.K and not self.cfg.retire  # plain replay: a solved question is left as for k = 0
             if solved_kept:
                 correct_idx = []
-            keys = self.store.observe(qid, 0 if solved_kept else k, [fresh[i] for i in correct_idx], collect)
+            keys = self.store.observe(qid, 0 if solved_kept else k, [fresh[i] for i in correct_idx], collect,
+                                      solved=solved_kept)
             for i, key in zip(correct_idx, keys):
                 if key:
                     fresh[i] = _with_key(fresh[i], key)

@@ -149,7 +149,10 @@ class AdvantagePrioritised:
     latest k), the same for all of q's trajectories (priority replay by |A|: arXiv 2606.04560, prime-rl #2273).
     Without replacement (successive draws over the questions left, each bucket's weight its questions left x
     1 - b/K), uniform inside a bucket. `probability` is q's chance in a single draw, (1 - b/K) / sum over the stored
-    questions of 1 - b'/K. Cost O(n K)."""
+    questions of 1 - b'/K. Cost O(n K). A question whose latest group was all correct has A = 0 for every trajectory
+    and is never drawn (`skips_solved`: the store hides those it kept without retirement)."""
+
+    skips_solved = True
 
     def __init__(self, group_size: int):
         self.group_size = group_size

@@ -4,7 +4,9 @@ Rules (DESIGN.md §2), applied by `observe(question_id, k, correct_rollouts, col
 group of K rollouts with k correct:
 - 1 <= k <= K-1: q's bucket becomes k; when `collect`, each correct rollout is stored (deduplicated
   by response token ids: a response already stored is kept once, with its first log-probs).
-- k = K: q is retired: its experience is deleted and it is never issued fresh again.
+- k = K: q is retired: its experience is deleted and it is never issued fresh again. Without retirement
+  (`observe(..., solved=True)`: the core passes k = 0 then) q keeps its experience and bucket and is marked solved:
+  a sampler that draws by |advantage| (`skips_solved`) never draws it while its latest group was all correct.
 - k = 0: nothing is stored; a stored q keeps its previous bucket.
 
 Entropy estimates are of two kinds, never ranked together: the generator's estimate at sampling
@@ -164,6 +166,7 @@ class ExperienceStore:
         self.entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU order: least recently refreshed first
         self.buckets: dict[int, IndexedSet] = {b: IndexedSet() for b in range(1, group_size)}
         self.retired: set[str] = set()
+        self.solved: set[str] = set()  # stored questions whose latest group was all correct (without retirement)
         self.total = 0
         self.bytes = 0  # sum of the stored records' sizes (tokens, log-probs and header: ~8 bytes per token)
         self.replay_hist = [0] * 5  # stored trajectories by times replayed: 0, 1, 2, 3, 4+
@@ -181,10 +184,15 @@ class ExperienceStore:
 
     # ------------------------------------------------------------------------------------- writing
 
-    def observe(self, question_id: str, k: int, correct: list[Rollout], collect: bool) -> list[str]:
-        """Apply q's latest group (k correct of K). Returns the keys of `correct` that are stored now
-        ("" for those that are not)."""
+    def observe(self, question_id: str, k: int, correct: list[Rollout], collect: bool, solved: bool = False
+                ) -> list[str]:
+        """Apply q's latest group (k correct of K; `solved`: all K were, and q is kept: no retirement). Returns the
+        keys of `correct` that are stored now ("" for those that are not)."""
         keys = [""] * len(correct)
+        if solved and question_id in self.entries:
+            self.solved.add(question_id)
+        else:
+            self.solved.discard(question_id)
         if question_id in self.retired:
             self.c["late_for_retired"] += 1
             return keys
@@ -295,6 +303,7 @@ class ExperienceStore:
         self._drop_recs(e, range(len(e.recs)))
         self.buckets[e.bucket].discard(qid)
         self.dirty.discard(qid)
+        self.solved.discard(qid)
 
     def _retire(self, qid: str) -> None:
         e = self.entries.get(qid)
@@ -310,6 +319,8 @@ class ExperienceStore:
         """Up to n distinct stored questions, none in `exclude`, each with the candidates the selector
         ships: [(question_id, probability of the question draw, [record, ...])]. Nothing is counted as
         replayed here: a replay counts when the learner trains it (`feedback(chosen=...)`)."""
+        if getattr(self.sampler, "skips_solved", False) and self.solved:  # |A| = 0 for every trajectory of theirs
+            exclude = set(exclude) | self.solved
         hidden = [(qid, self.entries[qid].bucket) for qid in exclude if qid in self.entries]
         for qid, b in hidden:  # drawn over the others only (O(len(exclude)), no copy of the buckets)
             self.buckets[b].discard(qid)
@@ -498,6 +509,7 @@ class ExperienceStore:
                          for sid in plan.keep},
             "next_segment": self.next_segment,
             "retired": sorted(self.retired),
+            "solved": sorted(self.solved),
             "counters": dict(self.c),
             "entropy_sums": [self.entropy_chosen_sum, self.entropy_available_sum],
         }
@@ -569,6 +581,7 @@ class ExperienceStore:
             self.segments[sid] = _Segment(segments[sid][0], int(segments[sid][1]), segments[sid][2], live, [])
         self.next_segment = int(s["next_segment"])
         self.retired = set(s["retired"])
+        self.solved = {q for q in s.get("solved", ()) if q in self.entries}  # (absent from older snapshots)
         self.c.update({k: int(v) for k, v in s["counters"].items() if k in self.c})
         self.entropy_chosen_sum, self.entropy_available_sum = (float(x) for x in s["entropy_sums"])
 

@@ -249,6 +249,42 @@ def test_without_retirement_a_solved_question_keeps_its_experience_and_comes_bac
         balanced(core)
 
 
+def test_advantage_replay_never_draws_a_question_whose_latest_group_was_all_correct():
+    """Issue 60: without retirement, a question solved in its latest group kept its old bucket, so advantage replay
+    drew it with weight 1 - b_old/K although every trajectory of it has |A| = 0 there. By hand, K = 4: q0 in bucket 1
+    (|A| = 0.75), q1 in bucket 3 (0.25): P(q0) = 0.75 / 1.0. q1 solved: its weight is 0, P(q0) = 1. q1 then 2 of 4
+    correct: bucket 2 (0.5), P(q0) = 0.75 / 1.25 = 0.6. The Gaussian sampler still draws the solved q1 by its bucket."""
+    import random as _random
+
+    for sampler in ("advantage", "gaussian"):
+        core = ShardCore(cfg(collect_before_mixed=True, batch_questions=100, max_lag=0, retire=False,
+                             question_sampler=sampler, trajectory_selector="random", trajectory_eviction="oldest"),
+                         make_questions(2))
+        items = {it.question.id: it for it in core.lease("g", 2, now=NOW)}
+        core.submit([group_for(items["q0"], 1), group_for(items["q1"], 3)], now=NOW)
+
+        def p_q0() -> float:
+            draws = [core.store.sample(1, _random.Random(i)) for i in range(200)]
+            return {q: prob for d in draws for q, prob, _ in d}.get("q0", 0.0), {q for d in draws for q, _, _ in d}
+
+        if sampler == "advantage":
+            assert p_q0() == (pytest.approx(0.75), {"q0", "q1"})
+        items = {it.question.id: it for it in core.lease("g", 2, now=NOW)}  # epoch 2
+        core.submit([group_for(items["q0"], 1, seed=1), group_for(items["q1"], 4, seed=1)], now=NOW)
+        assert core.store.entries["q1"].bucket == 3 and core.store.solved == {"q1"}
+        prob, drawn = p_q0()
+        if sampler == "advantage":
+            assert (prob, drawn) == (pytest.approx(1.0), {"q0"})
+        else:
+            assert drawn == {"q0", "q1"}
+        items = {it.question.id: it for it in core.lease("g", 2, now=NOW)}  # epoch 3
+        core.submit([group_for(items["q0"], 1, seed=2), group_for(items["q1"], 2, seed=2)], now=NOW)
+        assert not core.store.solved
+        if sampler == "advantage":
+            assert p_q0() == (pytest.approx(0.6), {"q0", "q1"})
+        balanced(core)
+
+
 def test_fifo_eviction_keeps_the_newest_trajectories():
     # max 3 per question. Group 1 stores t0 t1 (entropies 0.1, 0.2), group 2 stores t2 t3 (0.9, 1.0): FIFO drops
     # t0, the oldest, though its entropy is the lowest; ExGRPO's rule keeps all 4 (t2, t3 wait unmeasured) and,
