@@ -1,4 +1,4 @@
-"""Adapter-only publications on the generator side (`learner.lora.publish: adapters`, issue 38): merged into the base.
+"""Adapter-only publications on the generator side (`learner.lora.publish: adapters`): merged into the base.
 
     merger = AdapterMerger(model_path, who=generator_id)        # once per generator; reads nothing yet
     if ann.adapters is not None:

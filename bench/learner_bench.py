@@ -42,7 +42,7 @@ def main() -> None:
     from common.modeling import make_tiny_model_folder
     from learner.pool import LearnerPool
     from learner.weights import ObjectStoreWeightSource
-    from tests.learner.batches import make_batch
+    from bench.batches import make_batch
 
     tmp = Path(tempfile.mkdtemp(prefix="learner-bench-"))
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="bench",

@@ -47,7 +47,7 @@ def main() -> None:
     from common.modeling import make_tiny_model_folder
     from learner.pool import LearnerPool
     from learner.weights import make_weight_source
-    from tests.learner.batches import make_batch
+    from bench.batches import make_batch
 
     @ray.remote(num_cpus=0)
     class Gen:
@@ -134,7 +134,7 @@ def delta_table(args, tmp: Path, Gen) -> None:
     from common.modeling import make_tiny_model_folder
     from learner.pool import LearnerPool
     from learner.weights import make_weight_source
-    from tests.learner.batches import make_batch
+    from bench.batches import make_batch
 
     rows = []
     for name, size in MODELS.items():

@@ -30,7 +30,7 @@ def mixed_shares(shares: list[int], target: int, version: int = 0) -> list[int]:
     `target`, so the shards' replay quotas add up to the whole batch's, where a per-shard floor(rho * share) loses
     groups (shares 6/5/5 at rho 0.5: 7 of 8; shares of 1: none); every shard's long-run share is its exact part,
     rho times its share, within one group at any version (rotating the left-over groups equally gave shares
-    [2, 3, 3] at rho 0.25 the parts [0.667, 0.667, 0.667] for [0.5, 0.75, 0.75], issue 35), and no shard stays
+    [2, 3, 3] at rho 0.25 the parts [0.667, 0.667, 0.667] for [0.5, 0.75, 0.75]), and no shard stays
     replay-only for good (its fresh questions would never be issued)."""
     return list(_ShortfallSplit.of(tuple(shares), target).at(version))
 

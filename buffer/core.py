@@ -17,7 +17,7 @@ from `now` arguments (default `time.time()`), so tests drive expiry by hand.
 Versions and lags count learner steps (see `common.messages`): work leased at version v may be
 trained at versions v .. v + max_lag.
 
-Replay (DESIGN.md §2): a replay item asks a generator for K-1 fresh rollouts of a stored question.
+Replay (docs/algorithm.md): a replay item asks a generator for K-1 fresh rollouts of a stored question.
 A question has at most one live replay (leased or ready as a mixed group), so no batch replays a
 question twice. When its group comes back the shard attaches the question's stored trajectories as
 candidates (all of them for `lowest_entropy`, one for `random`); the learner picks o* and reports
@@ -541,7 +541,7 @@ class ShardCore:
         core.n.update({k: int(v) for k, v in state["counters"].items() if k in core.n})
         v, internal, gauss = state["rng"]
         core.rng.setstate((v, tuple(internal), gauss))
-        for lid, qid, ns, dl, gid, replay, recs, *issued in state["leases"]:  # (issued: absent before issue 35)
+        for lid, qid, ns, dl, gid, replay, recs, *issued in state["leases"]:  # (issued: absent from older snapshots)
             if qid not in core.questions:
                 raise ValueError(f"snapshot lease {lid} refers to unknown question {qid!r}")
             core.leases[lid] = Lease(lid, qid, int(ns), float(dl), gid, bool(replay),

@@ -9,7 +9,7 @@ with its bucket index; they can be swapped and tested alone (Reverb's `sampler=`
 
 Question samplers (`buffer.question_sampler`): `GaussianBuckets` (ExGRPO's), `UniformQuestions` (plain replay's
 uniform draw: Arnal et al., arXiv 2604.08706), `AdvantagePrioritised` (|advantage|-prioritised replay: arXiv
-2606.04560, prime-rl issue #2273). Trajectory selectors (`buffer.trajectory_selector`): `LowestEntropy`, `RandomTrajectory`.
+2606.04560, prime-rl #2273). Trajectory selectors (`buffer.trajectory_selector`): `LowestEntropy`, `RandomTrajectory`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The experience store: per-question buckets, stored correct trajectories, entropy ranking, retired set.
 
-Rules (DESIGN.md §2), applied by `observe(question_id, k, correct_rollouts, collect)` for q's latest
+Rules (docs/algorithm.md), applied by `observe(question_id, k, correct_rollouts, collect)` for q's latest
 group of K rollouts with k correct:
 - 1 <= k <= K-1: q's bucket becomes k; when `collect`, each correct rollout is stored (deduplicated
   by response token ids: a response already stored is kept once, with its first log-probs).

@@ -1,4 +1,4 @@
-"""Liveness: the driver never waits without saying why (DESIGN.md §3 "Liveness").
+"""Liveness: the driver never waits without saying why (docs/faults.md).
 
     placement = check_placement(cfg.generator, cfg.learner, n, totals, largest_node, fixed=embedded)
     if placement.refuse: stop with exit code 2 before any actor starts

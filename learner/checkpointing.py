@@ -90,7 +90,7 @@ def apply_checkpointing(model: torch.nn.Module, mode: str) -> int:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # transformers also hooks the embeddings to make their output require grad, which only reentrant
         # checkpointing needs; under no_grad it made the first layer's input require grad and the others' not,
-        # two compiled graphs for one forward (issue 49). The gradients are the same without it.
+        # two compiled graphs for one forward. The gradients are the same without it.
         model.disable_input_require_grads()
         return len(layers)
     if mode == "selective":
@@ -132,7 +132,7 @@ def bytes_per_token(mode: str, shape: LayerShape, dtype_bytes: int, compiled: bo
     - full: h per layer (its input), plus one layer's `none` while its backward recomputes it.
     `compiled` (per-layer torch.compile with inductor): inductor's partitioner recomputes most elementwise ops in
     the backward, so a layer's none keeps 6 h + 2 kv + 3 i (selective's and one h- and one i-wide tensor more),
-    and full's one recomputed layer too. Measured on an H100 (issue 49, `bench/gpu_bench.py`, peak memory less the
+    and full's one recomputed layer too. Measured on an H100 (`bench/gpu_bench.py`, peak memory less the
     states and RESERVE): compiled none 1.95 MB a token at 1.5B (this count: 2.07) and 3.29 at 3B (3.58);
     selective, compiled, 2.25 at 3B (this count: 2.39); full 245.8 kB at 3B, as counted.
     Outside the layers, every mode: 8 h per token (embeddings, final norm, the head's hidden states)."""
@@ -156,7 +156,7 @@ def activation_bytes(mode: str, tokens: int, shape: LayerShape, dtype_bytes: int
 USABLE = 0.9  # of the budget: the rest is the CUDA context, NCCL's buffers and the allocator's slack
 RESERVE = 2 << 30  # bytes: the chunked LM head's logits and gradients, FSDP2's gathered layers in flight
 
-# Whether op-level selective checkpointing has trained on a GPU. It has: an H100 (issue 49, torch 2.11) trained
+# Whether op-level selective checkpointing has trained on a GPU. It has: an H100 (torch 2.11) trained
 # Qwen2.5-3B's shapes on 14 rows of 1,273-7,837 tokens with it under per-layer compile, 0 recompiles, 4.03 s a step
 # (MFU 38.6%) at learner.micro_batch_tokens=9216, against full's 4.78 s (32.5%) at 18,432; at 18,432 it ran out of
 # memory, as its count says (41 GiB of activations where 22.5 were left). Auto takes it where none does not fit,

@@ -5,7 +5,7 @@
     optimizer, note = build_optimizer(model.parameters(), cfg)
 
 torchtitan's shape: each lever is a small step over a plain model, switched on and off in the config. `auto`
-means "on where it has run and helped on a GPU": per-layer compile (+12.4% on a 1.5B step, H100, issue 42) and
+means "on where it has run and helped on a GPU": per-layer compile (+12.4% on a 1.5B step, H100) and
 fused AdamW, both on CUDA. Padding-free packing through flex_attention is opt-in (`learner.padding_free=true`):
 the first time it met per-layer compile on a GPU it stopped the learner at its first step (InductorError, issue
 42); `auto` packs only where the user chose a variable-length attention (flash_attention_2/3). Every lever that
@@ -79,7 +79,7 @@ def resolve_levers(cfg: LearnerConfig, device: torch.device, dtype: torch.dtype 
         packs = cfg.varlen_attention
         why = (f"auto: {attn} is a variable-length kernel" if packs else
                "auto: packing is opt-in (learner.padding_free=true) until it has run on a GPU: through flex_attention "
-               "under per-layer compile it failed on an H100 (issue 42)" if cuda else
+               "under per-layer compile it failed on an H100" if cuda else
                "auto: not CUDA, where flex_attention has no backward and sdpa would build a dense mask")
     elif not cfg.padding_free:
         packs, why = False, "set"
@@ -119,9 +119,9 @@ def apply_compile(model: torch.nn.Module, backend: str | object = "inductor") ->
     Per block, as torchtitan: the layers share one code object, so one set of graphs serves them all, and the
     module hooks around each forward (FSDP2's all-gather, activation checkpointing) stay eager. The module and
     its parameter names are unchanged (checkpoints and publications see the same state dict). Measured on an H100
-    (+12.4% at 1.5B, padded sdpa; issue 42).
+    (+12.4% at 1.5B, padded sdpa).
 
-    Shapes (issue 49): `dynamic=None` with the rows and length dimensions of the layer's inputs marked dynamic
+    Shapes: `dynamic=None` with the rows and length dimensions of the layer's inputs marked dynamic
     (`mark_shapes`), so every other size (hidden, head_dim, num_key_value_groups) is a constant in the kernels. One
     row is a case of its own (dynamo specializes a size of 1, which broadcasts): a 1-row micro-batch (one long
     response, the packed layout, a rank's dummy) has its own graphs, which the lever trial builds before the first
@@ -134,10 +134,10 @@ def apply_compile(model: torch.nn.Module, backend: str | object = "inductor") ->
 
     flex_attention stays out of the layers' graphs (`isolate_flex_attention`), as torchtitan keeps it out of its
     compiled blocks: traced inside them with dynamic shapes, the hidden size became a symbol, the head count
-    floor(T*H / (T*d)), and flex's lowering failed on it on an H100 (InductorError, issue 42). Out of the graph,
+    floor(T*H / (T*d)), and flex's lowering failed on it on an H100 (InductorError). Out of the graph,
     flex runs as transformers runs it uncompiled: its own separately compiled flex_attention. The layer's graph then
     breaks at flex, and dynamo compiles the pieces around it as frames of their own whose inputs carry no marks:
-    there the layers keep `dynamic=True` (every size symbolic, as before issue 49; packed rows are always 1)."""
+    there the layers keep `dynamic=True` (every size symbolic; packed rows are always 1)."""
     flex = getattr(model.config, "_attn_implementation", None) == "flex_attention"
     if flex:
         isolate_flex_attention()

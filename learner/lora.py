@@ -1,4 +1,4 @@
-"""Low-rank adapters on the learner's Linear projections (`learner.lora`, issue 38).
+"""Low-rank adapters on the learner's Linear projections (`learner.lora`).
 
     targets = apply_lora(model, cfg.lora)        # before prepare_model and FSDP2 sharding (meta device or real)
     ... fully_shard, materialize, load_shards(model, path, rank, world, skip=adapter_names(model))

@@ -498,7 +498,7 @@ class TrainStep:
     @property
     def _eval_stored(self) -> bool:
         """Whether the log-probs and entropies the buffer stores come from `record_old_logprobs`'s eval-mode forward
-        rather than the training forward: with LoRA dropout, which that forward applies (issue 44)."""
+        rather than the training forward: with LoRA dropout, which that forward applies."""
         return self.cfg.lora is not None and self.cfg.lora.dropout > 0
 
     @torch.no_grad()

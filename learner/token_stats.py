@@ -23,7 +23,7 @@ would keep several copies of them. Here:
   [V, H] gradient: the head writes its weight gradient once per micro-batch, as autograd of `F.linear` over
   all tokens does (d loss / dz rounded to the hidden dtype, the matmul's own float32 accumulation). The
   hidden-state gradient is the sum over slices, accumulated in float32 when there is more than one.
-  Where this departs from the usual chunking by tokens in the backward too (this module before issue 42,
+  Where this departs from the usual chunking by tokens in the backward too (this module before,
   Liger's fused linear cross-entropy): there each token chunk's weight gradient is a partial [V, H] sum,
   N / chunk of them added up in float32, a [V, H] read and write per chunk.
 
@@ -71,7 +71,7 @@ BYTES_PER_LOGIT = 8  # peak temporaries per logit of a block: two float32 buffer
 FREE_MEMORY_FRACTION = 0.25  # CUDA default: a block's temporaries take at most this share of the free memory...
 BLOCK_BYTES_CAP = 2 << 30  # ...and at most 2 GiB: with the [V, H] gradient, the per-chunk path's peak at 1.5B
 SLICE_ALIGN = 128  # vocabulary slices are whole multiples of this many rows (the last one excepted)
-# torch.compile (inductor) the per-block float32 math, so that its [N, V] elementwise passes fuse (issue 49: ~0.37 s
+# torch.compile (inductor) the per-block float32 math, so that its [N, V] elementwise passes fuse (~0.37 s
 # of a 1.5B step's kernel time, estimated). Off: `learner.compile_head_math=true` opts in; it becomes a CUDA
 # default only after tests/gpu/test_head_math.py shows it exact on a GPU (never run on one yet).
 COMPILE_BLOCK_MATH = False

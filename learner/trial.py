@@ -6,7 +6,7 @@ that fails is switched off for the run instead of stopping it.
 
 Why: the CUDA levers (per-layer compile, padding-free packing, fused AdamW) were built and tested on CPUs; the
 first time per-layer compile met flex_attention packing on an H100 the learner stopped at its first step with an
-InductorError (issue 42). A trial is what a step does, with nothing applied to the weights:
+InductorError. A trial is what a step does, with nothing applied to the weights:
 
 - no-grad forwards in eval mode (candidate scoring and old log-probs take that path), then real micro-batches of
   the run's layout (packed where packing is on), forward and backward under the run's levers, with a KL term the

@@ -167,7 +167,7 @@ class LearnerConfig(Section):
     attention keeps rows apart), so `micro_batch_tokens` counts real tokens and no compute goes to padding.
     auto: on only where `attn_implementation` is a variable-length kernel the user chose (flash_attention_2/3 or a
     kernels-hub flash-attention); padded micro-batches elsewhere, CUDA included: through flex_attention under
-    per-layer compile packing stopped the learner at its first step on an H100 (issue 42), so it is opt-in until
+    per-layer compile packing stopped the learner at its first step on an H100, so it is opt-in until
     it has run there. true: on CUDA with `attn_implementation` unset, flash_attention_2 where flash-attn is
     installed (bf16/fp16), else flex_attention (kept out of the compiled layers' graphs); with sdpa/eager, or on a
     CPU, a [tokens, tokens] block-diagonal mask per micro-batch (exact; memory grows with the budget squared).
@@ -221,7 +221,7 @@ class LearnerConfig(Section):
     """A folder for inductor's compile cache (every learner rank's TORCHINDUCTOR_CACHE_DIR) where `compile` is on.
     On storage every node reaches, a rank on a fresh machine (a new node, a restarted container) reuses the kernels
     an earlier rank compiled for the same GPU and torch instead of compiling them again: at 1.5B on an H100 the setup
-    reached its first step in 10.1 s with them, 31.1 s cold (issue 49, the same artifacts carried as a file). None:
+    reached its first step in 10.1 s with them, 31.1 s cold (the same artifacts carried as a file). None:
     inductor's default under the machine's temp folder, reused only by later processes of that machine. An absolute
     path (`~` expanded)."""
 
@@ -257,7 +257,7 @@ class LearnerConfig(Section):
 
     fused_optimizer: bool | Literal["auto"] = "auto"
     """AdamW's fused kernel (one launch over all parameters instead of several per tensor). auto: on when the
-    parameters are on CUDA (it ran in every H100 case of issue 42). Tried at setup with a step that moves no
+    parameters are on CUDA (it ran in every H100 case measured). Tried at setup with a step that moves no
     weight (`learner.trial`); falls back to the foreach AdamW, and says why, where the kernel fails or does not take
     the parameters."""
     policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo"] = "ppo_clip"

@@ -11,7 +11,7 @@ from common.config import LearnerConfig
 from learner.batching import batch_rows, collate
 from learner.forward import _full_attention_only, _stats, attention_inputs, forward_stats, prepare_model
 from learner.step import complete_groups
-from tests.learner.batches import make_batch
+from bench.batches import make_batch
 
 CPU = torch.device("cpu")
 # CPU kernels give the same bits either way; on CUDA is_causal and an explicit mask run different kernels

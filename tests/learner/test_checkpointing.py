@@ -22,7 +22,7 @@ from learner.forward import forward_stats, prepare_model
 from learner.levers import build_optimizer
 from learner.lora import apply_lora, init_adapters
 from learner.step import TrainStep, complete_groups
-from tests.learner.batches import make_batch
+from bench.batches import make_batch
 
 CPU = torch.device("cpu")
 GIB = 2 ** 30
@@ -393,7 +393,7 @@ TWO_RANKS = textwrap.dedent("""
     from learner.checkpointing import MemoryBudget, agreed_budget
     from learner.setup import setup_rank
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from tests.learner.batches import make_batch
+    from bench.batches import make_batch
 
     rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

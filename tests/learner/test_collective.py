@@ -15,7 +15,7 @@ from common.config import CollectiveSyncConfig, LearnerConfig
 from learner.packing import pack, packed_bytes, unpack
 from learner.pool import LearnerPool
 from learner.weights import CollectiveWeightSource, WeightSyncTimeout, make_publisher, make_weight_source
-from tests.learner.batches import make_batch
+from bench.batches import make_batch
 
 NS = "exgrpo-test"
 SYNC = CollectiveSyncConfig(timeout_s=20, bucket_mb=0.05)  # ~50 KiB buckets: the tiny model needs several

@@ -20,7 +20,7 @@ from learner.forward import check_packing, forward_stats, prepare_model
 from learner.levers import build_optimizer, resolve_levers
 from learner.lora import apply_lora, init_adapters
 from learner.step import TrainStep, complete_groups
-from tests.learner.batches import make_batch, with_own_logprobs
+from bench.batches import make_batch, with_own_logprobs
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -17,7 +17,7 @@ from common.config import LearnerConfig, LoRAConfig, load_config
 from learner.gather import gather_full_state
 from learner.lora import LoRALinear, adapter_names, adapters_disabled, apply_lora, init_adapters, lora_modules
 from learner.setup import setup_rank
-from tests.learner.batches import make_batch
+from bench.batches import make_batch
 
 CPU = torch.device("cpu")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -340,7 +340,7 @@ TWO_RANKS = textwrap.dedent("""
     from learner.gather import gather_full_state
     from learner.setup import setup_rank
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from tests.learner.batches import make_batch
+    from bench.batches import make_batch
 
     rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -396,7 +396,7 @@ TWO_RANKS_KL = textwrap.dedent("""
     from learner.batching import batch_rows
     from learner.forward import forward_stats
     from learner.setup import setup_rank
-    from tests.learner.batches import make_batch
+    from bench.batches import make_batch
 
     rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -470,7 +470,7 @@ BF16_RANK = textwrap.dedent("""
     from learner.forward import forward_stats
     from learner.lora import lora_modules
     from learner.setup import setup_rank
-    from tests.learner.batches import make_batch
+    from bench.batches import make_batch
 
     port, model_dir, out, device = sys.argv[1], sys.argv[2], sys.argv[3], torch.device(sys.argv[4])
     dist.init_process_group("gloo" if device.type == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",

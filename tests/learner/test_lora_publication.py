@@ -13,7 +13,7 @@ from common.config import CollectiveSyncConfig, GeneratorConfig, LearnerConfig, 
     TransformersEngineConfig
 from learner.pool import LearnerPool
 from learner.weights import make_weight_source
-from tests.learner.batches import make_batch
+from bench.batches import make_batch
 
 NS = "exgrpo-test"
 RANK, ALPHA = 3, 6.0

@@ -208,7 +208,7 @@ def test_each_loss_trains_through_the_real_step(tiny_model_dir, loss):
     GRPO aggregation, and the loss applied to replayed rows too: finite, updating, metrics in range."""
     from learner.batching import batch_rows
     from learner.step import complete_groups, merge_rank_stats
-    from tests.learner.batches import make_batch
+    from bench.batches import make_batch
     from tests.learner.test_step import plain_step
 
     for overrides in ({}, {"loss_agg": "seq_mean_token_mean", "replay_loss": "policy_loss"}):

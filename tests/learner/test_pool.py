@@ -16,7 +16,7 @@ from common.modeling import make_tiny_model_folder
 from learner.checkpoint import CheckpointError
 from learner.pool import LearnerPool
 from learner.weights import ObjectStoreWeightSource, WeightSyncTimeout
-from tests.learner.batches import make_batch, with_own_logprobs
+from bench.batches import make_batch, with_own_logprobs
 
 NS = "exgrpo-test"
 LR = 1e-3

@@ -12,7 +12,7 @@ from learner.batching import (BatchError, Row, balanced_partition, batch_rows, c
                               rank_micro_batches, split_mini_batches)
 from learner.forward import prepare_model
 from learner.step import RankStats, TrainStep, complete_groups
-from tests.learner.batches import make_batch, with_own_logprobs
+from bench.batches import make_batch, with_own_logprobs
 
 
 def rollout(ids, reward=1.0, replayed=False, key=""):

@@ -21,7 +21,7 @@ from learner.compile_cache import compiled_graphs
 from learner.setup import setup_rank
 from learner.step import merge_rank_stats
 from learner.trial import FAULTS_ENV, LEVERS, LeverError, injected_faults, switch_off, try_levers
-from tests.learner.batches import make_batch
+from bench.batches import make_batch
 
 CPU = torch.device("cpu")
 ALL_ON = dict(compile=True, compile_backend="aot_eager", padding_free=True, fused_optimizer=True)
@@ -184,7 +184,7 @@ ONE_FSDP_RANK = textwrap.dedent("""
     from common.config import LearnerConfig
     from learner.compile_cache import compiled_graphs
     from learner.setup import setup_rank
-    from tests.learner.batches import make_batch
+    from bench.batches import make_batch
 
     port, model_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -239,7 +239,7 @@ TWO_RANKS = textwrap.dedent("""
     sys.path.insert(0, os.getcwd())
     from common.config import LearnerConfig
     from learner.setup import setup_rank
-    from tests.learner.batches import make_batch
+    from bench.batches import make_batch
 
     rank, port, model_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     if rank == 1:  # only rank 1's packing breaks

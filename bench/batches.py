@@ -1,4 +1,4 @@
-"""Hand-built TrainingBatch messages for learner tests and the benchmark (no buffer involved)."""
+"""Hand-built TrainingBatch messages for the benchmarks and the learner tests (no buffer involved)."""
 
 from __future__ import annotations
 
