@@ -140,7 +140,7 @@ def kernel_summary(kernels: dict[str, list], gpu: bool) -> dict:
 
 
 def checkpointing_choice(lines: list[str]) -> dict | None:
-    """The activation checkpointing note of the setup's log (`learner.checkpointing.resolve_checkpointing`): the
+    """The activation checkpointing note of the setup's log (`learner.activation_checkpointing.resolve_checkpointing`): the
     mode, whether auto chose it, and the numbers auto used (None where this tree's note does not give them)."""
     m = next((m for line in lines for m in [re.search(r"activation checkpointing (\w+) \(([^;]*)\)", line)] if m),
              None)

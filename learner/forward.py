@@ -17,7 +17,7 @@ from torch import Tensor
 from common.config import LearnerConfig
 from learner import loss as L
 from learner.batching import MicroBatch, Row, collate
-from learner.checkpointing import apply_checkpointing
+from learner.activation_checkpointing import apply_checkpointing
 from learner.levers import apply_compile
 from learner.token_stats import TokenStatsHead, install_token_stats_head, token_stats
 
@@ -43,7 +43,7 @@ def response_logprobs_and_entropy(logits: Tensor, targets: Tensor, mask: Tensor,
 def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, *, trainable: bool = True) -> torch.nn.Module:
     """The learner's changes to a freshly loaded model, before any sharding: the chunked LM head (unless
     `logits_chunk_tokens=0`) and, on the trained model, per-layer activation checkpointing
-    (`learner.checkpointing`: full, selective or none; `resolve_checkpointing` decides "auto", unresolved it means
+    (`learner.activation_checkpointing`: full, selective or none; `resolve_checkpointing` decides "auto", unresolved it means
     none) and then, with `compile` true (`levers.resolve_levers` decides "auto"; unresolved it means off), per-layer
     torch.compile, which compiles the selectively checkpointed forward as torchtitan does. The model keeps
     `learner.pad_multiple` (`exgrpo_pad_multiple`; "auto" unresolved means 1): `forward_stats` rounds padded

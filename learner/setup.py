@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import LearnerConfig
-from learner.checkpointing import eager_fallback_note, resolve_checkpointing
+from learner.activation_checkpointing import eager_fallback_note, resolve_checkpointing
 from learner.compile_cache import compiled_graphs, enable_cache
 from learner.forward import check_packing, prepare_model
 from learner.levers import apply_compile, build_optimizer, remove_compile, resolve_levers

@@ -278,11 +278,11 @@ def test_recompiles_are_graphs_built_after_the_first_step():
 
 
 def test_the_table_shows_what_auto_chose_and_from_which_numbers():
-    """The setup's note (learner.checkpointing's own, from numbers worked by hand in
-    tests/learner/test_checkpointing.py) read back into the JSON and the table's cell."""
+    """The setup's note (learner.activation_checkpointing's own, from numbers worked by hand in
+    tests/learner/test_activation_checkpointing.py) read back into the JSON and the table's cell."""
     sys.path.insert(0, str(ROOT))
     from bench.gpu_report import checkpointing_cell, checkpointing_choice
-    from learner.checkpointing import LayerShape, MemoryBudget, choose_checkpointing
+    from learner.activation_checkpointing import LayerShape, MemoryBudget, choose_checkpointing
 
     gib = 2 ** 30
     shape = LayerShape(hidden=1024, kv_hidden=256, intermediate=4096, layers=10)

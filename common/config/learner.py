@@ -191,7 +191,7 @@ class LearnerConfig(Section):
     (tests/learner/test_token_stats.py); opt-in everywhere until tests/gpu/test_head_math.py has passed on a GPU
     (built, unmeasured: `python bench/gpu_bench.py --runs 1.5B:fixed --compile-head-math` measures it)."""
     activation_checkpointing: Literal["auto", "full", "selective", "none"] = "auto"
-    """Recompute decoder layers' activations in the backward instead of keeping them (`learner/checkpointing.py`).
+    """Recompute decoder layers' activations in the backward instead of keeping them (`learner/activation_checkpointing.py`).
     full: each layer keeps only its input and re-runs its forward (about 1/3 more compute; one layer's activations
     instead of all). selective: torchtitan's op-level checkpointing, each layer keeps its matmul and attention
     outputs and recomputes only the elementwise ops between them (no matmul twice; about half the activations of

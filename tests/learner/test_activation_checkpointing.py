@@ -1,4 +1,4 @@
-"""Activation checkpointing (learner.checkpointing): full and selective train what none trains, on one rank, under
+"""Activation checkpointing (learner.activation_checkpointing): full and selective train what none trains, on one rank, under
 per-layer compile and on 2 FSDP2 ranks; "auto" chooses from memory by numbers worked by hand."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from common.config import LearnerConfig, LoRAConfig
 from learner.batching import batch_rows, collate
-from learner.checkpointing import (AUTO_MODES, RESERVE, SELECTIVE_RAN_ON_GPU, USABLE, LayerShape, MemoryBudget,
+from learner.activation_checkpointing import (AUTO_MODES, RESERVE, SELECTIVE_RAN_ON_GPU, USABLE, LayerShape, MemoryBudget,
                                    activation_bytes, agreed_budget, apply_checkpointing, bytes_per_token,
                                    choose_checkpointing, eager_fallback_note, gpu_share, micro_batch_tokens,
                                    resolve_checkpointing, state_bytes)
@@ -390,7 +390,7 @@ TWO_RANKS = textwrap.dedent("""
     import torch.distributed as dist
     sys.path.insert(0, os.getcwd())
     from common.config import LearnerConfig
-    from learner.checkpointing import MemoryBudget, agreed_budget
+    from learner.activation_checkpointing import MemoryBudget, agreed_budget
     from learner.setup import setup_rank
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from bench.batches import make_batch

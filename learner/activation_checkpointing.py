@@ -126,7 +126,7 @@ def bytes_per_token(mode: str, shape: LayerShape, dtype_bytes: int, compiled: bo
     Counted from what autograd keeps in a Llama/Qwen decoder layer, per token, in elements of the compute dtype:
     - none, eager: 12 h + 2 kv + 4 i: each RMSNorm keeps its float32 input and two h-wide results (4 h each, the
       float32 counting twice), the attention q, k, v, its output and o_proj's input (3 h + 2 kv), the MLP's gate,
-      up, SiLU(gate) and down_proj's input (4 i); `tests/learner/test_checkpointing.py` counts the tiny model's;
+      up, SiLU(gate) and down_proj's input (4 i); `tests/learner/test_activation_checkpointing.py` counts the tiny model's;
     - selective: 5 h + 2 kv + 2 i: the layer's input and the matmul/attention outputs (q, k, v, attention, o_proj,
       gate, up, down); the rest is recomputed;
     - full: h per layer (its input), plus one layer's `none` while its backward recomputes it.
