@@ -19,6 +19,7 @@ A shard that is dead or restarting makes calls fail with `BufferUnavailableError
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import defaultdict
@@ -34,6 +35,8 @@ from common import codec
 from common.config import BufferConfig
 from common.interfaces import actor_name
 from common.messages import LearnerFeedback, Question, ScoredGroup, TrainGroup, TrainingBatch, WorkItem, float32_array
+
+log = logging.getLogger(__name__)
 
 try:  # ActorUnavailableError exists in newer Ray versions only
     from ray.exceptions import ActorUnavailableError as _Unavailable
@@ -75,6 +78,8 @@ class BufferClient:
         self._pings: list = []  # the shards' first answers, until wait_ready has them
         # seconds get_batch held a whole batch for groups in flight that it is the last to be able to train
         self.held_s = 0.0
+        self.last_chance_wait_s = cfg.last_chance_wait_s
+        self._hold: tuple[int, float, bool] | None = None  # (version, since, said) of the batch waiting for groups
         self.trajectory_score = cfg.trajectory_score  # how the learner picks o* (buffer.trajectory_score)
         self.switch = MixedSwitch(cfg.switch_groups, cfg.mixed_switch_accuracy)
         self._zero_signal_seen: list[list[int]] | None = None  # per shard: cumulative (fresh groups kept out, of
@@ -248,10 +253,11 @@ class BufferClient:
         while True:
             left = deadline - time.monotonic()
             want = math.ceil((b - len(got)) / len(self.shards))  # each shard waits for its part
-            counts = self._get([s.wait_ready.remote(version, want, max(0.0, min(left, 0.25))) for s in self.shards],
+            hold = self._may_hold(version)
+            counts = self._get([s.wait_ready.remote(version, want, max(0.0, min(left, 0.25)), hold) for s in self.shards],
                                "get_batch", timeout_s=self.call_timeout_s + min(max(left, 0.0), 0.25))
             have_m = sum(1 for g in got if g.mixed)
-            in_flight_last = sum(c[8] for c in counts)
+            in_flight_last = sum(c[8] for c in counts) if hold else 0
             plan = plan_take([tuple(c[:4]) for c in counts], len(got) - have_m, have_m, b, self.replay_ratio,
                              self.switch.on, version - self.max_lag, in_flight_last)
             if plan is None and in_flight_last and held_since is None and plan_take(
@@ -284,6 +290,21 @@ class BufferClient:
                  "batch_held_s": held,
                  "switch_accuracy": self.switch.mean(), "mixed_mode": float(built_mixed)}
         return TrainingBatch(groups=got, version=version, stats=stats, trajectory_score=self.trajectory_score)
+
+    def _may_hold(self, version: int) -> bool:
+        """Whether this version's batch may still wait for groups in flight at their last chance (at most
+        `buffer.last_chance_wait_s`, over all get_batch calls for it; said once when it is reached)."""
+        now = time.monotonic()
+        if self._hold is None or self._hold[0] != version:
+            self._hold = (version, now, False)
+        waited = now - self._hold[1]
+        if waited < self.last_chance_wait_s:
+            return True
+        if not self._hold[2]:
+            log.warning("batch %d waited %.0f s for groups in flight that it is the last able to train "
+                        "(buffer.last_chance_wait_s): formed without them, they go stale if they come", version, waited)
+            self._hold = (version, self._hold[1], True)
+        return False
 
     def _held(self, since: float | None) -> float:
         """Seconds since `since` (None: 0), added to `held_s`."""

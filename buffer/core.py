@@ -283,11 +283,12 @@ class ShardCore:
 
     def last_chance_in_flight(self, version: int) -> int:
         """Outstanding leases whose group, if generated on the oldest weights its lease allows, can be trained at
-        `version` and not after: a batch of `version` formed without them would leave them to go stale. The client
+        `version` and not after (exactly: a lease that could not be trained at the last version already is not waited
+        for at every later one): a batch of `version` formed without them would leave them to go stale. The client
         holds such a batch while they are generated (`plan_take`'s `in_flight_last`); the hold ends when they arrive
         or their leases end (expiry, a holder that died)."""
-        oldest = version - self.cfg.max_lag
-        return sum(1 for x in self.leases.values() if self._min_weights(x.version) <= oldest)
+        last = version - self.cfg.max_lag  # (older ones are past their last chance already: nothing to wait for)
+        return sum(1 for x in self.leases.values() if self._min_weights(x.version) == last)
 
     def _end_lease_reissue(self, lease: Lease, reason: str) -> None:
         self.n[reason] += 1

@@ -124,19 +124,19 @@ class BufferShard:
 
     # -------------------------------------------------------------------------------- learner side
 
-    def wait_ready(self, version: int, want: int, wait_s: float) -> list[int]:
+    def wait_ready(self, version: int, want: int, wait_s: float, hold: bool = True) -> list[int]:
         """[fresh, mixed, fresh versions, mixed versions, zero_signal_fresh, zero_signal_fresh_correct, mixed_mode,
         incarnation, in_flight_last] at `version` (zero_signal_*: cumulative counts of fresh groups kept out as
         zero-signal; incarnation: the state's id, new after a restart from a snapshot; in_flight_last: outstanding
         leases that a batch of `version` is the last to be able to train, `ShardCore.last_chance_in_flight`); waits
-        up to `wait_s` for `want` groups and for those leases' groups."""
+        up to `wait_s` for `want` groups and (`hold`) for those leases' groups."""
         deadline = time.monotonic() + wait_s
         with self.cond:
             while True:
                 summary = self.core.ready_summary(version)
                 last = self.core.last_chance_in_flight(version)
                 left = deadline - time.monotonic()
-                if (summary[0] + summary[1] >= want and not last) or left <= 0:
+                if (summary[0] + summary[1] >= want and not (hold and last)) or left <= 0:
                     return [*summary, self.core.n["zero_signal_fresh"], self.core.n["zero_signal_fresh_correct"],
                             int(self.core.mixed_mode), self.core.incarnation, last]
                 self.cond.wait(min(left, 0.05))  # also wakes to expire leases and see new versions

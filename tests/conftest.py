@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -20,12 +21,53 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+@contextlib.contextmanager
+def ray_auth_of_this_process():
+    """RAY_AUTH_MODE set, while a cluster starts from this process, to the mode this process's Ray loaded when it was
+    imported (Ray reads it once): its GCS and raylet, started as subprocesses, read it from the environment, and an
+    in-process `exgrpo` command of an earlier test may have set it (cluster.auth) after Ray was imported. Under
+    `make test`'s two workers the modules' order differs, and a mismatch failed every ray.init ("InvalidAuthToken")."""
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    before = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "token" if get_authentication_mode() == AuthenticationMode.TOKEN else "disabled"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = before
+
+
+@pytest.fixture(autouse=True)
+def _ray_auth_mode_put_back():
+    """An in-process `exgrpo` command sets RAY_AUTH_MODE for the cluster it joins (cluster.auth): put back after the
+    test, so that it does not reach the next tests' clusters and subprocesses."""
+    before = os.environ.get("RAY_AUTH_MODE")
+    yield
+    if before is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = before
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A private local Ray cluster for this module (never attaches to another cluster)."""
     import ray
 
     tmp = tempfile.mkdtemp(prefix="exgrpo-ray-", dir="/tmp")
+    with ray_auth_of_this_process():
+        _init_local_ray(ray, tmp)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)  # test clusters do not pile up in /tmp
+
+
+def _init_local_ray(ray, tmp: str) -> None:
     ray.init(
         address="local",
         num_cpus=4,
@@ -36,11 +78,6 @@ def ray_cluster():
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                                   "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}},
     )
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)  # test clusters do not pile up in /tmp
 
 
 @pytest.fixture(scope="session")

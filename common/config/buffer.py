@@ -71,6 +71,11 @@ class BufferConfig(Section):
     max_lag: int = Field(1, ge=0, le=1000)
     """Maximum age of a rollout in a batch, in learner steps (policy versions; one per batch whatever
     learner.mini_batches is); 0 = synchronous training."""
+    last_chance_wait_s: float = Field(30.0, ge=0, le=86_400)
+    """How long a whole batch may wait for groups still being generated that it is the last able to train within
+    `max_lag` (instead of newer groups taking their places and those going stale: docs/design.md, "Bounded
+    staleness without waste"); past it the batch is formed without them. It bounds the wait on a generator that
+    stalls or whose death the run has not seen. 0: never wait (what is in flight may go stale)."""
     drop_zero_signal: bool = False
     """Keep groups whose rewards are all equal (no GRPO signal) out of batches (DAPO-style dynamic
     sampling). Off by default: the official code trains on them with advantage 0."""

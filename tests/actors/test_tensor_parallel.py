@@ -17,15 +17,17 @@ from ray.util.placement_group import placement_group_table
 from actors.pool import GeneratorPool
 from common.config import GeneratorConfig, ObjectStoreSyncConfig, RewardConfig, SyntheticEngineConfig
 from tests.actors.test_generator_ray import make_buffer, wait_until
+from tests.conftest import ray_auth_of_this_process
 
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
     """A private local Ray cluster that declares 3 GPUs (none exists: placement only)."""
     tmp = tempfile.mkdtemp(prefix="exgrpo-ray-", dir="/tmp")
-    ray.init(address="local", num_cpus=4, num_gpus=3, _temp_dir=tmp, include_dashboard=False,
-             namespace="exgrpo-test", log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    with ray_auth_of_this_process():
+        ray.init(address="local", num_cpus=4, num_gpus=3, _temp_dir=tmp, include_dashboard=False,
+                 namespace="exgrpo-test", log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     try:
         yield ray
     finally:

@@ -862,3 +862,28 @@ def test_without_the_hold_slow_generators_lose_groups_to_staleness():
     (as before issue 58) leave those to go stale when the generators are slower than the learner."""
     dropped = [_timed_run(0.2, seed, hold=False) for seed in range(3)]
     assert sum(r["stale_dropped"] for r in dropped) > 0.02 * sum(r["trained"] for r in dropped), dropped
+
+
+def test_a_batch_waits_for_its_last_chance_groups_at_most_last_chance_wait_s(monkeypatch, caplog):
+    """The wait is bounded (a generator that stalls, or died unseen, holding such a lease): past
+    buffer.last_chance_wait_s of one version's batch, it is formed without them, said once; the next version waits
+    again; 0 never waits. Driven by a clock set by hand."""
+    import logging
+
+    import buffer.client as client_module
+    from buffer.client import BufferClient
+
+    clock = [100.0]
+    monkeypatch.setattr(client_module.time, "monotonic", lambda: clock[0])
+    c = BufferClient([object()], cfg=cfg(last_chance_wait_s=30.0), run="r", namespace=None)
+    with caplog.at_level(logging.WARNING, logger="buffer.client"):
+        assert c._may_hold(3)
+        clock[0] += 29.9
+        assert c._may_hold(3)
+        clock[0] += 0.2
+        assert not c._may_hold(3) and not c._may_hold(3)
+        assert c._may_hold(4)  # the next version's batch
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "batch 3 waited 30 s" in said[0] and "buffer.last_chance_wait_s" in said[0], said
+    never = BufferClient([object()], cfg=cfg(last_chance_wait_s=0.0), run="r", namespace=None)
+    assert not never._may_hold(0)

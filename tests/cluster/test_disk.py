@@ -101,7 +101,8 @@ def test_logs_that_could_not_be_copied_are_one_line_that_says_where_they_still_a
         shutil.copytree(src, dst, dirs_exist_ok=True)
     except shutil.Error as e:
         line = log_copy_failure(e, src, dst)
-    assert line.startswith("Ray's logs: 3 files not copied") and "is a named pipe" in line and len(line) < 400
+    assert line.startswith("Ray's logs: 3 files not copied") and "is a named pipe" in line
+    assert len(line) < 250 + 3 * len(str(tmp_path)), line  # one line: the folders and one reason, not one per file
     assert "Errno 28" in log_copy_failure(OSError(errno.ENOSPC, "No space left on device"), src, dst)
 
 
