@@ -156,3 +156,27 @@ def pytest_runtest_logreport(report) -> None:
     if _TIMES and not os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist the controller writes every report once
         with open(_TIMES, "a") as f:
             f.write(f"{report.duration:.2f} {report.when} {report.nodeid} {report.outcome}\n")
+
+
+SLOWEST_FIRST = (  # the files that take longest (a run's EXGRPO_TEST_TIMES), heaviest first
+    "cluster/test_cluster_nodes.py", "cluster/test_liveness_e2e.py", "cluster/test_train_e2e.py",
+    "actors/test_generator_ray.py", "cluster/test_real_shapes_e2e.py", "cluster/test_chaos.py",
+    "learner/test_trial.py", "cluster/test_lora_e2e.py", "learner/test_pool.py", "cluster/test_losses_e2e.py",
+    "learner/test_levers.py", "cluster/test_experiment.py", "cluster/test_resume_e2e.py",
+    "cluster/test_disk_faults_e2e.py", "test_gpu_bench.py", "cluster/test_cluster_autoscaler.py",
+    "test_device_e2e.py", "cluster/test_input_checks.py", "learner/test_collective.py", "cluster/test_bad_input.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under `make test`'s workers (pytest-xdist, whole files each), the slowest files are handed out first, so
+    that no worker is left with a long one at the end while the other idles. One process keeps the usual order."""
+    if not (config.getoption("numprocesses", None) or os.environ.get("PYTEST_XDIST_WORKER")):
+        return
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+
+    def key(item) -> int:
+        path = Path(str(item.fspath)).resolve().relative_to(Path(__file__).resolve().parent).as_posix()
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)  # stable: the files' own order, and their tests' order, otherwise kept
