@@ -4,23 +4,10 @@
     if ann.adapters is not None:
         engine.load_weights(merger.merge(source.fetch_buckets(ann), ann.adapters), ann.version, partial=True)
 
-An adapter publication carries every target's `<target>.lora_A` [r, in] and `<target>.lora_B` [out, r] (Hugging Face
-module names) and its announcement the scaling (alpha / r) and the targets (`common.messages.AdapterPublication`).
-The base is the run's model folder: the learner never moves it under LoRA. The merger keeps on the host the folder's
-tensors of every block holding a target (the target's parent module: `model.layers.3.self_attn`,
-`model.layers.3.mlp`), read once from the safetensors files, and hands the engine a partial state: each block whole,
-its targets' weights replaced by W + scaling B A.
-
-Why whole blocks and not the targets' weights alone: engines fuse projections into one layer (vLLM: q/k/v into
-`qkv_proj`, gate/up into `gate_up_proj`), and vLLM's in-place reload rebuilds a layer from the tensors it is given,
-so a layer given only some of them (q's weight without q's bias, or without k and v) would lose the others. Given
-every tensor of a block, every fused layer in it is loaded whole; the tensors that are not targets are the base's
-(frozen, so the same values). Both engines take such a partial state (`Engine.load_weights(partial=True)`); what
-is not in it (embeddings, norms, the head) stays as loaded from the folder.
-
-The merge runs in float32 and is cast to the adapters' dtype (the publication's), as the learner's merged
-publication casts W + s B A from its float32 masters: with float32 publications the two agree to float32 rounding,
-with bfloat16 ones to one bfloat16 step (A and B travel rounded). Imports only torch and safetensors.
+The merger hands the engine a partial state: every block holding a target (read once from the model folder),
+its targets' weights replaced by W + scaling B A, merged in float32 and cast to the publication's dtype.
+Imports only torch and safetensors. Why whole blocks, and how it agrees with the learner's merge:
+docs/internals.md#actorsadapterspy
 """
 
 from __future__ import annotations

@@ -7,46 +7,8 @@ new weights as soon as they are published.
     ...
     ray.get(gen.stop.remote(drain=True))   # finish the work in flight (drain=False: return its leases)
 
-The loop (`generator.streaming: true`, the default: continuous batching). Two threads:
-
-    engine thread                                            scorer thread
-      every weight_poll_s: ann = weight_source.latest()        groups = queue.get() + all queued since
-        newer? engine.load_weights(...)  # mid-flight           scores = reward_pool.score(every sample)
-      questions in flight < max_in_flight:                      work_source.submit(ScoredGroup per group)
-        items = work_source.lease(id, n)                          # one call for all of them
-        engine.add(one request per sample)
-      for rid, sample in engine.step():   # samples that finished
-        group complete? -> queue
-
-The engine never waits for a batch's longest response, for scoring, or for a submit: new questions join
-the running batch at the next step. With `in_flight_updates` (default) a new version is loaded at the
-next step while samples are in flight (partial rollouts): the engine recomputes their KV under the new
-weights, each token keeps the log-prob of the version that sampled it, and a rollout records the oldest
-(`Rollout.version`, which the staleness rule uses) and newest version it spans. Without it, leasing
-stops, the samples in flight finish, then the new version is loaded.
-
-Work leased at version v never starts on weights older than its `min_weights` (v + 1 - max(max_lag, 1), set by
-the buffer): the buffer's version runs ahead of the published weights while a publication is in flight, and with
-max_lag 1 a group that starts on v - 1 goes stale at v + 1. Such an item is held out of the engine until those
-weights have loaded (`leases_held`; after half its lease's time it starts anyway, `started_behind_weights`). With
-max_lag >= 2 the previous weights are still good enough and nothing waits for a publication.
-
-`generator.streaming: false` is batch-at-a-time: lease, generate the whole lease, score, submit, load
-weights, lease again (the same two threads, one batch at a time).
-
-Replay items arrive with `num_samples = K-1` (the buffer joins the stored trajectory), fresh ones
-with K: the generator just generates what the item asks for.
-
-Weights (`actors.weight_loading.WeightLoader`, `self.weights`): what the generator knows of the published versions
-and the loads into its engine; the engine thread calls `weights.sync(engine)` every iteration.
-
-Failures: a buffer or weight-store call that fails with a Ray/availability error is logged, counted
-(`source_errors`) and retried after `retry_backoff_s` (a shard may be restarting from its snapshot);
-groups whose submit keeps failing until their leases' deadlines are dropped and counted
-(`groups_dropped`) — the buffer reissues those leases when they expire. Any other error in either
-thread is a bug: it is logged with its traceback and the actor process exits, so Ray restarts it
-(`max_restarts`); a restarted actor starts itself again (clean start) and ends its old process's leases first
-(`end_leases_of`: they would hold the buffer's back-pressure window until lease_timeout_s).
+Two threads: the engine thread (weights, leasing, engine steps) and the scorer thread (score, submit).
+The loop, partial rollouts, `min_weights`, failures: docs/internals.md#actorsgeneratorpy (overview: docs/design.md)
 """
 
 from __future__ import annotations

@@ -4,20 +4,11 @@
                          task_name="countdown", run=name, namespace=ns)
     pool.scale_to(3, wait=False)  # new actors load the model, fetch the newest weights, then lease
     pool.poll()           # adopt started actors, replace dead ones (raises GeneratorsFailed past the budget)
-    pool.status()         # which generators run, restart, start, or wait for a CPU/GPU
-    pool.metrics()        # summed counters / rates over the live generators
+    pool.status(); pool.metrics()   # who runs, restarts, starts or waits for a CPU/GPU; summed counters
     pool.scale_to(1)      # removed actors finish their batch in flight (drain), then are killed
     pool.shutdown()
 
-Actors are named `actor_name(run, "generator", i)`; a new actor takes the lowest free index, removal
-takes the highest. Ray restarts a crashed actor (`gen_cfg.max_restarts`); it restarts its own loop.
-
-Healing: an actor that died for good — Ray's restarts used up, its node gone, killed or failed while
-starting, or placed but not started within `start_timeout_s` — is a *death*: the pool creates a new
-actor under the same index. More than `replace_budget` deaths within `replace_window_s` raise
-`GeneratorsFailed` naming the generators and their last errors. An actor waiting for resources
-(Ray's PENDING_CREATION) is not a death: Ray places it as soon as a CPU/GPU frees up or a node joins;
-`status()` reports it with what it needs.
+Naming, restarts and healing (what counts as a death): docs/internals.md#actorspoolpy
 """
 
 from __future__ import annotations

@@ -8,15 +8,7 @@
                                            # at most every weight_poll_s
     weights.torn / weights.load_pending    # the engine must not step / leasing pauses
 
-A new version is loaded as soon as it is seen: mid-flight with `in_flight_updates` (the engine recomputes the KV of
-the samples in flight), else once the samples in flight have finished (`load_pending`: the generator stops leasing
-meanwhile). Buckets are fetched as they are loaded; an adapter-only publication (LoRA) is received whole and merged
-into the base as the engine loads it (`actors.adapters`). A load that fails part-way (a bucket did not arrive)
-leaves the engine `torn`: parts of two versions, nothing is generated until a whole version has loaded.
-
-The body of `actors.generator.GeneratorWorker`'s weights (split out of it): the generator owns the engine, the
-threads and the retrying remote call (`call`: logs, counts and backs off a transient failure; None when it failed),
-this part owns what the generator knows of the published versions.
+When a version loads, torn loads, what it owns apart from the generator: docs/internals.md#actorsweight_loadingpy
 """
 
 from __future__ import annotations

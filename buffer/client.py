@@ -5,16 +5,10 @@
     batch = client.get_batch(version, timeout_s=60)                       # BatchSource (learner)
     client.feedback(fb); client.set_version(version + 1)
 
-Picklable: it holds only actor handles and plain data, so it can be passed to generator actors.
-
-The delayed start is one decision for the run: the client that takes batches (the driver's) owns a
-`MixedSwitch` fed, once per batch, with the accuracies of the fresh groups the batch consumed (trained,
-plus those the shards kept out as zero-signal since the last batch). When it fires, every shard is
-switched on (`set_mixed_mode`) and the next batches are composed with mixed groups. Its state travels
-with the buffer snapshot (`switch.msgpack`), so a resumed run neither forgets nor repeats it.
-
-A shard that is dead or restarting makes calls fail with `BufferUnavailableError` after at most
-`cfg.call_timeout_s`, never a hang.
+Picklable, so it can be passed to generator actors. The client that takes batches (the driver's) owns the
+run's one `MixedSwitch` (the delayed start). A shard that is dead or restarting makes calls fail with
+`BufferUnavailableError` after at most `cfg.call_timeout_s`, never a hang.
+Details: docs/internals.md#bufferclientpy
 """
 
 from __future__ import annotations

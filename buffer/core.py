@@ -7,44 +7,8 @@ the client composes over shards (the mixed-mode switch, the batch plan, merged c
     core.take(version, n_fresh, n_mixed)            # ready groups; stale ones dropped and re-issued
     core.feedback(learner_feedback); core.set_version(v)
 
-    switch = MixedSwitch(cfg.switch_groups, cfg.mixed_switch_accuracy)
-    if switch.observe(fresh_group_accuracies_of_the_batch): every shard.set_mixed_mode()
-
-The Ray actor (`buffer.shard`) wraps a core behind one lock; the client (`buffer.client`) splits a
-learner batch over shards with `plan_take` and owns the one `MixedSwitch` of the run. All times come
-from `now` arguments (default `time.time()`), so tests drive expiry by hand.
-
-Versions and lags count learner steps (see `common.messages`): work leased at version v may be
-trained at versions v .. v + max_lag.
-
-Replay (docs/algorithm.md): a replay item asks a generator for K-1 fresh rollouts of a stored question.
-A question has at most one live replay (leased or ready as a mixed group), so no batch replays a
-question twice. When its group comes back the shard attaches the question's stored trajectories as
-candidates (all of them for `lowest_entropy`, one for `random`); the learner picks o* and reports
-it (`LearnerFeedback.chosen`), and only then does the trajectory count as replayed. A replay item
-whose lease ends (expiry, return, rejection) or whose group goes stale is issued again as replay.
-
-Accounting (`accounting()`): every issued work item (a lease) ends in exactly one terminal state or
-is still in one of two live states, so at any moment
-
-    issued = trained + stale_dropped + zero_signal + lost + outstanding + ready
-
-- issued: work items handed out by `lease` (fresh and replay; a re-issue is a new item).
-- trained: groups handed to the learner by `take`.
-- stale_dropped: ready groups older than `max_lag` versions, dropped at `take`/`ready_counts`; their
-  question is re-issued. Of them, `stale_dropped_mixed` were mixed groups and `stale_dropped_spanning` were
-  generated across a weight update (their generation outlasted the window; the others started on old weights or
-  waited ready past it).
-- zero_signal: groups whose rewards are all equal, kept out of batches (only when
-  `drop_zero_signal`; otherwise they are queued like any group). They still update k/buckets/retirement.
-- lost: leases that expired (past their deadline, or held by a generator whose process died: `end_leases_of`,
-  `expired_holder_died` of them),
-  were returned (`return_leases`), or whose submitted group was rejected as malformed; their question is
-  re-issued. `expired + returned + rejected = lost`.
-- outstanding: leases issued and not yet submitted, returned or expired.
-- ready: accepted groups waiting in the fresh and mixed ready queues.
-A submission for an unknown or already-ended lease (e.g. after expiry) is counted as
-`late_submissions` and discarded: its lease is already accounted for.
+All times come from `now` arguments, so tests drive expiry by hand. `accounting()`: every issued lease ends in
+exactly one terminal state or is still live. Replay, versions, the accounting: docs/internals.md#buffercorepy
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Shard snapshots: a manifest written atomically plus append-only segment files, all checksummed, refused
 whole when damaged.
 
-A shard's snapshot in a folder is `buffer-shard-<i>.msgpack` (the manifest: the whole shard state except
-the stored trajectories, which it locates) and `buffer-shard-<i>.<name>.seg` files holding the trajectory
-records (see `buffer.store`, snapshots section). A snapshot writes only the records added since the last
-one; the segments it keeps are hard-linked into the folder (copied across file systems), so every folder
-is complete on its own and deleting one never breaks another.
+A shard's snapshot in a folder is `buffer-shard-<i>.msgpack` (the manifest) and `buffer-shard-<i>.<name>.seg`
+files (the trajectory records); a snapshot writes only the records added since the last one, and every folder
+is complete on its own. `write_snapshot` writes a temp file, fsyncs it and renames it over the target (a crash
+leaves the old or the new file); `read_snapshot` checks magic, length, checksum and format before anything is
+built.
 
-Manifest layout: MAGIC (8 bytes) | blake2b-256 of the body (32 bytes) | body length (8 bytes, little
-endian) | body = msgpack of the shard state (`ShardCore.snapshot_state`).
-
-`write_snapshot` writes a temp file in the same folder, fsyncs it and renames it over the target, so a
-crash leaves either the old or the new file. `read_snapshot` checks magic, length, checksum and
-format before anything is built; the caller builds a NEW core from the result, so a refused file
-leaves the running state untouched.
+Details (the manifest layout, hard-linked segments, refusal): docs/internals.md#buffersnapshotpy
 """
 
 from __future__ import annotations

@@ -1,38 +1,13 @@
 """The experience store: per-question buckets, stored correct trajectories, entropy ranking, retired set.
 
-Rules (docs/algorithm.md), applied by `observe(question_id, k, correct_rollouts, collect)` for q's latest
-group of K rollouts with k correct:
-- 1 <= k <= K-1: q's bucket becomes k; when `collect`, each correct rollout is stored (deduplicated
-  by response token ids: a response already stored is kept once, with its first log-probs).
-- k = K: q is retired: its experience is deleted and it is never issued fresh again. Without retirement
-  (`observe(..., solved=True)`: the core passes k = 0 then) q keeps its experience and bucket and is marked solved:
-  a sampler that draws by |advantage| (`skips_solved`) never draws it while its latest group was all correct.
-- k = 0: nothing is stored; a stored q keeps its previous bucket.
+`observe(question_id, k, correct_rollouts, collect)` applies the rules of docs/algorithm.md to q's latest group
+of K rollouts with k correct: 1 <= k <= K-1 sets q's bucket to k (and stores its correct rollouts when
+`collect`); k = K retires q (without retirement: marks it solved); k = 0 stores nothing. `feedback` brings the
+learner's measured entropies. Capacity limits evict per question (`max_per_question` measured, `group_size`
+pending) and in total (`max_total`: whole questions, least recently refreshed first). A trajectory is one
+int32 numpy record; snapshots are incremental (`buffer.snapshot`).
 
-Entropy estimates are of two kinds, never ranked together: the generator's estimate at sampling
-time (header entropy_version = -1; an engine may only compute a top-k lower bound) and the learner's
-exact value under a policy version (entropy_version >= 0, set by `feedback`). Replay selection does
-not read them at all (the learner scores every candidate under the policy it trains, see
-`buffer.core`); they order eviction and feed metrics.
-
-Eviction order (capacity limits):
-1. Per question, two kinds never ranked together. Learner-measured trajectories: at most
-   `max_per_question`, lowest measured entropy kept, trimmed when a measurement arrives (`feedback`).
-   Unmeasured ones ("pending": just stored, with the generator's estimate): at most `group_size`, lowest
-   estimate kept, trimmed when a group arrives (`observe`). The learner measures a fresh correct rollout
-   when it trains its group (its exact mean entropy comes back with the step's feedback) and every
-   candidate when its question is replayed, so a new correct rollout always competes with the stored
-   ones under a recent policy; it is never evicted against measured values before it has been measured.
-2. In total (`max_total`): whole questions, least recently refreshed first (refreshed = a group of
-   the question was observed), until the total fits. Their bucket entry goes with them.
-
-Memory: a trajectory is ONE int32 numpy array (a "record") holding a small header and its token ids
-and log-probs (log-probs as float32 bits), so its cost is ~112 bytes of array header + 4 bytes per
-token + 32 bytes of header, and its key string is rebuilt on demand from the digest in the header.
-Its mutable header words (entropy, entropy version, times replayed) are mirrored in per-question columns,
-with where the record lies in the snapshot segments (~30 bytes per record).
-
-Snapshots are incremental: see the snapshots section below and `buffer.snapshot`.
+Details (the rules, the two kinds of entropy, eviction, memory): docs/internals.md#bufferstorepy
 """
 
 from __future__ import annotations

@@ -6,17 +6,9 @@
     buffer.end_step(result.feedback, version)   # entropy ranking refresh, new version, metrics: one call
     log, checkpoint, scale
 
-Generators never wait for the driver: they lease from the buffer and read the weight store on their
-own. A learner-rank or buffer-shard death restarts the run from its last checkpoint (bounded);
-generator deaths are absorbed by Ray restarts and lease expiry, and a generator that died for good is
-replaced by the pool (within `generator.replace_budget`).
-
-Liveness (cluster/liveness.py): training starts as soon as one generator runs; while no batch arrives
-the driver says why every `cluster.stall_report_s` and, after `cluster.stall_timeout_s`, checkpoints
-and exits with code 3. SIGTERM / Ctrl-C during training finish the step, checkpoint and stop; during
-start or shutdown (or a second time) they stop at once. Exit codes are listed in cluster/liveness.py.
-The run around one attempt (preparation, resume, restarts, signals) is cluster/run.py; the state a
-checkpoint carries for the driver is cluster/state.py.
+Generators never wait for the driver. The run around one attempt (preparation, resume, restarts, signals) is
+cluster/run.py; the state a checkpoint carries for the driver is cluster/state.py.
+Deaths, liveness, signals: docs/internals.md#clusterdriverpy (exit codes: docs/faults.md)
 """
 
 from __future__ import annotations

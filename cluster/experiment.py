@@ -4,17 +4,10 @@
     exgrpo experiment my_spec.yaml --jobs 2         # two runs at a time (e.g. on a cluster)
     exgrpo experiment ablations --variants exgrpo plain_replay   # only these variants of the spec
 
-A spec names a budget of generated rollouts, seeds, overrides shared by every run (`base`) and the
-variants (overrides each). Every (variant, seed) is one `exgrpo train` subprocess that stops at the
-budget (`total_rollouts`: fresh rollouts, K per fresh group and K-1 per mixed one, so ExGRPO and GRPO
-are compared at equal generation cost, not equal steps), with in-run evaluation on, nested as an MLflow
-child of one parent run. A run folder that already finished is reused (an interrupted experiment
-resumes where it stopped); `--rerun` starts over.
-
-Results: a table per variant (mean ± sd over seeds of the final and best held-out pass@1, the final
-greedy accuracy, rollouts, wall time), printed and written to `<runs_root>/<name>/results.md`, and a
-plot of held-out pass@1 against rollouts with a band (min..max over seeds) per variant; both are
-logged to the parent run. The exit code is non-zero when a run failed (the table says which).
+Every (variant, seed) is one `exgrpo train` subprocess that stops at the rollout budget, nested as an MLflow
+child of one parent run; a finished run folder is reused (`--rerun` starts over). Results: a table and a plot
+per variant, logged to the parent run; the exit code is non-zero when a run failed.
+Details (the spec, the budget, the results): docs/internals.md#clusterexperimentpy
 """
 
 from __future__ import annotations

@@ -2,16 +2,12 @@
 (None, or an empty list, when there is nothing to say). `exgrpo config` and `exgrpo train` run them through
 `cluster.preflight.input_problems`; `exgrpo experiment` runs that for every variant before any run starts.
 
-    model_problems(cfg)          the model folder agrees with itself: config.json's vocab_size is the weights'
-                                 embedding rows (safetensors headers only)
-    tokenizer_vocab_problem(t)   the tokenizer's ids fit config.json's vocab_size (called where preflight has
-                                 loaded the tokenizer for the data, so it is loaded once)
-    lora_target_problem(cfg)     learner.lora.target_modules name Linear modules of the model (built on the
-                                 meta device: no weights read)
+    model_problems(cfg)          the model folder agrees with itself (config.json's vocab_size, the weights)
+    tokenizer_vocab_problem(t)   the tokenizer's ids fit config.json's vocab_size
+    lora_target_problem(cfg)     learner.lora.target_modules name Linear modules of the model
     cluster_address_problem(a)   cluster.address resolves and its port answers as a GCS, within a few seconds
 
-The folder checks read what is cheap: config.json and the weights' headers (seconds at most); a
-folder that another check refuses (missing, no config.json, no tokenizer) is left to that check's message.
+What each reads (what is cheap: config.json, the weights' headers): docs/internals.md#clusterinput_checkspy
 """
 
 from __future__ import annotations

@@ -8,17 +8,7 @@
     if watch.expired(now): checkpoint, exit 3 with the diagnosis
     watch.progress(now)   # on a learner step, or a generator finishing its start
 
-Pure functions over plain numbers (no Ray): the driver collects the numbers (ray resources, the
-generator pool's states, the buffer's and the generators' counters) and these decide and explain.
-
-Exit codes of `exgrpo train`:
-    0  finished, or stopped by SIGTERM / Ctrl-C (a checkpoint is written when one can be)
-    1  a component failed past its restarts or the generator replacement budget
-    2  refused before anything started (invalid config, data or model; cannot be placed on the cluster)
-    3  no progress: no learner step within cluster.stall_timeout_s (a checkpoint is written), or
-       nothing left to train on (every training question is retired)
-    4  the disk: a checkpoint did not fit (checkpoint.on_full_disk=stop) or a write failed for the disk (no
-       space, quota, I/O error, read-only); the last complete checkpoint stays the one `--resume` takes
+Pure functions over plain numbers (no Ray). Exit codes of `exgrpo train`: docs/internals.md#clusterlivenesspy
 """
 
 from __future__ import annotations

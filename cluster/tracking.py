@@ -1,18 +1,12 @@
 """MLflow tracking that never stops training, and whose store's faults stay off the console.
 
-Metrics are buffered in memory and flushed in batches (`MlflowClient.log_batch`) by a background
-thread, so a slow tracking server never delays a training step. A store that cannot write (full, locked,
-read-only, down, a server's 5xx) is one warning when it starts failing and one when it takes writes again;
-MLflow's and SQLAlchemy's own tracebacks go to logs/driver.log only (`cluster.console.STORE_LOGGERS`).
-Meanwhile the points stay buffered and are retried each round. Points that cannot wait in memory (beyond
-`max_buffered`, at a checkpoint whose flush fails, at the end of the run) are appended to the run folder's
-`metrics-unsent.jsonl`, and `exgrpo track --replay RUN` (`replay_main`) sends them once the store takes
-writes; only points that file could not take either are lost, and counted. The metric history is also kept
-locally for the end-of-run plots.
+Metrics are buffered in memory and flushed in batches by a background thread; a store that cannot write is one
+warning when it starts failing and one when it takes writes again, and the points are retried each round.
+Points that cannot wait are appended to the run folder's `metrics-unsent.jsonl`, which
+`exgrpo track --replay RUN` (`replay_main`) sends later; an offline run (`Tracker.offline`) writes every point
+there. The metric history is also kept locally for the end-of-run plots.
 
-Offline: when the MLflow run cannot be opened at all (MLflow not installed, as on the lent GPU machines; the store
-down at the start), every metric point goes to that file instead (`Tracker.offline`), and the replay opens the
-run in the store first (`replay_main`: a run whose state.json names no MLflow run).
+Details: docs/internals.md#clustertrackingpy
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Questions from a built-in task or a JSONL/Parquet file, validated row by row.
 
 `load_questions(data_cfg, tokenizer, split)` is the one entry point; built-in tasks (when
-`data.train_path` is None) go through the same row checks as files.
+`data.train_path` is None) go through the same row checks as files. A failing row is skipped and reported
+as `"<source> line N: problem"` (with `data.strict` the whole load fails with `DataError`).
+`encode_prompt` turns a question into prompt ids, with or without the tokenizer's chat template; the built-in
+model is trained on this same encoding.
 
-Row rules (a failing row is skipped and reported as `"<source> line N: problem"`, or, with
-`data.strict`, the whole load fails with `DataError`):
-- the question field must be a non-empty string, the answer a non-empty string or a finite number
-  (numbers are turned into text), the id (when `data.id_field` is set and present) a string or int;
-- question and answer at most `data.max_question_chars` characters;
-- the tokenised prompt at most `data.max_prompt_tokens` tokens;
-- ids are unique (a repeated id or, without ids, repeated content is a bad row).
-Absent ids are derived from the content: `q-` + 16 hex chars of blake2b(question NUL answer), stable
-across processes and runs (never Python's salted `hash()`).
-
-Prompt encoding (`encode_prompt`): without a chat template the prompt is the question text and its
-ids are the tokenizer's BOS (when it defines one) followed by the text's tokens without other special
-tokens; with `data.use_chat_template` the prompt is the rendered template (generation prompt added;
-`data.system_prompt` as a system message first, `data.chat_template_kwargs` passed to the template,
-`data.chat_template_path` instead of the tokenizer's template) and its ids are exactly that text's
-tokens (templates write their own BOS). The built-in model is trained on this same encoding.
+Details (the row rules, derived ids, prompt encoding): docs/internals.md#commondatapy
 """
 
 from __future__ import annotations

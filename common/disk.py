@@ -5,17 +5,9 @@ the driver) whatever wraps the error on its way.
     with plain_disk_errors(folder):     # in a Ray actor: raise it again as a plain OSError
         dcp.save(...)
 
-The errno hides in different places: torch's zip writer turns a failed write into `RuntimeError: [enforce fail
-at inline_container.cc:672] . unexpected pos 704 vs 598` whose `__context__` is the OSError; DCP wraps that
-in a `CheckpointException` (a BaseException) holding each rank's exception in `failures`; Ray wraps an actor's
-exception in a `RayTaskError` holding it in `cause`, and pickling drops `__context__` and `__cause__`. So an
-actor converts the error to a plain OSError before it leaves (`plain_disk_errors`), and the driver still walks
-every link (`disk_error`).
-
-Across ranks even that is not enough: DCP gathers every rank's failure with `all_gather_object`, and pickling
-drops the `__context__` that held the OSError, so a 2-rank save on a full disk surfaces only "unexpected pos
-704 vs 598". When no errno is found, `plain_disk_errors` asks the disk itself (`probe_disk`: write and fsync
-1 MiB beside the failed write): a disk that refuses it is the cause.
+An actor converts the error to a plain OSError before it leaves; the driver walks every link of what arrives;
+when no errno is found the disk itself is asked (`probe_disk`).
+Where torch, DCP and Ray hide the errno: docs/internals.md#commondiskpy
 """
 
 from __future__ import annotations

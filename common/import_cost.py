@@ -1,18 +1,11 @@
 """A third-party import that costs every run's start and buys it nothing: scikit-learn, through transformers.
 
-transformers (5.x) imports scikit-learn's metrics with its generation utilities wherever scikit-learn is installed,
-for one function of assisted generation (`roc_curve`, the assistant's confidence threshold), which nothing here
-uses. MLflow, one of our dependencies, installs scikit-learn, so every process that loads a model (a learner rank,
-a generator, the evaluator, the driver) imported scipy.stats, joblib and the rest: 2.6 s of a model import's 8-11 s
-on this 2-core machine, a learner rank's start and a generator's alike.
-
     skip_sklearn_in_transformers()   # once per process, before transformers is imported (cheap: an import hook)
 
-makes transformers see no scikit-learn in this process. It patches transformers' own check
-(`transformers.utils.import_utils.is_sklearn_available`) as that module finishes loading, so a process that never
-imports transformers pays nothing, and transformers' generation utilities (imported after it) see False. Where
-transformers' generation utilities were imported already, it changes nothing (scikit-learn is loaded by then).
-A transformers without the check is left as it is.
+makes transformers see no scikit-learn in this process: it patches transformers' own check
+(`transformers.utils.import_utils.is_sklearn_available`) as that module finishes loading, so a process that
+never imports transformers pays nothing. Where transformers' generation utilities were imported already, it
+changes nothing. Why, and what it saves (2.6 s of a model import): docs/internals.md#commonimport_costpy
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Messages that cross process boundaries. Each is defined once here, with its direction.
 
-All are plain dataclasses; `common.codec` turns them into versioned msgpack payloads. Token ids are
-int32 numpy arrays and log-probs float32 numpy arrays, so they travel as compact typed bytes.
+All are plain dataclasses; `common.codec` turns them into versioned msgpack payloads (token ids as int32,
+log-probs as float32 numpy arrays: compact typed bytes).
 
-    dataset --Question--> buffer shard --WorkItem--> generator
-    generator --ScoredGroup(Rollout...)--> buffer shard
-    buffer shard --TrainingBatch(TrainGroup...)--> learner
-    learner --LearnerFeedback--> buffer shard
+    dataset --Question--> buffer shard --WorkItem--> generator --ScoredGroup(Rollout...)--> buffer shard
+    buffer shard --TrainingBatch(TrainGroup...)--> learner --LearnerFeedback--> buffer shard
     learner --WeightsAnnouncement--> weight store --> generators
 
-Policy version: the number of learner steps applied to the policy. One learner step trains on one
-batch and adds exactly 1, whatever the number of optimizer updates inside it (`learner.mini_batches`)
-and whether they were applied or skipped. Every "version", "lag" and `buffer.max_lag` in the system
-counts in this unit.
+Policy version: the number of learner steps applied to the policy (one step adds exactly 1); every "version",
+"lag" and `buffer.max_lag` counts in this unit. Details: docs/internals.md#commonmessagespy
 """
 
 from __future__ import annotations

@@ -3,14 +3,9 @@
 Protocol (msgpack objects streamed on the worker's stdin/stdout; no pickle):
 - worker -> parent, once at start: `["ready"]` or `["failed", message]`.
 - parent -> worker: `[[response, answer], ...]` (one chunk).
-- worker -> parent: `[reward_or_None, error_or_None]` per item, in order, as each item finishes, so
-  the parent can time each call and, when one hangs, kill this process and resend only the rest.
-The worker's own stdout is moved to stderr first, so a reward function that prints cannot corrupt
-the protocol. `spec` is a registry name (`math`) or `package.module:function`. A built-in function is
-called once before `ready` so that its lazy imports do not count against the first call's timeout.
-A worker never outlives its parent: a watcher thread kills the worker's process group once the
-parent is gone (a SIGKILLed generator closes nothing in order, and a reward call may never return
-to read the end of its stdin).
+- worker -> parent: `[reward_or_None, error_or_None]` per item, in order, as each item finishes.
+`spec` is a registry name (`math`) or `package.module:function`. The worker's own stdout is moved to stderr, and
+a worker never outlives its parent. Why each of these: docs/internals.md#commonreward_workerpy
 """
 
 from __future__ import annotations

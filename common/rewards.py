@@ -1,38 +1,13 @@
 """Reward functions and the pool that runs them safely.
 
 A reward function is `fn(response_text: str, answer: str) -> float in [0, 1]`, named in the registry
-(`common.reward_registry`):
-- `countdown`, `arithmetic`: the built-in tasks' verifiers (`common.tasks`);
-- `exact`: normalised string match (Unicode NFKC, case-folded, whitespace collapsed, surrounding `$`
-  and a trailing period dropped) (`common.verifiers`, as the next two);
-- `math`: math-verify parses the reference answer and the response's final answer and compares them;
-- `math_think`: the official ExGRPO format: 0 unless the response closes its reasoning with
-  `</think>`; then `math` on the text after it (up to a second `</think>`, as the official code splits);
-- `package.module:function`: any importable user function.
+(`common.reward_registry`): `countdown`, `arithmetic`, `exact`, `math`, `math_think`, or
+`package.module:function` (any importable user function). `RewardPool(reward_cfg, task_name).score(requests)`
+scores a batch and never raises for a bad reward function: a call that raises, hangs, crashes its worker or
+returns anything but a real number in [0, 1] scores 0. `stats()` is live (any thread); `abandon()` makes the
+current or next `score` raise `ScoringAbandoned` within ~0.2 s.
 
-`RewardPool(reward_cfg, task_name).score(requests)` scores a batch. Where the functions run:
-- `countdown`, `arithmetic`, `exact` run in the calling process: they look at most
-  `max_response_chars` characters in linear time (countdown and arithmetic refuse responses over 64
-  characters before parsing, and countdown checks the numbers used before computing anything), so
-  they cannot hang, and a worker round trip would cost more than the call itself.
-- `math` and user functions run in worker processes (`common.reward_worker`, started with
-  `subprocess` running a fresh interpreter: no fork of a threaded Ray actor, no pickle). Each batch
-  is split into one contiguous chunk per worker, sent in one message; results stream back one per
-  item, so every call gets its own `timeout_s` deadline. A call that passes its deadline gets reward
-  0 and a timeout error, its worker (and the worker's process group) is killed and replaced, and the
-  rest of the chunk is resent. Workers have an address-space limit (`worker_memory_mb`).
-
-Every response is cut to its last `max_response_chars` characters first. A call that raises, hangs,
-crashes its worker or returns anything but a real number in [0, 1] scores 0; the error is counted in
-`stats()` and logged with the question id (the first timeout with the start of its response).
-`score` itself never raises for a bad reward function.
-
-`stats()` is live and may be read from another thread while `score` runs: calls done, errors,
-timeouts, worker restarts, the calls of the current batch still in flight and how long the oldest has
-been waiting, and the time per call (p50/max over the last `CALL_WINDOW` calls) — what a stall report
-needs to say that scoring holds the run. `abandon()` (any thread) makes the current or next `score`
-raise `ScoringAbandoned` within ~0.2 s, killing the workers: how a stopping generator bounds its wait
-for a reward that hangs.
+Each function, where it runs (in-process, or a worker with a deadline per call): docs/internals.md#commonrewardspy
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Built-in tasks: questions generated deterministically from a seed, with a held-out test split.
 
-`countdown` and `arithmetic` keep prompts and responses short because their built-in tokenizer is
-character-level (one character = one token) and CPU generation is slow; `think_arith` is the task
-closer to real use:
-
-- `arithmetic`: prompt `"12+345="`, response `"357"`. Operands have 1-3 digits; +, - and x (written
-  `*`, second factor one digit). Every question has exactly one correct answer.
-- `countdown` (the default): prompt `"3 7 8>29="` (a quarter of the questions give two numbers:
-  the easy tier), response an expression such as `"3*7+8"` that reaches the target using each given
-  number at most once with `+ - *` (and parentheses).
-  Every question has at least two distinct correct responses (`3*7+8`, `8+7*3`, ...), so choosing the
-  lowest-entropy correct trajectory is meaningful. The answer string is JSON
-  (`{"target":29,"numbers":[3,7,8]}`) so the verifier needs nothing but the answer.
-
+- `arithmetic`: prompt `"12+345="`, response `"357"`.
+- `countdown` (the default): prompt `"3 7 8>29="`, response an expression such as `"3*7+8"`.
 - `think_arith`: prompt `"What is (7+3)*4-2*5?"`, response in the official ExGRPO format
-  `"<think>10*4-2*5=40-2*5=40-10=30</think>\\boxed{30}"`: the reasoning rewrites the expression one
-  operation at a time, the answer follows `</think>` and is scored by math-verify (`math_think`).
-  Three or four numbers 1-9, `+ - *`, often one pair of parentheses. Every question has at least two
-  reasoning paths (`2*3+4*5` can start with either product); its built-in model is a chat model
-  (a BPE tokenizer with a chat template, see `common.toy_model`).
+  `"<think>10*4-2*5=40-2*5=40-10=30</think>\\boxed{30}"` (a chat model; the task closer to real use).
 
-Split: every generated question goes to the test split when a keyed hash of its text falls in the
-lowest `1/TEST_SHARE` of the hash range, so the test split is disjoint from the training split and
-does not change when `n_train` changes. Verifiers never `eval`: countdown responses are parsed by
-a small recursive-descent parser, and the numbers used are checked before anything is computed, which
-bounds the work to a handful of small-integer operations (so verifiers may run in-process).
+A question goes to the test split by a keyed hash of its text, so the split is disjoint from the training split
+and does not change with `n_train`. Verifiers never `eval`. Details: docs/internals.md#commontaskspy
 """
 
 from __future__ import annotations

@@ -6,20 +6,7 @@ the result (task, data seed and sizes, toy model settings, recipe version). A se
 instant; a build writes into a temporary folder and renames it into place, so a crash never leaves a
 half-written model where a later call would pick it up.
 
-Recipe: the model is trained on `supervised_questions` training-split questions (the RL training
-split is their prefix; the test split is disjoint from all of them). Sequences are the prompt as
-`common.data.encode_prompt` encodes it, then the response and EOS; loss on the response and EOS only.
-Each step picks a random one of a question's correct responses (countdown's expressions,
-think_arith's reasoning paths), so the model starts with several solutions per question.
-Tokenizer: character-level, plain prompts (`BOS prompt`); for a chat task (`Task.chat`, e.g.
-think_arith) a byte-level BPE tokenizer trained on the supervised questions and responses, with a
-chat template, and prompts rendered by it (the encoding `data.use_chat_template=true` gives).
-
-Every `eval_every` steps the sampled accuracy (temperature 1, `samples` per question, at most the
-longest correct response + 4 tokens) on a fixed probe of training questions is measured; accuracy
-moves fast between evaluations, so the saved checkpoint is the evaluated one whose spread is best
-(many partly-right questions, mean near `target_mean_accuracy`), not the last one.
-Training stops once the mean passes the target by a margin, or at `max_train_steps`/`max_train_seconds`.
+The recipe (data, tokenizer, which checkpoint is kept, when it stops): docs/internals.md#commontoy_modelpy
 """
 
 from __future__ import annotations

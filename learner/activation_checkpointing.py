@@ -4,21 +4,10 @@ chosen from the memory a rank has left.
     cfg, note = resolve_checkpointing(cfg, model, device, dtype, world=W, max_length=P + T)  # "auto" -> a mode
     apply_checkpointing(model, cfg.activation_checkpointing)   # learner.forward.prepare_model, before compile
 
-Three modes, each training the same update (the CPU tests check values and gradients):
-- none: every layer keeps what its backward reads (the most memory, no recompute).
-- selective: torchtitan's op-level selective checkpointing (`_apply_op_sac`): each layer runs under
-  `torch.utils.checkpoint` with a policy that keeps the outputs of its matmuls and attention kernels (`SAVED_OPS`)
-  and recomputes the cheap elementwise ops between them (norms, RoPE, SiLU, products) in the backward: about half
-  the activations of none, and no matmul runs twice. Unlike torchtitan every matmul is kept, not every second.
-- full: each layer keeps only its input and re-runs its forward in the backward (transformers'
-  `gradient_checkpointing_enable`, non-reentrant): the least memory, about a third more compute.
-
-Order with `compile` (`learner.levers.apply_compile`, applied after this): selective replaces `layer.forward` by the
-checkpointed call, so the compiled region holds the checkpoint and its policy (torchtitan's order, where inductor's
-partitioner reads the policy); full checkpoints in the layer's `__call__`, around the compiled forward. Both sit
-inside FSDP2's per-layer hooks: the recompute runs while the layer's parameters are gathered for its backward.
-Under full, FSDP2 hands the forward a view and the recompute a plain tensor: the compiled forward takes its input
-as a view either way (`learner.levers.apply_compile`), so the recompute reuses the forward's graph.
+Three modes, each training the same update: none (the most memory, no recompute), selective (torchtitan's
+op-level policy: matmul and attention outputs kept, elementwise ops recomputed; about half the activations),
+full (each layer keeps only its input: the least memory, about a third more compute).
+The modes in detail, and their order with `compile`: docs/internals.md#learneractivation_checkpointingpy
 """
 
 from __future__ import annotations

@@ -5,16 +5,8 @@
         for chunk in rank_micro_batches(mini, rank, world, ...):       # equally many on every rank
             mb = collate(chunk, pad_id, device, packed=...)            # MicroBatch (+ Packing)
 
-Mini-batches: groups are shuffled with a seed derived from the batch version (the same on every
-rank), mixed and fresh groups separately, and dealt round-robin, so that every optimizer update sees
-both kinds in proportion whenever both exist (never "all replay, then all fresh"). Within a mini-batch,
-rows are sorted by length and dealt round-robin to the ranks (rank r takes rows r, r+W, ...), then
-cut into micro-batches of `micro_batch_rows`, or packed greedily up to `micro_batch_tokens` padded
-tokens (with `learner.padding_free`: real tokens, each micro-batch's rows packed into one sequence for the
-forward, `Packing`). Every rank runs the same number of micro-batches (a rank that has run out runs an
-all-masked dummy row, `collate([])`) because each FSDP forward/backward is a collective.
-
 Pure: no model, no optimizer, no collective. Every rank computes the same split from the same batch.
+How groups are dealt to mini-batches, and rows to ranks and micro-batches: docs/internals.md#learnerbatchingpy
 """
 
 from __future__ import annotations

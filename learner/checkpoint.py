@@ -1,28 +1,13 @@
 """Learner checkpoints: a Hugging Face model folder plus optimizer, counters and RNG states.
 
-Layout of a checkpoint folder `D`:
+A checkpoint folder `D` holds `D/model/` (transformers / vLLM load it; in the run's `model.dtype`), `D/adapter/`
+(with `learner.lora`: peft's format), `D/optimizer/` (torch.distributed.checkpoint of the AdamW state and, below
+float32, the float32 master weights), `D/rng/rank{r}.json` and `D/meta.json`, written last. Everything is
+written into a sibling `.D.tmp-<id>` folder renamed to `D` when complete; a folder without meta.json or with
+unreadable files is refused with `CheckpointError`. Every rank writes its optimizer shards: on a multi-node
+cluster `D` must be on shared storage. A checkpoint resumes exactly under either dtype.
 
-    D/model/        config.json, model.safetensors, tokenizer + generation files  (transformers / vLLM load it)
-    D/adapter/      with `learner.lora` only: adapter_config.json + adapter_model.safetensors in peft's format
-                    (`PeftModel.from_pretrained(base, D/adapter)`, vLLM's `--lora-modules`), beside the merged D/model/
-    D/optimizer/    torch.distributed.checkpoint of the AdamW state (each rank writes its shards), and
-                    below float32 also the float32 master weights (key `master`)
-    D/rng/rank{r}.json   torch, numpy and python RNG states of rank r (JSON, no pickle)
-    D/meta.json     {"format", "step", "version", "num_ranks", "created_at"}: written last
-
-Atomicity: everything is written into a sibling `.D.tmp-<id>` folder which is renamed to `D` only
-when complete (meta.json included), so `D` is visible only as a whole. A folder without meta.json,
-or with unreadable files, is refused by `read_meta` / `load_hf_weights` with `CheckpointError`.
-The optimizer shards are written by every rank: on a multi-node cluster `D` must be on shared storage.
-
-Precision: `D/model/` is saved in the run's `model.dtype` (config.json `dtype` says which), so users
-and engines load what the run computed with. The learner's master weights are float32 whatever the
-dtype; when `model.dtype` is lower, rounding them into `D/model/` would lose the small updates a
-resume needs, so they are also saved in float32 in `D/optimizer/` (sharded, like the AdamW state).
-Resume loads them from there when present (exact), else from `D/model/` (a float32 run: the same
-float32 values, saved once). A checkpoint resumes exactly under either dtype. With `learner.lora`, `D/model/`
-holds merged weights (W + scaling B A, loadable as a plain model) and the master weights, base and adapters,
-are always saved in `D/optimizer/`, so the adapters come back as they were.
+Details (the layout, precision, resume): docs/internals.md#learnercheckpointpy
 """
 
 from __future__ import annotations

@@ -1,63 +1,14 @@
 """Collective weight sync: learner rank 0 serves generators over 2-process channels, directly or through relays.
 
-The `collective` backend of `learner.weight_sync` (`CollectiveSyncConfig`). Both ends:
+The `collective` backend of `learner.weight_sync` (`CollectiveSyncConfig`):
 
     server = CollectiveServer(cfg, timeout_s=60)            # learner rank 0, at publisher creation
     server.publish(version, state_dict)                      # packs buckets, swaps them in; never waits on anyone
-    ...
     client = ChannelClient(address, generator_id, cfg, 60)   # in a generator, when it first needs weights
     state_dict, base = client.pull(version)                  # KeyError when rank 0 no longer holds `version`
-    for bucket in client.pull_buckets(version): ...          # or a bucket's tensors at a time, as they arrive
-    ...
     relay = RelayReceiver(cfg, generator_id, 60, host)       # instead, with cfg.relay_fanout = k >= 1 (learner.relay)
-    state_dict, base, source = relay.pull(address, version)  # from a generator before it in the tree, or rank 0
 
-The wire format (a JSON plan and flat uint8 buckets) is `learner.packing`'s; the relay tree is `learner.relay`'s.
-
-Rendezvous: every channel server (rank 0's `CollectiveServer`, each relaying generator's `RelayServer`) hosts a
-`torch.distributed.TCPStore` (rank 0's `host:port` goes into every announcement's location,
-"collective:host:port"). A client opens a channel by writing `<cid>/gen` and `<cid>/backend` under a fresh
-channel id, then appending the id to the store's channel list (`add("channels", 1)` -> n, `index/<n>` = cid).
-The server's acceptor thread sees the counter grow and starts one serving thread per channel; each side builds
-a standalone 2-rank process group (`ProcessGroupGloo` or `ProcessGroupNCCL`) on `PrefixStore(cid, store)` -
-rank 0 is the server, rank 1 the client. No world-wide group exists, so generators join and leave at any time.
-
-Pull protocol on a channel (all tensors; int64 unless said):
-    client -> server   request [4]: (OP_PULL, version, version it holds or -1, first bucket wanted) or OP_CLOSE
-    server -> client   header  [4]: (version or -1 when not held, meta bytes, buckets, base)
-                       base = the held version when a delta follows (`weight_sync.delta`), else -1
-    server -> client   meta    uint8 [meta bytes]: JSON plan (name, shape, dtype, bucket, offset, nbytes)
-    server -> client   per bucket from the first wanted: status [1] (1: the bucket follows; 0: the server gave up,
-                       its own transfer failed or stalled past the timeout), then uint8 [size] (`bucket_mb`;
-                       tensors 64-byte aligned)
-
-Relays (`relay_fanout` = k): for each (version, held) a generator takes the next slot n on rank 0's store,
-publishes its own server's address there and pulls from slot (n - 1) // k (slot 0: rank 0), a tree of fan-out k
-in arrival order. It serves the version from the moment it asks for it: a child's request waits for each bucket
-to arrive, so buckets flow down the tree as they come (pipelined). A parent that dies, stalls past the timeout or
-gives up: the child resumes at rank 0 from its first missing bucket; its own children never notice.
-
-Because every channel is served on its own thread, a publication never waits for a generator, a slow generator
-delays only itself (and, with relays, its subtree until the timeout), and a dead one makes only its own thread
-fail (logged with the generator id and version, recorded in `status()["failures"]`, the channel dropped). Every
-send/receive of a transfer waits at most `timeout_s`; the serving thread's wait for the next request is unbounded
-only in the sense that it ends when the peer's socket closes (gloo reports a closed connection).
-
-Where rank 0 holds a version (`CollectiveServer.publish`): the gather hands over flat buckets
-(`learner.gather.FlatBucket`, each already in the wire layout) and each is copied once into a held bucket on the
-device it was gathered on. On a GPU learner whose channels may be NCCL the gather's buckets stay on the GPU
-(`CollectiveServer.takes_device_buckets`), so the newest version is held and sent from GPU memory: no host round
-trip. A host copy is made only where a version must outlive that: with `keep_versions` > 1, a background thread
-copies the new version into pinned host memory on a side stream after `publish` returned (off the learner's path);
-when the next version is published, the older ones are served from their host copies and their GPU buckets are
-dropped. GPU memory on rank 0: one packed version in the publication dtype (two while the next one is packed when
-`keep_versions` = 1). A gloo channel to a generator without a GPU is served from the host copy (or a per-send copy
-when there is none). On the CPU the same path runs with host buckets (the "device" is the host: no second copy).
-
-NCCL (`backend: nccl`, or `auto` when both ends see CUDA): the same protocol on a `ProcessGroupNCCL` of 2 with
-CUDA tensors; UNTESTED here (no GPU on this machine): the device-held version, its background host copy and the
-sends from it. A relay keeps what it receives in pinned host memory; an NCCL receive stages one bucket at a time
-on the device.
+Rendezvous, the pull protocol, relays, failures, where versions are held, NCCL: docs/internals.md#learnercollectivepy
 """
 
 from __future__ import annotations

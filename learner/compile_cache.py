@@ -8,14 +8,7 @@ recompiles (`learner.levers.apply_compile` builds the graphs; `learner.trial` bu
     n = watch.done("step 7")                      # graphs compiled during it; one line naming the guard if n > 0
     save_compile_cache("/data/cc.bin")            # a lease's end: every kernel this process compiled, in one file
 
-Why: a first compile of a 1.5B model costs ~135 s of an H100, and a recompile in the middle of a run
-~50 s at a step nobody can predict. Inductor's on-disk caches (FX graph cache, AOTAutograd cache) make a second
-process on the same machine skip most of it; `torch.compiler.save_cache_artifacts` / `load_cache_artifacts`
-carry the same cache to a fresh machine in one file (the bench and the GPU end-to-end script save it at the end of
-a lease and load it at the start of the next). A recompile is counted from dynamo's own counters
-(`counters["stats"]["unique_graphs"]`) and explained from its guard-failure record (`torch._dynamo.utils.
-guard_failures`); dynamo's recompile limit, past which a layer silently runs eager, is a warning on our logger.
-Nothing here raises: a cache that cannot be saved or loaded is one log line and the run compiles as before.
+Nothing here raises. Why (compile times measured), counting recompiles: docs/internals.md#learnercompile_cachepy
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """Delta weight publications: only the weights that changed since the previous version travel.
 
-At RL learning rates (the paper's 1e-6) most bf16 weights keep their exact bits from one version to the next,
-so a publication can carry, per tensor, the positions whose bits changed and their new values (sparse
-index/value), or the whole tensor when that is smaller, plus a checksum of the tensor's new bits. The result of
-applying a delta is bit-exact: the engine-dtype weights of the new version.
-
     enc = DeltaEncoder()                                # learner rank 0, one per publisher
-    for full, delta in enc.tee(version, chunks):        # chunks: the gathered buckets, as they come
-        ...                                             # publish `full`; and `delta` (None: no base for it)
+    for full, delta in enc.tee(version, chunks): ...    # publish `full`; and `delta` (None: no base for it)
     held = HeldWeights()                                # a generator, one per weight source
     if held.version == ann.version - 1 and held.apply(ann.version, delta_chunks):
         engine.load_weights(held.buckets(), ann.version)
     else:
         engine.load_weights(held.keep(ann.version, full_chunks), ann.version)
 
-Encoding of a delta chunk (a plain state dict, so both backends move it as they move weights):
-`<name>` the whole new tensor; or `<name>@i` (int32 or int64 flat positions) and `<name>@v` (the new values
-there, in the tensor's dtype) and `<name>@s` (int64 [numel, *shape]); always `<name>@c` (int64 [1]: the
-checksum of the new tensor's bits). Only the publisher keeps a host copy of the last published version
-(engine dtype: 2 bytes per parameter in bf16) to compare against; each generator keeps one of its last loaded
-version to apply to.
+Applying a delta is bit-exact. Why it pays, and the encoding of a delta chunk: docs/internals.md#learnerdeltapy
 """
 
 from __future__ import annotations

@@ -1,40 +1,13 @@
 """The full state dict of an FSDP2-sharded model on rank 0, streamed in flat buckets at the copy limit.
 
-`get_model_state_dict(full_state_dict=True)` all-gathers one parameter at a time, and a fresh pageable host tensor
-per parameter filled by a synchronous copy moves ~1 GB/s off a GPU that can move 50x that. Here the state is cut
-into buckets of up to `bucket_bytes` (in state-dict order, any dtypes), and each bucket goes through a pipeline:
+The state is cut into buckets of up to `bucket_bytes` (state-dict order, any dtypes); each is gathered on the
+device into one flat buffer (tensors 64-byte aligned: the collective wire layout), copied to the host once and
+handed over as a `FlatBucket` (name -> tensor view). Contract: **a yielded bucket's tensors are valid until the
+consumer asks for the next bucket**; whoever keeps data longer must copy before it asks. Tied parameters travel
+once; LoRA targets are published merged (with `adapters=True`, the adapter tensors alone). Works on any backend
+that implements `gather`; imports only torch and the stdlib.
 
-1. Gather, on the device: every rank casts its local shards of the bucket's tensors (to `dtype`) into one flat send
-   buffer; one `gather` moves them to rank 0 (skipped with one rank); rank 0 rearranges the ranks' rows into one
-   flat buffer holding the bucket's full tensors, each at a 64-byte aligned offset (`ALIGN`, the collective wire
-   layout). Replicated entries (plain tensors, other placements) are copied in by rank 0 (`full_tensor()` first, a
-   collective of its own).
-2. Copy to the host, once per bucket: on CUDA a non-blocking copy on a side stream into a pinned host buffer,
-   followed by an event. On the CPU the "device" is the host: step 1 writes straight into the host buffer, no copy.
-3. Hand over: rank 0 yields the bucket (`FlatBucket`, a mapping name -> tensor view into the flat buffer).
-
-Buffers: `Staging` holds the host buffers (on CUDA two, pinned, and two device buffers), reused by every bucket and
-every publication (no host allocation per tensor, none per bucket once they are large enough). On CUDA the pipeline
-is double-buffered: bucket k+1's gather and copy are queued before bucket k is handed over, so the device works
-while the consumer does (a `ray.put`, a pack). On the CPU nothing would overlap, so one host buffer serves. A bucket
-holding one tensor split evenly across ranks (the embedding and head, each a bucket of its own) is received in
-place: no receive buffer, no rearranging copy. The contract that makes reuse safe: **a yielded bucket's tensors
-are valid until the consumer asks for the next bucket**; whoever keeps data longer (the object store's `ray.put`
-copies, the collective backend packs a copy, the delta encoder keeps its own) must copy before it asks.
-
-Tied parameters (a Qwen2.5 `lm_head.weight` that *is* `model.embed_tokens.weight`) travel once, under the first
-name `named_parameters` gives (`tied_aliases`); loaders re-tie (`gather_full_state` adds the alias back as the same
-tensor; the engines skip a tied head).
-
-FSDP2 shards every parameter along dim 0 into `world` chunks of ceil(n / world) rows (the last ones shorter or
-empty); each rank can therefore compute every rank's chunk shape from the global shape, so no sizes are exchanged.
-
-LoRA (`learner.lora`): a target's `weight` entry is published merged (W + scaling B A, `learner.lora.merged_weight`,
-computed when its bucket is gathered, `Deferred`) and its adapter tensors are left out, so the state keeps the base
-model's names and loads into every engine as a full model does. With `adapters=True` (an adapter-only publication,
-`learner.lora.publish: adapters`) only the adapter tensors are gathered, through the same pipeline.
-
-Works on any backend that implements `gather` (gloo on CPU, NCCL on GPU). Imports only torch and the stdlib.
+Why, the pipeline step by step, its buffers, FSDP2's shard shapes: docs/internals.md#learnergatherpy
 """
 
 from __future__ import annotations

@@ -4,15 +4,10 @@
     prepare_model(model, cfg)                         # learner.forward: apply_compile when cfg.compile
     optimizer, note = build_optimizer(model.parameters(), cfg)
 
-torchtitan's shape: each lever is a small step over a plain model, switched on and off in the config. `auto`
-means "on where it has run and helped on a GPU": per-layer compile (+12.4% on a 1.5B step, H100) and
-fused AdamW, both on CUDA. Padding-free packing through flex_attention is opt-in (`learner.padding_free=true`):
-the first time it met per-layer compile on a GPU it stopped the learner at its first step (InductorError, issue
-42); `auto` packs only where the user chose a variable-length attention (flash_attention_2/3). Every lever that
-is on is tried at setup (`learner.trial`), and one that fails is switched off for the run instead of stopping it.
-A lever that cannot run here falls back and its note says why; the notes go into the rank's start log. None of
-them changes what is computed (the CPU tests train the same update with each on and off). `learner.pad_multiple`
-(auto: 64 on CUDA, 1 elsewhere) is decided here too: padded lengths rounded up for kernels chosen per shape.
+`auto` means "on where it has run and helped on a GPU" (per-layer compile and fused AdamW, on CUDA; padding-free
+packing is opt-in). A lever that cannot run here falls back and its note says why; none of them changes what is
+computed. Every lever that is on is tried at setup (`learner.trial`).
+Details (measurements, padding-free packing, `learner.pad_multiple`): docs/internals.md#learnerleverspy
 """
 
 from __future__ import annotations

@@ -6,11 +6,8 @@ own rows of every parameter from the model folder's safetensors files.
     materialize(model, device)                       # this rank's shards allocated, buffers kept
     load_shards(model, model_path, rank, world)      # each shard filled from the files, a tensor slice at a time
 
-So a rank never holds more than its shards plus one slice: loading the whole float32 model on every rank first
-(`from_pretrained`, then `fully_shard`) needs the full model per rank, which an 8B learner rank does not have.
-Parameters are FSDP2's dim-0 shards (rank r holds rows [r*c, r*c + its rows) with c = ceil(rows / world)) or
-plain tensors (one float32 rank: nothing to shard). Non-persistent buffers (rotary frequencies) are computed
-at construction, not read, so they are built on the CPU as usual; only parameters start on the meta device.
+A rank never holds more than its shards plus one slice. Why, and which rows a rank reads:
+docs/internals.md#learnerloadingpy
 """
 
 from __future__ import annotations

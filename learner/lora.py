@@ -6,21 +6,9 @@
     optimizer = AdamW(p for p in model.parameters() if p.requires_grad)    # the adapters only
     with torch.no_grad(), adapters_disabled(model): ref = model(...)        # the base: the KL reference
 
-`LoRALinear` keeps the wrapped Linear's own `weight` and `bias` parameters under their own names (frozen), so the
-base model's state-dict names do not change (`...q_proj.weight`): the weight files load as before, and the
-adapters add `...q_proj.lora_A` [r, in] and `...q_proj.lora_B` [out, r]. The forward is the textbook one (Hu et
-al. 2021): y = x W^T + b + (alpha / r) dropout(x) A^T B^T.
-
-Why our own and not peft: peft wraps modules in its own classes and renames the state (`base_layer.weight`,
-`base_model.model.` prefixes), which our meta-device build, row-wise shard loading (`learner.loading`), FSDP2
-`fully_shard` per decoder layer, chunked head (`learner.token_stats`, which reads `lm_head.weight` directly) and
-bucketed gather (`learner.gather`, HF names) would each have to translate; peft is also not a dependency. The
-whole of LoRA needed here is ~100 lines with fewer moving parts.
-
-Publications carry the adapter tensors alone by default (`learner.lora.publish: adapters`; the generators merge them,
-`actors.adapters`). Merged ones (`publish: merged`) and the HF export merge (`merged_weight`): W + (alpha / r) B A
-per target, computed per bucket on each rank from its own rows (FSDP2 shards W and B along the same output rows;
-A [r, in] is gathered whole, small), under the base name, the adapter tensors left out. Imports only torch.
+`LoRALinear` keeps the base model's state-dict names and adds `...lora_A` [r, in] and `...lora_B` [out, r]:
+y = x W^T + b + (alpha / r) dropout(x) A^T B^T. Imports only torch.
+Why our own and not peft, and how publications merge: docs/internals.md#learnerlorapy
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """The ExGRPO objective as pure tensor functions (no Ray, no FSDP, no config objects).
 
-Shapes: `[R, T]` = rows x response-aligned token positions, `[R]` = one value per row. Every
-per-token tensor comes with a 0/1 `response_mask`; masked positions contribute nothing to the loss,
-its gradient or its metrics.
-
     A            = group_advantages(rewards, group_ids)                       # [R]
     logp, H      = token_logprobs(logits, targets), token_entropy(logits)     # [R, T]
     pg, extras   = policy_loss(logp, behaviour_logp, A, mask, replay_mask, normalizer=n)
     loss         = pg + entropy_bonus(H, mask, coef, n) + kl_penalty(logp, ref_logp, mask, coef, n)
 
-Departures from the textbook: replayed tokens use policy shaping -A*w/(w+beta) instead of the
-clipped surrogate (ExGRPO/LUFFY); `shaping_beta=None` is the ablation with the plain importance
-weighted -A*w. Aggregation is a token mean, or a sum divided by a constant (Dr. GRPO). With
-`tis_cap`, fresh tokens use decoupled PPO with truncated importance sampling (see `policy_loss`). The fresh
-tokens' surrogate is PPO's clip by default (verl's dual-clip with `clip_ratio_c`), or GSPO's, CISPO's or SAPO's
-(`surrogate`, `learner.policy_loss`).
+`[R, T]` = rows x response-aligned token positions; masked positions (0 in `response_mask`) contribute nothing.
+Departures from the textbook (replayed tokens' policy shaping, aggregation, TIS, the surrogates):
+docs/internals.md#learnerlosspy (the rules: docs/algorithm.md)
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """The learner pool: N training ranks as Ray actors, joined by torch.distributed, model sharded with FSDP2.
 
-    pool = LearnerPool(cfg.learner, model_path, run=run, namespace=ns, max_new_tokens=gen.max_new_tokens,
-                       dtype=cfg.model.dtype)
+    pool = LearnerPool(cfg.learner, model_path, run=run, namespace=ns, max_new_tokens=T, dtype=cfg.model.dtype)
     pending = pool.publish_async()                  # version 0 for late-joining generators
     while training:
         batch = buffer.get_batch(pool.version, timeout_s)   # overlaps with the gather + put of `pending`
         result = pool.step(batch)                   # queued behind the publication on every rank
-        buffer.feedback(result.feedback); buffer.set_version(result.version)
-        pending = pool.publish_async()
+        buffer.feedback(result.feedback); buffer.set_version(result.version); pending = pool.publish_async()
     pending.result()                                # WeightSyncTimeout if it stalled
 
-Every rank gets the whole batch (one `ray.put`) and runs `learner.step.TrainStep`; rank 0 also
-gathers the full state dict (a collective of all ranks) for publication and checkpoints. Ray runs
-an actor's calls in submission order, so a publication submitted before a step always gathers the
-weights of the version it names; `publish_async` returns at once and the caller may fetch the next
-batch meanwhile. `publish()` is `publish_async().result()`.
-
-Precision (`dtype`, the run's `model.dtype`): FSDP2 mixed precision. Parameters are loaded and kept in
-float32 (the master weights, sharded), AdamW's state is float32; each FSDP unit all-gathers its
-parameters cast to `dtype` for the forward and backward, and gradients are reduce-scattered in
-float32 into the float32 shards. Log-probs, entropies and the loss are computed in float32 from the
-low-precision logits (`learner.loss`). Publications are cast to `publish_dtype` on every rank before the
-gather (the driver passes the engines' dtype: a bfloat16 run moves half the bytes, and the engine gets
-exactly what it would have cast to itself); `state_dict()` carries the float32 master weights. float16
-trains without loss scaling: prefer bfloat16. A single float32 rank is not wrapped in FSDP at all (nothing to shard or cast).
+Why the order is safe, and precision (FSDP2 mixed precision, float32 masters): docs/internals.md#learnerpoolpy
 """
 
 from __future__ import annotations

@@ -5,23 +5,9 @@
     built = setup_rank(cfg, model_path, rank=r, world=w, device=device, dtype=torch.bfloat16, max_new_tokens=T)
     stats = built.trainer.run(batch)                       # learner.step.TrainStep
 
-Precision: parameters are float32 (the master weights, sharded) and AdamW's state is float32; FSDP2's
-`MixedPrecisionPolicy` all-gathers each unit's parameters cast to `dtype` for the forward and backward and
-reduce-scatters float32 gradients. One float32 rank is not wrapped at all (nothing to shard or cast: FSDP2 would
-only add its hooks, ~10% of a step on the built-in model).
-
-Weights: a sharded model is built on the meta device, prepared (`prepare_model`: chunked head, activation
-checkpointing), sharded layer by layer, allocated, then filled: by default each rank reads its own rows from the
-model folder (`learner.loading`); `fill` replaces that (the GPU bench draws random weights, so its folder holds
-only config.json).
-
-LoRA (`learner.lora`): the target Linears become `learner.lora.LoRALinear` right after the build (on the meta device
-when sharded), every base parameter frozen; the adapters are sharded with their layer, left out of the file
-loading, initialised (`init_adapters`: the same A on every rank and world size, B zeros) and alone in the optimizer.
-Below float32 the frozen base is held in the compute dtype (`learner.lora.base_dtype`: half the bytes, the same
-training; FSDP2 casts it to that dtype anyway).
-With `kl_coef > 0` no reference copy is loaded: the KL reference is the base, the same model with its adapters
-disabled (`TrainStep.reference_logprobs`).
+Parameters and AdamW's state are float32 (FSDP2 mixed precision); a sharded model is built on the meta device,
+sharded layer by layer and filled by each rank from the model folder (`learner.loading`; `fill` replaces that).
+Details (precision, the build, LoRA): docs/internals.md#learnersetuppy
 """
 
 from __future__ import annotations

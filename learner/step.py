@@ -1,41 +1,11 @@
 """One learner step on one rank: batch -> o* selection -> rows -> mini-batches -> micro-batches -> loss -> AdamW.
 
 Every rank receives the whole `TrainingBatch` and derives the same rows, advantages, mini-batch
-split and loss normalizer from it, so no collective is needed for bookkeeping.
+split and loss normalizer from it, so no collective is needed for bookkeeping. `TrainStep.run` returns
+`RankStats` (sums, not means) so that the pool can merge ranks exactly with `merge_rank_stats`.
 
-Replay selection (the paper's rule; `buffer.trajectory_score=official` takes the official code's score instead,
-`learner.batching.official_score_windows`): a mixed group arrives with its K-1 fresh rollouts and the
-question's stored correct trajectories (`TrainGroup.candidates`). Before training, the ranks score
-every candidate of groups with more than one in a no-grad forward under the current weights (the
-policy this step trains), each rank a slice, summed with one all-reduce; every rank then completes
-each group with the candidate of lowest mean token entropy (ties: the first). All candidates'
-entropies and the chosen keys go back to the buffer as feedback (`StepFeedback`).
-
-Mini-batches and micro-batches (`learner.batching`): groups are dealt to mini-batches with mixed and fresh
-groups in proportion, rows to ranks by length, then cut or packed into micro-batches; every rank runs the
-same number of micro-batches (a rank that has run out runs an all-masked dummy row whose loss is 0 * anchor,
-so its backward still reaches every parameter) because each FSDP forward/backward is a collective. The
-forward (`learner.forward`) gives log-probs and entropies through the chunked LM head.
-
-Loss scaling: the normalizer (token count of the mini-batch, or a constant) is global, so the
-per-rank losses add up to the mini-batch loss; FSDP averages gradients over ranks, so each rank's
-loss is multiplied by the world size. The result equals one rank training on the whole mini-batch.
-
-Train/inference mismatch: on the first mini-batch (before any update of the step) each rank measures
-the gap between its log-probs and the behaviour log-probs of fresh tokens (`learner/logprob_diff_*`;
-see `_mismatch_metrics`). With `learner.tis_cap`, fresh tokens are trained with decoupled PPO and
-truncated importance sampling (`loss.policy_loss`), whose start-of-step log-probs come from the first
-mini-batch's own forward and, for later mini-batches, from one extra no-grad forward before the first
-update (`record_old_logprobs`). `learner.icepop_band` (token masking outside a ratio band) and `learner.mis`
-(sequence-level truncation or masking) use the same start-of-step log-probs (`loss.policy_loss`).
-
-`TrainStep.run` returns `RankStats` (sums, not means) so that the pool can merge ranks exactly with
-`merge_rank_stats`.
-
-Waiting for the device: nothing in the micro-batch loop reads a tensor back (metrics are queued on the device
-and read in one transfer by `RankStats.finish`; the forward's positions and masks come from the host layout,
-`learner.forward`), so the host queues work ahead of the GPU. Per mini-batch the grad-norm skip decision reads
-one number; per step, the candidates' entropies and the metrics.
+Details (replay selection, mini- and micro-batches, loss scaling, train/inference mismatch, waiting for the
+device): docs/internals.md#learnersteppy
 """
 
 from __future__ import annotations

@@ -1,63 +1,13 @@
 """Log-probs and entropies of chosen tokens without ever materialising `[R, L, V]` logits.
 
-The learner needs, at the response positions only, log softmax(z)[target] and the full-vocabulary
-entropy H(softmax(z)), where z = W h is the LM head applied to the final hidden state h. At a real
-vocabulary (V = 151,936) and real lengths the logits of one micro-batch are tens of GB, and autograd
-would keep several copies of them. Here:
-
-- `TokenStatsHead` replaces the model's `lm_head` module (same `weight` Parameter, so tied embeddings
-  stay tied and the state dict keeps the name `lm_head.weight`). Inside the model's own forward, which
-  is where FSDP2 has the root's parameters unsharded, it selects the requested positions of the
-  hidden states and calls the blocked function below. Without a request it is an ordinary linear
-  layer (full logits), so evaluation and generation code keeps working.
-- `chunked_logprob_entropy` is a custom autograd function. The forward applies the head to `chunk` tokens at
-  a time, whole rows of logits, with the full-logits path's own formulas (so its values are those of full
-  logits to the last bit or two), and keeps only [N] log-probs, entropies and log-sum-exps. The backward goes
-  the other way round, in blocks of [all N tokens, a slice of v vocabulary rows]: it recomputes each slice's
-  logits and forms the gradient of both outputs in closed form,
-
-      d logp / dz = onehot(target) - p
-      d H / dz    = -p * (log p + H),       log p = z - logsumexp(z)   (logsumexp saved by the forward)
-
-  so that each slice's weight-gradient rows are ONE matmul over all N tokens, written straight into the
-  [V, H] gradient: the head writes its weight gradient once per micro-batch, as autograd of `F.linear` over
-  all tokens does (d loss / dz rounded to the hidden dtype, the matmul's own float32 accumulation). The
-  hidden-state gradient is the sum over slices, accumulated in float32 when there is more than one.
-  Where this departs from the usual chunking by tokens in the backward too (this module before,
-  Liger's fused linear cross-entropy): there each token chunk's weight gradient is a partial [V, H] sum,
-  N / chunk of them added up in float32, a [V, H] read and write per chunk.
-
-Block size: `chunk` tokens' worth of logits (chunk x V values; `learner.logits_chunk_tokens`): forward blocks
-[chunk, V], backward blocks [N, v] with v = chunk x V / N (whole multiples of 128). Peak temporaries are two
-float32 buffers of a block (`BYTES_PER_LOGIT`). Default (`chunk_tokens` None): on CPU `LOGITS_PER_CHUNK`
-logits, as before; on CUDA sized once, at the head's first forward, from the free memory (a quarter of it, at
-most `BLOCK_BYTES_CAP`): no per-step host call. The per-block elementwise math can be torch.compile'd
-(`compile_math`, the config switch `learner.compile_head_math`; off by default everywhere, CUDA included, until
-tests/gpu/test_head_math.py has passed on a GPU and `bench/gpu_bench.py --compile-head-math` has measured it).
-
-Cost of one call, forward + backward, at Qwen2.5-1.5B shapes (V = 151,936, H = 1,536, N = 16,384 response
-tokens, bf16 hidden states and weight). Blocks, ops (non-view aten ops, about the kernel launches) and bytes
-written are counted by running the function on meta tensors under a `TorchDispatchMode`; peak temporaries
-are worked out from the code (block logits x bytes per logit + the gradients):
-
-   | path                  | forward blocks  | backward blocks   | [V, H] writes | written | in [V, H] | ops   | peak  |
-   | token chunks of 220   | 75 of [220, V]  | 75 of [220, V]    | 227           | 301 GB  | 176.5 GB  | 2,032 | 2.7GB*|
-   | now, CPU default 220  | 75 of [220, V]  | 80 of [N, 1,920]  | 1, by slices  | 117 GB  | 0.47 GB   | 2,427 | 0.8GB |
-   | now, CUDA default 1766| 10 of [1766, V] | 10 of [N, 16,256] | 1, by slices  | 107 GB  | 0.47 GB   | 317   | 2.7GB |
-
-   * 0.4 GB of chunk logits, then a float32 [V, H] sum, each chunk's bf16 [V, H] product and its float32 copy
-     (2.3 GB). Now: block logits x `BYTES_PER_LOGIT` (0.25 / 2.1 GB) + the bf16 [V, H] gradient and a float32
-     [N, H] one (0.57 GB). The CUDA default is 2 GiB of block (`BLOCK_BYTES_CAP`; free memory >= 8 GiB).
-
-The remaining ~105 GB are the [N, V] elementwise passes (bf16 logits, float32 log p, p, the bf16 gradient);
-`compile_math` fuses them per block (not yet measured). Slicing the vocabulary adds float32 sums of [N, H]
-hidden-state gradients: 1.7 GB at the CUDA default, 12 GB at the CPU one. Host syncs: none, before or after
-(block sizes are host integers; no `.item()`, no `nonzero`); the CUDA default reads the free memory once per head.
-
-Usage (what `learner.forward` does):
-
-    install_token_stats_head(model, chunk_tokens=None)          # once, before fully_shard
+    install_token_stats_head(model, chunk_tokens=None)          # once, before fully_shard (as learner.forward does)
     logp, ent, anchor = token_stats(model, input_ids, attention_mask, targets, mask)  # [R, L-1] x2, scalar
+
+`TokenStatsHead` replaces the model's `lm_head` (same `weight` Parameter; without a request an ordinary linear
+layer). `chunked_logprob_entropy` is a custom autograd function that applies the head a block at a time
+(`learner.logits_chunk_tokens`), with the values of full logits to the last bit or two, and forms the gradient
+in closed form, writing the [V, H] weight gradient once per micro-batch.
+Why, the blocks, their cost at Qwen2.5-1.5B shapes: docs/internals.md#learnertoken_statspy
 """
 
 from __future__ import annotations

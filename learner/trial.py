@@ -4,34 +4,10 @@ that fails is switched off for the run instead of stopping it.
     off = try_levers(levers, trainer)   # {lever: the error it raised}; the levers left on passed
     # levers: a `Levers` of `learner.setup` (switch one off or on again over the built model)
 
-Why: the CUDA levers (per-layer compile, padding-free packing, fused AdamW) were built and tested on CPUs; the
-first time per-layer compile met flex_attention packing on an H100 the learner stopped at its first step with an
-InductorError. A trial is what a step does, with nothing applied to the weights:
-
-- no-grad forwards in eval mode (candidate scoring and old log-probs take that path), then real micro-batches of
-  the run's layout (packed where packing is on), forward and backward under the run's levers, with a KL term the
-  reference forward before each; 2 rows and 1 row of each (a run meets 1-row micro-batches: one long response,
-  the packed layout, a rank's dummy); the gradients are dropped;
-- one optimizer step with learning rate and weight decay 0 over zeroed gradients (AdamW then changes no weight,
-  bit for bit), whose state is then cleared: the fused kernel runs on the real parameters.
-
-The random number generators are forked around it, so a run draws the same numbers with or without a trial.
-Under per-layer compile the trial is also the warm-up: it compiles the graphs every step uses (with gradients and
-without, for several rows and for one; `learner.levers.apply_compile`), so the first step compiles nothing and a
-graph compiled later is a stall, counted (`learner/recompiles`) and explained in one line (`learner.compile_cache`).
-Where the micro-batch fails, the levers in play are switched off one at a time, newest first (packing, then
-compile), until a trial passes; a failure with every lever off is not a lever's and is raised. All ranks agree:
-each attempt's outcome is all-reduced (a rank's failure fails the attempt everywhere), so all ranks end with the
-same levers. A kernel failing on one rank only, in the middle of an FSDP forward, leaves the others waiting in
-that forward's collective until the process group's timeout (10 minutes): compile and kernel errors are the same
-on every rank of one kind of device, so this has not been seen. The decision is returned (the rank logs one line per lever switched off; `LearnerPool.levers_off`
-has it, the driver records it in its checkpointed state and in the metrics, and a resumed run starts with those
-levers off: `switch_off`).
-
-Drills: `EXGRPO_LEVER_FAULTS=compile,padding_free,fused_optimizer` (any subset) makes each named lever fail its
-trial while it is on, as a broken kernel would (`InjectedLeverFault`, raised after the attempt's collectives), so
-a whole run can be driven through the
-fallback on a CPU. A CPU run with no lever on runs no trial at all.
+A trial is what a step does with nothing applied to the weights; all ranks agree on its outcome, and the random
+number generators are forked around it. Under per-layer compile it is also the warm-up. Drills:
+`EXGRPO_LEVER_FAULTS=compile,padding_free,fused_optimizer` (any subset) makes those levers fail their trial.
+Why, what a trial runs, the fallback order: docs/internals.md#learnertrialpy
 """
 
 from __future__ import annotations

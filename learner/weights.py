@@ -1,36 +1,14 @@
 """Weight publication: learner rank 0 -> generators, through a backend chosen by config.
 
-Sending side (`WeightPublisher`, lives in learner rank 0): `publish(version, state_dict)` with Hugging
-Face parameter names (so the dict loads into `transformers` with `load_state_dict` and into vLLM with
-`load_weights`/`reload_weights`). Receiving side: a `common.interfaces.WeightSource` in each generator.
-
     publisher = make_publisher(cfg.weight_sync, run=run, namespace=ns, timeout_s=cfg.publish_timeout_s)
-    ann = publisher.publish(version, full_state_dict)        # rank 0, after the gather
-    ...
+    ann = publisher.publish(version, full_state_dict)        # rank 0, after the gather; Hugging Face names
     source = make_weight_source(cfg.weight_sync, run=run, namespace=ns)   # in a generator
-    source.register(generator_id)
-    ann = source.latest()
+    source.register(generator_id); ann = source.latest()
     if ann is not None and ann.version > engine.version:
         engine.load_weights(source.fetch(ann), ann.version); source.ack(generator_id, ann.version)
 
-Backends (a discriminated union in `LearnerConfig.weight_sync`):
-- object store (`ObjectStoreSyncConfig`): rank 0 `ray.put`s the state dict and hands the reference
-  to the named `WeightStore` actor (`actor_name(run, "weights")`), which keeps the newest
-  `keep_versions` references. A generator that starts late or restarts asks the store for the newest.
-- collective (`CollectiveSyncConfig`): rank 0 keeps the packed state dict and serves each generator
-  over its own 2-process torch.distributed channel (gloo on CPU, NCCL on GPU); the weight store
-  carries only the announcement ("collective:<host>:<port>") and the acks. See `learner.collective`.
-
-`make_publisher` and `make_weight_source` build the two ends of the configured backend.
-
-LoRA adapter-only publications (`learner.lora.publish: adapters`): `publish(version, adapter_buckets,
-adapters=AdapterPublication(...))` on either backend; the announcement carries it (scaling, targets), the payload
-is every target's `lora_A` and `lora_B`, always whole (no delta), and generators merge it (`actors.adapters`).
-
-Acknowledgements: generators `register` (or simply `ack`, which registers), `unregister` when they
-leave; `WeightStore.wait_for_acks(version, timeout_s)` returns the registered generators that have
-not acknowledged `version` (or newer) in time, and `wait_for_acks` here raises `WeightSyncTimeout`
-naming them. Nothing waits without a timeout.
+Backends: the object store or `learner.collective`. Nothing waits without a timeout (`WeightSyncTimeout`).
+Details (backends, LoRA adapter-only publications, acknowledgements): docs/internals.md#learnerweightspy
 """
 
 from __future__ import annotations

@@ -2,15 +2,11 @@
 
 Log-prob convention (both engines, and the learner): a rollout's behaviour log-prob is
 `log softmax(logits)[token]` at **temperature 1, before top-p** — the log-prob of the sampled token
-under the policy π itself, not under the temperature-scaled/truncated sampling distribution. The
-learner computes log π_θ the same way, so the PPO ratio compares like with like and, at
-temperature 1 and top_p 1, the behaviour log-prob *is* the sampling distribution's log-prob. At other
-temperatures the sampling distribution differs from π (that is the point of a temperature); the
-ratio then measures policy change only, which is what the clipped objective is meant to bound.
+under the policy π itself, not under the temperature-scaled/truncated sampling distribution.
+Entropy convention: mean over response tokens of the full-vocabulary entropy of π at temperature 1 (exact in
+the transformers engine; from vLLM's top-k log-probs, `topk_entropy_estimate`).
 
-Entropy convention: mean over response tokens of the full-vocabulary entropy of π at temperature 1
-(the learner's definition). The transformers engine computes it exactly; vLLM exposes only the top-k
-log-probs, see `topk_entropy_estimate`.
+Why these conventions: docs/internals.md#actorsenginesbasepy
 """
 
 from __future__ import annotations

