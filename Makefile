@@ -11,7 +11,7 @@ train: setup
 # waits on Ray, its actors and its subprocesses ~40% of the time, which the other worker fills (TEST_WORKERS=0: one)
 TEST_WORKERS ?= 2
 test: setup
-	.venv/bin/python -m pytest tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	.venv/bin/python -m pytest tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # bench/gpu_bench.py (the learner alone), then bf16 + vLLM on GPU + NCCL weight sync, a short run where vLLM and
 # Ray install (skipped, said so, exit 0 otherwise; everything skipped without a GPU)

@@ -121,15 +121,17 @@ class ShardCore:
         Work leased at version v can be trained at versions v .. v + max_lag: max_lag + 1 batches, one
         of which (v's) may already be taken. Counting it means a synchronous run (max_lag = 0) leases
         nothing between taking batch v and the learner publishing v + 1 — work leased then would only be
-        generated with the old weights and dropped as stale. All of it is counted, also beyond this shard's share: a
-        batch takes the oldest groups of all shards first, so one shard may give more than its share, and the shards
-        together then lease no more than (max_lag + 1) batches hold. Replay items are further limited to
+        generated with the old weights and dropped as stale. All of it is counted (up to a whole batch), also beyond
+        this shard's share: a batch takes the oldest groups of all shards first, so one shard may give more than its
+        share, and the shards together then lease no more than (max_lag + 1) batches hold. Replay items are further limited to
         floor(rho_i * capacity), rho_i = mixed_share() / batch_share, where the shards' mixed shares sum to
         the batch's ceil(rho * B) mixed groups: together the shards can always lease a whole batch's replays. With
         the batch taking ceil(rho * B) mixed groups, a shard full of ready groups can always contribute to a
         batch: no state in which every shard is full but no batch can be formed (max_lag = 0 included).
         """
-        return max(0, (self.cfg.max_lag + 1) * self.batch_share - self.taken_at_version)
+        taken = min(self.taken_at_version, self.cfg.batch_questions)  # (a batch's worth: more is taken only by
+        # callers that take batches without advancing the version, and must still get work)
+        return max(0, (self.cfg.max_lag + 1) * self.batch_share - taken)
 
     def mixed_share(self) -> int:
         """This shard's part of the batch's ceil(rho * B) mixed groups at the current version (`mixed_shares`)."""

@@ -12,6 +12,7 @@ is asked of the cluster itself (one RPC to the GCS) before Ray is imported.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 
@@ -23,6 +24,15 @@ class ClusterAuthError(Exception):
 def _token_available() -> bool:
     return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
                 or (Path.home() / ".ray" / "auth_token").is_file())
+
+
+def loaded_ray_auth_mode() -> str | None:
+    """"token" or "disabled": the mode this process's Ray read when it was imported (it reads RAY_AUTH_MODE once);
+    None when Ray is not imported yet (or has no token authentication)."""
+    raylet = sys.modules.get("ray._raylet")
+    if raylet is None or not hasattr(raylet, "get_authentication_mode"):
+        return None
+    return "token" if raylet.get_authentication_mode() == raylet.AuthenticationMode.TOKEN else "disabled"
 
 
 def cluster_auth_mode(address: str, timeout_s: float = 5.0) -> str | None:
@@ -54,6 +64,15 @@ def use_token_auth_when_connecting(address: str | None = None) -> None:
     mode is chosen when a token is available and the user chose nothing. ClusterAuthError when the user's
     RAY_AUTH_MODE contradicts the cluster, or the cluster wants a token and none is available."""
     asked = cluster_auth_mode(address) if address else None
+    loaded = loaded_ray_auth_mode()
+    if loaded is not None:  # Ray read its mode when this process imported it: what it starts must use the same
+        if (asked == "token") != (loaded == "token") and asked is not None:
+            raise ClusterAuthError(
+                f"the Ray cluster at {address} {'requires' if asked == 'token' else 'runs without'} token "
+                f"authentication, but this process imported Ray before its mode was set (it loaded {loaded!r}); set "
+                f"RAY_AUTH_MODE={'token' if asked == 'token' else 'disabled'} before importing ray")
+        os.environ["RAY_AUTH_MODE"] = loaded  # an embedded Ray's GCS and raylet read it from the environment
+        return
     chosen = os.environ.get("RAY_AUTH_MODE")
     if chosen is not None:
         if chosen.lower() == "token" and asked == "none":

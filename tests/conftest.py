@@ -158,19 +158,22 @@ def pytest_runtest_logreport(report) -> None:
             f.write(f"{report.duration:.2f} {report.when} {report.nodeid} {report.outcome}\n")
 
 
-SLOWEST_FIRST = (  # the files that take longest (a run's EXGRPO_TEST_TIMES), heaviest first
-    "cluster/test_cluster_nodes.py", "cluster/test_liveness_e2e.py", "cluster/test_train_e2e.py",
-    "actors/test_generator_ray.py", "cluster/test_real_shapes_e2e.py", "cluster/test_chaos.py",
-    "learner/test_trial.py", "cluster/test_lora_e2e.py", "learner/test_pool.py", "cluster/test_losses_e2e.py",
-    "learner/test_levers.py", "cluster/test_experiment.py", "cluster/test_resume_e2e.py",
-    "cluster/test_disk_faults_e2e.py", "test_gpu_bench.py", "cluster/test_cluster_autoscaler.py",
-    "test_device_e2e.py", "cluster/test_input_checks.py", "learner/test_collective.py", "cluster/test_bad_input.py",
+SLOWEST_FIRST = (  # the files that take longest (a run's EXGRPO_TEST_TIMES, under two workers), heaviest first
+    "actors/test_generator_ray.py", "cluster/test_liveness_e2e.py", "cluster/test_train_e2e.py", "learner/test_pool.py",
+    "cluster/test_bad_input.py", "cluster/test_cluster_nodes.py", "cluster/test_chaos.py", "learner/test_trial.py",
+    "cluster/test_real_shapes_e2e.py", "cluster/test_disk_faults_e2e.py", "cluster/test_cluster_autoscaler.py",
+    "cluster/test_lora_e2e.py", "learner/test_collective.py", "cluster/test_losses_e2e.py", "learner/test_levers.py",
+    "cluster/test_input_checks.py", "cluster/test_resume_e2e.py", "actors/test_generator_vllm.py",
+    "cluster/test_experiment.py", "test_device_e2e.py", "test_gpu_bench.py", "learner/test_lora.py",
+    "learner/test_real_shapes.py", "learner/test_lora_publication.py", "learner/test_token_stats.py",
+    "actors/test_adapters.py", "cluster/test_stale_e2e.py", "cluster/test_think_arith_e2e.py",
 )
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under `make test`'s workers (pytest-xdist, whole files each), the slowest files are handed out first, so
-    that no worker is left with a long one at the end while the other idles. One process keeps the usual order."""
+    """Under `make test`'s workers (pytest-xdist, whole files each, in this order: `--no-loadscope-reorder`), the
+    slowest files are handed out first, so that no worker is left with a long one at the end while the other idles.
+    One process keeps the usual order."""
     if not (config.getoption("numprocesses", None) or os.environ.get("PYTEST_XDIST_WORKER")):
         return
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
