@@ -113,3 +113,17 @@ def hangs_sometimes(response: str, answer: str) -> float:
     if zlib.crc32(response.encode()) % 16 == 0:
         time.sleep(3600)
     return verify_countdown(response, answer)
+
+
+_CALLS = [0]
+
+
+def countdown_slows_down(response: str, answer: str) -> float:
+    """The countdown verifier, fast for this process's first 600 calls, then 10 ms a call: a run's generators go
+    from faster than its learner to several times slower partway through, by their own progress (test_stale_e2e)."""
+    from common.tasks import verify_countdown
+
+    _CALLS[0] += 1
+    if _CALLS[0] > 600:
+        time.sleep(0.01)
+    return verify_countdown(response, answer)
