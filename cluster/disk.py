@@ -6,7 +6,7 @@
     fault.line(): disk full / disk quota / I/O error / read-only: what, where, how much, the last complete one
 
 What the driver then does (`checkpoint.on_full_disk`: stop with EXIT_DISK, or skip and train on) is
-`cluster.driver.Trainer.checkpoint`. Pure functions over paths and numbers: no Ray.
+`cluster.checkpointer.Checkpointer`. Pure functions over paths and numbers: no Ray.
 """
 
 from __future__ import annotations
