@@ -304,11 +304,14 @@ def _dispatch(args: argparse.Namespace) -> int:
                               command=command)
         return train_main(cfg, show_profile=args.profile, command=command)
     if args.command == "eval":
-        from cluster.evaluate import eval_main
+        from cluster.evaluate import eval_main, eval_overrides
+        from common.config import ConfigError
 
-        if args.task and not args.data:  # through the config, so the task's defaults (reward, chat) apply
-            args.overrides = [*args.overrides, f"data.task={args.task}", "data.train_path=null"]
-
+        try:  # --data / --task are the data of every check (the config's validation included)
+            args.config, overrides = _split_config_args(args)
+        except ConfigError as e:
+            _exit_invalid(e)
+        args.overrides = eval_overrides(args.data, args.task, overrides)
         return eval_main(args, _load(args))
     if args.command == "experiment":
         from cluster.experiment import experiment_main

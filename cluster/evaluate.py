@@ -86,9 +86,26 @@ def quiet_inprocess_vllm() -> None:
         os.environ.setdefault(k, v)
 
 
+def eval_overrides(data: str | None, task: str | None, overrides: list[str]) -> list[str]:
+    """The overrides `exgrpo eval --data/--task` stands for, so the config is validated and checked against the data
+    evaluated: `--data F` makes F the data (after the user's overrides: it wins); `--task T` alone is the built-in
+    task; `--task T --data F` reads F in T's format (T's reward and chat setting, before the user's overrides)."""
+    from common.config.base import yaml_value
+    from common.config.data import TASK_DEFAULTS
+
+    if data is not None:
+        path = "'" + data.replace("'", "''") + "'"  # YAML-quoted: a path is text whatever it looks like
+        form = [f"{k}={yaml_value(v)}" for k, v in TASK_DEFAULTS.get(task, {}).items()
+                if k.startswith(("reward.", "data."))]
+        return [*form, *overrides, f"data.train_path={path}", f"data.test_path={path}", "data.task=null"]
+    if task is not None:  # through the config, so the task's defaults (reward, chat) apply
+        return [*overrides, f"data.task={task}", "data.train_path=null", "data.test_path=null"]
+    return overrides
+
+
 def eval_main(args, cfg: RunConfig) -> int:
     quiet_inprocess_vllm()
-    from cluster.preflight import BadInput, check_reward, load_tokenizer, model_folder_problem
+    from cluster.preflight import BadInput, eval_problems, fit_lengths, load_tokenizer, model_folder_problem
     from common.data import DataError
 
     model = Path(args.model).expanduser()
@@ -96,23 +113,19 @@ def eval_main(args, cfg: RunConfig) -> int:
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    data = cfg.data
-    if args.data:
-        data = data.model_copy(update={"train_path": args.data, "test_path": args.data})
-    elif args.task:
-        data = data.model_copy(update={"task": args.task, "train_path": None})
-    cfg = cfg.model_copy(update={"data": data})
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(model)})})
     if args.task and not args.data and cfg.reward.name in ("countdown", "arithmetic"):
         cfg = cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"name": args.task})})
     use_sets = bool(cfg.eval.sets) and not (args.data or args.task)
-    try:
+    try:  # the start checks `exgrpo train` makes of the same data, reward and model
+        problems = eval_problems(cfg, model, use_sets, "--data" if args.data else None)
+        if problems:
+            raise BadInput("invalid configuration:", *problems)
+        cfg = fit_lengths(cfg, model)
         tok = load_tokenizer(model, field="--model")
         if use_sets:  # the config's eval.sets, each with its reward, samples and temperature
             sets = eval_sets(cfg, tok, limit=args.limit)
-            for st in sets:
-                check_reward(st.reward.name, None)
         else:
-            check_reward(cfg.reward.name, data.task if data.train_path is None else None)
             sets = eval_sets(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"sets": {}})}), tok,
                              limit=args.limit or 10**9)
     except BadInput as e:

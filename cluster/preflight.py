@@ -160,15 +160,46 @@ def input_problems(cfg) -> list[str]:
     problems = []
     if cfg.model.path is not None:
         problems.append(model_folder_problem(Path(cfg.model.path).expanduser()))
-    for key in ("train_path", "test_path"):
-        problems.append(data_file_problem(getattr(cfg.data, key), f"data.{key}"))
+    problems += data_and_reward_problems(cfg)
+    problems.extend(input_checks.problems(cfg))  # the model folder's weights, LoRA targets, cluster.address, ...
+    return [p for p in problems if p]
+
+
+def data_and_reward_problems(cfg, data_field: str | None = None) -> list[str]:
+    """The data files, the reward (it imports, it can score the task, it can read the first answers) and the
+    response length against the model's positions: what `exgrpo train` and `exgrpo eval` both check.
+    `data_field`: the option that gave one file as both splits (`exgrpo eval --data`), named instead."""
+    if data_field is None:
+        problems = [data_file_problem(getattr(cfg.data, k), f"data.{k}") for k in ("train_path", "test_path")]
+    else:
+        problems = [data_file_problem(cfg.data.train_path, data_field)]
     try:
         check_reward(cfg.reward.name, cfg.data.task if cfg.data.train_path is None else None)
     except BadInput as e:
         problems.extend(e.lines)
-    problems.append(answers_problem(cfg.data, cfg.reward.name))
+    source = f"{data_field} {cfg.data.train_path}" if data_field else None
+    problems.append(answers_problem(cfg.data, cfg.reward.name, source))
     problems.append(_response_too_long(cfg))
-    problems.extend(input_checks.problems(cfg))  # the model folder's vocabulary, LoRA targets, cluster.address
+    return [p for p in problems if p]
+
+
+def eval_problems(cfg, model: Path, use_sets: bool, data_field: str | None = None) -> list[str]:
+    """The start checks of `exgrpo eval --model model`, as `input_problems` makes them for `train`: the data and
+    reward it evaluates (each of eval.sets with its own reward when `use_sets`), the response length and the model
+    folder's weights (`cfg.model.path` is `model`)."""
+    problems = input_checks.model_problems(model, "--model")
+    if not use_sets:
+        return problems + data_and_reward_problems(cfg, data_field)
+    problems.append(_response_too_long(cfg))
+    for name, st in cfg.eval.sets.items():
+        reward = st.reward or cfg.reward.name
+        problems.append(data_file_problem(st.path, f"eval.sets.{name}.path"))
+        try:
+            check_reward(reward, None)
+        except BadInput as e:
+            problems.extend(e.lines)
+        problems.append(answers_problem(cfg.data.model_copy(update={"train_path": st.path}), reward,
+                                        f"eval.sets.{name}.path {st.path}"))
     return [p for p in problems if p]
 
 
@@ -356,7 +387,7 @@ ANSWERS_CHECKED = 20
 """Rows of data.train_path whose reference answers `answers_problem` gives to the reward's parser."""
 
 
-def answers_problem(data, reward_name: str) -> str | None:
+def answers_problem(data, reward_name: str, source: str | None = None) -> str | None:
     """Why the reward cannot read the reference answers of data.train_path's first rows (None: it reads one of
     them, the reward reads any text, or there is no readable file: the data checks report that)."""
     from common.data import DataError, read_rows
@@ -374,7 +405,7 @@ def answers_problem(data, reward_name: str) -> str | None:
                 break
     except (DataError, OSError, ValueError):
         return None
-    return unreadable_answers(reward_name, answers, f"data.train_path {data.train_path}")
+    return unreadable_answers(reward_name, answers, source or f"data.train_path {data.train_path}")
 
 
 # ------------------------------------------------------------------------------------ checkpoints

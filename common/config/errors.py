@@ -67,10 +67,21 @@ def _message(e: dict, pl: Place) -> str:
     if kind in ("literal_error", "bool_parsing", "bool_type") and pl.field is not None \
             and choices(pl.field.annotation):
         return _not_a_choice(value, pl.field)
+    if kind == "string_type" and isinstance(value, bool):
+        return _yaml_boolean(pl.dotted, value)
     msg = e["msg"].removeprefix("Value error, ")
     if kind != "value_error" and msg.startswith("Input should") and not isinstance(value, (dict, list)):
         return f"{msg} (given {_shown(value)})"  # `learner.lr=fast`: the value as the user wrote it
     return msg
+
+
+def _yaml_boolean(dotted: str, value: bool) -> str:
+    """`name: on`: YAML reads an unquoted yes/no/on/off/true/false as a boolean; a text field needs it quoted."""
+    words = "on, yes or true" if value else "off, no or false"
+    word = "on" if value else "off"
+    return (f"text expected, but YAML read the value as the boolean {yaml_value(value)} (an unquoted {words} is one); "
+            f"quote it to keep it as text, e.g. {dotted}: '{word}' in a YAML file, {dotted}=\"'{word}'\" on the "
+            "command line")
 
 
 def _item_problem(e: dict, pl: Place) -> str:

@@ -145,30 +145,54 @@ def read_config_file(p: Path) -> dict[str, Any]:
         raise ConfigError([f"{p}: is a folder; pass a YAML config file"])
     if not p.is_file():
         raise ConfigError([f"{p}: config file not found"])
-    data_hint = f"pass it as data.train_path={p} (or data.test_path), and a YAML file as the config"
     with p.open("rb") as f:
         head = f.read(4096)
     kind = ("Parquet" if head.startswith(b"PAR1") else "compressed" if head.startswith((b"\x1f\x8b", b"PK\x03\x04",
             b"(\xb5/\xfd", b"BZh", b"\xfd7zXZ")) else None)
     if kind or p.name.lower().endswith(DATA_SUFFIXES):
-        raise ConfigError([f"{p}: this looks like a {kind + ' ' if kind else ''}data file, not a config; {data_hint}"])
+        raise ConfigError([f"{p}: this looks like a {kind + ' ' if kind else ''}data file, not a config; {_data_hint(p, kind)}"])
     try:
         loaded = read_yaml(p, "a config is a YAML file of sections (`exgrpo config > run.yaml` writes one)")
     except YamlFileError as e:
         text = p.read_bytes().decode("utf-8", errors="replace")
         if text.lstrip().startswith("{") and len(text.strip().splitlines()) > 1 and "given twice" not in str(e):
-            raise ConfigError([f"{p}: this looks like a JSONL data file, not a config; {data_hint}"]) from None
+            raise ConfigError([f"{p}: this looks like a JSONL data file, not a config; {_data_hint(p, 'jsonl')}"]) from None
         raise ConfigError([str(e)]) from None
     if isinstance(loaded, list) and loaded and all(isinstance(r, dict) for r in loaded):
-        raise ConfigError([f"{p}: this looks like a data file (a list of rows), not a config; {data_hint}"])
+        raise ConfigError([f"{p}: this looks like a data file (a list of rows), not a config; {_data_hint(p, 'rows')}"])
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError([f"{p}: the top level must be a mapping of sections"])
     loaded = loaded or {}
     if loaded and not {str(k).split(".")[0] for k in loaded} & set(RunConfig.model_fields):
         if {"question", "answer", "prompt", "problem", "solution"} & set(map(str, loaded)):
             raise ConfigError([f"{p}: this looks like a data file (a row with {', '.join(map(str, loaded))}), not a "
-                               f"config; {data_hint}"])
+                               f"config; {_data_hint(p, 'rows')}"])
     return loaded
+
+
+DATA_FORMATS = (".jsonl", ".ndjson", ".json", ".parquet", ".pq")
+"""The suffixes `common.data.read_rows` reads (.json as JSON Lines: one row per line)."""
+
+
+def _data_hint(p: Path, form: str | None = None) -> str:
+    """How to use a data file given as the config, in a form `common.data.read_rows` then reads. `form`: "rows"
+    (YAML or JSON rows: converted by a one-line command), "jsonl" (JSON Lines content), None (by its name and kind)."""
+    import shlex
+    import sys
+
+    out, q = p.with_suffix(".jsonl"), lambda x: shlex.quote(str(x))
+    if form == "rows":
+        code = ("import json, sys, yaml; r = yaml.safe_load(open(sys.argv[1])); "
+                "[print(json.dumps(x)) for x in (r if isinstance(r, list) else [r])]")
+        return (f"data files are JSON Lines (one row per line) or Parquet: convert it with {q(sys.executable)} "
+                f"-c '{code}' {q(p)} > {q(out)} and pass data.train_path={out}")
+    suffix = p.suffix.lower()
+    if suffix in DATA_FORMATS or suffix in (".gz", ".zst", ".bz2", ".xz", ".zip") or form == "Parquet":
+        return f"pass it as data.train_path={p} (or data.test_path), and a YAML file as the config"
+    if form == "jsonl":  # JSON Lines under another name (`rows.yaml`)
+        return f"data files are named .jsonl or .parquet: rename it (mv {q(p)} {q(out)}) and pass data.train_path={out}"
+    return (f"data files are JSON Lines or Parquet: convert it (pandas: pd.read_csv({str(p)!r}).to_json({str(out)!r}, "
+            f"orient='records', lines=True)) and pass data.train_path={out}")
 
 
 def _validate(raw: dict[str, Any]) -> RunConfig:

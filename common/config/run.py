@@ -134,6 +134,11 @@ class RunConfig(Section):
                             "evaluate checkpoints with `exgrpo eval`")
         if self.data.task is None and self.data.train_path is None:
             problems.append("data: set data.task to a built-in task or data.train_path to a file")
+        elif self.data.train_path is None and self.data.test_path is not None:
+            problems.append(f"data.test_path: {self.data.test_path} is a held-out split of data.train_path, which is "
+                            f"not set (the built-in {self.data.task} task makes its own test split); set "
+                            "data.train_path to your training file, or evaluate the file beside the task with "
+                            f"eval.sets.<name>.path={self.data.test_path}")
         if self.data.train_path is None and self.data.task is not None:
             problems += _task_problems(self.data, self.reward.name, self.model.path is None)
         elif "task" in self.data.model_fields_set and self.data.task not in (None, "countdown"):

@@ -136,7 +136,7 @@ def test_a_second_config_file_is_named_as_one(capsys, tmp_path):
     ("train.jsonl", b'{"question": "1+1", "answer": "2"}\n{"question": "2+2", "answer": "4"}\n',
      "this looks like a data file, not a config; pass it as data.train_path="),
     ("rows.yaml", b'{"question": "1+1", "answer": "2"}\n{"question": "2+2", "answer": "4"}\n',
-     "this looks like a JSONL data file, not a config; pass it as data.train_path="),
+     "this looks like a JSONL data file, not a config; data files are named .jsonl or .parquet: rename it (mv "),
     ("one.json", b'{"question": "1+1", "answer": "2"}\n', "this looks like a data file (a row with question, answer)"),
     ("train.parquet", b"PAR1\x15\x04\x15\x80\x01\x15\x90\x01\x00\x00\xff\xfe", "this looks like a Parquet data file"),
     ("data", gzip.compress(b'{"question": "1+1"}\n'), "this looks like a compressed data file"),
@@ -230,3 +230,39 @@ def test_the_compile_cache_dir_is_absolute_with_home_expanded():
     assert home == str(Path.home() / "inductor")
     assert load_config(None, ["learner.compile_cache_dir=/shared/c"]).learner.compile_cache_dir == "/shared/c"
     assert load_config(None, []).learner.compile_cache_dir is None
+
+
+@pytest.mark.parametrize("text, field, value", [("name: on\n", "name", "true"), ("data: {question_field: no}\n",
+                                                                               "data.question_field", "false")])
+def test_a_text_field_given_yaml_s_yes_no_on_off_says_to_quote_it(capsys, tmp_path, text, field, value):
+    f = tmp_path / "spec.yaml"
+    f.write_text(text)
+    err = refused(capsys, str(f))
+    assert f"{field}: text expected, but YAML read the value as the boolean {value}" in err and "quote it" in err, err
+    assert "Input should be a valid string" not in err
+    quoted = f.read_text().replace(": on", ": 'on'").replace(": no", ": 'no'")
+    f.write_text(quoted)
+    cfg = load_config(f)  # quoted, as the message says: text
+    assert (cfg.name if field == "name" else cfg.data.question_field) in ("on", "no")
+
+
+def test_a_list_of_rows_given_as_the_config_gets_a_command_that_makes_a_data_file(capsys, tmp_path):
+    """The advice works as written: the command converts the rows to JSON Lines, which data.train_path reads."""
+    import shlex
+    import subprocess
+
+    rows = tmp_path / "list.yaml"
+    rows.write_text('- {question: "1+1", answer: "2"}\n- {question: "2+2", answer: "4"}\n')
+    err = refused(capsys, str(rows))
+    assert "this looks like a data file (a list of rows), not a config; data files are JSON Lines" in err, err
+    command = err.split("convert it with ", 1)[1].split(" and pass ")[0]
+    assert err.rstrip().endswith(f"pass data.train_path={tmp_path / 'list.jsonl'}"), err
+    subprocess.run(command, shell=True, check=True, cwd=tmp_path)
+    capsys.readouterr()
+    assert main(["config", f"data.train_path={tmp_path / 'list.jsonl'}", "reward.name=exact"]) == 0, \
+        capsys.readouterr().err
+    from common.data import read_rows
+
+    assert [r for _, r in read_rows(tmp_path / "list.jsonl")] == [{"question": "1+1", "answer": "2"},
+                                                                   {"question": "2+2", "answer": "4"}]
+    assert shlex.split(command)[0] == __import__("sys").executable
