@@ -7,6 +7,7 @@ loads the engine itself.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -42,11 +43,13 @@ class EvalResult:
     response_length_mean: float = 0.0  # tokens per sampled response
     reasoning_checked: int = 0  # correct sampled responses whose reasoning the task checked
     valid_given_correct: float = float("nan")  # share of those with valid reasoning (the task's exact check)
+    pass_at_1_se: float = float("nan")  # pass@1's standard error over the sampled responses (`pass_at_1_se`)
 
     def table(self, model: str, name: str = "") -> str:
         rows = [("model", model), *([("set", name)] if name else []), ("questions", str(self.questions)),
                 ("greedy accuracy", f"{self.greedy_accuracy:.3f}"),
-                (f"pass@1 (T={self.temperature}, {self.k} samples)", f"{self.pass_at_1:.3f}"),
+                (f"pass@1 (T={self.temperature}, {self.k} samples)", f"{self.pass_at_1:.3f}"
+                 + (f" (SE {self.pass_at_1_se:.3f})" if not math.isnan(self.pass_at_1_se) else "")),
                 (f"pass@{self.k}", f"{self.pass_at_k:.3f}"),
                 ("mean response length", f"{self.response_length_mean:.1f} tokens"),
                 *([("valid reasoning | correct", f"{self.valid_given_correct:.3f} of {self.reasoning_checked}")]
@@ -57,12 +60,15 @@ class EvalResult:
 
     def metrics(self, name: str = "") -> dict[str, float]:
         """MLflow metrics under `eval/<name>/` (the held-out split, no name: `eval/`): pass_at_1 (= mean@k),
-        mean_at_<k>, pass_at_<k>, greedy_accuracy, response_length_mean, questions; where the task checks
-        reasoning, valid_given_correct (share of correct sampled responses whose every reasoning step holds)."""
+        pass_at_1_se (its standard error, `pass_at_1_se`; not with one sample), mean_at_<k>, pass_at_<k>,
+        greedy_accuracy, response_length_mean, questions; where the task checks reasoning, valid_given_correct
+        (share of correct sampled responses whose every reasoning step holds)."""
         p = f"eval/{name}/" if name else "eval/"
         out = {f"{p}greedy_accuracy": self.greedy_accuracy, f"{p}pass_at_1": self.pass_at_1,
                f"{p}mean_at_{self.k}": self.pass_at_1, f"{p}pass_at_{self.k}": self.pass_at_k,
                f"{p}response_length_mean": self.response_length_mean, f"{p}questions": float(self.questions)}
+        if not math.isnan(self.pass_at_1_se):
+            out[f"{p}pass_at_1_se"] = self.pass_at_1_se
         if self.reasoning_checked:
             out[f"{p}valid_given_correct"] = self.valid_given_correct
         return out
@@ -95,11 +101,24 @@ def evaluate_engine(engine, pool, questions, *, samples: int, temperature: float
         questions=len(questions),
         greedy_accuracy=float(np.mean([g[0][0] for g in greedy])) if questions else 0.0,
         pass_at_1=float(correct.mean()) if questions else 0.0,
+        pass_at_1_se=pass_at_1_se(correct) if questions else float("nan"),
         pass_at_k=float(correct.max(axis=1).mean()) if questions else 0.0,
         k=samples, temperature=temperature, seconds=time.monotonic() - t0,
         response_length_mean=float(np.mean(lengths)) if lengths else 0.0,
         reasoning_checked=len(checks), valid_given_correct=float(np.mean(checks)) if checks else float("nan"),
     )
+
+
+def pass_at_1_se(correct: np.ndarray) -> float:
+    """The standard error of pass@1 (the mean of `correct`, [Q questions, k samples]) from sampling the responses,
+    the questions held fixed: sqrt(sum_i s_i^2 / k) / Q, s_i^2 = k/(k-1) p_i (1-p_i) the unbiased variance of
+    question i's k outcomes. This is the noise two runs evaluated on the same questions differ by; it shrinks
+    as 1/sqrt(k). nan with one sample (no variance within a question to measure)."""
+    q, k = correct.shape
+    if k < 2:
+        return float("nan")
+    p = correct.mean(axis=1)  # [Q]
+    return float(np.sqrt(np.sum(p * (1 - p)) / (k - 1)) / q)
 
 
 def _score(pool, questions, outputs, threshold: float) -> list[tuple[list[bool], list[int]]]:

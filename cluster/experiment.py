@@ -13,20 +13,18 @@ Details (the spec, the budget, the results): docs/internals.md#clusterexperiment
 from __future__ import annotations
 
 import json
-import math
 import re
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from cluster.experiment_results import RunResult, collect, plot, table
 
 BUNDLED = Path(__file__).resolve().parent / "experiments"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -49,6 +47,8 @@ class ExperimentSpec(BaseModel):
     """Variant name -> its overrides ({} = the defaults)."""
     run_timeout_s: float = Field(6 * 3600, gt=0)
     """A run still going after this long is killed and reported as failed (its own stall limits come first)."""
+    reference: str | None = None
+    """The variant every other is compared with (paired differences by seed, with 95% intervals); None: the first."""
 
     @field_validator("name")
     @classmethod
@@ -75,23 +75,13 @@ class ExperimentSpec(BaseModel):
             raise ValueError(f"variant names {bad}: use letters, digits, '.', '_' and '-'")
         return v
 
-
-@dataclass
-class RunResult:
-    variant: str
-    seed: int
-    name: str
-    ok: bool
-    wall_s: float = 0.0
-    rollouts: float = float("nan")
-    final_pass1: float = float("nan")
-    best_pass1: float = float("nan")
-    final_greedy: float = float("nan")
-    curve: list[tuple[float, float]] = field(default_factory=list)  # (rollouts, held-out pass@1)
-    mechanism: dict[str, float] = field(default_factory=dict)  # what the buffer did (see MECHANISM)
-    costs: dict[str, float] = field(default_factory=dict)  # what the learner and publications cost (see COSTS)
-    loss: dict[str, float] = field(default_factory=dict)  # what the policy loss did (see LOSS)
-    error: str = ""
+    @field_validator("reference")
+    @classmethod
+    def _reference_is_a_variant(cls, v: str | None, info: ValidationInfo) -> str | None:
+        variants = info.data.get("variants") or {}
+        if v is not None and variants and v not in variants:
+            raise ValueError(f"{v!r} is not a variant (variants: {', '.join(variants)})")
+        return v
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -122,8 +112,38 @@ def load_spec(path_or_name: str) -> ExperimentSpec:
         raise SpecError([str(e)]) from None
     except ValidationError as e:
         raise SpecError(_spec_problems(p, raw, e)) from None
+    owned = _experiment_keys(spec)
+    if owned:
+        raise SpecError(owned)
     _check_variants(spec)
     return spec
+
+
+SET_BY_EXPERIMENT = {
+    "name": "each run is named <spec name>-<variant>-s<seed>: set the spec's `name`",
+    "seed": "set from the spec's `seeds` list, with buffer.seed, learner.seed and generator.seed",
+    "total_rollouts": "every run's budget: set the spec's `budget_rollouts`",
+    "checkpoint.runs_root": "the runs go under `exgrpo experiment --runs-root DIR`",
+    "tracking.parent_run_id": "every run is nested under the experiment's own parent run",
+    "tracking.log_plots": "off in every run: the experiment draws its own plot",
+} | dict.fromkeys(("buffer.seed", "learner.seed", "generator.seed"),
+                  "set from the spec's `seeds` list, with seed")
+"""Keys `train_command` sets in every run (after the spec's overrides, so a spec's own value would be dropped)."""
+
+
+def _experiment_keys(spec: ExperimentSpec) -> list[str]:
+    """One line per override in `base` or a variant that sets a key the experiment sets itself."""
+    def dotted(values: dict[str, Any], prefix: str = "") -> list[str]:
+        keys = []
+        for k, v in values.items():
+            keys.append(prefix + str(k))
+            if isinstance(v, dict):  # `checkpoint: {runs_root: x}` reaches the same key
+                keys += dotted(v, f"{prefix}{k}.")
+        return keys
+
+    where = [("base", spec.base)] + [(f"variants.{v}", o) for v, o in spec.variants.items()]
+    return [f"{w}: {k}: set by the experiment ({SET_BY_EXPERIMENT[k]})"
+            for w, values in where for k in dotted(values) if k in SET_BY_EXPERIMENT]
 
 
 def _spec_problems(p: Path, raw: Any, err: ValidationError) -> list[str]:
@@ -144,6 +164,9 @@ def _spec_problems(p: Path, raw: Any, err: ValidationError) -> list[str]:
             lines.append(f"{where}: unknown field" + (f"; did you mean {close[0]}?" if close else f"; {form}"))
         elif e["type"] == "missing" and len(e["loc"]) == 1:
             lines.append(f"{where}: missing: {fields[where].description or 'required'}")
+        elif e["type"] == "string_type" and isinstance(e["input"], bool):
+            lines.append(f"{where}: YAML read this as the boolean {str(e['input']).lower()} (unquoted on, off, yes, "
+                         "no, true and false are booleans); quote it, e.g. name: 'on'")
         else:
             lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
     return lines
@@ -221,7 +244,8 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out:
     state = _state(folder)
     if state.get("status") == "FINISHED" and not rerun:
         print(f"[experiment] {name}: finished earlier, reusing it", file=sys.stderr, flush=True)
-        return collect(runs_root, variant, seed, name, wall_s=float(state.get("wall_s", float("nan"))))
+        return collect(runs_root, variant, seed, name, state.get("mlflow_run_id"),
+                       wall_s=float(state.get("wall_s", float("nan"))))
     if folder.exists():
         import shutil
 
@@ -243,128 +267,7 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out:
                          error=f"exit {rc}: {tail[-1] if tail else 'no output'} (see {log_path})")
     _update_state(folder, wall_s=wall)
     print(f"[experiment] {name}: done in {wall:.0f}s", file=sys.stderr, flush=True)
-    return collect(runs_root, variant, seed, name, wall_s=wall)
-
-
-def collect(runs_root: Path, variant: str, seed: int, name: str, wall_s: float) -> RunResult:
-    """A finished run's held-out curve and totals, read back from its MLflow run."""
-    from mlflow.tracking import MlflowClient
-
-    from cluster.tracking import default_tracking_uri
-
-    run_id = _state(runs_root / name).get("mlflow_run_id")
-    if not run_id:
-        return RunResult(variant, seed, name, ok=False, wall_s=wall_s, error="no MLflow run recorded")
-    client = MlflowClient(tracking_uri=default_tracking_uri(str(runs_root)))
-    rollouts_at = {m.step: m.value for m in client.get_metric_history(run_id, "train/rollouts_total")}
-    evals = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval/pass_at_1"))
-    greedy = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval/greedy_accuracy"))
-    if not evals:
-        return RunResult(variant, seed, name, ok=False, wall_s=wall_s,
-                         error="no held-out evaluation logged (set eval.every_steps in the spec's base)")
-    curve = [(rollouts_at.get(step, 0.0), v) for step, v in evals]
-    return RunResult(variant, seed, name, ok=True, wall_s=wall_s, rollouts=max(rollouts_at.values(), default=0.0),
-                     final_pass1=evals[-1][1], best_pass1=max(v for _, v in evals),
-                     final_greedy=greedy[-1][1] if greedy else float("nan"), curve=curve,
-                     mechanism=_mechanism(client, run_id), costs=_costs(client, run_id), loss=_loss(client, run_id))
-
-
-MECHANISM = {
-    "switch_step": "mixed mode on from step",
-    "fresh_groups": "fresh groups trained",
-    "mixed_groups": "mixed groups trained",
-    "retired": "questions retired",
-    "zero_signal": "groups with no signal",
-    "replay_tokens": "replayed-token share",
-    "valid_heldout": "held-out valid given correct",
-    "valid_fresh": "fresh valid given correct",
-    "valid_chosen": "o* valid",
-    "valid_candidates": "candidates valid",
-    "entropy_valid_corr": "corr(entropy, valid)",
-}
-"""Per run, read back from MLflow: what replay changed. A fresh group is a question issued as new (its count
-bounds the distinct questions seen in a first epoch); a group with no signal has all rewards equal (o*
-included), so its advantage is 0; the replayed-token share is o*'s tokens over all tokens trained. The switch
-step is left out (—) for a run that replayed nothing: GRPO's buffer switches too, but has nothing to replay.
-Where the task checks reasoning (think_arith: every equation of the reasoning holds): the share of correct
-responses with valid reasoning on the held-out set (last evaluation) and among fresh training rollouts (whole
-run); for mixed groups, the share of chosen o* with valid reasoning against the mean share over the candidates
-it was chosen from (what a random choice gives), and the mean per-step correlation between a scored
-candidate's entropy and its validity (negative: lower entropy, more often valid)."""
-
-
-COSTS = {
-    "publication_mb": "MB per publication",
-    "publish_blocking_s": "publication s (rank 0 busy)",
-    "step_s": "learner step s",
-    "peak_gib": "learner peak GiB",
-}
-"""Per run, read back from MLflow: the mean bytes a publication carried (`weights/bytes_full`: the whole model, or
-the adapters with `learner.lora`), the mean seconds learner rank 0 was busy publishing, the mean learner step
-time, and the learner's peak memory (`learner/peak_memory_gib`: the largest rank's CUDA max allocated, or its peak
-RSS on the CPU)."""
-
-
-LOSS = {
-    "clip_frac": "fresh tokens clipped or gated",
-    "fresh_ratio_mean": "fresh importance weight",
-    "replay_clip_frac": "replayed tokens clipped or gated",
-    "replay_weight_mean": "replayed weight",
-}
-"""Per run, the mean over its steps of the policy loss's own metrics (`learner/clip_frac`, ...): the share of fresh
-tokens whose clip or gate acted (docs/algorithm.md, Policy losses, says what each loss counts), the mean importance
-weight of fresh tokens (gspo: the row's sequence ratio), and the same for replayed tokens (clipped or gated only
-with learner.replay_loss=policy_loss: — under shaping). Printed when a spec varies the loss
-(`LOSS_KEYS`)."""
-
-LOSS_KEYS = ("learner.policy_loss", "learner.replay_loss", "learner.loss_agg", "learner.shaping_beta",
-             "learner.clip_low", "learner.clip_high", "learner.clip_fresh")
-
-
-def _loss(client, run_id: str) -> dict[str, float]:
-    def mean(key: str) -> float:
-        xs = _finite([m.value for m in client.get_metric_history(run_id, f"learner/{key}")])
-        return statistics.fmean(xs) if xs else float("nan")
-
-    return {key: mean(key) for key in LOSS}
-
-
-def _costs(client, run_id: str) -> dict[str, float]:
-    def mean(key: str, scale: float = 1.0) -> float:
-        xs = _finite([m.value for m in client.get_metric_history(run_id, key)])
-        return statistics.fmean(xs) * scale if xs else float("nan")
-
-    peak = _finite([m.value for m in client.get_metric_history(run_id, "learner/peak_memory_gib")])
-    return {"publication_mb": mean("weights/bytes_full", 1e-6), "publish_blocking_s": mean("weights/publish_blocking_s"),
-            "step_s": mean("learner/step_time_s"), "peak_gib": max(peak) if peak else float("nan")}
-
-
-def _mechanism(client, run_id: str) -> dict[str, float]:
-    def history(key: str) -> list:
-        return client.get_metric_history(run_id, key)
-
-    m = client.get_run(run_id).data.metrics
-    on = [x.step for x in history("train/mixed_mode") if x.value > 0]
-    trained, mixed = m.get("buffer/trained", 0.0), m.get("buffer/trained_mixed", 0.0)
-    replay = sum(x.value for x in history("learner/replay_tokens"))
-    both = replay + sum(x.value for x in history("learner/fresh_tokens"))
-    nan = float("nan")
-
-    def weighted(key: str) -> float:  # a per-step share, weighted by the groups it was measured on
-        w = {x.step: x.value for x in history("learner/replay_valid_groups")}
-        pairs = [(x.value, w.get(x.step, 0.0)) for x in history(key) if not math.isnan(x.value)]
-        total = sum(n for _, n in pairs)
-        return sum(v * n for v, n in pairs) / total if total else nan
-
-    corr = _finite([x.value for x in history("learner/entropy_valid_corr")])
-    return {"switch_step": float(min(on)) if on and mixed else nan, "fresh_groups": trained - mixed,
-            "mixed_groups": mixed, "retired": m.get("buffer/retired", 0.0),
-            "zero_signal": m.get("buffer/zero_signal_seen", 0.0) / trained if trained else nan,
-            "replay_tokens": replay / both if both else nan,
-            "valid_heldout": m.get("eval/valid_given_correct", nan), "valid_fresh": m.get("generator/valid_given_correct", nan),
-            "valid_chosen": weighted("learner/replay_valid_chosen"),
-            "valid_candidates": weighted("learner/replay_valid_candidates"),
-            "entropy_valid_corr": statistics.fmean(corr) if corr else nan}
+    return collect(runs_root, variant, seed, name, _state(folder).get("mlflow_run_id"), wall_s=wall)
 
 
 def _state(folder: Path) -> dict:
@@ -379,93 +282,6 @@ def _update_state(folder: Path, **kv: Any) -> None:
     if s:
         s.update(kv)
         (folder / "state.json").write_text(json.dumps(s, indent=2))
-
-
-# ------------------------------------------------------------------------------------------ results
-
-
-def _finite(xs: list[float]) -> list[float]:
-    return [x for x in xs if not math.isnan(x)]
-
-
-def _mean_sd(xs: list[float]) -> str:
-    xs = _finite(xs)
-    if not xs:
-        return "—"
-    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{statistics.fmean(xs):.3f} ± {sd:.3f}"
-
-
-def _means_table(spec: ExperimentSpec, results: list[RunResult], title: str, columns: dict[str, str],
-                 values: Callable[[RunResult], dict[str, float]], fmt: Callable[[str, float], str]) -> list[str]:
-    """A table of per-variant means over the successful runs (— where no run measured a column)."""
-    rows = ["", f"{title} (mean over seeds):", "",
-            "| variant | " + " | ".join(columns.values()) + " |", "|---" * (len(columns) + 1) + "|"]
-    for variant in spec.variants:
-        ok = [r for r in results if r.variant == variant and r.ok]
-        cells = []
-        for key in columns:
-            xs = _finite([values(r).get(key, float("nan")) for r in ok])
-            cells.append(fmt(key, statistics.fmean(xs)) if xs else "—")
-        rows.append(f"| {variant} | " + " | ".join(cells) + " |")
-    return rows
-
-
-def table(spec: ExperimentSpec, results: list[RunResult]) -> str:
-    rows = ["| variant | runs | final pass@1 | best pass@1 | final greedy | rollouts | wall s |",
-            "|---|---|---|---|---|---|---|"]
-    for variant in spec.variants:
-        mine = [r for r in results if r.variant == variant]
-        ok = [r for r in mine if r.ok]
-        failed = f" ({len(mine) - len(ok)} failed)" if len(ok) < len(mine) else ""
-        rows.append(f"| {variant} | {len(ok)}{failed} | {_mean_sd([r.final_pass1 for r in ok])} | "
-                    f"{_mean_sd([r.best_pass1 for r in ok])} | {_mean_sd([r.final_greedy for r in ok])} | "
-                    f"{statistics.fmean([r.rollouts for r in ok]) if ok else float('nan'):.0f} | "
-                    f"{statistics.fmean([r.wall_s for r in ok]) if ok else float('nan'):.0f} |")
-    counts = ("switch_step", "fresh_groups", "mixed_groups", "retired")
-    rows += _means_table(spec, results, "What the buffer did", MECHANISM, lambda r: r.mechanism,
-                         lambda key, x: f"{x:.0f}" if key in counts else f"{x:.2f}")
-    rows += _means_table(spec, results, "What it cost", COSTS, lambda r: r.costs, lambda key, x: f"{x:.3g}")
-    if any(k.startswith(LOSS_KEYS) for v in [spec.base, *spec.variants.values()] for k in v):
-        rows += _means_table(spec, results, "What the policy loss did", LOSS, lambda r: r.loss,
-                             lambda key, x: f"{x:.3f}")
-    for r in results:
-        if not r.ok:
-            rows.append(f"\n{r.name} failed: {r.error}")
-    return "\n".join(rows)
-
-
-def plot(spec: ExperimentSpec, results: list[RunResult], path: Path) -> Path | None:
-    """Held-out pass@1 against generated rollouts: mean over seeds, band = min..max over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    drawn = False
-    for variant in spec.variants:
-        curves = [r.curve for r in results if r.variant == variant and r.ok and r.curve]
-        if not curves:
-            continue
-        grid = np.linspace(max(c[0][0] for c in curves), min(c[-1][0] for c in curves), 50)  # no extrapolation
-        ys = np.array([np.interp(grid, [x for x, _ in c], [y for _, y in c]) for c in curves])  # [seeds, 50]
-        ax.plot(grid, ys.mean(0), label=f"{variant} ({len(curves)} seeds)")
-        ax.fill_between(grid, ys.min(0), ys.max(0), alpha=0.2)
-        drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set_xlabel("generated rollouts trained on")
-    ax.set_ylabel("held-out pass@1")
-    ax.set_title(f"{spec.name}: held-out pass@1 at equal rollouts")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -483,9 +299,30 @@ def select_variants(spec: ExperimentSpec, names: list[str] | None) -> Experiment
     return spec.model_copy(update={"variants": {k: v for k, v in spec.variants.items() if k in names}})
 
 
+def runs_root_problem(root: Path) -> str | None:
+    """Why `--runs-root` cannot hold the experiment's folders (a file on the way, a folder refusing a new one), as
+    `exgrpo train` refuses such a checkpoint.runs_root; None when it can."""
+    import os
+    import tempfile
+
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir():
+        return f"--runs-root: {existing} is a file, not a folder; point --runs-root at a folder"
+    try:  # a folder made and removed: what the experiment will do (permission bits do not tell for root)
+        os.rmdir(tempfile.mkdtemp(prefix=".exgrpo-check-", dir=existing))
+    except OSError as e:
+        return f"--runs-root: cannot create {root}: {existing} refuses a new folder ({e.strerror}); point --runs-root " \
+               "at a writable folder"
+    return None
+
+
 def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, variants: list[str] | None = None) -> int:
     """`exgrpo experiment`: returns the exit code (0 all runs finished, 1 some failed, 2 bad spec). `variants`:
     run only these of the spec's (`select_variants`); their run folders are the same as in a whole run's."""
+    problem = runs_root_problem(Path(runs_root).expanduser())
+    if problem:
+        print(f"exgrpo experiment: {problem}", file=sys.stderr)
+        return 2
     try:
         spec = select_variants(load_spec(spec_arg), variants)
         check_inputs(spec)  # every variant's start checks, before any run starts

@@ -1,9 +1,10 @@
-"""`exgrpo experiment`: spec checks (fast) and a short real experiment (two variants, one seed,
-a two-step rollout budget) that writes its table, plot and nested MLflow runs. It never asserts
-which variant wins."""
+"""`exgrpo experiment`: spec checks (fast), the paired differences and their intervals (worked by hand), and a
+short real experiment (two variants, one seed, a two-step rollout budget) that writes its table, plot and nested
+MLflow runs. It never asserts which variant wins."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,9 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.experiment import BUNDLED, SpecError, load_spec, overrides, select_variants
+from cluster.experiment import BUNDLED, SpecError, load_spec, overrides, runs_root_problem, select_variants
+from cluster.experiment_results import RunResult, differences, table
+from cluster.experiment_stats import paired_difference, t_quantile
 from tests.cluster.runs import ROOT, mlflow_client
 
 
@@ -120,7 +123,7 @@ def test_an_unreadable_spec_is_answered_with_its_file_and_line(tmp_path, content
 def test_an_empty_spec_and_a_misspelt_key_are_answered_in_the_spec_s_terms(tmp_path):
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(SpecError, match=r"empty.yaml: empty; a spec is a mapping of name, budget_rollouts, seeds, "
-                                        r"base, variants, run_timeout_s \(name, budget_rollouts, seeds, variants "
+                                        r"base, variants, run_timeout_s, reference \(name, budget_rollouts, seeds, variants "
                                         r"required; cluster/experiments/ablations.yaml is one\)"):
         load_spec(str(tmp_path / "empty.yaml"))
     with pytest.raises(SpecError) as e:
@@ -135,3 +138,114 @@ def test_experiment_help_lists_the_bundled_specs_and_the_defaults():
     text = " ".join(p.stdout.split())
     assert p.returncode == 0 and "(default: runs)" in text and "(default: 1)" in text, p.stdout
     assert all(f.stem in text for f in BUNDLED.glob("*.yaml")), p.stdout
+
+
+# ------------------------------------------------------------------------------ statistics (worked by hand)
+
+
+def test_the_t_quantile_matches_its_closed_forms_and_the_table():
+    # df 1 is the Cauchy distribution: P(T <= q) = 1/2 + atan(q)/pi, so q = tan(pi * (0.975 - 0.5)) = 12.7062
+    assert t_quantile(0.975, 1) == pytest.approx(math.tan(0.475 * math.pi), abs=1e-8)
+    assert t_quantile(0.975, 1) == pytest.approx(12.7062, abs=1e-4)
+    # df 2: P(|T| <= q) = q / sqrt(q^2 + 2) = 0.95, so q = sqrt(2 * 0.95^2 / (1 - 0.95^2)) = sqrt(18.5128) = 4.3027
+    assert t_quantile(0.975, 2) == pytest.approx(math.sqrt(2 * 0.9025 / 0.0975), abs=1e-8)
+    # printed tables (two-sided 95%): df 3, 4, 10, 30; a large df tends to the normal's 1.95996
+    for df, q in [(3, 3.1824), (4, 2.7764), (10, 2.2281), (30, 2.0423), (2000, 1.9612)]:
+        assert t_quantile(0.975, df) == pytest.approx(q, abs=1e-4), df
+    assert t_quantile(0.5, 5) == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match="0.5 <= p < 1"):
+        t_quantile(0.3, 3)
+
+
+def test_a_paired_difference_and_its_interval_worked_by_hand():
+    # d = 0.01, 0.03, 0.02: mean 0.02, sd 0.01, SE 0.01/sqrt(3) = 0.005774; t(0.975, 2) = 4.3027:
+    # half-width 0.024841, interval [-0.004841, 0.044841]: holds 0
+    a, b = {0: 0.56, 1: 0.58, 2: 0.57}, {0: 0.55, 1: 0.55, 2: 0.55}
+    d = paired_difference("a", "b", a, b)
+    assert (d.seeds, d.mean, d.lo, d.hi) == pytest.approx((3, 0.02, -0.004841, 0.044841), abs=2e-6)
+    assert not d.beyond_noise and d.line() == "a − b = +0.020 [−0.005, +0.045] (3 seeds): within noise"
+    # d = 0.04, 0.05, 0.06, 0.05: mean 0.05, sd sqrt(2e-4 / 3) = 0.0081650, SE 0.0040825; t(0.975, 3) = 3.18245:
+    # half-width 0.012992, interval [0.037008, 0.062992]. Unpaired, the two variants' seed sds (0.12 and 0.13)
+    # would swamp it: pairing by seed cancels what the runs of one seed share.
+    a, b = {0: 0.44, 1: 0.65, 2: 0.36, 3: 0.55}, {0: 0.40, 1: 0.60, 2: 0.30, 3: 0.50}
+    d = paired_difference("exgrpo", "grpo", a, b)
+    assert (d.mean, d.lo, d.hi) == pytest.approx((0.05, 0.037008, 0.062992), abs=2e-6)
+    assert d.beyond_noise and d.line() == "exgrpo − grpo = +0.050 [+0.037, +0.063] (4 seeds)"
+    # negative, beyond noise: the same with the roles swapped
+    assert paired_difference("grpo", "exgrpo", b, a).line() == "grpo − exgrpo = −0.050 [−0.063, −0.037] (4 seeds)"
+    # only seeds both have count (a failed run is absent, a nan left out); one seed: no interval; none: None
+    d = paired_difference("a", "b", {0: 0.5, 1: 0.7, 2: float("nan")}, {0: 0.4, 2: 0.5, 3: 0.6})
+    assert d.seeds == 1 and d.line() == "a − b = +0.100 (1 seed: no interval)"
+    assert paired_difference("a", "b", {0: 0.5}, {1: 0.5}) is None
+
+
+def run(variant: str, seed: int, final: float, se: float = float("nan"), ok: bool = True) -> RunResult:
+    return RunResult(variant, seed, f"t-{variant}-s{seed}", ok=ok, rollouts=100, final_pass1=final, best_pass1=final,
+                     final_greedy=final, final_se=se)
+
+
+def test_the_report_prints_the_verdict_lines_and_the_evaluation_s_se(tmp_path):
+    spec = load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0, 1, 2], variants={
+        "exgrpo": {}, "grpo": {"buffer.replay_ratio": 0}, "plain": {"buffer.retire": False}})))
+    results = [run("exgrpo", 0, 0.55, 0.006), run("exgrpo", 1, 0.57, 0.008), run("exgrpo", 2, 0.56),
+               run("grpo", 0, 0.56), run("grpo", 1, 0.60), run("grpo", 2, 0.58),  # d = 0.01, 0.03, 0.02
+               run("plain", 0, 0.60), run("plain", 1, 0.62), run("plain", 2, 0.0, ok=False)]  # d = 0.05, 0.05
+    # grpo - exgrpo: the first test's numbers, [-0.005, +0.045]; plain - exgrpo: 2 seeds, d = 0.05, 0.05: sd 0,
+    # interval [0.05, 0.05]; best (plain, mean 0.61) against the runner-up (grpo, 0.58): d = 0.04, 0.02 on seeds
+    # 0 and 1: mean 0.03, sd 0.014142, SE 0.01, t(0.975, 1) = 12.7062: [-0.097, +0.157]
+    assert differences(spec, results) == [
+        "", "Paired differences of final pass@1 (runs of one seed share the data order and the evaluation questions; "
+        "95% t interval over seeds):", "",
+        "- grpo − exgrpo = +0.020 [−0.005, +0.045] (3 seeds): within noise",
+        "- plain − exgrpo = +0.050 [+0.050, +0.050] (2 seeds)",
+        "- best against the runner-up: plain − grpo = +0.030 [−0.097, +0.157] (2 seeds): within noise"]
+    text = table(spec, results)
+    # the evaluation's SE: root mean square over the runs that logged it, sqrt((0.006^2 + 0.008^2) / 2) = 0.00707
+    assert "| exgrpo | 3 | 0.560 ± 0.010 | 0.007 |" in text and "| plain | 2 (1 failed) | 0.610 ± 0.014 | — |" in text
+    # another reference: every line is against it; one that is not a variant is refused
+    other = spec.model_copy(update={"reference": "grpo"})
+    assert differences(other, results)[3] == "- exgrpo − grpo = −0.020 [−0.045, +0.005] (3 seeds): within noise"
+    assert differences(select_variants(other, ["exgrpo", "plain"]), results)[3].startswith("- plain − exgrpo")
+    with pytest.raises(SpecError, match=r"reference: 'ppo' is not a variant \(variants: a\)"):
+        load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}}, reference="ppo")))
+
+
+# ------------------------------------------------------------------------------ what the experiment owns
+
+
+def test_a_variant_or_base_that_sets_what_the_experiment_sets_is_refused(tmp_path):
+    spec = dict(name="t", budget_rollouts=10, seeds=[0], base={"seed": 3},
+                variants={"a": {"name": "mine", "total_rollouts": 5}, "b": {"checkpoint": {"runs_root": "/x"}},
+                          "c": {"learner.seed": 1}})
+    with pytest.raises(SpecError) as e:
+        load_spec(write(tmp_path, spec))
+    assert e.value.lines == [
+        "base: seed: set by the experiment (set from the spec's `seeds` list, with buffer.seed, learner.seed and "
+        "generator.seed)",
+        "variants.a: name: set by the experiment (each run is named <spec name>-<variant>-s<seed>: set the spec's "
+        "`name`)",
+        "variants.a: total_rollouts: set by the experiment (every run's budget: set the spec's `budget_rollouts`)",
+        "variants.b: checkpoint.runs_root: set by the experiment (the runs go under `exgrpo experiment --runs-root "
+        "DIR`)",
+        "variants.c: learner.seed: set by the experiment (set from the spec's `seeds` list, with seed)"]
+
+
+def test_a_yaml_boolean_where_a_name_belongs_says_to_quote_it(tmp_path):
+    (tmp_path / "s.yaml").write_text("name: on\nbudget_rollouts: 10\nseeds: [0]\nvariants: {a: {}}\n")
+    with pytest.raises(SpecError) as e:
+        load_spec(str(tmp_path / "s.yaml"))
+    assert e.value.lines == ["name: YAML read this as the boolean true (unquoted on, off, yes, no, true and false "
+                             "are booleans); quote it, e.g. name: 'on'"]
+
+
+def test_a_runs_root_that_is_a_file_is_refused_before_anything_runs(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert runs_root_problem(f) == f"--runs-root: {f} is a file, not a folder; point --runs-root at a folder"
+    assert runs_root_problem(f / "sub") == f"--runs-root: {f} is a file, not a folder; point --runs-root at a folder"
+    assert runs_root_problem(tmp_path / "new" / "runs") is None and not (tmp_path / "new").exists()
+    p = subprocess.run([sys.executable, "-m", "cluster.cli", "experiment", "ablations", "--runs-root", str(f)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip() == f"exgrpo experiment: --runs-root: {f} is a file, not a folder; point --runs-root at " \
+                               "a folder"

@@ -1,0 +1,283 @@
+"""Reading an experiment's finished runs back from MLflow, and its report: tables, paired differences, a plot.
+
+Each run gives its held-out curve, its final pass@1 with the evaluation's standard error, and what the buffer,
+the learner and publications did (`MECHANISM`, `COSTS`, `LOSS`). The report prints per-variant means ± seed sd
+and, for every variant against the spec's reference (and the best against the runner-up), the paired difference
+of final pass@1 over seeds with its 95% interval (`cluster.experiment_stats`): the verdict lines.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cluster.experiment_stats import paired_difference
+
+if TYPE_CHECKING:
+    from cluster.experiment import ExperimentSpec
+
+
+@dataclass
+class RunResult:
+    variant: str
+    seed: int
+    name: str
+    ok: bool
+    wall_s: float = 0.0
+    rollouts: float = float("nan")
+    final_pass1: float = float("nan")
+    best_pass1: float = float("nan")
+    final_greedy: float = float("nan")
+    curve: list[tuple[float, float]] = field(default_factory=list)  # (rollouts, held-out pass@1)
+    mechanism: dict[str, float] = field(default_factory=dict)  # what the buffer did (see MECHANISM)
+    costs: dict[str, float] = field(default_factory=dict)  # what the learner and publications cost (see COSTS)
+    loss: dict[str, float] = field(default_factory=dict)  # what the policy loss did (see LOSS)
+    error: str = ""
+    final_se: float = float("nan")  # the final evaluation's standard error of pass@1 (eval/pass_at_1_se)
+
+
+def collect(runs_root: Path, variant: str, seed: int, name: str, run_id: str | None, wall_s: float) -> RunResult:
+    """A finished run's held-out curve and totals, read back from its MLflow run `run_id` (None: none recorded)."""
+    from mlflow.tracking import MlflowClient
+
+    from cluster.tracking import default_tracking_uri
+
+    if not run_id:
+        return RunResult(variant, seed, name, ok=False, wall_s=wall_s, error="no MLflow run recorded")
+    client = MlflowClient(tracking_uri=default_tracking_uri(str(runs_root)))
+    rollouts_at = {m.step: m.value for m in client.get_metric_history(run_id, "train/rollouts_total")}
+    evals = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval/pass_at_1"))
+    greedy = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval/greedy_accuracy"))
+    if not evals:
+        return RunResult(variant, seed, name, ok=False, wall_s=wall_s,
+                         error="no held-out evaluation logged (set eval.every_steps in the spec's base)")
+    curve = [(rollouts_at.get(step, 0.0), v) for step, v in evals]
+    se = {m.step: m.value for m in client.get_metric_history(run_id, "eval/pass_at_1_se")}  # absent: older runs
+    return RunResult(variant, seed, name, ok=True, wall_s=wall_s, rollouts=max(rollouts_at.values(), default=0.0),
+                     final_pass1=evals[-1][1], final_se=se.get(evals[-1][0], float("nan")),
+                     best_pass1=max(v for _, v in evals),
+                     final_greedy=greedy[-1][1] if greedy else float("nan"), curve=curve,
+                     mechanism=_mechanism(client, run_id), costs=_costs(client, run_id), loss=_loss(client, run_id))
+
+
+MECHANISM = {
+    "switch_step": "mixed mode on from step",
+    "fresh_groups": "fresh groups trained",
+    "mixed_groups": "mixed groups trained",
+    "retired": "questions retired",
+    "zero_signal": "groups with no signal",
+    "replay_tokens": "replayed-token share",
+    "valid_heldout": "held-out valid given correct",
+    "valid_fresh": "fresh valid given correct",
+    "valid_chosen": "o* valid",
+    "valid_candidates": "candidates valid",
+    "entropy_valid_corr": "corr(entropy, valid)",
+}
+"""Per run, read back from MLflow: what replay changed. A fresh group is a question issued as new (its count
+bounds the distinct questions seen in a first epoch); a group with no signal has all rewards equal (o*
+included), so its advantage is 0; the replayed-token share is o*'s tokens over all tokens trained. The switch
+step is left out (—) for a run that replayed nothing: GRPO's buffer switches too, but has nothing to replay.
+Where the task checks reasoning (think_arith: every equation of the reasoning holds): the share of correct
+responses with valid reasoning on the held-out set (last evaluation) and among fresh training rollouts (whole
+run); for mixed groups, the share of chosen o* with valid reasoning against the mean share over the candidates
+it was chosen from (what a random choice gives), and the mean per-step correlation between a scored
+candidate's entropy and its validity (negative: lower entropy, more often valid)."""
+
+
+COSTS = {
+    "publication_mb": "MB per publication",
+    "publish_blocking_s": "publication s (rank 0 busy)",
+    "step_s": "learner step s",
+    "peak_gib": "learner peak GiB",
+}
+"""Per run, read back from MLflow: the mean bytes a publication carried (`weights/bytes_full`: the whole model, or
+the adapters with `learner.lora`), the mean seconds learner rank 0 was busy publishing, the mean learner step
+time, and the learner's peak memory (`learner/peak_memory_gib`: the largest rank's CUDA max allocated, or its peak
+RSS on the CPU)."""
+
+
+LOSS = {
+    "clip_frac": "fresh tokens clipped or gated",
+    "fresh_ratio_mean": "fresh importance weight",
+    "replay_clip_frac": "replayed tokens clipped or gated",
+    "replay_weight_mean": "replayed weight",
+}
+"""Per run, the mean over its steps of the policy loss's own metrics (`learner/clip_frac`, ...): the share of fresh
+tokens whose clip or gate acted (docs/algorithm.md, Policy losses, says what each loss counts), the mean importance
+weight of fresh tokens (gspo: the row's sequence ratio), and the same for replayed tokens (clipped or gated only
+with learner.replay_loss=policy_loss: — under shaping). Printed when a spec varies the loss
+(`LOSS_KEYS`)."""
+
+LOSS_KEYS = ("learner.policy_loss", "learner.replay_loss", "learner.loss_agg", "learner.shaping_beta",
+             "learner.clip_low", "learner.clip_high", "learner.clip_fresh")
+
+
+def _loss(client, run_id: str) -> dict[str, float]:
+    def mean(key: str) -> float:
+        xs = _finite([m.value for m in client.get_metric_history(run_id, f"learner/{key}")])
+        return statistics.fmean(xs) if xs else float("nan")
+
+    return {key: mean(key) for key in LOSS}
+
+
+def _costs(client, run_id: str) -> dict[str, float]:
+    def mean(key: str, scale: float = 1.0) -> float:
+        xs = _finite([m.value for m in client.get_metric_history(run_id, key)])
+        return statistics.fmean(xs) * scale if xs else float("nan")
+
+    peak = _finite([m.value for m in client.get_metric_history(run_id, "learner/peak_memory_gib")])
+    return {"publication_mb": mean("weights/bytes_full", 1e-6), "publish_blocking_s": mean("weights/publish_blocking_s"),
+            "step_s": mean("learner/step_time_s"), "peak_gib": max(peak) if peak else float("nan")}
+
+
+def _mechanism(client, run_id: str) -> dict[str, float]:
+    def history(key: str) -> list:
+        return client.get_metric_history(run_id, key)
+
+    m = client.get_run(run_id).data.metrics
+    on = [x.step for x in history("train/mixed_mode") if x.value > 0]
+    trained, mixed = m.get("buffer/trained", 0.0), m.get("buffer/trained_mixed", 0.0)
+    replay = sum(x.value for x in history("learner/replay_tokens"))
+    both = replay + sum(x.value for x in history("learner/fresh_tokens"))
+    nan = float("nan")
+
+    def weighted(key: str) -> float:  # a per-step share, weighted by the groups it was measured on
+        w = {x.step: x.value for x in history("learner/replay_valid_groups")}
+        pairs = [(x.value, w.get(x.step, 0.0)) for x in history(key) if not math.isnan(x.value)]
+        total = sum(n for _, n in pairs)
+        return sum(v * n for v, n in pairs) / total if total else nan
+
+    corr = _finite([x.value for x in history("learner/entropy_valid_corr")])
+    return {"switch_step": float(min(on)) if on and mixed else nan, "fresh_groups": trained - mixed,
+            "mixed_groups": mixed, "retired": m.get("buffer/retired", 0.0),
+            "zero_signal": m.get("buffer/zero_signal_seen", 0.0) / trained if trained else nan,
+            "replay_tokens": replay / both if both else nan,
+            "valid_heldout": m.get("eval/valid_given_correct", nan), "valid_fresh": m.get("generator/valid_given_correct", nan),
+            "valid_chosen": weighted("learner/replay_valid_chosen"),
+            "valid_candidates": weighted("learner/replay_valid_candidates"),
+            "entropy_valid_corr": statistics.fmean(corr) if corr else nan}
+
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def _finite(xs: list[float]) -> list[float]:
+    return [x for x in xs if not math.isnan(x)]
+
+
+def _mean_sd(xs: list[float]) -> str:
+    xs = _finite(xs)
+    if not xs:
+        return "—"
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{statistics.fmean(xs):.3f} ± {sd:.3f}"
+
+
+def _means_table(spec: ExperimentSpec, results: list[RunResult], title: str, columns: dict[str, str],
+                 values: Callable[[RunResult], dict[str, float]], fmt: Callable[[str, float], str]) -> list[str]:
+    """A table of per-variant means over the successful runs (— where no run measured a column)."""
+    rows = ["", f"{title} (mean over seeds):", "",
+            "| variant | " + " | ".join(columns.values()) + " |", "|---" * (len(columns) + 1) + "|"]
+    for variant in spec.variants:
+        ok = [r for r in results if r.variant == variant and r.ok]
+        cells = []
+        for key in columns:
+            xs = _finite([values(r).get(key, float("nan")) for r in ok])
+            cells.append(fmt(key, statistics.fmean(xs)) if xs else "—")
+        rows.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def table(spec: ExperimentSpec, results: list[RunResult]) -> str:
+    """The report: per variant, mean ± sd over seeds and the evaluation's SE; the paired differences
+    (`differences`); what the buffer did, what it cost and (where a variant sets the loss) what the loss did."""
+    rows = ["| variant | runs | final pass@1 | eval SE | best pass@1 | final greedy | rollouts | wall s |",
+            "|---" * 8 + "|"]
+    for variant in spec.variants:
+        mine = [r for r in results if r.variant == variant]
+        ok = [r for r in mine if r.ok]
+        failed = f" ({len(mine) - len(ok)} failed)" if len(ok) < len(mine) else ""
+        ses = _finite([r.final_se for r in ok])
+        se = f"{math.sqrt(statistics.fmean(x * x for x in ses)):.3f}" if ses else "—"  # root mean square
+        rows.append(f"| {variant} | {len(ok)}{failed} | {_mean_sd([r.final_pass1 for r in ok])} | {se} | "
+                    f"{_mean_sd([r.best_pass1 for r in ok])} | {_mean_sd([r.final_greedy for r in ok])} | "
+                    f"{statistics.fmean([r.rollouts for r in ok]) if ok else float('nan'):.0f} | "
+                    f"{statistics.fmean([r.wall_s for r in ok]) if ok else float('nan'):.0f} |")
+    rows += differences(spec, results)
+    counts = ("switch_step", "fresh_groups", "mixed_groups", "retired")
+    rows += _means_table(spec, results, "What the buffer did", MECHANISM, lambda r: r.mechanism,
+                         lambda key, x: f"{x:.0f}" if key in counts else f"{x:.2f}")
+    rows += _means_table(spec, results, "What it cost", COSTS, lambda r: r.costs, lambda key, x: f"{x:.3g}")
+    if any(k.startswith(LOSS_KEYS) for v in [spec.base, *spec.variants.values()] for k in v):
+        rows += _means_table(spec, results, "What the policy loss did", LOSS, lambda r: r.loss,
+                             lambda key, x: f"{x:.3f}")
+    for r in results:
+        if not r.ok:
+            rows.append(f"\n{r.name} failed: {r.error}")
+    return "\n".join(rows)
+
+
+def reference_variant(spec: ExperimentSpec) -> str:
+    """The variant the others are compared with: the spec's `reference`, else (or when --variants left it out)
+    the first."""
+    return spec.reference if spec.reference in spec.variants else next(iter(spec.variants))
+
+
+def differences(spec: ExperimentSpec, results: list[RunResult]) -> list[str]:
+    """The verdict lines: each variant's final pass@1 minus the reference's, paired by seed, with its 95% t
+    interval over seeds ("within noise" where it holds 0), then the best variant (highest mean) against the
+    runner-up. Nothing for a one-variant spec."""
+    finals = {v: {r.seed: r.final_pass1 for r in results if r.variant == v and r.ok} for v in spec.variants}
+    if len(finals) < 2:
+        return []
+    ref = reference_variant(spec)
+    lines = ["", "Paired differences of final pass@1 (runs of one seed share the data order and the evaluation "
+             "questions; 95% t interval over seeds):", ""]
+
+    def line(a: str, b: str, prefix: str = "") -> str:
+        d = paired_difference(a, b, finals[a], finals[b])
+        return f"- {prefix}{d.line()}" if d else f"- {prefix}{a} − {b}: no seed where both finished"
+
+    lines += [line(v, ref) for v in finals if v != ref]
+    ranked = sorted((v for v in finals if finals[v]), key=lambda v: -statistics.fmean(finals[v].values()))
+    if len(ranked) >= 2:
+        lines.append(line(ranked[0], ranked[1], "best against the runner-up: "))
+    return lines
+
+
+def plot(spec: ExperimentSpec, results: list[RunResult], path: Path) -> Path | None:
+    """Held-out pass@1 against generated rollouts: mean over seeds, band = min..max over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = False
+    for variant in spec.variants:
+        curves = [r.curve for r in results if r.variant == variant and r.ok and r.curve]
+        if not curves:
+            continue
+        grid = np.linspace(max(c[0][0] for c in curves), min(c[-1][0] for c in curves), 50)  # no extrapolation
+        ys = np.array([np.interp(grid, [x for x, _ in c], [y for _, y in c]) for c in curves])  # [seeds, 50]
+        ax.plot(grid, ys.mean(0), label=f"{variant} ({len(curves)} seeds)")
+        ax.fill_between(grid, ys.min(0), ys.max(0), alpha=0.2)
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("generated rollouts trained on")
+    ax.set_ylabel("held-out pass@1")
+    ax.set_title(f"{spec.name}: held-out pass@1 at equal rollouts")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,89 @@
+"""Paired comparisons of experiment variants: a 95% interval of a difference over seeds (Student t).
+
+Two variants' runs with the same seed share the data order and the evaluation questions, so the per-seed
+difference cancels what they share; the mean of the n differences gets a t interval with n - 1 degrees of
+freedom. The t quantile is computed here (exact for integer degrees of freedom), not taken from scipy.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+
+def t_two_sided(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with `df` >= 1 degrees of freedom, t >= 0: the finite series of Abramowitz &
+    Stegun 26.7.3-4 in theta = atan(t / sqrt(df)) (exact for integer df)."""
+    theta = math.atan(t / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2 == 0:  # sin(theta) * (1 + 1/2 c^2 + 1*3/(2*4) c^4 + ... up to c^(df-2))
+        term, total = 1.0, 1.0
+        for j in range(2, df, 2):
+            term *= c2 * (j - 1) / j
+            total += term
+        return s * total
+    if df == 1:
+        return 2 * theta / math.pi
+    term, total = math.cos(theta), math.cos(theta)  # cos + 2/3 cos^3 + 2*4/(3*5) cos^5 + ... up to cos^(df-2)
+    for j in range(3, df - 1, 2):
+        term *= c2 * (j - 1) / j
+        total += term
+    return 2 / math.pi * (theta + s * total)
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The q with P(T <= q) = p, for 0.5 <= p < 1 (bisection on `t_two_sided` to 1e-10)."""
+    if not 0.5 <= p < 1 or df < 1:
+        raise ValueError(f"t_quantile: need 0.5 <= p < 1 and df >= 1, got p={p}, df={df}")
+    target, lo, hi = 2 * p - 1, 0.0, 1.0
+    while t_two_sided(hi, df) < target:
+        hi *= 2
+    while hi - lo > 1e-10:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_two_sided(mid, df) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class Difference:
+    """`a` - `b` over the seeds both ran: the mean difference and its 95% t interval (nan with one seed)."""
+
+    a: str
+    b: str
+    seeds: int
+    mean: float
+    lo: float
+    hi: float
+
+    @property
+    def beyond_noise(self) -> bool:
+        """The interval excludes 0 (False when there is no interval)."""
+        return self.lo > 0 or self.hi < 0
+
+    def line(self) -> str:
+        """`a − b = +0.031 [+0.004, +0.058] (3 seeds)`, with `: within noise` where the interval holds 0."""
+        head = f"{self.a} − {self.b} = {_signed(self.mean)}"
+        if self.seeds < 2:
+            return f"{head} ({self.seeds} seed: no interval)"
+        verdict = "" if self.beyond_noise else ": within noise"
+        return f"{head} [{_signed(self.lo)}, {_signed(self.hi)}] ({self.seeds} seeds){verdict}"
+
+
+def paired_difference(a: str, b: str, xa: dict[int, float], xb: dict[int, float],
+                      level: float = 0.95) -> Difference | None:
+    """`a` - `b` from per-seed values (seed -> value; nan values left out), paired on the seeds both have: mean
+    of d_s = xa[s] - xb[s], interval mean ± t_{(1+level)/2, n-1} * sd(d) / sqrt(n). None when no seed is shared."""
+    seeds = sorted(s for s in xa.keys() & xb.keys() if not (math.isnan(xa[s]) or math.isnan(xb[s])))
+    d = [xa[s] - xb[s] for s in seeds]
+    if not d:
+        return None
+    mean = statistics.fmean(d)
+    if len(d) < 2:
+        return Difference(a, b, len(d), mean, float("nan"), float("nan"))
+    half = t_quantile((1 + level) / 2, len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+    return Difference(a, b, len(d), mean, mean - half, mean + half)
+
+
+def _signed(x: float) -> str:
+    return f"{x:+.3f}".replace("-", "−")
