@@ -26,16 +26,7 @@ from learner.batching import (BatchError, MicroBatch, Row, batch_rows, collate, 
 from learner.compile_cache import RecompileWatch
 from learner.forward import forward_stats
 from learner.lora import adapters_disabled
-
-
-def loss_options(cfg: LearnerConfig) -> dict:
-    """`loss.policy_loss`'s choice of loss and its band or temperatures, from `learner.policy_loss` and its fields."""
-    band = {"ppo_clip": (cfg.clip_low, cfg.clip_high), "gspo": (cfg.gspo_clip_low, cfg.gspo_clip_high),
-            "cispo": (cfg.cispo_clip_low, cfg.cispo_clip_high), "sapo": (cfg.clip_low, cfg.clip_high)}
-    low, high = band[cfg.policy_loss]
-    return dict(loss=cfg.policy_loss, clip_low=low, clip_high=high, tau_pos=cfg.sapo_tau_pos,
-                tau_neg=cfg.sapo_tau_neg, replay_loss=cfg.replay_loss, seq_mean=cfg.loss_agg == "seq_mean_token_mean",
-                clip_ratio_c=cfg.clip_ratio_c)
+from learner.policy_loss import LossBatch, PolicyLoss, setup_policy_loss
 
 
 def append_eos(rows: list[Row], eos_id: int, max_positions: int) -> int:
@@ -163,7 +154,7 @@ class RankStats:
 
     def add_micro(self, metrics: dict[str, Tensor], parts: dict[str, Tensor], ent: Tensor, mb: MicroBatch,
                   start_logp: Tensor | None = None) -> None:
-        """Queue one micro-batch: `loss.policy_loss`'s metrics and the loss parts (0-d), entropies [R, L-1];
+        """Queue one micro-batch: `policy_loss.PolicyLoss`'s metrics and the loss parts (0-d), entropies [R, L-1];
         `start_logp` [R, L-1]: log-probs at the start of the step (first mini-batch) for `store_logprobs`."""
         replay = mb.replay_mask * mb.response_mask
         fresh = mb.response_mask - replay  # [R, L-1]
@@ -362,6 +353,9 @@ class TrainStep:
             raise ValueError("learner.replay_eos: the model names no EOS token (eos_token_id in its config.json or "
                              "generation_config.json); set learner.replay_eos=false")
         self.ref_model = ref_model
+        # the policy loss, built once: clipped, and unclipped where learner.clip_fresh may turn the clip off
+        clips = (True, False) if cfg.clip_fresh == "auto" else (cfg.clip_fresh,)
+        self.policy_losses: dict[bool, PolicyLoss] = {c: setup_policy_loss(cfg, clip_fresh=c) for c in clips}
 
     def run(self, batch: TrainingBatch) -> RankStats:
         t0 = time.perf_counter()
@@ -551,10 +545,8 @@ class TrainStep:
                 raise RuntimeError("learner.recompute_old_logprobs/tis_cap/icepop_band/mis: a later mini-batch has "
                                    "no start-of-step "
                                    "log-probs (record_old_logprobs must run before the first update)")
-        pg, metrics = L.policy_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.response_mask, mb.replay_mask,
-                                    clip_fresh=clip, shaping_beta=cfg.shaping_beta, normalizer=normalizer,
-                                    old_logprobs=old, tis_cap=cfg.tis_cap, icepop_band=cfg.icepop_band,
-                                    mis=cfg.mis, mis_cap=cfg.mis_cap, **loss_options(cfg))
+        pg, metrics = self.policy_losses[clip](
+            logp, LossBatch(mb.behaviour_logprobs, mb.advantages, mb.response_mask, mb.replay_mask, old), normalizer)
         if ent_weights is not None:  # each row's tokens weighted by its official micro-batch (a dummy: 0)
             w = torch.tensor([ent_weights[id(r)] for r in mb.rows] or [0.0], dtype=torch.float32)  # [R]
             ent_term = L.entropy_bonus(ent, mb.response_mask * w.to(self.device, non_blocking=True)[:, None],

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
+from common.config import LearnerConfig
 from learner import loss as L
+from learner.policy_loss import LossBatch, setup_policy_loss
 
 LN = math.log
 
@@ -19,6 +21,13 @@ RATIOS = torch.tensor([[1.5, 1.0, 0.5], [1.5, 0.5, 2.0]])
 LOGPROBS = BEHAVIOUR + torch.log(RATIOS)
 ADV = torch.tensor([1.0, -0.5])
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def _loss(logprobs, behaviour, adv, mask, replay, old=None, normalizer=None, clip=True, **fields):
+    """The policy loss `setup_policy_loss` builds from `LearnerConfig(**fields)` (its unclipped variant when not
+    `clip`), called on one batch: (loss, metrics)."""
+    loss_fn = setup_policy_loss(LearnerConfig(**fields), clip_fresh=clip)
+    return loss_fn(logprobs, LossBatch(behaviour, adv, mask, replay, old), normalizer)
 
 
 def test_group_advantages_by_hand():
@@ -38,7 +47,7 @@ def test_fresh_ppo_clipped_by_hand():
     # row 0 (A=+1): -A r = [-1.5, -1, -0.5], -A clip = [-1.2, -1, -0.8] -> max = [-1.2, -1, -0.5]; clipped: token 0
     # row 1 (A=-.5): -A r = [0.75, 0.25],   -A clip = [0.6, 0.4]        -> max = [0.75, 0.4];     clipped: token 1
     # sum = -1.2 - 1 - 0.5 + 0.75 + 0.4 = -1.55; token mean over 5 tokens = -0.31
-    loss, m = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3))
+    loss, m = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3))
     assert loss.item() == pytest.approx(-0.31, abs=1e-6)
     assert m["clip_frac"].item() == pytest.approx(2 / 5)
     assert m["fresh_ratio_mean"].item() == pytest.approx((1.5 + 1 + 0.5 + 1.5 + 0.5) / 5)
@@ -46,15 +55,15 @@ def test_fresh_ppo_clipped_by_hand():
     assert m["replay_tokens"].item() == 0 and m["fresh_tokens"].item() == 5
     assert m["replay_loss"].item() == 0 and m["fresh_loss"].item() == pytest.approx(-0.31, abs=1e-6)
     # Dr. GRPO: sum / constant 10 = -0.155
-    loss, _ = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), normalizer=10.0)
+    loss, _ = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), normalizer=10.0)
     assert loss.item() == pytest.approx(-0.155, abs=1e-6)
     # no clipping: -A r summed = -3 + 0.75 + 0.25 = -2.0 -> mean -0.4
-    loss, m = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), clip_fresh=False)
+    loss, m = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), clip=False)
     assert loss.item() == pytest.approx(-0.4, abs=1e-6)
     assert m["clip_frac"].item() == 0
     # asymmetric clip (low 0.1, high 0.4): row 0 clip = [1.4, 1, 0.9] -> max(-1.5,-1.4)=-1.4, -1, max(-.5,-.9)=-.5
     # row 1 clip = [1.4, 0.9] -> max(.75,.7)=.75, max(.25,.45)=.45; sum = -1.4-1-.5+.75+.45 = -1.7 -> -0.34
-    loss, _ = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), clip_low=0.1, clip_high=0.4)
+    loss, _ = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), clip_low=0.1, clip_high=0.4)
     assert loss.item() == pytest.approx(-0.34, abs=1e-6)
 
 
@@ -64,19 +73,19 @@ def test_replayed_policy_shaping_by_hand():
     # row 1 fresh as above: [0.75, 0.4], sum 1.15
     # total -1.529924 / 5 tokens = -0.305985
     replay = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
-    loss, m = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, replay, shaping_beta=0.1)
+    loss, m = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, replay, shaping_beta=0.1)
     assert loss.item() == pytest.approx(-1.529924 / 5, abs=1e-6)
     assert m["replay_loss"].item() == pytest.approx(-2.679924 / 5, abs=1e-6)
     assert m["fresh_loss"].item() == pytest.approx(1.15 / 5, abs=1e-6)
     assert m["replay_weight_mean"].item() == pytest.approx(1.0) and m["replay_weight_max"].item() == pytest.approx(1.5)
     assert m["clip_frac"].item() == pytest.approx(1 / 2)  # fresh tokens only: row 1 token 1
     # ablation: no shaping -> -A w = [-1.5, -1, -0.5], sum -3; total (-3 + 1.15)/5 = -0.37
-    loss, _ = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, replay, shaping_beta=None)
+    loss, _ = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, replay, shaping_beta=None)
     assert loss.item() == pytest.approx(-0.37, abs=1e-6)
     # a large ratio is not clipped for replayed tokens: w = 10 -> -10/10.1 (bounded by shaping, not by a clip)
     lp = BEHAVIOUR.clone()
     lp[0, 0] += LN(10.0)
-    _, m = L.policy_loss(lp, BEHAVIOUR, ADV, MASK, replay)
+    _, m = _loss(lp, BEHAVIOUR, ADV, MASK, replay)
     assert m["replay_weight_max"].item() == pytest.approx(10.0, rel=1e-5)
 
 
@@ -100,7 +109,7 @@ def test_gradients_match_textbook_autograd():
     replay = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     lp1 = LOGPROBS.clone().requires_grad_(True)
     lp2 = LOGPROBS.clone().requires_grad_(True)
-    loss, _ = L.policy_loss(lp1, BEHAVIOUR, ADV, MASK, replay)
+    loss, _ = _loss(lp1, BEHAVIOUR, ADV, MASK, replay)
     loss.backward()
     textbook(lp2, BEHAVIOUR, ADV, MASK, replay).backward()
     assert torch.allclose(lp1.grad, lp2.grad, atol=1e-7)
@@ -115,11 +124,11 @@ def test_gradients_match_textbook_autograd():
 
 def test_masked_tokens_contribute_nothing():
     replay = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
-    base, mb = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, replay)
+    base, mb = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, replay)
     garbage_lp, garbage_b = LOGPROBS.clone(), BEHAVIOUR.clone()
     garbage_lp[1, 2], garbage_b[1, 2] = 1e4, -1e4  # exp(2e4) would be inf if it were used
     lp = garbage_lp.clone().requires_grad_(True)
-    loss, m = L.policy_loss(lp, garbage_b, ADV, MASK, replay)
+    loss, m = _loss(lp, garbage_b, ADV, MASK, replay)
     loss.backward()
     assert torch.isfinite(loss) and loss.item() == pytest.approx(base.item())
     assert {k: v.item() for k, v in m.items()} == pytest.approx({k: v.item() for k, v in mb.items()})
@@ -189,7 +198,7 @@ def test_truncated_importance_sampling_by_hand():
     raw = torch.tensor([[1.5, 1.0, 0.5], [4.0, 1.0, 1.0]])
     old = BEHAVIOUR + torch.log(raw)
     lp = LOGPROBS.clone().requires_grad_(True)
-    loss, m = L.policy_loss(lp, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), old_logprobs=old, tis_cap=2.0)
+    loss, m = _loss(lp, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), old=old, tis_cap=2.0)
     assert loss.item() == pytest.approx(-0.36, abs=1e-6)
     assert m["clip_frac"].item() == pytest.approx(2 / 5)
     assert m["fresh_ratio_mean"].item() == pytest.approx((1 + 1 + 1 + 0.375 + 0.5) / 5)  # the proximal ratio
@@ -201,15 +210,15 @@ def test_truncated_importance_sampling_by_hand():
     assert lp.grad[0, 0].item() == pytest.approx(-0.3, abs=1e-6)
     assert lp.grad[1, 0].item() == 0.0
     # no mismatch (old == behaviour): c = 1 and the loss is the plain clipped one, -0.31
-    loss, m = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), old_logprobs=BEHAVIOUR, tis_cap=2.0)
+    loss, m = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), old=BEHAVIOUR, tis_cap=2.0)
     assert loss.item() == pytest.approx(-0.31, abs=1e-6) and m["tis_weight_mean"].item() == pytest.approx(1.0)
     # replayed tokens are untouched by TIS: row 0 replayed gives the shaping loss -2.679924 as before
     replay = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
-    _, m = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, replay, old_logprobs=old, tis_cap=2.0)
+    _, m = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, replay, old=old, tis_cap=2.0)
     assert m["replay_loss"].item() == pytest.approx(-2.679924 / 5, abs=1e-6)
     assert m["fresh_loss"].item() == pytest.approx(1.2 / 5, abs=1e-6)
     with pytest.raises(ValueError, match="old_logprobs"):
-        L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), tis_cap=2.0)
+        _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), tis_cap=2.0)
 
 
 def test_logprob_gap_by_hand():
@@ -232,26 +241,26 @@ def test_icepop_and_sequence_level_mis_by_hand():
     old = BEHAVIOUR + torch.log(raw)
     fresh_only = torch.zeros(2, 3)
     # IcePop band [0.6, 2]: row 0 token 2 (0.5) and row 1 token 0 (4) are masked -> -1 - 1 + 0.4 = -1.6, /5
-    loss, m = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, old_logprobs=old, icepop_band=(0.6, 2.0))
+    loss, m = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, old=old, icepop_band=(0.6, 2.0))
     assert loss.item() == pytest.approx(-0.32, abs=1e-6) and m["icepop_masked_frac"].item() == pytest.approx(2 / 5)
     # MIS truncate, cap 2: rho row 0 = 1.5 * 1 * 0.5 = 0.75, row 1 = 4 * 1 = 4 -> weights 0.75 and 2:
     # 0.75 * -3 + 2 * 0.8 = -0.65, /5; token-weighted mean weight (0.75 * 3 + 2 * 2) / 5 = 1.25
-    loss, m = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, old_logprobs=old, mis="truncate", mis_cap=2.0)
+    loss, m = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, old=old, mis="truncate", mis_cap=2.0)
     assert loss.item() == pytest.approx(-0.13, abs=1e-6)
     assert m["mis_weight_mean"].item() == pytest.approx(1.25) and m["mis_masked_frac"].item() == 0.0
     # MIS mask, band [1/2, 2]: row 0 (0.75) stays, row 1 (4) is out -> -3 / 5; 2 of 5 fresh tokens masked
-    loss, m = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, old_logprobs=old, mis="mask", mis_cap=2.0)
+    loss, m = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, old=old, mis="mask", mis_cap=2.0)
     assert loss.item() == pytest.approx(-0.6, abs=1e-6) and m["mis_masked_frac"].item() == pytest.approx(2 / 5)
     # the weights carry no gradient: row 1 masked -> its tokens get none; row 0 token 1 gets -A r / 5 = -0.2
     lp = LOGPROBS.clone().requires_grad_(True)
-    L.policy_loss(lp, BEHAVIOUR, ADV, MASK, fresh_only, old_logprobs=old, mis="mask", mis_cap=2.0)[0].backward()
+    _loss(lp, BEHAVIOUR, ADV, MASK, fresh_only, old=old, mis="mask", mis_cap=2.0)[0].backward()
     assert lp.grad[1].abs().sum().item() == 0.0 and lp.grad[0, 1].item() == pytest.approx(-0.2, abs=1e-6)
     # without mismatch every correction is the identity: the plain clipped loss -0.31
     for kw in ({"icepop_band": (0.5, 2.0)}, {"mis": "truncate"}, {"mis": "mask"}):
-        loss, _ = L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, old_logprobs=BEHAVIOUR, **kw)
+        loss, _ = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, old=BEHAVIOUR, **kw)
         assert loss.item() == pytest.approx(-0.31, abs=1e-6), kw
     with pytest.raises(ValueError, match="old_logprobs"):
-        L.policy_loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, mis="mask")
+        _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, fresh_only, mis="mask")
 
 
 def test_dual_clip_bounds_negative_advantages_by_hand():
@@ -266,7 +275,7 @@ def test_dual_clip_bounds_negative_advantages_by_hand():
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     adv = torch.tensor([-1.0, 1.0])
     x = (beh + torch.log(ratios)).requires_grad_(True)
-    loss, m = L.policy_loss(x, beh, adv, mask, torch.zeros(2, 3), clip_ratio_c=3.0)
+    loss, m = _loss(x, beh, adv, mask, torch.zeros(2, 3), clip_ratio_c=3.0)
     loss.backward()
     assert loss.item() == pytest.approx(0.925, abs=1e-6)
     torch.testing.assert_close(x.grad, torch.tensor([[0.0, 0.275, 0.0], [0.0, 0.0, 0.0]]))
@@ -274,19 +283,19 @@ def test_dual_clip_bounds_negative_advantages_by_hand():
     # without it (the default, as the official ExGRPO loss): row 0's r = 4 token keeps -A r = 4 and its gradient
     # 4 / 4 = 1: sum 4.7 / 4 = 1.175
     x.grad = None
-    loss, m = L.policy_loss(x, beh, adv, mask, torch.zeros(2, 3))
+    loss, m = _loss(x, beh, adv, mask, torch.zeros(2, 3))
     loss.backward()
     assert loss.item() == pytest.approx(1.175, abs=1e-6)
     torch.testing.assert_close(x.grad, torch.tensor([[1.0, 0.275, 0.0], [0.0, 0.0, 0.0]]))
     assert m["clip_frac"].item() == pytest.approx(2 / 4)
     # the same rows replayed under replay_loss=policy_loss take the same bound
-    loss, m = L.policy_loss(x, beh, adv, mask, torch.ones(2, 3), clip_ratio_c=3.0, replay_loss="policy_loss")
+    loss, m = _loss(x, beh, adv, mask, torch.ones(2, 3), clip_ratio_c=3.0, replay_loss="policy_loss")
     assert loss.item() == pytest.approx(0.925, abs=1e-6) and m["replay_clip_frac"].item() == pytest.approx(3 / 4)
     # unclipped fresh tokens (learner.clip_fresh off) have no second bound either: -A r summed = 4 + 1.1 + 0.5 - 4
-    loss, _ = L.policy_loss(x, beh, adv, mask, torch.zeros(2, 3), clip_ratio_c=3.0, clip_fresh=False)
+    loss, _ = _loss(x, beh, adv, mask, torch.zeros(2, 3), clip_ratio_c=3.0, clip=False)
     assert loss.item() == pytest.approx(1.6 / 4, abs=1e-6)
-    with pytest.raises(ValueError, match="dual-clip and must be > 1"):
-        L.policy_loss(x, beh, adv, mask, torch.zeros(2, 3), clip_ratio_c=3.0, loss="gspo")
+    with pytest.raises(ValueError, match="policy_loss=gspo has no PPO clip: leave learner.clip_ratio_c unset"):
+        LearnerConfig(policy_loss="gspo", clip_ratio_c=3.0)
 
 
 def test_dual_clip_config_is_ppo_clips_only():

@@ -1,4 +1,4 @@
-"""The policy losses (`learner.policy_loss`, issue 46) worked by hand on small batches: values and gradients, fresh
+"""The policy losses (`learner.policy_loss`) worked by hand on small batches: values and gradients, fresh
 and replayed rows, both aggregations; ppo_clip within a few float32 ULP of what it was; each loss through the real
 training step."""
 
@@ -13,16 +13,22 @@ import pytest
 import torch
 
 from common.config import LearnerConfig
-from learner import loss as L
+from learner.policy_loss import POLICY_LOSSES, LossBatch, setup_policy_loss
 
 LN = math.log
 
 
-def _run(logprobs, behaviour, adv, mask, replay, **kw):
-    """(loss, d loss / d logprobs, metrics as floats)."""
+def _loss_fn(clip: bool = True, **fields):
+    """The policy loss `setup_policy_loss` builds from `LearnerConfig(**fields)` (its unclipped variant when not
+    `clip`)."""
+    return setup_policy_loss(LearnerConfig(**fields), clip_fresh=clip)
+
+
+def _run(logprobs, behaviour, adv, mask, replay, normalizer=None, clip=True, **fields):
+    """(loss, d loss / d logprobs, metrics as floats) of `_loss_fn(clip, **fields)` on one batch."""
     x = torch.tensor(logprobs, dtype=torch.float32, requires_grad=True)
-    loss, m = L.policy_loss(x, torch.tensor(behaviour), torch.tensor(adv), torch.tensor(mask), torch.tensor(replay),
-                            **kw)
+    batch = LossBatch(torch.tensor(behaviour), torch.tensor(adv), torch.tensor(mask), torch.tensor(replay))
+    loss, m = _loss_fn(clip, **fields)(x, batch, normalizer)
     loss.backward()
     return loss.item(), x.grad, {k: float(v) for k, v in m.items()}
 
@@ -40,14 +46,15 @@ def test_gspo_clips_a_row_by_its_sequence_ratio_worked_by_hand():
     #   unclipped, each token -A s = -0.8660, gradient d/dlogp_t = -A s = -0.8660 (before the divisor);
     # row 1: s = 2 (its one token), A = +1: above 1 + 4e-4, clipped to -1.0004, no gradient.
     s0 = math.sqrt(0.75)
-    loss, grad, m = _run(LOGP, BEH, [1.0, 1.0], MASK, FRESH, loss="gspo", clip_low=3e-4, clip_high=4e-4)
+    loss, grad, m = _run(LOGP, BEH, [1.0, 1.0], MASK, FRESH, policy_loss="gspo", gspo_clip_low=3e-4,
+                         gspo_clip_high=4e-4, loss_agg="token_mean")
     assert loss == pytest.approx((-s0 * 2 - 1.0004) / 3, rel=1e-6)  # token mean over 3 tokens
     torch.testing.assert_close(grad, torch.tensor([[-s0 / 3, -s0 / 3], [0.0, 0.0]]))
     assert m["clip_frac"] == pytest.approx(1 / 3)  # row 1's one token
     assert m["fresh_ratio_mean"] == pytest.approx((2 * s0 + 2) / 3, rel=1e-6)  # the row's sequence ratio per token
     # seq_mean_token_mean: (row 0's mean -0.8660 + row 1's -1.0004) / 2 rows; row 0's tokens weigh 1/2 each
-    loss, grad, _ = _run(LOGP, BEH, [1.0, 1.0], MASK, FRESH, loss="gspo", clip_low=3e-4, clip_high=4e-4,
-                         seq_mean=True)
+    loss, grad, _ = _run(LOGP, BEH, [1.0, 1.0], MASK, FRESH, policy_loss="gspo", gspo_clip_low=3e-4,
+                         gspo_clip_high=4e-4, loss_agg="seq_mean_token_mean")
     assert loss == pytest.approx((-s0 - 1.0004) / 2, rel=1e-6)
     torch.testing.assert_close(grad, torch.tensor([[-s0 / 4, -s0 / 4], [0.0, 0.0]]))
 
@@ -61,8 +68,8 @@ def test_gspo_token_gradient_is_the_sequence_ratios_gradient():
     mask = torch.ones(3, 5)
     mask[2, 3:] = 0
     adv = torch.tensor([1.0, -0.5, 2.0])
-    loss, _ = L.policy_loss(lp, old, adv, mask, torch.zeros(3, 5), loss="gspo", clip_low=0.9, clip_high=9.0,
-                            seq_mean=True)
+    loss_fn = _loss_fn(policy_loss="gspo", gspo_clip_low=0.9, gspo_clip_high=9.0, loss_agg="seq_mean_token_mean")
+    loss, _ = loss_fn(lp, LossBatch(old, adv, mask, torch.zeros(3, 5)))
     loss.backward()
     x = lp.detach().clone().requires_grad_(True)
     s = torch.exp(((x - old) * mask).sum(-1) / mask.sum(-1))  # [R]
@@ -73,7 +80,8 @@ def test_gspo_token_gradient_is_the_sequence_ratios_gradient():
 def test_cispo_truncates_the_weight_and_keeps_every_tokens_gradient():
     # row 0 (A = +1): ratios 1.5 and 0.5, band [1 - 1, 1 + 0.2] = [0, 1.2]: weights 1.2 and 0.5; value -A w, gradient
     # -A w per token; row 1 (A = -1): ratio 2 -> weight 1.2, value +1.2, gradient +1.2. Token mean over 3.
-    loss, grad, m = _run(LOGP, BEH, [1.0, -1.0], MASK, FRESH, loss="cispo", clip_low=1.0, clip_high=0.2)
+    loss, grad, m = _run(LOGP, BEH, [1.0, -1.0], MASK, FRESH, policy_loss="cispo", cispo_clip_low=1.0,
+                         cispo_clip_high=0.2, loss_agg="token_mean")
     assert loss == pytest.approx((-1.2 - 0.5 + 1.2) / 3, rel=1e-6)
     torch.testing.assert_close(grad, torch.tensor([[-1.2 / 3, -0.5 / 3], [1.2 / 3, 0.0]]))
     assert m["clip_frac"] == pytest.approx(2 / 3)  # ratios 1.5 and 2 truncated
@@ -93,8 +101,8 @@ def test_sapo_gate_worked_by_hand():
     values = [-1 * g0 * 4 / 1.0, +1 * g1 * 4 / 1.05, -1 * g2 * 4 / 1.0]  # -A (4/tau) sigmoid(tau (r - 1))
     # d/dlogp of -A (4/tau) sigmoid(tau (r - 1)) = -A 4 sigmoid (1 - sigmoid) r
     grads = [-1 * 4 * g0 * (1 - g0) * 1, +1 * 4 * g1 * (1 - g1) * 2, -1 * 4 * g2 * (1 - g2) * 4]
-    loss, grad, m = _run(logp, beh, [1.0, -1.0, 1.0], [[1.0]] * 3, [[0.0]] * 3, loss="sapo", tau_pos=1.0,
-                         tau_neg=1.05)
+    loss, grad, m = _run(logp, beh, [1.0, -1.0, 1.0], [[1.0]] * 3, [[0.0]] * 3, policy_loss="sapo",
+                         sapo_tau_pos=1.0, sapo_tau_neg=1.05, loss_agg="token_mean")
     assert loss == pytest.approx(sum(values) / 3, rel=1e-6)
     torch.testing.assert_close(grad, torch.tensor([[g / 3] for g in grads]))
     assert grads[0] == pytest.approx(-1.0)  # at r = 1 the gate passes the plain policy gradient -A
@@ -114,8 +122,8 @@ R_ADV = [1.0, -1.0]
 @pytest.mark.parametrize("loss", ["ppo_clip", "cispo", "sapo"])
 def test_replayed_tokens_are_shaped_per_token_under_the_token_losses(loss):
     # replayed (A = -1): -A w / (w + 0.1) per token: 2/2.1 and 0.5/0.6; d/dlogp = -A 0.1 w / (w + 0.1)^2
-    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, loss=loss, clip_low=0.2 if loss != "cispo" else 1.0,
-                      clip_high=0.2)
+    band = {"cispo_clip_low": 1.0, "cispo_clip_high": 0.2} if loss == "cispo" else {}
+    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, policy_loss=loss, loss_agg="token_mean", **band)
     want = [0.1 * 2 / 2.1 ** 2 / 4, 0.1 * 0.5 / 0.6 ** 2 / 4]
     torch.testing.assert_close(grad[1], torch.tensor(want))
     assert m["replay_loss"] == pytest.approx((2 / 2.1 + 0.5 / 0.6) / 4, rel=1e-6)
@@ -124,7 +132,8 @@ def test_replayed_tokens_are_shaped_per_token_under_the_token_losses(loss):
 
 def test_replayed_rows_are_shaped_by_their_sequence_ratio_under_gspo():
     # s = 1: each token -A s/(s + 0.1) = 1/1.1; d/dlogp_t = -A 0.1 s / (s + 0.1)^2 = 0.1/1.21 (per token, / 4 tokens)
-    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, loss="gspo", clip_low=3e-4, clip_high=4e-4)
+    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, policy_loss="gspo", gspo_clip_low=3e-4,
+                      gspo_clip_high=4e-4, loss_agg="token_mean")
     torch.testing.assert_close(grad[1], torch.tensor([0.1 / 1.21 / 4] * 2))
     assert m["replay_loss"] == pytest.approx(2 / 1.1 / 4, rel=1e-6)
     assert m["replay_weight_mean"] == pytest.approx(1.0, rel=1e-6)
@@ -133,8 +142,8 @@ def test_replayed_rows_are_shaped_by_their_sequence_ratio_under_gspo():
 def test_replay_loss_policy_loss_applies_the_loss_to_replayed_rows():
     # cispo on the replayed row (A = -1): weights clip([2, 0.5], 0, 1.2) = [1.2, 0.5]: value +1.2 + 0.5, gradient the
     # same per token; one of its two tokens truncated
-    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, loss="cispo", clip_low=1.0, clip_high=0.2,
-                      replay_loss="policy_loss")
+    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, policy_loss="cispo", cispo_clip_low=1.0,
+                      cispo_clip_high=0.2, loss_agg="token_mean", replay_loss="policy_loss")
     torch.testing.assert_close(grad[1], torch.tensor([1.2 / 4, 0.5 / 4]))
     assert m["replay_loss"] == pytest.approx(1.7 / 4, rel=1e-6) and m["replay_clip_frac"] == 0.5
     # ppo_clip against the stored log-probs (A = -1): ratio 2 -> max(2, 1.2) = 2 unclipped; 0.5 -> max(0.5, 0.8)
@@ -145,19 +154,20 @@ def test_replay_loss_policy_loss_applies_the_loss_to_replayed_rows():
 
 
 def test_fresh_and_replayed_losses_add_up_under_seq_mean():
-    for loss in L.POLICY_LOSSES:
-        _, _, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, loss=loss, seq_mean=True, normalizer=2.0)
+    for loss in POLICY_LOSSES:
+        _, _, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, policy_loss=loss, loss_agg="seq_mean_token_mean",
+                       normalizer=2.0)
         assert m["loss"] == pytest.approx(m["fresh_loss"] + m["replay_loss"], rel=1e-6)
 
 
 def test_the_bandless_losses_refuse_to_run_unclipped():
     with pytest.raises(ValueError, match="no unclipped form"):
-        _run(LOGP, BEH, [1.0, 1.0], MASK, FRESH, loss="sapo", clip_fresh=False)
+        _run(LOGP, BEH, [1.0, 1.0], MASK, FRESH, policy_loss="sapo", clip=False)
 
 
-# ppo_clip's loss, gradients and metrics before issue 46, as numbers: commit 9314e02's learner/loss.py run on CPU on
-# stored inputs (ppo_clip_golden.json's note says how they were drawn and computed, and why they are stored: the
-# last bits of randn's draws depend on the CPU).
+# ppo_clip's loss, gradients and metrics before the other losses came, as numbers: commit 9314e02's
+# learner/loss.py run on CPU on stored inputs (ppo_clip_golden.json's note says how they were drawn and computed,
+# and why they are stored: the last bits of randn's draws depend on the CPU).
 PPO_GOLDEN = json.loads(Path(__file__).with_name("ppo_clip_golden.json").read_text())
 # Numbers, not bytes: another CPU (its exp, its order of a sum) may round a last bit differently. rtol 4 * 2**-23 is
 # 4 to 8 float32 ULP of a value in any binade: each gradient element is a few roundings of its own token's terms, the
@@ -177,13 +187,11 @@ def test_ppo_clip_is_unchanged_within_a_few_ulp(case):
     lp, beh, old, adv, mask = (_f32(inp[k]) for k in ("logprobs", "behaviour", "old", "advantages", "mask"))
     replay = torch.zeros(6, 9)
     replay[inp["replay_rows"]] = 1
-    kw = dict(case["kwargs"])
-    if kw.pop("old", False):
-        kw["old_logprobs"] = old
-    if "icepop_band" in kw:
-        kw["icepop_band"] = tuple(kw["icepop_band"])
+    fields = dict(case["kwargs"])  # the old policy_loss's keywords: config fields but for these three
+    batch = LossBatch(beh, adv, mask, replay, old if fields.pop("old", False) else None)
+    normalizer, clip = fields.pop("normalizer", None), fields.pop("clip_fresh", True)
     x = lp.clone().requires_grad_(True)
-    loss, m = L.policy_loss(x, beh, adv, mask, replay, **kw)
+    loss, m = _loss_fn(clip, **fields)(x, batch, normalizer)
     loss.backward()
     assert sorted(m) == sorted(case["metrics"])  # the same metric names, exactly
     torch.testing.assert_close(loss.detach(), _f32(case["loss"]), **PPO_TOL)
@@ -193,7 +201,7 @@ def test_ppo_clip_is_unchanged_within_a_few_ulp(case):
 
 
 def test_config_takes_each_loss_and_refuses_what_has_no_meaning():
-    for loss in L.POLICY_LOSSES:
+    for loss in POLICY_LOSSES:
         LearnerConfig(policy_loss=loss, loss_agg="seq_mean_token_mean")
     with pytest.raises(ValueError, match=r"clip_fresh=auto.*policy_loss=cispo has no unclipped form.*clip_fresh=true"):
         LearnerConfig(policy_loss="cispo", clip_fresh="auto")
@@ -233,25 +241,18 @@ def test_each_loss_trains_through_the_real_step(tiny_model_dir, loss):
 AGG_LOGP = [[LN(0.75), LN(0.25)], [LN(0.5), -7.0]]
 
 
-def _default_options(loss: str) -> dict:
-    from learner.step import loss_options
-    return loss_options(LearnerConfig(policy_loss=loss))
-
-
 def test_gspo_by_default_aggregates_as_its_paper_worked_by_hand():
     # row 0: s = sqrt(1.5 x 0.5) = 0.866025 (in GSPO's band only below: A > 0 and s < 1, so unclipped):
     #   each token's loss -A s = -0.866025, its gradient -A s x 1/4 = -0.216506;
     # row 1: s = 1, unclipped: loss -A s = +1, gradient -A s x 1/2 = +0.5.
     # loss = (row 0's token mean -0.866025 + row 1's +1) / 2 rows = 0.066987
     assert LearnerConfig(policy_loss="gspo").loss_agg == "seq_mean_token_mean"
-    loss, grad, m = _run(AGG_LOGP, BEH, [1.0, -1.0], MASK, FRESH, **_default_options("gspo"))
+    loss, grad, m = _run(AGG_LOGP, BEH, [1.0, -1.0], MASK, FRESH, policy_loss="gspo")  # its own aggregation
     assert loss == pytest.approx(0.066987, abs=1e-6)
     torch.testing.assert_close(grad, torch.tensor([[-0.216506, -0.216506], [0.5, 0.0]]))
     assert m["clip_frac"] == 0
     # named token_mean is still possible: every token 1/3 (row 0: -0.288675, row 1: +0.333333)
-    from learner.step import loss_options
-    opts = loss_options(LearnerConfig(policy_loss="gspo", loss_agg="token_mean"))
-    _, grad, _ = _run(AGG_LOGP, BEH, [1.0, -1.0], MASK, FRESH, **opts)
+    _, grad, _ = _run(AGG_LOGP, BEH, [1.0, -1.0], MASK, FRESH, policy_loss="gspo", loss_agg="token_mean")
     torch.testing.assert_close(grad, torch.tensor([[-0.288675, -0.288675], [0.333333, 0.0]]))
 
 
@@ -264,7 +265,7 @@ def test_sapo_by_default_aggregates_as_its_paper_worked_by_hand():
     #   x 1/2 = +0.5.
     # loss = (-2.0 + 1.904762) / 2 rows = -0.047619
     assert LearnerConfig(policy_loss="sapo").loss_agg == "seq_mean_token_mean"
-    loss, grad, _ = _run(AGG_LOGP, BEH, [1.0, -1.0], MASK, FRESH, **_default_options("sapo"))
+    loss, grad, _ = _run(AGG_LOGP, BEH, [1.0, -1.0], MASK, FRESH, policy_loss="sapo")  # its own aggregation
     assert loss == pytest.approx(-0.047619, abs=1e-6)
     torch.testing.assert_close(grad, torch.tensor([[-0.352505, -0.117502], [0.5, 0.0]]))
 
