@@ -47,6 +47,7 @@ def resolve_reward(name: str) -> tuple[RewardFn, bool]:
         raise ValueError(f"reward.name: unknown reward {name!r}; use one of {sorted(builtin)} "
                          "or a user function written package.module:function")
     module = _import_user_module(module_name)
+    _check_not_shadowed(name, module)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward.name: {module_name} has no callable {attr!r}")
@@ -79,6 +80,28 @@ def _import_user_module(module_name: str):
     except Exception as e:  # anything the module's own code raises at import: say where, not a traceback
         raise ValueError(f"reward.name: importing module {module_name!r} raised {type(e).__name__}: {e} "
                          f"({_where(e, module_name)}); fix the module") from None
+
+
+def _check_not_shadowed(name: str, module) -> None:
+    """A module of the current folder (`json.py`) named like a standard-library or installed one: the import
+    found that one first (`cluster.cli` puts the current folder after the installed packages), so the reward
+    would be that module's attribute, or missing. ValueError naming the file imported and the one meant."""
+    import os
+    import sys
+    from pathlib import Path
+
+    module_name, _, attr = name.partition(":")
+    top = module_name.split(".")[0]
+    mine = next((c for c in (Path(os.getcwd()) / f"{top}.py", Path(os.getcwd()) / top) if c.exists()), None)
+    found = sys.modules.get(top, module)
+    imported = getattr(found, "__file__", None) or next(iter(getattr(found, "__path__", None) or []), None)
+    if mine is None or (imported is not None and Path(imported).resolve().is_relative_to(mine.resolve())):
+        return
+    imported = imported or "built into Python"
+    whose = "the standard library's" if top in sys.stdlib_module_names else "an installed package's"
+    raise ValueError(f"reward.name: {module_name} imported {whose} {top} ({imported}), not your {mine}: a module named "
+                     f"like a standard-library or installed one is found after it; rename your module (e.g. "
+                     f"my_{top}{mine.suffix}) and set reward.name=my_{top}{module_name[len(top):]}:{attr}")
 
 
 def _where(e: BaseException, module_name: str) -> str:

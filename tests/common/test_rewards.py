@@ -221,6 +221,22 @@ def test_bad_reward_names_fail_at_construction_with_what_to_change():
     assert resolve_reward(f"{FNS}:good")[1] is False and resolve_reward("exact")[1] is True
 
 
+def test_a_reward_module_named_like_a_standard_library_one_names_the_file_imported(tmp_path, monkeypatch):
+    """`json.py` in the current folder with reward.name=json:f: the standard library's json is imported (the
+    current folder comes after it on sys.path), which has no `f`; the message names that file and the fix."""
+    (tmp_path / "json.py").write_text("def f(response, answer):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [*__import__("sys").path, str(tmp_path)])  # after the installed, as `exgrpo` does
+    with pytest.raises(ValueError) as e:
+        resolve_reward("json:f")
+    assert str(e.value) == (f"reward.name: json imported the standard library's json ({json.__file__}), not your "
+                            f"{tmp_path / 'json.py'}: a module named like a standard-library or installed one is found "
+                            "after it; rename your module (e.g. my_json.py) and set reward.name=my_json:f")
+    (tmp_path / "json.py").rename(tmp_path / "my_json.py")  # as the message says
+    assert resolve_reward("my_json:f")[0]("x", "y") == 1.0
+    monkeypatch.delitem(__import__("sys").modules, "my_json")
+
+
 @pytest.mark.parametrize("source, says", [
     ("def score(response, answer):\n    return 1.0 if response == answer else 0.0\n)\n",
      ["does not compile (", ".py line 3: SyntaxError: ", "fix the module"]),
