@@ -2,7 +2,7 @@
 (None, or an empty list, when there is nothing to say). `exgrpo config` and `exgrpo train` run them through
 `cluster.preflight.input_problems`; `exgrpo experiment` runs that for every variant before any run starts.
 
-    model_problems(cfg)          the model folder agrees with itself (config.json's vocab_size, the weights)
+    model_problems(cfg)          the model folder agrees with itself (whole weights, config.json's vocab_size)
     tokenizer_vocab_problem(t)   the tokenizer's ids fit config.json's vocab_size
     lora_target_problem(cfg)     learner.lora.target_modules name Linear modules of the model
     cluster_address_problem(a)   cluster.address resolves and its port answers as a GCS, within a few seconds
@@ -55,7 +55,11 @@ def problems(cfg) -> list[str]:
 
 
 def model_problems(path: Path, field: str = "model.path") -> list[str]:
-    """config.json's vocab_size against the weights' embedding rows and the tokenizer's largest id."""
+    """The safetensors files whole (`weights_cut_short`), and config.json's vocab_size against the weights'
+    embedding rows."""
+    found = weights_cut_short(path, field)
+    if found:
+        return found
     try:
         config = json.loads((path / "config.json").read_text())
     except (ValueError, OSError):
@@ -65,6 +69,42 @@ def model_problems(path: Path, field: str = "model.path") -> list[str]:
         return []
     found = [weights_vocab_problem(path, vocab, field)]
     return [p for p in found if p]
+
+
+def weights_cut_short(path: Path, field: str = "model.path") -> list[str]:
+    """Safetensors files shorter than their header says (an interrupted download or copy), and shards that
+    model.safetensors.index.json names but the folder lacks. A file holds 8 bytes (the header's length, little-endian),
+    the JSON header, then the tensors: its size is at least 8 + header length + the largest `data_offsets` end."""
+    index = path / "model.safetensors.index.json"
+    try:
+        files = sorted({path / f for f in json.loads(index.read_text()).get("weight_map", {}).values()}) \
+            if index.is_file() else [path / "model.safetensors"]
+    except (ValueError, OSError, AttributeError, TypeError) as e:
+        return [f"{field}: {index} is not readable JSON with a weight_map ({type(e).__name__}); download it again"]
+    found = []
+    for file in files:
+        if not file.is_file():
+            if index.is_file():
+                found.append(f"{field}: {index.name} names the shard {file.name}, which is not in {path}; download it")
+            continue
+        actual = file.stat().st_size
+        try:
+            header = safetensors_header(file)
+            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+            expected = 8 + _header_length(file) + max(ends, default=0)
+        except (ValueError, OSError, KeyError, TypeError, IndexError, struct.error):
+            found.append(f"{field}: {file} is not a readable safetensors file (its header is cut short or damaged; "
+                         f"{actual} bytes); download or copy it again")
+            continue
+        if actual < expected:
+            found.append(f"{field}: {file} is cut short: its header says {expected} bytes, the file has {actual} "
+                         f"({actual / expected:.0%}): an interrupted download or copy; download or copy it again")
+    return found
+
+
+def _header_length(file: Path) -> int:
+    with file.open("rb") as f:
+        return struct.unpack("<Q", f.read(8))[0]
 
 
 def _vocab_size(config: dict) -> int | None:

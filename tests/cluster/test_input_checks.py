@@ -181,3 +181,42 @@ def test_a_run_whose_rewards_all_fail_stops_by_default_saying_so(tmp_path, joine
     assert "training goes on with those zeros, until 3 steps of nothing else (reward.stop_after_error_steps)" \
         in r.stdout  # the warning of step 1
     assert "step 4/10" not in r.stdout and state(tmp_path / "errors")["checkpoints"][-1].endswith("step-000003")
+
+
+def test_weights_cut_short_are_refused_before_ray_naming_the_expected_and_actual_size(capsys, tmp_path,
+                                                                                      tiny_model_dir):
+    """An interrupted download: model.safetensors at half its size passes every other check; its header says how
+    long it must be."""
+    model = _copy(tiny_model_dir, tmp_path / "model")
+    weights = model / "model.safetensors"
+    full = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[: full // 2])
+    _config_and_train(capsys, tmp_path, f"model.path={model}",
+                      expected=f"model.path: {weights} is cut short: its header says {full} bytes, the file has "
+                               f"{full // 2} (50%): an interrupted download or copy; download or copy it again")
+
+
+def test_each_shard_of_a_sharded_checkpoint_is_checked_whole(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from cluster.input_checks import weights_cut_short
+
+    names = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    save_file({"model.embed_tokens.weight": torch.zeros(7, 2)}, str(tmp_path / names[0]))
+    save_file({"lm_head.weight": torch.zeros(7, 2)}, str(tmp_path / names[1]))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.embed_tokens.weight": names[0], "lm_head.weight": names[1], "model.norm.weight": names[2]}}))
+    assert weights_cut_short(tmp_path) == [
+        f"model.path: model.safetensors.index.json names the shard {names[2]}, which is not in {tmp_path}; download it"]
+    save_file({"model.norm.weight": torch.zeros(2)}, str(tmp_path / names[2]))
+    assert weights_cut_short(tmp_path) == []
+    second = tmp_path / names[1]
+    full = second.stat().st_size
+    second.write_bytes(second.read_bytes()[:-1])  # one byte short
+    assert weights_cut_short(tmp_path, "--model") == [
+        f"--model: {second} is cut short: its header says {full} bytes, the file has {full - 1} ({(full - 1) / full:.0%}): an "
+        "interrupted download or copy; download or copy it again"]
+    second.write_bytes(second.read_bytes()[:20])  # inside the header
+    assert weights_cut_short(tmp_path) == [f"model.path: {second} is not a readable safetensors file (its header is "
+                                           "cut short or damaged; 20 bytes); download or copy it again"]
