@@ -1,12 +1,12 @@
 """More checks of a run's inputs before Ray starts, each a "field: problem" line that names what to change
-(None, or an empty list, when there is nothing to say). `exgrpo config` and `exgrpo train` run them through
-`cluster.preflight.input_problems`; `exgrpo experiment` runs that for every variant before any run starts.
+(None, or an empty list, when there is nothing to say), through `cluster.preflight.input_problems` (`exgrpo
+config`, `train`, and every variant of `exgrpo experiment`) and `eval_problems` (`exgrpo eval`).
 
     model_problems(cfg)          the model folder agrees with itself (whole weights, config.json's vocab_size)
     tokenizer_vocab_problem(t)   the tokenizer's ids fit config.json's vocab_size
     lora_target_problem(cfg)     learner.lora.target_modules name Linear modules of the model
+    attention_problem(cfg)       learner.attn_implementation's package imports (a local run)
     cluster_address_problem(a)   cluster.address resolves and its port answers as a GCS, within a few seconds
-
 What each reads (what is cheap: config.json, the weights' headers): docs/internals.md#clusterinput_checkspy
 """
 
@@ -42,13 +42,23 @@ def model_folder(cfg) -> Path | None:
 
 def problems(cfg) -> list[str]:
     """Every check of this module that applies to `cfg` (the address probe only where cluster.address is set)."""
-    found = [cluster_address_problem(cfg.cluster.address)] if cfg.cluster.address else []
+    found = [cluster_address_problem(cfg.cluster.address)] if cfg.cluster.address else [attention_problem(cfg)]
     path = model_folder(cfg)
     if path is not None:
         found += model_problems(path, "model.path" if cfg.model.path is not None else "the built-in model")
         if cfg.learner.lora is not None:
             found.append(lora_target_problem(path, cfg.learner.lora))
     return [p for p in found if p]
+
+
+def attention_problem(cfg) -> str | None:
+    """learner.attn_implementation's package does not import here, where a local run's learner loads the model
+    (on a cluster the learner's node decides: its rank says so at its start, `learner.setup.setup_rank`)."""
+    if cfg.learner.attn_implementation not in ("flash_attention_2", "flash_attention_3"):
+        return None  # no package to import (and no torch import for it)
+    from learner.levers import attention_problem as problem
+
+    return problem(cfg.learner.attn_implementation)
 
 
 # ------------------------------------------------------------------------------------------ the model folder

@@ -29,6 +29,26 @@ def flash_attention_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+ATTENTION_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+"""The package each attention kernel of transformers needs (what `is_flash_attn_*_available` looks for)."""
+
+
+def attention_problem(attn: str | None) -> str | None:
+    """Why `learner.attn_implementation` cannot load on this machine: its package does not import (transformers
+    would raise an ImportError when the learner loads the model). None: it imports, or needs no package."""
+    package = ATTENTION_PACKAGES.get(attn or "")
+    if package is None:
+        return None
+    try:
+        importlib.import_module(package)
+    except (ImportError, OSError) as e:  # not installed, or built for another torch/CUDA (undefined symbol)
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        return (f"learner.attn_implementation: {attn} needs the {package} package, which does not import here "
+                f"({why}); set learner.attn_implementation=sdpa (transformers' default) or eager, or install "
+                f"{package.replace('_', '-')} for this torch and CUDA")
+    return None
+
+
 def flex_attention_available() -> bool:
     """Whether torch has flex_attention and transformers can run it (torch >= 2.5)."""
     from transformers.utils import is_torch_flex_attn_available

@@ -25,7 +25,7 @@ from common.config import LearnerConfig
 from learner.activation_checkpointing import eager_fallback_note, resolve_checkpointing
 from learner.compile_cache import compiled_graphs, enable_cache
 from learner.forward import check_packing, prepare_model
-from learner.levers import apply_compile, build_optimizer, remove_compile, resolve_levers
+from learner.levers import apply_compile, attention_problem, build_optimizer, remove_compile, resolve_levers
 from learner.loading import build_empty, load_shards, materialize
 from learner.lora import adapter_names, apply_lora, hold_frozen_in, init_adapters
 from learner.step import TrainStep
@@ -79,26 +79,15 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
     `prompt_tokens`, `rows_per_update`: the longest prompt and the rows a rank trains per optimizer step, so that
     activation checkpointing "auto" budgets the run's real micro-batch (None: a 2,048-token prompt, and
     `learner.micro_batch_rows` rows)."""
-    from transformers import AutoModelForCausalLM
-
     sharded = world > 1 or dtype != torch.float32
+    problem = attention_problem(cfg.attn_implementation)  # on a cluster, the node of this rank decides
+    if problem is not None:
+        log.error("learner rank %d: %s", rank, problem)
+        raise ValueError(problem)
     asked = cfg
     cfg, notes = resolve_levers(cfg, device, dtype, width=_hidden_size(model_path))  # "auto", for this device
-    try:
-        model = _build(cfg, model_path, device, empty=sharded or fill is not None)
-    except (ImportError, ValueError) as e:
-        if cfg.attn_implementation is None:
-            raise
-        if asked.attn_implementation is not None:
-            raise ValueError(f"learner.attn_implementation={cfg.attn_implementation} cannot load on this learner "
-                             f"({device.type}): {e} Set learner.attn_implementation to sdpa (or leave it unset), "
-                             "or install the kernel where the learner runs") from None
-        # our own choice (padding_free=auto on CUDA): back to transformers' default attention, padded
-        notes[-1] = f"padded micro-batches ({cfg.attn_implementation} cannot load here: {e}; attention sdpa)"
-        cfg = cfg.model_copy(update={"attn_implementation": None, "padding_free": False})
-        model = _build(cfg, model_path, device, empty=sharded or fill is not None)
-    if cfg.lora is not None:  # before the head and sharding: FSDP2 then shards the adapters with their layer
-        targets = apply_lora(model, cfg.lora)
+    cfg, model = _load_model(cfg, asked, model_path, device, empty=sharded or fill is not None, notes=notes)
+    targets = apply_lora(model, cfg.lora) if cfg.lora is not None else []  # before the head and sharding
     # activation checkpointing "auto": from the memory the weights, gradients and AdamW state leave (meta shapes)
     cfg, checkpointing_note = resolve_checkpointing(
         cfg, model, device, dtype, world=world,
@@ -112,71 +101,21 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
     if dtype == torch.float16 and rank == 0:
         log.warning("model.dtype=float16: the learner trains without loss scaling (gradients may underflow); "
                     "use bfloat16 where the hardware has it")
-    if sharded:  # (imported here: one float32 rank never loads FSDP, 0.5 s of its start)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mesh = init_device_mesh(device.type, (world,))
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+    if sharded:
+        _shard(model, device, dtype, world)
     if sharded or fill is not None:
         materialize(model, device)
-        if fill is None:
-            load_shards(model, model_path, rank, world, skip=adapter_names(model))
-        else:
-            fill(model)
-    summary = None
-    if cfg.lora is not None:
-        init_adapters(model, cfg.seed, rank, world)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # global counts (DTensor numel)
-        total = sum(p.numel() for p in model.parameters())
-        summary = (f"learner.lora: rank {cfg.lora.rank} adapters (alpha {cfg.lora.alpha:g}) on {len(targets)} Linear "
-                   f"modules ({', '.join(sorted({t.rsplit('.', 1)[-1] for t in targets}))}): {trainable / 1e6:.3g} M "
-                   f"trainable parameters of {total / 1e6:.4g} M ({trainable / max(total, 1):.2%})")
-        if rank == 0:
-            log.info("learner.lora: rank %d adapters (alpha %g) on %d Linear modules (%s); only they train. "
-                     "Checkpoints export the merged model (W + alpha/rank B A under the base names) and the "
-                     "adapters in peft's format (adapter/)%s", cfg.lora.rank, cfg.lora.alpha, len(targets),
-                     ", ".join(sorted({t.rsplit('.', 1)[-1] for t in targets})),
-                     "; the KL reference is the base (adapters disabled), no copy" if cfg.kl_coef > 0 else "")
-            if frozen:
-                log.info("learner.lora.base_dtype=auto: the frozen base (%.3g M parameters) is held in %s, %.2f GiB "
-                         "less than float32 (over all ranks)", frozen / 1e6, str(dtype).removeprefix("torch."),
-                         frozen * (4 - dtype.itemsize) / 2**30)
+        fill(model) if fill is not None else load_shards(model, model_path, rank, world, skip=adapter_names(model))
+    summary = _init_lora(model, cfg, targets, rank, world, frozen, dtype) if cfg.lora is not None else None
     optimizer, optimizer_note = build_optimizer((p for p in model.parameters() if p.requires_grad), cfg)
-    ref = None
-    if cfg.kl_coef > 0 and cfg.lora is None:  # under LoRA the reference is the base: the adapters disabled
-        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
-                                                   attn_implementation=cfg.attn_implementation).to(device).eval()
-        ref.requires_grad_(False)
-        prepare_model(ref, cfg, trainable=False)
     pad = model.config.pad_token_id
     trainer = TrainStep(model, optimizer, cfg, rank=rank, world=world, device=device,
                         pad_id=0 if pad is None else int(pad), max_positions=int(model.config.max_position_embeddings),
-                        max_new_tokens=max_new_tokens, ref_model=ref, eos_id=eos_token_id(model))
+                        max_new_tokens=max_new_tokens, ref_model=_reference_model(cfg, model_path, device, dtype),
+                        eos_id=eos_token_id(model))
     levers = _RankLevers(trainer, chose_attention=asked.attn_implementation is None)
-
-    def unfused():
-        nonlocal optimizer, optimizer_note
-        optimizer, optimizer_note = build_optimizer((p for p in model.parameters() if p.requires_grad), levers.cfg)
-        trainer.optimizer = optimizer
-
-    if cfg.compile is True and cfg.compile_backend == "inductor":
-        notes.append(enable_cache(cfg.compile_cache_dir))
-    graphs, t0 = compiled_graphs(), time.perf_counter()
-    off = try_levers(levers, trainer, unfused)  # collective: every rank tries the same micro-batches
-    trial_graphs, trial_s = compiled_graphs() - graphs, time.perf_counter() - t0
-    cfg = levers.cfg
-    for lever, error in off.items():
-        notes.append(f"{lever} off: it failed its trial at setup ({error})")
-    fallback = eager_fallback_note(cfg.activation_checkpointing, checkpointing_note, off)
-    if fallback and rank == 0:
-        log.warning("%s", fallback)
-    if cfg.compile is True:
-        notes.append(f"the trial compiled {trial_graphs} graph(s) in {trial_s:.1f} s (the run's warm-up: a graph "
-                     "compiled later is counted in learner/recompiles)")
+    off, trial_graphs, trial_s = _trial(levers, trainer, notes, checkpointing_note, rank)
+    cfg, optimizer_note = levers.cfg, levers.optimizer_note or optimizer_note
     gap = None
     if cfg.packs_padding_free:  # collective under FSDP: every rank runs the same two forwards
         gap = check_packing(model, device, tolerance=1e-3 if dtype == torch.float32 else 2e-2)
@@ -185,8 +124,93 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
                  "padding-free packing" if cfg.packs_padding_free else "padded", model.config._attn_implementation,
                  "" if gap is None else f"; packed rows checked apart (largest change {gap:.2g})")
         log.info("learner levers on %s: %s; %s", device.type, "; ".join(notes), optimizer_note)
-    return RankModel(model=model, optimizer=optimizer, trainer=trainer, ref_model=ref, packing_gap=gap, levers_off=off,
-                     summary=summary, trial_graphs=trial_graphs, trial_s=trial_s)
+    return RankModel(model=model, optimizer=trainer.optimizer, trainer=trainer, ref_model=trainer.ref_model,
+                     packing_gap=gap, levers_off=off, summary=summary, trial_graphs=trial_graphs, trial_s=trial_s)
+
+
+def _load_model(cfg: LearnerConfig, asked: LearnerConfig, model_path: str, device: torch.device, *, empty: bool,
+                notes: list[str]) -> tuple[LearnerConfig, torch.nn.Module]:
+    """The model with the attention asked for; when we chose it (padding_free=auto on CUDA) and its kernel cannot
+    load here, transformers' default attention, padded (said in `notes`)."""
+    try:
+        return cfg, _build(cfg, model_path, device, empty=empty)
+    except (ImportError, ValueError) as e:
+        if cfg.attn_implementation is None:
+            raise
+        if asked.attn_implementation is not None:
+            raise ValueError(f"learner.attn_implementation={cfg.attn_implementation} cannot load on this learner "
+                             f"({device.type}): {e} Set learner.attn_implementation to sdpa (or leave it unset), "
+                             "or install the kernel where the learner runs") from None
+        notes[-1] = f"padded micro-batches ({cfg.attn_implementation} cannot load here: {e}; attention sdpa)"
+        cfg = cfg.model_copy(update={"attn_implementation": None, "padding_free": False})
+        return cfg, _build(cfg, model_path, device, empty=empty)
+
+
+def _shard(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, world: int) -> None:
+    """FSDP2 over every decoder layer and the whole model (imported here: one float32 rank never loads FSDP, 0.5 s
+    of its start)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def _init_lora(model: torch.nn.Module, cfg: LearnerConfig, targets: list[str], rank: int, world: int, frozen: int,
+               dtype: torch.dtype) -> str:
+    """Initialise the adapters (the same on every rank) and say what trains; the one-line summary the driver logs."""
+    init_adapters(model, cfg.seed, rank, world)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # global counts (DTensor numel)
+    total = sum(p.numel() for p in model.parameters())
+    kinds = ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets}))
+    if rank == 0:
+        log.info("learner.lora: rank %d adapters (alpha %g) on %d Linear modules (%s); only they train. "
+                 "Checkpoints export the merged model (W + alpha/rank B A under the base names) and the "
+                 "adapters in peft's format (adapter/)%s", cfg.lora.rank, cfg.lora.alpha, len(targets), kinds,
+                 "; the KL reference is the base (adapters disabled), no copy" if cfg.kl_coef > 0 else "")
+        if frozen:
+            log.info("learner.lora.base_dtype=auto: the frozen base (%.3g M parameters) is held in %s, %.2f GiB "
+                     "less than float32 (over all ranks)", frozen / 1e6, str(dtype).removeprefix("torch."),
+                     frozen * (4 - dtype.itemsize) / 2**30)
+    return (f"learner.lora: rank {cfg.lora.rank} adapters (alpha {cfg.lora.alpha:g}) on {len(targets)} Linear "
+            f"modules ({kinds}): {trainable / 1e6:.3g} M trainable parameters of {total / 1e6:.4g} M "
+            f"({trainable / max(total, 1):.2%})")
+
+
+def _reference_model(cfg: LearnerConfig, model_path: str, device: torch.device,
+                     dtype: torch.dtype) -> torch.nn.Module | None:
+    """The frozen KL reference (None without KL; under LoRA the reference is the base: the adapters disabled)."""
+    if cfg.kl_coef <= 0 or cfg.lora is not None:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                               attn_implementation=cfg.attn_implementation).to(device).eval()
+    ref.requires_grad_(False)
+    prepare_model(ref, cfg, trainable=False)
+    return ref
+
+
+def _trial(levers, trainer, notes: list[str], checkpointing_note: str, rank: int) -> tuple[dict, int, float]:
+    """Try the levers on real micro-batches (collective: every rank tries the same); those that fail are switched
+    off for the run. (levers off, graphs the trial compiled, its seconds)."""
+    if levers.cfg.compile is True and levers.cfg.compile_backend == "inductor":
+        notes.append(enable_cache(levers.cfg.compile_cache_dir))
+    graphs, t0 = compiled_graphs(), time.perf_counter()
+    off = try_levers(levers, trainer, levers.unfused)
+    trial_graphs, trial_s = compiled_graphs() - graphs, time.perf_counter() - t0
+    for lever, error in off.items():
+        notes.append(f"{lever} off: it failed its trial at setup ({error})")
+    fallback = eager_fallback_note(levers.cfg.activation_checkpointing, checkpointing_note, off)
+    if fallback and rank == 0:
+        log.warning("%s", fallback)
+    if levers.cfg.compile is True:
+        notes.append(f"the trial compiled {trial_graphs} graph(s) in {trial_s:.1f} s (the run's warm-up: a graph "
+                     "compiled later is counted in learner/recompiles)")
+    return off, trial_graphs, trial_s
 
 
 class _RankLevers:
@@ -199,6 +223,12 @@ class _RankLevers:
         self.trainer, self.cfg = trainer, trainer.cfg
         self.packed_attention = trainer.model.config._attn_implementation
         self.chose_attention = chose_attention and self.cfg.packs_padding_free
+        self.optimizer_note: str | None = None  # the rebuilt optimizer's, once the trial rebuilt it
+
+    def unfused(self) -> None:
+        """The trial's `rebuild_optimizer`: AdamW as the config now says (fused off)."""
+        params = (p for p in self.trainer.model.parameters() if p.requires_grad)
+        self.trainer.optimizer, self.optimizer_note = build_optimizer(params, self.cfg)
 
     def set(self, lever: str, on: bool) -> None:
         model = self.trainer.model

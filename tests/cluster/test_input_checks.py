@@ -220,3 +220,24 @@ def test_each_shard_of_a_sharded_checkpoint_is_checked_whole(tmp_path):
     second.write_bytes(second.read_bytes()[:20])  # inside the header
     assert weights_cut_short(tmp_path) == [f"model.path: {second} is not a readable safetensors file (its header is "
                                            "cut short or damaged; 20 bytes); download or copy it again"]
+
+
+def _imports(package: str) -> bool:
+    try:
+        __import__(package)
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(_imports("flash_attn"), reason="flash-attn imports here: flash_attention_2 is accepted")
+def test_flash_attention_that_does_not_import_is_refused_before_ray_naming_sdpa_and_eager(capsys, tmp_path):
+    from learner.levers import attention_problem
+
+    says = ("learner.attn_implementation: flash_attention_2 needs the flash_attn package, which does not import here "
+            "(No module named 'flash_attn'); set learner.attn_implementation=sdpa (transformers' default) or eager")
+    _config_and_train(capsys, tmp_path, "learner.attn_implementation=flash_attention_2", expected=says)
+    assert attention_problem("flash_attention_2").startswith(says)  # what a cluster's learner rank says at its start
+    assert attention_problem("sdpa") is None and attention_problem(None) is None
+    code, out = cli(capsys, "config", "learner.attn_implementation=flash_attention_2", "cluster.address=auto")
+    assert "does not import here" not in out  # on a cluster the learner's node decides
