@@ -442,16 +442,10 @@ class LearnerConfig(Section):
             self.__dict__["loss_agg"] = OWN_LOSS_AGG[self.policy_loss]  # no re-validation: nothing else changes
         return self
 
-    @property
-    def stores_learner_logprobs(self) -> bool:
-        """`store_learner_logprobs` with auto resolved."""
-        return self.recompute_old_logprobs if self.store_learner_logprobs == "auto" else self.store_learner_logprobs
-
     @model_validator(mode="after")
-    def _learner_logprobs_known(self) -> LearnerConfig:
-        if self.store_learner_logprobs is True and self.mini_batches > 1 and not self.needs_old_logprobs:
-            raise ValueError("learner.store_learner_logprobs=true with mini_batches > 1 needs the start-of-step "
-                             "log-probs of every mini-batch: set learner.recompute_old_logprobs=true")
+    def _loss_combinations(self) -> LearnerConfig:
+        """The policy loss's options that have no meaning together, refused here so that the loss built from them
+        (`learner.policy_loss.setup_policy_loss`) never checks a name at run time."""
         if self.policy_loss != "ppo_clip" and self.clip_fresh is not True:
             raise ValueError(f"learner.clip_fresh={str(self.clip_fresh).lower()} turns PPO's clip off (auto: once mixed "
                              f"mode starts), but learner.policy_loss={self.policy_loss} has no unclipped form: its "
@@ -462,6 +456,18 @@ class LearnerConfig(Section):
                              + (f"learner.policy_loss={self.policy_loss} has no PPO clip" if self.policy_loss != "ppo_clip"
                                 else "learner.clip_fresh=false never clips")
                              + ": leave learner.clip_ratio_c unset (null)")
+        return self
+
+    @property
+    def stores_learner_logprobs(self) -> bool:
+        """`store_learner_logprobs` with auto resolved."""
+        return self.recompute_old_logprobs if self.store_learner_logprobs == "auto" else self.store_learner_logprobs
+
+    @model_validator(mode="after")
+    def _learner_logprobs_known(self) -> LearnerConfig:
+        if self.store_learner_logprobs is True and self.mini_batches > 1 and not self.needs_old_logprobs:
+            raise ValueError("learner.store_learner_logprobs=true with mini_batches > 1 needs the start-of-step "
+                             "log-probs of every mini-batch: set learner.recompute_old_logprobs=true")
         if self.micro_batch_split == "balanced" and (self.micro_batch_tokens is None or self.padding_free is False):
             raise ValueError("learner.micro_batch_split=balanced cuts padding-free micro-batches by their token budget: "
                              "set learner.micro_batch_tokens (32768 in the paper's runs) and leave learner.padding_free "
