@@ -493,3 +493,72 @@ def test_what_config_accepts_train_starts_from(capsys, tmp_path, tiny_model_dir)
     assert code == 0, out
     cfg, run_dir, _, model_path, questions = _prepare(load_config(None, args), None, [])
     assert run_dir.path == tmp_path / "runs" / "r" and model_path == tiny_model_dir and len(questions) == 4
+
+
+# ------------------------------------------------------------------ exgrpo eval: the start checks of train
+
+
+def _plain_rows(path: Path) -> Path:
+    """Questions with whole-number answers: your own data, not the countdown task's."""
+    path.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    return path
+
+
+@pytest.mark.parametrize("args", [["reward.name=exact"], ["--task", "arithmetic"], ["reward.name=math"],
+                                  ["--task", "arithmetic", "reward.name=exact"]])
+def test_eval_of_your_own_file_with_your_own_reward_runs_as_written(capsys, tmp_path, tiny_model_dir, args):
+    """--data is the data of every check: the config is no longer checked against the default countdown task
+    first ("exact cannot score the countdown task"). --task with --data: the file in that task's format."""
+    data = _plain_rows(tmp_path / "plain.jsonl")
+    code, out = cli(capsys, "eval", "--model", tiny_model_dir, "--data", data, "--limit", "2", "--samples", "1", *args,
+                    "generator.engine.kind=transformers", "tracking.enabled=false")
+    assert code == 0, out
+    assert "greedy accuracy" in out and "cannot score" not in out, out
+
+
+def _bad_input(case: str, tmp_path: Path, model: Path) -> tuple[Path, Path, list[str], str]:
+    """(model folder, data file, overrides) of one input `train` refuses at its start, and the words of the refusal
+    after its field name (train names model.path and data.train_path, eval --model and --data)."""
+    import gzip
+
+    data = _plain_rows(tmp_path / "plain.jsonl")
+    if case == "the countdown reward on your own data":
+        return model, data, ["reward.name=countdown"], ("reward.name: countdown cannot read the reference answers of "
+                                                        f"{{data}} {data} (its first rows have '1', '2', '3'")
+    if case == "a response longer than the model's positions":
+        long = model_copy(model, tmp_path / "short", config=json.dumps(
+            {**json.loads((model / "config.json").read_text()), "max_position_embeddings": 4096}))
+        return long, data, ["generator.max_new_tokens=8192"], (f"generator.max_new_tokens: 8192 tokens do not fit "
+                                                                f"{long}'s 4096 positions (the prompt included)")
+    if case == "weights cut short":
+        short = model_copy(model, tmp_path / "cut")
+        w = short / "model.safetensors"
+        size = w.stat().st_size
+        w.write_bytes(w.read_bytes()[: size // 2])
+        return short, data, [], f"{{model}}: {w} is cut short: its header says {size} bytes, the file has {size // 2}"
+    if case == "a reward module that does not import":
+        return model, data, ["reward.name=nopkg.nomod:fn"], "reward.name: cannot import module 'nopkg.nomod'"
+    if case == "a compressed data file":
+        gz = tmp_path / "plain.jsonl.gz"
+        gz.write_bytes(gzip.compress(data.read_bytes()))
+        return model, gz, [], f"{{data}}: {gz}: a compressed file (.gz); data files are read uncompressed"
+    if case == "a config.json vocabulary the weights do not hold":
+        other = model_copy(model, tmp_path / "vocab", config=json.dumps(
+            {**json.loads((model / "config.json").read_text()), "vocab_size": 163}))
+        return other, data, [], f"{{model}}: {other / 'config.json'} says vocab_size 163, but the weights hold 99 rows"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["the countdown reward on your own data", "a response longer than the model's positions",
+                                  "weights cut short", "a reward module that does not import", "a compressed data file",
+                                  "a config.json vocabulary the weights do not hold"])
+def test_train_and_eval_refuse_the_same_bad_inputs(capsys, tmp_path, tiny_model_dir, case):
+    """`exgrpo eval` runs the start checks `train` runs, for the model and the data it uses: the same words."""
+    model, data, overrides, says = _bad_input(case, tmp_path, tiny_model_dir)
+    assert_refused(*train(capsys, tmp_path / "runs", f"model.path={model}", f"data.train_path={data}",
+                          "reward.name=exact", *overrides),
+                   says.format(model="model.path", data="data.train_path"))
+    assert not (tmp_path / "runs" / "r").exists()
+    assert_refused(*cli(capsys, "eval", "--model", model, "--data", data, "reward.name=exact", *overrides,
+                        "generator.engine.kind=transformers", "tracking.enabled=false"),
+                   says.format(model="--model", data="--data"))
