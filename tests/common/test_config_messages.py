@@ -266,3 +266,14 @@ def test_a_list_of_rows_given_as_the_config_gets_a_command_that_makes_a_data_fil
     assert [r for _, r in read_rows(tmp_path / "list.jsonl")] == [{"question": "1+1", "answer": "2"},
                                                                    {"question": "2+2", "answer": "4"}]
     assert shlex.split(command)[0] == __import__("sys").executable
+
+
+def test_a_test_path_without_a_train_path_is_refused_not_ignored(capsys, tmp_path):
+    """The built-in task makes its own test split: data.test_path alone was silently ignored."""
+    err = refused(capsys, "data.test_path=held.jsonl")
+    assert ("data.test_path: held.jsonl is a held-out split of data.train_path, which is not set (the built-in "
+            "countdown task makes its own test split); set data.train_path to your training file, or evaluate the "
+            "file beside the task with eval.sets.<name>.path=held.jsonl") in err, err
+    cfg = load_config(None, ["data.test_path=held.jsonl", "data.train_path=train.jsonl", "reward.name=exact"])
+    assert cfg.data.test_path == "held.jsonl"
+    assert load_config(None, ["eval.sets.held.path=held.jsonl"]).eval.sets["held"].path == "held.jsonl"
