@@ -276,4 +276,6 @@ def test_a_test_path_without_a_train_path_is_refused_not_ignored(capsys, tmp_pat
             "file beside the task with eval.sets.<name>.path=held.jsonl") in err, err
     cfg = load_config(None, ["data.test_path=held.jsonl", "data.train_path=train.jsonl", "reward.name=exact"])
     assert cfg.data.test_path == "held.jsonl"
-    assert load_config(None, ["eval.sets.held.path=held.jsonl"]).eval.sets["held"].path == "held.jsonl"
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"question": "1+1=", "answer": "2"}\n')
+    assert load_config(None, [f"eval.sets.held.path={held}"]).eval.sets["held"].path == str(held)  # the other way
