@@ -112,16 +112,15 @@ def sapo(logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *, tau_
     return TokenLoss(-adv * gate * (4.0 / tau), ratio, active)
 
 
-def dual_clip(surrogate: Surrogate, clip_ratio_c: float) -> Surrogate:
-    """verl's dual-clip (compute_policy_loss_vanilla; Ye et al. 2020) around a clipped surrogate: a token with A < 0
-    loses at most -A clip_ratio_c, however far r rises above the band (active there too)."""
-    def bounded(logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor) -> TokenLoss:
-        out = surrogate(logprobs, log_ratio, adv, mask)
-        pg_loss3 = -adv * clip_ratio_c  # [R, 1]
-        dual = (adv < 0) & (out.loss > pg_loss3)  # [R, T]
-        return TokenLoss(torch.where(dual, pg_loss3.expand_as(out.loss), out.loss), out.weight,
-                         torch.maximum(out.active, dual.to(out.active.dtype)))
-    return bounded
+def dual_clip(logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *, surrogate: Surrogate,
+              clip_ratio_c: float) -> TokenLoss:
+    """verl's dual-clip (compute_policy_loss_vanilla; Ye et al. 2020) around a clipped `surrogate`: a token with
+    A < 0 loses at most -A clip_ratio_c, however far r rises above the band (active there too)."""
+    out = surrogate(logprobs, log_ratio, adv, mask)
+    pg_loss3 = -adv * clip_ratio_c  # [R, 1]
+    dual = (adv < 0) & (out.loss > pg_loss3)  # [R, T]
+    return TokenLoss(torch.where(dual, pg_loss3.expand_as(out.loss), out.loss), out.weight,
+                     torch.maximum(out.active, dual.to(out.active.dtype)))
 
 
 # ------------------------------------------------------------------------------------------ replay losses
@@ -291,7 +290,8 @@ def _surrogate(cfg: LearnerConfig) -> Surrogate:
     match cfg.policy_loss:
         case "ppo_clip":
             clipped = partial(ppo_clip, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
-            return clipped if cfg.clip_ratio_c is None else dual_clip(clipped, cfg.clip_ratio_c)
+            return clipped if cfg.clip_ratio_c is None else partial(dual_clip, surrogate=clipped,
+                                                                    clip_ratio_c=cfg.clip_ratio_c)
         case "gspo":
             return partial(gspo, clip_low=cfg.gspo_clip_low, clip_high=cfg.gspo_clip_high)
         case "cispo":

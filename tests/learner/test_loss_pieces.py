@@ -94,8 +94,8 @@ def test_dual_clip_bounds_only_negative_advantages_by_hand():
     # gradient); r = 1.1: 1.1 in the band, untouched. row 1 (A = +1): r = 4: max(-4, -1.2) = -1.2 (PPO's clip;
     # no second bound for A > 0)
     lp, _, log_ratio = _lp([[4.0, 1.1], [4.0, 1.0]])
-    bounded = P.dual_clip(partial(P.ppo_clip, clip_low=0.2, clip_high=0.2), 3.0)
-    out = bounded(lp, log_ratio, torch.tensor([[-1.0], [1.0]]), torch.ones(2, 2))
+    out = P.dual_clip(lp, log_ratio, torch.tensor([[-1.0], [1.0]]), torch.ones(2, 2),
+                      surrogate=partial(P.ppo_clip, clip_low=0.2, clip_high=0.2), clip_ratio_c=3.0)
     _close(out.loss, [[3.0, 1.1], [-1.2, -1.0]])
     _close(out.active, [[1.0, 0.0], [1.0, 0.0]])
     out.loss.sum().backward()
@@ -201,6 +201,12 @@ def test_setup_chooses_the_pieces_once_from_the_config():
     assert fn.replay.func is P.shaping and fn.replay.keywords == {"beta": 0.1, "ratio": P.token_ratio}
     assert fn.corrections == () and fn.aggregation is P.token_mean
     assert P.setup_policy_loss(LearnerConfig(clip_fresh="auto"), clip_fresh=False).fresh is P.importance_weighted
+    fn = P.setup_policy_loss(LearnerConfig(clip_ratio_c=3.0, clip_fresh="auto"))
+    assert fn.fresh.func is P.dual_clip and fn.fresh.keywords["clip_ratio_c"] == 3.0
+    assert fn.fresh.keywords["surrogate"].func is P.ppo_clip
+    # unclipped fresh tokens have no second bound either; replayed ones under replay_loss=policy_loss keep both
+    fn = P.setup_policy_loss(LearnerConfig(clip_ratio_c=3.0, clip_fresh="auto", replay_loss="policy_loss"), False)
+    assert fn.fresh is P.importance_weighted and fn.replay.func is P.dual_clip
     fn = P.setup_policy_loss(LearnerConfig(policy_loss="gspo", shaping_beta=None))
     assert fn.fresh.func is P.gspo and fn.fresh.keywords == {"clip_low": 3e-4, "clip_high": 4e-4}
     assert fn.replay.func is P.importance_weighted and fn.replay.keywords == {"ratio": P.sequence_ratio}
