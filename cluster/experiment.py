@@ -5,10 +5,9 @@
     exgrpo experiment ablations --variants exgrpo plain_replay   # only these variants of the spec
 
 Every (variant, seed) is one `exgrpo train` subprocess that stops at the rollout budget, nested as an MLflow
-child of one parent run; a finished run folder is reused (`--rerun` starts over). Results: a table and a plot
-per variant, logged to the parent run; the exit code is non-zero when a run failed.
-Details (the spec, the budget, the results): docs/internals.md#clusterexperimentpy
-"""
+child of one parent run; a finished run folder is reused (`--rerun` starts over). The report (tables, paired
+differences with 95% intervals, a plot: cluster/experiment_results.py) is logged to the parent run; the exit
+code is non-zero when a run failed. Details: docs/internals.md#clusterexperimentpy"""
 
 from __future__ import annotations
 
@@ -311,8 +310,8 @@ def runs_root_problem(root: Path) -> str | None:
     try:  # a folder made and removed: what the experiment will do (permission bits do not tell for root)
         os.rmdir(tempfile.mkdtemp(prefix=".exgrpo-check-", dir=existing))
     except OSError as e:
-        return f"--runs-root: cannot create {root}: {existing} refuses a new folder ({e.strerror}); point --runs-root " \
-               "at a writable folder"
+        return (f"--runs-root: cannot create {root}: {existing} refuses a new folder ({e.strerror}); point "
+                "--runs-root at a writable folder")
     return None
 
 

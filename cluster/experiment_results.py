@@ -130,7 +130,8 @@ def _costs(client, run_id: str) -> dict[str, float]:
         return statistics.fmean(xs) * scale if xs else float("nan")
 
     peak = _finite([m.value for m in client.get_metric_history(run_id, "learner/peak_memory_gib")])
-    return {"publication_mb": mean("weights/bytes_full", 1e-6), "publish_blocking_s": mean("weights/publish_blocking_s"),
+    return {"publication_mb": mean("weights/bytes_full", 1e-6),
+            "publish_blocking_s": mean("weights/publish_blocking_s"),
             "step_s": mean("learner/step_time_s"), "peak_gib": max(peak) if peak else float("nan")}
 
 
@@ -156,7 +157,8 @@ def _mechanism(client, run_id: str) -> dict[str, float]:
             "mixed_groups": mixed, "retired": m.get("buffer/retired", 0.0),
             "zero_signal": m.get("buffer/zero_signal_seen", 0.0) / trained if trained else nan,
             "replay_tokens": replay / both if both else nan,
-            "valid_heldout": m.get("eval/valid_given_correct", nan), "valid_fresh": m.get("generator/valid_given_correct", nan),
+            "valid_heldout": m.get("eval/valid_given_correct", nan),
+            "valid_fresh": m.get("generator/valid_given_correct", nan),
             "valid_chosen": weighted("learner/replay_valid_chosen"),
             "valid_candidates": weighted("learner/replay_valid_candidates"),
             "entropy_valid_corr": statistics.fmean(corr) if corr else nan}

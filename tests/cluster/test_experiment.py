@@ -33,6 +33,8 @@ def test_the_bundled_spec_loads_and_bad_specs_say_what_to_change(tmp_path):
                                                              ("ppo_clip", "gspo", "cispo", "sapo")}
                 }.get(path.stem, {"exgrpo", "grpo"})
         assert want <= set(load_spec(path.stem).variants), path
+    for name in ("ablations", "multi_epoch"):  # retirement isolated: ExGRPO with buffer.retire=false, nothing else
+        assert load_spec(name).variants["exgrpo_no_retire"] == {"buffer.retire": False}
     assert overrides({"learner.shaping_beta": None, "buffer.replay_ratio": 0.25}) == [
         "learner.shaping_beta=null", "buffer.replay_ratio=0.25"]
     base = dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}})
@@ -74,6 +76,10 @@ def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, caps
     costs, loss = costs.split("What the policy loss did")  # a variant sets learner.policy_loss: the loss's table
     rows = [line for line in results.splitlines() if line.startswith(("| exgrpo", "| grpo"))]
     assert len(rows) == 2 and all("| 1 |" in r for r in rows), out.stdout
+    assert all(0 < float(r.split(" | ")[3]) < 0.2 for r in rows), results  # the evaluation's SE, logged by each run
+    verdicts = [line for line in results.splitlines() if line.startswith("- ")]  # one seed: differences, no interval
+    assert len(verdicts) == 2 and verdicts[0].startswith("- grpo − exgrpo = "), results
+    assert verdicts[1].startswith("- best against the runner-up: ") and verdicts[1].endswith("(1 seed: no interval)")
     grpo = [line for line in mechanism.splitlines() if line.startswith("| grpo")]
     # GRPO never replays: no mixed group, no replayed token, nothing retired (collect=false); every group fresh
     assert len(grpo) == 1 and grpo[0].split(" | ")[1:5] == ["—", "32", "0", "0"], mechanism
@@ -123,8 +129,8 @@ def test_an_unreadable_spec_is_answered_with_its_file_and_line(tmp_path, content
 def test_an_empty_spec_and_a_misspelt_key_are_answered_in_the_spec_s_terms(tmp_path):
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(SpecError, match=r"empty.yaml: empty; a spec is a mapping of name, budget_rollouts, seeds, "
-                                        r"base, variants, run_timeout_s, reference \(name, budget_rollouts, seeds, variants "
-                                        r"required; cluster/experiments/ablations.yaml is one\)"):
+                                        r"base, variants, run_timeout_s, reference \(name, budget_rollouts, seeds, "
+                                        r"variants required; cluster/experiments/ablations.yaml is one\)"):
         load_spec(str(tmp_path / "empty.yaml"))
     with pytest.raises(SpecError) as e:
         load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variant={"a": {}})))
@@ -172,7 +178,8 @@ def test_a_paired_difference_and_its_interval_worked_by_hand():
     assert (d.mean, d.lo, d.hi) == pytest.approx((0.05, 0.037008, 0.062992), abs=2e-6)
     assert d.beyond_noise and d.line() == "exgrpo − grpo = +0.050 [+0.037, +0.063] (4 seeds)"
     # negative, beyond noise: the same with the roles swapped
-    assert paired_difference("grpo", "exgrpo", b, a).line() == "grpo − exgrpo = −0.050 [−0.063, −0.037] (4 seeds)"
+    swapped = paired_difference("grpo", "exgrpo", b, a)
+    assert swapped.line() == "grpo − exgrpo = −0.050 [−0.063, −0.037] (4 seeds)"
     # only seeds both have count (a failed run is absent, a nan left out); one seed: no interval; none: None
     d = paired_difference("a", "b", {0: 0.5, 1: 0.7, 2: float("nan")}, {0: 0.4, 2: 0.5, 3: 0.6})
     assert d.seeds == 1 and d.line() == "a − b = +0.100 (1 seed: no interval)"
@@ -201,7 +208,8 @@ def test_the_report_prints_the_verdict_lines_and_the_evaluation_s_se(tmp_path):
         "- best against the runner-up: plain − grpo = +0.030 [−0.097, +0.157] (2 seeds): within noise"]
     text = table(spec, results)
     # the evaluation's SE: root mean square over the runs that logged it, sqrt((0.006^2 + 0.008^2) / 2) = 0.00707
-    assert "| exgrpo | 3 | 0.560 ± 0.010 | 0.007 |" in text and "| plain | 2 (1 failed) | 0.610 ± 0.014 | — |" in text
+    assert "| exgrpo | 3 | 0.560 ± 0.010 | 0.007 |" in text
+    assert "| plain | 2 (1 failed) | 0.610 ± 0.014 | — |" in text
     # another reference: every line is against it; one that is not a variant is refused
     other = spec.model_copy(update={"reference": "grpo"})
     assert differences(other, results)[3] == "- exgrpo − grpo = −0.020 [−0.045, +0.005] (3 seeds): within noise"
