@@ -43,37 +43,21 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     folder, train with bounded self-restarts, report. Returns the exit code (2: bad input, nothing created).
     The run's wall-time profile is saved as profile.json in the run folder (`show_profile`: printed too)."""
     from cluster.console import Progress, setup_logging
-    from cluster.preflight import BadInput, user_modules
-    from cluster.runtime import RayStart
     from cluster.tracking import LateStart, default_tracking_uri
 
     launched = command_started()
     profile = Profile(launched)
     setup_logging(None)  # the console only, until the run folder exists
-    ray_start: list[RayStart] = []
-
-    def begin_ray(checked: RunConfig) -> None:  # the quick checks passed: Ray starts while the model and data load
-        ray_start.append(RayStart(checked.cluster, user_modules(checked)))
-
-    try:
-        with profile.phase("start-up: model + data (Ray starts beside them)"):
-            cfg, run_dir, state, model_path, questions = _prepare(cfg, resume, overrides or [], begin_ray)
-    except BadInput as e:
-        print(e, file=sys.stderr)  # at once; then Ray, if it is starting, is stopped: nothing is left behind
-        for r in ray_start:
-            r.cancel()
-        return 2
-    except BaseException:
-        for r in ray_start:
-            r.cancel()
-        raise
+    prepared = _prepare_beside_ray(cfg, resume, overrides or [], profile)
+    if isinstance(prepared, int):
+        return prepared
+    cfg, run_dir, state, model_path, questions, ray_start = prepared
     setup_logging(run_dir.path / "logs")
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     if state.rng:  # resuming: continue the checkpoint's random streams
         set_rng_state(state.rng)
     uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
-
     run_dir.update_state(status="RUNNING", cause=None)
 
     def opened(tracker) -> None:
@@ -82,10 +66,8 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
         _show_prompt(run_dir, questions, model_path, tracker)
 
     open_tracker = LateStart(lambda: _start_tracking(cfg, run_dir, state, uri, resume), opened)
-
     with profile.phase("start-up: Ray (the rest of its start)"):
-        ray_start[0].finish(run_dir.path)
-
+        ray_start.finish(run_dir.path)
     progress = Progress(cfg.total_steps, start=state.step)
     status, stopped = "FAILED", None
     try:
@@ -97,14 +79,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
         progress.close()
         tracker = open_tracker()
         with profile.phase("shutdown: plots, MLflow, Ray"):
-            if cfg.tracking.log_plots:
-                _unless_the_disk_refuses("the plots", lambda: tracker.log_plots(run_dir.path / "plots"))
-            tracker.finish(status)
-            end = dict(status=status, step=state.step, **tracker.counts())
-            if stopped is not None:
-                end["cause"] = stopped.message
-            _unless_the_disk_refuses("state.json", lambda: run_dir.update_state(**end))
-            _shutdown_ray()
+            _close_run(cfg, run_dir, state, tracker, status, stopped)
     if stopped is not None and stopped.code == EXIT_CONFIG and not resume and state.step == 0:
         shutil.rmtree(run_dir.path, ignore_errors=True)  # refused before training: the name stays free
         print(f"nothing was trained; removed {run_dir.path} so that name={run_dir.path.name} can be used again",
@@ -114,14 +89,55 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
         _unless_the_disk_refuses("profile.json", lambda: profile.save(run_dir.path / "profile.json"))
     if show_profile:
         print(profile.table(command))
+    _say_where(run_dir, tracker, uri, state)
+    if stopped is not None:
+        return stopped.code
+    return 0 if status in ("FINISHED", "KILLED") else 1
+
+
+def _prepare_beside_ray(cfg: RunConfig | None, resume: str | None, overrides: list[str], profile: Profile):
+    """(cfg, run folder, state, model path, questions, the Ray start) once every input is checked, Ray starting
+    beside the model and data as soon as the quick checks pass; or 2 after a bad input is said (Ray stopped)."""
+    from cluster.preflight import BadInput, user_modules
+    from cluster.runtime import RayStart
+
+    ray_start: list[RayStart] = []
+
+    def begin_ray(checked: RunConfig) -> None:
+        ray_start.append(RayStart(checked.cluster, user_modules(checked)))
+
+    try:
+        with profile.phase("start-up: model + data (Ray starts beside them)"):
+            return (*_prepare(cfg, resume, overrides, begin_ray), ray_start[0])
+    except BadInput as e:
+        print(e, file=sys.stderr)  # at once; then Ray, if it is starting, is stopped: nothing is left behind
+        for r in ray_start:
+            r.cancel()
+        return 2
+    except BaseException:
+        for r in ray_start:
+            r.cancel()
+        raise
+
+
+def _close_run(cfg: RunConfig, run_dir, state, tracker, status: str, stopped: RunStopped | None) -> None:
+    """Plots, the MLflow run's end, state.json's last word, Ray's shutdown: each tried even when the disk refuses."""
+    if cfg.tracking.log_plots:
+        _unless_the_disk_refuses("the plots", lambda: tracker.log_plots(run_dir.path / "plots"))
+    tracker.finish(status)
+    end = dict(status=status, step=state.step, **tracker.counts())
+    if stopped is not None:
+        end["cause"] = stopped.message
+    _unless_the_disk_refuses("state.json", lambda: run_dir.update_state(**end))
+    _shutdown_ray()
+
+
+def _say_where(run_dir, tracker, uri: str, state) -> None:
     if tracker.offline:  # no MLflow run was opened: the points wait in the run folder
         print(f"run folder: {run_dir.path}\nMLflow: offline; `exgrpo track --replay {run_dir.path}` sends the run's "
               f"metric points to {uri}")
     else:
         print(f"run folder: {run_dir.path}\nMLflow: mlflow ui --backend-store-uri {uri}  (run id {state.mlflow_run_id})")
-    if stopped is not None:
-        return stopped.code
-    return 0 if status in ("FINISHED", "KILLED") else 1
 
 
 def command_started() -> float:
