@@ -53,10 +53,16 @@ def problems(cfg) -> list[str]:
 
 def attention_problem(cfg) -> str | None:
     """learner.attn_implementation's package does not import here, where a local run's learner loads the model
-    (on a cluster the learner's node decides: its rank says so at its start, `learner.setup.setup_rank`)."""
+    (on a cluster the learner's node decides: its rank says so at its start, `learner.setup.setup_rank`). GPUs
+    asked of a machine without any: `preflight.gpus_missing` speaks for the whole GPU config instead."""
     if cfg.learner.attn_implementation not in ("flash_attention_2", "flash_attention_3"):
         return None  # no package to import (and no torch import for it)
+    import torch
+
     from learner.levers import attention_problem as problem
+
+    if cfg.learner.num_gpus > 0 and not torch.cuda.is_available():
+        return None
 
     return problem(cfg.learner.attn_implementation)
 

@@ -160,6 +160,9 @@ def input_problems(cfg) -> list[str]:
     problems = []
     if cfg.model.path is not None:
         problems.append(model_folder_problem(Path(cfg.model.path).expanduser()))
+    elif cfg.data.task is None:
+        problems.append("model.path: not set, and with data.task=null there is no built-in model (each is built for "
+                        "its built-in task); set model.path=<your model folder> (docs/own-task.md, section 1)")
     problems += data_and_reward_problems(cfg)
     problems.extend(input_checks.problems(cfg))  # the model folder's weights, LoRA targets, cluster.address, ...
     return [p for p in problems if p]
@@ -264,6 +267,8 @@ def check_start(cfg, *, new_run: bool = True, build_model: bool = True, on_check
     problems = [p for p in problems if p]
     if problems:
         raise BadInput("invalid configuration:", *problems)
+    if cfg.model.path is None and cfg.data.train_path is not None:
+        log.warning("%s", builtin_model_on_own_data(cfg))
     if on_checked is not None:
         on_checked(cfg)
     model_path = resolve_model(cfg, build=build_model)
@@ -271,6 +276,14 @@ def check_start(cfg, *, new_run: bool = True, build_model: bool = True, on_check
         return Start(cfg, None, None)
     cfg = fit_lengths(cfg, model_path)
     return Start(cfg, model_path, train_questions(cfg, model_path))
+
+
+def builtin_model_on_own_data(cfg) -> str:
+    """The one line that says a run trains the built-in model (model.path unset) on a data file it was not built
+    for, and how to give your own model."""
+    return (f"model.path is not set: this run trains the built-in {cfg.data.task} model (a small model with a "
+            f"character tokenizer, built for the {cfg.data.task} task) on data.train_path={cfg.data.train_path}; set "
+            "model.path=<your model folder> to train your own (docs/own-task.md, section 1)")
 
 
 def resolve_model(cfg, build: bool = True) -> Path | None:

@@ -449,8 +449,17 @@ def test_own_task_reward_module_imports_and_scores_the_example(tmp_path, monkeyp
     runner.run(test)
     assert runner.summarize(verbose=False).failed == 0 and test.examples
 
-    numeric = [r for r in _own_task_rows() if re.fullmatch(r"-?\d+", r["answer"])]
-    assert numeric and all(fn(f"so it is \\boxed{{{r['answer']}}}.", r["answer"]) == 1.0 for r in numeric)
+    rows = _own_task_rows()  # every example row of the page, \frac{1}{2} included, in the forms a response takes
+    for r in rows:
+        for written in (r["answer"], _decimal(r["answer"])):
+            assert fn(f"so it is \\boxed{{{written}}}.", r["answer"]) == 1.0, (written, r["answer"])
+        assert fn(f"so it is \\boxed{{{_decimal(r['answer'])}1}}.", r["answer"]) == 0.0  # another number
+
+
+def _decimal(answer: str) -> str:
+    """`\\frac{1}{2}` -> `0.5`, `48` -> `48.0`: the answer as a response may write it."""
+    m = re.fullmatch(r"\\frac\{(\d+)\}\{(\d+)\}", answer)
+    return str(int(m[1]) / int(m[2])) if m else str(float(answer))
 
 
 # ------------------------------------------------------------------ docs/own-task.md sections 3 and 4, as written
@@ -576,19 +585,22 @@ def test_own_task_section_3_runs_from_the_folder_that_holds_the_module(tmp_path)
     (tmp_path / module[0][2:]).write_text("\n".join(module) + "\n")
     (tmp_path / "math.jsonl").write_text(OWN_TASK.read_text().split("```jsonl\n")[1].split("```")[0])
     (tmp_path / "a-file").write_text("")
+    _stand_in_qwen_math(tmp_path / "data" / "models" / "Qwen2.5-Math-1.5B")  # section 1's download
     section = _section(OWN_TASK, "## 3. ")
     lines = [w for w in _block_after(section, "How the module reaches the workers", "bash").splitlines()
              if _command_words(w)]
     assert [_command_words(w)[0] for w in lines] == ["config", "train"]
+    assert all("model.path=/data/models/Qwen2.5-Math-1.5B" in w for w in lines)  # complete: your model, not ours
     exgrpo = Path(sys.executable).parent / "exgrpo"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     for line in lines:
-        words = _command_words(line)
+        words = _command_words(line.replace("/data/", f"{tmp_path}/data/"))
         extra = ["checkpoint.runs_root=a-file"] if words[0] == "train" else []
         p = subprocess.run([str(exgrpo), *words, *extra], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=300)
         out = p.stdout + p.stderr
         assert "cannot import module" not in out and "Traceback" not in out, out
+        assert "trains the built-in" not in out, out
         if words[0] == "config":
             assert p.returncode == 0, out
         else:

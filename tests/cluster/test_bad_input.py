@@ -562,3 +562,23 @@ def test_train_and_eval_refuse_the_same_bad_inputs(capsys, tmp_path, tiny_model_
     assert_refused(*cli(capsys, "eval", "--model", model, "--data", data, "reward.name=exact", *overrides,
                         "generator.engine.kind=transformers", "tracking.enabled=false"),
                    says.format(model="--model", data="--data"))
+
+
+def test_the_built_in_model_on_your_own_data_is_named_in_one_line(capsys, tmp_path, tiny_model_dir, caplog):
+    """No model.path with your own data: the run would train the built-in countdown model on it; one line says so
+    and how to give your own. With data.task=null there is no built-in model: refused."""
+    import logging
+
+    data = _plain_rows(tmp_path / "plain.jsonl")
+    with caplog.at_level(logging.WARNING, logger="exgrpo"):
+        code, out = cli(capsys, "config", f"data.train_path={data}", "reward.name=exact")
+    says = [r.getMessage() for r in caplog.records if "model.path is not set" in r.getMessage()]
+    assert says == [f"model.path is not set: this run trains the built-in countdown model (a small model with a "
+                    f"character tokenizer, built for the countdown task) on data.train_path={data}; set "
+                    "model.path=<your model folder> to train your own (docs/own-task.md, section 1)"], out
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="exgrpo"):
+        code, out = cli(capsys, "config", f"data.train_path={data}", "reward.name=exact", f"model.path={tiny_model_dir}")
+    assert code == 0 and not [r for r in caplog.records if "model.path is not set" in r.getMessage()], out
+    code, out = cli(capsys, "config", f"data.train_path={data}", "reward.name=exact", "data.task=null")
+    assert code == 2 and "model.path: not set, and with data.task=null there is no built-in model" in out, out
