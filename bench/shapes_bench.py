@@ -326,7 +326,7 @@ def snapshot(trajectories: int, tokens: int, changed: float, folder: str | None)
     from buffer.core import ShardCore
     from buffer.keys import make_key
     from buffer.snapshot import load_core, save_core, snapshot_path
-    from buffer.store import record_digest
+    from buffer.records import record_digest
     from common.config import BufferConfig
     from common.messages import Question, Rollout, int32_array
 

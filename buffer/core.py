@@ -26,7 +26,9 @@ import numpy as np
 
 from buffer.batch_plan import balance, finish_metrics, mixed_shares, mixed_target, plan_take
 from buffer.sampling import make_question_sampler, make_trajectory_selector
-from buffer.store import ExperienceStore, SnapshotPlan, record_from_bytes, record_to_rollout
+from buffer.records import record_from_bytes, record_to_rollout
+from buffer.segments import SnapshotPlan
+from buffer.store import ExperienceStore
 from common import codec
 from common.config import BufferConfig
 from common.messages import LearnerFeedback, Question, ReplayRef, Rollout, ScoredGroup, TrainGroup, WorkItem

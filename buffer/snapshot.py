@@ -133,7 +133,7 @@ def write_shard_snapshot(folder: str | os.PathLike, shard: int, state: dict, pla
 def _write_segment(path: Path, recs) -> tuple[int, str]:
     """Write a segment under a temporary name, fsync it, then give it its name: a write cut short (a full disk,
     an I/O error) leaves no file under a segment's name, so none can be kept or linked into a later snapshot."""
-    from buffer.store import SEGMENT_MAGIC
+    from buffer.segments import SEGMENT_MAGIC
 
     h = hashlib.blake2b(digest_size=32)
     size = 0
@@ -186,7 +186,7 @@ def _link(src: str, dst: Path) -> None:
 
 def open_segment(path: Path, size: int, digest: str) -> mmap.mmap:
     """A segment file mapped read-only, after checking its size, magic bytes and checksum."""
-    from buffer.store import SEGMENT_MAGIC
+    from buffer.segments import SEGMENT_MAGIC
 
     try:
         actual = path.stat().st_size

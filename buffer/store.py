@@ -12,79 +12,22 @@ Details (the rules, the two kinds of entropy, eviction, memory): docs/internals.
 
 from __future__ import annotations
 
-import os
 import random
 import secrets
 import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from buffer.keys import make_key, response_digest, split_key
+from buffer.records import ENGINE_ESTIMATE, H, pack_record, record_digest, record_entropy, record_from_bytes
+from buffer.segments import LEN, SEGMENT_BYTES, SEGMENT_MAGIC, Segment, SnapshotPlan, segments_to_keep
 from buffer.sampling import IndexedSet, QuestionSampler, TrajectorySelector
 from common.messages import Rollout
-
-# record header (int32 words): digest(2) | version | entropy(f32) | entropy_version | times_replayed | reward(f32) |
-# finish index + 256 * (reasoning check + 1)
-_H = 8
-_FINISH = ("stop", "length", "abort")
-ENGINE_ESTIMATE = -1
-"""entropy_version of an estimate made by the generator (not yet measured by the learner)."""
-
-
-def pack_record(r: Rollout, digest: bytes) -> np.ndarray:
-    """Rollout -> one contiguous int32 record."""
-    t = len(r.response_ids)
-    rec = np.empty(_H + 2 * t, dtype=np.int32)  # [8 + 2T]
-    rec[0:2] = np.frombuffer(digest, dtype=np.int32)
-    rec[2] = r.version
-    f = rec.view(np.float32)
-    f[3] = r.entropy
-    rec[4] = ENGINE_ESTIMATE
-    rec[5] = 0
-    f[6] = r.reward
-    rec[7] = (_FINISH.index(r.finish_reason) if r.finish_reason in _FINISH else 2) + 256 * (int(r.valid) + 1)
-    rec[_H : _H + t] = r.response_ids
-    f[_H + t :] = r.logprobs
-    return rec
-
-
-def record_digest(rec: np.ndarray) -> bytes:
-    return rec[0:2].tobytes()
-
-
-def record_entropy(rec: np.ndarray) -> float:
-    return float(rec.view(np.float32)[3])
-
-
-def record_to_rollout(rec: np.ndarray, question_id: str) -> Rollout:
-    """The stored trajectory as the replayed rollout of a mixed group (views, no copy)."""
-    t = (len(rec) - _H) // 2
-    f = rec.view(np.float32)
-    return Rollout(
-        response_ids=rec[_H : _H + t],
-        logprobs=f[_H + t :],
-        reward=float(f[6]),
-        correct=True,
-        entropy=float(f[3]),
-        version=int(rec[2]),
-        finish_reason=_FINISH[int(rec[7]) % 256],
-        key=make_key(question_id, record_digest(rec)),
-        replayed=True,
-        valid=int(rec[7]) // 256 - 1,
-    )
-
-
-def record_from_bytes(b: bytes) -> np.ndarray:
-    if len(b) < 4 * _H or (len(b) - 4 * _H) % 8:
-        raise ValueError(f"a stored trajectory record of {len(b)} bytes is malformed")
-    return np.frombuffer(b, dtype=np.int32).copy()
-
 
 class _Entry:
     """A stored question: its bucket, its records and, parallel to them (4-8 bytes each), the records'
@@ -152,7 +95,7 @@ class ExperienceStore:
         self.entropy_chosen_sum = 0.0
         self.entropy_available_sum = 0.0
         # snapshot segments (see `plan_snapshot`): id -> segment; questions with records not written yet
-        self.segments: dict[int, _Segment] = {}
+        self.segments: dict[int, Segment] = {}
         self.dirty: set[str] = set()
         self.next_segment = 0
         self.segment_prefix = secrets.token_hex(4)  # this store's segment names never collide with another's
@@ -227,7 +170,7 @@ class ExperienceStore:
             self.bytes -= r.nbytes
             self.total -= 1
             if e.segs[i] >= 0:
-                self.segments[e.segs[i]].live -= _LEN + r.nbytes
+                self.segments[e.segs[i]].live -= LEN + r.nbytes
 
     def _trim_pending(self, e: _Entry) -> None:
         """At most `group_size` unmeasured trajectories: the ones with the highest estimates go."""
@@ -381,14 +324,14 @@ class ExperienceStore:
         """Record i of `e` with `logprobs` as its behaviour log-probs: a new record (the written one stays as it is
         in its snapshot segment, which no longer counts it), written with the next snapshot."""
         old = e.recs[i]
-        t = (len(old) - _H) // 2
+        t = (len(old) - H) // 2
         if len(logprobs) != t:
             self.c["logprobs_mismatched"] += 1
             return
         new = old.copy()
-        new.view(np.float32)[_H + t:] = logprobs
+        new.view(np.float32)[H + t:] = logprobs
         if e.segs[i] >= 0:
-            self.segments[e.segs[i]].live -= _LEN + old.nbytes
+            self.segments[e.segs[i]].live -= LEN + old.nbytes
         e.recs[i], e.segs[i] = new, -1
         self.dirty.add(qid)
         self.c["logprobs_from_learner"] += 1
@@ -417,38 +360,12 @@ class ExperienceStore:
         return m
 
     # ----------------------------------------------------------------------------------- snapshots
-    #
-    # A snapshot is a small manifest (buckets, header columns, where each record lies, counters) plus
-    # append-only segment files holding the records. Records never change after they are written (their
-    # mutable header words travel in the manifest), so a snapshot writes only the records added since the
-    # last one, and links the segments it still references into its folder. A segment whose live bytes
-    # fall under half its size, or one no folder holds any more, is compacted: its live records are
-    # rewritten into the new segment. A snapshot therefore costs what changed plus the manifest (~40 bytes
-    # per record), not the whole store.
+    # (what a snapshot writes and links, and why it costs only what changed: buffer/segments.py)
 
     def plan_snapshot(self, target: Callable[[str], Path]) -> SnapshotPlan:
         """What a snapshot into the folder of `target` (segment name -> its path there) writes, links and
         records. Call under the same lock as the writes; nothing changes until `mark_written`."""
-        keep: dict[int, str | None] = {}  # kept segment -> a copy to link from (None: already in the folder)
-        rewrite: set[int] = set()
-        for sid, g in self.segments.items():
-            if g.live <= 0:
-                continue
-            if 2 * g.live < g.size:
-                rewrite.add(sid)
-                continue
-            there = target(g.name)
-            if there.is_file() and there.stat().st_size == g.size:
-                keep[sid] = None
-            else:
-                src = next((p for p in g.paths if os.path.isfile(p) and os.path.getsize(p) == g.size), None)
-                if src is None:
-                    rewrite.add(sid)
-                else:
-                    keep[sid] = src
-        for sid in sorted(keep, key=lambda x: self.segments[x].size)[: max(0, len(keep) - MAX_SEGMENTS + 1)]:
-            del keep[sid]  # too many segments: the smallest are merged into the new one
-            rewrite.add(sid)
+        keep, rewrite = segments_to_keep(self.segments, target)
         qids = set(self.dirty)
         if rewrite:
             qids.update(q for q, e in self.entries.items() if any(x in rewrite for x in e.segs))
@@ -462,7 +379,7 @@ class ExperienceStore:
             for i, r in enumerate(e.recs):
                 if segs[i] >= 0 and segs[i] not in rewrite:
                     continue
-                if off + _LEN + r.nbytes > SEGMENT_BYTES and off > len(SEGMENT_MAGIC):
+                if off + LEN + r.nbytes > SEGMENT_BYTES and off > len(SEGMENT_MAGIC):
                     sid, off = self.next_segment, len(SEGMENT_MAGIC)
                     self.next_segment += 1
                     plan.names[sid] = f"{self.segment_prefix}-{sid:06d}"
@@ -470,7 +387,7 @@ class ExperienceStore:
                 plan.new[sid].append(r)
                 plan.moves.append((qid, r, sid, off))
                 segs[i], offs[i] = sid, off
-                off += _LEN + r.nbytes
+                off += LEN + r.nbytes
             plan.placed[qid] = (segs, offs)
         plan.rows = [[q, e.bucket, *(x.tobytes() for x in plan.placed.get(q, (e.segs, e.offs))),
                       e.ents.tobytes(), e.evers.tobytes(), e.times.tobytes()] for q, e in self.entries.items()]
@@ -494,7 +411,7 @@ class ExperienceStore:
         """The snapshot of `plan` is on disk: its new segments (`written`: id -> name, size, digest) hold the
         planned records. Records dropped since the plan are skipped; ones added since stay unwritten."""
         for sid, (name, size, digest) in written.items():
-            self.segments[sid] = _Segment(name, size, digest, 0, [str(target(name))])
+            self.segments[sid] = Segment(name, size, digest, 0, [str(target(name))])
         for sid in plan.keep:
             path = str(target(self.segments[sid].name))
             if path not in self.segments[sid].paths:
@@ -505,9 +422,9 @@ class ExperienceStore:
             if i is None:
                 continue
             if e.segs[i] >= 0:
-                self.segments[e.segs[i]].live -= _LEN + rec.nbytes
+                self.segments[e.segs[i]].live -= LEN + rec.nbytes
             e.segs[i], e.offs[i] = sid, off
-            self.segments[sid].live += _LEN + rec.nbytes
+            self.segments[sid].live += LEN + rec.nbytes
         for qid in plan.placed:
             e = self.entries.get(qid)
             if e is None or min(e.segs, default=0) >= 0:
@@ -540,20 +457,20 @@ class ExperienceStore:
             data = open_segment(*segments[sid])
             try:
                 for qid, e, j, off in refs:
-                    if not len(SEGMENT_MAGIC) <= off <= len(data) - _LEN:
+                    if not len(SEGMENT_MAGIC) <= off <= len(data) - LEN:
                         raise ValueError(f"snapshot row of question {qid!r} points outside segment {sid} (offset {off})")
                     (n,) = struct.unpack_from("<I", data, off)
-                    if off + _LEN + 4 * n > len(data):
+                    if off + LEN + 4 * n > len(data):
                         raise ValueError(f"record of question {qid!r} runs past the end of segment {sid}")
-                    rec = e.recs[j] = record_from_bytes(data[off + _LEN : off + _LEN + 4 * n])
+                    rec = e.recs[j] = record_from_bytes(data[off + LEN : off + LEN + 4 * n])
                     rec.view(np.float32)[3], rec[4], rec[5] = e.ents[j], e.evers[j], e.times[j]
                     self.total += 1
                     self.bytes += rec.nbytes
                     self.replay_hist[min(e.times[j], 4)] += 1
             finally:
                 data.close()
-            live = sum(_LEN + e.recs[j].nbytes for _, e, j, _ in refs)
-            self.segments[sid] = _Segment(segments[sid][0], int(segments[sid][1]), segments[sid][2], live, [])
+            live = sum(LEN + e.recs[j].nbytes for _, e, j, _ in refs)
+            self.segments[sid] = Segment(segments[sid][0], int(segments[sid][1]), segments[sid][2], live, [])
         self.next_segment = int(s["next_segment"])
         self.retired = set(s["retired"])
         self.solved = {q for q in s.get("solved", ()) if q in self.entries}  # (absent from older snapshots)
@@ -564,33 +481,3 @@ class ExperienceStore:
         """The segments this store was loaded from lie at `target(name)` (a later snapshot links them)."""
         for g in self.segments.values():
             g.paths.append(str(target(g.name)))
-
-
-SEGMENT_MAGIC = b"EXGRPOS\x01"
-"""A segment file: these 8 bytes, then records, each a little-endian uint32 word count and the record."""
-SEGMENT_BYTES = 256 << 20
-"""New records are written into segments of at most this size (a loaded snapshot maps one at a time)."""
-MAX_SEGMENTS = 64
-"""Past this many segments a snapshot merges the smallest into its new one."""
-_LEN = 4  # the word-count prefix of a record in a segment
-
-
-@dataclass
-class _Segment:
-    name: str
-    size: int  # file size in bytes
-    digest: str  # blake2b-256 of the file, hex
-    live: int  # bytes of the records still stored (prefix included)
-    paths: list[str]  # files that hold a copy (one per snapshot folder it was written or linked into)
-
-
-@dataclass
-class SnapshotPlan:
-    """See `ExperienceStore.plan_snapshot`."""
-
-    keep: dict[int, str | None]  # old segment -> a copy to link from, None when already in the folder
-    names: dict[int, str] = field(default_factory=dict)  # new segment -> name
-    new: dict[int, list[np.ndarray]] = field(default_factory=dict)  # new segment -> its records, in order
-    moves: list[tuple[str, np.ndarray, int, int]] = field(default_factory=list)  # (question, record, segment, offset)
-    placed: dict[str, tuple[array, array]] = field(default_factory=dict)  # question -> planned (segs, offs)
-    rows: list = field(default_factory=list)

@@ -11,7 +11,8 @@ from buffer.core import ShardCore
 from buffer.snapshot import (MAGIC, SnapshotError, check_snapshot, load_core, read_snapshot, save_core, segment_target,
                              snapshot_path, write_snapshot)
 from buffer.keys import make_key
-from buffer.store import SEGMENT_MAGIC, record_digest, record_to_rollout
+from buffer.records import record_digest, record_to_rollout
+from buffer.segments import SEGMENT_MAGIC
 from tests.buffer.helpers import group_for, make_questions, rollout
 from tests.buffer.test_core import NOW, cfg
 

@@ -7,7 +7,8 @@ import pytest
 
 from buffer.keys import trajectory_key
 from buffer.sampling import GaussianBuckets, LowestEntropy
-from buffer.store import ExperienceStore, record_entropy, record_to_rollout
+from buffer.records import record_entropy, record_to_rollout
+from buffer.store import ExperienceStore
 from tests.buffer.helpers import rollout
 
 
@@ -176,7 +177,7 @@ def test_times_replayed_histogram():
 
 def test_a_record_keeps_the_reasoning_check():
     from buffer.keys import response_digest
-    from buffer.store import pack_record
+    from buffer.records import pack_record
 
     for valid in (-1, 0, 1):
         for finish in ("stop", "length"):

@@ -646,7 +646,7 @@ def test_stored_trajectories_carry_the_learners_start_of_step_logprobs(tiny_mode
     import copy
 
     from buffer.core import ShardCore
-    from buffer.store import record_to_rollout
+    from buffer.records import record_to_rollout
     from common import codec
     from common.config import BufferConfig
     from common.messages import LearnerFeedback
