@@ -260,6 +260,20 @@ def _current_folder_importable() -> None:
         sys.path.append(cwd)
 
 
+def _eval_args(args: argparse.Namespace) -> argparse.Namespace:
+    """`exgrpo eval`'s arguments with --data / --task written as overrides, so that they are the data of every
+    check, the config's validation included (`cluster.evaluate.eval_overrides`)."""
+    from cluster.evaluate import eval_overrides
+    from common.config import ConfigError
+
+    try:
+        args.config, overrides = _split_config_args(args)
+    except ConfigError as e:
+        _exit_invalid(e)
+    args.overrides = eval_overrides(args.data, args.task, overrides)
+    return args
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "config":
         from cluster.preflight import BadInput, check_start, gpus_missing
@@ -304,15 +318,9 @@ def _dispatch(args: argparse.Namespace) -> int:
                               command=command)
         return train_main(cfg, show_profile=args.profile, command=command)
     if args.command == "eval":
-        from cluster.evaluate import eval_main, eval_overrides
-        from common.config import ConfigError
+        from cluster.evaluate import eval_main
 
-        try:  # --data / --task are the data of every check (the config's validation included)
-            args.config, overrides = _split_config_args(args)
-        except ConfigError as e:
-            _exit_invalid(e)
-        args.overrides = eval_overrides(args.data, args.task, overrides)
-        return eval_main(args, _load(args))
+        return eval_main(args, _load(_eval_args(args)))
     if args.command == "experiment":
         from cluster.experiment import experiment_main
 
