@@ -22,7 +22,8 @@ class DataConfig(Section):
     train_path: str | None = None
     """JSONL or Parquet file of training questions; overrides `task`."""
     test_path: str | None = None
-    """Held-out JSONL or Parquet file for evaluation (built-in tasks make their own test split)."""
+    """Held-out JSONL or Parquet file for evaluation, beside `train_path` (a built-in task makes its own test
+    split, so without `train_path` it is refused; `eval.sets` evaluates a file beside a built-in task)."""
     question_field: str = Field("question", min_length=1)
     """Field holding the question text."""
     answer_field: str = Field("answer", min_length=1)
