@@ -7,7 +7,8 @@ new weights as soon as they are published.
     ...
     ray.get(gen.stop.remote(drain=True))   # finish the work in flight (drain=False: return its leases)
 
-Two threads: the engine thread (weights, leasing, engine steps) and the scorer thread (score, submit).
+Two threads: the engine thread (weights, leasing, engine steps) and the scorer thread (score, submit:
+actors/scoring.py).
 The loop, partial rollouts, `min_weights`, failures: docs/internals.md#actorsgeneratorpy (overview: docs/design.md)
 """
 
@@ -20,32 +21,19 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 
 import ray
 
 from common.config import GeneratorConfig, RewardConfig, VllmEngineConfig
 from common.interfaces import Engine, WeightSource, WorkSource
-from actors.generator_stats import GeneratorStats
+from actors.generator_stats import GeneratorStats, peak_memory_bytes
+from actors.scoring import RETRYABLE, Group, end_dead_leases, return_leases, scored_groups, submit_groups
 from actors.weight_loading import WeightLoader
-from common.messages import Rollout, ScoredGroup, WorkItem, float32_array, int32_array
+from common.messages import ScoredGroup, WorkItem
 
 log = logging.getLogger(__name__)
 
 _ABANDON_JOIN_S = 10.0  # after stop_timeout_s: how long the loop gets to notice that scoring was abandoned
-
-RETRYABLE = (RuntimeError, TimeoutError, ConnectionError, ray.exceptions.RayError)
-"""Errors of a remote buffer / weight-store call that mean "not now" (BufferUnavailableError is a RuntimeError)."""
-
-
-@dataclass
-class _Group:
-    """One leased question on its way through the engine and the scorer."""
-
-    item: WorkItem
-    samples: list
-    left: int
-
 
 class GeneratorWorker:
     """The body of the `Generator` Ray actor (a plain class: it also runs in-process)."""
@@ -69,10 +57,10 @@ class GeneratorWorker:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the three places a leased item can be in
-        self._groups: dict[str, _Group] = {}  # in the engine (or held for its weights), by lease id
+        self._groups: dict[str, Group] = {}  # in the engine (or held for its weights), by lease id
         self._held: dict[str, float] = {}  # lease id -> unix time until which it waits for its version's weights
-        self._queue: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()  # complete, waiting for the scorer
-        self._scoring: list[_Group] = []  # being scored and submitted
+        self._queue: queue.SimpleQueue[Group | None] = queue.SimpleQueue()  # complete, waiting for the scorer
+        self._scoring: list[Group] = []  # being scored and submitted
         self._unsubmitted = 0  # groups complete but not yet submitted (queued or being scored)
         self.weights = WeightLoader(generator_id, gen_cfg, weight_source, model_path, self.stats, self._stop,
                                     self._wake, self._call, RETRYABLE)  # the published versions, the loads
@@ -295,7 +283,7 @@ class GeneratorWorker:
         now = time.time()
         with self._lock:
             for it in items:
-                self._groups[it.lease_id] = _Group(it, [None] * it.num_samples, it.num_samples)
+                self._groups[it.lease_id] = Group(it, [None] * it.num_samples, it.num_samples)
                 if it.min_weights > self.engine.version:
                     self._held[it.lease_id] = now + max(0.0, it.deadline - now) / 2
         self.stats.leases_held += sum(it.min_weights > self.engine.version for it in items)
@@ -428,7 +416,7 @@ class GeneratorWorker:
                 self._return_leases(self._unfinished())
                 os._exit(1)
 
-    def _score(self, batch: list[_Group]) -> list[ScoredGroup]:
+    def _score(self, batch: list[Group]) -> list[ScoredGroup]:
         from common.rewards import ScoreRequest
 
         t0 = time.monotonic()
@@ -443,71 +431,16 @@ class GeneratorWorker:
             last, res = requests[-1], scores[-1]
             self._last_sample = {"question_id": last.question_id, "response": last.response_text,
                                  "answer": last.answer, "reward": float(res.reward), "error": res.error}
-        results = iter(scores)
-        groups = []
-        for g in batch:
-            rollouts, errors = [], 0
-            for s in g.samples:
-                res = next(results)
-                errors += res.error is not None
-                self.stats.rewarded += res.reward > 0
-                oldest, newest = s.versions
-                self.stats.rollouts_spanning += newest != oldest
-                correct = bool(res.reward >= self.reward_cfg.correct_threshold)
-                valid = self._reasoning(s.text, g.item.question.prompt, g.item.question.answer) \
-                    if correct and self._reasoning is not None else None
-                self.stats.reasoning_checked += valid is not None
-                self.stats.reasoning_valid += bool(valid)
-                rollouts.append(Rollout(
-                    response_ids=int32_array(s.token_ids), logprobs=float32_array(s.logprobs),
-                    reward=float(res.reward), correct=correct, entropy=float(s.entropy), version=oldest,
-                    finish_reason=s.finish_reason, newest_version=newest, valid=-1 if valid is None else int(valid),
-                ))
-                self.stats.tokens += len(s.token_ids)
-            if rollouts:
-                lag = max(0, self.weights.known_version - min(r.version for r in rollouts))
-                self.stats.lag_sum += lag
-                self.stats.lag_max = max(self.stats.lag_max, lag)
-            self.stats.rollouts += len(rollouts)
-            self.stats.reward_errors += errors
-            groups.append(ScoredGroup(lease_id=g.item.lease_id, question_id=g.item.question.id, rollouts=rollouts,
-                                      generator_id=self.generator_id, reward_errors=errors))
-        return groups
+        return scored_groups(batch, scores, self.generator_id, self.reward_cfg.correct_threshold, self._reasoning,
+                             self.weights.known_version, self.stats)
 
     def _submit(self, groups: list[ScoredGroup], items: list[WorkItem]) -> int:
-        """Submit in one call; retry while the buffer is unavailable, until the leases' deadlines pass."""
-        deadline = min(it.deadline for it in items)
-        while True:
-            try:
-                result = self.work_source.submit(groups)
-                break
-            except RETRYABLE as e:
-                self.stats.source_errors += 1
-                if time.time() + self.cfg.retry_backoff_s > deadline or self._stop.is_set() and self._return_in_flight:
-                    log.error("generator %s: dropping %d groups after submit failed (%s: %s); the buffer reissues "
-                              "their leases when they expire", self.generator_id, len(groups), type(e).__name__, e)
-                    self.stats.groups_dropped += len(groups)
-                    return 0
-                log.warning("generator %s: submit failed (%s: %s); retrying in %.1fs", self.generator_id,
-                            type(e).__name__, e, self.cfg.retry_backoff_s)
-                time.sleep(self.cfg.retry_backoff_s)
-        for k, v in (result or {}).items():
-            self.stats.submit[k] = self.stats.submit.get(k, 0) + int(v)
-        self.stats.batches += 1
-        self.stats.groups += len(groups)
-        return len(groups)
+        giving_up = lambda: self._stop.is_set() and self._return_in_flight  # noqa: E731
+        return submit_groups(self.work_source, groups, items, self.stats, self.cfg.retry_backoff_s, giving_up,
+                             self.generator_id)
 
     def _return_leases(self, items: list[WorkItem]) -> None:
-        if not items:
-            return
-        ids = [it.lease_id for it in items]
-        try:
-            self.work_source.return_leases(ids)
-            self.stats.leases_returned += len(ids)
-        except RETRYABLE as e:  # they expire on their own; say so
-            self.stats.source_errors += 1
-            log.warning("generator %s: could not return %d leases (%s: %s); they will expire and be reissued",
-                        self.generator_id, len(ids), type(e).__name__, e)
+        return_leases(self.work_source, items, self.stats, self.generator_id)
 
     # ----------------------------------------------------------------------------------- remote calls
 
@@ -545,18 +478,6 @@ def _reconstructed() -> bool:
     return _in_ray_actor() and ray.get_runtime_context().was_current_actor_reconstructed
 
 
-def end_dead_leases(work_source: WorkSource, generator_id: str) -> int | None:
-    """End the leases `generator_id` holds because its process died (`WorkSource.end_leases_of`): their questions
-    are issued again now instead of holding the buffer's back-pressure window until lease_timeout_s. How many;
-    None when the buffer did not answer (said here: they expire at their deadline, as before)."""
-    try:
-        return work_source.end_leases_of(generator_id)
-    except RETRYABLE as e:
-        log.warning("generator %s: the leases of its dead process could not be ended (%s); they expire at their "
-                    "deadline", generator_id, e)
-        return None
-
-
 def actor_options(gen_cfg: GeneratorConfig) -> dict:
     """Ray options of a generator actor: resources, restarts, and the environment vLLM needs in an actor."""
     from actors.engines import resolve_engine_config
@@ -574,18 +495,3 @@ def actor_options(gen_cfg: GeneratorConfig) -> dict:
 
 Generator = ray.remote(max_concurrency=4, max_restarts=3, max_task_retries=0)(GeneratorWorker)
 """The Ray actor class. Use `Generator.options(name=..., **actor_options(gen_cfg)).remote(...)`."""
-
-
-def peak_memory_bytes() -> int:
-    """This process's peak memory so far: CUDA's max allocated bytes where it has used a GPU (the engine's weights,
-    KV cache and decode tensors; the caching allocator's slack left out), else its peak resident set (VmHWM). The
-    learner's `learner/peak_memory_gib` is measured the same way."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated())
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return 0

@@ -89,3 +89,18 @@ class GeneratorStats:
                        reward_oldest_s=float(r["oldest_s"]), reward_call_p50_s=float(r["call_p50_s"]),
                        reward_call_max_s=float(r["call_max_s"]))
         return out
+
+
+def peak_memory_bytes() -> int:
+    """This process's peak memory so far: CUDA's max allocated bytes where it has used a GPU (the engine's weights,
+    KV cache and decode tensors; the caching allocator's slack left out), else its peak resident set (VmHWM). The
+    learner's `learner/peak_memory_gib` is measured the same way."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0

@@ -21,7 +21,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.generator import Generator, actor_options, end_dead_leases
+from actors.generator import Generator, actor_options
+from actors.scoring import end_dead_leases
 from common.config import GeneratorConfig, RewardConfig
 from common.interfaces import WeightSource, WorkSource, actor_name
 

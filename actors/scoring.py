@@ -1,0 +1,121 @@
+"""A leased question's way from the engine to the buffer: its samples as they finish (`Group`), and the scored
+group the buffer takes (`scored_groups`): each sample's reward, whether it counts as correct, the task's reasoning
+check of correct responses, and the versions it was generated under. The scorer thread's loop around it (one
+reward call for everything queued, submit, return leases): actors/generator.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ray
+
+from common.interfaces import WorkSource
+from common.messages import Rollout, ScoredGroup, WorkItem, float32_array, int32_array
+
+log = logging.getLogger("actors.generator")
+
+RETRYABLE = (RuntimeError, TimeoutError, ConnectionError, ray.exceptions.RayError)
+"""Errors of a remote buffer / weight-store call that mean "not now" (BufferUnavailableError is a RuntimeError)."""
+
+
+@dataclass
+class Group:
+    """One leased question on its way through the engine and the scorer."""
+
+    item: WorkItem
+    samples: list
+    left: int
+
+
+def scored_groups(batch: list[Group], scores: list, generator_id: str, correct_threshold: float,
+                  reasoning: Callable[[str, str, str], bool] | None, known_version: int, stats) -> list[ScoredGroup]:
+    """The groups of `batch` with `scores` (one per sample, in order); counts what it saw in `stats`."""
+    results = iter(scores)
+    groups = []
+    for g in batch:
+        rollouts, errors = [], 0
+        for s in g.samples:
+            res = next(results)
+            errors += res.error is not None
+            rollouts.append(_rollout(s, res, correct_threshold, reasoning, g.item, stats))
+        if rollouts:
+            lag = max(0, known_version - min(r.version for r in rollouts))
+            stats.lag_sum += lag
+            stats.lag_max = max(stats.lag_max, lag)
+        stats.rollouts += len(rollouts)
+        stats.reward_errors += errors
+        groups.append(ScoredGroup(lease_id=g.item.lease_id, question_id=g.item.question.id, rollouts=rollouts,
+                                  generator_id=generator_id, reward_errors=errors))
+    return groups
+
+
+def _rollout(s, res, correct_threshold: float, reasoning, item: WorkItem, stats) -> Rollout:
+    stats.rewarded += res.reward > 0
+    oldest, newest = s.versions
+    stats.rollouts_spanning += newest != oldest
+    correct = bool(res.reward >= correct_threshold)
+    valid = reasoning(s.text, item.question.prompt, item.question.answer) \
+        if correct and reasoning is not None else None
+    stats.reasoning_checked += valid is not None
+    stats.reasoning_valid += bool(valid)
+    stats.tokens += len(s.token_ids)
+    return Rollout(response_ids=int32_array(s.token_ids), logprobs=float32_array(s.logprobs), reward=float(res.reward),
+                   correct=correct, entropy=float(s.entropy), version=oldest, finish_reason=s.finish_reason,
+                   newest_version=newest, valid=-1 if valid is None else int(valid))
+
+
+def submit_groups(work_source: WorkSource, groups: list[ScoredGroup], items: list[WorkItem], stats, backoff_s: float,
+                  giving_up: Callable[[], bool], generator_id: str) -> int:
+    """Submit in one call; retry while the buffer is unavailable, until the leases' deadlines pass (or `giving_up`).
+    How many groups were submitted."""
+    deadline = min(it.deadline for it in items)
+    while True:
+        try:
+            result = work_source.submit(groups)
+            break
+        except RETRYABLE as e:
+            stats.source_errors += 1
+            if time.time() + backoff_s > deadline or giving_up():
+                log.error("generator %s: dropping %d groups after submit failed (%s: %s); the buffer reissues "
+                          "their leases when they expire", generator_id, len(groups), type(e).__name__, e)
+                stats.groups_dropped += len(groups)
+                return 0
+            log.warning("generator %s: submit failed (%s: %s); retrying in %.1fs", generator_id,
+                        type(e).__name__, e, backoff_s)
+            time.sleep(backoff_s)
+    for k, v in (result or {}).items():
+        stats.submit[k] = stats.submit.get(k, 0) + int(v)
+    stats.batches += 1
+    stats.groups += len(groups)
+    return len(groups)
+
+
+def return_leases(work_source: WorkSource, items: list[WorkItem], stats, generator_id: str) -> None:
+    """Give the leases back (their questions are issued again at once); when the buffer does not answer they
+    expire on their own, and that is said."""
+    if not items:
+        return
+    ids = [it.lease_id for it in items]
+    try:
+        work_source.return_leases(ids)
+        stats.leases_returned += len(ids)
+    except RETRYABLE as e:
+        stats.source_errors += 1
+        log.warning("generator %s: could not return %d leases (%s: %s); they will expire and be reissued",
+                    generator_id, len(ids), type(e).__name__, e)
+
+
+def end_dead_leases(work_source: WorkSource, generator_id: str) -> int | None:
+    """End the leases `generator_id` holds because its process died (`WorkSource.end_leases_of`): their questions
+    are issued again now instead of holding the buffer's back-pressure window until lease_timeout_s. How many;
+    None when the buffer did not answer (said here: they expire at their deadline, as before)."""
+    try:
+        return work_source.end_leases_of(generator_id)
+    except RETRYABLE as e:
+        log.warning("generator %s: the leases of its dead process could not be ended (%s); they expire at their "
+                    "deadline", generator_id, e)
+        return None
