@@ -1,32 +1,33 @@
 """One learner step on one rank: batch -> o* selection -> rows -> mini-batches -> micro-batches -> loss -> AdamW.
 
-Every rank receives the whole `TrainingBatch` and derives the same rows, advantages, mini-batch
-split and loss normalizer from it, so no collective is needed for bookkeeping. `TrainStep.run` returns
+Every rank receives the whole `TrainingBatch` and derives the same o* (`learner.replay_choice`), rows, advantages,
+mini-batch split and loss normalizer from it, so no collective is needed for bookkeeping. `TrainStep.run` returns
 `RankStats` (sums, not means) so that the pool can merge ranks exactly with `merge_rank_stats`.
 
-Details (replay selection, mini- and micro-batches, loss scaling, train/inference mismatch, waiting for the
-device): docs/internals.md#learnersteppy
+Details (mini- and micro-batches, loss scaling, train/inference mismatch, waiting for the device):
+docs/internals.md#learnersteppy
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from common.config import LearnerConfig
-from common.messages import Rollout, TrainingBatch
+from common.messages import TrainingBatch
 from learner import loss as L
-from learner.batching import (BatchError, MicroBatch, Row, batch_rows, collate, entropy_weights, official_score_windows,
-                              rank_micro_batches, split_mini_batches)
+from learner.batching import (MicroBatch, Row, batch_rows, collate, entropy_weights, rank_micro_batches,
+                              split_mini_batches)
 from learner.compile_cache import RecompileWatch
 from learner.forward import forward_stats
 from learner.lora import adapters_disabled
 from learner.policy_loss import LossBatch, PolicyLoss, setup_policy_loss
+from learner.replay_choice import Scores, StepFeedback, complete_groups, reasoning_metrics, score_candidates
 
 
 def append_eos(rows: list[Row], eos_id: int, max_positions: int) -> int:
@@ -41,63 +42,6 @@ def append_eos(rows: list[Row], eos_id: int, max_positions: int) -> int:
             r.behaviour_logprobs = np.append(r.behaviour_logprobs, np.float32("nan"))
             n += 1
     return n
-
-
-def candidate_rows(batch: TrainingBatch) -> list[tuple[int, int, Row]]:
-    """(group index, candidate index, row) for every candidate of a mixed group that has a choice (> 1)."""
-    out = []
-    for g, group in enumerate(batch.groups):
-        if group.mixed and len(group.candidates) > 1:
-            for c, ro in enumerate(group.candidates):
-                out.append((g, c, Row(np.asarray(group.prompt_ids), np.asarray(ro.response_ids),
-                                      np.asarray(ro.logprobs, dtype=np.float32), 0.0, True, ro.key, g)))
-    return out
-
-
-@dataclass
-class StepFeedback:
-    """What the step tells the buffer about stored trajectories (identical on every rank)."""
-
-    keys: list[str] = field(default_factory=list)  # every scored candidate
-    entropies: list[float] = field(default_factory=list)  # their mean token entropy under the step's policy
-    chosen: list[str] = field(default_factory=list)  # the o* of each mixed group
-    fresh_keys: list[str] = field(default_factory=list)  # (merged) every rank's trained fresh rows the buffer stored
-    fresh_entropies: list[float] = field(default_factory=list)  # their mean token entropy, from the training forward
-    fresh_logprobs: list[np.ndarray] = field(default_factory=list)  # their start-of-step log-probs [T] (or [])
-    # the task's reasoning check (Rollout.valid) where known: per mixed group (o* valid, mean over its candidates),
-    # and (entropy, valid) of every scored candidate
-    valid_chosen: list[tuple[int, float]] = field(default_factory=list)
-    valid_scored: list[tuple[float, int]] = field(default_factory=list)
-
-
-def complete_groups(batch: TrainingBatch, scores: dict[tuple[int, int], float],
-                    entropies: dict[tuple[int, int], float] | None = None) -> tuple[TrainingBatch, StepFeedback]:
-    """Each mixed group's fresh rollouts + its chosen o*: the argmin of `scores` over its candidates
-    (ties and NaN: the first, as numpy's argmin), or its only candidate. `entropies` (default: `scores`): the
-    mean token entropies reported back to the buffer. Pure; the batch is not modified."""
-    entropies = scores if entropies is None else entropies
-    fb = StepFeedback()
-    groups = []
-    for g, group in enumerate(batch.groups):
-        if not (group.mixed and group.candidates):
-            groups.append(group)
-            continue
-        if len(group.candidates) == 1:
-            best = 0
-        else:
-            best = int(np.argmin([scores[(g, c)] for c in range(len(group.candidates))]))
-            for ro, h in zip(group.candidates, (entropies[(g, c)] for c in range(len(group.candidates)))):
-                fb.keys.append(ro.key)
-                fb.entropies.append(h)
-                if ro.valid >= 0:
-                    fb.valid_scored.append((h, ro.valid))
-        chosen: Rollout = group.candidates[best]
-        fb.chosen.append(chosen.key)
-        known = [ro.valid for ro in group.candidates if ro.valid >= 0]
-        if chosen.valid >= 0:
-            fb.valid_chosen.append((chosen.valid, sum(known) / len(known)))
-        groups.append(replace(group, rollouts=list(group.rollouts) + [chosen], candidates=[]))
-    return replace(batch, groups=groups), fb
 
 
 SUM_KEYS = ("loss", "pg_loss", "fresh_loss", "replay_loss", "entropy_loss", "kl_loss", "clipped_tokens",
@@ -293,23 +237,6 @@ def merge_rank_stats(stats: list[RankStats]) -> tuple[dict[str, float], StepFeed
     return metrics, fb
 
 
-def reasoning_metrics(fb: StepFeedback) -> dict[str, float]:
-    """Where the task checks reasoning (Rollout.valid): the share of mixed groups' o* with valid reasoning, the
-    mean share over their candidates (what a random choice would give), and the correlation between a scored
-    candidate's entropy and its validity (negative: lower entropy, more often valid). NaN where undefined."""
-    nan = float("nan")
-    out = {"learner/replay_valid_groups": float(len(fb.valid_chosen)),
-           "learner/replay_valid_chosen": nan, "learner/replay_valid_candidates": nan, "learner/entropy_valid_corr": nan}
-    if fb.valid_chosen:
-        out["learner/replay_valid_chosen"] = float(np.mean([c for c, _ in fb.valid_chosen]))
-        out["learner/replay_valid_candidates"] = float(np.mean([m for _, m in fb.valid_chosen]))
-    if len(fb.valid_scored) >= 2:
-        h, v = np.array(fb.valid_scored, dtype=np.float64).T
-        if h.std() > 0 and v.std() > 0:
-            out["learner/entropy_valid_corr"] = float(np.corrcoef(h, v)[0, 1])
-    return out
-
-
 def _mismatch_metrics(s: dict[str, float], mx: dict[str, float]) -> dict[str, float]:
     """Train/inference mismatch on the fresh tokens of the step's first mini-batch (weights not yet
     updated): |logp_learner - logp_behaviour| mean and max over all of them; the spread (population
@@ -400,64 +327,16 @@ class TrainStep:
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    @torch.no_grad()
-    def score_candidates(self, batch: TrainingBatch, stats: RankStats
-                         ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
-        """Mean token entropy of every candidate with a choice, under the current weights, and the score the
-        choice minimises (`batch.trajectory_score`: the same, or the official code's, `official_score_windows`).
-        Collective: each rank scores a slice (equally many micro-batches on every rank), one all-reduce sums them."""
-        cands = candidate_rows(batch)
-        if not cands:
-            return {}, {}
+    def score_candidates(self, batch: TrainingBatch, stats: RankStats) -> tuple[Scores, Scores]:
+        """`replay_choice.score_candidates` under this rank's weights and micro-batching; `stats` counts it."""
         t0 = time.perf_counter()
-        for r in (c[2] for c in cands):
-            if r.length > self.max_positions:
-                raise BatchError(f"group {r.group} (question {batch.groups[r.group].question_id!r}): a stored "
-                                 f"candidate is {r.length} tokens, above max_position_embeddings {self.max_positions}")
-        rows = [c[2] for c in cands]
-        official = batch.trajectory_score == "official"
-        if official:  # the official score sums prompt positions too: the head computes every position
-            windows = official_score_windows([r.length for r in rows], [r.response_ids for r in rows],
-                                             self.max_new_tokens, self.pad_id)
-            response = [(len(r.prompt_ids) - 1, len(r.response_ids)) for r in rows]
-            rows = [replace(r, prompt_ids=ids[:1], response_ids=ids[1:],  # the same tokens, all as "response"
-                            behaviour_logprobs=np.zeros(len(ids) - 1, np.float32))
-                    for r, ids in ((r, np.concatenate([r.prompt_ids, r.response_ids])) for r in rows)]
-        index = {id(r): i for i, r in enumerate(rows)}
-        sums = torch.zeros(2, len(rows), dtype=torch.float32, device=self.device)  # [2, N] mean entropy, score
-        self.model.eval()
-        for chunk in self._micro_batches(rows):
-            if not chunk:  # this rank's dummy: the forward keeps FSDP in step, nothing to record
-                forward_stats(self.model, self._collate(chunk))
-                continue
-            mb = self._collate(chunk)
-            _, h, _ = forward_stats(self.model, mb)  # [R, L-1]
-            mine = [index[id(r)] for r in chunk]
-            where = torch.tensor(mine).to(self.device, non_blocking=True)  # [R]
-            if official:
-                sums[0].index_copy_(0, where, self._window_means(h, [response[i] for i in mine]).nan_to_num(nan=0.0))
-                sums[1].index_copy_(0, where, self._window_means(
-                    h, [(s, d) for s, d in (windows[i] for i in mine)], [r.length - 1 for r in chunk]))
-            else:
-                sums[0].index_copy_(0, where, L.row_mean(h, mb.response_mask).nan_to_num(nan=0.0))  # empty: 0
-        if self.world > 1:
-            torch.distributed.all_reduce(sums)
-        stats.candidates_scored = len(rows)
-        stats.selection_s = time.perf_counter() - t0
-        ent_list, score_list = sums.tolist()
-        entropies = {(g, c): h for (g, c, _), h in zip(cands, ent_list)}
-        return entropies, ({(g, c): s for (g, c, _), s in zip(cands, score_list)} if official else entropies)
-
-    def _window_means(self, h: Tensor, windows: list[tuple[int, int]], ends: list[int] | None = None) -> Tensor:
-        """[R] each row's entropies h [R, L-1] summed over positions start <= t < end (default: start + divisor)
-        and divided by the divisor (0: NaN, a mean of nothing). Windows are (start, divisor) per row."""
-        t = torch.arange(h.shape[1], device=self.device)  # [L-1]
-        start = torch.tensor([s for s, _ in windows]).to(self.device)  # [R]
-        end = torch.tensor(ends if ends is not None else [s + d for s, d in windows]).to(self.device)  # [R]
-        mask = (t[None] >= start[:, None]) & (t[None] < end[:, None])  # [R, L-1]
-        total = (h.float() * mask).sum(-1)  # [R]
-        div = torch.tensor([float(d) for _, d in windows], device=self.device)  # [R]
-        return torch.where(div > 0, total / div.clamp(min=1.0), torch.full_like(total, float("nan")))
+        entropies, scores = score_candidates(self.model, batch, self._micro_batches, self._collate,
+                                             device=self.device, world=self.world, max_positions=self.max_positions,
+                                             max_new_tokens=self.max_new_tokens, pad_id=self.pad_id)
+        if entropies:
+            stats.candidates_scored = len(entropies)
+            stats.selection_s = time.perf_counter() - t0
+        return entropies, scores
 
     @property
     def _eval_stored(self) -> bool:

@@ -9,7 +9,7 @@ from buffer.batch_plan import MixedSwitch, mixed_shares, mixed_target, plan_take
 from buffer.core import ShardCore
 from buffer.keys import shard_of
 from learner.batching import batch_rows, split_mini_batches
-from learner.step import complete_groups
+from learner.replay_choice import complete_groups
 from common.config import BufferConfig
 from common.messages import LearnerFeedback, TrainingBatch, float32_array
 from tests.buffer.helpers import group_for, make_questions

@@ -21,7 +21,8 @@ from learner.activation_checkpointing import (AUTO_MODES, RESERVE, SELECTIVE_RAN
 from learner.forward import forward_stats, prepare_model
 from learner.levers import build_optimizer
 from learner.lora import apply_lora, init_adapters
-from learner.step import TrainStep, complete_groups
+from learner.replay_choice import complete_groups
+from learner.step import TrainStep
 from bench.batches import make_batch
 
 CPU = torch.device("cpu")

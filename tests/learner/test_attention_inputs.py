@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common.config import LearnerConfig
 from learner.batching import batch_rows, collate
 from learner.forward import _full_attention_only, _stats, attention_inputs, forward_stats, prepare_model
-from learner.step import complete_groups
+from learner.replay_choice import complete_groups
 from bench.batches import make_batch
 
 CPU = torch.device("cpu")

@@ -19,7 +19,8 @@ from learner.batching import batch_rows, collate
 from learner.forward import check_packing, forward_stats, prepare_model
 from learner.levers import build_optimizer, resolve_levers
 from learner.lora import apply_lora, init_adapters
-from learner.step import TrainStep, complete_groups
+from learner.replay_choice import complete_groups
+from learner.step import TrainStep
 from bench.batches import make_batch, with_own_logprobs
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -215,7 +215,8 @@ def test_each_loss_trains_through_the_real_step(tiny_model_dir, loss):
     """Two mini-batches (two updates) of fresh and replayed rows through `TrainStep` with each loss, the original
     GRPO aggregation, and the loss applied to replayed rows too: finite, updating, metrics in range."""
     from learner.batching import batch_rows
-    from learner.step import complete_groups, merge_rank_stats
+    from learner.replay_choice import complete_groups
+    from learner.step import merge_rank_stats
     from bench.batches import make_batch
     from tests.learner.test_step import plain_step
 

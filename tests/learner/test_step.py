@@ -11,7 +11,8 @@ from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, i
 from learner.batching import (BatchError, Row, balanced_partition, batch_rows, collate, official_score_windows,
                               rank_micro_batches, split_mini_batches)
 from learner.forward import prepare_model
-from learner.step import RankStats, TrainStep, complete_groups
+from learner.replay_choice import complete_groups
+from learner.step import RankStats, TrainStep
 from bench.batches import make_batch, with_own_logprobs
 
 
@@ -572,7 +573,7 @@ def test_reasoning_metrics_of_the_chosen_trajectories():
     """o* validity against its candidates' mean, and the entropy-validity correlation of scored candidates."""
     import dataclasses
 
-    from learner.step import reasoning_metrics
+    from learner.replay_choice import reasoning_metrics
 
     batch = make_batch(0, groups=4, mixed_every=2, candidates=3)  # groups 0 and 2 are mixed
     for g in batch.groups:
