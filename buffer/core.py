@@ -20,39 +20,19 @@ import os
 import random
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from buffer.batch_plan import balance, finish_metrics, mixed_shares, mixed_target, plan_take
 from buffer.sampling import make_question_sampler, make_trajectory_selector
-from buffer.records import record_from_bytes, record_to_rollout
+from buffer.records import record_to_rollout
 from buffer.segments import SnapshotPlan
+from buffer.shard_state import Lease, Ready, check_state_version, decode_into, encode_shard
 from buffer.store import ExperienceStore
-from common import codec
 from common.config import BufferConfig
 from common.messages import LearnerFeedback, Question, ReplayRef, Rollout, ScoredGroup, TrainGroup, WorkItem
 
-STATE_VERSION = 3
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Lease:
-    lease_id: str
-    question_id: str
-    num_samples: int
-    deadline: float
-    generator_id: str
-    replay: bool = False
-    candidates: list[np.ndarray] = field(default_factory=list)  # replay: stored records at issue (used if evicted since)
-    version: int = 0  # the shard's version when it was issued
-
-
-@dataclass(slots=True)
-class Ready:
-    group: TrainGroup
-    version: int  # oldest policy version among its fresh rollouts
 
 
 def question_fingerprint(question_ids) -> str:
@@ -87,7 +67,9 @@ class ShardCore:
             max_total=cfg.max_traj_total,
             max_bytes=cfg.max_bytes,
             evict=cfg.trajectory_eviction,
+            retire_at=None if cfg.retire_above is None else cfg.retire_above + 1,
         )
+        self.store_below = cfg.store_below or self.K  # buffer.store_below: groups with this many correct store nothing
         self.rng = random.Random(cfg.seed * 1_000_003 + shard)
         self.incarnation = new_incarnation()  # a new one when the shard restarts from a snapshot (BufferShard)
         self.epoch, self.cursor = 0, 0
@@ -348,7 +330,7 @@ class ShardCore:
         if self.cfg.collect:
             collect = self.mixed_mode or self.cfg.collect_before_mixed
             solved_kept = k >= self.K and not self.cfg.retire  # plain replay: a solved question is left as for k = 0
-            if solved_kept:
+            if solved_kept or k >= self.store_below:
                 correct_idx = []
             keys = self.store.observe(qid, 0 if solved_kept else k, [fresh[i] for i in correct_idx], collect,
                                       solved=solved_kept)
@@ -471,54 +453,16 @@ class ShardCore:
 
     def state(self, store: dict) -> dict:
         """The whole shard state as msgpack-ready plain data, with `store` (a store manifest) inside."""
-        rs = self.rng.getstate()
-        return {
-            "state_version": STATE_VERSION, "shard": self.shard, "fingerprint": self.fingerprint,
-            "group_size": self.K, "epoch": self.epoch, "cursor": self.cursor, "reissue": list(self.reissue),
-            "reissue_replay": list(self.reissue_replay),
-            "next_lease": self.next_lease, "version": self.version, "mixed_mode": self.mixed_mode,
-            "taken_at_version": self.taken_at_version, "incarnation": self.incarnation,
-            "counters": dict(self.n), "rng": [rs[0], list(rs[1]), rs[2]],
-            "leases": [[x.lease_id, x.question_id, x.num_samples, x.deadline, x.generator_id, x.replay,
-                        [r.tobytes() for r in x.candidates], x.version] for x in self.leases.values()],
-            "ready_fresh": codec.encode_list([x.group for x in self.ready_fresh], TrainGroup),
-            "ready_mixed": codec.encode_list([x.group for x in self.ready_mixed], TrainGroup),
-            "store": store,
-        }
+        return encode_shard(self, store)
 
     @classmethod
     def from_state(cls, cfg: BufferConfig, questions: list[Question], state: dict, *, open_segment,
                    batch_share: int | None = None, shares: list[int] | None = None) -> ShardCore:
         """A new core holding `state`; `open_segment(name, size, digest)` gives a store segment's bytes
         (`buffer.snapshot.load_core`). Raises ValueError when the state does not fit this shard."""
-        if state.get("state_version") != STATE_VERSION:
-            raise ValueError(f"shard state version {state.get('state_version')!r} is not {STATE_VERSION}")
+        check_state_version(state)
         core = cls(cfg, questions, shard=state["shard"], batch_share=batch_share, shares=shares)
-        if state["fingerprint"] != core.fingerprint:
-            raise ValueError(f"snapshot of shard {state['shard']} was taken with a different question set "
-                             "(dataset or num_shards changed); restore it with the same data and shard count")
-        if state["group_size"] != core.K:
-            raise ValueError(f"snapshot has group_size {state['group_size']}, config has {core.K}")
-        core.epoch, core.cursor = int(state["epoch"]), int(state["cursor"])
-        core._order = core._epoch_order(core.epoch)
-        core.reissue = deque(state["reissue"])
-        core.reissue_replay = deque(state["reissue_replay"])
-        core.next_lease, core.version = int(state["next_lease"]), int(state["version"])
-        core.mixed_mode = bool(state["mixed_mode"])
-        core.taken_at_version = int(state.get("taken_at_version", 0))
-        core.incarnation = int(state.get("incarnation", core.incarnation))
-        core.n.update({k: int(v) for k, v in state["counters"].items() if k in core.n})
-        v, internal, gauss = state["rng"]
-        core.rng.setstate((v, tuple(internal), gauss))
-        for lid, qid, ns, dl, gid, replay, recs, *issued in state["leases"]:  # (issued: absent from older snapshots)
-            if qid not in core.questions:
-                raise ValueError(f"snapshot lease {lid} refers to unknown question {qid!r}")
-            core.leases[lid] = Lease(lid, qid, int(ns), float(dl), gid, bool(replay),
-                                     [record_from_bytes(r) for r in recs], int(issued[0]) if issued else 0)
-        for name in ("ready_fresh", "ready_mixed"):
-            for g in codec.decode_list(state[name], TrainGroup):
-                getattr(core, name).append(Ready(g, min(r.version for r in g.rollouts)))
-        core.store.load_state(state["store"], open_segment)
+        decode_into(core, state, open_segment)
         return core
 
 
