@@ -72,6 +72,7 @@ class ExperienceStore:
         max_total: int,
         max_bytes: int | None = None,
         evict: str = "highest_entropy",
+        retire_at: int | None = None,
     ):
         if group_size < 2:
             raise ValueError(f"group_size must be >= 2, got {group_size}")
@@ -79,6 +80,7 @@ class ExperienceStore:
             raise ValueError(f"trajectory eviction must be 'highest_entropy' or 'oldest', got {evict!r}")
         self.evict = evict  # buffer.trajectory_eviction: oldest = FIFO per question (plain replay)
         self.k_max = group_size
+        self.retire_at = group_size if retire_at is None else retire_at  # k that retires: buffer.retire_above + 1
         self.sampler, self.selector = sampler, selector
         self.max_per_question, self.max_total, self.max_bytes = max_per_question, max_total, max_bytes
         self.entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU order: least recently refreshed first
@@ -114,7 +116,7 @@ class ExperienceStore:
         if question_id in self.retired:
             self.c["late_for_retired"] += 1
             return keys
-        if k >= self.k_max:
+        if k >= self.retire_at:
             self._retire(question_id)
             return keys
         e = self.entries.get(question_id)

@@ -34,6 +34,13 @@ class BufferConfig(Section):
     """A question whose latest group is all correct (k = K) is retired (ExGRPO's): its stored trajectories are
     deleted and it is never issued fresh again. false (plain replay): nothing happens to it (as for k = 0: its
     trajectories and bucket stay, nothing of that group is stored, it stays in the fresh epochs)."""
+    retire_above: int | None = Field(None, ge=1, le=1023)
+    """Retire a question once more than this many of its K rollouts are correct (None: K - 1, ExGRPO's: only
+    when all K are). SU-01's exgrpo_retire_threshold=4 of 8 (docs/algorithm.md, SU-01's thresholds)."""
+    store_below: int | None = Field(None, ge=2, le=1024)
+    """Store correct rollouts only from groups with fewer than this many correct of K (None: K, ExGRPO's: any
+    group not all correct). A group at or above it still updates its question's bucket. SU-01's
+    experience_in_threshold=2: only groups with one correct rollout."""
     trajectory_eviction: Literal["highest_entropy", "oldest"] = "highest_entropy"
     """Which of a question's stored trajectories go past max_traj_per_question. highest_entropy (ExGRPO's): the
     learner-measured ones with the highest entropy, new ones waiting unmeasured beside them (docs/algorithm.md).
@@ -121,7 +128,9 @@ class BufferConfig(Section):
             raise ValueError(f"{' and '.join(unused)}: the bucket weight of question_sampler=gaussian, unused by "
                              f"buffer.question_sampler={self.question_sampler}; leave them out or use gaussian")
         managed = [f"buffer.{f}={v}" for f, v, d in (("retire", "false", True),
-                                                     ("trajectory_eviction", "oldest", "highest_entropy"))
+                                                     ("trajectory_eviction", "oldest", "highest_entropy"),
+                                                     ("retire_above", self.retire_above, None),
+                                                     ("store_below", self.store_below, None))
                    if getattr(self, f) != d]
         if managed and not self.collect:
             raise ValueError(f"{' and '.join(managed)}: buffer.collect=false stores and retires nothing; set "
@@ -131,6 +140,22 @@ class BufferConfig(Section):
         if replay and self.replay_ratio == 0:
             raise ValueError(f"{' and '.join(replay)}: buffer.replay_ratio=0 replays nothing; set "
                              "buffer.replay_ratio > 0 or leave them out")
+        return self
+
+    @model_validator(mode="after")
+    def _thresholds_within_a_group(self) -> BufferConfig:
+        """retire_above and store_below count correct rollouts of one group: within 1..K-1 and 2..K."""
+        k = self.group_size
+        if self.retire_above is not None and not self.retire:
+            raise ValueError(f"buffer.retire_above={self.retire_above}: buffer.retire=false retires nothing; "
+                             "leave one of them out")
+        if self.retire_above is not None and self.retire_above > k - 1:
+            raise ValueError(f"buffer.retire_above={self.retire_above}: more than {self.retire_above} of "
+                             f"buffer.group_size={k} can never be correct; use 1..{k - 1} ({k - 1}: all K, the "
+                             "default)")
+        if self.store_below is not None and self.store_below > k:
+            raise ValueError(f"buffer.store_below={self.store_below}: a group has {k} rollouts "
+                             f"(buffer.group_size); use 2..{k} ({k}: any group not all correct, the default)")
         return self
 
     @model_validator(mode="after")
