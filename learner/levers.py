@@ -71,13 +71,7 @@ def resolve_levers(cfg: LearnerConfig, device: torch.device, dtype: torch.dtype 
     update: dict = {}
     notes = []
 
-    compile_on = cuda if cfg.compile == "auto" else bool(cfg.compile)
-    why = _why(cfg.compile, cuda)
-    if compile_on and cfg.compile == "auto" and width is not None and width < COMPILE_MIN_WIDTH:
-        compile_on, why = False, (f"auto: a hidden size of {width} is below {COMPILE_MIN_WIDTH}, where compiling "
-                                  "costs the first update more than it saves; learner.compile=true compiles anyway")
-    if compile_on and not torch._dynamo.is_dynamo_supported():
-        compile_on, why = False, "torch.compile is not supported by this Python/platform; eager instead"
+    compile_on, why = _compile_choice(cfg, cuda, width)
     update["compile"] = compile_on
     notes.append(f"compile {'on' if compile_on else 'off'} ({why})" + (
         f": each decoder layer, backend {cfg.compile_backend}, rows and length dynamic (every other size a "
@@ -89,6 +83,39 @@ def resolve_levers(cfg: LearnerConfig, device: torch.device, dtype: torch.dtype 
     update["fused_optimizer"] = fused
     notes.append(f"fused AdamW {'on' if fused else 'off'} ({_why(cfg.fused_optimizer, cuda)})")
 
+    packs, attn, why = _packing_choice(cfg, cuda, dtype, flash, flex)
+    update["padding_free"], update["attn_implementation"] = packs, attn
+    notes.append(f"{'padding-free packing' if packs else 'padded micro-batches'} ({why}; attention "
+                 f"{attn or 'sdpa (transformers default)'})" + (
+                     f", lengths rounded up to a multiple of {pad} (learner.pad_multiple)" if pad > 1 and not packs
+                     else ""))
+    if cfg.micro_batch_split == "balanced":  # verl's dynamic batch size balances the real tokens of packed rows
+        if packs:  # the config refuses it without micro_batch_tokens or with padding_free=false
+            notes.append("micro-batches balanced (verl's dynamic batch size: ceil(tokens / micro_batch_tokens) per "
+                         "rank, token sums balanced, not capped)")
+        else:  # padding_free=auto resolved to padded on this device
+            update["micro_batch_split"] = "first_fit"
+            notes.append("micro_batch_split=balanced needs padding-free packing; padded micro-batches run here "
+                         f"({why}), so first_fit")
+    return cfg.model_copy(update=update), notes
+
+
+def _compile_choice(cfg: LearnerConfig, cuda: bool, width: int | None) -> tuple[bool, str]:
+    """`learner.compile` decided: whether each decoder layer is compiled, and why (see `resolve_levers`)."""
+    on = cuda if cfg.compile == "auto" else bool(cfg.compile)
+    why = _why(cfg.compile, cuda)
+    if on and cfg.compile == "auto" and width is not None and width < COMPILE_MIN_WIDTH:
+        on, why = False, (f"auto: a hidden size of {width} is below {COMPILE_MIN_WIDTH}, where compiling "
+                          "costs the first update more than it saves; learner.compile=true compiles anyway")
+    if on and not torch._dynamo.is_dynamo_supported():
+        on, why = False, "torch.compile is not supported by this Python/platform; eager instead"
+    return on, why
+
+
+def _packing_choice(cfg: LearnerConfig, cuda: bool, dtype: torch.dtype, flash: bool | None,
+                    flex: bool | None) -> tuple[bool, str | None, str]:
+    """`learner.padding_free` decided: (packs, attention implementation, why). Packing set on CUDA with no
+    attention chosen takes flash_attention_2 (flash-attn installed, below float32), else flex_attention."""
     attn = cfg.attn_implementation
     if cfg.padding_free == "auto":
         packs = cfg.varlen_attention
@@ -106,20 +133,7 @@ def resolve_levers(cfg: LearnerConfig, device: torch.device, dtype: torch.dtype 
         packs, attn, why = True, "flex_attention", "set; flex_attention on CUDA (tried at setup, off if it fails)"
     else:
         packs, why = True, "set; this torch/transformers has no flex_attention: sdpa with a dense mask per micro-batch"
-    update["padding_free"], update["attn_implementation"] = packs, attn
-    notes.append(f"{'padding-free packing' if packs else 'padded micro-batches'} ({why}; attention "
-                 f"{attn or 'sdpa (transformers default)'})" + (
-                     f", lengths rounded up to a multiple of {pad} (learner.pad_multiple)" if pad > 1 and not packs
-                     else ""))
-    if cfg.micro_batch_split == "balanced":  # verl's dynamic batch size balances the real tokens of packed rows
-        if packs:  # the config refuses it without micro_batch_tokens or with padding_free=false
-            notes.append("micro-batches balanced (verl's dynamic batch size: ceil(tokens / micro_batch_tokens) per "
-                         "rank, token sums balanced, not capped)")
-        else:  # padding_free=auto resolved to padded on this device
-            update["micro_batch_split"] = "first_fit"
-            notes.append("micro_batch_split=balanced needs padding-free packing; padded micro-batches run here "
-                         f"({why}), so first_fit")
-    return cfg.model_copy(update=update), notes
+    return packs, attn, why
 
 
 def _why(value: bool | str, cuda: bool) -> str:
