@@ -35,6 +35,7 @@ def test_the_bundled_spec_loads_and_bad_specs_say_what_to_change(tmp_path):
         assert want <= set(load_spec(path.stem).variants), path
     for name in ("ablations", "multi_epoch"):  # retirement isolated: ExGRPO with buffer.retire=false, nothing else
         assert load_spec(name).variants["exgrpo_no_retire"] == {"buffer.retire": False}
+    assert spec.variants["su01"] == {"buffer.store_below": 2, "buffer.retire_above": 4, "buffer.replay_ratio": 0.25}
     assert overrides({"learner.shaping_beta": None, "buffer.replay_ratio": 0.25}) == [
         "learner.shaping_beta=null", "buffer.replay_ratio=0.25"]
     base = dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}})
