@@ -197,17 +197,7 @@ def diagnose(seconds: float, step: int, total_steps: int, pool: dict[str, list[s
             f"groups accepted {b('accepted'):.0f}; dropped so far: "
             + ", ".join(f"{k} {v:.0f}" for k, v in dropped.items())
             + f"; reward errors {reward_errors:.0f}; {reward_calls_text(gen)}; retired {b('retired'):.0f}/{n_questions}")
-    d = Diagnosis(line=line)
-    d.metrics = {"stall/seconds": seconds, "stall/ready_groups": ready, "stall/reward_errors": reward_errors,
-                 "stall/leases_outstanding": b("leases_outstanding"), "stall/zero_signal": b("zero_signal"),
-                 "stall/stale_dropped": b("stale_dropped"), "stall/rejected": b("rejected"),
-                 "stall/expired": b("expired"), "stall/retired": b("retired"),
-                 "stall/reward_in_flight": gen.get("reward_in_flight", 0.0), "stall/reward_timeouts": timeouts,
-                 "stall/reward_oldest_s": gen.get("reward_oldest_s", 0.0),
-                 "stall/reward_call_max_s": gen.get("reward_call_max_s", 0.0),
-                 "stall/in_flight_last_chance": b("in_flight_last_chance")}
-    for state, ids in pool.items():
-        d.metrics[f"stall/generators_{state}"] = float(len(ids))
+    d = Diagnosis(line=line, metrics=stall_metrics(seconds, ready, pool, buf, gen))
     if scoring_holds(gen, reward_timeout_s):
         d.scoring_holds = True
         d.line = f"scoring holds the run: {d.line}"
@@ -241,6 +231,27 @@ def diagnose(seconds: float, step: int, total_steps: int, pool: dict[str, list[s
     if reward_errors > 0 and not d.all_rewards_zero:
         d.hints.append(f"the reward function failed {reward_errors:.0f} times (errors score 0; see the generator logs)")
     return d
+
+
+def stall_metrics(seconds: float, ready: float, pool: dict[str, list[str]], buf: dict[str, float],
+                  gen: dict[str, float]) -> dict[str, float]:
+    """The stall/* metrics of a wait of `seconds` with `ready` groups (the arguments as `diagnose` takes them)."""
+    def b(key: str) -> float:
+        return float(buf.get(key, 0.0))
+
+    metrics = {"stall/seconds": seconds, "stall/ready_groups": ready,
+               "stall/reward_errors": gen.get("reward_errors", 0.0),
+               "stall/leases_outstanding": b("leases_outstanding"), "stall/zero_signal": b("zero_signal"),
+               "stall/stale_dropped": b("stale_dropped"), "stall/rejected": b("rejected"),
+               "stall/expired": b("expired"), "stall/retired": b("retired"),
+               "stall/reward_in_flight": gen.get("reward_in_flight", 0.0),
+               "stall/reward_timeouts": gen.get("reward_timeouts", 0.0),
+               "stall/reward_oldest_s": gen.get("reward_oldest_s", 0.0),
+               "stall/reward_call_max_s": gen.get("reward_call_max_s", 0.0),
+               "stall/in_flight_last_chance": b("in_flight_last_chance")}
+    for state, ids in pool.items():
+        metrics[f"stall/generators_{state}"] = float(len(ids))
+    return metrics
 
 
 class ErrorWindow:
