@@ -13,12 +13,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from cluster.experiment_stats import paired_difference
-
-if TYPE_CHECKING:
-    from cluster.experiment import ExperimentSpec
 
 
 @dataclass
@@ -180,7 +176,7 @@ def _mean_sd(xs: list[float]) -> str:
     return f"{statistics.fmean(xs):.3f} ± {sd:.3f}"
 
 
-def _means_table(spec: ExperimentSpec, results: list[RunResult], title: str, columns: dict[str, str],
+def _means_table(spec, results: list[RunResult], title: str, columns: dict[str, str],
                  values: Callable[[RunResult], dict[str, float]], fmt: Callable[[str, float], str]) -> list[str]:
     """A table of per-variant means over the successful runs (— where no run measured a column)."""
     rows = ["", f"{title} (mean over seeds):", "",
@@ -195,7 +191,7 @@ def _means_table(spec: ExperimentSpec, results: list[RunResult], title: str, col
     return rows
 
 
-def table(spec: ExperimentSpec, results: list[RunResult]) -> str:
+def table(spec, results: list[RunResult]) -> str:
     """The report: per variant, mean ± sd over seeds and the evaluation's SE; the paired differences
     (`differences`); what the buffer did, what it cost and (where a variant sets the loss) what the loss did."""
     rows = ["| variant | runs | final pass@1 | eval SE | best pass@1 | final greedy | rollouts | wall s |",
@@ -224,13 +220,13 @@ def table(spec: ExperimentSpec, results: list[RunResult]) -> str:
     return "\n".join(rows)
 
 
-def reference_variant(spec: ExperimentSpec) -> str:
+def reference_variant(spec) -> str:
     """The variant the others are compared with: the spec's `reference`, else (or when --variants left it out)
     the first."""
     return spec.reference if spec.reference in spec.variants else next(iter(spec.variants))
 
 
-def differences(spec: ExperimentSpec, results: list[RunResult]) -> list[str]:
+def differences(spec, results: list[RunResult]) -> list[str]:
     """The verdict lines: each variant's final pass@1 minus the reference's, paired by seed, with its 95% t
     interval over seeds ("within noise" where it holds 0), then the best variant (highest mean) against the
     runner-up. Nothing for a one-variant spec."""
@@ -252,7 +248,7 @@ def differences(spec: ExperimentSpec, results: list[RunResult]) -> list[str]:
     return lines
 
 
-def plot(spec: ExperimentSpec, results: list[RunResult], path: Path) -> Path | None:
+def plot(spec, results: list[RunResult], path: Path) -> Path | None:
     """Held-out pass@1 against generated rollouts: mean over seeds, band = min..max over seeds."""
     import matplotlib
 
