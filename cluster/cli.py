@@ -14,7 +14,15 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="exgrpo", description="ExGRPO: RLVR with managed experience replay on Ray.")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_train_and_config(sub)
+    _add_eval(sub)
+    _add_experiment(sub)
+    _add_run_tools(sub)
+    return p
 
+
+def _add_train_and_config(sub) -> None:
+    """train, config, toy-model: a config file and dotted overrides each."""
     t = sub.add_parser("train", help="train with ExGRPO (no arguments: the built-in task on this machine)")
     t.add_argument("config", nargs="?", help="YAML config file (optional)")
     t.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. buffer.max_lag=0")
@@ -32,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     m.add_argument("--force", action="store_true", help="rebuild even when cached")
 
+
+def _add_eval(sub) -> None:
     e = sub.add_parser("eval", help="greedy and sampled accuracy of a model on a test split or the eval.sets")
     e.add_argument("--model", required=True, help="Hugging Face model folder")
     e.add_argument("--task", choices=["countdown", "arithmetic", "think_arith"],
@@ -44,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("config", nargs="?", help="YAML config file (optional)")
     e.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
 
+
+def _add_experiment(sub) -> None:
     x = sub.add_parser("experiment", help="variants x seeds at an equal rollout budget: a table and a plot",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     bundled = sorted(f.stem for f in (Path(__file__).resolve().parent / "experiments").glob("*.yaml"))
@@ -54,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--rerun", action="store_true", help="rerun variants that already finished")
     x.add_argument("--variants", nargs="+", metavar="NAME", help="run only these variants of the spec (default: all)")
 
+
+def _add_run_tools(sub) -> None:
+    """extend-context (a model folder), track and scale (a running or finished run)."""
     g = sub.add_parser("extend-context", help="copy a model folder with longer positions (config.json's "
                        "max_position_embeddings and rope_theta, as the LUFFY/ExGRPO recipe does; weights linked)")
     g.add_argument("src", help="the model folder (Hugging Face layout)")
@@ -79,7 +94,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="Ray address of the running job (default: the one in its run folder, else auto)")
     s.add_argument("--namespace", default="exgrpo", help="Ray namespace of the run")
     s.add_argument("--runs-root", default="runs", help="parent of run folders (to find the run's Ray address)")
-    return p
 
 
 def _version() -> str:
@@ -276,25 +290,7 @@ def _eval_args(args: argparse.Namespace) -> argparse.Namespace:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "config":
-        from cluster.preflight import BadInput, check_start, gpus_missing
-        from common.config import to_yaml
-
-        cfg = _load(args)
-        print(to_yaml(cfg), end="")
-        print(f"# learner: {cfg.learner.loss_scale()}")  # derived (a YAML comment: the output still loads)
-        gpus = gpus_missing(cfg)
-        if gpus:  # valid, and what a GPU machine runs; `exgrpo train` here refuses it
-            print(f"warning: exgrpo train refuses this config on this machine: {gpus}", file=sys.stderr)
-        try:  # the start checks of `exgrpo train` (cluster.preflight.check_start), the built-in model unbuilt
-            start = check_start(cfg, build_model=False)
-        except BadInput as e:  # valid as a config, but `train` would stop at its start
-            print("exgrpo train refuses this config on this machine (its start checks: the run folder, the model "
-                  "folder, the data and the reward):", *(e.lines or [e.heading]), sep="\n  ", file=sys.stderr)
-            return 2
-        if start.model_path is None:
-            print("note: the built-in model is not built yet (exgrpo toy-model builds it, in minutes): the prompts are "
-                  "tokenised and checked against data.max_prompt_tokens once it is", file=sys.stderr)
-        return 0
+        return _config_main(args)
     if args.command == "toy-model":
         from common.toy_model import ensure_toy_model
 
@@ -302,21 +298,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         ensure_toy_model(cfg.model, cfg.data, force=args.force, verbose=True)
         return 0
     if args.command == "train":
-        from cluster.auth import ClusterAuthError, use_token_auth_when_connecting
-
-        cfg = None if args.resume else _load(args)
-        try:  # before ray is imported: join cluster.address in the mode that cluster uses
-            use_token_auth_when_connecting(cfg.cluster.address if cfg else _resumed_address(args))
-        except ClusterAuthError as e:
-            print(f"error: cluster.address: {e}", file=sys.stderr)
-            return 2
-        from cluster.run import train_main
-
-        command = "exgrpo " + " ".join(sys.argv[1:])
-        if args.resume:
-            return train_main(None, resume=args.resume, overrides=_resume_overrides(args), show_profile=args.profile,
-                              command=command)
-        return train_main(cfg, show_profile=args.profile, command=command)
+        return _train_main(args)
     if args.command == "eval":
         from cluster.evaluate import eval_main
 
@@ -338,6 +320,47 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return scale_main(args)
     raise AssertionError(args.command)
+
+
+def _config_main(args: argparse.Namespace) -> int:
+    """`exgrpo config`: the resolved config as YAML, then what `exgrpo train`'s start checks would say of it."""
+    from cluster.preflight import BadInput, check_start, gpus_missing
+    from common.config import to_yaml
+
+    cfg = _load(args)
+    print(to_yaml(cfg), end="")
+    print(f"# learner: {cfg.learner.loss_scale()}")  # derived (a YAML comment: the output still loads)
+    gpus = gpus_missing(cfg)
+    if gpus:  # valid, and what a GPU machine runs; `exgrpo train` here refuses it
+        print(f"warning: exgrpo train refuses this config on this machine: {gpus}", file=sys.stderr)
+    try:  # the start checks of `exgrpo train` (cluster.preflight.check_start), the built-in model unbuilt
+        start = check_start(cfg, build_model=False)
+    except BadInput as e:  # valid as a config, but `train` would stop at its start
+        print("exgrpo train refuses this config on this machine (its start checks: the run folder, the model "
+              "folder, the data and the reward):", *(e.lines or [e.heading]), sep="\n  ", file=sys.stderr)
+        return 2
+    if start.model_path is None:
+        print("note: the built-in model is not built yet (exgrpo toy-model builds it, in minutes): the prompts are "
+              "tokenised and checked against data.max_prompt_tokens once it is", file=sys.stderr)
+    return 0
+
+
+def _train_main(args: argparse.Namespace) -> int:
+    from cluster.auth import ClusterAuthError, use_token_auth_when_connecting
+
+    cfg = None if args.resume else _load(args)
+    try:  # before ray is imported: join cluster.address in the mode that cluster uses
+        use_token_auth_when_connecting(cfg.cluster.address if cfg else _resumed_address(args))
+    except ClusterAuthError as e:
+        print(f"error: cluster.address: {e}", file=sys.stderr)
+        return 2
+    from cluster.run import train_main
+
+    command = "exgrpo " + " ".join(sys.argv[1:])
+    if args.resume:
+        return train_main(None, resume=args.resume, overrides=_resume_overrides(args), show_profile=args.profile,
+                          command=command)
+    return train_main(cfg, show_profile=args.profile, command=command)
 
 
 if __name__ == "__main__":
