@@ -98,7 +98,7 @@ class MixedSwitch:
     `observe` takes the accuracies (k/K) of the fresh groups a batch consumed (trained, or kept out as
     zero-signal); mixed mode switches on, once and for good, when the moving mean over the last
     `window` of them exceeds `threshold` with the window full. With the window at one batch (the
-    default) it fires when the batch accuracy crosses, as the official code does."""
+    default) it fires when the batch accuracy crosses, as the authors' code does."""
 
     def __init__(self, window: int, threshold: float):
         self.window: deque[float] = deque(maxlen=window)

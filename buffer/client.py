@@ -238,7 +238,7 @@ class BufferClient:
 
         `stats["mixed_mode"]` is the mode the batch was composed in, which `learner.clip_fresh=auto` reads: the batch
         whose accuracy fires the switch was composed (all fresh) before it and is still clipped; the switch acts from
-        the next batch on, as the official trainer checks it after the update."""
+        the next batch on, as the authors' trainer checks it after the update."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         b = self.batch_questions

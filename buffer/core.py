@@ -181,7 +181,7 @@ class ShardCore:
                 total += 1
         picks = self._replay_picks(n_replay)
         items = [self._issue(generator_id, qid, now, ref, recs) for qid, ref, recs in picks]
-        if self.cfg.fresh_draw == "official":  # each new replay takes the place of a fresh question, consumed unused
+        if self.cfg.fresh_draw == "per_step":  # each new replay takes the place of a fresh question, consumed unused
             for _ in range(sum(not ref.reissue for _, ref, _ in picks)):
                 self.n["fresh_discarded"] += self._next_in_epoch() is not None
         for _ in range(n - len(items)):

@@ -27,7 +27,7 @@ def bucket_probabilities(
 ) -> dict[int, float]:
     """Weight of bucket b = N(b / group_size; mean, std), normalised over the non-empty buckets.
 
-    This is the official N(k; 4, 1) for K = 8 written in accuracy units, so it holds for any K. For
+    This is the authors' N(k; 4, 1) for K = 8 written in accuracy units, so it holds for any K. For
     K = 8 and all seven buckets non-empty: 0.004, 0.054, 0.242, 0.399, 0.242, 0.054, 0.004.
     """
     if std <= 0:
@@ -185,8 +185,8 @@ class TrajectorySelector(Protocol):
 
 class LowestEntropy:
     """Ship every stored trajectory: the learner scores them under the policy it is training and picks the lowest
-    score (`buffer.trajectory_score`): the lowest mean token entropy by default, the paper's rule (the official
-    code computes another score, `learner.batching.official_score_windows`). The buffer's own estimates are not
+    score (`buffer.trajectory_score`): the lowest mean token entropy by default, the paper's rule (the authors'
+    code computes another score, `learner.batching.chunk_window_spans`). The buffer's own estimates are not
     used."""
 
     def candidates(self, entropies, rng):

@@ -1,5 +1,5 @@
 """`exgrpo extend-context SRC DST --max-positions N [--rope-theta T]`: a copy of a model folder whose config.json
-allows longer sequences, made as the official LUFFY/ExGRPO recipe makes it for Qwen2.5-Math (config.json's
+allows longer sequences, made as the LUFFY/ExGRPO authors' recipe makes it for Qwen2.5-Math (config.json's
 `max_position_embeddings` 4096 -> 16384 and `rope_theta` 10000 -> 40000; their 7B run loads such a copy, a
 "Qwen2.5-Math-7B-16k-think" folder).
 

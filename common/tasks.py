@@ -2,7 +2,7 @@
 
 - `arithmetic`: prompt `"12+345="`, response `"357"`.
 - `countdown` (the default): prompt `"3 7 8>29="`, response an expression such as `"3*7+8"`.
-- `think_arith`: prompt `"What is (7+3)*4-2*5?"`, response in the official ExGRPO format
+- `think_arith`: prompt `"What is (7+3)*4-2*5?"`, response in the authors' ExGRPO format
   `"<think>10*4-2*5=40-2*5=40-10=30</think>\\boxed{30}"` (a chat model; the task closer to real use).
 
 A question goes to the test split by a keyed hash of its text, so the split is disjoint from the training split
@@ -390,7 +390,7 @@ def _read_chain(text: str) -> list:
 
 
 def think_arith_response(path: list[str], answer: str) -> str:
-    """The official format: the reasoning in `<think>...</think>`, then the boxed answer."""
+    """The authors' format: the reasoning in `<think>...</think>`, then the boxed answer."""
     return f"<think>{'='.join(path)}</think>\\boxed{{{answer}}}"
 
 

@@ -36,7 +36,7 @@ def math_reward(response: str, answer: str) -> float:
 
 
 def math_think_reward(response: str, answer: str) -> float:
-    """The official ExGRPO math reward: the answer must follow `</think>`; the reasoning is not graded."""
+    """The ExGRPO authors' math reward: the answer must follow `</think>`; the reasoning is not graded."""
     if "</think>" not in response:
         return 0.0
     return math_reward(response.split("</think>")[1], answer)

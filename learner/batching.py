@@ -150,10 +150,10 @@ def entropy_weights(rows: list[Row], gpus: int, micro_rows: int, micro_tokens: i
     `learner.entropy_agg=micro_batch`: 1 / (gpus x the response tokens of its micro-batch), the micro-batches
     being those `rank_micro_batches` makes when the mini-batch is split over `gpus` GPUs.
 
-    The official entropy term (verl's actor) is each micro-batch's masked token mean, summed over a GPU's
+    The authors' entropy term (verl's actor) is each micro-batch's masked token mean, summed over a GPU's
     micro-batches and averaged over its GPUs: sum_m mean_m / gpus, i.e. these weights. With `gpus` =
-    `learner.official_world_size` they are the official ones whatever our own rank count and micro-batches are
-    (the official 8 GPUs each take ceil(their tokens / 32,768) micro-batches, the largest count for all; at 1
+    `learner.loss_world_size` they are the authors' ones whatever our own rank count and micro-batches are
+    (the authors' 8 GPUs each take ceil(their tokens / 32,768) micro-batches, the largest count for all; at 1
     rank we would take ceil(all tokens / 32,768), fewer means of more tokens each). Aligned with `rows`; a row
     with no response token weighs 0."""
     weight = {}
@@ -165,14 +165,14 @@ def entropy_weights(rows: list[Row], gpus: int, micro_rows: int, micro_tokens: i
     return [weight[id(r)] for r in rows]
 
 
-def official_score_windows(lengths: list[int], responses: list[np.ndarray], max_target: int, pad_id: int,
+def chunk_window_spans(lengths: list[int], responses: list[np.ndarray], max_target: int, pad_id: int,
                            chunk: int = 8) -> list[tuple[int, int]]:
-    """`buffer.trajectory_score=official`: per candidate (start, divisor), its score being the sum of its
+    """`buffer.trajectory_score=chunk_window`: per candidate (start, divisor), its score being the sum of its
     entropies h_t (t indexes the [L-1] positions of prompt + response, h_t predicting token t + 1) for start <= t
-    < L - 1, over divisor (0: NaN, the official mean of nothing). Candidates in scoring order; `lengths` their
+    < L - 1, over divisor (0: NaN, the authors' mean of nothing). Candidates in scoring order; `lengths` their
     L, `responses` their response token ids.
 
-    The official code (ExGRPO experience_helpers.py `compute_postcal_metrics`, exp_metric=ent) scores candidates
+    The authors' code (ExGRPO experience_helpers.py `compute_postcal_metrics`, exp_metric=ent) scores candidates
     in chunks of `chunk` = 8, each row prompt + response left-padded, the entropies those of the last
     `max_target` positions (verl's `compute_log_prob`; padding removed, so 0 on pad positions), and then masks
     candidate i with `responses[i % 8] == pad` of the batch left over from the loop: the last chunk's (its dummy

@@ -5,7 +5,7 @@
 
 Every rank derives the same choice from the same sums. `StepFeedback` is what the step tells the buffer about
 stored trajectories; `reasoning_metrics` measures the choice where the task checks reasoning.
-The rule and the official score: docs/internals.md#learnerreplay_choicepy
+The rule and the authors' score: docs/internals.md#learnerreplay_choicepy
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from common.messages import Rollout, TrainingBatch
 from learner import loss as L
-from learner.batching import BatchError, MicroBatch, Row, official_score_windows
+from learner.batching import BatchError, MicroBatch, Row, chunk_window_spans
 from learner.forward import forward_stats
 
 Scores = dict[tuple[int, int], float]  # (group index, candidate index) -> value
@@ -58,7 +58,7 @@ def score_candidates(model: torch.nn.Module, batch: TrainingBatch,
                      collate: Callable[[list[Row]], MicroBatch], *, device: torch.device, world: int,
                      max_positions: int, max_new_tokens: int, pad_id: int) -> tuple[Scores, Scores]:
     """Mean token entropy of every candidate with a choice, under `model`'s current weights, and the score the
-    choice minimises (`batch.trajectory_score`: the same, or the official code's, `official_score_windows`).
+    choice minimises (`batch.trajectory_score`: the same, or the authors' code's, `chunk_window_spans`).
     Collective: each rank scores the slice `micro_batches` deals it (equally many micro-batches on every rank,
     a dummy's forward included), one all-reduce over the `world` ranks sums them."""
     cands = candidate_rows(batch)
@@ -69,9 +69,9 @@ def score_candidates(model: torch.nn.Module, batch: TrainingBatch,
             raise BatchError(f"group {r.group} (question {batch.groups[r.group].question_id!r}): a stored "
                              f"candidate is {r.length} tokens, above max_position_embeddings {max_positions}")
     rows = [c[2] for c in cands]
-    official = batch.trajectory_score == "official"
-    if official:  # the official score sums prompt positions too: the head computes every position
-        windows = official_score_windows([r.length for r in rows], [r.response_ids for r in rows],
+    windowed = batch.trajectory_score == "chunk_window"
+    if windowed:  # the authors' score sums prompt positions too: the head computes every position
+        windows = chunk_window_spans([r.length for r in rows], [r.response_ids for r in rows],
                                          max_new_tokens, pad_id)
         response = [(len(r.prompt_ids) - 1, len(r.response_ids)) for r in rows]
         rows = [replace(r, prompt_ids=ids[:1], response_ids=ids[1:],  # the same tokens, all as "response"
@@ -88,7 +88,7 @@ def score_candidates(model: torch.nn.Module, batch: TrainingBatch,
         _, h, _ = forward_stats(model, mb)  # [R, L-1]
         mine = [index[id(r)] for r in chunk]
         where = torch.tensor(mine).to(device, non_blocking=True)  # [R]
-        if official:
+        if windowed:
             sums[0].index_copy_(0, where, window_means(h, [response[i] for i in mine]).nan_to_num(nan=0.0))
             sums[1].index_copy_(0, where, window_means(
                 h, [(s, d) for s, d in (windows[i] for i in mine)], [r.length - 1 for r in chunk]))
@@ -98,7 +98,7 @@ def score_candidates(model: torch.nn.Module, batch: TrainingBatch,
         torch.distributed.all_reduce(sums)
     ent_list, score_list = sums.tolist()
     entropies = {(g, c): h for (g, c, _), h in zip(cands, ent_list)}
-    return entropies, ({(g, c): s for (g, c, _), s in zip(cands, score_list)} if official else entropies)
+    return entropies, ({(g, c): s for (g, c, _), s in zip(cands, score_list)} if windowed else entropies)
 
 
 def window_means(h: Tensor, windows: list[tuple[int, int]], ends: list[int] | None = None) -> Tensor:

@@ -306,7 +306,7 @@ class TrainStep:
             self.record_old_logprobs(minis, entropies=True)
         elif cfg.needs_old_logprobs:
             self.record_old_logprobs(minis[1:])  # the first mini-batch's forward is itself at the start weights
-        # clip_fresh auto: clipped until the buffer's mixed mode starts (the official schedule)
+        # clip_fresh auto: clipped until the buffer's mixed mode starts (the authors' schedule)
         clip = (not batch.stats.get("mixed_mode", 0.0)) if cfg.clip_fresh == "auto" else cfg.clip_fresh
         stats.clip_fresh = float(clip)
         self.model.train()
@@ -380,11 +380,11 @@ class TrainStep:
 
     def _entropy_weights(self, mini: list[Row]) -> dict[int, float] | None:
         """entropy_agg=micro_batch: each row's entropy weight (by id), from the mini-batch split over
-        official_world_size GPUs as the official run splits it (else over our ranks, as we split it)."""
+        loss_world_size GPUs as the authors' run splits it (else over our ranks, as we split it)."""
         if self.cfg.entropy_agg != "micro_batch":
             return None
         cfg = self.cfg
-        w = entropy_weights(mini, cfg.official_world_size or self.world, cfg.micro_batch_rows,
+        w = entropy_weights(mini, cfg.loss_world_size or self.world, cfg.micro_batch_rows,
                             cfg.micro_batch_tokens, cfg.packs_padding_free, cfg.micro_batch_split)
         return {id(r): x for r, x in zip(mini, w)}
 
@@ -395,7 +395,7 @@ class TrainStep:
         if self.cfg.loss_agg == "seq_mean_token_mean":  # rows with a response token: each row's token mean counts once
             return float(sum(1 for r in mini if len(r.response_ids)))
         if self.cfg.loss_agg == "constant":
-            return float(self.cfg.loss_constant or len(mini) * self.max_new_tokens) * (self.cfg.official_world_size or 1)
+            return float(self.cfg.loss_constant or len(mini) * self.max_new_tokens) * (self.cfg.loss_world_size or 1)
         return float(tokens)
 
     def _micro_step(self, mb: MicroBatch, normalizer: float, stats: RankStats, first: bool = False,
@@ -406,8 +406,8 @@ class TrainStep:
         gives TIS its start-of-step log-probs (later mini-batches use `record_old_logprobs`). `clip`: clip
         fresh tokens' ratio. `tokens`: response tokens of the whole mini-batch, the entropy bonus's divisor (a
         masked token mean under either loss_agg; None: `normalizer`). `ent_weights` (`learner.entropy_agg=
-        micro_batch`): each row's weight by id (`batching.entropy_weights`): each official micro-batch's masked token
-        mean / official_world_size, summed over the rows of every rank, whichever micro-batch computes them."""
+        micro_batch`): each row's weight by id (`batching.entropy_weights`): each micro-batch's (as the authors' run splits it) masked token
+        mean / loss_world_size, summed over the rows of every rank, whichever micro-batch computes them."""
         cfg = self.cfg
         ref_logp = self.reference_logprobs(mb)  # before the policy's forward: a no-grad forward of its own
         logp, ent, anchor = forward_stats(self.model, mb)  # [R, L-1] each
@@ -426,7 +426,7 @@ class TrainStep:
                                    "log-probs (record_old_logprobs must run before the first update)")
         pg, metrics = self.policy_losses[clip](
             logp, LossBatch(mb.behaviour_logprobs, mb.advantages, mb.response_mask, mb.replay_mask, old), normalizer)
-        if ent_weights is not None:  # each row's tokens weighted by its official micro-batch (a dummy: 0)
+        if ent_weights is not None:  # each row's tokens weighted by its micro-batch in the authors' run (a dummy: 0)
             w = torch.tensor([ent_weights[id(r)] for r in mb.rows] or [0.0], dtype=torch.float32)  # [R]
             ent_term = L.entropy_bonus(ent, mb.response_mask * w.to(self.device, non_blocking=True)[:, None],
                                        cfg.entropy_coef, 1.0)

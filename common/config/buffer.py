@@ -50,15 +50,15 @@ class BufferConfig(Section):
     """Which stored trajectory completes a mixed group. lowest_entropy (the paper): the buffer ships the
     question's stored trajectories and the learner picks the one with the lowest score (`trajectory_score`)
     under the policy it is training (one no-grad forward per candidate). random (ablation): one at random."""
-    fresh_draw: Literal["trained", "official"] = "trained"
+    fresh_draw: Literal["trained", "per_step"] = "trained"
     """Which fresh questions a run consumes. trained: only those it trains (a replayed group takes no fresh
-    question). official: as the official loader, which draws batch_questions fresh questions each step and
+    question). per_step: as the authors' loader, which draws batch_questions fresh questions each step and
     replaces the replay_ratio share of them by replays: each replay issued (not a re-issue) also consumes the
     next fresh question of the epoch order, unused (`buffer/fresh_discarded`); 700 steps at rho 0.5 then cover
     about twice the questions."""
-    trajectory_score: Literal["mean_entropy", "official"] = "mean_entropy"
+    trajectory_score: Literal["mean_entropy", "chunk_window"] = "mean_entropy"
     """What lowest_entropy minimises. mean_entropy (the paper's rule): the candidate's mean token entropy over its
-    response. official: what the official code computes (experience_helpers.py, exp_metric=ent): candidates scored
+    response. chunk_window: what the authors' code computes (experience_helpers.py, exp_metric=ent): candidates scored
     in chunks of 8, each masked with the padding of the response in its slot of the LAST chunk, so candidate i
     scores (its entropies of the last max_new_tokens positions of prompt + response, from the first not covered by
     that other response) / (max_new_tokens - that response's non-pad tokens): it favours short trajectories, with
@@ -68,13 +68,13 @@ class BufferConfig(Section):
     """Manage experience: store correct rollouts of partly solved questions and retire solved ones.
     `collect=false` with `replay_ratio=0` is plain on-policy GRPO with the same components."""
     collect_before_mixed: bool = False
-    """Store experience before mixed mode switches on (the official code does not)."""
+    """Store experience before mixed mode switches on (the authors' code does not)."""
     mixed_switch_accuracy: float = Field(0.35, ge=0, le=1)
     """Mixed mode switches on, once and for good for the whole run, when the moving accuracy of the
     fresh groups of trained batches exceeds this (checked once per batch)."""
     switch_window: int | None = Field(None, ge=1, le=1_000_000)
     """Moving-average window of that accuracy, in fresh groups; None = one batch (batch_questions).
-    Must be at least one batch, so that the switch follows the batch accuracy as in the official code."""
+    Must be at least one batch, so that the switch follows the batch accuracy as in the authors' code."""
     max_lag: int = Field(1, ge=0, le=1000)
     """Maximum age of a rollout in a batch, in learner steps (policy versions; one per batch whatever
     learner.mini_batches is); 0 = synchronous training."""
@@ -85,7 +85,7 @@ class BufferConfig(Section):
     stalls or whose death the run has not seen. 0: never wait (what is in flight may go stale)."""
     drop_zero_signal: bool = False
     """Keep groups whose rewards are all equal (no GRPO signal) out of batches (DAPO-style dynamic
-    sampling). Off by default: the official code trains on them with advantage 0."""
+    sampling). Off by default: the authors' code trains on them with advantage 0."""
     lease_timeout_s: float = Field(120.0, gt=0, le=86_400)
     """A lease not returned within this is expired and its question issued again (a generator whose process dies has
     its leases ended when the run sees it, without waiting for this)."""

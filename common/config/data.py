@@ -16,7 +16,7 @@ class DataConfig(Section):
     task: Literal["countdown", "arithmetic", "think_arith"] | None = "countdown"
     """Built-in task generated from `seed` (common/tasks.py). Ignored when `train_path` is set. A task also
     sets the fields of its TASK_DEFAULTS that the config leaves out: `think_arith` (expressions with a
-    `<think>` reasoning block, the official ExGRPO format) sets reward.name=math_think,
+    `<think>` reasoning block, the authors' ExGRPO format) sets reward.name=math_think,
     data.use_chat_template=true (its built-in model is a BPE chat model), generator.max_new_tokens=40 and the
     built-in model's size and weak-start recipe; `arithmetic` sets reward.name=arithmetic."""
     train_path: str | None = None

@@ -25,6 +25,11 @@ from common.config.schema import (Place, choices, example_value, leaf_paths, map
 
 LISTS = "`exgrpo config` lists every field"
 
+RENAMED = {"learner.official_world_size": "learner.loss_world_size"}
+"""Keys renamed since a release: an old name is refused with its new one (never accepted silently)."""
+RENAMED_VALUES = {("buffer.fresh_draw", "official"): "per_step", ("buffer.trajectory_score", "official"): "chunk_window"}
+"""Choices renamed since a release, by key and old value."""
+
 
 def format_errors(err: ValidationError) -> list[str]:
     """One or more lines per problem; the members of a `bool | Literal['auto']` union share one line."""
@@ -51,6 +56,8 @@ def format_errors(err: ValidationError) -> list[str]:
 def _message(e: dict, pl: Place) -> str:
     kind, value = e["type"], e.get("input")
     if kind == "extra_forbidden":
+        if pl.dotted in RENAMED:
+            return f"renamed: set {RENAMED[pl.dotted]} instead (same meaning)"
         return f"unknown field ({_suggest(pl)})"
     if kind == "union_tag_not_found":
         return "kind is missing: name the backend with its fields (docs/configuration.md lists the kinds)"
@@ -66,6 +73,8 @@ def _message(e: dict, pl: Place) -> str:
         return f"{_list_shape(pl.field.annotation)}, not {_shown(value)}: e.g. {pl.dotted}={_list_example(pl.field)}"
     if kind in ("literal_error", "bool_parsing", "bool_type") and pl.field is not None \
             and choices(pl.field.annotation):
+        if isinstance(value, str) and (pl.dotted, value) in RENAMED_VALUES:
+            return f"{value!r} was renamed: set {pl.dotted}={RENAMED_VALUES[pl.dotted, value]} (same meaning)"
         return _not_a_choice(value, pl.field)
     if kind == "string_type" and isinstance(value, bool):
         return _yaml_boolean(pl.dotted, value)

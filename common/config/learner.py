@@ -159,7 +159,7 @@ class LearnerConfig(Section):
     `micro_batch_rows`). balanced: verl's dynamic batch size (`use_dynamic_bsz`, what the ExGRPO paper's runs
     used): ceil(the rank's tokens / the budget) micro-batches, the largest count over the ranks for all, the
     rows partitioned into them with balanced token sums (Karmarkar-Karp, verl's order of merges), so with
-    `entropy_agg=micro_batch` the entropy term is weighted as the official code weights it. Its sums are
+    `entropy_agg=micro_batch` the entropy term is weighted as the authors' code weights it. Its sums are
     balanced, not capped: a micro-batch can exceed the budget (as in verl), and `micro_batch_rows` does not
     apply. Padded micro-batches always split first-fit (the start log says so)."""
     padding_free: bool | Literal["auto"] = "auto"
@@ -289,11 +289,11 @@ class LearnerConfig(Section):
     clip_ratio_c: float | None = Field(None, gt=1, le=100)
     """ppo_clip's dual-clip (verl's `clip_ratio_c`, 3.0 there; Ye et al. 2020, "Mastering Complex Control in MOBA
     Games with Deep RL"): a token of negative advantage loses at most -A x clip_ratio_c, so a ratio far above the
-    band cannot push its loss without bound. None (the default, and the paper command's: the official ExGRPO loss
+    band cannot push its loss without bound. None (the default, and the paper command's: the authors' ExGRPO loss
     has none): PPO's clip alone. Counted in learner/clip_frac; only with policy_loss=ppo_clip and while fresh
     tokens are clipped."""
     clip_fresh: bool | Literal["auto"] = True
-    """Clip fresh tokens' PPO ratio. auto: clip until the buffer's mixed mode starts, not after (the official
+    """Clip fresh tokens' PPO ratio. auto: clip until the buffer's mixed mode starts, not after (the authors'
     ExGRPO schedule: the policy-shaped replayed tokens take over the role of the trust region); false: never."""
     shaping_beta: float | None = Field(0.1, gt=0)
     """Policy-shaping beta for replayed tokens: -A*w/(w+beta). None = plain importance-weighted (ablation)."""
@@ -311,28 +311,28 @@ class LearnerConfig(Section):
     ppo_clip and cispo; another combination only when named (`exgrpo config` prints the one in force and says when
     it is not the loss's own). The entropy bonus and the KL term stay token means under seq_mean_token_mean."""
     loss_constant: float | None = Field(None, gt=0)
-    """Divisor for loss_agg=constant (default: batch rows x max_new_tokens), times official_world_size when set."""
-    official_world_size: int | None = Field(None, ge=1, le=100_000)
-    """The GPU count of a run whose loss scale to reproduce whatever num_ranks is (8 for the official ExGRPO run).
-    With loss_agg=constant the mini-batch's token sum is divided by loss_constant x official_world_size: the
-    official code divides each GPU's micro-batch token sums by loss_constant (8192) and FSDP averages the gradients
+    """Divisor for loss_agg=constant (default: batch rows x max_new_tokens), times loss_world_size when set."""
+    loss_world_size: int | None = Field(None, ge=1, le=100_000)
+    """The GPU count of a run whose loss scale to reproduce whatever num_ranks is (8 for the authors' ExGRPO run).
+    With loss_agg=constant the mini-batch's token sum is divided by loss_constant x loss_world_size: the
+    authors' code divides each GPU's micro-batch token sums by loss_constant (8192) and FSDP averages the gradients
     over its 8 GPUs, so its divisor is 65,536. With entropy_agg=micro_batch it also sets the micro-batches the
     entropy term is weighted by: the mini-batch split over this many GPUs (rows dealt longest first), each taking
-    its micro-batches by micro_batch_tokens / micro_batch_split (the official run: ceil(its tokens / 32,768), the
+    its micro-batches by micro_batch_tokens / micro_batch_split (the authors' run: ceil(its tokens / 32,768), the
     largest count for all, Karmarkar-Karp), whatever our own ranks and micro-batches are; the sum of those means is
     divided by it. None: loss_constant alone (one rank training on the whole mini-batch), and our own num_ranks
     and micro-batches."""
     entropy_agg: Literal["token_mean", "micro_batch"] = "token_mean"
     """How the entropy bonus aggregates. token_mean: one masked token mean over the mini-batch. micro_batch: the
-    official weighting (verl's actor with use_dynamic_bsz): each micro-batch's masked token mean, summed over a GPU's
-    micro-batches and averaged over the GPUs. The micro-batches are those of official_world_size GPUs when it is
+    the authors' weighting (verl's actor with use_dynamic_bsz): each micro-batch's masked token mean, summed over a GPU's
+    micro-batches and averaged over the GPUs. The micro-batches are those of loss_world_size GPUs when it is
     set (computed per row, so it holds at any num_ranks), else our own over num_ranks. Its weight then grows with the
-    number of micro-batches per GPU, which micro_batch_tokens sets (the official run: 32,768 tokens per GPU)."""
+    number of micro-batches per GPU, which micro_batch_tokens sets (the authors' run: 32,768 tokens per GPU)."""
     store_learner_logprobs: bool | Literal["auto"] = "auto"
     """Store the learner's start-of-step log-probs of the fresh correct rollouts it trains (sent back with the
     step's feedback) in place of the generator's, so that a replay's weight pi_theta / pi_stored compares the
-    learner with itself, as the official code stores the actor's recomputed old_log_probs. auto: with
-    recompute_old_logprobs (the official setting). Needs the start-of-step log-probs of every mini-batch:
+    learner with itself, as the authors' code stores the actor's recomputed old_log_probs. auto: with
+    recompute_old_logprobs (the authors' setting). Needs the start-of-step log-probs of every mini-batch:
     recompute_old_logprobs (or another setting that implies it) when mini_batches > 1."""
     grad_clip: float = Field(1.0, gt=0)
     """Gradient-norm clip."""
@@ -344,13 +344,13 @@ class LearnerConfig(Section):
     replay_eos: bool = False
     """Append the model's EOS token to a replayed trajectory that was cut at generator.max_new_tokens (finish reason
     "length"): a truncated one gains a token (max_new_tokens + 1); one that ended with EOS is unchanged. Not the
-    official rule: the official code appends EOS to every replayed o* and then cuts the response back to the length
+    authors' rule: the authors' code appends EOS to every replayed o* and then cuts the response back to the length
     limit, so a full-length truncated o* keeps no EOS, as with replay_eos=false (the paper command leaves it off).
     The appended token has no stored log-prob: its weight w is 1 (the policy's own log-prob in the forward that
     trains it). Not where prompt + response already fill the model's positions. Metric learner/replay_eos_appended."""
     recompute_old_logprobs: bool = False
     """Centre the fresh tokens' PPO ratio on the learner's own log-probs at the start of the step (pi_old
-    recomputed with one extra no-grad forward through the chunked path, as the official code and verl do),
+    recomputed with one extra no-grad forward through the chunked path, as the authors' code and verl do),
     instead of the generator's log-probs. Under asynchrony the generator's log-probs come from an older policy
     (and another engine): the default ratio then also measures staleness and train/inference mismatch, so
     clipping bites sooner; recomputing clips only the step's own update and leaves the gap uncorrected
@@ -399,13 +399,13 @@ class LearnerConfig(Section):
 
     def loss_scale(self) -> str:
         """What divides the policy loss and the entropy bonus, in words (`exgrpo config` prints it)."""
-        w = self.official_world_size
+        w = self.loss_world_size
         if self.loss_agg == "constant":
             c = "rows x generator.max_new_tokens" if self.loss_constant is None else f"{self.loss_constant:g}"
             if w and self.loss_constant is not None:
-                policy = f"the mini-batch's token sum / {self.loss_constant * w:g} (loss_constant {c} x official_world_size {w})"
+                policy = f"the mini-batch's token sum / {self.loss_constant * w:g} (loss_constant {c} x loss_world_size {w})"
             else:
-                policy = f"the mini-batch's token sum / {c}" + (f" x official_world_size {w}" if w else "")
+                policy = f"the mini-batch's token sum / {c}" + (f" x loss_world_size {w}" if w else "")
         elif self.loss_agg == "seq_mean_token_mean":
             policy = "the mean over the mini-batch's rows of each row's token mean"
         else:
@@ -413,7 +413,7 @@ class LearnerConfig(Section):
         entropy = (f"entropy_coef x sum of the micro-batches' token means / {w or 'num_ranks'}"
                    if self.entropy_agg == "micro_batch" else "entropy_coef x the mini-batch's token mean")
         if self.entropy_agg == "micro_batch":
-            gpus = f"official_world_size {w}" if w else f"num_ranks {self.num_ranks}"
+            gpus = f"loss_world_size {w}" if w else f"num_ranks {self.num_ranks}"
             if self.micro_batch_tokens is None:
                 rule = f"{self.micro_batch_rows} rows each"
             elif self.micro_batch_split == "balanced" and self.packs_padding_free:

@@ -14,7 +14,7 @@ class RewardConfig(Section):
 
     name: str = Field("countdown", min_length=1)
     """`countdown`, `arithmetic`, `math` (math-verify), `math_think` (math-verify on the text after `</think>`, 0
-    without it: the official ExGRPO format), `exact`, or a user function `package.module:function`."""
+    without it: the authors' ExGRPO format), `exact`, or a user function `package.module:function`."""
     timeout_s: float = Field(5.0, gt=0, le=3600)
     """Per-call timeout; a call that exceeds it scores 0 and is counted as an error."""
     max_response_chars: int = Field(20_000, ge=1)

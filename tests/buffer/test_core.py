@@ -375,7 +375,7 @@ def test_batch_ratio_and_fresh_filling():
     balanced(core)
 
 
-@pytest.mark.parametrize("fresh_draw", ["trained", "official"])
+@pytest.mark.parametrize("fresh_draw", ["trained", "per_step"])
 def test_official_fresh_draw_consumes_a_fresh_question_per_replay(fresh_draw):
     """buffer.fresh_draw=official (issue 44): the official loader draws B fresh questions a step and replaces rho B
     of them by replays, so each new replay consumes the next fresh question unused; a re-issued replay does not."""
@@ -388,7 +388,7 @@ def test_official_fresh_draw_consumes_a_fresh_question_per_replay(fresh_draw):
     replays = [it for it in items if it.replay]
     fresh = [it for it in items if not it.replay]
     assert len(replays) == len(fresh) == 4
-    skipped = 4 if fresh_draw == "official" else 0
+    skipped = 4 if fresh_draw == "per_step" else 0
     assert core.cursor - cursor == len(fresh) + skipped and core.n["fresh_discarded"] == skipped
     issued = {it.question.id for it in items} | {it.question.id for it in seeds}
     discarded = core._order[cursor:core.cursor]

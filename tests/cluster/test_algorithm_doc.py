@@ -19,7 +19,7 @@ OFFICIAL = {  # the paper (arXiv 2510.02245) and its official code
     ("buffer", "batch_questions"): 128,
     ("buffer", "group_size"): 8,
     ("buffer", "replay_ratio"): 0.5,
-    ("buffer", "fresh_draw"): "official",  # 128 fresh drawn per step, rho B of them replaced by replays
+    ("buffer", "fresh_draw"): "per_step",  # 128 fresh drawn per step, rho B of them replaced by replays
     ("buffer", "mixed_switch_accuracy"): 0.35,
     ("learner", "mini_batches"): 2,
     ("learner", "lr"): 1e-6,
@@ -29,7 +29,7 @@ OFFICIAL = {  # the paper (arXiv 2510.02245) and its official code
     ("learner", "recompute_old_logprobs"): True,
     ("learner", "loss_agg"): "constant",  # loss_remove_token_mean=True: sum / 8192
     ("learner", "loss_constant"): 8192.0,
-    ("learner", "official_world_size"): 8,  # FSDP averages over the official 8 GPUs: the divisor is 8192 * 8
+    ("learner", "loss_world_size"): 8,  # FSDP averages over the official 8 GPUs: the divisor is 8192 * 8
     ("learner", "entropy_agg"): "micro_batch",  # the entropy mean per micro-batch (use_dynamic_bsz), summed
     ("learner", "micro_batch_tokens"): 32768,  # ppo_max_token_len_per_gpu
     ("learner", "micro_batch_split"): "balanced",  # use_dynamic_bsz: ceil(tokens / 32768) parts, Karmarkar-Karp
@@ -73,10 +73,10 @@ def test_the_one_command_paper_run_has_the_official_hyper_parameters():
     got = {key: (cfg[key[0]] if key[0] else cfg)[key[1]] for key in OFFICIAL}
     assert got == OFFICIAL
     # the derived divisor, printed under the YAML: the official gradient's scale at its GPU count (issue 35)
-    assert "policy loss = the mini-batch's token sum / 65536 (loss_constant 8192 x official_world_size 8)" in out.stdout
+    assert "policy loss = the mini-batch's token sum / 65536 (loss_constant 8192 x loss_world_size 8)" in out.stdout
     # the aggregation in force, named against the loss's own (issue 52), and PPO's clip without dual-clip
     assert "loss_agg constant (named; ppo_clip's own is token_mean) (PPO clip until mixed mode [1-0.2, 1+0.2];" \
         in out.stdout
     # and the entropy term's micro-batches: the official 8 GPUs' whatever num_ranks is (issue 44)
     assert ("entropy bonus = entropy_coef x sum of the micro-batches' token means / 8, micro-batches: the mini-batch "
-            "over official_world_size 8 GPUs, ceil(its tokens / 32768) each, the largest count for all") in out.stdout
+            "over loss_world_size 8 GPUs, ceil(its tokens / 32768) each, the largest count for all") in out.stdout

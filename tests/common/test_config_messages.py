@@ -279,3 +279,14 @@ def test_a_test_path_without_a_train_path_is_refused_not_ignored(capsys, tmp_pat
     held = tmp_path / "held.jsonl"
     held.write_text('{"question": "1+1=", "answer": "2"}\n')
     assert load_config(None, [f"eval.sets.held.path={held}"]).eval.sets["held"].path == str(held)  # the other way
+
+
+@pytest.mark.parametrize("override, line", [
+    ("learner.official_world_size=8", "learner.official_world_size: renamed: set learner.loss_world_size instead"),
+    ("buffer.fresh_draw=official", "buffer.fresh_draw: 'official' was renamed: set buffer.fresh_draw=per_step"),
+    ("buffer.trajectory_score=official",
+     "buffer.trajectory_score: 'official' was renamed: set buffer.trajectory_score=chunk_window"),
+])
+def test_a_renamed_key_or_choice_is_refused_with_its_new_name(capsys, override, line):
+    err = refused(capsys, override)
+    assert line in err, err

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.batching import official_score_windows
+from learner.batching import chunk_window_spans
 from learner.replay_choice import complete_groups
 from learner.step import RankStats
 from bench.batches import make_batch
@@ -71,20 +71,20 @@ def test_reasoning_metrics_of_the_chosen_trajectories():
 
 def test_official_trajectory_score_is_the_official_computation(tiny_model_dir):
     """Issue 44 (2): with trajectory_score=official the learner picks the argmin of the official score (the
-    windows of `official_score_windows`), computed directly from the model's entropies over prompt + response, and
+    windows of `chunk_window_spans`), computed directly from the model's entropies over prompt + response, and
     still reports the mean response entropy to the buffer. 3 mixed groups x 4 candidates = 12: the last chunk is
     candidates 8-11."""
     from transformers import AutoModelForCausalLM
 
     model, step = plain_step(tiny_model_dir)
     batch = make_batch(5, groups=6, candidates=4, vocab=60, prompt_len=(4, 10), response_len=(1, 12))
-    batch.trajectory_score = "official"
+    batch.trajectory_score = "chunk_window"
     stats = RankStats()
     entropies, scores = step.score_candidates(batch, stats)
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     order = [(g, c) for g in (0, 2, 4) for c in range(4)]
     cands = [(batch.groups[g].prompt_ids, batch.groups[g].candidates[c].response_ids) for g, c in order]
-    windows = official_score_windows([len(p) + len(r) for p, r in cands], [r for _, r in cands], 12, 0)
+    windows = chunk_window_spans([len(p) + len(r) for p, r in cands], [r for _, r in cands], 12, 0)
     for (g, c), (p, r), (start, div) in zip(order, cands, windows):
         ids = torch.tensor([list(p) + list(r)])  # [1, L]
         with torch.no_grad():

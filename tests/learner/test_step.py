@@ -8,7 +8,7 @@ import torch
 
 from common.config import LearnerConfig
 from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
-from learner.batching import (BatchError, Row, balanced_partition, batch_rows, collate, official_score_windows,
+from learner.batching import (BatchError, Row, balanced_partition, batch_rows, collate, chunk_window_spans,
                               rank_micro_batches, split_mini_batches)
 from learner.forward import prepare_model
 from learner.replay_choice import complete_groups
@@ -535,7 +535,7 @@ def test_trained_fresh_rows_the_buffer_stored_come_back_measured(tiny_model_dir)
 @pytest.mark.parametrize("entropy_agg", ["micro_batch", "token_mean"])
 def test_the_official_gradient_at_its_gpu_count(tiny_model_dir, entropy_agg):
     """Issue 35 (1, 2): the official loss worked out by hand for a batch split as the official code splits it, 2 GPUs
-    x 2 micro-batches of 2 rows, and our step on one rank with loss_agg=constant, official_world_size=2 and
+    x 2 micro-batches of 2 rows, and our step on one rank with loss_agg=constant, loss_world_size=2 and
     entropy_agg=micro_batch give the same gradient. Official (mix_core_alg.py, loss_remove_token_mean; mix_actor.py,
     gradient_accumulation 1): each micro-batch's loss is sum(pg * mask) / C - coef * masked_mean(entropy), a GPU
     sums its micro-batches' gradients and FSDP averages over the W GPUs:
@@ -550,7 +550,7 @@ def test_the_official_gradient_at_its_gpu_count(tiny_model_dir, entropy_agg):
     import copy
 
     C, W, coef = 64.0, 2, 0.1
-    model, step = plain_step(tiny_model_dir, loss_agg="constant", loss_constant=C, official_world_size=W,
+    model, step = plain_step(tiny_model_dir, loss_agg="constant", loss_constant=C, loss_world_size=W,
                              entropy_agg=entropy_agg, entropy_coef=coef, micro_batch_rows=2, grad_clip=1e9)
     batch = with_own_logprobs(make_batch(0, groups=2, group_size=4, mixed_every=0, response_len=(6, 6)), model)
     hand = copy.deepcopy(model)
@@ -638,7 +638,7 @@ def test_stored_trajectories_carry_the_learners_start_of_step_logprobs(tiny_mode
             assert not np.allclose(stored, ro.logprobs)  # no longer the generator's
 
 
-# (response tokens, {weight: rows}, official micro-batches per GPU, ours at 1 rank without official_world_size)
+# (response tokens, {weight: rows}, official micro-batches per GPU, ours at 1 rank without loss_world_size)
 PAPER_SPLITS = [
     (400, {1 / 102_400: 512}, 2, 9),
     (800, {1 / 204_800: 512}, 2, 15),
@@ -686,7 +686,7 @@ def test_the_papers_entropy_weights_are_the_official_ones_at_any_rank_count(resp
     assert len(rank_micro_batches(mini, 0, 1, cfg.micro_batch_rows, cfg.micro_batch_tokens, True, "balanced")) == ours
 
 
-def test_official_score_windows_worked_by_hand():
+def test_chunk_window_spans_worked_by_hand():
     """Issue 44 (2): buffer.trajectory_score=official. 10 candidates, max_target 10, pad 0: the last chunk holds
     candidates 8 and 9 in slots 0 and 1 and dummies (all pad, m = 0) in slots 2-7; candidate i is masked with
     slot i % 8's response. Candidate 8's response has 3 non-pad tokens (a pad inside does not count), 9's 12
@@ -698,7 +698,7 @@ def test_official_score_windows_worked_by_hand():
       i = 8 (L 7, m 3): start 0, divisor 7;  i = 9 (L 15, m 10): start 14, divisor 0"""
     resp = [np.full(5, 7)] * 2 + [np.full(11, 7)] * 6 + [np.array([5, 0, 5, 5]), np.full(12, 7)]
     lengths = [8, 8, 14, 14, 14, 14, 14, 14, 7, 15]
-    got = official_score_windows(lengths, resp, max_target=10, pad_id=0)
+    got = chunk_window_spans(lengths, resp, max_target=10, pad_id=0)
     assert got[:3] == [(0, 7), (7, 0), (3, 10)] and got[8:] == [(0, 7), (14, 0)]
     assert got[3:8] == [(3, 10)] * 5
 
