@@ -114,7 +114,7 @@ class LearnerRank:
         learning rate of the schedule for the batch's version (the learner step it trains)."""
         batch = codec.decode(payload, TrainingBatch)
         for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(self.cfg, batch.version)
+            group["lr"] = learning_rate(self.cfg.optim, batch.version)
         stats = self.trainer.run(batch)
         stats.peak_memory_bytes = peak_memory_bytes(self.device)
         return stats
@@ -348,7 +348,7 @@ class LearnerPool:
         model in the background: the driver builds the rest meanwhile); call `wait_ready()` before use.
         `prompt_tokens` (the longest prompt, `data.max_prompt_tokens`) and `rows_per_update` (the rows one rank
         trains per optimizer step): the micro-batch activation checkpointing "auto" budgets for (None: a
-        2,048-token prompt, `learner.micro_batch_rows` rows)."""
+        2,048-token prompt, `learner.batching.micro_batch_rows` rows)."""
         self.cfg, self.model_path, self.run, self.namespace = cfg, str(model_path), run, namespace
         self.version = 0
         self.steps = 0
@@ -404,7 +404,7 @@ class LearnerPool:
         self._setup = None
 
     def step(self, batch: TrainingBatch) -> StepResult:
-        """Train on `batch` (`learner.mini_batches` optimizer updates, each applied or skipped).
+        """Train on `batch` (`learner.batching.mini_batches` optimizer updates, each applied or skipped).
 
         The policy version advances by exactly 1 per step (see `common.messages`), also when every
         update was skipped: the buffer's back-pressure and staleness count steps, and a step that
@@ -417,7 +417,7 @@ class LearnerPool:
         self.skipped_updates += stats[0].skipped
         self.steps += 1
         metrics["learner/version"] = float(self.version)
-        metrics["learner/lr"] = learning_rate(self.cfg, version_trained)
+        metrics["learner/lr"] = learning_rate(self.cfg.optim, version_trained)
         metrics["learner/skipped_updates_total"] = float(self.skipped_updates)
         metrics["learner/levers_off"] = float(len(self.levers_off))  # failed their trial at setup (learner.trial)
         fb = LearnerFeedback(version=version_trained, keys=sfb.keys, entropies=float32_array(sfb.entropies),

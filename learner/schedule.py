@@ -1,7 +1,7 @@
 """The learning-rate schedule: a pure function of the learner step, so a resumed run (whose version is
 restored from its checkpoint) continues it exactly.
 
-    lr = learning_rate(cfg, step)     # step: the learner step being trained (its batch's version, 0-based)
+    lr = learning_rate(cfg.optim, step)    # step: the learner step being trained (its batch's version, 0-based)
 
 Linear warmup over `warmup_steps` (step s gets lr * (s + 1) / warmup_steps), then `lr_schedule`:
 constant `lr`, or a linear / cosine decay from `lr` at the end of the warmup to `min_lr` at
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 
-from common.config import LearnerConfig
+from common.config import OptimConfig
 
 
-def learning_rate(cfg: LearnerConfig, step: int) -> float:
+def learning_rate(cfg: OptimConfig, step: int) -> float:
     warmup = cfg.warmup_steps
     if step < warmup:
         return cfg.lr * (step + 1) / warmup

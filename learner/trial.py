@@ -48,7 +48,7 @@ class Levers(Protocol):
 
 
 def is_on(cfg: LearnerConfig, lever: str) -> bool:
-    return cfg.packs_padding_free if lever == "padding_free" else getattr(cfg, lever) is True
+    return cfg.levers.packs_padding_free if lever == "padding_free" else getattr(cfg, lever) is True
 
 
 def switch_off(cfg: LearnerConfig, off: dict[str, str]) -> LearnerConfig:
@@ -158,7 +158,7 @@ def try_levers(levers: Levers, trainer, rebuild_optimizer: Callable[[], None]) -
             first = agree(attempt_micro_batch(trainer, faults), trainer)
             if first is not None:
                 off = _search(levers, trainer, in_play, first, faults)
-        if levers.cfg.fused_optimizer is True:
+        if levers.cfg.levers.fused_optimizer is True:
             error = agree(attempt_optimizer(trainer.optimizer, faults, fused=True), trainer)
             if error is not None:
                 levers.set("fused_optimizer", False)

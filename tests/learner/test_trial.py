@@ -44,9 +44,9 @@ def test_a_lever_that_fails_its_trial_is_off_and_the_rank_trains_on(tiny_model_d
     assert sorted(built.levers_off) == sorted(faults)
     assert all(FAULTS_ENV in err for err in built.levers_off.values())
     cfg = built.trainer.cfg
-    assert cfg.compile is ("compile" not in faults)
-    assert cfg.packs_padding_free is ("padding_free" not in faults)
-    assert cfg.fused_optimizer is ("fused_optimizer" not in faults)
+    assert cfg.levers.compile is ("compile" not in faults)
+    assert cfg.levers.packs_padding_free is ("padding_free" not in faults)
+    assert cfg.levers.fused_optimizer is ("fused_optimizer" not in faults)
     assert _compiled_layers(built.model) == (0 if "compile" in faults else len(built.model.model.layers))
     assert built.trainer.optimizer.defaults["fused"] is (None if "fused_optimizer" in faults else True)
     assert built.optimizer is built.trainer.optimizer
@@ -73,7 +73,7 @@ def test_a_compile_that_breaks_is_off_and_the_trial_moved_no_weight(tiny_model_d
     built = _setup(tiny_model_dir, compile=True, compile_backend="broken_for_test", fused_optimizer=True)
     assert list(built.levers_off) == ["compile"]
     assert "cannot lower anything" in built.levers_off["compile"]
-    assert _compiled_layers(built.model) == 0 and built.trainer.cfg.compile is False
+    assert _compiled_layers(built.model) == 0 and built.trainer.cfg.levers.compile is False
     assert built.trainer.optimizer.defaults["fused"] is True  # its own trial passed
     assert not built.optimizer.state
     loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
@@ -89,7 +89,7 @@ def test_levers_that_pass_stay_on_and_the_trial_draws_nothing_from_the_run(tiny_
     built = _setup(tiny_model_dir, **ALL_ON)
     assert built.levers_off == {}
     cfg = built.trainer.cfg
-    assert cfg.compile and cfg.packs_padding_free and cfg.fused_optimizer
+    assert cfg.levers.compile and cfg.levers.packs_padding_free and cfg.levers.fused_optimizer
     torch.manual_seed(7)
     off = try_levers(_Levers(cfg), built.trainer, lambda: None)
     after_trial = torch.rand(4)
@@ -115,9 +115,9 @@ def test_a_failure_with_every_lever_off_is_not_a_levers_and_is_raised(tiny_model
 
 
 def test_switch_off_and_the_fault_names_are_checked(monkeypatch):
-    cfg = LearnerConfig(compile=True, padding_free="auto", fused_optimizer="auto")
+    cfg = LearnerConfig(levers=dict(compile=True, padding_free="auto", fused_optimizer="auto"))
     kept = switch_off(cfg, {"compile": "InductorError: ...", "padding_free": "x"})
-    assert kept.compile is False and kept.padding_free is False and kept.fused_optimizer == "auto"
+    assert kept.levers.compile is False and kept.levers.padding_free is False and kept.levers.fused_optimizer == "auto"
     assert switch_off(cfg, {}) is cfg
     monkeypatch.setenv(FAULTS_ENV, "compile, flash")
     with pytest.raises(ValueError, match=r"\['flash'\] is not a lever; name some of padding_free, compile"):
@@ -250,8 +250,8 @@ TWO_RANKS = textwrap.dedent("""
     built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
                        max_new_tokens=40)
     stats = built.trainer.run(make_batch(0, groups=2, candidates=1))
-    print("RESULT", json.dumps({"off": built.levers_off, "fused": built.trainer.cfg.fused_optimizer,
-                                "packs": built.trainer.cfg.packs_padding_free, "updates": stats.updates}))
+    print("RESULT", json.dumps({"off": built.levers_off, "fused": built.trainer.cfg.levers.fused_optimizer,
+                                "packs": built.trainer.cfg.levers.packs_padding_free, "updates": stats.updates}))
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
