@@ -165,6 +165,35 @@ def random_fill(seed: int):
     return fill
 
 
+def learner_sections() -> dict[str, str]:
+    """Each learner field's section in this tree (`lr` -> `optim`); {} in a tree from before the sections."""
+    try:
+        from common.config.learner import LEARNER_SECTIONS
+    except ImportError:
+        return {}
+    return LEARNER_SECTIONS
+
+
+def learner_field(cfg, name: str):
+    """`cfg`'s field or property `name`, found in its section where this tree has sections; None where this tree
+    has no such field."""
+    for owner in (cfg, *(getattr(cfg, s) for s in sorted(set(learner_sections().values())))):
+        if hasattr(owner, name):
+            return getattr(owner, name)
+    return None
+
+
+def nested(over: dict) -> dict:
+    """The bench's flat learner settings grouped into this tree's sections."""
+    sections, out = learner_sections(), {}
+    for name, value in over.items():
+        if name in sections:
+            out.setdefault(sections[name], {})[name] = value
+        else:
+            out[name] = value
+    return out
+
+
 def learner_config(args, padding_free: bool | None, device: torch.device, dtype: torch.dtype):
     """LearnerConfig with the bench's budget and the levers asked for (others: the product's defaults).
     `padding_free` (the mixed case's padded/packed pair) overrides --padding-free. Packed without --attn uses the
@@ -173,7 +202,7 @@ def learner_config(args, padding_free: bool | None, device: torch.device, dtype:
     from common.config import LearnerConfig
     from learner.levers import flash_attention_installed, resolve_levers
 
-    fields = LearnerConfig.model_fields
+    fields = set(LearnerConfig.model_fields) | set(learner_sections())
     # every step applies its update (random weights may give a gradient norm above the default skip threshold,
     # and a skipped update would leave AdamW out of the timing)
     over = {"micro_batch_tokens": args.micro_batch_tokens, "lr": 1e-6, "skip_grad_norm": 1e12}
@@ -202,12 +231,12 @@ def learner_config(args, padding_free: bool | None, device: torch.device, dtype:
         over["attn_implementation"] = args.attn
     elif over.get("padding_free") is True:
         auto, _ = resolve_levers(LearnerConfig(), device, dtype)
-        if auto.levers.packs_padding_free:
-            over["attn_implementation"] = auto.levers.attn_implementation
+        if learner_field(auto, "packs_padding_free"):
+            over["attn_implementation"] = learner_field(auto, "attn_implementation")
         elif device.type == "cuda":
             flash = flash_attention_installed() and dtype != torch.float32
             over["attn_implementation"] = "flash_attention_2" if flash else "flex_attention"
-    return LearnerConfig(**over)
+    return LearnerConfig(**nested(over))
 
 
 def checkpointing_value(mode: str) -> str | bool:
@@ -218,7 +247,7 @@ def checkpointing_value(mode: str) -> str | bool:
     from common.config import LearnerConfig
 
     try:
-        LearnerConfig(levers=dict(activation_checkpointing=mode))
+        LearnerConfig(**nested({"activation_checkpointing": mode}))
         return mode
     except ValidationError:
         if mode in ("full", "none"):
@@ -234,13 +263,14 @@ def checkpointing_mode(value) -> str:
 
 def lever_settings(cfg, model) -> dict:
     """What the step ran with: `cfg` is the TrainStep's, with `auto` resolved for the device."""
-    out = {field: getattr(cfg, field) for _, (field, _, _) in LEVERS.items() if field in type(cfg).model_fields}
+    fields = set(type(cfg).model_fields) | set(learner_sections())
+    out = {field: learner_field(cfg, field) for _, (field, _, _) in LEVERS.items() if field in fields}
     if "activation_checkpointing" in out:
         out["activation_checkpointing"] = checkpointing_mode(out["activation_checkpointing"])
-    out["packs_padding_free"] = cfg.levers.packs_padding_free
-    out["attention"] = model.config._attn_implementation if model is not None else cfg.levers.attn_implementation
-    out["micro_batch_tokens"] = cfg.batching.micro_batch_tokens
-    out["pad_multiple"] = getattr(cfg, "pad_multiple", None)
+    out["packs_padding_free"] = learner_field(cfg, "packs_padding_free")
+    out["attention"] = model.config._attn_implementation if model is not None else learner_field(cfg, "attn_implementation")
+    out["micro_batch_tokens"] = learner_field(cfg, "micro_batch_tokens")
+    out["pad_multiple"] = learner_field(cfg, "pad_multiple")
     lora = getattr(cfg, "lora", None)
     out["lora_rank"] = lora.rank if lora is not None else None
     return out
@@ -898,7 +928,7 @@ def product_packs(device: torch.device, dtype: torch.dtype) -> bool:
     from common.config import LearnerConfig
     from learner.levers import resolve_levers
 
-    return resolve_levers(LearnerConfig(), device, dtype)[0].packs_padding_free
+    return learner_field(resolve_levers(LearnerConfig(), device, dtype)[0], "packs_padding_free")
 
 
 def over_budget(args, started: float, runs: list[dict]) -> str | None:

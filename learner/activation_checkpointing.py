@@ -309,7 +309,7 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
     mode = cfg.levers.activation_checkpointing
     if mode != "auto":
         return cfg, f"activation checkpointing {mode} (set)"
-    update: dict = {}
+    tokens_now = cfg.batching.micro_batch_tokens
     if device.type != "cuda":
         mode, why = "none", "auto: not CUDA"
     else:
@@ -324,9 +324,10 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
                                       modes=AUTO_MODES if compiled else EAGER_AUTO_MODES)
         mode, why = choice.mode, choice.note()
         if choice.halved_from:
-            update["micro_batch_tokens"] = choice.tokens
-    update["activation_checkpointing"] = mode
-    return cfg.model_copy(update=update), f"activation checkpointing {mode} ({why})"
+            tokens_now = choice.tokens
+    batching = cfg.batching.model_copy(update={"micro_batch_tokens": tokens_now})
+    return cfg.with_levers(activation_checkpointing=mode).model_copy(update={"batching": batching}), \
+        f"activation checkpointing {mode} ({why})"
 
 
 def eager_fallback_note(mode: str, note: str, off: dict[str, str]) -> str | None:

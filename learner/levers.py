@@ -89,15 +89,16 @@ def resolve_levers(cfg: LearnerConfig, device: torch.device, dtype: torch.dtype 
                  f"{attn or 'sdpa (transformers default)'})" + (
                      f", lengths rounded up to a multiple of {pad} (learner.levers.pad_multiple)" if pad > 1 and not packs
                      else ""))
+    batching = cfg.batching
     if cfg.batching.micro_batch_split == "balanced":  # verl's dynamic batch size balances the real tokens of packed rows
         if packs:  # the config refuses it without micro_batch_tokens or with padding_free=false
             notes.append("micro-batches balanced (verl's dynamic batch size: ceil(tokens / micro_batch_tokens) per "
                          "rank, token sums balanced, not capped)")
         else:  # padding_free=auto resolved to padded on this device
-            update["micro_batch_split"] = "first_fit"
+            batching = cfg.batching.model_copy(update={"micro_batch_split": "first_fit"})
             notes.append("micro_batch_split=balanced needs padding-free packing; padded micro-batches run here "
                          f"({why}), so first_fit")
-    return cfg.model_copy(update=update), notes
+    return cfg.with_levers(**update).model_copy(update={"batching": batching}), notes
 
 
 def _compile_choice(cfg: LearnerConfig, cuda: bool, width: int | None) -> tuple[bool, str]:

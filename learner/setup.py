@@ -142,7 +142,7 @@ def _load_model(cfg: LearnerConfig, asked: LearnerConfig, model_path: str, devic
                              f"({device.type}): {e} Set learner.levers.attn_implementation to sdpa (or leave it unset), "
                              "or install the kernel where the learner runs") from None
         notes[-1] = f"padded micro-batches ({cfg.levers.attn_implementation} cannot load here: {e}; attention sdpa)"
-        cfg = cfg.model_copy(update={"attn_implementation": None, "padding_free": False})
+        cfg = cfg.with_levers(attn_implementation=None, padding_free=False)
         return cfg, _build(cfg, model_path, device, empty=empty)
 
 
@@ -241,7 +241,7 @@ class _RankLevers:
             if self.cfg.levers.compile is True:  # the layers were compiled for the other attention
                 remove_compile(model)
                 apply_compile(model, self.cfg.levers.compile_backend)
-        self.cfg = self.cfg.model_copy(update={lever: on})
+        self.cfg = self.cfg.with_levers(**{lever: on})
         self.trainer.cfg = self.cfg
 
 

@@ -28,7 +28,7 @@ LISTS = "`exgrpo config` lists every field"
 RENAMED = {"learner.official_world_size": "learner.loss.loss_world_size",
            **{f"learner.{name}": f"learner.{section}.{name}" for name, section in LEARNER_SECTIONS.items()}}
 """Keys renamed since a release: an old name is refused with its new one (never accepted silently). The learner's
-flat fields moved into its sections (`learner.optim.lr` -> `learner.optim.lr`)."""
+flat fields moved into its sections (`learner.lr` -> `learner.optim.lr`)."""
 RENAMED_VALUES = {("buffer.fresh_draw", "official"): "per_step", ("buffer.trajectory_score", "official"): "chunk_window"}
 """Choices renamed since a release, by key and old value."""
 
@@ -160,6 +160,7 @@ def _suggest(pl: Place) -> str:
     name, section = pl.path[-1], ".".join(pl.path[:-1])
     prefix = section + "." if section else ""
     own = [n for n in (pl.model.model_fields if pl.model is not None else ()) if n != "kind"]
+    inner = _inner_fields(pl.model)
     exact = [p for p in _elsewhere(name, prefix) if p.rsplit(".", 1)[-1] == name]
     affix = [n for n in own if n.endswith("_" + name) or n.startswith(name + "_")]  # `data.path`: train_path
     if exact and section and not affix:  # `buffer.max_new_tokens`: generator's field of that name, not max_bytes
@@ -177,11 +178,24 @@ def _suggest(pl: Place) -> str:
                 keep = f", or {inner[0]} to keep kind {kind}" if inner else ""
                 return (f"{hit[0]} is a field of kind {other}, not of {kind}: set {upath}.kind={other} to use "
                         f"{upath}.{hit[0]}{keep}")
+    near = _near(name, list(inner)) if section else []  # `learner.learning_rate`: learner.optim.lr
+    if near:
+        return f"did you mean {_or([prefix + inner[n] for n in near])}? {LISTS}"
     elsewhere = _elsewhere(name, prefix)
     if elsewhere:
         where = f"not in {section}" if section else "in a section"
         return f"{name} is {where}: {_or(elsewhere)}; {LISTS}"
     return f"check the spelling; {LISTS}"
+
+
+def _inner_fields(model: type[BaseModel] | None) -> dict[str, str]:
+    """The fields of `model`'s own sections, by name: `lr` -> `optim.lr` in `learner`."""
+    out: dict[str, str] = {}
+    for sub, f in (model.model_fields.items() if model is not None else ()):
+        inner = section_model(f.annotation)
+        for n in (inner.model_fields if inner is not None else ()):
+            out.setdefault(n, f"{sub}.{n}")
+    return out
 
 
 def _elsewhere(name: str, prefix: str) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from common.config.base import Section
 
@@ -43,6 +43,14 @@ class OptimConfig(Section):
             if not 0 <= b < 1:
                 raise ValueError(f"beta{i + 1} = {b} is outside [0, 1); AdamW's usual values are [0.9, 0.999]")
         return v
+
+    @model_validator(mode="after")
+    def _schedule_consistent(self) -> OptimConfig:
+        if self.warmup_ratio is not None and self.warmup_steps:
+            raise ValueError("learner.optim.warmup_ratio and learner.optim.warmup_steps: set one of them")
+        if self.min_lr > self.lr:
+            raise ValueError(f"learner.optim.min_lr: {self.min_lr:g} is above learner.optim.lr {self.lr:g}")
+        return self
 
 
 class BatchingConfig(Section):

@@ -72,24 +72,20 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _lr_schedule(self) -> RunConfig:
         """The schedule's horizon and warmup in steps, resolved once so the saved config carries them."""
-        lc = self.learner
-        if lc.optim.warmup_ratio is not None and lc.optim.warmup_steps:
-            raise ValueError("learner.optim.warmup_ratio and learner.optim.warmup_steps: set one of them")
-        if lc.optim.min_lr > lc.optim.lr:
-            raise ValueError(f"learner.optim.min_lr: {lc.optim.min_lr:g} is above learner.optim.lr {lc.optim.lr:g}")
+        opt = self.learner.optim
         update: dict[str, Any] = {}
-        horizon = lc.optim.lr_decay_steps or self.total_steps
-        if lc.optim.warmup_steps > horizon:
-            raise ValueError(f"learner.optim.warmup_steps: {lc.optim.warmup_steps} warmup steps outlast the schedule's {horizon} "
-                             f"steps ({'learner.optim.lr_decay_steps' if lc.optim.lr_decay_steps else 'total_steps'}): the "
-                             f"learning rate would never reach learner.optim.lr; set learner.optim.warmup_steps at most {horizon} "
-                             "(or learner.optim.warmup_ratio), or raise total_steps")
-        if lc.optim.lr_decay_steps is None and (lc.optim.lr_schedule != "constant" or lc.optim.warmup_ratio is not None):
+        horizon = opt.lr_decay_steps or self.total_steps
+        if opt.warmup_steps > horizon:
+            raise ValueError(f"learner.optim.warmup_steps: {opt.warmup_steps} warmup steps outlast the schedule's "
+                             f"{horizon} steps ({'learner.optim.lr_decay_steps' if opt.lr_decay_steps else 'total_steps'}"
+                             "): the learning rate would never reach learner.optim.lr; set learner.optim.warmup_steps "
+                             f"at most {horizon} (or learner.optim.warmup_ratio), or raise total_steps")
+        if opt.lr_decay_steps is None and (opt.lr_schedule != "constant" or opt.warmup_ratio is not None):
             update["lr_decay_steps"] = horizon
-        if lc.optim.warmup_ratio is not None:
-            update.update(warmup_steps=round(lc.optim.warmup_ratio * horizon), warmup_ratio=None)
+        if opt.warmup_ratio is not None:
+            update.update(warmup_steps=round(opt.warmup_ratio * horizon), warmup_ratio=None)
         if update:
-            self.learner = lc.model_copy(update=update)
+            self.learner = self.learner.model_copy(update={"optim": opt.model_copy(update=update)})
         return self
 
     @model_validator(mode="after")

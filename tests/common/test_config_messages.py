@@ -108,6 +108,25 @@ def test_fields_of_a_union_without_kind_pick_the_kind():
     assert ws.kind == "object_store" and ws.delta
 
 
+def test_every_flat_learner_key_that_moved_into_a_section_is_refused_with_its_new_name(tmp_path):
+    """`learner.lr` -> `learner.optim.lr`, ... : each of the 53 fields that left the flat learner, given on the
+    command line or nested in a YAML file, gets one line naming its section; none is taken silently."""
+    from common.config import BatchingConfig, ConfigError, LeversConfig, LossConfig, OptimConfig
+
+    moved = {f"learner.{name}": f"learner.{section}.{name}" for section, model in
+             (("optim", OptimConfig), ("batching", BatchingConfig), ("levers", LeversConfig), ("loss", LossConfig))
+             for name in model.model_fields}
+    assert len(moved) == 53 and moved["learner.lr"] == "learner.optim.lr"
+    assert moved["learner.clip_low"] == "learner.loss.clip_low" and moved["learner.compile"] == "learner.levers.compile"
+    for old, new in moved.items():
+        nested = tmp_path / "run.yaml"
+        nested.write_text(f"learner:\n  {old.split('.')[1]}: 1\n")
+        for args in ((None, [f"{old}=1"]), (nested, [])):
+            with pytest.raises(ConfigError) as e:
+                load_config(*args)
+            assert f"{old}: renamed: set {new} instead (same meaning)" in e.value.lines, e.value.lines
+
+
 def test_a_dotted_label_key_is_one_key():
     cfg = load_config(None, ["generator.node_labels.ray.io/accelerator-type=H100", "learner.node_labels.group=train"])
     assert cfg.generator.node_labels == {"ray.io/accelerator-type": "H100"}
@@ -126,7 +145,7 @@ def test_dotted_keys_in_a_yaml_config_set_nested_fields(tmp_path):
 def test_a_second_config_file_is_named_as_one(capsys, tmp_path):
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     a.write_text("buffer: {max_lag: 0}\n")
-    b.write_text("learner: {lr: 1.0e-5}\n")
+    b.write_text("learner: {optim: {lr: 1.0e-5}}\n")
     err = refused(capsys, str(a), str(b))
     assert f"{b}: one config file per command (the config is {a}); merge the files, or give {b}'s settings as " \
            "key=value overrides" in err
@@ -189,15 +208,15 @@ def test_no_line_shows_pydantic_internals_or_a_kind_tag():
 @pytest.mark.parametrize("content, says", [
     (b"buffer:\n  group_size: 8\n  group_size: 4\n",
      "a.yaml, line 3: group_size is given twice (lines 2 and 3); the second would replace the first"),
-    (b"buffer:\n  group_size: 8\nlearner: {lr: 1.0e-5}\nbuffer:\n  max_lag: 0\n",
+    (b"buffer:\n  group_size: 8\nlearner: {optim: {lr: 1.0e-5}}\nbuffer:\n  max_lag: 0\n",
      "a.yaml, line 4: buffer is given twice (lines 1 and 4); the second would replace the first (a section given "
      "twice loses the first one's keys): keep one"),
-    (b"learner.optim.lr: 1.0e-5\nlearner:\n  lr: 2.0e-5\n",
-     "a.yaml, line 3: learner.optim.lr is given twice, once as a dotted key and once nested in its section (lines 1 and "
-     "3); keep one"),
+    (b"learner.optim.lr: 1.0e-5\nlearner:\n  optim:\n    lr: 2.0e-5\n",
+     "a.yaml, line 4: learner.optim.lr is given twice, once as a dotted key and once nested in its section (lines 1 "
+     "and 4); keep one"),
     (b"learner.lora: {rank: 8}\nlearner:\n  lora:\n    alpha: 16\n", "learner.lora is given twice"),
     (b"buffer:\n\tgroup_size: 8\n", "a.yaml, line 2: a tab; YAML indents with spaces only"),
-    (b"buffer: {group_size: 8}\n---\nlearner: {lr: 1}\n",
+    (b"buffer: {group_size: 8}\n---\nlearner: {optim: {lr: 1}}\n",
      "a.yaml, line 2: a second YAML document ('---'); one file holds one document"),
     (b"buffer: [1, 2\n", "a.yaml, line 2: not valid YAML: expected ',' or ']', but got '<stream end>' (while "
                          "parsing a flow sequence that starts on line 1)"),

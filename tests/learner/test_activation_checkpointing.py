@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from common.config import LearnerConfig, LoRAConfig
+from tests.learner import sectioned
 from learner.batching import batch_rows, collate
 from learner.activation_checkpointing import (AUTO_MODES, RESERVE, SELECTIVE_RAN_ON_GPU, USABLE, LayerShape, MemoryBudget,
                                    activation_bytes, agreed_budget, apply_checkpointing, bytes_per_token,
@@ -191,7 +192,7 @@ def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir)
     cfg = LearnerConfig(batching=dict(micro_batch_rows=4), levers=dict(compile=False))
     got, note = resolve_checkpointing(cfg, model, CPU, torch.float32, world=1, max_length=100)
     assert got.levers.activation_checkpointing == "none" and note == "activation checkpointing none (auto: not CUDA)"
-    got, note = resolve_checkpointing(cfg.model_copy(update={"activation_checkpointing": "selective"}), model,
+    got, note = resolve_checkpointing(cfg.with_levers(activation_checkpointing="selective"), model,
                                       torch.device("cuda"), torch.bfloat16, world=1, max_length=100)
     assert got.levers.activation_checkpointing == "selective" and note == "activation checkpointing selective (set)"
 
@@ -209,22 +210,22 @@ def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir)
     got, note = resolve_checkpointing(cfg, model, cuda, torch.bfloat16, world=2, max_length=100, rows=2,
                                       budget=budget)
     assert got.levers.activation_checkpointing == "none" and "activations of 200 tokens (2 rows x 100 tokens)" in note
-    tokens = cfg.model_copy(update={"micro_batch_tokens": 100})  # a quarter of the tokens: none fits
+    tokens = cfg.model_copy(update={"batching": cfg.batching.model_copy(update={"micro_batch_tokens": 100})})  # a quarter of the tokens: none fits
     got, note = resolve_checkpointing(tokens, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
     assert got.levers.activation_checkpointing == "none" and "activations of 100 tokens (learner.batching.micro_batch_tokens)" in note
     # per-layer compile under inductor: a budget where compiled none just fits, eager none does not
-    compiled = cfg.model_copy(update={"compile": True})
+    compiled = cfg.with_levers(compile=True)
     memory = int((RESERVE + state + activation_bytes("none", 400, shape, 2, compiled=True)) / USABLE) + 1
     budget = MemoryBudget(free=memory, total=memory, share=1.0)
     got, note = resolve_checkpointing(compiled, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
     assert got.levers.activation_checkpointing == "none" and note.startswith("activation checkpointing none (auto, compiled:")
-    eager_backend = compiled.model_copy(update={"compile_backend": "aot_eager"})  # no partitioner: eager's bytes
+    eager_backend = compiled.with_levers(compile_backend="aot_eager")  # no partitioner: eager's bytes
     got, _ = resolve_checkpointing(eager_backend, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
     assert got.levers.activation_checkpointing == "full"
     # a token budget of 20,000 where selective fits only at half of it: auto halves it, the cfg carries the half
     memory = int((RESERVE + state + activation_bytes("selective", 10_000, shape, 2)) / USABLE) + 1
     budget = MemoryBudget(free=memory, total=memory, share=1.0)
-    tokens = compiled.model_copy(update={"micro_batch_tokens": 20_000})
+    tokens = compiled.model_copy(update={"batching": compiled.batching.model_copy(update={"micro_batch_tokens": 20_000})})
     got, note = resolve_checkpointing(tokens, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
     assert (got.levers.activation_checkpointing, got.batching.micro_batch_tokens) == ("selective", 10_000)
     assert "learner.batching.micro_batch_tokens halved from 20000 so that selective fits" in note
@@ -277,7 +278,7 @@ def _rows(seed: int):
 def _step(model_dir, **overrides):
     from transformers import AutoModelForCausalLM
 
-    cfg = LearnerConfig(**{"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides})
+    cfg = LearnerConfig(**sectioned({"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides}))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if cfg.lora is not None:  # as learner.setup does: adapters before the head, checkpointing and compile
         apply_lora(model, cfg.lora)
@@ -405,7 +406,8 @@ TWO_RANKS = textwrap.dedent("""
     agreed = agreed_budget(own, torch.device("cpu"))
     got["agreed"] = [agreed.free, agreed.total, agreed.share]
     for mode in ("none", "full", "selective"):
-        cfg = LearnerConfig(micro_batch_rows=2, mini_batches=2, lr=1e-3, activation_checkpointing=mode)
+        cfg = LearnerConfig(batching=dict(micro_batch_rows=2, mini_batches=2), optim=dict(lr=1e-3),
+                            levers=dict(activation_checkpointing=mode))
         built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
                            max_new_tokens=40)
         stats = built.trainer.run(make_batch(4, candidates=2))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from common.config import LearnerConfig, LoRAConfig
+from tests.learner import sectioned
 from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
 from learner.batching import batch_rows, collate
 from learner.forward import check_packing, forward_stats, prepare_model
@@ -45,7 +46,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
      (False, False, False, None)),
 ])
 def test_auto_follows_the_device_and_every_decision_is_explained(overrides, device, dtype, flash, want):
-    cfg, notes = resolve_levers(LearnerConfig(**overrides), device, dtype, flash=flash, flex=True)
+    cfg, notes = resolve_levers(LearnerConfig(**sectioned(overrides)), device, dtype, flash=flash, flex=True)
     assert (cfg.levers.compile, cfg.levers.fused_optimizer, cfg.levers.padding_free, cfg.levers.attn_implementation) == want
     assert cfg.levers.packs_padding_free is want[2]
     assert len(notes) == 3 and all("(" in n for n in notes)  # each says why
@@ -62,7 +63,7 @@ def test_packing_on_cuda_is_opt_in_and_says_why():
 def _step(model_dir, **overrides):
     from transformers import AutoModelForCausalLM
 
-    cfg = LearnerConfig(**{"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides})
+    cfg = LearnerConfig(**sectioned({"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides}))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if cfg.lora is not None:  # as learner.setup does: adapters before the head and compile, only they train
         apply_lora(model, cfg.lora)

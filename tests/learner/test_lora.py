@@ -14,6 +14,7 @@ import torch
 from pydantic import ValidationError
 
 from common.config import LearnerConfig, LoRAConfig, load_config
+from tests.learner import sectioned
 from learner.gather import gather_full_state
 from learner.lora import LoRALinear, adapter_names, adapters_disabled, apply_lora, init_adapters, lora_modules
 from learner.setup import setup_rank
@@ -88,7 +89,7 @@ def test_merged_publication_is_w_plus_scaled_ba_and_loads_into_plain_transformer
 
 
 def _rank_model(model_dir, learner=None, **lora):
-    cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(**lora), **(learner or {}))
+    cfg = LearnerConfig(**sectioned({"micro_batch_rows": 4, "lr": 1e-2, "lora": LoRAConfig(**lora), **(learner or {})}))
     return setup_rank(cfg, str(model_dir), rank=0, world=1, device=CPU, dtype=torch.float32, max_new_tokens=40)
 
 
@@ -345,7 +346,7 @@ TWO_RANKS = textwrap.dedent("""
     rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(rank=3, alpha=6.0))
+    cfg = LearnerConfig(batching=dict(micro_batch_rows=4), optim=dict(lr=1e-2), lora=LoRAConfig(rank=3, alpha=6.0))
     built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
                        max_new_tokens=40)
     init = get_model_state_dict(built.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -401,8 +402,9 @@ TWO_RANKS_KL = textwrap.dedent("""
     rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(rank=3, alpha=6.0), kl_coef=0.5,
-                        mini_batches=2, activation_checkpointing=True)
+    cfg = LearnerConfig(batching=dict(micro_batch_rows=4, mini_batches=2), optim=dict(lr=1e-2),
+                        lora=LoRAConfig(rank=3, alpha=6.0), loss=dict(kl_coef=0.5),
+                        levers=dict(activation_checkpointing=True))
     built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
                        max_new_tokens=40)
     stats = built.trainer.run(make_batch(0, groups=2, candidates=1))

@@ -12,6 +12,7 @@ import ray
 import torch
 
 from common.config import LearnerConfig, ObjectStoreSyncConfig
+from tests.learner import sectioned
 from common.modeling import make_tiny_model_folder
 from learner.checkpoint import CheckpointError
 from learner.pool import LearnerPool
@@ -29,7 +30,8 @@ def model_dir(tmp_path_factory):
 
 def make_pool(model_dir, run: str, ranks: int, dtype: str = "float32", publish_dtype: str = "float32",
               **overrides) -> LearnerPool:
-    cfg = LearnerConfig(num_ranks=ranks, micro_batch_rows=3, mini_batches=2, lr=LR, publish_timeout_s=30, **overrides)
+    cfg = LearnerConfig(**sectioned({"num_ranks": ranks, "micro_batch_rows": 3, "mini_batches": 2, "lr": LR,
+                                    "publish_timeout_s": 30, **overrides}))
     return LearnerPool(cfg, str(model_dir), run=run, namespace=NS, max_new_tokens=12, dtype=dtype,
                        publish_dtype=publish_dtype)
 

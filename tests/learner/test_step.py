@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from common.config import LearnerConfig
+from tests.learner import sectioned
 from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
 from learner.batching import (BatchError, Row, balanced_partition, batch_rows, collate, chunk_window_spans,
                               rank_micro_batches, split_mini_batches)
@@ -84,7 +85,7 @@ def test_collate_aligns_response_tokens():
 def plain_step(model_dir, **overrides):
     from transformers import AutoModelForCausalLM
 
-    cfg = LearnerConfig(**{"micro_batch_rows": 4, **overrides})
+    cfg = LearnerConfig(**sectioned({"micro_batch_rows": 4, **overrides}))
     model = prepare_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
     return model, TrainStep(model, opt, cfg, rank=0, world=1, device=torch.device("cpu"), pad_id=0,
@@ -295,7 +296,7 @@ def test_balanced_split_runs_only_where_rows_are_packed_and_says_so():
     for bad in ({"padding_free": True}, {"micro_batch_tokens": 4096, "padding_free": False}):  # refused up front
         with pytest.raises(ValueError, match="micro_batch_split=balanced cuts padding-free micro-batches by their "
                                              "token budget: set learner.batching.micro_batch_tokens"):
-            LearnerConfig(micro_batch_split="balanced", **bad)
+            LearnerConfig(**sectioned({"micro_batch_split": "balanced", **bad}))
 
 
 def test_balanced_micro_batches_train_the_same_update_as_first_fit(tiny_model_dir):
@@ -670,8 +671,13 @@ def test_the_papers_entropy_weights_are_the_official_ones_at_any_rank_count(resp
 
     from tests.cluster.test_algorithm_doc import paper_command
 
-    learner = {k.split(".", 1)[1]: yaml.safe_load(v) for k, v in (w.split("=", 1) for w in paper_command())
-               if k.startswith("learner.")}
+    learner: dict = {}  # the paper command's learner.<section>.<field>=value settings, nested
+    for key, value in (w.split("=", 1) for w in paper_command() if w.startswith("learner.")):
+        *sections, name = key.split(".")[1:]
+        owner = learner
+        for section in sections:
+            owner = owner.setdefault(section, {})
+        owner[name] = yaml.safe_load(value)
     mini = [Row(np.zeros(120, np.int64), np.zeros(response, np.int64), np.zeros(response, np.float32), 0.0, False,
                 f"{g}/{i}", g) for g in range(64) for i in range(8)]
     for ranks in (1, 2):

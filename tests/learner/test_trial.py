@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from common.config import LearnerConfig
+from tests.learner import sectioned
 from learner.compile_cache import compiled_graphs
 from learner.setup import setup_rank
 from learner.step import merge_rank_stats
@@ -28,7 +29,7 @@ ALL_ON = dict(compile=True, compile_backend="aot_eager", padding_free=True, fuse
 
 
 def _setup(model_dir, **overrides):
-    cfg = LearnerConfig(**{"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides})
+    cfg = LearnerConfig(**sectioned({"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides}))
     return setup_rank(cfg, str(model_dir), rank=0, world=1, device=CPU, dtype=torch.float32, max_new_tokens=40)
 
 
@@ -134,7 +135,7 @@ def _mixed_steps(*trainers):
         batch = make_batch(30 + v, candidates=2, response_len=(1, 5 + 11 * v), version=v)
         stats = []
         for t in trainers:
-            t.cfg = t.cfg.model_copy(update={"micro_batch_rows": rows})
+            t.cfg = t.cfg.model_copy(update={"batching": t.cfg.batching.model_copy(update={"micro_batch_rows": rows})})
             stats.append(t.run(batch))
         out.append(stats)
     return out
@@ -189,13 +190,14 @@ ONE_FSDP_RANK = textwrap.dedent("""
     port, model_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     torch.set_num_threads(1)
-    cfg = LearnerConfig(micro_batch_rows=4, mini_batches=2, lr=1e-3, compile=True, compile_backend="aot_eager",
-                        activation_checkpointing="full")
+    cfg = LearnerConfig(batching=dict(micro_batch_rows=4, mini_batches=2), optim=dict(lr=1e-3),
+                        levers=dict(compile=True, compile_backend="aot_eager", activation_checkpointing="full"))
     built = setup_rank(cfg, model_dir, rank=0, world=1, device=torch.device("cpu"), dtype=torch.bfloat16,
                        max_new_tokens=40)
     after_trial, recompiles = compiled_graphs(), []
     for v, rows in enumerate((4, 1, 3)):
-        built.trainer.cfg = built.trainer.cfg.model_copy(update={"micro_batch_rows": rows})
+        cfg = built.trainer.cfg
+        built.trainer.cfg = cfg.model_copy(update={"batching": cfg.batching.model_copy(update={"micro_batch_rows": rows})})
         batch = make_batch(30 + v, candidates=2, response_len=(1, 5 + 11 * v), version=v)
         recompiles.append(built.trainer.run(batch).recompiles)
     print("RESULT", json.dumps({"trial": built.trial_graphs, "steps": compiled_graphs() - after_trial,
@@ -246,7 +248,8 @@ TWO_RANKS = textwrap.dedent("""
         os.environ["EXGRPO_LEVER_FAULTS"] = "padding_free"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    cfg = LearnerConfig(micro_batch_rows=4, mini_batches=2, lr=1e-3, padding_free=True, fused_optimizer=True)
+    cfg = LearnerConfig(batching=dict(micro_batch_rows=4, mini_batches=2), optim=dict(lr=1e-3),
+                        levers=dict(padding_free=True, fused_optimizer=True))
     built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
                        max_new_tokens=40)
     stats = built.trainer.run(make_batch(0, groups=2, candidates=1))
