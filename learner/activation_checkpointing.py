@@ -1,5 +1,5 @@
-"""Activation checkpointing of the trained model's decoder layers (`learner.levers.activation_checkpointing`), and "auto"
-chosen from the memory a rank has left.
+"""Activation checkpointing of the trained model's decoder layers (`learner.levers.activation_checkpointing`), and
+"auto" chosen from the memory a rank has left.
 
     cfg, note = resolve_checkpointing(cfg, model, device, dtype, world=W, max_length=P + T)  # "auto" -> a mode
     apply_checkpointing(model, cfg.levers.activation_checkpointing)   # learner.forward.prepare_model, before compile
@@ -115,7 +115,8 @@ def bytes_per_token(mode: str, shape: LayerShape, dtype_bytes: int, compiled: bo
     Counted from what autograd keeps in a Llama/Qwen decoder layer, per token, in elements of the compute dtype:
     - none, eager: 12 h + 2 kv + 4 i: each RMSNorm keeps its float32 input and two h-wide results (4 h each, the
       float32 counting twice), the attention q, k, v, its output and o_proj's input (3 h + 2 kv), the MLP's gate,
-      up, SiLU(gate) and down_proj's input (4 i); `tests/learner/test_activation_checkpointing.py` counts the tiny model's;
+      up, SiLU(gate) and down_proj's input (4 i); `tests/learner/test_activation_checkpointing.py` counts the tiny
+      model's;
     - selective: 5 h + 2 kv + 2 i: the layer's input and the matmul/attention outputs (q, k, v, attention, o_proj,
       gate, up, down); the rest is recomputed;
     - full: h per layer (its input), plus one layer's `none` while its backward recomputes it.
@@ -147,15 +148,15 @@ RESERVE = 2 << 30  # bytes: the chunked LM head's logits and gradients, FSDP2's 
 
 # Whether op-level selective checkpointing has trained on a GPU. It has: an H100 (torch 2.11) trained
 # Qwen2.5-3B's shapes on 14 rows of 1,273-7,837 tokens with it under per-layer compile, 0 recompiles, 4.03 s a step
-# (MFU 38.6%) at learner.batching.micro_batch_tokens=9216, against full's 4.78 s (32.5%) at 18,432; at 18,432 it ran out of
-# memory, as its count says (41 GiB of activations where 22.5 were left). Auto takes it where none does not fit,
+# (MFU 38.6%) at learner.batching.micro_batch_tokens=9216, against full's 4.78 s (32.5%) at 18,432; at 18,432 it ran out
+# of memory, as its count says (41 GiB of activations where 22.5 were left). Auto takes it where none does not fit,
 # under compile only: eager selective (compile off or failed) has not run on a GPU.
 SELECTIVE_RAN_ON_GPU = True
 # What "auto" may choose, least recompute first: the modes that have run on a GPU.
 AUTO_MODES: tuple[Mode, ...] = ("none", "selective", "full") if SELECTIVE_RAN_ON_GPU else ("none", "full")
 EAGER_AUTO_MODES: tuple[Mode, ...] = ("none", "full")  # the layers eager: selective has not run so on a GPU
-# A token budget (`learner.batching.micro_batch_tokens`) auto may halve, once, so that selective fits where only full does
-# at the budget as set: the H100 measurement above (3B, 18,432 -> 9,216 tokens: 16% less time a step). Never
+# A token budget (`learner.batching.micro_batch_tokens`) auto may halve, once, so that selective fits where only full
+# does at the budget as set: the H100 measurement above (3B, 18,432 -> 9,216 tokens: 16% less time a step). Never
 # below this many tokens (smaller matmuls lose more than the recompute costs; unmeasured below it) nor below the
 # longest row.
 HALVE_FLOOR = 8192
@@ -296,10 +297,10 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
     one card budgets only what it was given; the smallest over the ranks, `agreed_budget`), `model`'s parameters
     (`state_bytes`; call after the build and LoRA, before sharding: the free memory then still holds the weights to
     come), the micro-batch's tokens (`micro_batch_tokens`: `max_length` = the longest row's prompt + response,
-    `rows` = the rows one rank trains per update where known), and bytes per token with `cfg.levers.compile` (resolved) as
-    the layers will run (selective only under inductor's compile, `EAGER_AUTO_MODES` without: how it ran on a GPU).
-    A set mode is kept and its note says so. Where only full fits and `learner.batching.micro_batch_tokens` is set, auto may
-    halve that budget once so that selective fits (`choose_checkpointing`'s floor: `HALVE_FLOOR`, and the longest
+    `rows` = the rows one rank trains per update where known), and bytes per token with `cfg.levers.compile` (resolved)
+    as the layers will run (selective only under inductor's compile, `EAGER_AUTO_MODES` without: how it ran on a GPU).
+    A set mode is kept and its note says so. Where only full fits and `learner.batching.micro_batch_tokens` is set, auto
+    may halve that budget once so that selective fits (`choose_checkpointing`'s floor: `HALVE_FLOOR`, and the longest
     row rounded up to `pad_multiple`); the returned cfg then carries the halved budget, and the note says so. Not
     covered: a compile that then fails its trial at setup (`learner.trial`) leaves the layers eager under a mode
     chosen from compiled bytes (none may then need up to twice its estimate); `learner.setup` does not re-resolve

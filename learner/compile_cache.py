@@ -37,8 +37,9 @@ def cache_dir() -> str:
 def enable_cache(folder: str | None = None) -> str:
     """Turn on inductor's FX graph cache and AOTAutograd's cache (process-wide; torch's defaults, made sure of),
     so that a later process reuses the compiled kernels; returns a note naming the folder. `folder`
-    (`learner.levers.compile_cache_dir`) becomes TORCHINDUCTOR_CACHE_DIR, which inductor reads at each compile: set before
-    the first one, every later compile of this process reads and writes there (on shared storage: every node's)."""
+    (`learner.levers.compile_cache_dir`) becomes TORCHINDUCTOR_CACHE_DIR, which inductor reads at each compile: set
+    before the first one, every later compile of this process reads and writes there (on shared storage: every
+    node's)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 

@@ -43,11 +43,11 @@ def response_logprobs_and_entropy(logits: Tensor, targets: Tensor, mask: Tensor,
 def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, *, trainable: bool = True) -> torch.nn.Module:
     """The learner's changes to a freshly loaded model, before any sharding: the chunked LM head (unless
     `logits_chunk_tokens=0`) and, on the trained model, per-layer activation checkpointing
-    (`learner.levers.activation_checkpointing`: full, selective or none; `resolve_checkpointing` decides "auto", unresolved it means
-    none) and then, with `compile` true (`levers.resolve_levers` decides "auto"; unresolved it means off), per-layer
-    torch.compile, which compiles the selectively checkpointed forward as torchtitan does. The model keeps
-    `learner.levers.pad_multiple` (`exgrpo_pad_multiple`; "auto" unresolved means 1): `forward_stats` rounds padded
-    micro-batches' length up to it."""
+    (`learner.levers.activation_checkpointing`: full, selective or none; `resolve_checkpointing` decides "auto",
+    unresolved it means none) and then, with `compile` true (`levers.resolve_levers` decides "auto"; unresolved it means
+    off), per-layer torch.compile, which compiles the selectively checkpointed forward as torchtitan does. The model
+    keeps `learner.levers.pad_multiple` (`exgrpo_pad_multiple`; "auto" unresolved means 1): `forward_stats` rounds
+    padded micro-batches' length up to it."""
     if cfg.batching.logits_chunk_tokens != 0:
         install_token_stats_head(model, cfg.batching.logits_chunk_tokens, compile_math=cfg.levers.compile_head_math)
     if trainable:

@@ -130,10 +130,11 @@ class LearnerRank:
         """Collective. The gather streams into the publisher bucket by bucket (`learner.gather`: flat buckets
         through reused host buffers, each valid until the next is asked for): the object store puts one object
         per bucket (rank 0 holds its shard and a bucket or two); the collective backend has each bucket gathered
-        into the buffer it keeps for its channels (`bucket_buffer`), on the GPU where it sends from there. Rank 0 returns how long
-        it was busy (`PublishReport.blocking_s`): the learner's next step, queued behind this call, waits that long.
-        With `learner.lora.publish: adapters` only the adapter tensors are gathered and published, the announcement
-        saying so (`AdapterPublication`: scaling and targets); the generators merge them into their base."""
+        into the buffer it keeps for its channels (`bucket_buffer`), on the GPU where it sends from there. Rank 0
+        returns how long it was busy (`PublishReport.blocking_s`): the learner's next step, queued behind this call,
+        waits that long. With `learner.lora.publish: adapters` only the adapter tensors are gathered and published, the
+        announcement saying so (`AdapterPublication`: scaling and targets); the generators merge them into their
+        base."""
         from common.messages import AdapterPublication
         from learner.gather import iter_flat_buckets
         from learner.lora import lora_modules
@@ -185,8 +186,8 @@ class LearnerRank:
 
     def export_model(self, out: Path) -> None:
         """Collective: the Hugging Face model folder `out` in the compute dtype, written by rank 0. It streams:
-        gathered a bucket (`weight_sync.bucket_mb`) at a time, already cast, each bucket written at its offset in model.safetensors,
-        so rank 0 never holds the whole model beside its shard."""
+        gathered a bucket (`weight_sync.bucket_mb`) at a time, already cast, each bucket written at its offset in
+        model.safetensors, so rank 0 never holds the whole model beside its shard."""
         from learner.gather import iter_flat_buckets, published_specs, tied_aliases
 
         chunks = iter_flat_buckets(self.model, self.rank, self.world, dtype=self.dtype, staging=self.staging,

@@ -31,9 +31,9 @@ from learner.replay_choice import Scores, StepFeedback, complete_groups, reasoni
 
 
 def append_eos(rows: list[Row], eos_id: int, max_positions: int) -> int:
-    """learner.loss.replay_eos: each replayed row cut at the length limit (and not ending in EOS) gets `eos_id` appended,
-    its stored log-prob NaN (the step fills it with the policy's own: weight 1), where the model has a position
-    left. Returns how many rows changed."""
+    """learner.loss.replay_eos: each replayed row cut at the length limit (and not ending in EOS) gets `eos_id`
+    appended, its stored log-prob NaN (the step fills it with the policy's own: weight 1), where the model has a
+    position left. Returns how many rows changed."""
     n = 0
     for r in rows:
         if r.replayed and r.truncated and (not len(r.response_ids) or r.response_ids[-1] != eos_id) \
@@ -256,7 +256,8 @@ def _mismatch_metrics(s: dict[str, float], mx: dict[str, float]) -> dict[str, fl
         "learner/icepop_masked_frac": s["icepop_masked_tokens"] / s["icepop_tokens"] if s["icepop_tokens"] else nan,
         "learner/mis_weight_mean": s["mis_weight_sum"] / s["mis_tokens"] if s["mis_tokens"] else nan,
         "learner/mis_masked_frac": s["mis_masked_tokens"] / s["mis_tokens"] if s["mis_tokens"] else nan,
-        # replayed tokens whose policy loss clipped or gated them (learner.loss.replay_loss=policy_loss; NaN under shaping)
+        # replayed tokens whose policy loss clipped or gated them (learner.loss.replay_loss=policy_loss; NaN under
+        # shaping)
         "learner/replay_clip_frac": (s["replay_clipped_tokens"] / s["replay_clip_tokens"] if s["replay_clip_tokens"]
                                      else nan),
     }
@@ -406,8 +407,9 @@ class TrainStep:
         gives TIS its start-of-step log-probs (later mini-batches use `record_old_logprobs`). `clip`: clip
         fresh tokens' ratio. `tokens`: response tokens of the whole mini-batch, the entropy bonus's divisor (a
         masked token mean under either loss_agg; None: `normalizer`). `ent_weights` (`learner.loss.entropy_agg=
-        micro_batch`): each row's weight by id (`batching.entropy_weights`): each micro-batch's (as the authors' run splits it) masked token
-        mean / loss_world_size, summed over the rows of every rank, whichever micro-batch computes them."""
+        micro_batch`): each row's weight by id (`batching.entropy_weights`): each micro-batch's (as the authors' run
+        splits it) masked token mean / loss_world_size, summed over the rows of every rank, whichever micro-batch
+        computes them."""
         cfg = self.cfg
         ref_logp = self.reference_logprobs(mb)  # before the policy's forward: a no-grad forward of its own
         logp, ent, anchor = forward_stats(self.model, mb)  # [R, L-1] each

@@ -7,8 +7,8 @@ its own section (`cfg.buffer`, `cfg.learner`, ...), never the root.
 Loading: `load_config(path_or_None, ["buffer.group_size=8", ...])`. Errors are collected into a
 `ConfigError` whose `lines` are short "field: problem" strings; the CLI prints them and exits 2.
 
-One module per section (`model`, `data`, `reward`, `generator`, `buffer`, `learner` with `learner_sections` and `loss`, `cluster`,
-`eval`, `tracking`), the root and its cross-section rules (`run`), and loading/resuming/writing
+One module per section (`model`, `data`, `reward`, `generator`, `buffer`, `learner` with `learner_sections` and `loss`,
+`cluster`, `eval`, `tracking`), the root and its cross-section rules (`run`), and loading/resuming/writing
 (`loading`). Import from `common.config`; the names below are its public surface.
 """
 

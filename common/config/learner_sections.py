@@ -118,12 +118,12 @@ class LeversConfig(Section):
     (tests/learner/test_token_stats.py); opt-in everywhere until tests/gpu/test_head_math.py has passed on a GPU
     (built, unmeasured: `python bench/gpu_bench.py --runs 1.5B:fixed --compile-head-math` measures it)."""
     activation_checkpointing: Literal["auto", "full", "selective", "none"] = "auto"
-    """Recompute decoder layers' activations in the backward instead of keeping them (`learner/activation_checkpointing.py`).
-    full: each layer keeps only its input and re-runs its forward (about 1/3 more compute; one layer's activations
-    instead of all). selective: torchtitan's op-level checkpointing, each layer keeps its matmul and attention
-    outputs and recomputes only the elementwise ops between them (no matmul twice; about half the activations of
-    none). none: keep everything. auto: on CUDA, the least recompute whose estimated activations for one
-    micro-batch (`micro_batch_tokens`, or `micro_batch_rows` x the longest row) fit the memory left after the
+    """Recompute decoder layers' activations in the backward instead of keeping them
+    (`learner/activation_checkpointing.py`). full: each layer keeps only its input and re-runs its forward (about 1/3
+    more compute; one layer's activations instead of all). selective: torchtitan's op-level checkpointing, each layer
+    keeps its matmul and attention outputs and recomputes only the elementwise ops between them (no matmul twice; about
+    half the activations of none). none: keep everything. auto: on CUDA, the least recompute whose estimated activations
+    for one micro-batch (`micro_batch_tokens`, or `micro_batch_rows` x the longest row) fit the memory left after the
     weights, gradients and AdamW state (the start log says what it chose and why); none off CUDA. true and false
     (older configs) mean full and none."""
     padding_free: bool | Literal["auto"] = "auto"

@@ -21,10 +21,10 @@ class LossConfig(Section):
 
     policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo"] = "ppo_clip"
     """The fresh tokens' surrogate (docs/algorithm.md, Policy losses). ppo_clip: PPO's clipped ratio (clip_low,
-    clip_high; verl's vanilla loss without its dual-clip unless clip_ratio_c is set). gspo: GSPO's sequence-level ratio, a row clipped whole (gspo_clip_low, gspo_clip_high). cispo:
-    MiniMax-M1's clipped, stop-gradient importance weight on every token's log-prob gradient (cispo_clip_low,
-    cispo_clip_high). sapo: SAPO's soft sigmoid gate (sapo_tau_pos, sapo_tau_neg). Replayed rows take ExGRPO's
-    policy shaping whichever it is (`replay_loss`)."""
+    clip_high; verl's vanilla loss without its dual-clip unless clip_ratio_c is set). gspo: GSPO's sequence-level ratio,
+    a row clipped whole (gspo_clip_low, gspo_clip_high). cispo: MiniMax-M1's clipped, stop-gradient importance weight on
+    every token's log-prob gradient (cispo_clip_low, cispo_clip_high). sapo: SAPO's soft sigmoid gate (sapo_tau_pos,
+    sapo_tau_neg). Replayed rows take ExGRPO's policy shaping whichever it is (`replay_loss`)."""
     replay_loss: Literal["shaping", "policy_loss"] = "shaping"
     """Replayed tokens' objective. shaping: ExGRPO's -A w / (w + shaping_beta), w the ratio to the stored
     log-probs (with gspo the row's sequence ratio, shaped the same way). policy_loss: `policy_loss` itself with its
@@ -83,8 +83,8 @@ class LossConfig(Section):
     and micro-batches."""
     entropy_agg: Literal["token_mean", "micro_batch"] = "token_mean"
     """How the entropy bonus aggregates. token_mean: one masked token mean over the mini-batch. micro_batch: the
-    the authors' weighting (verl's actor with use_dynamic_bsz): each micro-batch's masked token mean, summed over a GPU's
-    micro-batches and averaged over the GPUs. The micro-batches are those of loss_world_size GPUs when it is
+    the authors' weighting (verl's actor with use_dynamic_bsz): each micro-batch's masked token mean, summed over a
+    GPU's micro-batches and averaged over the GPUs. The micro-batches are those of loss_world_size GPUs when it is
     set (computed per row, so it holds at any num_ranks), else our own over num_ranks. Its weight then grows with the
     number of micro-batches per GPU, which micro_batch_tokens sets (the authors' run: 32,768 tokens per GPU)."""
     tis_cap: float | None = Field(None, ge=1, le=1000)

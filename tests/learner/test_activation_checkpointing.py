@@ -1,5 +1,5 @@
-"""Activation checkpointing (learner.levers.activation_checkpointing): full and selective train what none trains, on one rank, under
-per-layer compile and on 2 FSDP2 ranks; "auto" chooses from memory by numbers worked by hand."""
+"""Activation checkpointing (learner.levers.activation_checkpointing): full and selective train what none trains, on one
+rank, under per-layer compile and on 2 FSDP2 ranks; "auto" chooses from memory by numbers worked by hand."""
 
 from __future__ import annotations
 

@@ -283,8 +283,8 @@ def test_buckets_gathered_into_the_servers_buffers_are_held_without_a_copy_or_a_
 
 
 def test_versions_packed_from_the_gathers_buckets_survive_the_buffers_reuse():
-    """Rank 0 packs the gather's flat buckets (views into one reused host buffer on the CPU) as they come: each becomes one
-    held bucket in the same layout, copied at once, so version 1 pulled after version 2 reused the buffers is still
+    """Rank 0 packs the gather's flat buckets (views into one reused host buffer on the CPU) as they come: each becomes
+    one held bucket in the same layout, copied at once, so version 1 pulled after version 2 reused the buffers is still
     version 1, and a tied head travels once."""
     from common.messages import WeightsAnnouncement
     from common.modeling import init_tiny_qwen2

@@ -327,9 +327,9 @@ import json, sys, torch
 from torch._dynamo.utils import counters
 from learner.compile_cache import enable_cache, load_compile_cache_folder, save_compile_cache
 mode, path = sys.argv[1], sys.argv[2]
-note = enable_cache(path if mode == "dir" else None)  # dir: learner.levers.compile_cache_dir, over TORCHINDUCTOR_CACHE_DIR
-loaded = load_compile_cache_folder(path) if mode == "load" else None  # the names of the files loaded
-torch.compile(lambda x: torch.cos(x) * 3 + 1)(torch.randn(8))
+note = enable_cache(path if mode == "dir" else None)  # dir: learner.levers.compile_cache_dir, over
+TORCHINDUCTOR_CACHE_DIR loaded = load_compile_cache_folder(path) if mode == "load" else None  # the names of the files
+loaded torch.compile(lambda x: torch.cos(x) * 3 + 1)(torch.randn(8))
 saved = save_compile_cache(path) if mode == "save" else None
 print("RESULT", json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]["fxgraph_cache_hit"],
                            "note": note}))
@@ -341,8 +341,8 @@ def test_inductors_cache_persists_on_the_machine_and_travels_in_a_file(tmp_path,
     artifacts to a file; the file goes the way a lease's does (packed into $OUT by scripts/device_out.py, unpacked
     here into the next call's carry, gzip'd); a second process on a fresh cache folder loads it and compiles nothing
     (an FX graph cache hit); a third on the first's folder, without the file, hits the on-disk cache, and so does a
-    fourth whose TORCHINDUCTOR_CACHE_DIR is a fresh folder but whose `learner.levers.compile_cache_dir` is the first's (a
-    rank on a new node, the folder shared). A missing or corrupt file is one line and False."""
+    fourth whose TORCHINDUCTOR_CACHE_DIR is a fresh folder but whose `learner.levers.compile_cache_dir` is the first's
+    (a rank on a new node, the folder shared). A missing or corrupt file is one line and False."""
     import importlib.util
     import json
     import shutil

@@ -1,5 +1,6 @@
-"""Each piece of the policy loss (`learner.loss.policy_loss`) alone, with its numbers worked out by hand in the comments,
-and `setup_policy_loss` choosing the pieces from the config. The whole loss: test_loss.py, test_policy_losses.py."""
+"""Each piece of the policy loss (`learner.loss.policy_loss`) alone, with its numbers worked out by hand in the
+comments, and `setup_policy_loss` choosing the pieces from the config. The whole loss: test_loss.py,
+test_policy_losses.py."""
 
 from __future__ import annotations
 

@@ -582,9 +582,9 @@ def test_the_official_gradient_at_its_gpu_count(tiny_model_dir, entropy_agg):
 
 @pytest.mark.parametrize("lora", [None, {"rank": 4, "alpha": 8.0, "dropout": 0.5}])
 def test_stored_trajectories_carry_the_learners_start_of_step_logprobs(tiny_model_dir, lora):
-    """Issue 35 (4): with learner.loss.store_learner_logprobs (auto: on with recompute_old_logprobs, the official setting)
-    the step sends back, for every trained fresh row the buffer stored, the learner's log-probs at the start of the
-    step, over two mini-batches (the first from its own forward, the second from the recomputed pi_old); through
+    """Issue 35 (4): with learner.loss.store_learner_logprobs (auto: on with recompute_old_logprobs, the official
+    setting) the step sends back, for every trained fresh row the buffer stored, the learner's log-probs at the start of
+    the step, over two mini-batches (the first from its own forward, the second from the recomputed pi_old); through
     the wire message and the shard they replace the generator's in the stored trajectory, which a replay then
     ships (official: experience_trainer_ops.py stores the actor's recomputed old_log_probs). Issue 44 (3): with LoRA
     dropout (B set non-zero, so the dropout matters) they, and the entropies sent back, are the eval-mode forward's,
