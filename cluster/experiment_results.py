@@ -108,8 +108,8 @@ weight of fresh tokens (gspo: the row's sequence ratio), and the same for replay
 with learner.loss.replay_loss=policy_loss: — under shaping). Printed when a spec varies the loss
 (`LOSS_KEYS`)."""
 
-LOSS_KEYS = ("learner.loss.policy_loss", "learner.loss.replay_loss", "learner.loss.loss_agg", "learner.loss.shaping_beta",
-             "learner.loss.clip_low", "learner.loss.clip_high", "learner.loss.clip_fresh")
+LOSS_KEYS = ("learner.loss.policy_loss", "learner.loss.replay_loss", "learner.loss.loss_agg",
+             "learner.loss.shaping_beta", "learner.loss.clip_low", "learner.loss.clip_high", "learner.loss.clip_fresh")
 
 
 def _loss(client, run_id: str) -> dict[str, float]:

@@ -341,4 +341,5 @@ def eager_fallback_note(mode: str, note: str, off: dict[str, str]) -> str | None
     keeps = "about 1.5-2x the activations auto counted" if mode == "none" else "eager selective (not run on a GPU)"
     return (f"learner.levers.compile failed its trial after activation checkpointing auto chose {mode} from compiled "
             f"layers' memory: the layers now run eager with {mode}, {keeps}; if this run runs out of memory, set "
-            "learner.levers.activation_checkpointing=full (or learner.levers.compile=false: auto then counts eager layers)")
+            "learner.levers.activation_checkpointing=full (or learner.levers.compile=false: auto then counts eager "
+            "layers)")

@@ -48,7 +48,8 @@ def enable_cache(folder: str | None = None) -> str:
     inductor_config.fx_graph_cache = True
     if hasattr(functorch_config, "enable_autograd_cache"):
         functorch_config.enable_autograd_cache = True
-    return (f"inductor's cache in {cache_dir()} (learner.levers.compile_cache_dir), reused by every rank that reaches it"
+    return (f"inductor's cache in {cache_dir()} (learner.levers.compile_cache_dir), reused by every rank that "
+            "reaches it"
             if folder else f"inductor's cache in {cache_dir()} (TORCHINDUCTOR_CACHE_DIR), reused by later processes "
                            "on this machine")
 
@@ -167,8 +168,8 @@ class _RecompileLimitHandler(logging.Handler):
         message = record.getMessage()
         if "hit config." in message:
             head = _one_line(message.split("To log all recompilation reasons")[0])
-            log.warning("learner.levers.compile: dynamo's recompile limit reached, the function below runs EAGER from now "
-                        "on (slow; raise torch._dynamo.config.recompile_limit or remove the recompile): %s", head)
+            log.warning("learner.levers.compile: dynamo's recompile limit reached, the function below runs EAGER from "
+                        "now on (slow; raise torch._dynamo.config.recompile_limit or remove the recompile): %s", head)
 
 
 _HANDLER = _RecompileLimitHandler(level=logging.WARNING)

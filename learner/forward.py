@@ -54,7 +54,8 @@ def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, *, trainable: bool
         apply_checkpointing(model, cfg.levers.activation_checkpointing)
     if trainable and cfg.levers.compile is True:
         apply_compile(model, cfg.levers.compile_backend)
-    model.exgrpo_pad_multiple = cfg.levers.pad_multiple if isinstance(cfg.levers.pad_multiple, int) else 1  # `round_up_length`
+    pad = cfg.levers.pad_multiple
+    model.exgrpo_pad_multiple = pad if isinstance(pad, int) else 1  # `round_up_length`
     return model
 
 

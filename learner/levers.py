@@ -87,10 +87,10 @@ def resolve_levers(cfg: LearnerConfig, device: torch.device, dtype: torch.dtype 
     update["padding_free"], update["attn_implementation"] = packs, attn
     notes.append(f"{'padding-free packing' if packs else 'padded micro-batches'} ({why}; attention "
                  f"{attn or 'sdpa (transformers default)'})" + (
-                     f", lengths rounded up to a multiple of {pad} (learner.levers.pad_multiple)" if pad > 1 and not packs
-                     else ""))
+                     f", lengths rounded up to a multiple of {pad} (learner.levers.pad_multiple)"
+                     if pad > 1 and not packs else ""))
     batching = cfg.batching
-    if cfg.batching.micro_batch_split == "balanced":  # verl's dynamic batch size balances the real tokens of packed rows
+    if batching.micro_batch_split == "balanced":  # verl's dynamic batch size balances the real tokens of packed rows
         if packs:  # the config refuses it without micro_batch_tokens or with padding_free=false
             notes.append("micro-batches balanced (verl's dynamic batch size: ceil(tokens / micro_batch_tokens) per "
                          "rank, token sums balanced, not capped)")
@@ -121,8 +121,8 @@ def _packing_choice(cfg: LearnerConfig, cuda: bool, dtype: torch.dtype, flash: b
     if cfg.levers.padding_free == "auto":
         packs = cfg.levers.varlen_attention
         why = (f"auto: {attn} is a variable-length kernel" if packs else
-               "auto: packing is opt-in (learner.levers.padding_free=true) until it has run on a GPU: through flex_attention "
-               "under per-layer compile it failed on an H100" if cuda else
+               "auto: packing is opt-in (learner.levers.padding_free=true) until it has run on a GPU: through "
+               "flex_attention under per-layer compile it failed on an H100" if cuda else
                "auto: not CUDA, where flex_attention has no backward and sdpa would build a dense mask")
     elif not cfg.levers.padding_free:
         packs, why = False, "set"

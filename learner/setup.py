@@ -121,7 +121,8 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
         gap = check_packing(model, device, tolerance=1e-3 if dtype == torch.float32 else 2e-2)
     if rank == 0:
         log.info("learner micro-batches: %s (attention %s)%s",
-                 "padding-free packing" if cfg.levers.packs_padding_free else "padded", model.config._attn_implementation,
+                 "padding-free packing" if cfg.levers.packs_padding_free else "padded",
+                 model.config._attn_implementation,
                  "" if gap is None else f"; packed rows checked apart (largest change {gap:.2g})")
         log.info("learner levers on %s: %s; %s", device.type, "; ".join(notes), optimizer_note)
     return RankModel(model=model, optimizer=trainer.optimizer, trainer=trainer, ref_model=trainer.ref_model,
@@ -138,8 +139,9 @@ def _load_model(cfg: LearnerConfig, asked: LearnerConfig, model_path: str, devic
         if cfg.levers.attn_implementation is None:
             raise
         if asked.levers.attn_implementation is not None:
-            raise ValueError(f"learner.levers.attn_implementation={cfg.levers.attn_implementation} cannot load on this learner "
-                             f"({device.type}): {e} Set learner.levers.attn_implementation to sdpa (or leave it unset), "
+            raise ValueError(f"learner.levers.attn_implementation={cfg.levers.attn_implementation} cannot load on "
+                             f"this learner ({device.type}): {e} Set learner.levers.attn_implementation to sdpa (or "
+                             "leave it unset), "
                              "or install the kernel where the learner runs") from None
         notes[-1] = f"padded micro-batches ({cfg.levers.attn_implementation} cannot load here: {e}; attention sdpa)"
         cfg = cfg.with_levers(attn_implementation=None, padding_free=False)

@@ -86,7 +86,7 @@ class RankStats:
     overlong_penalty_sum: float = 0.0  # sum of the overlong penalties over the batch's rows
     overlong_rows: int = 0
     padding_free: float = 0.0  # 1 when the micro-batches ran packed without padding (learner.levers.padding_free)
-    clip_fresh: float = 1.0  # 1 when this step clipped fresh tokens' ratio (learner.loss.clip_fresh, auto: before mixed mode)
+    clip_fresh: float = 1.0  # 1 when this step clipped fresh tokens' ratio (learner.loss.clip_fresh; auto: unmixed)
     fresh_keys: list[str] = field(default_factory=list)  # this rank's trained fresh rows the buffer stored
     fresh_entropies: list[float] = field(default_factory=list)  # their mean token entropy, from the training forward
     fresh_logprobs: list[np.ndarray] = field(default_factory=list)  # their start-of-step log-probs [T] (store_logprobs)
@@ -278,8 +278,8 @@ class TrainStep:
         self.pad_id, self.max_positions, self.max_new_tokens = pad_id, max_positions, max_new_tokens
         self.eos_id = eos_id  # learner.loss.replay_eos
         if cfg.loss.replay_eos and eos_id is None:
-            raise ValueError("learner.loss.replay_eos: the model names no EOS token (eos_token_id in its config.json or "
-                             "generation_config.json); set learner.loss.replay_eos=false")
+            raise ValueError("learner.loss.replay_eos: the model names no EOS token (eos_token_id in its config.json "
+                             "or generation_config.json); set learner.loss.replay_eos=false")
         self.ref_model = ref_model
         # the policy loss, built once: clipped, and unclipped where learner.loss.clip_fresh may turn the clip off
         clips = (True, False) if cfg.loss.clip_fresh == "auto" else (cfg.loss.clip_fresh,)
@@ -289,7 +289,8 @@ class TrainStep:
         t0 = time.perf_counter()
         watch = RecompileWatch()
         cfg = self.cfg
-        stats = RankStats(padding_free=float(cfg.levers.packs_padding_free), store_logprobs=cfg.loss.stores_learner_logprobs)
+        stats = RankStats(padding_free=float(cfg.levers.packs_padding_free),
+                          store_logprobs=cfg.loss.stores_learner_logprobs)
         entropies, scores = self.score_candidates(batch, stats)
         batch, stats.feedback = complete_groups(batch, scores, entropies)
         rows = batch_rows(batch, std_normalize=cfg.loss.std_normalize, max_positions=self.max_positions,
@@ -373,8 +374,9 @@ class TrainStep:
                 r.old_logprobs = lp_host[i, p - 1:p - 1 + t].copy()  # [T]
 
     def _micro_batches(self, rows: list[Row]) -> list[list[Row]]:
-        return rank_micro_batches(rows, self.rank, self.world, self.cfg.batching.micro_batch_rows, self.cfg.batching.micro_batch_tokens,
-                                  self.cfg.levers.packs_padding_free, self.cfg.batching.micro_batch_split)
+        bt = self.cfg.batching
+        return rank_micro_batches(rows, self.rank, self.world, bt.micro_batch_rows, bt.micro_batch_tokens,
+                                  self.cfg.levers.packs_padding_free, bt.micro_batch_split)
 
     def _collate(self, rows: list[Row]) -> MicroBatch:
         return collate(rows, self.pad_id, self.device, packed=self.cfg.levers.packs_padding_free and bool(rows))
@@ -385,18 +387,20 @@ class TrainStep:
         if self.cfg.loss.entropy_agg != "micro_batch":
             return None
         cfg = self.cfg
-        w = entropy_weights(mini, cfg.loss.loss_world_size or self.world, cfg.batching.micro_batch_rows,
-                            cfg.batching.micro_batch_tokens, cfg.levers.packs_padding_free, cfg.batching.micro_batch_split)
+        bt = cfg.batching
+        w = entropy_weights(mini, cfg.loss.loss_world_size or self.world, bt.micro_batch_rows, bt.micro_batch_tokens,
+                            cfg.levers.packs_padding_free, bt.micro_batch_split)
         return {id(r): x for r, x in zip(mini, w)}
 
     def _normalizer(self, mini: list[Row]) -> float:
         tokens = sum(len(r.response_ids) for r in mini)
         if tokens == 0:
             return 0.0
-        if self.cfg.loss.loss_agg == "seq_mean_token_mean":  # rows with a response token: each row's token mean counts once
+        loss = self.cfg.loss
+        if loss.loss_agg == "seq_mean_token_mean":  # rows with a response token: each row's token mean counts once
             return float(sum(1 for r in mini if len(r.response_ids)))
-        if self.cfg.loss.loss_agg == "constant":
-            return float(self.cfg.loss.loss_constant or len(mini) * self.max_new_tokens) * (self.cfg.loss.loss_world_size or 1)
+        if loss.loss_agg == "constant":
+            return float(loss.loss_constant or len(mini) * self.max_new_tokens) * (loss.loss_world_size or 1)
         return float(tokens)
 
     def _micro_step(self, mb: MicroBatch, normalizer: float, stats: RankStats, first: bool = False,
@@ -423,9 +427,8 @@ class TrainStep:
         if cfg.loss.needs_old_logprobs:
             old = mb.old_logprobs if (mb.rows and not first) else logp.detach()
             if old is None:
-                raise RuntimeError("learner.loss.recompute_old_logprobs/tis_cap/icepop_band/mis: a later mini-batch has "
-                                   "no start-of-step "
-                                   "log-probs (record_old_logprobs must run before the first update)")
+                raise RuntimeError("learner.loss.recompute_old_logprobs/tis_cap/icepop_band/mis: a later mini-batch "
+                                   "has no start-of-step log-probs (record_old_logprobs must run before the first update)")
         pg, metrics = self.policy_losses[clip](
             logp, LossBatch(mb.behaviour_logprobs, mb.advantages, mb.response_mask, mb.replay_mask, old), normalizer)
         if ent_weights is not None:  # each row's tokens weighted by its micro-batch in the authors' run (a dummy: 0)

@@ -33,10 +33,10 @@ from common.config.run import RUN_NAME, RunConfig
 from common.config.tracking import CheckpointConfig, TrackingConfig
 
 __all__ = [
-    "AutoEngineConfig", "AutoscaleConfig", "BatchingConfig", "BufferConfig", "CheckpointConfig", "ClusterConfig", "CollectiveSyncConfig",
-    "ConfigError", "DataConfig", "EngineConfig", "EvalConfig", "EvalSetConfig", "GeneratorConfig", "LearnerConfig",
-    "LeversConfig", "LoRAConfig", "LossConfig",
-    "ModelConfig", "OptimConfig", "ObjectStoreSyncConfig", "RESUMABLE_FIELDS", "RUN_NAME", "RewardConfig", "RunConfig", "Section",
+    "AutoEngineConfig", "AutoscaleConfig", "BatchingConfig", "BufferConfig", "CheckpointConfig", "ClusterConfig",
+    "CollectiveSyncConfig", "ConfigError", "DataConfig", "EngineConfig", "EvalConfig", "EvalSetConfig",
+    "GeneratorConfig", "LearnerConfig", "LeversConfig", "LoRAConfig", "LossConfig", "ModelConfig",
+    "ObjectStoreSyncConfig", "OptimConfig", "RESUMABLE_FIELDS", "RUN_NAME", "RewardConfig", "RunConfig", "Section",
     "SyntheticEngineConfig", "TASK_DEFAULTS", "ToyModelConfig", "TrackingConfig", "TransformersEngineConfig",
     "VllmEngineConfig", "WeightSyncConfig", "apply_overrides", "flatten", "load_config", "resume_config", "to_yaml",
     "yaml_value",

@@ -152,7 +152,8 @@ class LearnerConfig(Section):
         if loss.loss_agg == "constant":
             c = "rows x generator.max_new_tokens" if loss.loss_constant is None else f"{loss.loss_constant:g}"
             if w and loss.loss_constant is not None:
-                policy = f"the mini-batch's token sum / {loss.loss_constant * w:g} (loss_constant {c} x loss_world_size {w})"
+                policy = (f"the mini-batch's token sum / {loss.loss_constant * w:g} (loss_constant {c} x "
+                          f"loss_world_size {w})")
             else:
                 policy = f"the mini-batch's token sum / {c}" + (f" x loss_world_size {w}" if w else "")
         elif loss.loss_agg == "seq_mean_token_mean":
@@ -198,7 +199,8 @@ class LearnerConfig(Section):
         if self.loss.store_learner_logprobs is True and self.batching.mini_batches > 1 \
                 and not self.loss.needs_old_logprobs:
             raise ValueError("learner.loss.store_learner_logprobs=true with learner.batching.mini_batches > 1 needs "
-                             "the start-of-step log-probs of every mini-batch: set learner.loss.recompute_old_logprobs=true")
+                             "the start-of-step log-probs of every mini-batch: set "
+                             "learner.loss.recompute_old_logprobs=true")
         if self.batching.micro_batch_split == "balanced" and (self.batching.micro_batch_tokens is None
                                                              or self.levers.padding_free is False):
             raise ValueError("learner.batching.micro_batch_split=balanced cuts padding-free micro-batches by their "
@@ -222,8 +224,9 @@ class LearnerConfig(Section):
                          "object_store", "learner.weight_sync")
 
 
-LEARNER_SECTIONS = {name: section for section, model in
-                    (("optim", OptimConfig), ("batching", BatchingConfig), ("levers", LeversConfig), ("loss", LossConfig))
+LEARNER_SECTIONS = {name: section
+                    for section, model in (("optim", OptimConfig), ("batching", BatchingConfig),
+                                           ("levers", LeversConfig), ("loss", LossConfig))
                     for name in model.model_fields}
 """The section of each field that moved out of the flat `learner` (`lr` -> `optim`): where `common.config.errors`
 sends an old key."""

@@ -77,9 +77,10 @@ class RunConfig(Section):
         horizon = opt.lr_decay_steps or self.total_steps
         if opt.warmup_steps > horizon:
             raise ValueError(f"learner.optim.warmup_steps: {opt.warmup_steps} warmup steps outlast the schedule's "
-                             f"{horizon} steps ({'learner.optim.lr_decay_steps' if opt.lr_decay_steps else 'total_steps'}"
-                             "): the learning rate would never reach learner.optim.lr; set learner.optim.warmup_steps "
-                             f"at most {horizon} (or learner.optim.warmup_ratio), or raise total_steps")
+                             f"{horizon} steps "
+                             f"({'learner.optim.lr_decay_steps' if opt.lr_decay_steps else 'total_steps'}): the "
+                             "learning rate would never reach learner.optim.lr; set learner.optim.warmup_steps at most "
+                             f"{horizon} (or learner.optim.warmup_ratio), or raise total_steps")
         if opt.lr_decay_steps is None and (opt.lr_schedule != "constant" or opt.warmup_ratio is not None):
             update["lr_decay_steps"] = horizon
         if opt.warmup_ratio is not None:
@@ -143,10 +144,12 @@ class RunConfig(Section):
             problems.append("generator.engine.kind / reward.name: synthetic is a simulation for bench/cluster_sim.py; "
                             "its random tokens cannot train a model: use engine kind vllm, transformers or auto "
                             "and the task's reward")
-        budget, longest = self.learner.batching.micro_batch_tokens, self.data.max_prompt_tokens + self.generator.max_new_tokens
+        budget = self.learner.batching.micro_batch_tokens
+        longest = self.data.max_prompt_tokens + self.generator.max_new_tokens
         if budget is not None and budget < longest:
-            problems.append(f"learner.batching.micro_batch_tokens: {budget} cannot hold one row of data.max_prompt_tokens + "
-                            f"generator.max_new_tokens = {longest} tokens; raise it to at least {longest}")
+            problems.append(f"learner.batching.micro_batch_tokens: {budget} cannot hold one row of "
+                            f"data.max_prompt_tokens + generator.max_new_tokens = {longest} tokens; raise it to at "
+                            f"least {longest}")
         problems += self._sizes()
         ws = self.learner.weight_sync
         if isinstance(ws, CollectiveSyncConfig) and ws.backend == "nccl" and (
@@ -166,8 +169,8 @@ class RunConfig(Section):
         if lc.num_ranks > rows:
             problems.append(f"learner.num_ranks: {lc.num_ranks} ranks share {rows} rows per mini-batch "
                             f"(buffer.batch_questions {b.batch_questions} x buffer.group_size {b.group_size} / "
-                            f"learner.batching.mini_batches {lc.batching.mini_batches}): a rank would get none; set learner.num_ranks at "
-                            f"most {rows}, or raise buffer.batch_questions")
+                            f"learner.batching.mini_batches {lc.batching.mini_batches}): a rank would get none; set "
+                            f"learner.num_ranks at most {rows}, or raise buffer.batch_questions")
         return problems
 
 

@@ -46,7 +46,7 @@ def test_a_saved_config_with_the_boolean_loads_and_resumes_unchanged(tmp_path):
     from common.config import load_config, resume_config
 
     f = tmp_path / "run.yaml"
-    f.write_text("learner:\n  activation_checkpointing: true\n")
+    f.write_text("learner:\n  levers:\n    activation_checkpointing: true\n")
     saved = load_config(f)
     assert saved.learner.levers.activation_checkpointing == "full"
     cfg, changes = resume_config(saved, [])
