@@ -272,7 +272,7 @@ def test_resolve_rounds_padded_lengths_on_cuda_only():
     assert cfg.levers.pad_multiple == 64 and "multiple of 64 (learner.levers.pad_multiple)" in notes[2]
     cfg, notes = resolve_levers(LearnerConfig(), CPU, torch.float32, flash=False, flex=True)
     assert cfg.levers.pad_multiple == 1 and "pad_multiple" not in notes[2]
-    assert resolve_levers(LearnerConfig(levers=dict(pad_multiple=128)), CPU, torch.float32)[0].pad_multiple == 128
+    assert resolve_levers(LearnerConfig(levers=dict(pad_multiple=128)), CPU, torch.float32)[0].levers.pad_multiple == 128
     with pytest.raises(ValueError, match="give a token count from 1 .* not 0"):
         LearnerConfig(levers=dict(pad_multiple=0))
 

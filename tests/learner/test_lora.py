@@ -478,7 +478,8 @@ BF16_RANK = textwrap.dedent("""
     dist.init_process_group("gloo" if device.type == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
                             rank=0, world_size=1)
     torch.set_num_threads(1)
-    kw = dict(micro_batch_rows=4, lr=1e-2, kl_coef=0.5, activation_checkpointing=True)
+    kw = dict(batching=dict(micro_batch_rows=4), optim=dict(lr=1e-2), loss=dict(kl_coef=0.5),
+              levers=dict(activation_checkpointing=True))
     built = setup_rank(LearnerConfig(lora=LoRAConfig(rank=4), **kw), model_dir, rank=0, world=1, device=device,
                        dtype=torch.bfloat16, max_new_tokens=40)
     plain = setup_rank(LearnerConfig(**kw), model_dir, rank=0, world=1, device=device, dtype=torch.bfloat16,

@@ -604,7 +604,7 @@ def test_stored_trajectories_carry_the_learners_start_of_step_logprobs(tiny_mode
     core.submit([group_for(it, 2, seed=i) for i, it in enumerate(items)], now=1000.0)  # generator log-probs -0.5
     groups = core.take(0, 4, 0)
     model, step = plain_step(tiny_model_dir, recompute_old_logprobs=True, mini_batches=2, lora=lora)
-    assert step.cfg.stores_learner_logprobs
+    assert step.cfg.loss.stores_learner_logprobs
     if lora:
         from learner.lora import apply_lora
 
