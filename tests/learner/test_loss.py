@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from common.config import LearnerConfig
+from common.config import LearnerConfig, LossConfig
 from learner import loss as L
 from learner.policy_loss import LossBatch, setup_policy_loss
 

@@ -10,7 +10,7 @@ from functools import partial
 import pytest
 import torch
 
-from common.config import LearnerConfig
+from common.config import LossConfig
 from learner import policy_loss as P
 
 LN = math.log

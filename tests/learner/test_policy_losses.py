@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import LearnerConfig
+from common.config import LearnerConfig, LossConfig
 from learner.policy_loss import POLICY_LOSSES, LossBatch, setup_policy_loss
 
 LN = math.log
