@@ -1,4 +1,4 @@
-"""The GPU levers of a learner rank, each a `learner.levers.*` switch, resolved once the rank knows its device.
+"""The GPU levers of a learner rank, each a switch of `learner.levers`, resolved once the rank knows its device.
 
     cfg, notes = resolve_levers(cfg, device, dtype)   # "auto" -> true/false, attention chosen; one note per lever
     prepare_model(model, cfg)                         # learner.forward: apply_compile when cfg.levers.compile

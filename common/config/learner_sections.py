@@ -12,7 +12,7 @@ from common.config.base import Section
 
 
 class OptimConfig(Section):
-    """AdamW, its learning-rate schedule and the gradient-norm guards (`learner.optim`; `learner.schedule`)."""
+    """AdamW, its learning-rate schedule and the gradient-norm guards (`learner.optim`; read by learner/schedule.py)."""
 
     lr: float = Field(1e-4, gt=0, le=1)
     """AdamW learning rate (the paper uses 1e-6 for 1.5B-8B models); the peak of `lr_schedule`."""
@@ -55,7 +55,7 @@ class OptimConfig(Section):
 
 class BatchingConfig(Section):
     """How a step's rows become optimizer updates and forward/backward passes (`learner.batching`;
-    `learner.step`, `learner.forward`)."""
+    read by learner/step.py and learner/forward.py)."""
 
     mini_batches: int = Field(1, ge=1, le=1024)
     """Optimizer updates per learner step (the paper: 2). Groups are shuffled, fresh and mixed evenly, before
@@ -87,7 +87,7 @@ class BatchingConfig(Section):
 
 class LeversConfig(Section):
     """The GPU levers (`learner.levers`): each a switch with `auto` resolved once a rank knows its device
-    (`learner.levers.resolve_levers`), tried at setup (`learner.trial`); none changes what is computed."""
+    (`resolve_levers` in learner/levers.py), tried at setup (`learner.trial`); none changes what is computed."""
 
     attn_implementation: str | None = None
     """The learner model's attention (transformers' `attn_implementation`): sdpa, eager, flash_attention_2,

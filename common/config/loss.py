@@ -1,5 +1,5 @@
 """The `learner.loss` section: the policy loss, its clipping and shaping, the regularisers and the corrections of
-train/inference mismatch (read by `learner.policy_loss` and `learner.step`)."""
+train/inference mismatch (read by learner/policy_loss.py and learner/step.py)."""
 
 from __future__ import annotations
 
