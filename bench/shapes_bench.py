@@ -90,7 +90,10 @@ def run_case(case: dict) -> dict:
     if case["path"] == "old":
         cfg = LearnerConfig(batching=dict(logits_chunk_tokens=0, micro_batch_rows=1), optim=dict(lr=1e-5))
     else:
-        cfg = LearnerConfig(batching=dict(micro_batch_tokens=int(case["budget"]), micro_batch_rows=100_000), optim=dict(lr=1e-5), levers=dict(activation_checkpointing=bool(case.get("checkpointing", False)), padding_free=bool(case.get("padding_free", False))))
+        cfg = LearnerConfig(batching=dict(micro_batch_tokens=int(case["budget"]), micro_batch_rows=100_000),
+                            optim=dict(lr=1e-5),
+                            levers=dict(activation_checkpointing=bool(case.get("checkpointing", False)),
+                                        padding_free=bool(case.get("padding_free", False))))
     model = prepare_model(init_tiny_qwen2(vocab, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                                           max_positions=max(10_240, PROMPT + length)), cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)

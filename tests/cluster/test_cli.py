@@ -19,7 +19,7 @@ def test_config_prints_resolved_yaml_with_overrides(capsys, tmp_path):
     f.write_text("buffer:\n  group_size: 4\n")
     assert main(["config", str(f), "buffer.max_lag=0", "learner.optim.lr=1e-5"]) == 0
     out = yaml.safe_load(capsys.readouterr().out)
-    assert out["buffer"]["group_size"] == 4 and out["buffer"]["max_lag"] == 0 and out["learner"]["lr"] == 1e-5
+    assert out["buffer"]["group_size"] == 4 and out["buffer"]["max_lag"] == 0 and out["learner"]["optim"]["lr"] == 1e-5
 
 
 @pytest.mark.parametrize(

@@ -75,7 +75,8 @@ def learner_logits(pool: LearnerPool, model_path: str, ids: list[int]) -> torch.
 
 
 def make_pool(model_dir, run: str, ranks: int) -> LearnerPool:
-    cfg = LearnerConfig(num_ranks=ranks, publish_timeout_s=30, weight_sync=SYNC, batching=dict(micro_batch_rows=3, mini_batches=2), optim=dict(lr=1e-3))
+    cfg = LearnerConfig(num_ranks=ranks, publish_timeout_s=30, weight_sync=SYNC,
+                        batching=dict(micro_batch_rows=3, mini_batches=2), optim=dict(lr=1e-3))
     return LearnerPool(cfg, str(model_dir), run=run, namespace=NS, max_new_tokens=12)
 
 

@@ -119,7 +119,8 @@ def _learner_rank(model_dir, **lora):
 
     threads = torch.get_num_threads()
     try:
-        r = LearnerRank(LearnerConfig(lora=LoRAConfig(**lora), batching=dict(micro_batch_rows=4), optim=dict(lr=1e-2)), str(model_dir),
+        r = LearnerRank(LearnerConfig(lora=LoRAConfig(**lora), batching=dict(micro_batch_rows=4),
+                                      optim=dict(lr=1e-2)), str(model_dir),
                         rank=0, world=1, max_new_tokens=40, run="t", namespace=None)
     finally:
         torch.set_num_threads(threads)  # LearnerRank sets this process's threads to its num_cpus
@@ -192,7 +193,8 @@ def test_kl_reference_is_the_base_with_adapters_disabled_and_no_second_copy(tiny
     base_params = sum(p.numel() for p in _plain(tiny_model_dir).parameters())
     adapters = sum(p.numel() for n, p in built.model.named_parameters() if n in adapter_names(built.model))
     assert _param_count(built) == base_params + adapters
-    full = setup_rank(LearnerConfig(batching=dict(micro_batch_rows=4), loss=dict(kl_coef=0.5)), str(tiny_model_dir), rank=0, world=1,
+    full = setup_rank(LearnerConfig(batching=dict(micro_batch_rows=4),
+                                    loss=dict(kl_coef=0.5)), str(tiny_model_dir), rank=0, world=1,
                       device=CPU, dtype=torch.float32, max_new_tokens=40)
     assert full.ref_model is not None and _param_count(full) == 2 * base_params  # what LoRA no longer loads
 

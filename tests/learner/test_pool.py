@@ -110,7 +110,8 @@ def test_ranks_not_set_up_in_time_are_named_and_stopped(ray_cluster, model_dir):
 def test_two_ranks_with_fewer_rows_than_ranks_and_all_updates_skipped(ray_cluster, model_dir):
     """A rank whose micro-batch is empty still joins every collective; a step whose updates are all
     skipped still ends the step (version + 1), so a synchronous run never stalls on it."""
-    cfg = LearnerConfig(num_ranks=2, publish_timeout_s=30, batching=dict(micro_batch_rows=8, mini_batches=1), optim=dict(lr=LR))
+    cfg = LearnerConfig(num_ranks=2, publish_timeout_s=30, batching=dict(micro_batch_rows=8, mini_batches=1),
+                        optim=dict(lr=LR))
     pool = LearnerPool(cfg, str(model_dir), run="fewrows", namespace=NS, max_new_tokens=12)
     try:
         # 17 rows, 8-row micro-batches: rank 0 gets 8 + 1 rows, rank 1 gets 8 + an empty dummy

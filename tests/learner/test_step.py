@@ -291,7 +291,8 @@ def test_balanced_split_runs_only_where_rows_are_packed_and_says_so():
     cfg, notes = resolve_levers(LearnerConfig(batching=dict(micro_batch_split="balanced", micro_batch_tokens=4096)), cuda,
                                 torch.bfloat16, flash=False, flex=True)  # CUDA packs only when asked (issue 42)
     assert cfg.batching.micro_batch_split == "first_fit" and "packing is opt-in" in notes[-1]
-    cfg, notes = resolve_levers(LearnerConfig(batching=dict(micro_batch_split="balanced", micro_batch_tokens=4096), levers=dict(padding_free=True)), cuda, torch.bfloat16, flash=False, flex=True)
+    cfg, notes = resolve_levers(LearnerConfig(batching=dict(micro_batch_split="balanced", micro_batch_tokens=4096),
+                                              levers=dict(padding_free=True)), cuda, torch.bfloat16, flash=False, flex=True)
     assert cfg.batching.micro_batch_split == "balanced" and "balanced (verl's dynamic batch size" in notes[-1]
     for bad in ({"padding_free": True}, {"micro_batch_tokens": 4096, "padding_free": False}):  # refused up front
         with pytest.raises(ValueError, match="micro_batch_split=balanced cuts padding-free micro-batches by their "

@@ -257,7 +257,8 @@ def test_compiled_head_math_through_the_model_is_exact_against_full_logits(dtype
     ids, attn, mask, coef = inputs()
     runs = {}
     for name, on in (("eager", False), ("fused", True)):
-        model = prepare_model(build(), LearnerConfig(levers=dict(compile_head_math=on, compile=False, activation_checkpointing="none"), batching=dict(logits_chunk_tokens=7)))
+        model = prepare_model(build(), LearnerConfig(levers=dict(compile_head_math=on, compile=False, activation_checkpointing="none"),
+                                                     batching=dict(logits_chunk_tokens=7)))
 
         def run(model=model):
             lp, ent, _ = token_stats(model, ids, attn, ids[:, 1:], mask)
