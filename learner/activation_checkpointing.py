@@ -310,7 +310,7 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
     mode = cfg.levers.activation_checkpointing
     if mode != "auto":
         return cfg, f"activation checkpointing {mode} (set)"
-    tokens_now = cfg.batching.micro_batch_tokens
+    halved: int | None = None
     if device.type != "cuda":
         mode, why = "none", "auto: not CUDA"
     else:
@@ -324,11 +324,11 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
                                       dtype.itemsize, compiled, counted=counted, floor=floor,
                                       modes=AUTO_MODES if compiled else EAGER_AUTO_MODES)
         mode, why = choice.mode, choice.note()
-        if choice.halved_from:
-            tokens_now = choice.tokens
-    batching = cfg.batching.model_copy(update={"micro_batch_tokens": tokens_now})
-    return cfg.with_levers(activation_checkpointing=mode).model_copy(update={"batching": batching}), \
-        f"activation checkpointing {mode} ({why})"
+        halved = choice.tokens if choice.halved_from else None
+    cfg = cfg.with_levers(activation_checkpointing=mode)
+    if halved is not None:
+        cfg = cfg.model_copy(update={"batching": cfg.batching.model_copy(update={"micro_batch_tokens": halved})})
+    return cfg, f"activation checkpointing {mode} ({why})"
 
 
 def eager_fallback_note(mode: str, note: str, off: dict[str, str]) -> str | None:

@@ -428,7 +428,8 @@ class TrainStep:
             old = mb.old_logprobs if (mb.rows and not first) else logp.detach()
             if old is None:
                 raise RuntimeError("learner.loss.recompute_old_logprobs/tis_cap/icepop_band/mis: a later mini-batch "
-                                   "has no start-of-step log-probs (record_old_logprobs must run before the first update)")
+                                   "has no start-of-step log-probs (record_old_logprobs must run before the first "
+                                   "update)")
         pg, metrics = self.policy_losses[clip](
             logp, LossBatch(mb.behaviour_logprobs, mb.advantages, mb.response_mask, mb.replay_mask, old), normalizer)
         if ent_weights is not None:  # each row's tokens weighted by its micro-batch in the authors' run (a dummy: 0)
