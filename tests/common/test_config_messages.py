@@ -64,21 +64,23 @@ def refused(capsys, *args: str) -> str:
     (["buffer.max_new_tokens=64"], "buffer.max_new_tokens: unknown field (max_new_tokens is not in buffer: "
                                    "generator.max_new_tokens;"),  # an exact name elsewhere beats buffer.max_bytes
     (["model.dtype=bf16"], "model.dtype: 'bf16' is not one of float32, bfloat16, float16; did you mean bfloat16?"),
-    (["learner.levers.padding_free=ture"], "learner.levers.padding_free: 'ture' is not one of true, false, auto; did you mean true?"),
-    (["learner.optim.lr=fast"], "learner.optim.lr: Input should be a valid number, unable to parse string as a number (given "
-                          "'fast')"),
+    (["learner.levers.padding_free=ture"],
+     "learner.levers.padding_free: 'ture' is not one of true, false, auto; did you mean true?"),
+    (["learner.optim.lr=fast"], "learner.optim.lr: Input should be a valid number, unable to parse string as a number "
+                                "(given 'fast')"),
     (["buffer.group_size=1"], "buffer.group_size: Input should be greater than or equal to 2 (given 1)"),
-    (["learner.levers.compile_cache_dir=cache"], "learner.levers.compile_cache_dir: 'cache' is relative, and a learner rank's "
-                                          "working folder is Ray's, not yours: give an absolute path"),
+    (["learner.levers.compile_cache_dir=cache"], "learner.levers.compile_cache_dir: 'cache' is relative, and a learner "
+                                                 "rank's working folder is Ray's, not yours: give an absolute path"),
     (["generator.node_labels=H100"], "generator.node_labels: a mapping, not 'H100': write "
                                      "generator.node_labels.<key>=<value>"),
     # lists and tuples with an example
     (["learner.optim.betas=0.9"], "learner.optim.betas: a list of 2 numbers, written [a, b], not 0.9: e.g. "
-                            "learner.optim.betas=[0.9, 0.999]"),
+                                  "learner.optim.betas=[0.9, 0.999]"),
     (["learner.loss.icepop_band=2"], "e.g. learner.loss.icepop_band=[0.5, 2.0]"),
     (["generator.stop=3"], "generator.stop: a list, written [a, b]"),
-    (["learner.optim.betas=[x, 0.9]"], "learner.optim.betas: item 1 'x': Input should be a valid number, unable to parse string "
-                                 "as a number (a list of 2 numbers, written [a, b], e.g. learner.optim.betas=[0.9, 0.999])"),
+    (["learner.optim.betas=[x, 0.9]"], "learner.optim.betas: item 1 'x': Input should be a valid number, unable to "
+                                       "parse string as a number (a list of 2 numbers, written [a, b], e.g. "
+                                       "learner.optim.betas=[0.9, 0.999])"),
     (["learner.optim.betas=[0.9]"], "learner.optim.betas: item 2 is missing (a list of 2 numbers"),
     (["generator.node_labels.group=1"], "generator.node_labels.group: Input should be a valid string (quote a number"),
     # the limit of a name
