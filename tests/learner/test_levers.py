@@ -327,9 +327,9 @@ import json, sys, torch
 from torch._dynamo.utils import counters
 from learner.compile_cache import enable_cache, load_compile_cache_folder, save_compile_cache
 mode, path = sys.argv[1], sys.argv[2]
-note = enable_cache(path if mode == "dir" else None)  # dir: learner.levers.compile_cache_dir, over
-TORCHINDUCTOR_CACHE_DIR loaded = load_compile_cache_folder(path) if mode == "load" else None  # the names of the files
-loaded torch.compile(lambda x: torch.cos(x) * 3 + 1)(torch.randn(8))
+note = enable_cache(path if mode == "dir" else None)  # dir: learner.levers.compile_cache_dir, over the env var
+loaded = load_compile_cache_folder(path) if mode == "load" else None  # the names of the files loaded
+torch.compile(lambda x: torch.cos(x) * 3 + 1)(torch.randn(8))
 saved = save_compile_cache(path) if mode == "save" else None
 print("RESULT", json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]["fxgraph_cache_hit"],
                            "note": note}))

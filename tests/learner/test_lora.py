@@ -532,8 +532,9 @@ BF16_RANK = textwrap.dedent("""
     torch.save({"same": torch.equal(ref, base), "gap": float((ref - base)[on].abs().max()),
                 "policy_gap": float((policy - base)[on].abs().max()), "kl_loss": stats.sums["kl_loss"],
                 "updates": stats.updates, "no_copy": built.ref_model is None,
-                "dtypes": {k: str(v.dtype) for k, v in mine.items()}, "f32_dtypes": {k: str(v.dtype) for k, v in
-                theirs.items()}, "same_policy": torch.equal(policy, policy_f32),
+                "dtypes": {k: str(v.dtype) for k, v in mine.items()},
+                "f32_dtypes": {k: str(v.dtype) for k, v in theirs.items()},
+                "same_policy": torch.equal(policy, policy_f32),
                 "same_adapters": all(torch.equal(mine[k], theirs[k]) for k in adapters),
                 "base_bytes": (nbytes(mine), nbytes(theirs)), "resumed": resumed}, out)
     dist.destroy_process_group()

@@ -134,7 +134,7 @@ def test_two_ranks_with_fewer_rows_than_ranks_and_all_updates_skipped(ray_cluste
         (ours, ref), (ours1, _) = ray.get([rk.__ray_call__.remote(both) for rk in pool.ranks])
         assert ours.keys() == ref.keys() and ours1 == {}
         assert all(torch.equal(ours[k], ref[k]) and ours[k].dtype == ref[k].dtype for k in ref)
-        ray.get([rk.__ray_call__.remote(lambda self: setattr(self.trainer.cfg, "skip_grad_norm", 1e-12))
+        ray.get([rk.__ray_call__.remote(lambda self: setattr(self.trainer.cfg.optim, "skip_grad_norm", 1e-12))
                  for rk in pool.ranks])
         skipped = pool.step(make_batch(7))
         assert skipped.version == 4 and skipped.metrics["learner/updates"] == 0

@@ -197,8 +197,8 @@ ONE_FSDP_RANK = textwrap.dedent("""
     after_trial, recompiles = compiled_graphs(), []
     for v, rows in enumerate((4, 1, 3)):
         cfg = built.trainer.cfg
-        built.trainer.cfg = cfg.model_copy(update={"batching": cfg.batching.model_copy(update={"micro_batch_rows":
-        rows})}) batch = make_batch(30 + v, candidates=2, response_len=(1, 5 + 11 * v), version=v)
+        built.trainer.cfg = cfg.model_copy(update={"batching": cfg.batching.model_copy(update={"micro_batch_rows": rows})})
+        batch = make_batch(30 + v, candidates=2, response_len=(1, 5 + 11 * v), version=v)
         recompiles.append(built.trainer.run(batch).recompiles)
     print("RESULT", json.dumps({"trial": built.trial_graphs, "steps": compiled_graphs() - after_trial,
                                 "recompiles": recompiles}))
