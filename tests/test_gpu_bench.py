@@ -206,8 +206,9 @@ def test_pad_multiple_flag_sets_the_learner_s():
     from bench.gpu_bench import learner_config, parse_args
 
     cpu = torch.device("cpu")
-    assert learner_config(parse_args(["--quick", "--pad-multiple", "1"]), None, cpu, torch.float32).pad_multiple == 1
-    assert learner_config(parse_args(["--quick"]), None, cpu, torch.float32).pad_multiple == "auto"
+    one = learner_config(parse_args(["--quick", "--pad-multiple", "1"]), None, cpu, torch.float32)
+    assert one.levers.pad_multiple == 1
+    assert learner_config(parse_args(["--quick"]), None, cpu, torch.float32).levers.pad_multiple == "auto"
 
 
 def test_imports_neither_ray_nor_vllm_nor_mlflow():
@@ -234,7 +235,8 @@ def test_a_failing_case_is_a_row_with_its_error_the_next_case_runs_and_the_exit_
     assert proc.returncode == 1, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert [(x["case"], x.get("failed")) for x in r["runs"]] == [("fixed", True), ("publish", True)]
-    assert all(x["error"].startswith("ValueError: learner.levers.attn_implementation=flash_attention_2") for x in r["runs"])
+    assert all(x["error"].startswith("ValueError: learner.levers.attn_implementation=flash_attention_2")
+               for x in r["runs"])
     assert "Traceback" in proc.stderr and "FAILED: tiny fixed, tiny publish" in proc.stderr
     assert "| tiny | fixed |" in proc.stdout and r["publication"] == {}
 
