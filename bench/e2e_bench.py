@@ -9,7 +9,7 @@ fraction, weight publication and load latency, and the throughput of each compon
     python bench/e2e_bench.py [--steps 30] [--lags 0 1 2] [--generators 1] [--no-paper] [-- extra overrides ...]
 
 Besides the `--lags` rows, a `paper` row runs the paper's optimisation setting at max_lag 1:
-2 optimizer updates per learner step (`learner.mini_batches=2`) and 2 buffer shards. Its
+2 optimizer updates per learner step (`learner.batching.mini_batches=2`) and 2 buffer shards. Its
 `stale_dropped` column shows whether asynchrony survives it (before one policy version per learner
 step, everything generated one batch ago was dropped there).
 """
@@ -30,7 +30,7 @@ from mlflow.tracking import MlflowClient
 ROOT = Path(__file__).resolve().parents[1]
 
 
-PAPER = ["learner.mini_batches=2", "buffer.num_shards=2"]
+PAPER = ["learner.batching.mini_batches=2", "buffer.num_shards=2"]
 
 
 def run_mode(root: Path, lag: int, steps: int, generators: int, extra: list[str], label: str = "") -> dict:

@@ -113,7 +113,7 @@ LEVERS = {
     "chunked_head": ("logits_chunk_tokens", None, 0),
     "compile_head_math": ("compile_head_math", True, False),  # opt-in (issue 49): the head's fused float32 math
 }
-CHECKPOINTING = ("auto", "full", "selective", "none")  # learner.activation_checkpointing (true/false: full/none)
+CHECKPOINTING = ("auto", "full", "selective", "none")  # learner.levers.activation_checkpointing (true/false: full/none)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -165,6 +165,35 @@ def random_fill(seed: int):
     return fill
 
 
+def learner_sections() -> dict[str, str]:
+    """Each learner field's section in this tree (`lr` -> `optim`); {} in a tree from before the sections."""
+    try:
+        from common.config.learner import LEARNER_SECTIONS
+    except ImportError:
+        return {}
+    return LEARNER_SECTIONS
+
+
+def learner_field(cfg, name: str):
+    """`cfg`'s field or property `name`, found in its section where this tree has sections; None where this tree
+    has no such field."""
+    for owner in (cfg, *(getattr(cfg, s) for s in sorted(set(learner_sections().values())))):
+        if hasattr(owner, name):
+            return getattr(owner, name)
+    return None
+
+
+def nested(over: dict) -> dict:
+    """The bench's flat learner settings grouped into this tree's sections."""
+    sections, out = learner_sections(), {}
+    for name, value in over.items():
+        if name in sections:
+            out.setdefault(sections[name], {})[name] = value
+        else:
+            out[name] = value
+    return out
+
+
 def learner_config(args, padding_free: bool | None, device: torch.device, dtype: torch.dtype):
     """LearnerConfig with the bench's budget and the levers asked for (others: the product's defaults).
     `padding_free` (the mixed case's padded/packed pair) overrides --padding-free. Packed without --attn uses the
@@ -173,7 +202,7 @@ def learner_config(args, padding_free: bool | None, device: torch.device, dtype:
     from common.config import LearnerConfig
     from learner.levers import flash_attention_installed, resolve_levers
 
-    fields = LearnerConfig.model_fields
+    fields = set(LearnerConfig.model_fields) | set(learner_sections())
     # every step applies its update (random weights may give a gradient norm above the default skip threshold,
     # and a skipped update would leave AdamW out of the timing)
     over = {"micro_batch_tokens": args.micro_batch_tokens, "lr": 1e-6, "skip_grad_norm": 1e12}
@@ -202,28 +231,28 @@ def learner_config(args, padding_free: bool | None, device: torch.device, dtype:
         over["attn_implementation"] = args.attn
     elif over.get("padding_free") is True:
         auto, _ = resolve_levers(LearnerConfig(), device, dtype)
-        if auto.packs_padding_free:
-            over["attn_implementation"] = auto.attn_implementation
+        if learner_field(auto, "packs_padding_free"):
+            over["attn_implementation"] = learner_field(auto, "attn_implementation")
         elif device.type == "cuda":
             flash = flash_attention_installed() and dtype != torch.float32
             over["attn_implementation"] = "flash_attention_2" if flash else "flex_attention"
-    return LearnerConfig(**over)
+    return LearnerConfig(**nested(over))
 
 
 def checkpointing_value(mode: str) -> str | bool:
-    """learner.activation_checkpointing for the bench's `mode`: the mode's name where this tree's LearnerConfig
+    """learner.levers.activation_checkpointing for the bench's `mode`: the mode's name where this tree's LearnerConfig
     takes it, else full/none as true/false (a tree from before the modes); auto/selective there: exit saying so."""
     from pydantic import ValidationError
 
     from common.config import LearnerConfig
 
     try:
-        LearnerConfig(activation_checkpointing=mode)
+        LearnerConfig(**nested({"activation_checkpointing": mode}))
         return mode
     except ValidationError:
         if mode in ("full", "none"):
             return mode == "full"
-        sys.exit(f"--activation-checkpointing {mode}: this tree's learner.activation_checkpointing takes only "
+        sys.exit(f"--activation-checkpointing {mode}: this tree's learner.levers.activation_checkpointing takes only "
                  "true/false; pass full or none")
 
 
@@ -234,13 +263,14 @@ def checkpointing_mode(value) -> str:
 
 def lever_settings(cfg, model) -> dict:
     """What the step ran with: `cfg` is the TrainStep's, with `auto` resolved for the device."""
-    out = {field: getattr(cfg, field) for _, (field, _, _) in LEVERS.items() if field in type(cfg).model_fields}
+    fields = set(type(cfg).model_fields) | set(learner_sections())
+    out = {field: learner_field(cfg, field) for _, (field, _, _) in LEVERS.items() if field in fields}
     if "activation_checkpointing" in out:
         out["activation_checkpointing"] = checkpointing_mode(out["activation_checkpointing"])
-    out["packs_padding_free"] = cfg.packs_padding_free
-    out["attention"] = model.config._attn_implementation if model is not None else cfg.attn_implementation
-    out["micro_batch_tokens"] = cfg.micro_batch_tokens
-    out["pad_multiple"] = getattr(cfg, "pad_multiple", None)
+    out["packs_padding_free"] = learner_field(cfg, "packs_padding_free")
+    out["attention"] = model.config._attn_implementation if model is not None else learner_field(cfg, "attn_implementation")
+    out["micro_batch_tokens"] = learner_field(cfg, "micro_batch_tokens")
+    out["pad_multiple"] = learner_field(cfg, "pad_multiple")
     lora = getattr(cfg, "lora", None)
     out["lora_rank"] = lora.rank if lora is not None else None
     return out
@@ -696,8 +726,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rows", type=int, help="rows of the fixed case (default 8)")
     ap.add_argument("--prompt", type=int, help=f"prompt tokens per row (default {PROMPT})")
     ap.add_argument("--response", type=int, help="response tokens of a fixed row, the longest mixed one (8192)")
-    ap.add_argument("--micro-batch-tokens", type=int, help="learner.micro_batch_tokens (default 18432)")
-    ap.add_argument("--pad-multiple", type=int, help="learner.pad_multiple (default auto: 64 on CUDA, 1 elsewhere); "
+    ap.add_argument("--micro-batch-tokens", type=int, help="learner.batching.micro_batch_tokens (default 18432)")
+    ap.add_argument("--pad-multiple", type=int, help="learner.levers.pad_multiple (default auto: 64 on CUDA, 1 elsewhere); "
                                                      "1 is the A/B against rounding padded lengths up")
     ap.add_argument("--steps", type=int, help="timed steps: the median, fastest and slowest reported (default 5; "
                                               "2 with --quick)")
@@ -705,9 +735,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
     ap.add_argument("--device", choices=["cuda", "cpu"], help="default cuda where available (cpu with --quick)")
     ap.add_argument("--peak-tflops", type=float, help="the device's dense peak for MFU (default: by device name)")
-    ap.add_argument("--compile-backend", help="learner.compile_backend (inductor; aot_eager traces without "
+    ap.add_argument("--compile-backend", help="learner.levers.compile_backend (inductor; aot_eager traces without "
                                               "generating kernels: --quick --compile on a CPU)")
-    ap.add_argument("--attn", help="learner.attn_implementation (sdpa, flex_attention, flash_attention_2, ...)")
+    ap.add_argument("--attn", help="learner.levers.attn_implementation (sdpa, flex_attention, flash_attention_2, ...)")
     ap.add_argument("--lora", type=int, metavar="RANK",
                     help="train rank-RANK adapters (learner.lora.rank): peak memory without the base's gradients and "
                          "AdamW state; the FLOPs count the frozen base 4 x (no weight gradient), the adapters 6 x")
@@ -730,7 +760,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"learner.{field} on/off (default: the product's)")
     ckpt = ap.add_mutually_exclusive_group()
     ckpt.add_argument("--activation-checkpointing", nargs="?", const="full", choices=CHECKPOINTING, default=None,
-                      help="learner.activation_checkpointing (alone: full; default: the product's); a tree whose "
+                      help="learner.levers.activation_checkpointing (alone: full; default: the product's); a tree whose "
                            "field is still true/false takes full and none")
     ckpt.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_const",
                       const="none", help="the same as --activation-checkpointing none")
@@ -898,7 +928,7 @@ def product_packs(device: torch.device, dtype: torch.dtype) -> bool:
     from common.config import LearnerConfig
     from learner.levers import resolve_levers
 
-    return resolve_levers(LearnerConfig(), device, dtype)[0].packs_padding_free
+    return learner_field(resolve_levers(LearnerConfig(), device, dtype)[0], "packs_padding_free")
 
 
 def over_budget(args, started: float, runs: list[dict]) -> str | None:

@@ -53,7 +53,8 @@ def main() -> None:
         batches = [make_batch(s, groups=args.groups, group_size=args.group_size, prompt_len=(16, 32),
                               response_len=(8, 24)) for s in range(args.steps + 1)]
         for ranks in args.ranks:
-            cfg = LearnerConfig(num_ranks=ranks, micro_batch_rows=32, mini_batches=2, lr=1e-5)
+            cfg = LearnerConfig(num_ranks=ranks, batching=dict(micro_batch_rows=32, mini_batches=2),
+                                optim=dict(lr=1e-5))
             run = f"bench-{len(rows)}"
             pool = LearnerPool(cfg, str(path), run=run, namespace="bench", max_new_tokens=24)
             source = ObjectStoreWeightSource(run, "bench")

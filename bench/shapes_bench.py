@@ -9,7 +9,7 @@ Each case runs in its own process (peak RSS = that process's VmHWM): one warm-up
 timed `TrainStep.run` (1 rank, float32, AdamW) over a batch of `--tokens` response tokens (rows of
 64 prompt + LENGTH response tokens, groups of 4 with 0/1 rewards).
 
-- old: full [R, L, V] logits (`learner.logits_chunk_tokens=0`) with `micro_batch_rows=1`, its most
+- old: full [R, L, V] logits (`learner.batching.logits_chunk_tokens=0`) with `micro_batch_rows=1`, its most
   frugal setting. A case whose estimated peak (7 x rows x length x vocabulary x 4 bytes) is above
   `--old-limit-gib` is not run and shows the estimate.
 - new: the chunked LM head (default chunk) and `micro_batch_tokens=--budget`.
@@ -32,7 +32,7 @@ large buffer is mapped on allocation and unmapped on free and RssAnon counts liv
 float32 model and shards it, the old way (`from_pretrained` on every rank, then `fully_shard`) and the new one
 (`learner.loading`: built without weights, sharded, each rank reading only its rows).
 
-`--packing`: the new path padded vs packed without padding (`learner.padding_free=true`, the same budget) on
+`--packing`: the new path padded vs packed without padding (`learner.levers.padding_free=true`, the same budget) on
 responses of mixed lengths (uniform in [LENGTH/8, LENGTH], as reasoning responses vary), attention sdpa (on
 CPU the packed micro-batch carries a [tokens, tokens] block-diagonal mask; flash-attention's varlen kernel on
 GPU needs none). Columns: peak RSS (step), tokens/s, the share of forward tokens that were padding.
@@ -88,14 +88,15 @@ def run_case(case: dict) -> dict:
             lengths.append(int(rng.integers(max(1, length // 8), length + 1)))
         rows = len(lengths)
     if case["path"] == "old":
-        cfg = LearnerConfig(logits_chunk_tokens=0, micro_batch_rows=1, lr=1e-5)
+        cfg = LearnerConfig(batching=dict(logits_chunk_tokens=0, micro_batch_rows=1), optim=dict(lr=1e-5))
     else:
-        cfg = LearnerConfig(micro_batch_tokens=int(case["budget"]), micro_batch_rows=100_000, lr=1e-5,
-                            activation_checkpointing=bool(case.get("checkpointing", False)),
-                            padding_free=bool(case.get("padding_free", False)))
+        cfg = LearnerConfig(batching=dict(micro_batch_tokens=int(case["budget"]), micro_batch_rows=100_000),
+                            optim=dict(lr=1e-5),
+                            levers=dict(activation_checkpointing=bool(case.get("checkpointing", False)),
+                                        padding_free=bool(case.get("padding_free", False))))
     model = prepare_model(init_tiny_qwen2(vocab, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                                           max_positions=max(10_240, PROMPT + length)), cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
     step = TrainStep(model, opt, cfg, rank=0, world=1, device=torch.device("cpu"), pad_id=0,
                      max_positions=model.config.max_position_embeddings, max_new_tokens=length)
 
@@ -142,7 +143,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, nargs="+", default=[32_000, 151_936])
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--tokens", type=int, default=8192, help="response tokens per step")
-    ap.add_argument("--budget", type=int, default=16_384, help="learner.micro_batch_tokens of the new path")
+    ap.add_argument("--budget", type=int, default=16_384, help="learner.batching.micro_batch_tokens of the new path")
     ap.add_argument("--old-limit-gib", type=float, default=16.0)
     ap.add_argument("--publication", action="store_true", help="only the publication measurement")
     ap.add_argument("--bucket-mb", type=float, default=32.0)

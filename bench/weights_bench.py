@@ -80,7 +80,8 @@ def main() -> None:
         path = make_tiny_model_folder(tmp / name.split()[0], **size)
         for ranks in args.ranks:
             for bname, sync in backends.items():
-                cfg = LearnerConfig(num_ranks=ranks, micro_batch_rows=8, mini_batches=1, lr=1e-5, weight_sync=sync)
+                cfg = LearnerConfig(num_ranks=ranks, weight_sync=sync,
+                                    batching=dict(micro_batch_rows=8, mini_batches=1), optim=dict(lr=1e-5))
                 run = f"wbench-{len(rows)}"
                 pool = LearnerPool(cfg, str(path), run=run, namespace="bench", max_new_tokens=12,
                                    dtype=args.dtype, publish_dtype=args.dtype)
@@ -144,7 +145,8 @@ def delta_table(args, tmp: Path, Gen) -> None:
                 res = {}
                 for delta in (False, True):
                     sync = kind(delta=delta)
-                    cfg = LearnerConfig(num_ranks=2, micro_batch_rows=8, mini_batches=1, lr=lr, weight_sync=sync)
+                    cfg = LearnerConfig(num_ranks=2, weight_sync=sync,
+                                        batching=dict(micro_batch_rows=8, mini_batches=1), optim=dict(lr=lr))
                     run = f"wdelta-{len(rows)}-{delta}"
                     pool = LearnerPool(cfg, str(path), run=run, namespace="bench", max_new_tokens=12,
                                        dtype="bfloat16", publish_dtype="bfloat16")

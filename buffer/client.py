@@ -236,9 +236,9 @@ class BufferClient:
         shard order (the learner shuffles before splitting into mini-batches). Polls all shards in
         parallel, then takes from each in parallel; None on timeout. Feeds the mixed-mode switch.
 
-        `stats["mixed_mode"]` is the mode the batch was composed in, which `learner.clip_fresh=auto` reads: the batch
-        whose accuracy fires the switch was composed (all fresh) before it and is still clipped; the switch acts from
-        the next batch on, as the authors' trainer checks it after the update."""
+        `stats["mixed_mode"]` is the mode the batch was composed in, which `learner.loss.clip_fresh=auto` reads: the
+        batch whose accuracy fires the switch was composed (all fresh) before it and is still clipped; the switch acts
+        from the next batch on, as the authors' trainer checks it after the update."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         b = self.batch_questions

@@ -270,9 +270,9 @@ class ExperienceStore:
         `max_per_question` measured trajectories (lowest entropy kept); a chosen trajectory evicted there still
         counts as replayed. `entropy_available_sum` adds, per chosen o*, the mean over its question's scored
         candidates only (not the fresh rows measured in the same step). `fresh_logprobs` (per fresh key, when the
-        learner sends them: learner.store_learner_logprobs) replace the stored trajectory's behaviour log-probs with
-        the learner's start-of-step ones, once: only a trajectory not measured before this feedback takes them, so a
-        later fresh rollout with the same tokens leaves the first stored log-probs (as the authors' pool keeps the
+        learner sends them: learner.loss.store_learner_logprobs) replace the stored trajectory's behaviour log-probs
+        with the learner's start-of-step ones, once: only a trajectory not measured before this feedback takes them, so
+        a later fresh rollout with the same tokens leaves the first stored log-probs (as the authors' pool keeps the
         first entry)."""
         first_seen = {key for key in fresh_keys
                       if (f := self._find(key)) is not None and f[0].evers[f[1]] == ENGINE_ESTIMATE}

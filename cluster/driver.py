@@ -116,7 +116,7 @@ class Trainer:
                      "; ".join(f"{k} ({v})" for k, v in self.state.levers_off.items()))
         # the rows one rank trains per optimizer step: the micro-batch checkpointing "auto" budgets for
         rows_per_update = max(1, cfg.buffer.batch_questions * cfg.buffer.group_size
-                              // (cfg.learner.mini_batches * cfg.learner.num_ranks))
+                              // (cfg.learner.batching.mini_batches * cfg.learner.num_ranks))
         with phase("start-up: ask for the learner ranks"):
             self.learner = LearnerPool(learner_cfg, str(self.model_path), run=name, namespace=ns,
                                        max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype,

@@ -105,11 +105,11 @@ LOSS = {
 """Per run, the mean over its steps of the policy loss's own metrics (`learner/clip_frac`, ...): the share of fresh
 tokens whose clip or gate acted (docs/algorithm.md, Policy losses, says what each loss counts), the mean importance
 weight of fresh tokens (gspo: the row's sequence ratio), and the same for replayed tokens (clipped or gated only
-with learner.replay_loss=policy_loss: — under shaping). Printed when a spec varies the loss
+with learner.loss.replay_loss=policy_loss: — under shaping). Printed when a spec varies the loss
 (`LOSS_KEYS`)."""
 
-LOSS_KEYS = ("learner.policy_loss", "learner.replay_loss", "learner.loss_agg", "learner.shaping_beta",
-             "learner.clip_low", "learner.clip_high", "learner.clip_fresh")
+LOSS_KEYS = ("learner.loss.policy_loss", "learner.loss.replay_loss", "learner.loss.loss_agg",
+             "learner.loss.shaping_beta", "learner.loss.clip_low", "learner.loss.clip_high", "learner.loss.clip_fresh")
 
 
 def _loss(client, run_id: str) -> dict[str, float]:

@@ -5,7 +5,7 @@ config`, `train`, and every variant of `exgrpo experiment`) and `eval_problems` 
     model_problems(cfg)          the model folder agrees with itself (whole weights, config.json's vocab_size)
     tokenizer_vocab_problem(t)   the tokenizer's ids fit config.json's vocab_size
     lora_target_problem(cfg)     learner.lora.target_modules name Linear modules of the model
-    attention_problem(cfg)       learner.attn_implementation's package imports (a local run)
+    attention_problem(cfg)       learner.levers.attn_implementation's package imports (a local run)
     cluster_address_problem(a)   cluster.address resolves and its port answers as a GCS, within a few seconds
 What each reads (what is cheap: config.json, the weights' headers): docs/internals.md#clusterinput_checkspy
 """
@@ -52,10 +52,10 @@ def problems(cfg) -> list[str]:
 
 
 def attention_problem(cfg) -> str | None:
-    """learner.attn_implementation's package does not import here, where a local run's learner loads the model
+    """learner.levers.attn_implementation's package does not import here, where a local run's learner loads the model
     (on a cluster the learner's node decides: its rank says so at its start, `learner.setup.setup_rank`). GPUs
     asked of a machine without any: `preflight.gpus_missing` speaks for the whole GPU config instead."""
-    if cfg.learner.attn_implementation not in ("flash_attention_2", "flash_attention_3"):
+    if cfg.learner.levers.attn_implementation not in ("flash_attention_2", "flash_attention_3"):
         return None  # no package to import (and no torch import for it)
     import torch
 
@@ -64,7 +64,7 @@ def attention_problem(cfg) -> str | None:
     if cfg.learner.num_gpus > 0 and not torch.cuda.is_available():
         return None
 
-    return problem(cfg.learner.attn_implementation)
+    return problem(cfg.learner.levers.attn_implementation)
 
 
 # ------------------------------------------------------------------------------------------ the model folder

@@ -174,7 +174,7 @@ class LearnerFeedback:
     fresh_keys: list[str] = field(default_factory=list)  # the stored fresh correct rollouts the step trained
     fresh_entropies: Float32Array = field(default_factory=lambda: np.zeros(0, np.float32))  # [len(fresh_keys)]
     # per fresh key, the learner's start-of-step log-probs of its response tokens ([T] each), which the buffer
-    # stores in place of the generator's (learner.store_learner_logprobs); [] when not stored
+    # stores in place of the generator's (learner.loss.store_learner_logprobs); [] when not stored
     fresh_logprobs: list[Float32Array] = field(default_factory=list)
 
 

@@ -1,8 +1,8 @@
-"""Activation checkpointing of the trained model's decoder layers (`learner.activation_checkpointing`), and "auto"
-chosen from the memory a rank has left.
+"""Activation checkpointing of the trained model's decoder layers (`learner.levers.activation_checkpointing`), and
+"auto" chosen from the memory a rank has left.
 
     cfg, note = resolve_checkpointing(cfg, model, device, dtype, world=W, max_length=P + T)  # "auto" -> a mode
-    apply_checkpointing(model, cfg.activation_checkpointing)   # learner.forward.prepare_model, before compile
+    apply_checkpointing(model, cfg.levers.activation_checkpointing)   # learner.forward.prepare_model, before compile
 
 Three modes, each training the same update: none (the most memory, no recompute), selective (torchtitan's
 op-level policy: matmul and attention outputs kept, elementwise ops recomputed; about half the activations),
@@ -115,7 +115,8 @@ def bytes_per_token(mode: str, shape: LayerShape, dtype_bytes: int, compiled: bo
     Counted from what autograd keeps in a Llama/Qwen decoder layer, per token, in elements of the compute dtype:
     - none, eager: 12 h + 2 kv + 4 i: each RMSNorm keeps its float32 input and two h-wide results (4 h each, the
       float32 counting twice), the attention q, k, v, its output and o_proj's input (3 h + 2 kv), the MLP's gate,
-      up, SiLU(gate) and down_proj's input (4 i); `tests/learner/test_activation_checkpointing.py` counts the tiny model's;
+      up, SiLU(gate) and down_proj's input (4 i); `tests/learner/test_activation_checkpointing.py` counts the tiny
+      model's;
     - selective: 5 h + 2 kv + 2 i: the layer's input and the matmul/attention outputs (q, k, v, attention, o_proj,
       gate, up, down); the rest is recomputed;
     - full: h per layer (its input), plus one layer's `none` while its backward recomputes it.
@@ -147,15 +148,15 @@ RESERVE = 2 << 30  # bytes: the chunked LM head's logits and gradients, FSDP2's 
 
 # Whether op-level selective checkpointing has trained on a GPU. It has: an H100 (torch 2.11) trained
 # Qwen2.5-3B's shapes on 14 rows of 1,273-7,837 tokens with it under per-layer compile, 0 recompiles, 4.03 s a step
-# (MFU 38.6%) at learner.micro_batch_tokens=9216, against full's 4.78 s (32.5%) at 18,432; at 18,432 it ran out of
-# memory, as its count says (41 GiB of activations where 22.5 were left). Auto takes it where none does not fit,
+# (MFU 38.6%) at learner.batching.micro_batch_tokens=9216, against full's 4.78 s (32.5%) at 18,432; at 18,432 it ran out
+# of memory, as its count says (41 GiB of activations where 22.5 were left). Auto takes it where none does not fit,
 # under compile only: eager selective (compile off or failed) has not run on a GPU.
 SELECTIVE_RAN_ON_GPU = True
 # What "auto" may choose, least recompute first: the modes that have run on a GPU.
 AUTO_MODES: tuple[Mode, ...] = ("none", "selective", "full") if SELECTIVE_RAN_ON_GPU else ("none", "full")
 EAGER_AUTO_MODES: tuple[Mode, ...] = ("none", "full")  # the layers eager: selective has not run so on a GPU
-# A token budget (`learner.micro_batch_tokens`) auto may halve, once, so that selective fits where only full does
-# at the budget as set: the H100 measurement above (3B, 18,432 -> 9,216 tokens: 16% less time a step). Never
+# A token budget (`learner.batching.micro_batch_tokens`) auto may halve, once, so that selective fits where only full
+# does at the budget as set: the H100 measurement above (3B, 18,432 -> 9,216 tokens: 16% less time a step). Never
 # below this many tokens (smaller matmuls lose more than the recompute costs; unmeasured below it) nor below the
 # longest row.
 HALVE_FLOOR = 8192
@@ -182,12 +183,12 @@ def gpu_share(num_gpus: float) -> float:
 
 
 def micro_batch_tokens(cfg: LearnerConfig, max_length: int, rows: int | None = None) -> tuple[int, str]:
-    """(tokens of the largest micro-batch, how it was counted): `learner.micro_batch_tokens` where set (every
+    """(tokens of the largest micro-batch, how it was counted): `learner.batching.micro_batch_tokens` where set (every
     micro-batch is packed up to it); else `micro_batch_rows`, or the `rows` a rank trains per update where fewer,
     x `max_length` (prompt + response of the longest row)."""
-    if cfg.micro_batch_tokens:
-        return cfg.micro_batch_tokens, "learner.micro_batch_tokens"
-    n = cfg.micro_batch_rows if rows is None else max(1, min(cfg.micro_batch_rows, rows))
+    if cfg.batching.micro_batch_tokens:
+        return cfg.batching.micro_batch_tokens, "learner.batching.micro_batch_tokens"
+    n = cfg.batching.micro_batch_rows if rows is None else max(1, min(cfg.batching.micro_batch_rows, rows))
     return n * max_length, f"{n} rows x {max_length} tokens"
 
 
@@ -223,12 +224,12 @@ class Choice:
                f"and AdamW state, activations of {self.tokens} tokens{f' ({self.counted})' if self.counted else ''} "
                f"x kB/token {kb} = {need} GiB")
         if self.halved_from:
-            out += (f", learner.micro_batch_tokens halved from {self.halved_from} so that selective fits "
+            out += (f", learner.batching.micro_batch_tokens halved from {self.halved_from} so that selective fits "
                     f"(where only full did: on an H100 at 3B, 16% less time a step)")
         if "selective" not in self.modes:
             out += ", selective not auto's without compile (it has run on a GPU compiled only)"
         if self.need(self.mode) > self.left:
-            out += (", even full may not fit: lower learner.micro_batch_tokens (or micro_batch_rows), "
+            out += (", even full may not fit: lower learner.batching.micro_batch_tokens (or micro_batch_rows), "
                     "or add learner ranks")
         return out
 
@@ -296,37 +297,38 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
     one card budgets only what it was given; the smallest over the ranks, `agreed_budget`), `model`'s parameters
     (`state_bytes`; call after the build and LoRA, before sharding: the free memory then still holds the weights to
     come), the micro-batch's tokens (`micro_batch_tokens`: `max_length` = the longest row's prompt + response,
-    `rows` = the rows one rank trains per update where known), and bytes per token with `cfg.compile` (resolved) as
-    the layers will run (selective only under inductor's compile, `EAGER_AUTO_MODES` without: how it ran on a GPU).
-    A set mode is kept and its note says so. Where only full fits and `learner.micro_batch_tokens` is set, auto may
-    halve that budget once so that selective fits (`choose_checkpointing`'s floor: `HALVE_FLOOR`, and the longest
+    `rows` = the rows one rank trains per update where known), and bytes per token with `cfg.levers.compile` (resolved)
+    as the layers will run (selective only under inductor's compile, `EAGER_AUTO_MODES` without: how it ran on a GPU).
+    A set mode is kept and its note says so. Where only full fits and `learner.batching.micro_batch_tokens` is set, auto
+    may halve that budget once so that selective fits (`choose_checkpointing`'s floor: `HALVE_FLOOR`, and the longest
     row rounded up to `pad_multiple`); the returned cfg then carries the halved budget, and the note says so. Not
     covered: a compile that then fails its trial at setup (`learner.trial`) leaves the layers eager under a mode
     chosen from compiled bytes (none may then need up to twice its estimate); `learner.setup` does not re-resolve
     it, and logs `eager_fallback_note`'s WARNING instead. A run's driver hands down `data.max_prompt_tokens` (so
     `max_length` = that + `generator.max_new_tokens`) and the rows a rank trains per optimizer step (batch_questions
     x group_size / (mini_batches x num_ranks)); a caller that passes neither budgets a 2,048-token prompt."""
-    mode = cfg.activation_checkpointing
+    mode = cfg.levers.activation_checkpointing
     if mode != "auto":
         return cfg, f"activation checkpointing {mode} (set)"
-    update: dict = {}
+    halved: int | None = None
     if device.type != "cuda":
         mode, why = "none", "auto: not CUDA"
     else:
         if budget is None:  # every rank's the same: the smallest over the ranks
             budget = agreed_budget(device_budget(device, gpu_share(cfg.num_gpus)), device)
         tokens, counted = micro_batch_tokens(cfg, max_length, rows)
-        compiled = cfg.compile is True and cfg.compile_backend == "inductor"
-        pad = cfg.pad_multiple if isinstance(cfg.pad_multiple, int) else 1
-        floor = max(HALVE_FLOOR, -(-max_length // pad) * pad) if cfg.micro_batch_tokens else None
+        compiled = cfg.levers.compile is True and cfg.levers.compile_backend == "inductor"
+        pad = cfg.levers.pad_multiple if isinstance(cfg.levers.pad_multiple, int) else 1
+        floor = max(HALVE_FLOOR, -(-max_length // pad) * pad) if cfg.batching.micro_batch_tokens else None
         choice = choose_checkpointing(budget, state_bytes(model, world), tokens, LayerShape.of(model.config),
                                       dtype.itemsize, compiled, counted=counted, floor=floor,
                                       modes=AUTO_MODES if compiled else EAGER_AUTO_MODES)
         mode, why = choice.mode, choice.note()
-        if choice.halved_from:
-            update["micro_batch_tokens"] = choice.tokens
-    update["activation_checkpointing"] = mode
-    return cfg.model_copy(update=update), f"activation checkpointing {mode} ({why})"
+        halved = choice.tokens if choice.halved_from else None
+    cfg = cfg.with_levers(activation_checkpointing=mode)
+    if halved is not None:
+        cfg = cfg.model_copy(update={"batching": cfg.batching.model_copy(update={"micro_batch_tokens": halved})})
+    return cfg, f"activation checkpointing {mode} ({why})"
 
 
 def eager_fallback_note(mode: str, note: str, off: dict[str, str]) -> str | None:
@@ -337,6 +339,7 @@ def eager_fallback_note(mode: str, note: str, off: dict[str, str]) -> str | None
     if "compile" not in off or "(auto, compiled:" not in note or mode == "full":
         return None
     keeps = "about 1.5-2x the activations auto counted" if mode == "none" else "eager selective (not run on a GPU)"
-    return (f"learner.compile failed its trial after activation checkpointing auto chose {mode} from compiled "
+    return (f"learner.levers.compile failed its trial after activation checkpointing auto chose {mode} from compiled "
             f"layers' memory: the layers now run eager with {mode}, {keeps}; if this run runs out of memory, set "
-            "learner.activation_checkpointing=full (or learner.compile=false: auto then counts eager layers)")
+            "learner.levers.activation_checkpointing=full (or learner.levers.compile=false: auto then counts eager "
+            "layers)")

@@ -1,7 +1,7 @@
 """Rows, mini-batches and micro-batches: how a `TrainingBatch` becomes the tensors of one rank's forwards.
 
     rows = batch_rows(batch, std_normalize=..., max_positions=...)     # [Row], group advantages set
-    for mini in split_mini_batches(rows, cfg.mini_batches, seed):      # one optimizer update each
+    for mini in split_mini_batches(rows, cfg.batching.mini_batches, seed):      # one optimizer update each
         for chunk in rank_micro_batches(mini, rank, world, ...):       # equally many on every rank
             mb = collate(chunk, pad_id, device, packed=...)            # MicroBatch (+ Packing)
 
@@ -42,7 +42,7 @@ class Row:
     lag: int = 0  # batch version - rollout version, in learner steps (0: sampled by the weights being trained)
     old_logprobs: np.ndarray | None = None  # [T] float32 learner log-probs at the start of the step (TIS only)
     truncated: bool = False  # cut at max_new_tokens (finish reason "length")
-    penalty: float = 0.0  # the overlong penalty added to its reward (learner.overlong=penalty)
+    penalty: float = 0.0  # the overlong penalty added to its reward (learner.loss.overlong=penalty)
     eval_entropy: float | None = None  # mean response entropy at the start of the step, eval mode (LoRA dropout)
 
     @property
@@ -123,7 +123,7 @@ def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int,
     of its rows' lengths. A row longer than the budget is a micro-batch of its own. Every rank computes
     every rank's packing (all see all rows), so all agree on the count.
 
-    `split="balanced"` (padding-free with a budget; `learner.micro_batch_split`): verl's dynamic batch size
+    `split="balanced"` (padding-free with a budget; `learner.batching.micro_batch_split`): verl's dynamic batch size
     instead. Each rank's micro-batch count is ceil(its tokens / budget), the largest over the ranks for all
     (verl all-reduces it), and its rows are partitioned into that many parts of balanced token sums
     (`balanced_partition`, Karmarkar-Karp). The sums are balanced, not capped: a part can exceed the budget (as
@@ -147,12 +147,12 @@ def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int,
 def entropy_weights(rows: list[Row], gpus: int, micro_rows: int, micro_tokens: int | None = None,
                     padding_free: bool = False, split: str = "first_fit") -> list[float]:
     """Per row of a mini-batch, the weight of each of its response tokens' entropy under
-    `learner.entropy_agg=micro_batch`: 1 / (gpus x the response tokens of its micro-batch), the micro-batches
+    `learner.loss.entropy_agg=micro_batch`: 1 / (gpus x the response tokens of its micro-batch), the micro-batches
     being those `rank_micro_batches` makes when the mini-batch is split over `gpus` GPUs.
 
     The authors' entropy term (verl's actor) is each micro-batch's masked token mean, summed over a GPU's
     micro-batches and averaged over its GPUs: sum_m mean_m / gpus, i.e. these weights. With `gpus` =
-    `learner.loss_world_size` they are the authors' ones whatever our own rank count and micro-batches are
+    `learner.loss.loss_world_size` they are the authors' ones whatever our own rank count and micro-batches are
     (the authors' 8 GPUs each take ceil(their tokens / 32,768) micro-batches, the largest count for all; at 1
     rank we would take ceil(all tokens / 32,768), fewer means of more tokens each). Aligned with `rows`; a row
     with no response token weighs 0."""
@@ -298,7 +298,7 @@ class MicroBatch:
     rows: list[Row] = field(default_factory=list)
     lag0_mask: Tensor | None = None  # [R, L-1] 1 on the response tokens of fresh rows with lag 0
     old_logprobs: Tensor | None = None  # [R, L-1] rows' `old_logprobs` when every row has them, else None
-    packed: Packing | None = None  # the padding-free forward layout (learner.padding_free), else None
+    packed: Packing | None = None  # the padding-free forward layout (learner.levers.padding_free), else None
     response_index: Tensor | None = None  # [N] int64 flat positions in [R, L-1] where response_mask is 1, in order
     uneven: bool = False  # rows of different lengths: the padded forward needs its attention mask
 

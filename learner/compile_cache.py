@@ -37,8 +37,9 @@ def cache_dir() -> str:
 def enable_cache(folder: str | None = None) -> str:
     """Turn on inductor's FX graph cache and AOTAutograd's cache (process-wide; torch's defaults, made sure of),
     so that a later process reuses the compiled kernels; returns a note naming the folder. `folder`
-    (`learner.compile_cache_dir`) becomes TORCHINDUCTOR_CACHE_DIR, which inductor reads at each compile: set before
-    the first one, every later compile of this process reads and writes there (on shared storage: every node's)."""
+    (`learner.levers.compile_cache_dir`) becomes TORCHINDUCTOR_CACHE_DIR, which inductor reads at each compile: set
+    before the first one, every later compile of this process reads and writes there (on shared storage: every
+    node's)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -47,7 +48,8 @@ def enable_cache(folder: str | None = None) -> str:
     inductor_config.fx_graph_cache = True
     if hasattr(functorch_config, "enable_autograd_cache"):
         functorch_config.enable_autograd_cache = True
-    return (f"inductor's cache in {cache_dir()} (learner.compile_cache_dir), reused by every rank that reaches it"
+    return (f"inductor's cache in {cache_dir()} (learner.levers.compile_cache_dir), reused by every rank that "
+            "reaches it"
             if folder else f"inductor's cache in {cache_dir()} (TORCHINDUCTOR_CACHE_DIR), reused by later processes "
                            "on this machine")
 
@@ -166,8 +168,8 @@ class _RecompileLimitHandler(logging.Handler):
         message = record.getMessage()
         if "hit config." in message:
             head = _one_line(message.split("To log all recompilation reasons")[0])
-            log.warning("learner.compile: dynamo's recompile limit reached, the function below runs EAGER from now "
-                        "on (slow; raise torch._dynamo.config.recompile_limit or remove the recompile): %s", head)
+            log.warning("learner.levers.compile: dynamo's recompile limit reached, the function below runs EAGER from "
+                        "now on (slow; raise torch._dynamo.config.recompile_limit or remove the recompile): %s", head)
 
 
 _HANDLER = _RecompileLimitHandler(level=logging.WARNING)

@@ -3,7 +3,7 @@ log-probs and entropies come out of its forward.
 
 Memory: log-probs and entropies come from the final hidden states through the chunked LM head of
 `learner.token_stats` (training, candidate scoring, TIS old log-probs and the reference KL alike), so
-no [rows, length, vocabulary] logits exist; `learner.logits_chunk_tokens=0` restores full logits.
+no [rows, length, vocabulary] logits exist; `learner.batching.logits_chunk_tokens=0` restores full logits.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def response_logprobs_and_entropy(logits: Tensor, targets: Tensor, mask: Tensor,
     """Log-probs of the targets and token entropies where `mask` > 0 only; zeros elsewhere.
 
     logits [R, L, V], targets and mask [R, L-1] -> ([R, L-1], [R, L-1]). The full-logits path
-    (`learner.logits_chunk_tokens=0`). `index` [N]: the flat positions of `mask` > 0 (host-made; see
+    (`learner.batching.logits_chunk_tokens=0`). `index` [N]: the flat positions of `mask` > 0 (host-made; see
     `token_stats`), else found from `mask`.
     """
     rows, width = mask.shape
@@ -43,18 +43,19 @@ def response_logprobs_and_entropy(logits: Tensor, targets: Tensor, mask: Tensor,
 def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, *, trainable: bool = True) -> torch.nn.Module:
     """The learner's changes to a freshly loaded model, before any sharding: the chunked LM head (unless
     `logits_chunk_tokens=0`) and, on the trained model, per-layer activation checkpointing
-    (`learner.activation_checkpointing`: full, selective or none; `resolve_checkpointing` decides "auto", unresolved it means
-    none) and then, with `compile` true (`levers.resolve_levers` decides "auto"; unresolved it means off), per-layer
-    torch.compile, which compiles the selectively checkpointed forward as torchtitan does. The model keeps
-    `learner.pad_multiple` (`exgrpo_pad_multiple`; "auto" unresolved means 1): `forward_stats` rounds padded
-    micro-batches' length up to it."""
-    if cfg.logits_chunk_tokens != 0:
-        install_token_stats_head(model, cfg.logits_chunk_tokens, compile_math=cfg.compile_head_math)
+    (`learner.levers.activation_checkpointing`: full, selective or none; `resolve_checkpointing` decides "auto",
+    unresolved it means none) and then, with `compile` true (`levers.resolve_levers` decides "auto"; unresolved it means
+    off), per-layer torch.compile, which compiles the selectively checkpointed forward as torchtitan does. The model
+    keeps `learner.levers.pad_multiple` (`exgrpo_pad_multiple`; "auto" unresolved means 1): `forward_stats` rounds
+    padded micro-batches' length up to it."""
+    if cfg.batching.logits_chunk_tokens != 0:
+        install_token_stats_head(model, cfg.batching.logits_chunk_tokens, compile_math=cfg.levers.compile_head_math)
     if trainable:
-        apply_checkpointing(model, cfg.activation_checkpointing)
-    if trainable and cfg.compile is True:
-        apply_compile(model, cfg.compile_backend)
-    model.exgrpo_pad_multiple = cfg.pad_multiple if isinstance(cfg.pad_multiple, int) else 1  # `round_up_length`
+        apply_checkpointing(model, cfg.levers.activation_checkpointing)
+    if trainable and cfg.levers.compile is True:
+        apply_compile(model, cfg.levers.compile_backend)
+    pad = cfg.levers.pad_multiple
+    model.exgrpo_pad_multiple = pad if isinstance(pad, int) else 1  # `round_up_length`
     return model
 
 
@@ -93,7 +94,7 @@ def forward_stats(model: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tenso
 def round_up_length(model: torch.nn.Module, mb: MicroBatch, attention_mask
                     ) -> tuple[Tensor, object, Tensor, Tensor, Tensor | None]:
     """(input_ids [R, L'], attention_mask, targets [R, L'-1], response mask [R, L'-1], response positions [N]) of a
-    padded micro-batch, its length L rounded up to the model's `exgrpo_pad_multiple` (`learner.pad_multiple`; at
+    padded micro-batch, its length L rounded up to the model's `exgrpo_pad_multiple` (`learner.levers.pad_multiple`; at
     most the model's max_position_embeddings, never below L). The new positions are padding after every row's
     last token: no real token attends to them (causal; a 2D padding mask gets zeros), their targets are masked
     out, so every real token's log-prob, entropy and gradient is the unrounded micro-batch's. The response
@@ -186,7 +187,7 @@ def _document_block_mask(doc: Tensor):
 
 
 class PackingError(RuntimeError):
-    """A model whose attention lets rows packed into one sequence see each other (learner.padding_free)."""
+    """A model whose attention lets rows packed into one sequence see each other (learner.levers.padding_free)."""
 
 
 @torch.no_grad()
@@ -219,8 +220,8 @@ def check_packing(model: torch.nn.Module, device: torch.device, tolerance: float
             f"{type(model).__name__} with attn_implementation={model.config._attn_implementation!r} lets rows "
             f"packed into one sequence attend to each other (a row's log-probs moved by {gap:.3g} when the row "
             "before it changed), so padding-free micro-batches would train on wrong log-probs: set "
-            "learner.padding_free=false, or an attention that reads position_ids as row boundaries "
-            "(learner.attn_implementation: sdpa, eager, flash_attention_2, flex_attention)")
+            "learner.levers.padding_free=false, or an attention that reads position_ids as row boundaries "
+            "(learner.levers.attn_implementation: sdpa, eager, flash_attention_2, flex_attention)")
     return gap
 
 

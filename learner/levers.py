@@ -1,13 +1,13 @@
-"""The GPU levers of a learner rank, each a `learner.*` switch, resolved once the rank knows its device.
+"""The GPU levers of a learner rank, each a switch of `learner.levers`, resolved once the rank knows its device.
 
     cfg, notes = resolve_levers(cfg, device, dtype)   # "auto" -> true/false, attention chosen; one note per lever
-    prepare_model(model, cfg)                         # learner.forward: apply_compile when cfg.compile
+    prepare_model(model, cfg)                         # learner.forward: apply_compile when cfg.levers.compile
     optimizer, note = build_optimizer(model.parameters(), cfg)
 
 `auto` means "on where it has run and helped on a GPU" (per-layer compile and fused AdamW, on CUDA; padding-free
 packing is opt-in). A lever that cannot run here falls back and its note says why; none of them changes what is
 computed. Every lever that is on is tried at setup (`learner.trial`).
-Details (measurements, padding-free packing, `learner.pad_multiple`): docs/internals.md#learnerleverspy
+Details (measurements, padding-free packing, `learner.levers.pad_multiple`): docs/internals.md#learnerleverspy
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ ATTENTION_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "f
 
 
 def attention_problem(attn: str | None) -> str | None:
-    """Why `learner.attn_implementation` cannot load on this machine: its package does not import (transformers
+    """Why `learner.levers.attn_implementation` cannot load on this machine: its package does not import (transformers
     would raise an ImportError when the learner loads the model). None: it imports, or needs no package."""
     package = ATTENTION_PACKAGES.get(attn or "")
     if package is None:
@@ -43,8 +43,8 @@ def attention_problem(attn: str | None) -> str | None:
         importlib.import_module(package)
     except (ImportError, OSError) as e:  # not installed, or built for another torch/CUDA (undefined symbol)
         why = " ".join(str(e).split())[:200] or type(e).__name__
-        return (f"learner.attn_implementation: {attn} needs the {package} package, which does not import here "
-                f"({why}); set learner.attn_implementation=sdpa (transformers' default) or eager, or install "
+        return (f"learner.levers.attn_implementation: {attn} needs the {package} package, which does not import here "
+                f"({why}); set learner.levers.attn_implementation=sdpa (transformers' default) or eager, or install "
                 f"{package.replace('_', '-')} for this torch and CUDA")
     return None
 
@@ -74,39 +74,40 @@ def resolve_levers(cfg: LearnerConfig, device: torch.device, dtype: torch.dtype 
     compile_on, why = _compile_choice(cfg, cuda, width)
     update["compile"] = compile_on
     notes.append(f"compile {'on' if compile_on else 'off'} ({why})" + (
-        f": each decoder layer, backend {cfg.compile_backend}, rows and length dynamic (every other size a "
+        f": each decoder layer, backend {cfg.levers.compile_backend}, rows and length dynamic (every other size a "
         "constant); the lever trial compiles the graphs the run uses, before the first step (minutes at 1.5B)" if compile_on else ""))
-    pad = (64 if cuda else 1) if cfg.pad_multiple == "auto" else cfg.pad_multiple
+    pad = (64 if cuda else 1) if cfg.levers.pad_multiple == "auto" else cfg.levers.pad_multiple
     update["pad_multiple"] = pad
 
-    fused = cuda if cfg.fused_optimizer == "auto" else bool(cfg.fused_optimizer)
+    fused = cuda if cfg.levers.fused_optimizer == "auto" else bool(cfg.levers.fused_optimizer)
     update["fused_optimizer"] = fused
-    notes.append(f"fused AdamW {'on' if fused else 'off'} ({_why(cfg.fused_optimizer, cuda)})")
+    notes.append(f"fused AdamW {'on' if fused else 'off'} ({_why(cfg.levers.fused_optimizer, cuda)})")
 
     packs, attn, why = _packing_choice(cfg, cuda, dtype, flash, flex)
     update["padding_free"], update["attn_implementation"] = packs, attn
     notes.append(f"{'padding-free packing' if packs else 'padded micro-batches'} ({why}; attention "
                  f"{attn or 'sdpa (transformers default)'})" + (
-                     f", lengths rounded up to a multiple of {pad} (learner.pad_multiple)" if pad > 1 and not packs
-                     else ""))
-    if cfg.micro_batch_split == "balanced":  # verl's dynamic batch size balances the real tokens of packed rows
+                     f", lengths rounded up to a multiple of {pad} (learner.levers.pad_multiple)"
+                     if pad > 1 and not packs else ""))
+    batching = cfg.batching
+    if batching.micro_batch_split == "balanced":  # verl's dynamic batch size balances the real tokens of packed rows
         if packs:  # the config refuses it without micro_batch_tokens or with padding_free=false
             notes.append("micro-batches balanced (verl's dynamic batch size: ceil(tokens / micro_batch_tokens) per "
                          "rank, token sums balanced, not capped)")
         else:  # padding_free=auto resolved to padded on this device
-            update["micro_batch_split"] = "first_fit"
+            batching = cfg.batching.model_copy(update={"micro_batch_split": "first_fit"})
             notes.append("micro_batch_split=balanced needs padding-free packing; padded micro-batches run here "
                          f"({why}), so first_fit")
-    return cfg.model_copy(update=update), notes
+    return cfg.with_levers(**update).model_copy(update={"batching": batching}), notes
 
 
 def _compile_choice(cfg: LearnerConfig, cuda: bool, width: int | None) -> tuple[bool, str]:
-    """`learner.compile` decided: whether each decoder layer is compiled, and why (see `resolve_levers`)."""
-    on = cuda if cfg.compile == "auto" else bool(cfg.compile)
-    why = _why(cfg.compile, cuda)
-    if on and cfg.compile == "auto" and width is not None and width < COMPILE_MIN_WIDTH:
+    """`learner.levers.compile` decided: whether each decoder layer is compiled, and why (see `resolve_levers`)."""
+    on = cuda if cfg.levers.compile == "auto" else bool(cfg.levers.compile)
+    why = _why(cfg.levers.compile, cuda)
+    if on and cfg.levers.compile == "auto" and width is not None and width < COMPILE_MIN_WIDTH:
         on, why = False, (f"auto: a hidden size of {width} is below {COMPILE_MIN_WIDTH}, where compiling "
-                          "costs the first update more than it saves; learner.compile=true compiles anyway")
+                          "costs the first update more than it saves; learner.levers.compile=true compiles anyway")
     if on and not torch._dynamo.is_dynamo_supported():
         on, why = False, "torch.compile is not supported by this Python/platform; eager instead"
     return on, why
@@ -114,16 +115,16 @@ def _compile_choice(cfg: LearnerConfig, cuda: bool, width: int | None) -> tuple[
 
 def _packing_choice(cfg: LearnerConfig, cuda: bool, dtype: torch.dtype, flash: bool | None,
                     flex: bool | None) -> tuple[bool, str | None, str]:
-    """`learner.padding_free` decided: (packs, attention implementation, why). Packing set on CUDA with no
+    """`learner.levers.padding_free` decided: (packs, attention implementation, why). Packing set on CUDA with no
     attention chosen takes flash_attention_2 (flash-attn installed, below float32), else flex_attention."""
-    attn = cfg.attn_implementation
-    if cfg.padding_free == "auto":
-        packs = cfg.varlen_attention
+    attn = cfg.levers.attn_implementation
+    if cfg.levers.padding_free == "auto":
+        packs = cfg.levers.varlen_attention
         why = (f"auto: {attn} is a variable-length kernel" if packs else
-               "auto: packing is opt-in (learner.padding_free=true) until it has run on a GPU: through flex_attention "
-               "under per-layer compile it failed on an H100" if cuda else
+               "auto: packing is opt-in (learner.levers.padding_free=true) until it has run on a GPU: through "
+               "flex_attention under per-layer compile it failed on an H100" if cuda else
                "auto: not CUDA, where flex_attention has no backward and sdpa would build a dense mask")
-    elif not cfg.padding_free:
+    elif not cfg.levers.padding_free:
         packs, why = False, "set"
     elif not cuda or attn not in (None, "flex_attention"):
         packs, why = True, "set"
@@ -243,16 +244,16 @@ def remove_compile(model: torch.nn.Module) -> int:
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: LearnerConfig) -> tuple[torch.optim.AdamW, str]:
-    """AdamW of `cfg` (lr, betas, weight decay), fused when `cfg.fused_optimizer` is true (resolve "auto" first:
+    """AdamW of `cfg` (lr, betas, weight decay), fused when `cfg.levers.fused_optimizer` is true (resolve "auto" first:
     here it means off). A fused request the kernel refuses (parameters on a device or of a dtype it lacks)
     falls back to the unfused AdamW; the returned note says which one runs and why."""
     params = list(params)
-    kwargs = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    if cfg.fused_optimizer is True:
+    kwargs = dict(lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+    if cfg.levers.fused_optimizer is True:
         try:
             return torch.optim.AdamW(params, fused=True, **kwargs), "AdamW fused"
         except RuntimeError as e:  # torch refuses fused=True for unsupported devices/dtypes at construction
             note = f"AdamW unfused (fused refused: {e})"
-            log.warning("learner.fused_optimizer: %s", note)
+            log.warning("learner.levers.fused_optimizer: %s", note)
             return torch.optim.AdamW(params, **kwargs), note
     return torch.optim.AdamW(params, **kwargs), "AdamW unfused (torch's default: foreach on CUDA)"

@@ -2,7 +2,7 @@
 
     A            = group_advantages(rewards, group_ids)                       # [R]
     logp, H      = token_logprobs(logits, targets), token_entropy(logits)     # [R, T]
-    pg, extras   = loss_fn(logp, LossBatch(behaviour_logp, A, mask, replay_mask), n)   # learner.policy_loss
+    pg, extras   = loss_fn(logp, LossBatch(behaviour_logp, A, mask, replay_mask), n)   # learner.loss.policy_loss
     loss         = pg + entropy_bonus(H, mask, coef, n) + kl_penalty(logp, ref_logp, mask, coef, n)
 
 `[R, T]` = rows x response-aligned token positions; masked positions (0 in `response_mask`) contribute nothing.

@@ -1,6 +1,6 @@
 """The policy loss, chosen once from the config and then called per micro-batch with tensors only.
 
-    loss_fn = setup_policy_loss(cfg.learner, clip_fresh=True)                      # at setup
+    loss_fn = setup_policy_loss(cfg.learner.loss, clip_fresh=True)                      # at setup
     pg, metrics = loss_fn(logp, LossBatch(behaviour, A, mask, replay_mask, old), normalizer)
 
 Built from pure pieces over `[R, T]` tensors (rows x response-aligned token positions; masked positions count
@@ -24,10 +24,10 @@ from torch import Tensor
 from learner.loss import aggregate
 
 if TYPE_CHECKING:
-    from common.config import LearnerConfig
+    from common.config import LossConfig
 
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "sapo")
-"""`learner.policy_loss`: the surrogate of fresh tokens (and of replayed ones with replay_loss="policy_loss")."""
+"""`learner.loss.policy_loss`: the surrogate of fresh tokens (and of replayed ones with replay_loss="policy_loss")."""
 
 
 class TokenLoss(NamedTuple):
@@ -282,55 +282,55 @@ def _weight_metrics(f: TokenLoss, r: TokenLoss, fresh: Tensor, replay: Tensor) -
 
 AGGREGATIONS: dict[str, Aggregation] = {"token_mean": token_mean, "constant": token_mean,
                                         "seq_mean_token_mean": seq_mean_token_mean}
-"""`learner.loss_agg` -> the tokens' weights (constant: the step passes the constant as the normalizer)."""
+"""`learner.loss.loss_agg` -> the tokens' weights (constant: the step passes the constant as the normalizer)."""
 
 
-def _surrogate(cfg: LearnerConfig) -> Surrogate:
-    """`learner.policy_loss` with its own band or temperatures (and ppo_clip's dual-clip when set)."""
-    match cfg.policy_loss:
+def _surrogate(loss: LossConfig) -> Surrogate:
+    """`learner.loss.policy_loss` with its own band or temperatures (and ppo_clip's dual-clip when set)."""
+    match loss.policy_loss:
         case "ppo_clip":
-            clipped = partial(ppo_clip, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
-            return clipped if cfg.clip_ratio_c is None else partial(dual_clip, surrogate=clipped,
-                                                                    clip_ratio_c=cfg.clip_ratio_c)
+            clipped = partial(ppo_clip, clip_low=loss.clip_low, clip_high=loss.clip_high)
+            return clipped if loss.clip_ratio_c is None else partial(dual_clip, surrogate=clipped,
+                                                                    clip_ratio_c=loss.clip_ratio_c)
         case "gspo":
-            return partial(gspo, clip_low=cfg.gspo_clip_low, clip_high=cfg.gspo_clip_high)
+            return partial(gspo, clip_low=loss.gspo_clip_low, clip_high=loss.gspo_clip_high)
         case "cispo":
-            return partial(cispo, clip_low=cfg.cispo_clip_low, clip_high=cfg.cispo_clip_high)
+            return partial(cispo, clip_low=loss.cispo_clip_low, clip_high=loss.cispo_clip_high)
         case "sapo":
-            return partial(sapo, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg)
-    raise AssertionError(cfg.policy_loss)  # the config's Literal admits no other
+            return partial(sapo, tau_pos=loss.sapo_tau_pos, tau_neg=loss.sapo_tau_neg)
+    raise AssertionError(loss.policy_loss)  # the config's Literal admits no other
 
 
-def _replay(cfg: LearnerConfig, surrogate: Surrogate) -> Surrogate:
-    """`learner.replay_loss`: the surrogate itself, or shaping (plain IS without `shaping_beta`); under gspo the
+def _replay(loss: LossConfig, surrogate: Surrogate) -> Surrogate:
+    """`learner.loss.replay_loss`: the surrogate itself, or shaping (plain IS without `shaping_beta`); under gspo the
     shaped weight is the row's sequence ratio."""
-    if cfg.replay_loss == "policy_loss":
+    if loss.replay_loss == "policy_loss":
         return surrogate
-    ratio = sequence_ratio if cfg.policy_loss == "gspo" else token_ratio
-    if cfg.shaping_beta is None:
+    ratio = sequence_ratio if loss.policy_loss == "gspo" else token_ratio
+    if loss.shaping_beta is None:
         return partial(importance_weighted, ratio=ratio)
-    return partial(shaping, beta=cfg.shaping_beta, ratio=ratio)
+    return partial(shaping, beta=loss.shaping_beta, ratio=ratio)
 
 
-def _corrections(cfg: LearnerConfig) -> tuple[Correction, ...]:
-    """`learner.tis_cap`, `icepop_band`, `mis`, applied in that order."""
+def _corrections(loss: LossConfig) -> tuple[Correction, ...]:
+    """`learner.loss.tis_cap`, `icepop_band`, `mis`, applied in that order."""
     out: list[Correction] = []
-    if cfg.tis_cap is not None:
-        out.append(partial(truncated_is, cap=cfg.tis_cap))
-    if cfg.icepop_band is not None:
-        out.append(partial(icepop, low=cfg.icepop_band[0], high=cfg.icepop_band[1]))
-    if cfg.mis != "none":
-        out.append(partial({"truncate": mis_truncate, "mask": mis_mask}[cfg.mis], cap=cfg.mis_cap))
+    if loss.tis_cap is not None:
+        out.append(partial(truncated_is, cap=loss.tis_cap))
+    if loss.icepop_band is not None:
+        out.append(partial(icepop, low=loss.icepop_band[0], high=loss.icepop_band[1]))
+    if loss.mis != "none":
+        out.append(partial({"truncate": mis_truncate, "mask": mis_mask}[loss.mis], cap=loss.mis_cap))
     return tuple(out)
 
 
-def setup_policy_loss(cfg: LearnerConfig, clip_fresh: bool = True) -> PolicyLoss:
+def setup_policy_loss(loss: LossConfig, clip_fresh: bool = True) -> PolicyLoss:
     """The learner's policy loss, built once from its config. `clip_fresh` False: the variant whose fresh tokens
-    are unclipped (-A r; learner.clip_fresh false, or auto once mixed mode starts), which only ppo_clip has (the
+    are unclipped (-A r; learner.loss.clip_fresh false, or auto once mixed mode starts), which only ppo_clip has (the
     config refuses the others); replayed tokens under replay_loss=policy_loss keep the clip either way."""
-    if not clip_fresh and cfg.policy_loss != "ppo_clip":
-        raise ValueError(f"learner.policy_loss={cfg.policy_loss} has no unclipped form (its band or gate is the "
-                         "loss): set learner.clip_fresh=true, or learner.policy_loss=ppo_clip")
-    clipped = _surrogate(cfg)
+    if not clip_fresh and loss.policy_loss != "ppo_clip":
+        raise ValueError(f"learner.loss.policy_loss={loss.policy_loss} has no unclipped form (its band or gate is the "
+                         "loss): set learner.loss.clip_fresh=true, or learner.loss.policy_loss=ppo_clip")
+    clipped = _surrogate(loss)
     fresh = clipped if clip_fresh else importance_weighted
-    return PolicyLoss(fresh, _replay(cfg, clipped), _corrections(cfg), AGGREGATIONS[cfg.loss_agg])
+    return PolicyLoss(fresh, _replay(loss, clipped), _corrections(loss), AGGREGATIONS[loss.loss_agg])

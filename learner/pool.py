@@ -114,7 +114,7 @@ class LearnerRank:
         learning rate of the schedule for the batch's version (the learner step it trains)."""
         batch = codec.decode(payload, TrainingBatch)
         for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(self.cfg, batch.version)
+            group["lr"] = learning_rate(self.cfg.optim, batch.version)
         stats = self.trainer.run(batch)
         stats.peak_memory_bytes = peak_memory_bytes(self.device)
         return stats
@@ -130,10 +130,11 @@ class LearnerRank:
         """Collective. The gather streams into the publisher bucket by bucket (`learner.gather`: flat buckets
         through reused host buffers, each valid until the next is asked for): the object store puts one object
         per bucket (rank 0 holds its shard and a bucket or two); the collective backend has each bucket gathered
-        into the buffer it keeps for its channels (`bucket_buffer`), on the GPU where it sends from there. Rank 0 returns how long
-        it was busy (`PublishReport.blocking_s`): the learner's next step, queued behind this call, waits that long.
-        With `learner.lora.publish: adapters` only the adapter tensors are gathered and published, the announcement
-        saying so (`AdapterPublication`: scaling and targets); the generators merge them into their base."""
+        into the buffer it keeps for its channels (`bucket_buffer`), on the GPU where it sends from there. Rank 0
+        returns how long it was busy (`PublishReport.blocking_s`): the learner's next step, queued behind this call,
+        waits that long. With `learner.lora.publish: adapters` only the adapter tensors are gathered and published, the
+        announcement saying so (`AdapterPublication`: scaling and targets); the generators merge them into their
+        base."""
         from common.messages import AdapterPublication
         from learner.gather import iter_flat_buckets
         from learner.lora import lora_modules
@@ -185,8 +186,8 @@ class LearnerRank:
 
     def export_model(self, out: Path) -> None:
         """Collective: the Hugging Face model folder `out` in the compute dtype, written by rank 0. It streams:
-        gathered a bucket (`weight_sync.bucket_mb`) at a time, already cast, each bucket written at its offset in model.safetensors,
-        so rank 0 never holds the whole model beside its shard."""
+        gathered a bucket (`weight_sync.bucket_mb`) at a time, already cast, each bucket written at its offset in
+        model.safetensors, so rank 0 never holds the whole model beside its shard."""
         from learner.gather import iter_flat_buckets, published_specs, tied_aliases
 
         chunks = iter_flat_buckets(self.model, self.rank, self.world, dtype=self.dtype, staging=self.staging,
@@ -348,7 +349,7 @@ class LearnerPool:
         model in the background: the driver builds the rest meanwhile); call `wait_ready()` before use.
         `prompt_tokens` (the longest prompt, `data.max_prompt_tokens`) and `rows_per_update` (the rows one rank
         trains per optimizer step): the micro-batch activation checkpointing "auto" budgets for (None: a
-        2,048-token prompt, `learner.micro_batch_rows` rows)."""
+        2,048-token prompt, `learner.batching.micro_batch_rows` rows)."""
         self.cfg, self.model_path, self.run, self.namespace = cfg, str(model_path), run, namespace
         self.version = 0
         self.steps = 0
@@ -404,7 +405,7 @@ class LearnerPool:
         self._setup = None
 
     def step(self, batch: TrainingBatch) -> StepResult:
-        """Train on `batch` (`learner.mini_batches` optimizer updates, each applied or skipped).
+        """Train on `batch` (`learner.batching.mini_batches` optimizer updates, each applied or skipped).
 
         The policy version advances by exactly 1 per step (see `common.messages`), also when every
         update was skipped: the buffer's back-pressure and staleness count steps, and a step that
@@ -417,7 +418,7 @@ class LearnerPool:
         self.skipped_updates += stats[0].skipped
         self.steps += 1
         metrics["learner/version"] = float(self.version)
-        metrics["learner/lr"] = learning_rate(self.cfg, version_trained)
+        metrics["learner/lr"] = learning_rate(self.cfg.optim, version_trained)
         metrics["learner/skipped_updates_total"] = float(self.skipped_updates)
         metrics["learner/levers_off"] = float(len(self.levers_off))  # failed their trial at setup (learner.trial)
         fb = LearnerFeedback(version=version_trained, keys=sfb.keys, entropies=float32_array(sfb.entropies),

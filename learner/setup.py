@@ -52,7 +52,7 @@ class RankModel:
     model: torch.nn.Module  # FSDP2-sharded (or plain for one float32 rank), prepared
     optimizer: torch.optim.Optimizer
     trainer: TrainStep
-    ref_model: torch.nn.Module | None = None  # frozen reference copy (learner.kl_coef > 0 without LoRA)
+    ref_model: torch.nn.Module | None = None  # frozen reference copy (learner.loss.kl_coef > 0 without LoRA)
     packing_gap: float | None = None  # largest change measured by check_packing (None: padded micro-batches)
     levers_off: dict[str, str] | None = None  # levers that failed their trial at setup -> the error (learner.trial)
     summary: str | None = None  # one line for the run's console (LoRA: rank, targets, trainable parameters)
@@ -78,9 +78,9 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
     `fill(model)`: fills the allocated parameters instead of reading them from the folder's weight files.
     `prompt_tokens`, `rows_per_update`: the longest prompt and the rows a rank trains per optimizer step, so that
     activation checkpointing "auto" budgets the run's real micro-batch (None: a 2,048-token prompt, and
-    `learner.micro_batch_rows` rows)."""
+    `learner.batching.micro_batch_rows` rows)."""
     sharded = world > 1 or dtype != torch.float32
-    problem = attention_problem(cfg.attn_implementation)  # on a cluster, the node of this rank decides
+    problem = attention_problem(cfg.levers.attn_implementation)  # on a cluster, the node of this rank decides
     if problem is not None:
         log.error("learner rank %d: %s", rank, problem)
         raise ValueError(problem)
@@ -113,15 +113,16 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
                         pad_id=0 if pad is None else int(pad), max_positions=int(model.config.max_position_embeddings),
                         max_new_tokens=max_new_tokens, ref_model=_reference_model(cfg, model_path, device, dtype),
                         eos_id=eos_token_id(model))
-    levers = _RankLevers(trainer, chose_attention=asked.attn_implementation is None)
+    levers = _RankLevers(trainer, chose_attention=asked.levers.attn_implementation is None)
     off, trial_graphs, trial_s = _trial(levers, trainer, notes, checkpointing_note, rank)
     cfg, optimizer_note = levers.cfg, levers.optimizer_note or optimizer_note
     gap = None
-    if cfg.packs_padding_free:  # collective under FSDP: every rank runs the same two forwards
+    if cfg.levers.packs_padding_free:  # collective under FSDP: every rank runs the same two forwards
         gap = check_packing(model, device, tolerance=1e-3 if dtype == torch.float32 else 2e-2)
     if rank == 0:
         log.info("learner micro-batches: %s (attention %s)%s",
-                 "padding-free packing" if cfg.packs_padding_free else "padded", model.config._attn_implementation,
+                 "padding-free packing" if cfg.levers.packs_padding_free else "padded",
+                 model.config._attn_implementation,
                  "" if gap is None else f"; packed rows checked apart (largest change {gap:.2g})")
         log.info("learner levers on %s: %s; %s", device.type, "; ".join(notes), optimizer_note)
     return RankModel(model=model, optimizer=trainer.optimizer, trainer=trainer, ref_model=trainer.ref_model,
@@ -135,14 +136,15 @@ def _load_model(cfg: LearnerConfig, asked: LearnerConfig, model_path: str, devic
     try:
         return cfg, _build(cfg, model_path, device, empty=empty)
     except (ImportError, ValueError) as e:
-        if cfg.attn_implementation is None:
+        if cfg.levers.attn_implementation is None:
             raise
-        if asked.attn_implementation is not None:
-            raise ValueError(f"learner.attn_implementation={cfg.attn_implementation} cannot load on this learner "
-                             f"({device.type}): {e} Set learner.attn_implementation to sdpa (or leave it unset), "
+        if asked.levers.attn_implementation is not None:
+            raise ValueError(f"learner.levers.attn_implementation={cfg.levers.attn_implementation} cannot load on "
+                             f"this learner ({device.type}): {e} Set learner.levers.attn_implementation to sdpa (or "
+                             "leave it unset), "
                              "or install the kernel where the learner runs") from None
-        notes[-1] = f"padded micro-batches ({cfg.attn_implementation} cannot load here: {e}; attention sdpa)"
-        cfg = cfg.model_copy(update={"attn_implementation": None, "padding_free": False})
+        notes[-1] = f"padded micro-batches ({cfg.levers.attn_implementation} cannot load here: {e}; attention sdpa)"
+        cfg = cfg.with_levers(attn_implementation=None, padding_free=False)
         return cfg, _build(cfg, model_path, device, empty=empty)
 
 
@@ -170,7 +172,7 @@ def _init_lora(model: torch.nn.Module, cfg: LearnerConfig, targets: list[str], r
         log.info("learner.lora: rank %d adapters (alpha %g) on %d Linear modules (%s); only they train. "
                  "Checkpoints export the merged model (W + alpha/rank B A under the base names) and the "
                  "adapters in peft's format (adapter/)%s", cfg.lora.rank, cfg.lora.alpha, len(targets), kinds,
-                 "; the KL reference is the base (adapters disabled), no copy" if cfg.kl_coef > 0 else "")
+                 "; the KL reference is the base (adapters disabled), no copy" if cfg.loss.kl_coef > 0 else "")
         if frozen:
             log.info("learner.lora.base_dtype=auto: the frozen base (%.3g M parameters) is held in %s, %.2f GiB "
                      "less than float32 (over all ranks)", frozen / 1e6, str(dtype).removeprefix("torch."),
@@ -183,12 +185,12 @@ def _init_lora(model: torch.nn.Module, cfg: LearnerConfig, targets: list[str], r
 def _reference_model(cfg: LearnerConfig, model_path: str, device: torch.device,
                      dtype: torch.dtype) -> torch.nn.Module | None:
     """The frozen KL reference (None without KL; under LoRA the reference is the base: the adapters disabled)."""
-    if cfg.kl_coef <= 0 or cfg.lora is not None:
+    if cfg.loss.kl_coef <= 0 or cfg.lora is not None:
         return None
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
-                                               attn_implementation=cfg.attn_implementation).to(device).eval()
+                                               attn_implementation=cfg.levers.attn_implementation).to(device).eval()
     ref.requires_grad_(False)
     prepare_model(ref, cfg, trainable=False)
     return ref
@@ -197,17 +199,17 @@ def _reference_model(cfg: LearnerConfig, model_path: str, device: torch.device,
 def _trial(levers, trainer, notes: list[str], checkpointing_note: str, rank: int) -> tuple[dict, int, float]:
     """Try the levers on real micro-batches (collective: every rank tries the same); those that fail are switched
     off for the run. (levers off, graphs the trial compiled, its seconds)."""
-    if levers.cfg.compile is True and levers.cfg.compile_backend == "inductor":
-        notes.append(enable_cache(levers.cfg.compile_cache_dir))
+    if levers.cfg.levers.compile is True and levers.cfg.levers.compile_backend == "inductor":
+        notes.append(enable_cache(levers.cfg.levers.compile_cache_dir))
     graphs, t0 = compiled_graphs(), time.perf_counter()
     off = try_levers(levers, trainer, levers.unfused)
     trial_graphs, trial_s = compiled_graphs() - graphs, time.perf_counter() - t0
     for lever, error in off.items():
         notes.append(f"{lever} off: it failed its trial at setup ({error})")
-    fallback = eager_fallback_note(levers.cfg.activation_checkpointing, checkpointing_note, off)
+    fallback = eager_fallback_note(levers.cfg.levers.activation_checkpointing, checkpointing_note, off)
     if fallback and rank == 0:
         log.warning("%s", fallback)
-    if levers.cfg.compile is True:
+    if levers.cfg.levers.compile is True:
         notes.append(f"the trial compiled {trial_graphs} graph(s) in {trial_s:.1f} s (the run's warm-up: a graph "
                      "compiled later is counted in learner/recompiles)")
     return off, trial_graphs, trial_s
@@ -222,7 +224,7 @@ class _RankLevers:
     def __init__(self, trainer: TrainStep, *, chose_attention: bool):
         self.trainer, self.cfg = trainer, trainer.cfg
         self.packed_attention = trainer.model.config._attn_implementation
-        self.chose_attention = chose_attention and self.cfg.packs_padding_free
+        self.chose_attention = chose_attention and self.cfg.levers.packs_padding_free
         self.optimizer_note: str | None = None  # the rebuilt optimizer's, once the trial rebuilt it
 
     def unfused(self) -> None:
@@ -233,24 +235,24 @@ class _RankLevers:
     def set(self, lever: str, on: bool) -> None:
         model = self.trainer.model
         if lever == "compile":
-            apply_compile(model, self.cfg.compile_backend) if on else remove_compile(model)
+            apply_compile(model, self.cfg.levers.compile_backend) if on else remove_compile(model)
         elif lever == "padding_free" and self.chose_attention:
             for m in (model, self.trainer.ref_model):
                 if m is not None:
                     m.set_attn_implementation(self.packed_attention if on else "sdpa")
-            if self.cfg.compile is True:  # the layers were compiled for the other attention
+            if self.cfg.levers.compile is True:  # the layers were compiled for the other attention
                 remove_compile(model)
-                apply_compile(model, self.cfg.compile_backend)
-        self.cfg = self.cfg.model_copy(update={lever: on})
+                apply_compile(model, self.cfg.levers.compile_backend)
+        self.cfg = self.cfg.with_levers(**{lever: on})
         self.trainer.cfg = self.cfg
 
 
 def _build(cfg: LearnerConfig, model_path: str, device: torch.device, *, empty: bool) -> torch.nn.Module:
-    """The model of `model_path` with `cfg.attn_implementation`: on the meta device to be filled shard by shard
+    """The model of `model_path` with `cfg.levers.attn_implementation`: on the meta device to be filled shard by shard
     (`empty`), or loaded whole in float32 on `device`."""
     from transformers import AutoModelForCausalLM
 
-    attn = {"attn_implementation": cfg.attn_implementation}
+    attn = {"attn_implementation": cfg.levers.attn_implementation}
     if empty:
         return build_empty(model_path, **attn)
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **attn).to(device)

@@ -31,9 +31,9 @@ from learner.replay_choice import Scores, StepFeedback, complete_groups, reasoni
 
 
 def append_eos(rows: list[Row], eos_id: int, max_positions: int) -> int:
-    """learner.replay_eos: each replayed row cut at the length limit (and not ending in EOS) gets `eos_id` appended,
-    its stored log-prob NaN (the step fills it with the policy's own: weight 1), where the model has a position
-    left. Returns how many rows changed."""
+    """learner.loss.replay_eos: each replayed row cut at the length limit (and not ending in EOS) gets `eos_id`
+    appended, its stored log-prob NaN (the step fills it with the policy's own: weight 1), where the model has a
+    position left. Returns how many rows changed."""
     n = 0
     for r in rows:
         if r.replayed and r.truncated and (not len(r.response_ids) or r.response_ids[-1] != eos_id) \
@@ -81,16 +81,16 @@ class RankStats:
     feedback: StepFeedback = field(default_factory=StepFeedback)  # the same on every rank
     candidates_scored: int = 0
     selection_s: float = 0.0
-    overlong_masked: int = 0  # truncated rows left out of the loss (learner.overlong=mask)
-    replay_eos_appended: int = 0  # truncated replayed rows given an EOS token (learner.replay_eos)
+    overlong_masked: int = 0  # truncated rows left out of the loss (learner.loss.overlong=mask)
+    replay_eos_appended: int = 0  # truncated replayed rows given an EOS token (learner.loss.replay_eos)
     overlong_penalty_sum: float = 0.0  # sum of the overlong penalties over the batch's rows
     overlong_rows: int = 0
-    padding_free: float = 0.0  # 1 when the micro-batches ran packed without padding (learner.padding_free)
-    clip_fresh: float = 1.0  # 1 when this step clipped fresh tokens' ratio (learner.clip_fresh, auto: before mixed mode)
+    padding_free: float = 0.0  # 1 when the micro-batches ran packed without padding (learner.levers.padding_free)
+    clip_fresh: float = 1.0  # 1 when this step clipped fresh tokens' ratio (learner.loss.clip_fresh; auto: unmixed)
     fresh_keys: list[str] = field(default_factory=list)  # this rank's trained fresh rows the buffer stored
     fresh_entropies: list[float] = field(default_factory=list)  # their mean token entropy, from the training forward
     fresh_logprobs: list[np.ndarray] = field(default_factory=list)  # their start-of-step log-probs [T] (store_logprobs)
-    store_logprobs: bool = False  # learner.store_learner_logprobs
+    store_logprobs: bool = False  # learner.loss.store_learner_logprobs
     seconds: float = 0.0
     recompiles: int = 0  # graphs torch.compile built during this step (0 after the setup's trial: learner.trial)
     peak_memory_bytes: int = 0  # the rank's peak so far: CUDA's max allocated, else the process's peak RSS (VmHWM)
@@ -142,7 +142,7 @@ class RankStats:
         s["clipped_tokens"] += m["clip_frac"] * nf
         s["fresh_ratio_sum"] += m["fresh_ratio_mean"] * nf
         s["replay_weight_sum"] += m["replay_weight_mean"] * nr
-        if "replay_clip_frac" in m:  # learner.replay_loss=policy_loss
+        if "replay_clip_frac" in m:  # learner.loss.replay_loss=policy_loss
             s["replay_clipped_tokens"] += m["replay_clip_frac"] * nr
             s["replay_clip_tokens"] += nr
         s["fresh_tokens"] += nf
@@ -256,7 +256,8 @@ def _mismatch_metrics(s: dict[str, float], mx: dict[str, float]) -> dict[str, fl
         "learner/icepop_masked_frac": s["icepop_masked_tokens"] / s["icepop_tokens"] if s["icepop_tokens"] else nan,
         "learner/mis_weight_mean": s["mis_weight_sum"] / s["mis_tokens"] if s["mis_tokens"] else nan,
         "learner/mis_masked_frac": s["mis_masked_tokens"] / s["mis_tokens"] if s["mis_tokens"] else nan,
-        # replayed tokens whose policy loss clipped or gated them (learner.replay_loss=policy_loss; NaN under shaping)
+        # replayed tokens whose policy loss clipped or gated them (learner.loss.replay_loss=policy_loss; NaN under
+        # shaping)
         "learner/replay_clip_frac": (s["replay_clipped_tokens"] / s["replay_clip_tokens"] if s["replay_clip_tokens"]
                                      else nan),
     }
@@ -275,39 +276,40 @@ class TrainStep:
         self.model, self.optimizer, self.cfg = model, optimizer, cfg
         self.rank, self.world, self.device = rank, world, device
         self.pad_id, self.max_positions, self.max_new_tokens = pad_id, max_positions, max_new_tokens
-        self.eos_id = eos_id  # learner.replay_eos
-        if cfg.replay_eos and eos_id is None:
-            raise ValueError("learner.replay_eos: the model names no EOS token (eos_token_id in its config.json or "
-                             "generation_config.json); set learner.replay_eos=false")
+        self.eos_id = eos_id  # learner.loss.replay_eos
+        if cfg.loss.replay_eos and eos_id is None:
+            raise ValueError("learner.loss.replay_eos: the model names no EOS token (eos_token_id in its config.json "
+                             "or generation_config.json); set learner.loss.replay_eos=false")
         self.ref_model = ref_model
-        # the policy loss, built once: clipped, and unclipped where learner.clip_fresh may turn the clip off
-        clips = (True, False) if cfg.clip_fresh == "auto" else (cfg.clip_fresh,)
-        self.policy_losses: dict[bool, PolicyLoss] = {c: setup_policy_loss(cfg, clip_fresh=c) for c in clips}
+        # the policy loss, built once: clipped, and unclipped where learner.loss.clip_fresh may turn the clip off
+        clips = (True, False) if cfg.loss.clip_fresh == "auto" else (cfg.loss.clip_fresh,)
+        self.policy_losses: dict[bool, PolicyLoss] = {c: setup_policy_loss(cfg.loss, clip_fresh=c) for c in clips}
 
     def run(self, batch: TrainingBatch) -> RankStats:
         t0 = time.perf_counter()
         watch = RecompileWatch()
         cfg = self.cfg
-        stats = RankStats(padding_free=float(cfg.packs_padding_free), store_logprobs=cfg.stores_learner_logprobs)
+        stats = RankStats(padding_free=float(cfg.levers.packs_padding_free),
+                          store_logprobs=cfg.loss.stores_learner_logprobs)
         entropies, scores = self.score_candidates(batch, stats)
         batch, stats.feedback = complete_groups(batch, scores, entropies)
-        rows = batch_rows(batch, std_normalize=cfg.std_normalize, max_positions=self.max_positions,
-                          overlong=cfg.overlong, max_new_tokens=self.max_new_tokens,
-                          overlong_buffer=cfg.overlong_buffer or max(1, self.max_new_tokens // 5))
-        if cfg.replay_eos:
+        rows = batch_rows(batch, std_normalize=cfg.loss.std_normalize, max_positions=self.max_positions,
+                          overlong=cfg.loss.overlong, max_new_tokens=self.max_new_tokens,
+                          overlong_buffer=cfg.loss.overlong_buffer or max(1, self.max_new_tokens // 5))
+        if cfg.loss.replay_eos:
             stats.replay_eos_appended = append_eos(rows, self.eos_id, self.max_positions)
         stats.overlong_penalty_sum = sum(r.penalty for r in rows)
         stats.overlong_rows = len(rows)
-        if cfg.overlong == "mask":  # after the advantages: a truncated row still counts in its group's mean
+        if cfg.loss.overlong == "mask":  # after the advantages: a truncated row still counts in its group's mean
             stats.overlong_masked = sum(r.truncated for r in rows)
             rows = [r for r in rows if not r.truncated]
-        minis = split_mini_batches(rows, cfg.mini_batches, seed=cfg.seed * 1_000_003 + batch.version)
+        minis = split_mini_batches(rows, cfg.batching.mini_batches, seed=cfg.seed * 1_000_003 + batch.version)
         if self._eval_stored:  # LoRA dropout: what the buffer stores comes from the eval-mode forward
             self.record_old_logprobs(minis, entropies=True)
-        elif cfg.needs_old_logprobs:
+        elif cfg.loss.needs_old_logprobs:
             self.record_old_logprobs(minis[1:])  # the first mini-batch's forward is itself at the start weights
         # clip_fresh auto: clipped until the buffer's mixed mode starts (the authors' schedule)
-        clip = (not batch.stats.get("mixed_mode", 0.0)) if cfg.clip_fresh == "auto" else cfg.clip_fresh
+        clip = (not batch.stats.get("mixed_mode", 0.0)) if cfg.loss.clip_fresh == "auto" else cfg.loss.clip_fresh
         stats.clip_fresh = float(clip)
         self.model.train()
         for i, mini in enumerate(minis):
@@ -372,30 +374,33 @@ class TrainStep:
                 r.old_logprobs = lp_host[i, p - 1:p - 1 + t].copy()  # [T]
 
     def _micro_batches(self, rows: list[Row]) -> list[list[Row]]:
-        return rank_micro_batches(rows, self.rank, self.world, self.cfg.micro_batch_rows, self.cfg.micro_batch_tokens,
-                                  self.cfg.packs_padding_free, self.cfg.micro_batch_split)
+        bt = self.cfg.batching
+        return rank_micro_batches(rows, self.rank, self.world, bt.micro_batch_rows, bt.micro_batch_tokens,
+                                  self.cfg.levers.packs_padding_free, bt.micro_batch_split)
 
     def _collate(self, rows: list[Row]) -> MicroBatch:
-        return collate(rows, self.pad_id, self.device, packed=self.cfg.packs_padding_free and bool(rows))
+        return collate(rows, self.pad_id, self.device, packed=self.cfg.levers.packs_padding_free and bool(rows))
 
     def _entropy_weights(self, mini: list[Row]) -> dict[int, float] | None:
         """entropy_agg=micro_batch: each row's entropy weight (by id), from the mini-batch split over
         loss_world_size GPUs as the authors' run splits it (else over our ranks, as we split it)."""
-        if self.cfg.entropy_agg != "micro_batch":
+        if self.cfg.loss.entropy_agg != "micro_batch":
             return None
         cfg = self.cfg
-        w = entropy_weights(mini, cfg.loss_world_size or self.world, cfg.micro_batch_rows,
-                            cfg.micro_batch_tokens, cfg.packs_padding_free, cfg.micro_batch_split)
+        bt = cfg.batching
+        w = entropy_weights(mini, cfg.loss.loss_world_size or self.world, bt.micro_batch_rows, bt.micro_batch_tokens,
+                            cfg.levers.packs_padding_free, bt.micro_batch_split)
         return {id(r): x for r, x in zip(mini, w)}
 
     def _normalizer(self, mini: list[Row]) -> float:
         tokens = sum(len(r.response_ids) for r in mini)
         if tokens == 0:
             return 0.0
-        if self.cfg.loss_agg == "seq_mean_token_mean":  # rows with a response token: each row's token mean counts once
+        loss = self.cfg.loss
+        if loss.loss_agg == "seq_mean_token_mean":  # rows with a response token: each row's token mean counts once
             return float(sum(1 for r in mini if len(r.response_ids)))
-        if self.cfg.loss_agg == "constant":
-            return float(self.cfg.loss_constant or len(mini) * self.max_new_tokens) * (self.cfg.loss_world_size or 1)
+        if loss.loss_agg == "constant":
+            return float(loss.loss_constant or len(mini) * self.max_new_tokens) * (loss.loss_world_size or 1)
         return float(tokens)
 
     def _micro_step(self, mb: MicroBatch, normalizer: float, stats: RankStats, first: bool = False,
@@ -405,37 +410,38 @@ class TrainStep:
         update yet), where the fresh tokens' train/inference gap is measured, and where the forward itself
         gives TIS its start-of-step log-probs (later mini-batches use `record_old_logprobs`). `clip`: clip
         fresh tokens' ratio. `tokens`: response tokens of the whole mini-batch, the entropy bonus's divisor (a
-        masked token mean under either loss_agg; None: `normalizer`). `ent_weights` (`learner.entropy_agg=
-        micro_batch`): each row's weight by id (`batching.entropy_weights`): each micro-batch's (as the authors' run splits it) masked token
-        mean / loss_world_size, summed over the rows of every rank, whichever micro-batch computes them."""
+        masked token mean under either loss_agg; None: `normalizer`). `ent_weights` (`learner.loss.entropy_agg=
+        micro_batch`): each row's weight by id (`batching.entropy_weights`): each micro-batch's (as the authors' run
+        splits it) masked token mean / loss_world_size, summed over the rows of every rank, whichever micro-batch
+        computes them."""
         cfg = self.cfg
         ref_logp = self.reference_logprobs(mb)  # before the policy's forward: a no-grad forward of its own
         logp, ent, anchor = forward_stats(self.model, mb)  # [R, L-1] each
-        if cfg.replay_eos:  # an appended EOS has no stored log-prob (NaN): its weight is 1, the policy's own
+        if cfg.loss.replay_eos:  # an appended EOS has no stored log-prob (NaN): its weight is 1, the policy's own
             mb.behaviour_logprobs = torch.where(torch.isnan(mb.behaviour_logprobs), logp.detach(),
                                                 mb.behaviour_logprobs)
         fresh = mb.response_mask * (1.0 - mb.replay_mask)  # [R, L-1]
         if first:
             stats.add_gap(L.logprob_gap(logp, mb.behaviour_logprobs, fresh, mb.lag0_mask))
         old = None
-        if cfg.needs_old_logprobs:
+        if cfg.loss.needs_old_logprobs:
             old = mb.old_logprobs if (mb.rows and not first) else logp.detach()
             if old is None:
-                raise RuntimeError("learner.recompute_old_logprobs/tis_cap/icepop_band/mis: a later mini-batch has "
-                                   "no start-of-step "
-                                   "log-probs (record_old_logprobs must run before the first update)")
+                raise RuntimeError("learner.loss.recompute_old_logprobs/tis_cap/icepop_band/mis: a later mini-batch "
+                                   "has no start-of-step log-probs (record_old_logprobs must run before the first "
+                                   "update)")
         pg, metrics = self.policy_losses[clip](
             logp, LossBatch(mb.behaviour_logprobs, mb.advantages, mb.response_mask, mb.replay_mask, old), normalizer)
         if ent_weights is not None:  # each row's tokens weighted by its micro-batch in the authors' run (a dummy: 0)
             w = torch.tensor([ent_weights[id(r)] for r in mb.rows] or [0.0], dtype=torch.float32)  # [R]
             ent_term = L.entropy_bonus(ent, mb.response_mask * w.to(self.device, non_blocking=True)[:, None],
-                                       cfg.entropy_coef, 1.0)
+                                       cfg.loss.entropy_coef, 1.0)
         else:
-            ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.entropy_coef, tokens if tokens else normalizer)
+            ent_term = L.entropy_bonus(ent, mb.response_mask, cfg.loss.entropy_coef, tokens if tokens else normalizer)
         kl_term = torch.zeros((), device=self.device)
         if ref_logp is not None:  # a token mean under seq_mean_token_mean (whose normalizer counts rows)
-            kl_term = L.kl_penalty(logp, ref_logp, mb.response_mask, cfg.kl_coef,
-                                   tokens if cfg.loss_agg == "seq_mean_token_mean" else normalizer)
+            kl_term = L.kl_penalty(logp, ref_logp, mb.response_mask, cfg.loss.kl_coef,
+                                   tokens if cfg.loss.loss_agg == "seq_mean_token_mean" else normalizer)
         total = pg + ent_term + kl_term
         # 0 * anchor keeps every parameter in the graph: a rank whose micro-batch is an all-masked dummy
         # (fewer rows than ranks) still runs the backward that FSDP's gradient collectives wait for.
@@ -453,7 +459,7 @@ class TrainStep:
         forward is collective under FSDP, so a rank's dummy micro-batch runs it too. It runs before the policy's
         forward, so FSDP2 sees whole forwards in order and activation checkpointing's recomputation in the
         backward runs with the adapters on."""
-        if self.cfg.kl_coef <= 0:
+        if self.cfg.loss.kl_coef <= 0:
             return None
         if self.ref_model is not None:
             return forward_stats(self.ref_model, mb)[0] if mb.rows else None
@@ -471,10 +477,10 @@ class TrainStep:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         stats.grad_norms.append(norm)
-        if not math.isfinite(norm) or norm > self.cfg.skip_grad_norm:
+        if not math.isfinite(norm) or norm > self.cfg.optim.skip_grad_norm:
             stats.skipped += 1
         else:
-            coef = min(1.0, self.cfg.grad_clip / (norm + 1e-6))
+            coef = min(1.0, self.cfg.optim.grad_clip / (norm + 1e-6))
             if coef < 1.0:
                 torch._foreach_mul_([p.grad for p in params], coef)  # one launch per group, not per tensor
             self.optimizer.step()

@@ -5,7 +5,7 @@
 
 `TokenStatsHead` replaces the model's `lm_head` (same `weight` Parameter; without a request an ordinary linear
 layer). `chunked_logprob_entropy` is a custom autograd function that applies the head a block at a time
-(`learner.logits_chunk_tokens`), with the values of full logits to the last bit or two, and forms the gradient
+(`learner.batching.logits_chunk_tokens`), with the values of full logits to the last bit or two, and forms the gradient
 in closed form, writing the [V, H] weight gradient once per micro-batch.
 Why, the blocks, their cost at Qwen2.5-1.5B shapes: docs/internals.md#learnertoken_statspy
 """
@@ -22,7 +22,7 @@ FREE_MEMORY_FRACTION = 0.25  # CUDA default: a block's temporaries take at most 
 BLOCK_BYTES_CAP = 2 << 30  # ...and at most 2 GiB: with the [V, H] gradient, the per-chunk path's peak at 1.5B
 SLICE_ALIGN = 128  # vocabulary slices are whole multiples of this many rows (the last one excepted)
 # torch.compile (inductor) the per-block float32 math, so that its [N, V] elementwise passes fuse (~0.37 s
-# of a 1.5B step's kernel time, estimated). Off: `learner.compile_head_math=true` opts in; it becomes a CUDA
+# of a 1.5B step's kernel time, estimated). Off: `learner.levers.compile_head_math=true` opts in; it becomes a CUDA
 # default only after tests/gpu/test_head_math.py shows it exact on a GPU (never run on one yet).
 COMPILE_BLOCK_MATH = False
 

@@ -48,14 +48,14 @@ class Levers(Protocol):
 
 
 def is_on(cfg: LearnerConfig, lever: str) -> bool:
-    return cfg.packs_padding_free if lever == "padding_free" else getattr(cfg, lever) is True
+    return cfg.levers.packs_padding_free if lever == "padding_free" else getattr(cfg.levers, lever) is True
 
 
 def switch_off(cfg: LearnerConfig, off: dict[str, str]) -> LearnerConfig:
     """`cfg` with each lever named in `off` set to false: a resumed or restarted run keeps the decisions its first
     start made (and does not pay a failing compile again)."""
     update = {k: False for k in off if k in LEVERS}
-    return cfg.model_copy(update=update) if update else cfg
+    return cfg.with_levers(**update) if update else cfg
 
 
 def injected_faults() -> set[str]:
@@ -158,7 +158,7 @@ def try_levers(levers: Levers, trainer, rebuild_optimizer: Callable[[], None]) -
             first = agree(attempt_micro_batch(trainer, faults), trainer)
             if first is not None:
                 off = _search(levers, trainer, in_play, first, faults)
-        if levers.cfg.fused_optimizer is True:
+        if levers.cfg.levers.fused_optimizer is True:
             error = agree(attempt_optimizer(trainer.optimizer, faults, fused=True), trainer)
             if error is not None:
                 levers.set("fused_optimizer", False)

@@ -12,7 +12,7 @@
 #    activation checkpointing auto), on 8 x 8k responses: --runs 1.5B:fixed 1.5B:mixed:padded 3B:mixed
 #    1.5B:mixed:packed. 1.5B fixed and mixed padded share one build (one compile, two batch shapes); only 1.5B fixed
 #    is profiled (--profile-first). The 1.5B fixed case and its bf16 publication beside the pinned-copy limit; mixed
-#    lengths padded; the 3B mixed case (and its publication); then the opt-in lever learner.padding_free=true
+#    lengths padded; the 3B mixed case (and its publication); then the opt-in lever learner.levers.padding_free=true
 #    (flex_attention on CUDA) on the same mixed lengths, for packed / padded. Its tables end with the "Done when",
 #    judged. Where a case failed (a lever broke on the GPU), the plain step (no compile, padded, full
 #    checkpointing) runs next, so the lease still measures a baseline step and the publication.
@@ -124,7 +124,7 @@ chosen_mode() {  # the checkpointing mode part 1's first case ran with (auto res
         "$OUTDIR/gpu-bench-defaults.json" 2>/dev/null
 }
 
-takes_mode() {  # whether this tree's learner.activation_checkpointing takes the mode's name (not only true/false)
+takes_mode() {  # whether this tree's learner.levers.activation_checkpointing takes the mode's name (not only true/false)
     "$PY" -c "import sys; sys.path.insert(0, '.'); from common.config import LearnerConfig; LearnerConfig(activation_checkpointing=sys.argv[1])" \
         "$1" 2>/dev/null
 }
@@ -148,7 +148,7 @@ if wanted ckpt; then
         if [ "$mode" = "$auto" ]; then
             echo "device_bench: checkpointing $mode: measured in part 1 (auto chose it)" >&2
         elif [ "$mode" != full ] && [ "$mode" != none ] && ! takes_mode "$mode"; then
-            echo "device_bench: SKIPPED ckpt-$mode: this tree's learner.activation_checkpointing has no $mode" >&2
+            echo "device_bench: SKIPPED ckpt-$mode: this tree's learner.levers.activation_checkpointing has no $mode" >&2
         else
             bench "ckpt-$mode" "${PART_S[ckpt]}" --runs $SIZE:fixed --activation-checkpointing "$mode" --no-profile \
                 --no-publish

@@ -68,7 +68,7 @@ def render() -> str:
     lines = ["# Configuration reference", "",
              "Generated from `common/config/` by `python scripts/gen_config_docs.py`; do not edit by hand.",
              "Set fields in a YAML file or as `dotted.key=value` overrides: "
-             "`exgrpo train config.yaml buffer.max_lag=0 learner.lr=1e-5`.",
+             "`exgrpo train config.yaml buffer.max_lag=0 learner.optim.lr=1e-5`.",
              "`exgrpo config [...]` prints the resolved configuration.",
              "A backend section (`generator.engine`, `learner.weight_sync`) is one of the kinds below, chosen by "
              "`kind`; a field given without `kind` picks it: the default kind's own fields keep it "

@@ -22,7 +22,7 @@ NAME=gpu-check-$(date +%Y%m%d-%H%M%S)
 OVERRIDES=(name="$NAME" checkpoint.runs_root="$ROOT" total_steps="$STEPS"
     model.dtype=bfloat16
     learner.num_gpus=0.5 learner.backend=nccl
-    learner.padding_free=true learner.micro_batch_tokens=4096
+    learner.levers.padding_free=true learner.batching.micro_batch_tokens=4096
     generator.num_generators=1 generator.num_gpus=0.5
     'generator.engine={kind: vllm, gpu_memory_utilization: 0.3}'
     'learner.weight_sync={kind: collective, backend: nccl}')

@@ -374,7 +374,7 @@ def test_the_resume_list_is_generated_from_resumable_fields():
 @pytest.mark.parametrize("broken, found", [
     ("exgrpo config buffer.max_lagg=1", "buffer.max_lagg"),
     ("exgrpo train --profiles", "--profiles"),
-    ("exgrpo config learner.clip_fresh=maybe", "learner.clip_fresh"),
+    ("exgrpo config learner.loss.clip_fresh=maybe", "learner.loss.clip_fresh"),
 ])
 def test_a_broken_doc_line_is_caught(broken, found):
     """The checks above see a wrong key or flag (the same path they take for a real doc line)."""

@@ -206,8 +206,9 @@ def test_pad_multiple_flag_sets_the_learner_s():
     from bench.gpu_bench import learner_config, parse_args
 
     cpu = torch.device("cpu")
-    assert learner_config(parse_args(["--quick", "--pad-multiple", "1"]), None, cpu, torch.float32).pad_multiple == 1
-    assert learner_config(parse_args(["--quick"]), None, cpu, torch.float32).pad_multiple == "auto"
+    one = learner_config(parse_args(["--quick", "--pad-multiple", "1"]), None, cpu, torch.float32)
+    assert one.levers.pad_multiple == 1
+    assert learner_config(parse_args(["--quick"]), None, cpu, torch.float32).levers.pad_multiple == "auto"
 
 
 def test_imports_neither_ray_nor_vllm_nor_mlflow():
@@ -234,7 +235,7 @@ def test_a_failing_case_is_a_row_with_its_error_the_next_case_runs_and_the_exit_
     assert proc.returncode == 1, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert [(x["case"], x.get("failed")) for x in r["runs"]] == [("fixed", True), ("publish", True)]
-    assert all(x["error"].startswith("ValueError: learner.attn_implementation: flash_attention_2 needs the flash_attn")
+    assert all(x["error"].startswith("ValueError: learner.levers.attn_implementation: flash_attention_2 needs the")
                for x in r["runs"])
     assert "Traceback" in proc.stderr and "FAILED: tiny fixed, tiny publish" in proc.stderr
     assert "| tiny | fixed |" in proc.stdout and r["publication"] == {}
@@ -279,7 +280,7 @@ def test_recompiles_are_graphs_built_after_the_first_step():
 
 
 def test_the_table_shows_what_auto_chose_and_from_which_numbers():
-    """The setup's note (learner.activation_checkpointing's own, from numbers worked by hand in
+    """The setup's note (learner.levers.activation_checkpointing's own, from numbers worked by hand in
     tests/learner/test_activation_checkpointing.py) read back into the JSON and the table's cell."""
     sys.path.insert(0, str(ROOT))
     from bench.gpu_report import checkpointing_cell, checkpointing_choice
@@ -288,7 +289,7 @@ def test_the_table_shows_what_auto_chose_and_from_which_numbers():
     gib = 2 ** 30
     shape = LayerShape(hidden=1024, kv_hidden=256, intermediate=4096, layers=10)
     choice = choose_checkpointing(MemoryBudget(free=75 * gib, total=80 * gib, share=0.5), 20 * gib, 16_384, shape, 2,
-                                  compiled=True, counted="learner.micro_batch_tokens")
+                                  compiled=True, counted="learner.batching.micro_batch_tokens")
     line = (f"learner levers on cuda: per-layer compile; activation checkpointing {choice.mode} ({choice.note()}); "
             "fused AdamW")
     got = checkpointing_choice(["learner micro-batches: padded (attention sdpa)", line])
@@ -302,7 +303,7 @@ def test_the_table_shows_what_auto_chose_and_from_which_numbers():
     assert checkpointing_choice(["activation checkpointing full (set)"])["auto"] is False
     # where only full fit the token budget, auto halved it for selective: the cell says so
     halved = choose_checkpointing(MemoryBudget(free=80 * gib, total=80 * gib, share=1.0), 66 * gib, 16_384, shape, 2,
-                                  counted="learner.micro_batch_tokens", floor=8192)
+                                  counted="learner.batching.micro_batch_tokens", floor=8192)
     got = checkpointing_choice([f"activation checkpointing {halved.mode} ({halved.note()}); fused AdamW"])
     assert (got["mode"], got["tokens"], got["halved_from"]) == ("selective", 8192, 16_384)
     assert checkpointing_cell({"activation_checkpointing": "selective"}, got) == (

@@ -77,7 +77,7 @@ class BufferConfig(Section):
     Must be at least one batch, so that the switch follows the batch accuracy as in the authors' code."""
     max_lag: int = Field(1, ge=0, le=1000)
     """Maximum age of a rollout in a batch, in learner steps (policy versions; one per batch whatever
-    learner.mini_batches is); 0 = synchronous training."""
+    learner.batching.mini_batches is); 0 = synchronous training."""
     last_chance_wait_s: float = Field(30.0, ge=0, le=86_400)
     """How long a whole batch may wait for groups still being generated that it is the last able to train within
     `max_lag` (instead of newer groups taking their places and those going stale: docs/design.md, "Bounded

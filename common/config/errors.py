@@ -3,7 +3,7 @@
 Every line starts with a path the user can type (a union's kind is not part of it), says what to write
 instead, and never shows pydantic's internal type names (`bool`, `literal['auto']`, "valid tuple"):
 - an unknown key gets the close names of its section, the kind of a union that has it, or the section
-  elsewhere that has a field of that name (`buffer.lr` -> `learner.lr`);
+  elsewhere that has a field of that name (`buffer.lr` -> `learner.optim.lr`);
 - a value given to a section (`tracking=false`) shows the section's fields and the form to write;
 - a mapping, a list or a choice shows an example or the values it takes.
 """
@@ -19,14 +19,16 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from common.config.base import yaml_value
-
+from common.config.learner import LEARNER_SECTIONS
 from common.config.schema import (Place, choices, example_value, leaf_paths, mapping_value, place, section_model,
                                   section_paths)
 
 LISTS = "`exgrpo config` lists every field"
 
-RENAMED = {"learner.official_world_size": "learner.loss_world_size"}
-"""Keys renamed since a release: an old name is refused with its new one (never accepted silently)."""
+RENAMED = {"learner.official_world_size": "learner.loss.loss_world_size",
+           **{f"learner.{name}": f"learner.{section}.{name}" for name, section in LEARNER_SECTIONS.items()}}
+"""Keys renamed since a release: an old name is refused with its new one (never accepted silently). The learner's
+flat fields moved into its sections (`learner.lr` -> `learner.optim.lr`)."""
 RENAMED_VALUES = {("buffer.fresh_draw", "official"): "per_step", ("buffer.trajectory_score", "official"): "chunk_window"}
 """Choices renamed since a release, by key and old value."""
 
@@ -80,7 +82,7 @@ def _message(e: dict, pl: Place) -> str:
         return _yaml_boolean(pl.dotted, value)
     msg = e["msg"].removeprefix("Value error, ")
     if kind != "value_error" and msg.startswith("Input should") and not isinstance(value, (dict, list)):
-        return f"{msg} (given {_shown(value)})"  # `learner.lr=fast`: the value as the user wrote it
+        return f"{msg} (given {_shown(value)})"  # `learner.optim.lr=fast`: the value as the user wrote it
     return msg
 
 
@@ -94,7 +96,7 @@ def _yaml_boolean(dotted: str, value: bool) -> str:
 
 
 def _item_problem(e: dict, pl: Place) -> str:
-    """`learner.betas=[x, 0.9]`: which item, what is wrong with it, and the form of the whole value."""
+    """`learner.optim.betas=[x, 0.9]`: which item, what is wrong with it, and the form of the whole value."""
     msg = e["msg"].removeprefix("Value error, ")
     if mapping_value(pl.field.annotation)[0]:
         quote = " (quote a number or true/false to make it text: '1')" if e["type"] == "string_type" else ""
@@ -158,6 +160,7 @@ def _suggest(pl: Place) -> str:
     name, section = pl.path[-1], ".".join(pl.path[:-1])
     prefix = section + "." if section else ""
     own = [n for n in (pl.model.model_fields if pl.model is not None else ()) if n != "kind"]
+    inner = _inner_fields(pl.model)
     exact = [p for p in _elsewhere(name, prefix) if p.rsplit(".", 1)[-1] == name]
     affix = [n for n in own if n.endswith("_" + name) or n.startswith(name + "_")]  # `data.path`: train_path
     if exact and section and not affix:  # `buffer.max_new_tokens`: generator's field of that name, not max_bytes
@@ -175,11 +178,24 @@ def _suggest(pl: Place) -> str:
                 keep = f", or {inner[0]} to keep kind {kind}" if inner else ""
                 return (f"{hit[0]} is a field of kind {other}, not of {kind}: set {upath}.kind={other} to use "
                         f"{upath}.{hit[0]}{keep}")
+    near = _near(name, list(inner)) if section else []  # `learner.learning_rate`: learner.optim.lr
+    if near:
+        return f"did you mean {_or([prefix + inner[n] for n in near])}? {LISTS}"
     elsewhere = _elsewhere(name, prefix)
     if elsewhere:
         where = f"not in {section}" if section else "in a section"
         return f"{name} is {where}: {_or(elsewhere)}; {LISTS}"
     return f"check the spelling; {LISTS}"
+
+
+def _inner_fields(model: type[BaseModel] | None) -> dict[str, str]:
+    """The fields of `model`'s own sections, by name: `lr` -> `optim.lr` in `learner`."""
+    out: dict[str, str] = {}
+    for sub, f in (model.model_fields.items() if model is not None else ()):
+        inner = section_model(f.annotation)
+        for n in (inner.model_fields if inner is not None else ()):
+            out.setdefault(n, f"{sub}.{n}")
+    return out
 
 
 def _elsewhere(name: str, prefix: str) -> list[str]:

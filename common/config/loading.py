@@ -108,7 +108,7 @@ def _set(raw: dict[str, Any], parts: list[str], value: Any) -> str | None:
 
 
 def _expand_dotted(node: dict[str, Any], model: type[BaseModel] = RunConfig) -> dict[str, Any]:
-    """A YAML config's dotted keys (`learner.lr: 1e-5`, the form experiment specs use) set the nested field,
+    """A YAML config's dotted keys (`learner.optim.lr: 1e-5`, the form experiment specs use) set the nested field,
     as on the command line; the keys of mapping fields (`node_labels: {ray.io/x: y}`) are left as they are."""
     for key in [k for k in node if isinstance(k, str) and "." in k and k.split(".")[0] in model.model_fields]:
         value = node.pop(key)

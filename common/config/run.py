@@ -72,24 +72,21 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _lr_schedule(self) -> RunConfig:
         """The schedule's horizon and warmup in steps, resolved once so the saved config carries them."""
-        lc = self.learner
-        if lc.warmup_ratio is not None and lc.warmup_steps:
-            raise ValueError("learner.warmup_ratio and learner.warmup_steps: set one of them")
-        if lc.min_lr > lc.lr:
-            raise ValueError(f"learner.min_lr: {lc.min_lr:g} is above learner.lr {lc.lr:g}")
+        opt = self.learner.optim
         update: dict[str, Any] = {}
-        horizon = lc.lr_decay_steps or self.total_steps
-        if lc.warmup_steps > horizon:
-            raise ValueError(f"learner.warmup_steps: {lc.warmup_steps} warmup steps outlast the schedule's {horizon} "
-                             f"steps ({'learner.lr_decay_steps' if lc.lr_decay_steps else 'total_steps'}): the "
-                             f"learning rate would never reach learner.lr; set learner.warmup_steps at most {horizon} "
-                             "(or learner.warmup_ratio), or raise total_steps")
-        if lc.lr_decay_steps is None and (lc.lr_schedule != "constant" or lc.warmup_ratio is not None):
+        horizon = opt.lr_decay_steps or self.total_steps
+        if opt.warmup_steps > horizon:
+            raise ValueError(f"learner.optim.warmup_steps: {opt.warmup_steps} warmup steps outlast the schedule's "
+                             f"{horizon} steps "
+                             f"({'learner.optim.lr_decay_steps' if opt.lr_decay_steps else 'total_steps'}): the "
+                             "learning rate would never reach learner.optim.lr; set learner.optim.warmup_steps at most "
+                             f"{horizon} (or learner.optim.warmup_ratio), or raise total_steps")
+        if opt.lr_decay_steps is None and (opt.lr_schedule != "constant" or opt.warmup_ratio is not None):
             update["lr_decay_steps"] = horizon
-        if lc.warmup_ratio is not None:
-            update.update(warmup_steps=round(lc.warmup_ratio * horizon), warmup_ratio=None)
+        if opt.warmup_ratio is not None:
+            update.update(warmup_steps=round(opt.warmup_ratio * horizon), warmup_ratio=None)
         if update:
-            self.learner = lc.model_copy(update=update)
+            self.learner = self.learner.model_copy(update={"optim": opt.model_copy(update=update)})
         return self
 
     @model_validator(mode="after")
@@ -109,9 +106,9 @@ class RunConfig(Section):
             )
         if self.generator.num_generators == 0 and not a.enabled:
             problems.append("generator.num_generators: 0 generators and no autoscale would never produce a batch")
-        if self.buffer.batch_questions % self.learner.mini_batches:
+        if self.buffer.batch_questions % self.learner.batching.mini_batches:
             problems.append(
-                f"learner.mini_batches: {self.learner.mini_batches} does not divide "
+                f"learner.batching.mini_batches: {self.learner.batching.mini_batches} does not divide "
                 f"buffer.batch_questions {self.buffer.batch_questions}"
             )
         ahead = self.buffer.batch_questions * (self.buffer.max_lag + 1)  # the most questions ever issued at once
@@ -147,10 +144,12 @@ class RunConfig(Section):
             problems.append("generator.engine.kind / reward.name: synthetic is a simulation for bench/cluster_sim.py; "
                             "its random tokens cannot train a model: use engine kind vllm, transformers or auto "
                             "and the task's reward")
-        budget, longest = self.learner.micro_batch_tokens, self.data.max_prompt_tokens + self.generator.max_new_tokens
+        budget = self.learner.batching.micro_batch_tokens
+        longest = self.data.max_prompt_tokens + self.generator.max_new_tokens
         if budget is not None and budget < longest:
-            problems.append(f"learner.micro_batch_tokens: {budget} cannot hold one row of data.max_prompt_tokens + "
-                            f"generator.max_new_tokens = {longest} tokens; raise it to at least {longest}")
+            problems.append(f"learner.batching.micro_batch_tokens: {budget} cannot hold one row of "
+                            f"data.max_prompt_tokens + generator.max_new_tokens = {longest} tokens; raise it to at "
+                            f"least {longest}")
         problems += self._sizes()
         ws = self.learner.weight_sync
         if isinstance(ws, CollectiveSyncConfig) and ws.backend == "nccl" and (
@@ -166,12 +165,12 @@ class RunConfig(Section):
         """Sizes that cannot work together: a mini-batch with fewer rows than learner ranks."""
         problems = []
         b, lc = self.buffer, self.learner
-        rows = b.batch_questions * b.group_size // lc.mini_batches
+        rows = b.batch_questions * b.group_size // lc.batching.mini_batches
         if lc.num_ranks > rows:
             problems.append(f"learner.num_ranks: {lc.num_ranks} ranks share {rows} rows per mini-batch "
                             f"(buffer.batch_questions {b.batch_questions} x buffer.group_size {b.group_size} / "
-                            f"learner.mini_batches {lc.mini_batches}): a rank would get none; set learner.num_ranks at "
-                            f"most {rows}, or raise buffer.batch_questions")
+                            f"learner.batching.mini_batches {lc.batching.mini_batches}): a rank would get none; set "
+                            f"learner.num_ranks at most {rows}, or raise buffer.batch_questions")
         return problems
 
 

@@ -3,8 +3,8 @@ and the line.
 
 PyYAML's `safe_load` lets the last of two equal keys win (`group_size: 8` ... `group_size: 4`, or a section given
 twice, whose first half is then dropped without a word), and reports errors `in "<unicode string>"`. `read_yaml`
-refuses a key given twice, also once dotted and once nested (`learner.lr: 1e-5` and `learner: {lr: 2e-5}`), and
-says where each problem is: `run.yaml, line 5: ...`.
+refuses a key given twice, also once dotted and once nested (`learner.optim.lr: 1e-5` and
+`learner: {optim: {lr: 2e-5}}`), and says where each problem is: `run.yaml, line 5: ...`.
 """
 
 from __future__ import annotations

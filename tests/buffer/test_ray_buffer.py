@@ -220,7 +220,7 @@ def test_an_idle_generator_long_polls_one_shard_and_gets_work_as_soon_as_it_come
 
 def test_the_clip_switch_acts_from_the_batch_after_the_one_that_fired_it(ray_cluster):
     """Issue 35 (3): the batch whose accuracy fires the mixed-mode switch was composed before it (all fresh) and is
-    still trained clipped under `learner.clip_fresh=auto` (`stats["mixed_mode"]`, which the learner reads, is 0);
+    still trained clipped under `learner.loss.clip_fresh=auto` (`stats["mixed_mode"]`, which the learner reads, is 0);
     the next batch is composed in mixed mode and unclipped. Batch accuracies 0.25, 0.5, 0.5, 0.5 at the threshold
     0.3 (window: one batch): the switch fires at batch 1, so the modes are 0, 0, 1, 1 (the official trainer clips
     step 1 and stops from step 2)."""

@@ -191,7 +191,7 @@ def test_write_is_atomic_and_leaves_no_temp_files(tmp_path):
 
 
 def test_learner_logprobs_replacing_written_records_reach_the_next_snapshot(tmp_path):
-    """A stored trajectory whose log-probs the learner replaced (learner.store_learner_logprobs) after it was
+    """A stored trajectory whose log-probs the learner replaced (learner.loss.store_learner_logprobs) after it was
     written is written again by the next snapshot (as a new record: the old segment no longer counts it), and a
     restore holds the learner's log-probs."""
     core = big_store_core(questions=20)

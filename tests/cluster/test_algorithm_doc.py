@@ -3,6 +3,7 @@ by `exgrpo config`, has the official hyper-parameters."""
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import subprocess
@@ -21,31 +22,31 @@ OFFICIAL = {  # the paper (arXiv 2510.02245) and its official code
     ("buffer", "replay_ratio"): 0.5,
     ("buffer", "fresh_draw"): "per_step",  # 128 fresh drawn per step, rho B of them replaced by replays
     ("buffer", "mixed_switch_accuracy"): 0.35,
-    ("learner", "mini_batches"): 2,
-    ("learner", "lr"): 1e-6,
-    ("learner", "clip_fresh"): "auto",  # clipped until mixed mode, not after
-    ("learner", "clip_low"): 0.2,
-    ("learner", "clip_high"): 0.2,
-    ("learner", "recompute_old_logprobs"): True,
-    ("learner", "loss_agg"): "constant",  # loss_remove_token_mean=True: sum / 8192
-    ("learner", "loss_constant"): 8192.0,
-    ("learner", "loss_world_size"): 8,  # FSDP averages over the official 8 GPUs: the divisor is 8192 * 8
-    ("learner", "entropy_agg"): "micro_batch",  # the entropy mean per micro-batch (use_dynamic_bsz), summed
-    ("learner", "micro_batch_tokens"): 32768,  # ppo_max_token_len_per_gpu
-    ("learner", "micro_batch_split"): "balanced",  # use_dynamic_bsz: ceil(tokens / 32768) parts, Karmarkar-Karp
-    ("learner", "store_learner_logprobs"): "auto",  # stores the recomputed old_log_probs (with recompute_old_logprobs)
-    ("learner", "shaping_beta"): 0.1,
+    ("learner.batching", "mini_batches"): 2,
+    ("learner.optim", "lr"): 1e-6,
+    ("learner.loss", "clip_fresh"): "auto",  # clipped until mixed mode, not after
+    ("learner.loss", "clip_low"): 0.2,
+    ("learner.loss", "clip_high"): 0.2,
+    ("learner.loss", "recompute_old_logprobs"): True,
+    ("learner.loss", "loss_agg"): "constant",  # loss_remove_token_mean=True: sum / 8192
+    ("learner.loss", "loss_constant"): 8192.0,
+    ("learner.loss", "loss_world_size"): 8,  # FSDP averages over the official 8 GPUs: the divisor is 8192 * 8
+    ("learner.loss", "entropy_agg"): "micro_batch",  # the entropy mean per micro-batch (use_dynamic_bsz), summed
+    ("learner.batching", "micro_batch_tokens"): 32768,  # ppo_max_token_len_per_gpu
+    ("learner.batching", "micro_batch_split"): "balanced",  # use_dynamic_bsz: ceil(tokens / 32768) parts, K-K
+    ("learner.loss", "store_learner_logprobs"): "auto",  # stores the recomputed old_log_probs (with recompute)
+    ("learner.loss", "shaping_beta"): 0.1,
     # mix_vllm_rollout appends EOS to every replayed o*, then cuts the response back to the length limit: a
     # full-length truncated o* keeps no EOS, as with replay_eos off (issue 52)
-    ("learner", "replay_eos"): False,
-    ("learner", "clip_ratio_c"): None,  # the official loss has no dual-clip (verl's vanilla has it at 3)
+    ("learner.loss", "replay_eos"): False,
+    ("learner.loss", "clip_ratio_c"): None,  # the official loss has no dual-clip (verl's vanilla has it at 3)
     ("model", "dtype"): "bfloat16",  # FSDP: bf16 compute, fp32 master weights, optimizer state, gradient reduction
     ("generator", "dtype"): "bfloat16",  # vLLM samples in bf16
-    ("learner", "policy_loss"): "ppo_clip",
-    ("learner", "entropy_coef"): 0.001,
-    ("learner", "kl_coef"): 0.0,
-    ("learner", "grad_clip"): 1.0,
-    ("learner", "std_normalize"): False,
+    ("learner.loss", "policy_loss"): "ppo_clip",
+    ("learner.loss", "entropy_coef"): 0.001,
+    ("learner.loss", "kl_coef"): 0.0,
+    ("learner.optim", "grad_clip"): 1.0,
+    ("learner.loss", "std_normalize"): False,
     ("generator", "max_new_tokens"): 8192,
     ("generator", "temperature"): 1.0,
     ("eval", "temperature"): 0.6,
@@ -70,7 +71,8 @@ def test_the_one_command_paper_run_has_the_official_hyper_parameters():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
-    got = {key: (cfg[key[0]] if key[0] else cfg)[key[1]] for key in OFFICIAL}
+    got = {key: functools.reduce(dict.get, key[0].split("."), cfg)[key[1]] if key[0] else cfg[key[1]]
+           for key in OFFICIAL}
     assert got == OFFICIAL
     # the derived divisor, printed under the YAML: the official gradient's scale at its GPU count (issue 35)
     assert "policy loss = the mini-batch's token sum / 65536 (loss_constant 8192 x loss_world_size 8)" in out.stdout

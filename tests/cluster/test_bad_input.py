@@ -51,8 +51,8 @@ def assert_refused(code: int, out: str, *expected: str) -> None:
     (["name=a/b"], ["name: 'a/b' is not a run name"]),
     (["reward.name=nosuch"], ["reward.name: unknown reward 'nosuch'", "countdown", "package.module:function"]),
     (["reward.name=mth"], ["reward.name: unknown reward 'mth'; did you mean math?"]),
-    (["learner.betas=[0.9, 1.0]"], ["learner.betas: beta2 = 1.0 is outside [0, 1)"]),
-    (["learner.betas=[-0.1, 0.9]"], ["learner.betas: beta1 = -0.1 is outside [0, 1)"]),
+    (["learner.optim.betas=[0.9, 1.0]"], ["learner.optim.betas: beta2 = 1.0 is outside [0, 1)"]),
+    (["learner.optim.betas=[-0.1, 0.9]"], ["learner.optim.betas: beta1 = -0.1 is outside [0, 1)"]),
     (["buffer.group_size", "8"], ["overrides are written key=value: did you mean buffer.group_size=8?"]),
     (["buffer.group_size", "=", "8"], ["did you mean buffer.group_size=8?"]),
     (["total_steps"], ["did you mean total_steps=<value>?"]),
@@ -67,17 +67,17 @@ def assert_refused(code: int, out: str, *expected: str) -> None:
      ["generator.engine: batch_rows is a field of kind transformers; max_num_seqs is a field of kind vllm: one kind "
       "at a time; set generator.engine.kind"]),
     (["generator.engine.kind=synthetic"], ["synthetic is a simulation for bench/cluster_sim.py"]),
-    (["learner.warmup_steps=500", "total_steps=10"],
-     ["learner.warmup_steps: 500 warmup steps outlast the schedule's 10 steps (total_steps): the learning rate would "
-      "never reach learner.lr; set learner.warmup_steps at most 10"]),
+    (["learner.optim.warmup_steps=500", "total_steps=10"],
+     ["learner.optim.warmup_steps: 500 warmup steps outlast the schedule's 10 steps (total_steps): the learning rate would "
+      "never reach learner.optim.lr; set learner.optim.warmup_steps at most 10"]),
     (["learner.num_ranks=4", "buffer.batch_questions=1", "buffer.group_size=2"],
      ["learner.num_ranks: 4 ranks share 2 rows per mini-batch (buffer.batch_questions 1 x buffer.group_size 2 / "
-      "learner.mini_batches 1): a rank would get none; set learner.num_ranks at most 2"]),
+      "learner.batching.mini_batches 1): a rank would get none; set learner.num_ranks at most 2"]),
     (["generator.questions_per_lease=10000", "buffer.batch_questions=1"],
      ["generator.questions_per_lease: 10000 is more than a lease can ever hold: the buffer issues at most "
       "buffer.batch_questions x (buffer.max_lag + 1) = 2 questions ahead", "set it at most 2"]),
-    (["learner.policy_loss=cispo", "learner.clip_fresh=auto"],
-     ["learner.clip_fresh=auto turns PPO's clip off", "learner.policy_loss=cispo has no unclipped form"]),
+    (["learner.loss.policy_loss=cispo", "learner.loss.clip_fresh=auto"],
+     ["learner.loss.clip_fresh=auto turns PPO's clip off", "learner.loss.policy_loss=cispo has no unclipped form"]),
 ])
 def test_bad_config_is_refused_naming_the_field(capsys, args, expected):
     code, out = cli(capsys, "config", *args)

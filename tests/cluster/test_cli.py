@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_config_prints_resolved_yaml_with_overrides(capsys, tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("buffer:\n  group_size: 4\n")
-    assert main(["config", str(f), "buffer.max_lag=0", "learner.lr=1e-5"]) == 0
+    assert main(["config", str(f), "buffer.max_lag=0", "learner.optim.lr=1e-5"]) == 0
     out = yaml.safe_load(capsys.readouterr().out)
-    assert out["buffer"]["group_size"] == 4 and out["buffer"]["max_lag"] == 0 and out["learner"]["lr"] == 1e-5
+    assert out["buffer"]["group_size"] == 4 and out["buffer"]["max_lag"] == 0 and out["learner"]["optim"]["lr"] == 1e-5
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,7 @@ def test_config_prints_resolved_yaml_with_overrides(capsys, tmp_path):
     [
         (["buffer.group_size=1"], "buffer.group_size: Input should be greater than or equal to 2"),
         (["buffer.grup_size=4"], "buffer.grup_size: unknown field"),
-        (["learner.mini_batches=3"], "learner.mini_batches: 3 does not divide buffer.batch_questions 16"),
+        (["learner.batching.mini_batches=3"], "learner.batching.mini_batches: 3 does not divide buffer.batch_questions 16"),
         (["generator.engine.kind=tpu"], "generator.engine"),
         (["=3"], "=3: an override is written key=value"),
         (["buffer.replay_ratio=abc"], "buffer.replay_ratio: Input should be a valid number"),

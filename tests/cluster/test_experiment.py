@@ -36,8 +36,8 @@ def test_the_bundled_spec_loads_and_bad_specs_say_what_to_change(tmp_path):
     for name in ("ablations", "multi_epoch"):  # retirement isolated: ExGRPO with buffer.retire=false, nothing else
         assert load_spec(name).variants["exgrpo_no_retire"] == {"buffer.retire": False}
     assert spec.variants["su01"] == {"buffer.store_below": 2, "buffer.retire_above": 4, "buffer.replay_ratio": 0.25}
-    assert overrides({"learner.shaping_beta": None, "buffer.replay_ratio": 0.25}) == [
-        "learner.shaping_beta=null", "buffer.replay_ratio=0.25"]
+    assert overrides({"learner.loss.shaping_beta": None, "buffer.replay_ratio": 0.25}) == [
+        "learner.loss.shaping_beta=null", "buffer.replay_ratio=0.25"]
     base = dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}})
     with pytest.raises(SpecError, match=r"variants.b: buffer.grup_size: unknown field"):
         load_spec(write(tmp_path, {**base, "variants": {"a": {}, "b": {"buffer.grup_size": 3}}}))
@@ -66,7 +66,7 @@ def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, caps
                 base={"total_steps": 50, "checkpoint.every_steps": 0, "eval.every_steps": 1, "eval.questions": 16,
                       "eval.samples": 2, "generator.engine.kind": "transformers", "cluster.address": joined.address},
                 variants={"exgrpo": {}, "grpo": {"buffer.replay_ratio": 0, "buffer.collect": False,
-                                                 "learner.policy_loss": "cispo"}})
+                                                 "learner.loss.policy_loss": "cispo"}})
     runs = tmp_path / "runs"
     spec_file = write(tmp_path, spec)
     cmd = [sys.executable, "-m", "cluster.cli", "experiment", spec_file, "--runs-root", str(runs)]
@@ -74,7 +74,7 @@ def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, caps
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results, rest = out.stdout.split("What the buffer did")
     mechanism, costs = rest.split("What it cost")
-    costs, loss = costs.split("What the policy loss did")  # a variant sets learner.policy_loss: the loss's table
+    costs, loss = costs.split("What the policy loss did")  # a variant sets learner.loss.policy_loss: the loss's table
     rows = [line for line in results.splitlines() if line.startswith(("| exgrpo", "| grpo"))]
     assert len(rows) == 2 and all("| 1 |" in r for r in rows), out.stdout
     assert all(0 < float(r.split(" | ")[3]) < 0.2 for r in rows), results  # the evaluation's SE, logged by each run

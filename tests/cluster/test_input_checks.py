@@ -234,10 +234,10 @@ def _imports(package: str) -> bool:
 def test_flash_attention_that_does_not_import_is_refused_before_ray_naming_sdpa_and_eager(capsys, tmp_path):
     from learner.levers import attention_problem
 
-    says = ("learner.attn_implementation: flash_attention_2 needs the flash_attn package, which does not import here "
-            "(No module named 'flash_attn'); set learner.attn_implementation=sdpa (transformers' default) or eager")
-    _config_and_train(capsys, tmp_path, "learner.attn_implementation=flash_attention_2", expected=says)
+    says = ("learner.levers.attn_implementation: flash_attention_2 needs the flash_attn package, which does not import here "
+            "(No module named 'flash_attn'); set learner.levers.attn_implementation=sdpa (transformers' default) or eager")
+    _config_and_train(capsys, tmp_path, "learner.levers.attn_implementation=flash_attention_2", expected=says)
     assert attention_problem("flash_attention_2").startswith(says)  # what a cluster's learner rank says at its start
     assert attention_problem("sdpa") is None and attention_problem(None) is None
-    code, out = cli(capsys, "config", "learner.attn_implementation=flash_attention_2", "cluster.address=auto")
+    code, out = cli(capsys, "config", "learner.levers.attn_implementation=flash_attention_2", "cluster.address=auto")
     assert "does not import here" not in out  # on a cluster the learner's node decides

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("loss, extra", [
     ("gspo", ("generator.num_generators=2",)),
-    ("cispo", ("learner.loss_agg=seq_mean_token_mean", "learner.replay_loss=policy_loss")),
+    ("cispo", ("learner.loss.loss_agg=seq_mean_token_mean", "learner.loss.replay_loss=policy_loss")),
     ("sapo", ()),
 ])
 def test_two_steps_train_with_each_policy_loss(nodes, runs_root, loss, extra):
-    r = run_train(runs_root, loss, f"cluster.address={nodes.address}", f"learner.policy_loss={loss}", *extra,
+    r = run_train(runs_root, loss, f"cluster.address={nodes.address}", f"learner.loss.policy_loss={loss}", *extra,
                   "total_steps=2", "checkpoint.every_steps=0", "generator.engine.kind=transformers",
                   "buffer.mixed_switch_accuracy=0", "buffer.collect_before_mixed=true", "tracking.log_plots=false",
                   timeout_s=600, env=_env())
@@ -37,7 +37,7 @@ def test_two_steps_train_with_each_policy_loss(nodes, runs_root, loss, extra):
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED", "joining"
     assert_balanced(accounting(run.data.metrics))
-    assert client.get_run(run_id).data.params["learner.policy_loss"] == loss
+    assert client.get_run(run_id).data.params["learner.loss.policy_loss"] == loss
     for key in ("learner/clip_frac", "learner/fresh_ratio_mean", "learner/loss"):
         values = [v for _, v in history(client, run_id, key)]
         assert len(values) == 2 and all(math.isfinite(v) for v in values), (key, values)

@@ -41,7 +41,7 @@ def real_shaped_model(tmp_path_factory) -> Path:
 def test_real_vocabulary_and_512_token_responses_train_end_to_end(tmp_path, real_shaped_model, joined):
     r = run_train(tmp_path, "shapes", f"model.path={real_shaped_model}", "data.task=think_arith",
                   "generator.engine.kind=vllm", f"generator.max_new_tokens={NEW_TOKENS}", "buffer.batch_questions=2",
-                  "buffer.group_size=4", "learner.micro_batch_tokens=2048", "learner.padding_free=true", "learner.mini_batches=2", "total_steps=2",
+                  "buffer.group_size=4", "learner.batching.micro_batch_tokens=2048", "learner.levers.padding_free=true", "learner.batching.mini_batches=2", "total_steps=2",
                   "checkpoint.every_steps=0", "eval.every_steps=0", "tracking.log_plots=false", *joined.overrides,
                   env=joined.env)
     assert r.returncode == 0, r.stdout[-4000:]

@@ -53,9 +53,9 @@ def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothi
     # the lever drill rides along: compile and fused AdamW on, both made to fail their trial at the first start
     drill = {**os.environ, "EXGRPO_LEVER_FAULTS": "compile,fused_optimizer"}
     with train_process(runs_root, "resume", "total_steps=100000", "checkpoint.every_steps=4",
-                       "checkpoint.keep_last=10", "cluster.max_restarts=2", "learner.lr_schedule=linear",
-                       "learner.warmup_steps=3", "learner.lr_decay_steps=20", "learner.compile=true",
-                       "learner.compile_backend=aot_eager", "learner.fused_optimizer=true", env=drill) as p:
+                       "checkpoint.keep_last=10", "cluster.max_restarts=2", "learner.optim.lr_schedule=linear",
+                       "learner.optim.warmup_steps=3", "learner.optim.lr_decay_steps=20", "learner.levers.compile=true",
+                       "learner.levers.compile_backend=aot_eager", "learner.levers.fused_optimizer=true", env=drill) as p:
         wait_for(lambda: len(state(run_dir).get("checkpoints", [])) >= 1 or p.poll() is not None, 600,
                  "the first checkpoint")
         ranks = _learner_ranks(p.pid)
@@ -106,10 +106,10 @@ def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothi
     from common.config import LearnerConfig
     from learner.schedule import learning_rate
 
-    lc = LearnerConfig(lr_schedule="linear", warmup_steps=3, lr_decay_steps=20)
+    lc = LearnerConfig(optim=dict(lr_schedule="linear", warmup_steps=3, lr_decay_steps=20))
     lrs = history(client, run_id, "learner/lr")
     assert {s for s, _ in lrs} == set(range(1, total + 1))
-    assert all(v == pytest.approx(learning_rate(lc, s - 1)) for s, v in lrs), lrs
+    assert all(v == pytest.approx(learning_rate(lc.optim, s - 1)) for s, v in lrs), lrs
     assert {v for _, v in history(client, run_id, "learner/levers_off")} == {2.0}
     acc = accounting(run.data.metrics)
     assert_balanced(acc)

@@ -24,7 +24,7 @@ from tests.cluster.runs import accounting, assert_balanced, mlflow_client, run_t
 
 pytestmark = pytest.mark.slow
 
-PAPER_ASYNC = ("learner.mini_batches=2", "buffer.num_shards=2", "buffer.max_lag=1")
+PAPER_ASYNC = ("learner.batching.mini_batches=2", "buffer.num_shards=2", "buffer.max_lag=1")
 SLOWS_DOWN = ("generator.num_generators=2", "reward.name=tests.common.reward_fns:countdown_slows_down")
 
 

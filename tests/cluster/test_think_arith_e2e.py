@@ -50,8 +50,8 @@ def test_think_arith_trains_in_bfloat16_with_the_chat_template_and_math_verify(t
       object store, which that sync leaves empty, so this run keeps the object store.)"""
     r = run_train(tmp_path, "think", "data.task=think_arith", "total_steps=3", "checkpoint.every_steps=3",
                   "tracking.log_plots=false", "eval.every_steps=3", "eval.questions=16", "eval.samples=2",
-                  "model.dtype=bfloat16", "generator.engine.kind=transformers", "learner.tis_cap=2",
-                  "learner.icepop_band=[0.25,4]", "learner.mis=truncate", "learner.mis_cap=4", "learner.overlong=mask",
+                  "model.dtype=bfloat16", "generator.engine.kind=transformers", "learner.loss.tis_cap=2",
+                  "learner.loss.icepop_band=[0.25,4]", "learner.loss.mis=truncate", "learner.loss.mis_cap=4", "learner.loss.overlong=mask",
                   *joined.overrides, timeout_s=900, env=joined.env)
     assert r.returncode == 0, r.stdout[-4000:]
     assert "step 3/3" in r.stdout

@@ -25,7 +25,7 @@ def test_metrics_params_text_and_plots_reach_sqlite_store(tmp_path):
     tr = Tracker(uri, "exp-test", flush_every_s=0.2)
     run_id = tr.start("r1")
     assert run_id
-    tr.log_params({"buffer.group_size": 8, "learner.lr": 1e-4})
+    tr.log_params({"buffer.group_size": 8, "learner.optim.lr": 1e-4})
     tr.log_text("a: 1\n", "config.yaml")
     for step in range(1, 6):
         tr.log_metrics({"train/reward_mean": step / 10, "buffer/bucket_3": step, "staleness/lag_0": 4.0,

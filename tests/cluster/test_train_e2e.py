@@ -128,7 +128,7 @@ def test_train_improves_heldout_accuracy_logs_everything_and_balances(runs_root,
 
 
 def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_stops_cleanly(runs_root, joined):
-    """learner.mini_batches=2, 2 FSDP ranks, 2 buffer shards, rho 0.5, max_lag 1, the paper's lr 1e-6 with bf16
+    """learner.batching.mini_batches=2, 2 FSDP ranks, 2 buffer shards, rho 0.5, max_lag 1, the paper's lr 1e-6 with bf16
     engines and delta weight publications relayed between generators (collective, a chain), while `exgrpo scale`
     takes the generators 1 -> 3 -> 1 and SIGTERM then stops the run: it trains, the version advances once per step,
     versions are relayed, replay starts, the accounting balances, and it stops cleanly (final checkpoint, run marked
@@ -150,11 +150,11 @@ def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_st
                              env=joined.env)
         assert out.returncode == 0, out.stdout + out.stderr
 
-    with train_process(runs_root, "paper", "total_steps=1000", "learner.mini_batches=2", "learner.num_ranks=2",
+    with train_process(runs_root, "paper", "total_steps=1000", "learner.batching.mini_batches=2", "learner.num_ranks=2",
                        "buffer.num_shards=2", *joined.overrides, "checkpoint.every_steps=0",
                        "tracking.log_plots=false", "generator.engine.kind=vllm", "learner.weight_sync.kind=collective",
                        "learner.weight_sync.relay_fanout=1", "learner.weight_sync.delta=true",
-                       "learner.lr=1e-6", "generator.dtype=bfloat16", env=joined.env) as p:
+                       "learner.optim.lr=1e-6", "generator.dtype=bfloat16", env=joined.env) as p:
         wait_for(lambda: generators() == 1 or p.poll() is not None, 600, "the first logged step")
         assert p.poll() is None, read_log(runs_root, "paper")
         scale(3)
@@ -197,7 +197,7 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, join
     heldout = runs_root / "sync-heldout.jsonl"
     heldout.write_text("".join(json.dumps(row) + "\n" for row in test[:16]))
     r = run_train(runs_root, "sync", "total_steps=6", "buffer.max_lag=0", "checkpoint.every_steps=0",
-                  "learner.lr_schedule=cosine", "learner.warmup_steps=2", "learner.min_lr=1e-5", "eval.every_steps=3", "eval.samples=2", f"eval.sets.countdown.path={heldout}",
+                  "learner.optim.lr_schedule=cosine", "learner.optim.warmup_steps=2", "learner.optim.min_lr=1e-5", "eval.every_steps=3", "eval.samples=2", f"eval.sets.countdown.path={heldout}",
                   f"eval.sets.strict.path={heldout}", "eval.sets.strict.reward=exact", "eval.sets.strict.samples=3",
                   "eval.sets.strict.temperature=1.0", *joined.overrides, env=joined.env)
     assert r.returncode == 0, r.stdout[-4000:]
@@ -221,10 +221,10 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, join
     from common.config import LearnerConfig
     from learner.schedule import learning_rate
 
-    lc = LearnerConfig(lr_schedule="cosine", warmup_steps=2, min_lr=1e-5, lr_decay_steps=6)
+    lc = LearnerConfig(optim=dict(lr_schedule="cosine", warmup_steps=2, min_lr=1e-5, lr_decay_steps=6))
     lrs = history(client, run_id, "learner/lr")
     assert [s for s, _ in lrs] == list(range(1, 7))
-    assert [v for _, v in lrs] == pytest.approx([learning_rate(lc, s - 1) for s, _ in lrs])
+    assert [v for _, v in lrs] == pytest.approx([learning_rate(lc.optim, s - 1) for s, _ in lrs])
     assert lrs[1][1] == pytest.approx(1e-4) and lrs[-1][1] < lrs[2][1]  # the peak after the warmup, then lower
     acc = accounting(_final_metrics(runs_root, "sync"))
     assert_balanced(acc)

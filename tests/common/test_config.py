@@ -23,8 +23,8 @@ def test_defaults_are_valid_and_round_trip_through_yaml(tmp_path):
 
 
 def test_overrides_are_parsed_as_yaml_values():
-    cfg = load_config(None, ["buffer.group_size=4", "learner.shaping_beta=null", "generator.stop=[a, b]"])
-    assert cfg.buffer.group_size == 4 and cfg.learner.shaping_beta is None and cfg.generator.stop == ["a", "b"]
+    cfg = load_config(None, ["buffer.group_size=4", "learner.loss.shaping_beta=null", "generator.stop=[a, b]"])
+    assert cfg.buffer.group_size == 4 and cfg.learner.loss.shaping_beta is None and cfg.generator.stop == ["a", "b"]
 
 
 @pytest.mark.parametrize(
@@ -34,12 +34,12 @@ def test_overrides_are_parsed_as_yaml_values():
         ("buffer.grup_size=8", "buffer.grup_size: unknown field"),
         ("reward.timeout_s=abc", "reward.timeout_s: Input should be a valid number"),
         ("model.toy.num_heads=4", "hidden_size / num_heads = 96/4 must be 32, 64 or 128"),
-        ("learner.mini_batches=3", "learner.mini_batches: 3 does not divide buffer.batch_questions 16"),
+        ("learner.batching.mini_batches=3", "learner.batching.mini_batches: 3 does not divide buffer.batch_questions 16"),
         ("reward.name=arithmetic",
          "reward.name: arithmetic cannot score the countdown task; set reward.name=countdown"),
         ("nonsense", "nonsense: an override is written key=value"),
         ("buffer.group_size.x=1", "buffer.group_size.x: group_size is a value, not a section"),
-        ("learner.attn_implementation=flash2", "learner.attn_implementation: 'flash2' is not an "
+        ("learner.levers.attn_implementation=flash2", "learner.levers.attn_implementation: 'flash2' is not an "
                                                 "attention implementation transformers knows: use one of sdpa"),
     ],
 )
@@ -135,8 +135,8 @@ def load_config_text(text: str):
     (None, "auto", False), ("sdpa", "auto", False), ("flash_attention_2", "auto", True),
     ("kernels-community/flash-attn2", "auto", True), ("sdpa", True, True), ("flash_attention_3", False, False)])
 def test_padding_free_auto_follows_the_attention(attn, padding_free, packs):
-    cfg = load_config(None, [f"learner.attn_implementation={attn or 'null'}", f"learner.padding_free={padding_free}"])
-    assert cfg.learner.packs_padding_free is packs
+    cfg = load_config(None, [f"learner.levers.attn_implementation={attn or 'null'}", f"learner.levers.padding_free={padding_free}"])
+    assert cfg.learner.levers.packs_padding_free is packs
 
 
 # ------------------------------------------------------------- accepted without a word before (issue 51, part B)

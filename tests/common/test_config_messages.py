@@ -26,11 +26,11 @@ def refused(capsys, *args: str) -> str:
 @pytest.mark.parametrize("args, says", [
     # a key in the wrong section names the section where it lives
     (["learner.max_lag=1"], "learner.max_lag: unknown field (max_lag is not in learner: buffer.max_lag"),
-    (["buffer.lr=1e-5"], "buffer.lr: unknown field (lr is not in buffer: learner.lr or model.toy.lr"),
+    (["buffer.lr=1e-5"], "buffer.lr: unknown field (lr is not in buffer: learner.optim.lr or model.toy.lr"),
     (["generator.group_size=4"], "generator.group_size: unknown field (group_size is not in generator: "
                                  "buffer.group_size"),
-    (["lr=1e-5"], "lr: unknown field (lr is in a section: learner.lr or model.toy.lr"),
-    (["learner.learning_rate=1e-5"], "learner.learning_rate: unknown field (did you mean learner.lr?"),
+    (["lr=1e-5"], "lr: unknown field (lr is in a section: learner.optim.lr or model.toy.lr"),
+    (["learner.learning_rate=1e-5"], "learner.learning_rate: unknown field (did you mean learner.optim.lr?"),
     (["data.path=q.jsonl"], "data.path: unknown field (did you mean data.train_path, data.test_path or "
                             "data.chat_template_path?"),
     # paths without the kind's name, with a did-you-mean
@@ -50,8 +50,8 @@ def refused(capsys, *args: str) -> str:
      "generator.engine: batch_rows is a field of kind transformers; max_num_seqs is a field of kind vllm: one kind "
      "at a time; set generator.engine.kind"),
     # no pydantic type names
-    (["learner.clip_fresh=maybe"], "learner.clip_fresh: 'maybe' is not one of true, false, auto"),
-    (["learner.padding_free=maybe"], "learner.padding_free: 'maybe' is not one of true, false, auto"),
+    (["learner.loss.clip_fresh=maybe"], "learner.loss.clip_fresh: 'maybe' is not one of true, false, auto"),
+    (["learner.levers.padding_free=maybe"], "learner.levers.padding_free: 'maybe' is not one of true, false, auto"),
     (["generator.dtype=fp8"], "generator.dtype: 'fp8' is not one of float32, bfloat16, float16, null"),
     (["generator.engine.kind=tpu"], "generator.engine: kind 'tpu' is not one of vllm, transformers, auto"),
     # a value given to a section shows the form
@@ -64,22 +64,24 @@ def refused(capsys, *args: str) -> str:
     (["buffer.max_new_tokens=64"], "buffer.max_new_tokens: unknown field (max_new_tokens is not in buffer: "
                                    "generator.max_new_tokens;"),  # an exact name elsewhere beats buffer.max_bytes
     (["model.dtype=bf16"], "model.dtype: 'bf16' is not one of float32, bfloat16, float16; did you mean bfloat16?"),
-    (["learner.padding_free=ture"], "learner.padding_free: 'ture' is not one of true, false, auto; did you mean true?"),
-    (["learner.lr=fast"], "learner.lr: Input should be a valid number, unable to parse string as a number (given "
-                          "'fast')"),
+    (["learner.levers.padding_free=ture"],
+     "learner.levers.padding_free: 'ture' is not one of true, false, auto; did you mean true?"),
+    (["learner.optim.lr=fast"], "learner.optim.lr: Input should be a valid number, unable to parse string as a number "
+                                "(given 'fast')"),
     (["buffer.group_size=1"], "buffer.group_size: Input should be greater than or equal to 2 (given 1)"),
-    (["learner.compile_cache_dir=cache"], "learner.compile_cache_dir: 'cache' is relative, and a learner rank's "
-                                          "working folder is Ray's, not yours: give an absolute path"),
+    (["learner.levers.compile_cache_dir=cache"], "learner.levers.compile_cache_dir: 'cache' is relative, and a learner "
+                                                 "rank's working folder is Ray's, not yours: give an absolute path"),
     (["generator.node_labels=H100"], "generator.node_labels: a mapping, not 'H100': write "
                                      "generator.node_labels.<key>=<value>"),
     # lists and tuples with an example
-    (["learner.betas=0.9"], "learner.betas: a list of 2 numbers, written [a, b], not 0.9: e.g. "
-                            "learner.betas=[0.9, 0.999]"),
-    (["learner.icepop_band=2"], "e.g. learner.icepop_band=[0.5, 2.0]"),
+    (["learner.optim.betas=0.9"], "learner.optim.betas: a list of 2 numbers, written [a, b], not 0.9: e.g. "
+                                  "learner.optim.betas=[0.9, 0.999]"),
+    (["learner.loss.icepop_band=2"], "e.g. learner.loss.icepop_band=[0.5, 2.0]"),
     (["generator.stop=3"], "generator.stop: a list, written [a, b]"),
-    (["learner.betas=[x, 0.9]"], "learner.betas: item 1 'x': Input should be a valid number, unable to parse string "
-                                 "as a number (a list of 2 numbers, written [a, b], e.g. learner.betas=[0.9, 0.999])"),
-    (["learner.betas=[0.9]"], "learner.betas: item 2 is missing (a list of 2 numbers"),
+    (["learner.optim.betas=[x, 0.9]"], "learner.optim.betas: item 1 'x': Input should be a valid number, unable to "
+                                       "parse string as a number (a list of 2 numbers, written [a, b], e.g. "
+                                       "learner.optim.betas=[0.9, 0.999])"),
+    (["learner.optim.betas=[0.9]"], "learner.optim.betas: item 2 is missing (a list of 2 numbers"),
     (["generator.node_labels.group=1"], "generator.node_labels.group: Input should be a valid string (quote a number"),
     # the limit of a name
     (["name=" + "r" * 101], "name: 101 characters; a run name is at most 100"),
@@ -108,6 +110,25 @@ def test_fields_of_a_union_without_kind_pick_the_kind():
     assert ws.kind == "object_store" and ws.delta
 
 
+def test_every_flat_learner_key_that_moved_into_a_section_is_refused_with_its_new_name(tmp_path):
+    """`learner.lr` -> `learner.optim.lr`, ... : each of the 53 fields that left the flat learner, given on the
+    command line or nested in a YAML file, gets one line naming its section; none is taken silently."""
+    from common.config import BatchingConfig, ConfigError, LeversConfig, LossConfig, OptimConfig
+
+    moved = {f"learner.{name}": f"learner.{section}.{name}" for section, model in
+             (("optim", OptimConfig), ("batching", BatchingConfig), ("levers", LeversConfig), ("loss", LossConfig))
+             for name in model.model_fields}
+    assert len(moved) == 53 and moved["learner.lr"] == "learner.optim.lr"
+    assert moved["learner.clip_low"] == "learner.loss.clip_low" and moved["learner.compile"] == "learner.levers.compile"
+    for old, new in moved.items():
+        nested = tmp_path / "run.yaml"
+        nested.write_text(f"learner:\n  {old.split('.')[1]}: 1\n")
+        for args in ((None, [f"{old}=1"]), (nested, [])):
+            with pytest.raises(ConfigError) as e:
+                load_config(*args)
+            assert f"{old}: renamed: set {new} instead (same meaning)" in e.value.lines, e.value.lines
+
+
 def test_a_dotted_label_key_is_one_key():
     cfg = load_config(None, ["generator.node_labels.ray.io/accelerator-type=H100", "learner.node_labels.group=train"])
     assert cfg.generator.node_labels == {"ray.io/accelerator-type": "H100"}
@@ -116,17 +137,17 @@ def test_a_dotted_label_key_is_one_key():
 
 def test_dotted_keys_in_a_yaml_config_set_nested_fields(tmp_path):
     f = tmp_path / "run.yaml"
-    f.write_text("learner.lr: 1.0e-5\nbuffer:\n  max_lag: 0\n  replay_ratio: 0.25\n"
+    f.write_text("learner.optim.lr: 1.0e-5\nbuffer:\n  max_lag: 0\n  replay_ratio: 0.25\n"
                  "generator:\n  engine.kind: vllm\n  node_labels: {ray.io/accelerator-type: H100}\n")
     cfg = load_config(f)
-    assert cfg.learner.lr == 1e-5 and cfg.buffer.max_lag == 0 and cfg.generator.engine.kind == "vllm"
+    assert cfg.learner.optim.lr == 1e-5 and cfg.buffer.max_lag == 0 and cfg.generator.engine.kind == "vllm"
     assert cfg.generator.node_labels == {"ray.io/accelerator-type": "H100"}
 
 
 def test_a_second_config_file_is_named_as_one(capsys, tmp_path):
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     a.write_text("buffer: {max_lag: 0}\n")
-    b.write_text("learner: {lr: 1.0e-5}\n")
+    b.write_text("learner: {optim: {lr: 1.0e-5}}\n")
     err = refused(capsys, str(a), str(b))
     assert f"{b}: one config file per command (the config is {a}); merge the files, or give {b}'s settings as " \
            "key=value overrides" in err
@@ -189,15 +210,15 @@ def test_no_line_shows_pydantic_internals_or_a_kind_tag():
 @pytest.mark.parametrize("content, says", [
     (b"buffer:\n  group_size: 8\n  group_size: 4\n",
      "a.yaml, line 3: group_size is given twice (lines 2 and 3); the second would replace the first"),
-    (b"buffer:\n  group_size: 8\nlearner: {lr: 1.0e-5}\nbuffer:\n  max_lag: 0\n",
+    (b"buffer:\n  group_size: 8\nlearner: {optim: {lr: 1.0e-5}}\nbuffer:\n  max_lag: 0\n",
      "a.yaml, line 4: buffer is given twice (lines 1 and 4); the second would replace the first (a section given "
      "twice loses the first one's keys): keep one"),
-    (b"learner.lr: 1.0e-5\nlearner:\n  lr: 2.0e-5\n",
-     "a.yaml, line 3: learner.lr is given twice, once as a dotted key and once nested in its section (lines 1 and "
-     "3); keep one"),
+    (b"learner.optim.lr: 1.0e-5\nlearner:\n  optim:\n    lr: 2.0e-5\n",
+     "a.yaml, line 4: learner.optim.lr is given twice, once as a dotted key and once nested in its section (lines 1 "
+     "and 4); keep one"),
     (b"learner.lora: {rank: 8}\nlearner:\n  lora:\n    alpha: 16\n", "learner.lora is given twice"),
     (b"buffer:\n\tgroup_size: 8\n", "a.yaml, line 2: a tab; YAML indents with spaces only"),
-    (b"buffer: {group_size: 8}\n---\nlearner: {lr: 1}\n",
+    (b"buffer: {group_size: 8}\n---\nlearner: {optim: {lr: 1}}\n",
      "a.yaml, line 2: a second YAML document ('---'); one file holds one document"),
     (b"buffer: [1, 2\n", "a.yaml, line 2: not valid YAML: expected ',' or ']', but got '<stream end>' (while "
                          "parsing a flow sequence that starts on line 1)"),
@@ -226,10 +247,10 @@ def test_a_hub_id_as_model_path_says_how_to_download_it(capsys):
 
 
 def test_the_compile_cache_dir_is_absolute_with_home_expanded():
-    home = load_config(None, ["learner.compile_cache_dir=~/inductor"]).learner.compile_cache_dir
+    home = load_config(None, ["learner.levers.compile_cache_dir=~/inductor"]).learner.levers.compile_cache_dir
     assert home == str(Path.home() / "inductor")
-    assert load_config(None, ["learner.compile_cache_dir=/shared/c"]).learner.compile_cache_dir == "/shared/c"
-    assert load_config(None, []).learner.compile_cache_dir is None
+    assert load_config(None, ["learner.levers.compile_cache_dir=/shared/c"]).learner.levers.compile_cache_dir == "/shared/c"
+    assert load_config(None, []).learner.levers.compile_cache_dir is None
 
 
 @pytest.mark.parametrize("text, field, value", [("name: on\n", "name", "true"), ("data: {question_field: no}\n",
@@ -282,7 +303,7 @@ def test_a_test_path_without_a_train_path_is_refused_not_ignored(capsys, tmp_pat
 
 
 @pytest.mark.parametrize("override, line", [
-    ("learner.official_world_size=8", "learner.official_world_size: renamed: set learner.loss_world_size instead"),
+    ("learner.official_world_size=8", "learner.official_world_size: renamed: set learner.loss.loss_world_size instead"),
     ("buffer.fresh_draw=official", "buffer.fresh_draw: 'official' was renamed: set buffer.fresh_draw=per_step"),
     ("buffer.trajectory_score=official",
      "buffer.trajectory_score: 'official' was renamed: set buffer.trajectory_score=chunk_window"),

@@ -1,4 +1,4 @@
-"""The chunked head's compiled block math (`learner.compile_head_math`, opt-in) is exact on CUDA: log-probs,
+"""The chunked head's compiled block math (`learner.levers.compile_head_math`, opt-in) is exact on CUDA: log-probs,
 entropies and gradients of the hidden states and the head's weight against autograd through full logits, at
 Qwen2.5's vocabulary, in bfloat16 (the learner's compute dtype) and float32, beside the eager chunked head. Until
 this has passed on a GPU the switch stays off by default there (issue 49).

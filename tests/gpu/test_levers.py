@@ -44,7 +44,7 @@ def _close(a: dict, b: dict, rtol: float) -> None:
 
 
 def test_per_layer_compile_trains_a_step_as_eager(device):
-    cfg = LearnerConfig(compile=False)
+    cfg = LearnerConfig(levers=dict(compile=False))
     eager = prepare_model(small_qwen2(device), cfg)
     compiled = prepare_model(small_qwen2(device), cfg)
     assert apply_compile(compiled, BACKEND[device.type]) == 2
@@ -62,7 +62,7 @@ def test_per_layer_compile_trains_a_step_as_eager(device):
 def test_flex_attention_packing_matches_padded_forward_and_backward(device, compiled):
     if device.type != "cuda":
         pytest.skip("flex_attention has no backward on the CPU (the dry run's device)")
-    cfg = LearnerConfig(compile=False)
+    cfg = LearnerConfig(levers=dict(compile=False))
     padded = prepare_model(small_qwen2(device, attn="sdpa"), cfg)
     packed = prepare_model(small_qwen2(device, attn="flex_attention"), cfg)
     if compiled:

@@ -1,5 +1,5 @@
-"""Activation checkpointing (learner.activation_checkpointing): full and selective train what none trains, on one rank, under
-per-layer compile and on 2 FSDP2 ranks; "auto" chooses from memory by numbers worked by hand."""
+"""Activation checkpointing (learner.levers.activation_checkpointing): full and selective train what none trains, on one
+rank, under per-layer compile and on 2 FSDP2 ranks; "auto" chooses from memory by numbers worked by hand."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from common.config import LearnerConfig, LoRAConfig
+from tests.learner import sectioned
 from learner.batching import batch_rows, collate
 from learner.activation_checkpointing import (AUTO_MODES, RESERVE, SELECTIVE_RAN_ON_GPU, USABLE, LayerShape, MemoryBudget,
                                    activation_bytes, agreed_budget, apply_checkpointing, bytes_per_token,
@@ -30,13 +31,13 @@ GIB = 2 ** 30
 
 
 def test_config_takes_the_four_modes_and_the_old_booleans():
-    assert LearnerConfig().activation_checkpointing == "auto"
+    assert LearnerConfig().levers.activation_checkpointing == "auto"
     for mode in ("auto", "full", "selective", "none"):
-        assert LearnerConfig(activation_checkpointing=mode).activation_checkpointing == mode
-    assert LearnerConfig(activation_checkpointing=True).activation_checkpointing == "full"
-    assert LearnerConfig(activation_checkpointing=False).activation_checkpointing == "none"
+        assert LearnerConfig(levers=dict(activation_checkpointing=mode)).levers.activation_checkpointing == mode
+    assert LearnerConfig(levers=dict(activation_checkpointing=True)).levers.activation_checkpointing == "full"
+    assert LearnerConfig(levers=dict(activation_checkpointing=False)).levers.activation_checkpointing == "none"
     with pytest.raises(ValueError, match="'auto', 'full', 'selective' or 'none'"):
-        LearnerConfig(activation_checkpointing="layer")
+        LearnerConfig(levers=dict(activation_checkpointing="layer"))
 
 
 def test_a_saved_config_with_the_boolean_loads_and_resumes_unchanged(tmp_path):
@@ -45,11 +46,11 @@ def test_a_saved_config_with_the_boolean_loads_and_resumes_unchanged(tmp_path):
     from common.config import load_config, resume_config
 
     f = tmp_path / "run.yaml"
-    f.write_text("learner:\n  activation_checkpointing: true\n")
+    f.write_text("learner:\n  levers:\n    activation_checkpointing: true\n")
     saved = load_config(f)
-    assert saved.learner.activation_checkpointing == "full"
+    assert saved.learner.levers.activation_checkpointing == "full"
     cfg, changes = resume_config(saved, [])
-    assert cfg.learner.activation_checkpointing == "full" and changes == {}
+    assert cfg.learner.levers.activation_checkpointing == "full" and changes == {}
 
 
 # ------------------------------------------------------------------------------------------------- auto, by hand
@@ -102,8 +103,8 @@ def test_the_micro_batch_is_the_token_budget_or_the_rows_a_rank_trains():
     assert micro_batch_tokens(cfg, 8448) == (540_672, "64 rows x 8448 tokens")
     assert micro_batch_tokens(cfg, 8448, rows=8) == (67_584, "8 rows x 8448 tokens")
     assert micro_batch_tokens(cfg, 8448, rows=100) == (540_672, "64 rows x 8448 tokens")
-    budget = LearnerConfig(micro_batch_tokens=18_432)
-    assert micro_batch_tokens(budget, 8448, rows=8) == (18_432, "learner.micro_batch_tokens")
+    budget = LearnerConfig(batching=dict(micro_batch_tokens=18_432))
+    assert micro_batch_tokens(budget, 8448, rows=8) == (18_432, "learner.batching.micro_batch_tokens")
 
 
 @pytest.mark.parametrize("state_gib, want, want_without_selective", [(40, "none", "none"), (64, "selective", "full"),
@@ -123,11 +124,11 @@ def test_auto_takes_the_least_recompute_that_fits(state_gib, want, want_without_
     assert note == (f"auto: {left:.1f} GiB left = 0.9 x 80.0 GiB budget (free 80.0, GPU share 1 of 80.0) - 2.0 "
                     f"reserve - {state_gib:.1f} weights, gradients and AdamW state, activations of {TOKENS} tokens x "
                     f"kB/token none 600.1, selective 292.9, full 95.2 = none 9.2, selective 4.5, full 1.5 GiB"
-                    + (", even full may not fit: lower learner.micro_batch_tokens (or micro_batch_rows), or add "
+                    + (", even full may not fit: lower learner.batching.micro_batch_tokens (or micro_batch_rows), or add "
                        "learner ranks" if state_gib == 69.5 else ""))
     assert ";" not in note  # the levers' notes are joined by semicolons
     assert without.note().endswith("selective not auto's without compile (it has run on a GPU compiled only)" + (
-        ", even full may not fit: lower learner.micro_batch_tokens (or micro_batch_rows), or add learner ranks"
+        ", even full may not fit: lower learner.batching.micro_batch_tokens (or micro_batch_rows), or add learner ranks"
         if state_gib == 69.5 else ""))
 
 
@@ -146,7 +147,7 @@ def test_where_only_full_fits_auto_halves_a_token_budget_for_selective():
     choice = choose_checkpointing(whole(80), 66 * GIB, TOKENS, SHAPE, 2, floor=8192)
     assert (choice.mode, choice.tokens, choice.halved_from) == ("selective", 8192, TOKENS)
     assert "activations of 8192 tokens" in choice.note()
-    assert "learner.micro_batch_tokens halved from 16384 so that selective fits" in choice.note()
+    assert "learner.batching.micro_batch_tokens halved from 16384 so that selective fits" in choice.note()
     for kept in (choose_checkpointing(whole(80), 66 * GIB, TOKENS, SHAPE, 2, floor=8193),
                  choose_checkpointing(whole(80), 66 * GIB, TOKENS, SHAPE, 2),
                  choose_checkpointing(whole(80), 66 * GIB, TOKENS, SHAPE, 2, modes=("none", "full"), floor=8192)):
@@ -188,12 +189,12 @@ def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    cfg = LearnerConfig(micro_batch_rows=4, compile=False)
+    cfg = LearnerConfig(batching=dict(micro_batch_rows=4), levers=dict(compile=False))
     got, note = resolve_checkpointing(cfg, model, CPU, torch.float32, world=1, max_length=100)
-    assert got.activation_checkpointing == "none" and note == "activation checkpointing none (auto: not CUDA)"
-    got, note = resolve_checkpointing(cfg.model_copy(update={"activation_checkpointing": "selective"}), model,
+    assert got.levers.activation_checkpointing == "none" and note == "activation checkpointing none (auto: not CUDA)"
+    got, note = resolve_checkpointing(cfg.with_levers(activation_checkpointing="selective"), model,
                                       torch.device("cuda"), torch.bfloat16, world=1, max_length=100)
-    assert got.activation_checkpointing == "selective" and note == "activation checkpointing selective (set)"
+    assert got.levers.activation_checkpointing == "selective" and note == "activation checkpointing selective (set)"
 
     shape, state = LayerShape.of(model.config), state_bytes(model, 2)
     assert shape == LayerShape(hidden=64, kv_hidden=64, intermediate=192, layers=2)
@@ -202,35 +203,35 @@ def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir)
     budget = MemoryBudget(free=memory, total=memory, share=1.0)
     cuda = torch.device("cuda")
     got, note = resolve_checkpointing(cfg, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
-    assert got.activation_checkpointing == "full"  # eager none does not fit; eager selective is not auto's
+    assert got.levers.activation_checkpointing == "full"  # eager none does not fit; eager selective is not auto's
     assert "selective not auto's without compile" in note
     assert "activations of 400 tokens (4 rows x 100 tokens)" in note and "GPU share 1 of" in note
     # the rows one rank trains per update: 2 of them, 200 tokens, none fits
     got, note = resolve_checkpointing(cfg, model, cuda, torch.bfloat16, world=2, max_length=100, rows=2,
                                       budget=budget)
-    assert got.activation_checkpointing == "none" and "activations of 200 tokens (2 rows x 100 tokens)" in note
-    tokens = cfg.model_copy(update={"micro_batch_tokens": 100})  # a quarter of the tokens: none fits
+    assert got.levers.activation_checkpointing == "none" and "activations of 200 tokens (2 rows x 100 tokens)" in note
+    tokens = cfg.model_copy(update={"batching": cfg.batching.model_copy(update={"micro_batch_tokens": 100})})  # a quarter of the tokens: none fits
     got, note = resolve_checkpointing(tokens, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
-    assert got.activation_checkpointing == "none" and "activations of 100 tokens (learner.micro_batch_tokens)" in note
+    assert got.levers.activation_checkpointing == "none" and "activations of 100 tokens (learner.batching.micro_batch_tokens)" in note
     # per-layer compile under inductor: a budget where compiled none just fits, eager none does not
-    compiled = cfg.model_copy(update={"compile": True})
+    compiled = cfg.with_levers(compile=True)
     memory = int((RESERVE + state + activation_bytes("none", 400, shape, 2, compiled=True)) / USABLE) + 1
     budget = MemoryBudget(free=memory, total=memory, share=1.0)
     got, note = resolve_checkpointing(compiled, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
-    assert got.activation_checkpointing == "none" and note.startswith("activation checkpointing none (auto, compiled:")
-    eager_backend = compiled.model_copy(update={"compile_backend": "aot_eager"})  # no partitioner: eager's bytes
+    assert got.levers.activation_checkpointing == "none" and note.startswith("activation checkpointing none (auto, compiled:")
+    eager_backend = compiled.with_levers(compile_backend="aot_eager")  # no partitioner: eager's bytes
     got, _ = resolve_checkpointing(eager_backend, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
-    assert got.activation_checkpointing == "full"
+    assert got.levers.activation_checkpointing == "full"
     # a token budget of 20,000 where selective fits only at half of it: auto halves it, the cfg carries the half
     memory = int((RESERVE + state + activation_bytes("selective", 10_000, shape, 2)) / USABLE) + 1
     budget = MemoryBudget(free=memory, total=memory, share=1.0)
-    tokens = compiled.model_copy(update={"micro_batch_tokens": 20_000})
+    tokens = compiled.model_copy(update={"batching": compiled.batching.model_copy(update={"micro_batch_tokens": 20_000})})
     got, note = resolve_checkpointing(tokens, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
-    assert (got.activation_checkpointing, got.micro_batch_tokens) == ("selective", 10_000)
-    assert "learner.micro_batch_tokens halved from 20000 so that selective fits" in note
+    assert (got.levers.activation_checkpointing, got.batching.micro_batch_tokens) == ("selective", 10_000)
+    assert "learner.batching.micro_batch_tokens halved from 20000 so that selective fits" in note
     # not below the longest row: a 12,000-token row keeps the budget and recomputes
     got, note = resolve_checkpointing(tokens, model, cuda, torch.bfloat16, world=2, max_length=12_000, budget=budget)
-    assert (got.activation_checkpointing, got.micro_batch_tokens) == ("full", 20_000) and "halved" not in note
+    assert (got.levers.activation_checkpointing, got.batching.micro_batch_tokens) == ("full", 20_000) and "halved" not in note
 
 
 def _saved_outside_checkpoints(model, mb) -> int:
@@ -259,7 +260,7 @@ def test_the_estimate_counts_what_autograd_keeps_in_the_tiny_model(tiny_model_di
     saved = {}
     for mode in ("none", "full", "selective"):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
-        model = prepare_model(model, LearnerConfig(activation_checkpointing=mode)).train()
+        model = prepare_model(model, LearnerConfig(levers=dict(activation_checkpointing=mode))).train()
         mb = collate(_rows(1), 0, CPU)
         saved[mode] = _saved_outside_checkpoints(model, mb)
     estimate = activation_bytes("none", mb.input_ids.numel(), LayerShape.of(model.config), 2)
@@ -277,7 +278,7 @@ def _rows(seed: int):
 def _step(model_dir, **overrides):
     from transformers import AutoModelForCausalLM
 
-    cfg = LearnerConfig(**{"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides})
+    cfg = LearnerConfig(**sectioned({"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides}))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if cfg.lora is not None:  # as learner.setup does: adapters before the head, checkpointing and compile
         apply_lora(model, cfg.lora)
@@ -405,7 +406,8 @@ TWO_RANKS = textwrap.dedent("""
     agreed = agreed_budget(own, torch.device("cpu"))
     got["agreed"] = [agreed.free, agreed.total, agreed.share]
     for mode in ("none", "full", "selective"):
-        cfg = LearnerConfig(micro_batch_rows=2, mini_batches=2, lr=1e-3, activation_checkpointing=mode)
+        cfg = LearnerConfig(batching=dict(micro_batch_rows=2, mini_batches=2), optim=dict(lr=1e-3),
+                            levers=dict(activation_checkpointing=mode))
         built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
                            max_new_tokens=40)
         stats = built.trainer.run(make_batch(4, candidates=2))
@@ -456,8 +458,8 @@ def test_a_compile_that_fails_after_auto_chose_from_compiled_bytes_warns_in_one_
     compiled = "activation checkpointing none (auto, compiled: 7.0 GiB left = ...)"
     failed = {"compile": "InductorError: ..."}
     line = eager_fallback_note("none", compiled, failed)
-    assert line.startswith("learner.compile failed its trial after activation checkpointing auto chose none")
-    assert "set learner.activation_checkpointing=full" in line and "\n" not in line
+    assert line.startswith("learner.levers.compile failed its trial after activation checkpointing auto chose none")
+    assert "set learner.levers.activation_checkpointing=full" in line and "\n" not in line
     assert "eager selective" in eager_fallback_note("selective", compiled.replace("none", "selective", 1), failed)
     assert eager_fallback_note("full", compiled, failed) is None
     assert eager_fallback_note("none", "activation checkpointing none (set)", failed) is None

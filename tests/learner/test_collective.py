@@ -75,8 +75,8 @@ def learner_logits(pool: LearnerPool, model_path: str, ids: list[int]) -> torch.
 
 
 def make_pool(model_dir, run: str, ranks: int) -> LearnerPool:
-    cfg = LearnerConfig(num_ranks=ranks, micro_batch_rows=3, mini_batches=2, lr=1e-3, publish_timeout_s=30,
-                        weight_sync=SYNC)
+    cfg = LearnerConfig(num_ranks=ranks, publish_timeout_s=30, weight_sync=SYNC,
+                        batching=dict(micro_batch_rows=3, mini_batches=2), optim=dict(lr=1e-3))
     return LearnerPool(cfg, str(model_dir), run=run, namespace=NS, max_new_tokens=12)
 
 
@@ -284,8 +284,8 @@ def test_buckets_gathered_into_the_servers_buffers_are_held_without_a_copy_or_a_
 
 
 def test_versions_packed_from_the_gathers_buckets_survive_the_buffers_reuse():
-    """Rank 0 packs the gather's flat buckets (views into one reused host buffer on the CPU) as they come: each becomes one
-    held bucket in the same layout, copied at once, so version 1 pulled after version 2 reused the buffers is still
+    """Rank 0 packs the gather's flat buckets (views into one reused host buffer on the CPU) as they come: each becomes
+    one held bucket in the same layout, copied at once, so version 1 pulled after version 2 reused the buffers is still
     version 1, and a tied head travels once."""
     from common.messages import WeightsAnnouncement
     from common.modeling import init_tiny_qwen2

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from common.config import LearnerConfig, LoRAConfig
+from tests.learner import sectioned
 from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
 from learner.batching import batch_rows, collate
 from learner.forward import check_packing, forward_stats, prepare_model
@@ -45,24 +46,24 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
      (False, False, False, None)),
 ])
 def test_auto_follows_the_device_and_every_decision_is_explained(overrides, device, dtype, flash, want):
-    cfg, notes = resolve_levers(LearnerConfig(**overrides), device, dtype, flash=flash, flex=True)
-    assert (cfg.compile, cfg.fused_optimizer, cfg.padding_free, cfg.attn_implementation) == want
-    assert cfg.packs_padding_free is want[2]
+    cfg, notes = resolve_levers(LearnerConfig(**sectioned(overrides)), device, dtype, flash=flash, flex=True)
+    assert (cfg.levers.compile, cfg.levers.fused_optimizer, cfg.levers.padding_free, cfg.levers.attn_implementation) == want
+    assert cfg.levers.packs_padding_free is want[2]
     assert len(notes) == 3 and all("(" in n for n in notes)  # each says why
     assert ("set" in notes[0]) == ("compile" in overrides)
 
 
 def test_packing_on_cuda_is_opt_in_and_says_why():
     cfg, notes = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=True)
-    assert cfg.padding_free is False and "opt-in (learner.padding_free=true)" in notes[2]
-    cfg, notes = resolve_levers(LearnerConfig(padding_free=True), CUDA, torch.bfloat16, flash=False, flex=False)
-    assert cfg.padding_free is True and cfg.attn_implementation is None and "dense mask" in notes[2]
+    assert cfg.levers.padding_free is False and "opt-in (learner.levers.padding_free=true)" in notes[2]
+    cfg, notes = resolve_levers(LearnerConfig(levers=dict(padding_free=True)), CUDA, torch.bfloat16, flash=False, flex=False)
+    assert cfg.levers.padding_free is True and cfg.levers.attn_implementation is None and "dense mask" in notes[2]
 
 
 def _step(model_dir, **overrides):
     from transformers import AutoModelForCausalLM
 
-    cfg = LearnerConfig(**{"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides})
+    cfg = LearnerConfig(**sectioned({"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides}))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if cfg.lora is not None:  # as learner.setup does: adapters before the head and compile, only they train
         apply_lora(model, cfg.lora)
@@ -253,11 +254,11 @@ def test_setup_builds_the_levers_it_logs(tiny_model_dir, caplog):
     says so in the start log."""
     from learner.setup import setup_rank
 
-    cfg = LearnerConfig(fused_optimizer=True, compile=True, compile_backend="eager")
+    cfg = LearnerConfig(levers=dict(fused_optimizer=True, compile=True, compile_backend="eager"))
     with caplog.at_level(logging.INFO, logger="learner.setup"):
         built = setup_rank(cfg, str(tiny_model_dir), rank=0, world=1, device=CPU, dtype=torch.float32,
                            max_new_tokens=12)
-    assert built.optimizer.defaults["fused"] is True and built.trainer.cfg.compile is True
+    assert built.optimizer.defaults["fused"] is True and built.trainer.cfg.levers.compile is True
     assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in built.model.model.layers)
     log = " ".join(r.getMessage() for r in caplog.records)
     assert "compile on (set)" in log and "AdamW fused" in log and "padded micro-batches (auto: not CUDA" in log
@@ -266,14 +267,14 @@ def test_setup_builds_the_levers_it_logs(tiny_model_dir, caplog):
 # ------------------------------------------------------------------------------------------------- compile once
 
 def test_resolve_rounds_padded_lengths_on_cuda_only():
-    """learner.pad_multiple auto: 64 on CUDA (said in the padded note), 1 elsewhere; a set value stays."""
+    """learner.levers.pad_multiple auto: 64 on CUDA (said in the padded note), 1 elsewhere; a set value stays."""
     cfg, notes = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=True)
-    assert cfg.pad_multiple == 64 and "multiple of 64 (learner.pad_multiple)" in notes[2]
+    assert cfg.levers.pad_multiple == 64 and "multiple of 64 (learner.levers.pad_multiple)" in notes[2]
     cfg, notes = resolve_levers(LearnerConfig(), CPU, torch.float32, flash=False, flex=True)
-    assert cfg.pad_multiple == 1 and "pad_multiple" not in notes[2]
-    assert resolve_levers(LearnerConfig(pad_multiple=128), CPU, torch.float32)[0].pad_multiple == 128
+    assert cfg.levers.pad_multiple == 1 and "pad_multiple" not in notes[2]
+    assert resolve_levers(LearnerConfig(levers=dict(pad_multiple=128)), CPU, torch.float32)[0].levers.pad_multiple == 128
     with pytest.raises(ValueError, match="give a token count from 1 .* not 0"):
-        LearnerConfig(pad_multiple=0)
+        LearnerConfig(levers=dict(pad_multiple=0))
 
 
 @pytest.mark.parametrize("multiple", [8, 64])
@@ -289,7 +290,7 @@ def test_rounded_lengths_give_the_same_values_and_gradients(tiny_model_dir, mult
     out = {}
     for m in (1, multiple):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        model = prepare_model(model, LearnerConfig(pad_multiple=m)).train()
+        model = prepare_model(model, LearnerConfig(levers=dict(pad_multiple=m))).train()
         mb = collate(rows, 0, CPU)
         logp, ent, _ = forward_stats(model, mb)  # [R, L-1] each
         assert logp.shape == mb.response_mask.shape
@@ -326,7 +327,7 @@ import json, sys, torch
 from torch._dynamo.utils import counters
 from learner.compile_cache import enable_cache, load_compile_cache_folder, save_compile_cache
 mode, path = sys.argv[1], sys.argv[2]
-note = enable_cache(path if mode == "dir" else None)  # dir: learner.compile_cache_dir, over TORCHINDUCTOR_CACHE_DIR
+note = enable_cache(path if mode == "dir" else None)  # dir: learner.levers.compile_cache_dir, over the env var
 loaded = load_compile_cache_folder(path) if mode == "load" else None  # the names of the files loaded
 torch.compile(lambda x: torch.cos(x) * 3 + 1)(torch.randn(8))
 saved = save_compile_cache(path) if mode == "save" else None
@@ -340,8 +341,8 @@ def test_inductors_cache_persists_on_the_machine_and_travels_in_a_file(tmp_path,
     artifacts to a file; the file goes the way a lease's does (packed into $OUT by scripts/device_out.py, unpacked
     here into the next call's carry, gzip'd); a second process on a fresh cache folder loads it and compiles nothing
     (an FX graph cache hit); a third on the first's folder, without the file, hits the on-disk cache, and so does a
-    fourth whose TORCHINDUCTOR_CACHE_DIR is a fresh folder but whose `learner.compile_cache_dir` is the first's (a
-    rank on a new node, the folder shared). A missing or corrupt file is one line and False."""
+    fourth whose TORCHINDUCTOR_CACHE_DIR is a fresh folder but whose `learner.levers.compile_cache_dir` is the first's
+    (a rank on a new node, the folder shared). A missing or corrupt file is one line and False."""
     import importlib.util
     import json
     import shutil
@@ -372,7 +373,7 @@ def test_inductors_cache_persists_on_the_machine_and_travels_in_a_file(tmp_path,
                                                                    "saved": None, "hits": 1}
     assert run("none", "a", tmp_path / "cache.bin")["hits"] == 1
     shared = run("dir", "fresh", tmp_path / "a")
-    assert shared["hits"] == 1 and f"cache in {tmp_path / 'a'} (learner.compile_cache_dir)" in shared["note"], shared
+    assert shared["hits"] == 1 and f"cache in {tmp_path / 'a'} (learner.levers.compile_cache_dir)" in shared["note"], shared
     (tmp_path / "corrupt.bin").write_bytes(b"not a cache")
     (tmp_path / "corrupt.bin.gz").write_bytes(b"not gzip")
     with caplog.at_level(logging.INFO, logger="learner.compile_cache"):
@@ -385,12 +386,12 @@ def test_inductors_cache_persists_on_the_machine_and_travels_in_a_file(tmp_path,
 
 def test_compile_auto_stays_off_below_the_minimum_width_on_cuda():
     """A toy width's step is launch-bound: compile "auto" is off there (the first update is not spent compiling),
-    on at a real width, and learner.compile=true compiles any width."""
+    on at a real width, and learner.levers.compile=true compiles any width."""
     from learner.levers import COMPILE_MIN_WIDTH
     toy, _ = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=True, width=96)
     real, _ = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=True, width=COMPILE_MIN_WIDTH)
-    forced, _ = resolve_levers(LearnerConfig(compile=True), CUDA, torch.bfloat16, flash=False, flex=True, width=96)
+    forced, _ = resolve_levers(LearnerConfig(levers=dict(compile=True)), CUDA, torch.bfloat16, flash=False, flex=True, width=96)
     unknown, _ = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=True)
-    assert (toy.compile, real.compile, forced.compile, unknown.compile) == (False, True, True, True)
+    assert (toy.levers.compile, real.levers.compile, forced.levers.compile, unknown.levers.compile) == (False, True, True, True)
     _, notes = resolve_levers(LearnerConfig(), CUDA, torch.bfloat16, flash=False, flex=True, width=96)
     assert "hidden size of 96 is below 512" in notes[0]

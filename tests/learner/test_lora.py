@@ -14,6 +14,7 @@ import torch
 from pydantic import ValidationError
 
 from common.config import LearnerConfig, LoRAConfig, load_config
+from tests.learner import sectioned
 from learner.gather import gather_full_state
 from learner.lora import LoRALinear, adapter_names, adapters_disabled, apply_lora, init_adapters, lora_modules
 from learner.setup import setup_rank
@@ -88,7 +89,7 @@ def test_merged_publication_is_w_plus_scaled_ba_and_loads_into_plain_transformer
 
 
 def _rank_model(model_dir, learner=None, **lora):
-    cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(**lora), **(learner or {}))
+    cfg = LearnerConfig(**sectioned({"micro_batch_rows": 4, "lr": 1e-2, "lora": LoRAConfig(**lora), **(learner or {})}))
     return setup_rank(cfg, str(model_dir), rank=0, world=1, device=CPU, dtype=torch.float32, max_new_tokens=40)
 
 
@@ -118,7 +119,8 @@ def _learner_rank(model_dir, **lora):
 
     threads = torch.get_num_threads()
     try:
-        r = LearnerRank(LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(**lora)), str(model_dir),
+        r = LearnerRank(LearnerConfig(lora=LoRAConfig(**lora), batching=dict(micro_batch_rows=4),
+                                      optim=dict(lr=1e-2)), str(model_dir),
                         rank=0, world=1, max_new_tokens=40, run="t", namespace=None)
     finally:
         torch.set_num_threads(threads)  # LearnerRank sets this process's threads to its num_cpus
@@ -183,7 +185,7 @@ def _param_count(built) -> int:
 
 
 def test_kl_reference_is_the_base_with_adapters_disabled_and_no_second_copy(tiny_model_dir):
-    """learner.kl_coef > 0 under LoRA: no reference model is built (the parameters are the base's plus the
+    """learner.loss.kl_coef > 0 under LoRA: no reference model is built (the parameters are the base's plus the
     adapters', where full training holds two whole models), the reference log-probs are exactly the base model's
     with B != 0 while the policy's differ, and the adapters come back on after the block, even after an error."""
     built = _rank_model(tiny_model_dir, {"kl_coef": 0.5}, rank=4)
@@ -191,7 +193,8 @@ def test_kl_reference_is_the_base_with_adapters_disabled_and_no_second_copy(tiny
     base_params = sum(p.numel() for p in _plain(tiny_model_dir).parameters())
     adapters = sum(p.numel() for n, p in built.model.named_parameters() if n in adapter_names(built.model))
     assert _param_count(built) == base_params + adapters
-    full = setup_rank(LearnerConfig(micro_batch_rows=4, kl_coef=0.5), str(tiny_model_dir), rank=0, world=1,
+    full = setup_rank(LearnerConfig(batching=dict(micro_batch_rows=4),
+                                    loss=dict(kl_coef=0.5)), str(tiny_model_dir), rank=0, world=1,
                       device=CPU, dtype=torch.float32, max_new_tokens=40)
     assert full.ref_model is not None and _param_count(full) == 2 * base_params  # what LoRA no longer loads
 
@@ -345,7 +348,7 @@ TWO_RANKS = textwrap.dedent("""
     rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(rank=3, alpha=6.0))
+    cfg = LearnerConfig(batching=dict(micro_batch_rows=4), optim=dict(lr=1e-2), lora=LoRAConfig(rank=3, alpha=6.0))
     built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
                        max_new_tokens=40)
     init = get_model_state_dict(built.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -401,8 +404,9 @@ TWO_RANKS_KL = textwrap.dedent("""
     rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, lora=LoRAConfig(rank=3, alpha=6.0), kl_coef=0.5,
-                        mini_batches=2, activation_checkpointing=True)
+    cfg = LearnerConfig(batching=dict(micro_batch_rows=4, mini_batches=2), optim=dict(lr=1e-2),
+                        lora=LoRAConfig(rank=3, alpha=6.0), loss=dict(kl_coef=0.5),
+                        levers=dict(activation_checkpointing=True))
     built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
                        max_new_tokens=40)
     stats = built.trainer.run(make_batch(0, groups=2, candidates=1))
@@ -476,7 +480,8 @@ BF16_RANK = textwrap.dedent("""
     dist.init_process_group("gloo" if device.type == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
                             rank=0, world_size=1)
     torch.set_num_threads(1)
-    kw = dict(micro_batch_rows=4, lr=1e-2, kl_coef=0.5, activation_checkpointing=True)
+    kw = dict(batching=dict(micro_batch_rows=4), optim=dict(lr=1e-2), loss=dict(kl_coef=0.5),
+              levers=dict(activation_checkpointing=True))
     built = setup_rank(LearnerConfig(lora=LoRAConfig(rank=4), **kw), model_dir, rank=0, world=1, device=device,
                        dtype=torch.bfloat16, max_new_tokens=40)
     plain = setup_rank(LearnerConfig(**kw), model_dir, rank=0, world=1, device=device, dtype=torch.bfloat16,
@@ -527,7 +532,8 @@ BF16_RANK = textwrap.dedent("""
     torch.save({"same": torch.equal(ref, base), "gap": float((ref - base)[on].abs().max()),
                 "policy_gap": float((policy - base)[on].abs().max()), "kl_loss": stats.sums["kl_loss"],
                 "updates": stats.updates, "no_copy": built.ref_model is None,
-                "dtypes": {k: str(v.dtype) for k, v in mine.items()}, "f32_dtypes": {k: str(v.dtype) for k, v in theirs.items()},
+                "dtypes": {k: str(v.dtype) for k, v in mine.items()},
+                "f32_dtypes": {k: str(v.dtype) for k, v in theirs.items()},
                 "same_policy": torch.equal(policy, policy_f32),
                 "same_adapters": all(torch.equal(mine[k], theirs[k]) for k in adapters),
                 "base_bytes": (nbytes(mine), nbytes(theirs)), "resumed": resumed}, out)

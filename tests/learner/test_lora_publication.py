@@ -23,8 +23,8 @@ RANK, ALPHA = 3, 6.0
                                   CollectiveSyncConfig(timeout_s=20, bucket_mb=0.01)],
                          ids=["object_store", "collective"])
 def test_two_ranks_publish_adapters_only_and_a_generator_merges_them(ray_cluster, tiny_model_dir, sync):
-    cfg = LearnerConfig(num_ranks=2, micro_batch_rows=4, lr=1e-2, publish_timeout_s=30, weight_sync=sync,
-                        lora=LoRAConfig(rank=RANK, alpha=ALPHA))
+    cfg = LearnerConfig(num_ranks=2, publish_timeout_s=30, weight_sync=sync, lora=LoRAConfig(rank=RANK, alpha=ALPHA),
+                        batching=dict(micro_batch_rows=4), optim=dict(lr=1e-2))
     run = f"lorapub-{sync.kind}"
     pool = LearnerPool(cfg, str(tiny_model_dir), run=run, namespace=NS, max_new_tokens=12)
     source = make_weight_source(sync, run=run, namespace=NS, timeout_s=20)
@@ -65,9 +65,9 @@ def test_publish_merged_still_carries_the_whole_merged_model(ray_cluster, tiny_m
     anns = {}
     try:
         for publish in ("merged", "adapters"):
-            cfg = LearnerConfig(micro_batch_rows=4, lr=1e-2, publish_timeout_s=30,
-                                weight_sync=ObjectStoreSyncConfig(delta=publish == "merged"),
-                                lora=LoRAConfig(rank=RANK, alpha=ALPHA, publish=publish))
+            cfg = LearnerConfig(publish_timeout_s=30, weight_sync=ObjectStoreSyncConfig(delta=publish == "merged"),
+                                lora=LoRAConfig(rank=RANK, alpha=ALPHA, publish=publish),
+                                batching=dict(micro_batch_rows=4), optim=dict(lr=1e-2))
             r = LearnerRank(cfg, str(tiny_model_dir), rank=0, world=1, max_new_tokens=12, run=f"lorapub-{publish}",
                             namespace=NS)
             built = setup_rank(cfg, str(tiny_model_dir), rank=0, world=1, device=torch.device("cpu"),

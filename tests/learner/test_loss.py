@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from common.config import LearnerConfig
+from common.config import LearnerConfig, LossConfig
 from learner import loss as L
 from learner.policy_loss import LossBatch, setup_policy_loss
 
@@ -24,9 +24,9 @@ MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 
 
 def _loss(logprobs, behaviour, adv, mask, replay, old=None, normalizer=None, clip=True, **fields):
-    """The policy loss `setup_policy_loss` builds from `LearnerConfig(**fields)` (its unclipped variant when not
+    """The policy loss `setup_policy_loss` builds from `LossConfig(**fields)` (its unclipped variant when not
     `clip`), called on one batch: (loss, metrics)."""
-    loss_fn = setup_policy_loss(LearnerConfig(**fields), clip_fresh=clip)
+    loss_fn = setup_policy_loss(LossConfig(**fields), clip_fresh=clip)
     return loss_fn(logprobs, LossBatch(behaviour, adv, mask, replay, old), normalizer)
 
 
@@ -291,20 +291,20 @@ def test_dual_clip_bounds_negative_advantages_by_hand():
     # the same rows replayed under replay_loss=policy_loss take the same bound
     loss, m = _loss(x, beh, adv, mask, torch.ones(2, 3), clip_ratio_c=3.0, replay_loss="policy_loss")
     assert loss.item() == pytest.approx(0.925, abs=1e-6) and m["replay_clip_frac"].item() == pytest.approx(3 / 4)
-    # unclipped fresh tokens (learner.clip_fresh off) have no second bound either: -A r summed = 4 + 1.1 + 0.5 - 4
+    # unclipped fresh tokens (learner.loss.clip_fresh off) have no second bound either: -A r summed = 4 + 1.1 + 0.5 - 4
     loss, _ = _loss(x, beh, adv, mask, torch.zeros(2, 3), clip_ratio_c=3.0, clip=False)
     assert loss.item() == pytest.approx(1.6 / 4, abs=1e-6)
-    with pytest.raises(ValueError, match="policy_loss=gspo has no PPO clip: leave learner.clip_ratio_c unset"):
-        LearnerConfig(policy_loss="gspo", clip_ratio_c=3.0)
+    with pytest.raises(ValueError, match="policy_loss=gspo has no PPO clip: leave learner.loss.clip_ratio_c unset"):
+        LearnerConfig(loss=dict(policy_loss="gspo", clip_ratio_c=3.0))
 
 
 def test_dual_clip_config_is_ppo_clips_only():
     from common.config import LearnerConfig
-    assert LearnerConfig().clip_ratio_c is None  # off by default: the official loss has no dual-clip
-    assert "dual-clip 3 for A < 0" in LearnerConfig(clip_ratio_c=3.0, clip_fresh="auto").loss_scale()
-    with pytest.raises(ValueError, match="policy_loss=sapo has no PPO clip: leave learner.clip_ratio_c unset"):
-        LearnerConfig(policy_loss="sapo", clip_ratio_c=3.0)
+    assert LearnerConfig().loss.clip_ratio_c is None  # off by default: the official loss has no dual-clip
+    assert "dual-clip 3 for A < 0" in LearnerConfig(loss=dict(clip_ratio_c=3.0, clip_fresh="auto")).loss_scale()
+    with pytest.raises(ValueError, match="policy_loss=sapo has no PPO clip: leave learner.loss.clip_ratio_c unset"):
+        LearnerConfig(loss=dict(policy_loss="sapo", clip_ratio_c=3.0))
     with pytest.raises(ValueError, match="clip_fresh=false never clips"):
-        LearnerConfig(clip_ratio_c=3.0, clip_fresh=False)
+        LearnerConfig(loss=dict(clip_ratio_c=3.0, clip_fresh=False))
     with pytest.raises(ValueError, match="greater than 1"):
-        LearnerConfig(clip_ratio_c=0.5)
+        LearnerConfig(loss=dict(clip_ratio_c=0.5))

@@ -1,5 +1,6 @@
-"""Each piece of the policy loss (`learner.policy_loss`) alone, with its numbers worked out by hand in the comments,
-and `setup_policy_loss` choosing the pieces from the config. The whole loss: test_loss.py, test_policy_losses.py."""
+"""Each piece of the policy loss (`learner.loss.policy_loss`) alone, with its numbers worked out by hand in the
+comments, and `setup_policy_loss` choosing the pieces from the config. The whole loss: test_loss.py,
+test_policy_losses.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from functools import partial
 import pytest
 import torch
 
-from common.config import LearnerConfig
+from common.config import LossConfig
 from learner import policy_loss as P
 
 LN = math.log
@@ -196,27 +197,27 @@ def test_the_whole_loss_composes_the_pieces_by_hand():
 
 
 def test_setup_chooses_the_pieces_once_from_the_config():
-    fn = P.setup_policy_loss(LearnerConfig())  # ppo_clip, shaping, token_mean: the paper's loss
+    fn = P.setup_policy_loss(LossConfig())  # ppo_clip, shaping, token_mean: the paper's loss
     assert fn.fresh.func is P.ppo_clip and fn.fresh.keywords == {"clip_low": 0.2, "clip_high": 0.2}
     assert fn.replay.func is P.shaping and fn.replay.keywords == {"beta": 0.1, "ratio": P.token_ratio}
     assert fn.corrections == () and fn.aggregation is P.token_mean
-    assert P.setup_policy_loss(LearnerConfig(clip_fresh="auto"), clip_fresh=False).fresh is P.importance_weighted
-    fn = P.setup_policy_loss(LearnerConfig(clip_ratio_c=3.0, clip_fresh="auto"))
+    assert P.setup_policy_loss(LossConfig(clip_fresh="auto"), clip_fresh=False).fresh is P.importance_weighted
+    fn = P.setup_policy_loss(LossConfig(clip_ratio_c=3.0, clip_fresh="auto"))
     assert fn.fresh.func is P.dual_clip and fn.fresh.keywords["clip_ratio_c"] == 3.0
     assert fn.fresh.keywords["surrogate"].func is P.ppo_clip
     # unclipped fresh tokens have no second bound either; replayed ones under replay_loss=policy_loss keep both
-    fn = P.setup_policy_loss(LearnerConfig(clip_ratio_c=3.0, clip_fresh="auto", replay_loss="policy_loss"), False)
+    fn = P.setup_policy_loss(LossConfig(clip_ratio_c=3.0, clip_fresh="auto", replay_loss="policy_loss"), False)
     assert fn.fresh is P.importance_weighted and fn.replay.func is P.dual_clip
-    fn = P.setup_policy_loss(LearnerConfig(policy_loss="gspo", shaping_beta=None))
+    fn = P.setup_policy_loss(LossConfig(policy_loss="gspo", shaping_beta=None))
     assert fn.fresh.func is P.gspo and fn.fresh.keywords == {"clip_low": 3e-4, "clip_high": 4e-4}
     assert fn.replay.func is P.importance_weighted and fn.replay.keywords == {"ratio": P.sequence_ratio}
     assert fn.aggregation is P.seq_mean_token_mean  # gspo's own
-    fn = P.setup_policy_loss(LearnerConfig(policy_loss="cispo", replay_loss="policy_loss"))
+    fn = P.setup_policy_loss(LossConfig(policy_loss="cispo", replay_loss="policy_loss"))
     assert fn.fresh.func is P.cispo and fn.replay is fn.fresh
-    fn = P.setup_policy_loss(LearnerConfig(policy_loss="sapo", sapo_tau_neg=1.2, loss_agg="constant"))
+    fn = P.setup_policy_loss(LossConfig(policy_loss="sapo", sapo_tau_neg=1.2, loss_agg="constant"))
     assert fn.fresh.keywords == {"tau_pos": 1.0, "tau_neg": 1.2} and fn.aggregation is P.token_mean
-    fn = P.setup_policy_loss(LearnerConfig(tis_cap=3.0, icepop_band=(0.5, 2.0), mis="mask", mis_cap=4.0))
+    fn = P.setup_policy_loss(LossConfig(tis_cap=3.0, icepop_band=(0.5, 2.0), mis="mask", mis_cap=4.0))
     assert [(c.func, c.keywords) for c in fn.corrections] == [
         (P.truncated_is, {"cap": 3.0}), (P.icepop, {"low": 0.5, "high": 2.0}), (P.mis_mask, {"cap": 4.0})]
-    with pytest.raises(ValueError, match="policy_loss=gspo has no unclipped form.*set learner.clip_fresh=true"):
-        P.setup_policy_loss(LearnerConfig(policy_loss="gspo"), clip_fresh=False)
+    with pytest.raises(ValueError, match="policy_loss=gspo has no unclipped form.*set learner.loss.clip_fresh=true"):
+        P.setup_policy_loss(LossConfig(policy_loss="gspo"), clip_fresh=False)

@@ -1,4 +1,4 @@
-"""The policy losses (`learner.policy_loss`) worked by hand on small batches: values and gradients, fresh
+"""The policy losses (`learner.loss.policy_loss`) worked by hand on small batches: values and gradients, fresh
 and replayed rows, both aggregations; ppo_clip within a few float32 ULP of what it was; each loss through the real
 training step."""
 
@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import LearnerConfig
+from common.config import LearnerConfig, LossConfig
 from learner.policy_loss import POLICY_LOSSES, LossBatch, setup_policy_loss
 
 LN = math.log
 
 
 def _loss_fn(clip: bool = True, **fields):
-    """The policy loss `setup_policy_loss` builds from `LearnerConfig(**fields)` (its unclipped variant when not
+    """The policy loss `setup_policy_loss` builds from `LossConfig(**fields)` (its unclipped variant when not
     `clip`)."""
-    return setup_policy_loss(LearnerConfig(**fields), clip_fresh=clip)
+    return setup_policy_loss(LossConfig(**fields), clip_fresh=clip)
 
 
 def _run(logprobs, behaviour, adv, mask, replay, normalizer=None, clip=True, **fields):
@@ -202,12 +202,12 @@ def test_ppo_clip_is_unchanged_within_a_few_ulp(case):
 
 def test_config_takes_each_loss_and_refuses_what_has_no_meaning():
     for loss in POLICY_LOSSES:
-        LearnerConfig(policy_loss=loss, loss_agg="seq_mean_token_mean")
+        LearnerConfig(loss=dict(policy_loss=loss, loss_agg="seq_mean_token_mean"))
     with pytest.raises(ValueError, match=r"clip_fresh=auto.*policy_loss=cispo has no unclipped form.*clip_fresh=true"):
-        LearnerConfig(policy_loss="cispo", clip_fresh="auto")
+        LearnerConfig(loss=dict(policy_loss="cispo", clip_fresh="auto"))
     with pytest.raises(ValueError, match="policy_loss=sapo has no unclipped form: its gate"):
-        LearnerConfig(policy_loss="sapo", clip_fresh=False)
-    LearnerConfig(policy_loss="ppo_clip", clip_fresh="auto")
+        LearnerConfig(loss=dict(policy_loss="sapo", clip_fresh=False))
+    LearnerConfig(loss=dict(policy_loss="ppo_clip", clip_fresh="auto"))
 
 
 @pytest.mark.parametrize("loss", ["ppo_clip", "gspo", "cispo", "sapo"])
@@ -247,7 +247,7 @@ def test_gspo_by_default_aggregates_as_its_paper_worked_by_hand():
     #   each token's loss -A s = -0.866025, its gradient -A s x 1/4 = -0.216506;
     # row 1: s = 1, unclipped: loss -A s = +1, gradient -A s x 1/2 = +0.5.
     # loss = (row 0's token mean -0.866025 + row 1's +1) / 2 rows = 0.066987
-    assert LearnerConfig(policy_loss="gspo").loss_agg == "seq_mean_token_mean"
+    assert LearnerConfig(loss=dict(policy_loss="gspo")).loss.loss_agg == "seq_mean_token_mean"
     loss, grad, m = _run(AGG_LOGP, BEH, [1.0, -1.0], MASK, FRESH, policy_loss="gspo")  # its own aggregation
     assert loss == pytest.approx(0.066987, abs=1e-6)
     torch.testing.assert_close(grad, torch.tensor([[-0.216506, -0.216506], [0.5, 0.0]]))
@@ -265,7 +265,7 @@ def test_sapo_by_default_aggregates_as_its_paper_worked_by_hand():
     # row 1 (A = -1, tau 1.05): r = 1, sigmoid(0) = 0.5: loss +(4 / 1.05) x 0.5 = 1.904762, gradient 4 x 0.25 x 1
     #   x 1/2 = +0.5.
     # loss = (-2.0 + 1.904762) / 2 rows = -0.047619
-    assert LearnerConfig(policy_loss="sapo").loss_agg == "seq_mean_token_mean"
+    assert LearnerConfig(loss=dict(policy_loss="sapo")).loss.loss_agg == "seq_mean_token_mean"
     loss, grad, _ = _run(AGG_LOGP, BEH, [1.0, -1.0], MASK, FRESH, policy_loss="sapo")  # its own aggregation
     assert loss == pytest.approx(-0.047619, abs=1e-6)
     torch.testing.assert_close(grad, torch.tensor([[-0.352505, -0.117502], [0.5, 0.0]]))
@@ -274,9 +274,9 @@ def test_sapo_by_default_aggregates_as_its_paper_worked_by_hand():
 def test_each_loss_has_its_own_aggregation_unless_named_and_the_config_line_says_which():
     own = {"ppo_clip": "token_mean", "gspo": "seq_mean_token_mean", "cispo": "token_mean", "sapo": "seq_mean_token_mean"}
     for loss, agg in own.items():
-        cfg = LearnerConfig(policy_loss=loss)
-        assert cfg.loss_agg == agg and f"loss_agg {agg} ({loss}'s own)" in cfg.loss_scale()
-    named = LearnerConfig(policy_loss="sapo", loss_agg="token_mean")
-    assert named.loss_agg == "token_mean"
+        cfg = LearnerConfig(loss=dict(policy_loss=loss))
+        assert cfg.loss.loss_agg == agg and f"loss_agg {agg} ({loss}'s own)" in cfg.loss_scale()
+    named = LearnerConfig(loss=dict(policy_loss="sapo", loss_agg="token_mean"))
+    assert named.loss.loss_agg == "token_mean"
     assert "loss_agg token_mean (named; sapo's own is seq_mean_token_mean)" in named.loss_scale()
-    assert "loss_agg constant (named; ppo_clip's own is token_mean)" in LearnerConfig(loss_agg="constant").loss_scale()
+    assert "loss_agg constant (named; ppo_clip's own is token_mean)" in LearnerConfig(loss=dict(loss_agg="constant")).loss_scale()

@@ -12,6 +12,7 @@ import ray
 import torch
 
 from common.config import LearnerConfig, ObjectStoreSyncConfig
+from tests.learner import sectioned
 from common.modeling import make_tiny_model_folder
 from learner.checkpoint import CheckpointError
 from learner.pool import LearnerPool
@@ -29,7 +30,8 @@ def model_dir(tmp_path_factory):
 
 def make_pool(model_dir, run: str, ranks: int, dtype: str = "float32", publish_dtype: str = "float32",
               **overrides) -> LearnerPool:
-    cfg = LearnerConfig(num_ranks=ranks, micro_batch_rows=3, mini_batches=2, lr=LR, publish_timeout_s=30, **overrides)
+    cfg = LearnerConfig(**sectioned({"num_ranks": ranks, "micro_batch_rows": 3, "mini_batches": 2, "lr": LR,
+                                    "publish_timeout_s": 30, **overrides}))
     return LearnerPool(cfg, str(model_dir), run=run, namespace=NS, max_new_tokens=12, dtype=dtype,
                        publish_dtype=publish_dtype)
 
@@ -108,7 +110,8 @@ def test_ranks_not_set_up_in_time_are_named_and_stopped(ray_cluster, model_dir):
 def test_two_ranks_with_fewer_rows_than_ranks_and_all_updates_skipped(ray_cluster, model_dir):
     """A rank whose micro-batch is empty still joins every collective; a step whose updates are all
     skipped still ends the step (version + 1), so a synchronous run never stalls on it."""
-    cfg = LearnerConfig(num_ranks=2, micro_batch_rows=8, mini_batches=1, lr=LR, publish_timeout_s=30)
+    cfg = LearnerConfig(num_ranks=2, publish_timeout_s=30, batching=dict(micro_batch_rows=8, mini_batches=1),
+                        optim=dict(lr=LR))
     pool = LearnerPool(cfg, str(model_dir), run="fewrows", namespace=NS, max_new_tokens=12)
     try:
         # 17 rows, 8-row micro-batches: rank 0 gets 8 + 1 rows, rank 1 gets 8 + an empty dummy
@@ -131,7 +134,7 @@ def test_two_ranks_with_fewer_rows_than_ranks_and_all_updates_skipped(ray_cluste
         (ours, ref), (ours1, _) = ray.get([rk.__ray_call__.remote(both) for rk in pool.ranks])
         assert ours.keys() == ref.keys() and ours1 == {}
         assert all(torch.equal(ours[k], ref[k]) and ours[k].dtype == ref[k].dtype for k in ref)
-        ray.get([rk.__ray_call__.remote(lambda self: setattr(self.trainer.cfg, "skip_grad_norm", 1e-12))
+        ray.get([rk.__ray_call__.remote(lambda self: setattr(self.trainer.cfg.optim, "skip_grad_norm", 1e-12))
                  for rk in pool.ranks])
         skipped = pool.step(make_batch(7))
         assert skipped.version == 4 and skipped.metrics["learner/updates"] == 0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from common.config import LearnerConfig
+from tests.learner import sectioned
 from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
 from learner.batching import (BatchError, Row, balanced_partition, batch_rows, collate, chunk_window_spans,
                               rank_micro_batches, split_mini_batches)
@@ -84,9 +85,9 @@ def test_collate_aligns_response_tokens():
 def plain_step(model_dir, **overrides):
     from transformers import AutoModelForCausalLM
 
-    cfg = LearnerConfig(**{"micro_batch_rows": 4, **overrides})
+    cfg = LearnerConfig(**sectioned({"micro_batch_rows": 4, **overrides}))
     model = prepare_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
     return model, TrainStep(model, opt, cfg, rank=0, world=1, device=torch.device("cpu"), pad_id=0,
                             max_positions=512, max_new_tokens=12)
 
@@ -257,7 +258,7 @@ def test_balanced_partition_is_the_largest_differencing_method_worked_by_hand():
 
 
 def test_balanced_split_makes_ceil_tokens_over_budget_micro_batches_on_every_rank():
-    """learner.micro_batch_split=balanced (verl's dynamic batch size) at the paper's settings (2 ranks, 2
+    """learner.batching.micro_batch_split=balanced (verl's dynamic batch size) at the paper's settings (2 ranks, 2
     mini-batches): each rank's count is ceil(its tokens / budget), the largest for all; every row once; the
     parts' token sums within one row of each other; never more micro-batches than first fit's."""
     rows = batch_rows(complete_groups(make_batch(2, groups=8, group_size=8, candidates=1, response_len=(1, 60),
@@ -285,18 +286,18 @@ def test_balanced_split_runs_only_where_rows_are_packed_and_says_so():
     from learner.levers import resolve_levers
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    cfg, notes = resolve_levers(LearnerConfig(micro_batch_split="balanced", micro_batch_tokens=4096), cpu)
-    assert cfg.micro_batch_split == "first_fit" and "padded micro-batches run here (auto: not CUDA" in notes[-1]
-    cfg, notes = resolve_levers(LearnerConfig(micro_batch_split="balanced", micro_batch_tokens=4096), cuda,
+    cfg, notes = resolve_levers(LearnerConfig(batching=dict(micro_batch_split="balanced", micro_batch_tokens=4096)), cpu)
+    assert cfg.batching.micro_batch_split == "first_fit" and "padded micro-batches run here (auto: not CUDA" in notes[-1]
+    cfg, notes = resolve_levers(LearnerConfig(batching=dict(micro_batch_split="balanced", micro_batch_tokens=4096)), cuda,
                                 torch.bfloat16, flash=False, flex=True)  # CUDA packs only when asked (issue 42)
-    assert cfg.micro_batch_split == "first_fit" and "packing is opt-in" in notes[-1]
-    cfg, notes = resolve_levers(LearnerConfig(micro_batch_split="balanced", micro_batch_tokens=4096,
-                                              padding_free=True), cuda, torch.bfloat16, flash=False, flex=True)
-    assert cfg.micro_batch_split == "balanced" and "balanced (verl's dynamic batch size" in notes[-1]
+    assert cfg.batching.micro_batch_split == "first_fit" and "packing is opt-in" in notes[-1]
+    cfg, notes = resolve_levers(LearnerConfig(batching=dict(micro_batch_split="balanced", micro_batch_tokens=4096),
+                                              levers=dict(padding_free=True)), cuda, torch.bfloat16, flash=False, flex=True)
+    assert cfg.batching.micro_batch_split == "balanced" and "balanced (verl's dynamic batch size" in notes[-1]
     for bad in ({"padding_free": True}, {"micro_batch_tokens": 4096, "padding_free": False}):  # refused up front
         with pytest.raises(ValueError, match="micro_batch_split=balanced cuts padding-free micro-batches by their "
-                                             "token budget: set learner.micro_batch_tokens"):
-            LearnerConfig(micro_batch_split="balanced", **bad)
+                                             "token budget: set learner.batching.micro_batch_tokens"):
+            LearnerConfig(**sectioned({"micro_batch_split": "balanced", **bad}))
 
 
 def test_balanced_micro_batches_train_the_same_update_as_first_fit(tiny_model_dir):
@@ -380,7 +381,7 @@ def test_a_model_that_lets_packed_rows_see_each_other_is_refused(tiny_model_dir)
             return super().forward(*args, **kwargs)
 
     blind = DropsPositions.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with pytest.raises(PackingError, match="attend to each other.*learner.padding_free=false"):
+    with pytest.raises(PackingError, match="attend to each other.*learner.levers.padding_free=false"):
         check_packing(prepare_model(blind, LearnerConfig()), torch.device("cpu"))
 
 
@@ -582,9 +583,9 @@ def test_the_official_gradient_at_its_gpu_count(tiny_model_dir, entropy_agg):
 
 @pytest.mark.parametrize("lora", [None, {"rank": 4, "alpha": 8.0, "dropout": 0.5}])
 def test_stored_trajectories_carry_the_learners_start_of_step_logprobs(tiny_model_dir, lora):
-    """Issue 35 (4): with learner.store_learner_logprobs (auto: on with recompute_old_logprobs, the official setting)
-    the step sends back, for every trained fresh row the buffer stored, the learner's log-probs at the start of the
-    step, over two mini-batches (the first from its own forward, the second from the recomputed pi_old); through
+    """Issue 35 (4): with learner.loss.store_learner_logprobs (auto: on with recompute_old_logprobs, the official
+    setting) the step sends back, for every trained fresh row the buffer stored, the learner's log-probs at the start of
+    the step, over two mini-batches (the first from its own forward, the second from the recomputed pi_old); through
     the wire message and the shard they replace the generator's in the stored trajectory, which a replay then
     ships (official: experience_trainer_ops.py stores the actor's recomputed old_log_probs). Issue 44 (3): with LoRA
     dropout (B set non-zero, so the dropout matters) they, and the entropies sent back, are the eval-mode forward's,
@@ -604,7 +605,7 @@ def test_stored_trajectories_carry_the_learners_start_of_step_logprobs(tiny_mode
     core.submit([group_for(it, 2, seed=i) for i, it in enumerate(items)], now=1000.0)  # generator log-probs -0.5
     groups = core.take(0, 4, 0)
     model, step = plain_step(tiny_model_dir, recompute_old_logprobs=True, mini_batches=2, lora=lora)
-    assert step.cfg.stores_learner_logprobs
+    assert step.cfg.loss.stores_learner_logprobs
     if lora:
         from learner.lora import apply_lora
 
@@ -671,8 +672,13 @@ def test_the_papers_entropy_weights_are_the_official_ones_at_any_rank_count(resp
 
     from tests.cluster.test_algorithm_doc import paper_command
 
-    learner = {k.split(".", 1)[1]: yaml.safe_load(v) for k, v in (w.split("=", 1) for w in paper_command())
-               if k.startswith("learner.")}
+    learner: dict = {}  # the paper command's learner.<section>.<field>=value settings, nested
+    for key, value in (w.split("=", 1) for w in paper_command() if w.startswith("learner.")):
+        *sections, name = key.split(".")[1:]
+        owner = learner
+        for section in sections:
+            owner = owner.setdefault(section, {})
+        owner[name] = yaml.safe_load(value)
     mini = [Row(np.zeros(120, np.int64), np.zeros(response, np.int64), np.zeros(response, np.float32), 0.0, False,
                 f"{g}/{i}", g) for g in range(64) for i in range(8)]
     for ranks in (1, 2):
@@ -683,7 +689,7 @@ def test_the_papers_entropy_weights_are_the_official_ones_at_any_rank_count(resp
             got[weights[id(r)]] = got.get(weights[id(r)], 0) + 1
         assert got.keys() == want.keys() and all(got[w] == want[w] for w in want)
         assert sum(weights.values()) * response == pytest.approx(per_gpu)
-    assert len(rank_micro_batches(mini, 0, 1, cfg.micro_batch_rows, cfg.micro_batch_tokens, True, "balanced")) == ours
+    assert len(rank_micro_batches(mini, 0, 1, cfg.batching.micro_batch_rows, cfg.batching.micro_batch_tokens, True, "balanced")) == ours
 
 
 def test_chunk_window_spans_worked_by_hand():
@@ -704,7 +710,7 @@ def test_chunk_window_spans_worked_by_hand():
 
 
 def test_replay_eos_appends_eos_to_truncated_replays_only_and_weighs_it_one(tiny_model_dir):
-    """learner.replay_eos (issue 44, the official o*): a replayed row cut at the length limit gains the EOS token,
+    """learner.loss.replay_eos (issue 44, the official o*): a replayed row cut at the length limit gains the EOS token,
     whose stored log-prob (NaN: it was never sampled) becomes the policy's own in the forward (weight 1); fresh
     rows, replays that ended on their own, and rows with no position left are unchanged."""
     from learner.step import append_eos, merge_rank_stats
@@ -725,14 +731,14 @@ def test_replay_eos_appends_eos_to_truncated_replays_only_and_weighs_it_one(tiny
     for g in batch.groups:
         for ro in g.candidates:
             ro.finish_reason = "length"
-    cfg = LearnerConfig(micro_batch_rows=4, replay_eos=True)
+    cfg = LearnerConfig(batching=dict(micro_batch_rows=4), loss=dict(replay_eos=True))
     model = prepare_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), cfg)
-    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), cfg, rank=0, world=1,
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr), cfg, rank=0, world=1,
                      device=torch.device("cpu"), pad_id=0, max_positions=512, max_new_tokens=12, eos_id=3)
     m, _ = merge_rank_stats([step.run(batch)])
     mixed = sum(g.mixed for g in batch.groups)
     assert m["learner/replay_eos_appended"] == mixed == 2 and np.isfinite(m["learner/loss"])
     assert np.isfinite(m["learner/replay_weight_mean"]) and np.isfinite(m["learner/logprob_diff_mean"])
-    with pytest.raises(ValueError, match="learner.replay_eos: the model names no EOS token"):
+    with pytest.raises(ValueError, match="learner.loss.replay_eos: the model names no EOS token"):
         TrainStep(model, step.optimizer, cfg, rank=0, world=1, device=torch.device("cpu"), pad_id=0,
                   max_positions=512, max_new_tokens=12)

@@ -231,22 +231,22 @@ def test_compiled_block_math_equals_eager():
 
 
 def test_compiled_head_math_is_an_opt_in_switch():
-    """learner.compile_head_math (off by default, also on CUDA: never run on a GPU yet) reaches the head."""
+    """learner.levers.compile_head_math (off by default, also on CUDA: never run on a GPU yet) reaches the head."""
     from common.config import LearnerConfig
     from learner.forward import prepare_model
     from learner.token_stats import COMPILE_BLOCK_MATH
 
-    assert COMPILE_BLOCK_MATH is False and LearnerConfig().compile_head_math is False
+    assert COMPILE_BLOCK_MATH is False and LearnerConfig().levers.compile_head_math is False
     for on in (False, True):
         model = init_tiny_qwen2(V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=1)
-        prepare_model(model, LearnerConfig(compile_head_math=on, compile=False, activation_checkpointing="none"))
+        prepare_model(model, LearnerConfig(levers=dict(compile_head_math=on, compile=False, activation_checkpointing="none")))
         assert isinstance(model.lm_head, TokenStatsHead) and model.lm_head.compile_math is on
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_compiled_head_math_through_the_model_is_exact_against_full_logits(dtype, tol):
-    """learner.compile_head_math=true, through the model's forward (several token chunks and vocabulary slices):
+    """learner.levers.compile_head_math=true, through the model's forward (several token chunks and vocabulary slices):
     log-probs, entropies and every parameter's gradient as the full-logits path gives them (float32 to 1e-5,
     bfloat16 within its rounding: the same bounds as the eager chunked head), and as the eager chunked head to
     1e-6 (values) and 2e-6 (gradients) in float32. Inductor on a CPU: about a minute of compiling."""
@@ -257,8 +257,8 @@ def test_compiled_head_math_through_the_model_is_exact_against_full_logits(dtype
     ids, attn, mask, coef = inputs()
     runs = {}
     for name, on in (("eager", False), ("fused", True)):
-        model = prepare_model(build(), LearnerConfig(compile_head_math=on, logits_chunk_tokens=7, compile=False,
-                                                     activation_checkpointing="none"))
+        model = prepare_model(build(), LearnerConfig(levers=dict(compile_head_math=on, compile=False, activation_checkpointing="none"),
+                                                     batching=dict(logits_chunk_tokens=7)))
 
         def run(model=model):
             lp, ent, _ = token_stats(model, ids, attn, ids[:, 1:], mask)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from common.config import LearnerConfig
+from tests.learner import sectioned
 from learner.compile_cache import compiled_graphs
 from learner.setup import setup_rank
 from learner.step import merge_rank_stats
@@ -28,7 +29,7 @@ ALL_ON = dict(compile=True, compile_backend="aot_eager", padding_free=True, fuse
 
 
 def _setup(model_dir, **overrides):
-    cfg = LearnerConfig(**{"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides})
+    cfg = LearnerConfig(**sectioned({"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides}))
     return setup_rank(cfg, str(model_dir), rank=0, world=1, device=CPU, dtype=torch.float32, max_new_tokens=40)
 
 
@@ -44,9 +45,9 @@ def test_a_lever_that_fails_its_trial_is_off_and_the_rank_trains_on(tiny_model_d
     assert sorted(built.levers_off) == sorted(faults)
     assert all(FAULTS_ENV in err for err in built.levers_off.values())
     cfg = built.trainer.cfg
-    assert cfg.compile is ("compile" not in faults)
-    assert cfg.packs_padding_free is ("padding_free" not in faults)
-    assert cfg.fused_optimizer is ("fused_optimizer" not in faults)
+    assert cfg.levers.compile is ("compile" not in faults)
+    assert cfg.levers.packs_padding_free is ("padding_free" not in faults)
+    assert cfg.levers.fused_optimizer is ("fused_optimizer" not in faults)
     assert _compiled_layers(built.model) == (0 if "compile" in faults else len(built.model.model.layers))
     assert built.trainer.optimizer.defaults["fused"] is (None if "fused_optimizer" in faults else True)
     assert built.optimizer is built.trainer.optimizer
@@ -73,7 +74,7 @@ def test_a_compile_that_breaks_is_off_and_the_trial_moved_no_weight(tiny_model_d
     built = _setup(tiny_model_dir, compile=True, compile_backend="broken_for_test", fused_optimizer=True)
     assert list(built.levers_off) == ["compile"]
     assert "cannot lower anything" in built.levers_off["compile"]
-    assert _compiled_layers(built.model) == 0 and built.trainer.cfg.compile is False
+    assert _compiled_layers(built.model) == 0 and built.trainer.cfg.levers.compile is False
     assert built.trainer.optimizer.defaults["fused"] is True  # its own trial passed
     assert not built.optimizer.state
     loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
@@ -89,7 +90,7 @@ def test_levers_that_pass_stay_on_and_the_trial_draws_nothing_from_the_run(tiny_
     built = _setup(tiny_model_dir, **ALL_ON)
     assert built.levers_off == {}
     cfg = built.trainer.cfg
-    assert cfg.compile and cfg.packs_padding_free and cfg.fused_optimizer
+    assert cfg.levers.compile and cfg.levers.packs_padding_free and cfg.levers.fused_optimizer
     torch.manual_seed(7)
     off = try_levers(_Levers(cfg), built.trainer, lambda: None)
     after_trial = torch.rand(4)
@@ -115,9 +116,9 @@ def test_a_failure_with_every_lever_off_is_not_a_levers_and_is_raised(tiny_model
 
 
 def test_switch_off_and_the_fault_names_are_checked(monkeypatch):
-    cfg = LearnerConfig(compile=True, padding_free="auto", fused_optimizer="auto")
+    cfg = LearnerConfig(levers=dict(compile=True, padding_free="auto", fused_optimizer="auto"))
     kept = switch_off(cfg, {"compile": "InductorError: ...", "padding_free": "x"})
-    assert kept.compile is False and kept.padding_free is False and kept.fused_optimizer == "auto"
+    assert kept.levers.compile is False and kept.levers.padding_free is False and kept.levers.fused_optimizer == "auto"
     assert switch_off(cfg, {}) is cfg
     monkeypatch.setenv(FAULTS_ENV, "compile, flash")
     with pytest.raises(ValueError, match=r"\['flash'\] is not a lever; name some of padding_free, compile"):
@@ -134,7 +135,7 @@ def _mixed_steps(*trainers):
         batch = make_batch(30 + v, candidates=2, response_len=(1, 5 + 11 * v), version=v)
         stats = []
         for t in trainers:
-            t.cfg = t.cfg.model_copy(update={"micro_batch_rows": rows})
+            t.cfg = t.cfg.model_copy(update={"batching": t.cfg.batching.model_copy(update={"micro_batch_rows": rows})})
             stats.append(t.run(batch))
         out.append(stats)
     return out
@@ -189,13 +190,14 @@ ONE_FSDP_RANK = textwrap.dedent("""
     port, model_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     torch.set_num_threads(1)
-    cfg = LearnerConfig(micro_batch_rows=4, mini_batches=2, lr=1e-3, compile=True, compile_backend="aot_eager",
-                        activation_checkpointing="full")
+    cfg = LearnerConfig(batching=dict(micro_batch_rows=4, mini_batches=2), optim=dict(lr=1e-3),
+                        levers=dict(compile=True, compile_backend="aot_eager", activation_checkpointing="full"))
     built = setup_rank(cfg, model_dir, rank=0, world=1, device=torch.device("cpu"), dtype=torch.bfloat16,
                        max_new_tokens=40)
     after_trial, recompiles = compiled_graphs(), []
     for v, rows in enumerate((4, 1, 3)):
-        built.trainer.cfg = built.trainer.cfg.model_copy(update={"micro_batch_rows": rows})
+        cfg = built.trainer.cfg
+        built.trainer.cfg = cfg.model_copy(update={"batching": cfg.batching.model_copy(update={"micro_batch_rows": rows})})
         batch = make_batch(30 + v, candidates=2, response_len=(1, 5 + 11 * v), version=v)
         recompiles.append(built.trainer.run(batch).recompiles)
     print("RESULT", json.dumps({"trial": built.trial_graphs, "steps": compiled_graphs() - after_trial,
@@ -246,12 +248,13 @@ TWO_RANKS = textwrap.dedent("""
         os.environ["EXGRPO_LEVER_FAULTS"] = "padding_free"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    cfg = LearnerConfig(micro_batch_rows=4, mini_batches=2, lr=1e-3, padding_free=True, fused_optimizer=True)
+    cfg = LearnerConfig(batching=dict(micro_batch_rows=4, mini_batches=2), optim=dict(lr=1e-3),
+                        levers=dict(padding_free=True, fused_optimizer=True))
     built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
                        max_new_tokens=40)
     stats = built.trainer.run(make_batch(0, groups=2, candidates=1))
-    print("RESULT", json.dumps({"off": built.levers_off, "fused": built.trainer.cfg.fused_optimizer,
-                                "packs": built.trainer.cfg.packs_padding_free, "updates": stats.updates}))
+    print("RESULT", json.dumps({"off": built.levers_off, "fused": built.trainer.cfg.levers.fused_optimizer,
+                                "packs": built.trainer.cfg.levers.packs_padding_free, "updates": stats.updates}))
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
