@@ -129,21 +129,7 @@ class RunConfig(Section):
                             "learner.weight_sync.kind=collective leaves empty (its versions go over the generators' "
                             "channels only); set learner.weight_sync.kind=object_store, or eval.every_steps=0 and "
                             "evaluate checkpoints with `exgrpo eval`")
-        if self.data.task is None and self.data.train_path is None:
-            problems.append("data: set data.task to a built-in task or data.train_path to a file")
-        elif self.data.train_path is None and self.data.test_path is not None:
-            problems.append(f"data.test_path: {self.data.test_path} is a held-out split of data.train_path, which is "
-                            f"not set (the built-in {self.data.task} task makes its own test split); set "
-                            "data.train_path to your training file, or evaluate the file beside the task with "
-                            f"eval.sets.<name>.path={self.data.test_path}")
-        if self.data.train_path is None and self.data.task is not None:
-            problems += _task_problems(self.data, self.reward.name, self.model.path is None)
-        elif "task" in self.data.model_fields_set and self.data.task not in (None, "countdown"):
-            problems.append(_task_with_a_file(self.data))  # countdown, the default: what `exgrpo config` writes
-        if isinstance(self.generator.engine, SyntheticEngineConfig) or self.reward.name == "synthetic":
-            problems.append("generator.engine.kind / reward.name: synthetic is a simulation for bench/cluster_sim.py; "
-                            "its random tokens cannot train a model: use engine kind vllm, transformers or auto "
-                            "and the task's reward")
+        problems += self._data_problems()
         budget = self.learner.batching.micro_batch_tokens
         longest = self.data.max_prompt_tokens + self.generator.max_new_tokens
         if budget is not None and budget < longest:
@@ -160,6 +146,25 @@ class RunConfig(Section):
             raise ValueError("\n".join(problems))
         return self
 
+    def _data_problems(self) -> list[str]:
+        """The data, its task and the reward that scores it, and the engine that generates it."""
+        problems = []
+        if self.data.task is None and self.data.train_path is None:
+            problems.append("data: set data.task to a built-in task or data.train_path to a file")
+        elif self.data.train_path is None and self.data.test_path is not None:
+            problems.append(f"data.test_path: {self.data.test_path} is a held-out split of data.train_path, which is "
+                            f"not set (the built-in {self.data.task} task makes its own test split); set "
+                            "data.train_path to your training file, or evaluate the file beside the task with "
+                            f"eval.sets.<name>.path={self.data.test_path}")
+        if self.data.train_path is None and self.data.task is not None:
+            problems += _task_problems(self.data, self.reward.name, self.model.path is None)
+        elif "task" in self.data.model_fields_set and self.data.task not in (None, "countdown"):
+            problems.append(_task_with_a_file(self.data))  # countdown, the default: what `exgrpo config` writes
+        if isinstance(self.generator.engine, SyntheticEngineConfig) or self.reward.name == "synthetic":
+            problems.append("generator.engine.kind / reward.name: synthetic is a simulation for bench/cluster_sim.py; "
+                            "its random tokens cannot train a model: use engine kind vllm, transformers or auto "
+                            "and the task's reward")
+        return problems
 
     def _sizes(self) -> list[str]:
         """Sizes that cannot work together: a mini-batch with fewer rows than learner ranks."""
