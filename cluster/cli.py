@@ -65,6 +65,9 @@ def _add_experiment(sub) -> None:
     x.add_argument("--jobs", type=_positive, default=1, help="runs at a time (each is an `exgrpo train`)")
     x.add_argument("--rerun", action="store_true", help="rerun variants that already finished")
     x.add_argument("--variants", nargs="+", metavar="NAME", help="run only these variants of the spec (default: all)")
+    x.add_argument("--seeds", nargs="+", type=int, metavar="N",
+                   help="these seeds instead of the spec's (finished runs are reused; more seeds narrow the "
+                   "intervals) (default: the spec's)")
 
 
 def _add_run_tools(sub) -> None:
@@ -306,7 +309,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "experiment":
         from cluster.experiment import experiment_main
 
-        return experiment_main(args.spec, args.runs_root, args.jobs, args.rerun, args.variants)
+        return experiment_main(args.spec, args.runs_root, args.jobs, args.rerun, args.variants, args.seeds)
     if args.command == "extend-context":
         from cluster.extend_context import extend_context_main
 

@@ -298,6 +298,17 @@ def select_variants(spec: ExperimentSpec, names: list[str] | None) -> Experiment
     return spec.model_copy(update={"variants": {k: v for k, v in spec.variants.items() if k in names}})
 
 
+def select_seeds(spec: ExperimentSpec, seeds: list[int] | None) -> ExperimentSpec:
+    """`spec` with `seeds` in place of its own (None: its own). More seeds narrow the paired intervals; the runs of
+    seeds already finished are reused. SpecError for a seed given twice."""
+    if not seeds:
+        return spec
+    try:
+        return spec.model_copy(update={"seeds": ExperimentSpec._each_seed_once(list(seeds))})
+    except ValueError as e:
+        raise SpecError([f"--seeds: {e}"]) from None
+
+
 def runs_root_problem(root: Path) -> str | None:
     """Why `--runs-root` cannot hold the experiment's folders (a file on the way, a folder refusing a new one), as
     `exgrpo train` refuses such a checkpoint.runs_root; None when it can."""
@@ -315,15 +326,17 @@ def runs_root_problem(root: Path) -> str | None:
     return None
 
 
-def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, variants: list[str] | None = None) -> int:
+def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, variants: list[str] | None = None,
+                    seeds: list[int] | None = None) -> int:
     """`exgrpo experiment`: returns the exit code (0 all runs finished, 1 some failed, 2 bad spec). `variants`:
-    run only these of the spec's (`select_variants`); their run folders are the same as in a whole run's."""
+    run only these of the spec's (`select_variants`), `seeds`: these seeds instead of the spec's (`select_seeds`);
+    a run's folder is the same as in a whole run's, so finished runs are reused."""
     problem = runs_root_problem(Path(runs_root).expanduser())
     if problem:
         print(f"exgrpo experiment: {problem}", file=sys.stderr)
         return 2
     try:
-        spec = select_variants(load_spec(spec_arg), variants)
+        spec = select_seeds(select_variants(load_spec(spec_arg), variants), seeds)
         check_inputs(spec)  # every variant's start checks, before any run starts
     except SpecError as e:
         print("invalid experiment spec:\n  " + "\n  ".join(e.lines), file=sys.stderr)
@@ -347,7 +360,9 @@ def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, varia
     png = plot(spec, results, out / "accuracy_vs_rollouts.png")
     (out / "results.md").write_text(f"# {spec.name}\n\n{text}\n")
     (out / "results.json").write_text(json.dumps([r.__dict__ for r in results], indent=1))
-    print(f"$ exgrpo experiment {spec_arg}{' --variants ' + ' '.join(variants) if variants else ''}\n{text}")
+    flags = (f"{' --variants ' + ' '.join(variants) if variants else ''}"
+             f"{' --seeds ' + ' '.join(map(str, seeds)) if seeds else ''}")
+    print(f"$ exgrpo experiment {spec_arg}{flags}\n{text}")
     if png is not None:
         print(f"plot: {png}")
         tracker.log_artifact(png)

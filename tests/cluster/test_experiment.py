@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.experiment import BUNDLED, SpecError, load_spec, overrides, runs_root_problem, select_variants
+from cluster.experiment import (BUNDLED, SpecError, load_spec, overrides, runs_root_problem, select_seeds,
+                               select_variants)
 from cluster.experiment_results import RunResult, differences, table
 from cluster.experiment_stats import paired_difference, t_quantile
 from tests.cluster.runs import ROOT, mlflow_client
@@ -58,6 +59,18 @@ def test_variants_runs_a_subset_of_the_spec_and_a_wrong_name_says_which_exist(tm
     p = subprocess.run([sys.executable, "-m", "cluster.cli", "experiment", "ablations", "--variants", "plain",
                         "--runs-root", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "--variants: plain: not a variant" in p.stderr
+
+
+def test_seeds_replace_the_specs_own_and_a_seed_twice_is_refused(tmp_path):
+    spec = load_spec("small_set")
+    six = select_seeds(select_variants(spec, ["exgrpo", "plain_replay"]), [0, 1, 2, 3, 4, 5])
+    assert six.seeds == [0, 1, 2, 3, 4, 5] and list(six.variants) == ["exgrpo", "plain_replay"]
+    assert six.reference == spec.reference and select_seeds(spec, None) is spec
+    with pytest.raises(SpecError, match=r"--seeds: \[0, 1, 1\]: each seed once"):
+        select_seeds(spec, [0, 1, 1])
+    p = subprocess.run([sys.executable, "-m", "cluster.cli", "experiment", "small_set", "--seeds", "3", "3",
+                        "--runs-root", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "--seeds: [3, 3]: each seed once" in p.stderr
 
 
 @pytest.mark.slow
