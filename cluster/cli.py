@@ -235,10 +235,10 @@ def _resume_overrides(args: argparse.Namespace) -> list[str]:
 
 def _resumed_address(args: argparse.Namespace) -> str | None:
     """cluster.address of the run `--resume` continues (None when its config cannot be read: train reports why)."""
-    from common.config import ConfigError, load_config, resume_config
+    from common.config import ConfigError, load_saved_config, resume_config
 
     try:
-        saved = load_config(Path(args.resume) / "config.yaml")
+        saved = load_saved_config(Path(args.resume) / "config.yaml")[0]
         return resume_config(saved, _split_config_args(args)[1])[0].cluster.address
     except (ConfigError, OSError, ValueError):
         return None

@@ -285,8 +285,11 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str], on
         raise BadInput(f"error: {e}") from None
     if "generator.num_generators" in changes:
         state.generators = cfg.generator.num_generators
-    if changes:
+    if run_dir.renamed:
+        log.info("resume: config.yaml was saved under older names, read as %s", ", ".join(run_dir.renamed))
+    if changes or run_dir.renamed:
         run_dir.save_config(cfg)
+    if changes:
         log.info("resume: %s", ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items()))
     return cfg, run_dir, state, model_path, questions
 

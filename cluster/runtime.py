@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from common.config import ClusterConfig, RunConfig, load_config, to_yaml
+from common.config import ClusterConfig, RunConfig, load_saved_config, to_yaml
 from common.interfaces import actor_name, near_caller
 
 log = logging.getLogger("exgrpo")
@@ -172,6 +172,7 @@ class RunDir:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.renamed: list[str] = []  # old names its config.yaml was read under ("learner.lr -> learner.optim.lr")
 
     @classmethod
     def planned(cls, cfg: RunConfig) -> RunDir:
@@ -214,7 +215,10 @@ class RunDir:
         return self.read_state()["name"]
 
     def config(self) -> RunConfig:
-        return load_config(self.path / "config.yaml")
+        """The run's config; keys an earlier release saved under old names are read under their new ones
+        (`self.renamed` says which: `resume` writes the file back)."""
+        cfg, self.renamed = load_saved_config(self.path / "config.yaml")
+        return cfg
 
     def save_config(self, cfg: RunConfig) -> None:
         atomic_write_text(self.path / "config.yaml", to_yaml(cfg))

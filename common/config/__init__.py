@@ -25,8 +25,8 @@ from common.config.learner import (CollectiveSyncConfig, LearnerConfig, LoRAConf
                                    WeightSyncConfig)
 from common.config.learner_sections import BatchingConfig, LeversConfig, OptimConfig
 from common.config.loss import LossConfig
-from common.config.loading import (RESUMABLE_FIELDS, ConfigError, apply_overrides, flatten, load_config, resume_config,
-                                   to_yaml, yaml_value)
+from common.config.loading import (RESUMABLE_FIELDS, ConfigError, apply_overrides, flatten, load_config,
+                                   load_saved_config, resume_config, to_yaml, yaml_value)
 from common.config.model import ModelConfig, ToyModelConfig
 from common.config.reward import RewardConfig
 from common.config.run import RUN_NAME, RunConfig
@@ -38,6 +38,6 @@ __all__ = [
     "GeneratorConfig", "LearnerConfig", "LeversConfig", "LoRAConfig", "LossConfig", "ModelConfig",
     "ObjectStoreSyncConfig", "OptimConfig", "RESUMABLE_FIELDS", "RUN_NAME", "RewardConfig", "RunConfig", "Section",
     "SyntheticEngineConfig", "TASK_DEFAULTS", "ToyModelConfig", "TrackingConfig", "TransformersEngineConfig",
-    "VllmEngineConfig", "WeightSyncConfig", "apply_overrides", "flatten", "load_config", "resume_config", "to_yaml",
-    "yaml_value",
+    "VllmEngineConfig", "WeightSyncConfig", "apply_overrides", "flatten", "load_config", "load_saved_config",
+    "resume_config", "to_yaml", "yaml_value",
 ]

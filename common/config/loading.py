@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from common.config.base import yaml_value
 from common.config.data import TASK_DEFAULTS
-from common.config.errors import format_errors
+from common.config.errors import RENAMED, RENAMED_VALUES, format_errors
 from common.config.run import RunConfig
 from common.config.schema import mapping_value, place, section_model, split_key, union_kinds
 from common.config.yaml_file import YamlFileError, read_yaml
@@ -131,6 +131,41 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         raw = _expand_dotted(read_config_file(Path(path)))
     return _validate(apply_overrides(raw, overrides or []))
+
+
+def load_saved_config(path: str | Path) -> tuple[RunConfig, list[str]]:
+    """A run folder's own config.yaml, written by an earlier release perhaps: its renamed keys and values
+    (`learner.lr`, `buffer.fresh_draw: official`) are moved to their new names, one "old -> new" line each, since
+    the user did not type them. ConfigError as `load_config` for the rest."""
+    raw = _expand_dotted(read_config_file(Path(path)))
+    moved = _rename_saved(raw)
+    return _validate(raw), moved
+
+
+def _rename_saved(raw: dict[str, Any]) -> list[str]:
+    """Move `raw`'s old keys to their new names in place (a new key already there wins); the moves, in words."""
+    moved = []
+    for old, new in RENAMED.items():
+        *parents, leaf = old.split(".")
+        node = raw
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        *new_parents, new_leaf = new.split(".")
+        target = raw
+        for p in new_parents:
+            target = target.setdefault(p, {})
+        target.setdefault(new_leaf, value)
+        moved.append(f"{old} -> {new}")
+    for (key, old_value), new_value in RENAMED_VALUES.items():
+        section, leaf = key.split(".")
+        node = raw.get(section)
+        if isinstance(node, dict) and node.get(leaf) == old_value:
+            node[leaf] = new_value
+            moved.append(f"{key}={old_value} -> {new_value}")
+    return moved
 
 
 DATA_SUFFIXES = (".jsonl", ".ndjson", ".parquet", ".csv", ".tsv", ".arrow", ".gz", ".zst", ".bz2", ".xz", ".zip")

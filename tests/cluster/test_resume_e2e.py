@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.cluster.runs import (
     accounting, assert_balanced, history, mlflow_client, read_log, run_train, state, train_process, wait_for,
@@ -96,8 +97,11 @@ def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothi
 
     assert set(json.loads((Path(ckpts[-1]) / "driver.json").read_text())["levers_off"]) == {"compile",
                                                                                           "fused_optimizer"}
+    _save_under_old_names(run_dir / "config.yaml")  # as a release before the learner's sections wrote it
     r = run_train(runs_root, "resume", f"total_steps={total}", resume=run_dir, log_name="resumed")  # no drill now
     assert r.returncode == 0, r.stdout[-4000:]
+    assert "config.yaml was saved under older names, read as learner.lr -> learner.optim.lr" in r.stdout
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["learner"]["optim"]["lr_schedule"] == "linear"
     assert "learner levers kept off from the run's first start: compile" in r.stdout, r.stdout[-4000:]
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"  # the same MLflow run continued
@@ -122,3 +126,11 @@ def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothi
             "outstanding were ended as expired") in r.stdout, r.stdout[-4000:]
     assert acc["issued"] >= at_ckpt["issued"] and acc["trained"] > at_ckpt["trained"]
     assert acc["expired"] >= at_ckpt["expired"] + at_ckpt["outstanding"]
+
+
+def _save_under_old_names(path: Path) -> None:
+    """Rewrite a run's config.yaml with the learner's fields flat (`learner.lr`), as before its sections."""
+    saved = yaml.safe_load(path.read_text())
+    for section in ("optim", "batching", "levers", "loss"):
+        saved["learner"].update(saved["learner"].pop(section))
+    path.write_text(yaml.safe_dump(saved))

@@ -129,6 +129,33 @@ def test_every_flat_learner_key_that_moved_into_a_section_is_refused_with_its_ne
             assert f"{old}: renamed: set {new} instead (same meaning)" in e.value.lines, e.value.lines
 
 
+def test_a_run_saved_under_the_old_names_is_read_under_the_new_ones(tmp_path):
+    """A run folder's config.yaml from before the sections (flat learner keys, `official` values): the user did
+    not type it, so `load_saved_config` moves each old name to its new one and says which; load_config, for
+    what the user types, still refuses them."""
+    from common.config import ConfigError, load_saved_config, to_yaml
+
+    saved = yaml.safe_load(to_yaml(load_config(None, ["learner.optim.lr=3e-4", "learner.loss.clip_low=0.1"])))
+    learner = saved["learner"]
+    for section in ("optim", "batching", "levers", "loss"):
+        learner.update(learner.pop(section))  # the flat learner of the earlier release
+    learner["official_world_size"] = learner.pop("loss_world_size")
+    saved["buffer"].update(fresh_draw="official", trajectory_score="official")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(saved))
+    cfg, moved = load_saved_config(path)
+    assert cfg.learner.optim.lr == pytest.approx(3e-4) and cfg.learner.loss.clip_low == pytest.approx(0.1)
+    assert cfg.buffer.fresh_draw == "per_step" and cfg.buffer.trajectory_score == "chunk_window"
+    assert len(moved) == 52 + 1 + 2 and "learner.lr -> learner.optim.lr" in moved
+    assert "learner.official_world_size -> learner.loss.loss_world_size" in moved
+    assert "buffer.fresh_draw=official -> per_step" in moved
+    current = tmp_path / "current.yaml"
+    current.write_text(to_yaml(cfg))
+    assert load_saved_config(current) == (cfg, [])  # a config of this release: nothing moved
+    with pytest.raises(ConfigError, match="renamed: set learner.optim.lr instead"):
+        load_config(path)
+
+
 def test_a_dotted_label_key_is_one_key():
     cfg = load_config(None, ["generator.node_labels.ray.io/accelerator-type=H100", "learner.node_labels.group=train"])
     assert cfg.generator.node_labels == {"ray.io/accelerator-type": "H100"}
