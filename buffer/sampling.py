@@ -5,11 +5,12 @@ with its bucket index; they can be swapped and tested alone (Reverb's `sampler=`
 
     probs = bucket_probabilities({1, 2, 4}, group_size=8)   # Gaussian weight per non-empty bucket
     picks = GaussianBuckets(8).sample(buckets, n, rng)      # [(question_id, probability)]
-    idx = LowestEntropy().candidates(entropies, rng)        # which stored trajectories go to the learner
+    idx = LowestEntropy().candidates(entropies, measured, rng)  # which stored trajectories go to the learner
 
 Question samplers (`buffer.question_sampler`): `GaussianBuckets` (ExGRPO's), `UniformQuestions` (plain replay's
 uniform draw: Arnal et al., arXiv 2604.08706), `AdvantagePrioritised` (|advantage|-prioritised replay: arXiv
-2606.04560, prime-rl #2273). Trajectory selectors (`buffer.trajectory_selector`): `LowestEntropy`, `RandomTrajectory`.
+2606.04560, prime-rl #2273). Trajectory selectors (`buffer.trajectory_selector`): `LowestEntropy`, `LowestRecorded`,
+`RandomTrajectory`.
 """
 
 from __future__ import annotations
@@ -180,7 +181,9 @@ class AdvantagePrioritised:
 class TrajectorySelector(Protocol):
     """Chooses which of a question's stored trajectories travel with its mixed group (indices)."""
 
-    def candidates(self, entropies: Sequence[float], rng: random.Random) -> list[int]: ...
+    def candidates(self, entropies: Sequence[float], measured: Sequence[bool], rng: random.Random) -> list[int]:
+        """`entropies[i]` as last recorded; `measured[i]`: by the learner (else the generator's estimate)."""
+        ...
 
 
 class LowestEntropy:
@@ -189,14 +192,23 @@ class LowestEntropy:
     code computes another score, `learner.batching.chunk_window_spans`). The buffer's own estimates are not
     used."""
 
-    def candidates(self, entropies, rng):
+    def candidates(self, entropies, measured, rng):
         return list(range(len(entropies)))
+
+
+class LowestRecorded:
+    """Ship one: the lowest entropy as recorded, no scoring forward (SU-01's choice, by the engine's top-16
+    estimate). Learner-measured values first: an unmeasured one (a vLLM estimate is a lower bound) only if none is."""
+
+    def candidates(self, entropies, measured, rng):
+        pool = [i for i, m in enumerate(measured) if m] or list(range(len(entropies)))
+        return [min(pool, key=lambda i: entropies[i])]
 
 
 class RandomTrajectory:
     """Ship one uniformly random stored trajectory (the ablation): nothing left for the learner to choose."""
 
-    def candidates(self, entropies, rng):
+    def candidates(self, entropies, measured, rng):
         return [rng.randrange(len(entropies))]
 
 
@@ -213,6 +225,8 @@ def make_question_sampler(kind: str, group_size: int, mean: float, std: float) -
 def make_trajectory_selector(kind: str) -> TrajectorySelector:
     if kind == "lowest_entropy":
         return LowestEntropy()
+    if kind == "lowest_recorded":
+        return LowestRecorded()
     if kind == "random":
         return RandomTrajectory()
-    raise ValueError(f"trajectory_selector must be 'lowest_entropy' or 'random', got {kind!r}")
+    raise ValueError(f"trajectory_selector must be 'lowest_entropy', 'lowest_recorded' or 'random', got {kind!r}")

@@ -256,7 +256,8 @@ class ExperienceStore:
         e = self.entries.get(qid)
         if e is None or not e.recs:
             return []
-        return [e.recs[i] for i in self.selector.candidates(e.ents, rng)]
+        measured = [v != ENGINE_ESTIMATE for v in e.evers]
+        return [e.recs[i] for i in self.selector.candidates(e.ents, measured, rng)]
 
     def has_replay(self) -> bool:
         return self.total > 0

@@ -46,10 +46,12 @@ class BufferConfig(Section):
     learner-measured ones with the highest entropy, new ones waiting unmeasured beside them (docs/algorithm.md).
     oldest (plain replay's FIFO): the first stored, measured or not, as soon as a group brings more. Either way whole
     questions go least recently refreshed first past max_traj_total / max_bytes."""
-    trajectory_selector: Literal["lowest_entropy", "random"] = "lowest_entropy"
+    trajectory_selector: Literal["lowest_entropy", "lowest_recorded", "random"] = "lowest_entropy"
     """Which stored trajectory completes a mixed group. lowest_entropy (the paper): the buffer ships the
     question's stored trajectories and the learner picks the one with the lowest score (`trajectory_score`)
-    under the policy it is training (one no-grad forward per candidate). random (ablation): one at random."""
+    under the policy it is training (one no-grad forward per candidate). lowest_recorded (SU-01's, no scoring
+    forward): the buffer ships the one with the lowest entropy as last recorded, the learner's measures first,
+    else the generator's estimate (vLLM: from `logprobs_topk` log-probs). random (ablation): one at random."""
     fresh_draw: Literal["trained", "per_step"] = "trained"
     """Which fresh questions a run consumes. trained: only those it trains (a replayed group takes no fresh
     question). per_step: as the authors' loader, which draws batch_questions fresh questions each step and

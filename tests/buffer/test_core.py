@@ -228,6 +228,22 @@ def test_random_selector_ships_one_candidate():
     assert len(core.ready_mixed[0].group.candidates) == 1
 
 
+def test_lowest_recorded_ships_the_lowest_measured_candidate_alone():
+    # two stored (entropies 0.7 and 0.2 measured by the learner at version 3): lowest_recorded ships the 0.2 alone,
+    # so the learner has nothing to score
+    core = _mixed_core(trajectory_selector="lowest_recorded")
+    [a] = core.lease("g", 1, now=NOW)
+    core.submit([group_for(a, 3)], now=NOW)
+    [g] = core.take(0, 1, 0)
+    keys = [r.key for r in g.rollouts if r.correct]
+    core.feedback(LearnerFeedback(3, [], float32_array([]), [], fresh_keys=keys,
+                                  fresh_entropies=float32_array([0.7, 0.2, 0.9][:len(keys)])))
+    [r] = [it for it in core.lease("g", 2, now=NOW) if it.replay]
+    core.submit([group_for(r, 1, seed=9)], now=NOW)
+    [shipped] = core.ready_mixed[0].group.candidates
+    assert shipped.key == keys[1] and shipped.entropy == pytest.approx(0.2)
+
+
 def test_without_retirement_a_solved_question_keeps_its_experience_and_comes_back_fresh():
     # K = 4. q stores 2 correct rollouts (k = 2, bucket 2), then a group of 4 correct: ExGRPO retires it (deletes the
     # two, never issues it fresh again); retire=false leaves it as a k = 0 group would: bucket 2, the two stored,
