@@ -241,10 +241,15 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out:
     name = run_name(spec, variant, seed)
     folder = runs_root / name
     state = _state(folder)
-    if state.get("status") == "FINISHED" and not rerun:
+    settings = train_command(spec, variant, seed, runs_root, None)[4:]  # its overrides, the parent's id aside
+    changed = settings_changed(state.get("settings"), settings)
+    if state.get("status") == "FINISHED" and not rerun and not changed:
         print(f"[experiment] {name}: finished earlier, reusing it", file=sys.stderr, flush=True)
         return collect(runs_root, variant, seed, name, state.get("mlflow_run_id"),
                        wall_s=float(state.get("wall_s", float("nan"))))
+    if state.get("status") == "FINISHED" and changed:
+        print(f"[experiment] {name}: finished earlier with other settings ({changed}): running it again",
+              file=sys.stderr, flush=True)
     if folder.exists():
         import shutil
 
@@ -264,9 +269,19 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out:
         tail = log_path.read_text()[-600:].strip().splitlines()
         return RunResult(variant, seed, name, ok=False, wall_s=wall,
                          error=f"exit {rc}: {tail[-1] if tail else 'no output'} (see {log_path})")
-    _update_state(folder, wall_s=wall)
+    _update_state(folder, wall_s=wall, settings=settings)
     print(f"[experiment] {name}: done in {wall:.0f}s", file=sys.stderr, flush=True)
     return collect(runs_root, variant, seed, name, _state(folder).get("mlflow_run_id"), wall_s=wall)
+
+
+def settings_changed(then: list[str] | None, now: list[str]) -> str | None:
+    """How a finished run's overrides differ from what the spec asks now, in words; None when they are the same or
+    the run predates their record (reused as before)."""
+    if then is None or then == now:
+        return None
+    added, dropped = [a for a in now if a not in then], [a for a in then if a not in now]
+    return "; ".join(p for p in (f"now {', '.join(added)}" if added else "",
+                                 f"then {', '.join(dropped)}" if dropped else "") if p) or "their order changed"
 
 
 def _state(folder: Path) -> dict:

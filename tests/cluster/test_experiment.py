@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.experiment import (BUNDLED, SpecError, load_spec, overrides, runs_root_problem, select_seeds,
-                               select_variants)
+from cluster.experiment import (BUNDLED, SpecError, _state, load_spec, overrides, runs_root_problem, select_seeds,
+                               select_variants, settings_changed)
 from cluster.experiment_results import RunResult, differences, table
 from cluster.experiment_stats import paired_difference, t_quantile
 from tests.cluster.runs import ROOT, mlflow_client
@@ -125,6 +125,16 @@ def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, caps
     # reuses finished runs (in-process: the call above is the user's path; this one only reads the runs back)
     assert main(["experiment", spec_file, "--runs-root", str(runs)]) == 0
     assert capsys.readouterr().err.count("finished earlier, reusing it") == 2
+    assert "buffer.replay_ratio=0" in _state(runs / "mini-grpo-s0")["settings"]  # what the reuse is checked against
+
+
+def test_a_finished_run_whose_settings_changed_is_not_reused():
+    then = ["learner.optim.lr=0.001", "seed=0", "name=x-exgrpo-s0"]
+    assert settings_changed(None, then) is None  # a run from before the record: reused as before
+    assert settings_changed(then, list(then)) is None
+    assert settings_changed(then, ["learner.optim.lr=0.0001", "seed=0", "name=x-exgrpo-s0"]) == \
+        "now learner.optim.lr=0.0001; then learner.optim.lr=0.001"
+    assert settings_changed(then, [*then, "buffer.retire=false"]) == "now buffer.retire=false"
 
 
 @pytest.mark.parametrize("content, says", [
