@@ -48,6 +48,9 @@ class ExperimentSpec(BaseModel):
     """A run still going after this long is killed and reported as failed (its own stall limits come first)."""
     reference: str | None = None
     """The variant every other is compared with (paired differences by seed, with 95% intervals); None: the first."""
+    compare: list[tuple[str, str]] = []
+    """More paired differences to print, [a, b] for a − b: the pairs that isolate one rule (e.g. [exgrpo,
+    gaussian_only]), beside those with the reference."""
 
     @field_validator("name")
     @classmethod
@@ -80,6 +83,18 @@ class ExperimentSpec(BaseModel):
         variants = info.data.get("variants") or {}
         if v is not None and variants and v not in variants:
             raise ValueError(f"{v!r} is not a variant (variants: {', '.join(variants)})")
+        return v
+
+    @field_validator("compare")
+    @classmethod
+    def _compare_variants(cls, v: list[tuple[str, str]], info: ValidationInfo) -> list[tuple[str, str]]:
+        variants = info.data.get("variants") or {}
+        unknown = sorted({n for pair in v for n in pair if variants and n not in variants})
+        if unknown:
+            raise ValueError(f"{', '.join(map(repr, unknown))}: not a variant (variants: {', '.join(variants)})")
+        same = [a for a, b in v if a == b]
+        if same:
+            raise ValueError(f"[{same[0]}, {same[0]}]: a variant against itself; name two variants")
         return v
 
 

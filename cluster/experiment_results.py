@@ -228,7 +228,7 @@ def reference_variant(spec) -> str:
 
 def differences(spec, results: list[RunResult]) -> list[str]:
     """The verdict lines: each variant's final pass@1 minus the reference's, paired by seed, with its 95% t
-    interval over seeds ("within noise" where it holds 0), then the best variant (highest mean) against the
+    interval over seeds ("within noise" where it holds 0), the spec's `compare` pairs, then the best variant (highest mean) against the
     runner-up. Nothing for a one-variant spec."""
     finals = {v: {r.seed: r.final_pass1 for r in results if r.variant == v and r.ok} for v in spec.variants}
     if len(finals) < 2:
@@ -242,6 +242,7 @@ def differences(spec, results: list[RunResult]) -> list[str]:
         return f"- {prefix}{d.line()}" if d else f"- {prefix}{a} − {b}: no seed where both finished"
 
     lines += [line(v, ref) for v in finals if v != ref]
+    lines += [line(a, b) for a, b in spec.compare if a in finals and b in finals and ref not in (a, b)]
     ranked = sorted((v for v in finals if finals[v]), key=lambda v: -statistics.fmean(finals[v].values()))
     if len(ranked) >= 2:
         lines.append(line(ranked[0], ranked[1], "best against the runner-up: "))

@@ -240,6 +240,15 @@ def test_the_report_prints_the_verdict_lines_and_the_evaluation_s_se(tmp_path):
     assert differences(select_variants(other, ["exgrpo", "plain"]), results)[3].startswith("- plain − exgrpo")
     with pytest.raises(SpecError, match=r"reference: 'ppo' is not a variant \(variants: a\)"):
         load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}}, reference="ppo")))
+    # `compare` adds the pairs that isolate one rule, after the reference's: plain − grpo on seeds 0 and 1 (as the
+    # best against the runner-up above); a pair with the reference is not printed twice
+    pairs = spec.model_copy(update={"compare": [("plain", "grpo"), ("grpo", "exgrpo")]})
+    assert differences(pairs, results)[5:] == [
+        "- plain − grpo = +0.030 [−0.097, +0.157] (2 seeds): within noise",
+        "- best against the runner-up: plain − grpo = +0.030 [−0.097, +0.157] (2 seeds): within noise"]
+    with pytest.raises(SpecError, match=r"compare: 'ppo': not a variant \(variants: a, b\)"):
+        load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}, "b": {}},
+                                       compare=[["a", "ppo"]])))
 
 
 # ------------------------------------------------------------------------------ what the experiment owns
