@@ -259,14 +259,15 @@ def plot(spec, results: list[RunResult], path: Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     drawn = False
-    for variant in spec.variants:
+    for i, variant in enumerate(spec.variants):
         curves = [r.curve for r in results if r.variant == variant and r.ok and r.curve]
         if not curves:
             continue
         grid = np.linspace(max(c[0][0] for c in curves), min(c[-1][0] for c in curves), 50)  # no extrapolation
         ys = np.array([np.interp(grid, [x for x, _ in c], [y for _, y in c]) for c in curves])  # [seeds, 50]
-        ax.plot(grid, ys.mean(0), label=f"{variant} ({len(curves)} seeds)")
-        ax.fill_between(grid, ys.min(0), ys.max(0), alpha=0.2)
+        style = ("-", "--", ":")[i // 10 % 3]  # the colour cycle has 10 colours: the 11th variant is dashed
+        line, = ax.plot(grid, ys.mean(0), style, label=f"{variant} ({len(curves)} seeds)")
+        ax.fill_between(grid, ys.min(0), ys.max(0), alpha=0.2, color=line.get_color())
         drawn = True
     if not drawn:
         plt.close(fig)
