@@ -228,24 +228,50 @@ def reference_variant(spec) -> str:
 
 def differences(spec, results: list[RunResult]) -> list[str]:
     """The verdict lines: each variant's final pass@1 minus the reference's, paired by seed, with its 95% t
-    interval over seeds ("within noise" where it holds 0), the spec's `compare` pairs, then the best variant (highest mean) against the
-    runner-up. Nothing for a one-variant spec."""
+    interval over seeds ("within noise" where it holds 0), the spec's `compare` pairs, then the best variant
+    (highest mean) against the runner-up. Nothing for a one-variant spec."""
     finals = {v: {r.seed: r.final_pass1 for r in results if r.variant == v and r.ok} for v in spec.variants}
     if len(finals) < 2:
         return []
-    ref = reference_variant(spec)
     lines = ["", "Paired differences of final pass@1 (runs of one seed share the data order and the evaluation "
              "questions; 95% t interval over seeds):", ""]
-
-    def line(a: str, b: str, prefix: str = "") -> str:
-        d = paired_difference(a, b, finals[a], finals[b])
-        return f"- {prefix}{d.line()}" if d else f"- {prefix}{a} − {b}: no seed where both finished"
-
-    lines += [line(v, ref) for v in finals if v != ref]
-    lines += [line(a, b) for a, b in spec.compare if a in finals and b in finals and ref not in (a, b)]
+    lines += _paired_lines(spec, finals)
     ranked = sorted((v for v in finals if finals[v]), key=lambda v: -statistics.fmean(finals[v].values()))
     if len(ranked) >= 2:
-        lines.append(line(ranked[0], ranked[1], "best against the runner-up: "))
+        lines.append(_paired_line(finals, ranked[0], ranked[1], "best against the runner-up: "))
+    return lines + _reasoning_differences(spec, results)
+
+
+def _paired_lines(spec, values: dict[str, dict[int, float]]) -> list[str]:
+    """Each variant with `values` minus the reference, then the spec's `compare` pairs."""
+    ref = reference_variant(spec)
+    pairs = [(v, ref) for v in values if v != ref and ref in values]
+    pairs += [(a, b) for a, b in spec.compare if a in values and b in values and ref not in (a, b)]
+    return [_paired_line(values, a, b) for a, b in pairs]
+
+
+def _paired_line(values: dict[str, dict[int, float]], a: str, b: str, prefix: str = "") -> str:
+    d = paired_difference(a, b, values[a], values[b])
+    return f"- {prefix}{d.line()}" if d else f"- {prefix}{a} − {b}: no seed where both finished"
+
+
+def _reasoning_differences(spec, results: list[RunResult]) -> list[str]:
+    """Where the task checks reasoning (think_arith): the same paired lines for held-out valid given correct, and
+    for o* valid among the variants that choose an o* (against the first of them)."""
+    def per_seed(key: str) -> dict[str, dict[int, float]]:
+        out = {v: {r.seed: r.mechanism.get(key, math.nan) for r in results if r.variant == v and r.ok}
+               for v in spec.variants}
+        return {v: {s: x for s, x in by.items() if math.isfinite(x)} for v, by in out.items() if _finite(by.values())}
+
+    lines = []
+    heldout = per_seed("valid_heldout")
+    if len(heldout) >= 2:
+        lines += ["", "Paired differences of held-out valid given correct:", "", *_paired_lines(spec, heldout)]
+    chosen = per_seed("valid_chosen")
+    if len(chosen) >= 2:
+        first = next(iter(chosen))
+        lines += ["", "Paired differences of o* valid:", "",
+                  *[_paired_line(chosen, v, first) for v in chosen if v != first]]
     return lines
 
 

@@ -246,6 +246,16 @@ def test_the_report_prints_the_verdict_lines_and_the_evaluation_s_se(tmp_path):
     assert differences(pairs, results)[5:] == [
         "- plain − grpo = +0.030 [−0.097, +0.157] (2 seeds): within noise",
         "- best against the runner-up: plain − grpo = +0.030 [−0.097, +0.157] (2 seeds): within noise"]
+    # where reasoning is checked, the same lines for held-out validity (against the reference) and o* validity
+    # (against the first variant that chooses one: GRPO has none). plain − exgrpo: d = 0.10, 0.09 (seed 2 failed),
+    # mean 0.095, SE 0.005, t(0.975, 1) = 12.706: [0.0315, 0.1585]; o*: d = −0.12, −0.14: [−0.257, −0.003]
+    for r, heldout, chosen in zip(results, [0.80, 0.81, 0.82, 0.85, 0.86, 0.87, 0.9, 0.9, 0.9],
+                                  [0.80, 0.81, 0.82, math.nan, math.nan, math.nan, 0.68, 0.67, 0.0]):
+        r.mechanism = {"valid_heldout": heldout, "valid_chosen": chosen}
+    lines = differences(spec, results)
+    assert lines[lines.index("Paired differences of held-out valid given correct:") + 2:][:2] == [
+        "- grpo − exgrpo = +0.050 [+0.050, +0.050] (3 seeds)", "- plain − exgrpo = +0.095 [+0.031, +0.159] (2 seeds)"]
+    assert lines[-3:] == ["Paired differences of o* valid:", "", "- plain − exgrpo = −0.130 [−0.257, −0.003] (2 seeds)"]
     with pytest.raises(SpecError, match=r"compare: 'ppo': not a variant \(variants: a, b\)"):
         load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}, "b": {}},
                                        compare=[["a", "ppo"]])))
