@@ -153,8 +153,8 @@ def test_an_unreadable_spec_is_answered_with_its_file_and_line(tmp_path, content
 def test_an_empty_spec_and_a_misspelt_key_are_answered_in_the_spec_s_terms(tmp_path):
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(SpecError, match=r"empty.yaml: empty; a spec is a mapping of name, budget_rollouts, seeds, "
-                                        r"base, variants, run_timeout_s, reference \(name, budget_rollouts, seeds, "
-                                        r"variants required; cluster/experiments/ablations.yaml is one\)"):
+                                        r"base, variants, run_timeout_s, reference, compare \(name, budget_rollouts, "
+                                        r"seeds, variants required; cluster/experiments/ablations.yaml is one\)"):
         load_spec(str(tmp_path / "empty.yaml"))
     with pytest.raises(SpecError) as e:
         load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variant={"a": {}})))
