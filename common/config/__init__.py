@@ -26,7 +26,7 @@ from common.config.learner import (CollectiveSyncConfig, LearnerConfig, LoRAConf
 from common.config.learner_sections import BatchingConfig, LeversConfig, OptimConfig
 from common.config.loss import LossConfig
 from common.config.loading import (RESUMABLE_FIELDS, ConfigError, apply_overrides, flatten, load_config,
-                                   load_saved_config, resume_config, to_yaml, yaml_value)
+                                   load_saved_config, restore_secrets, resume_config, to_yaml, yaml_value)
 from common.config.model import ModelConfig, ToyModelConfig
 from common.config.reward import RewardConfig
 from common.config.run import RUN_NAME, RunConfig
@@ -39,5 +39,5 @@ __all__ = [
     "ObjectStoreSyncConfig", "OptimConfig", "RESUMABLE_FIELDS", "RUN_NAME", "RewardConfig", "RunConfig", "Section",
     "SyntheticEngineConfig", "TASK_DEFAULTS", "ToyModelConfig", "TrackingConfig", "TransformersEngineConfig",
     "VllmEngineConfig", "WeightSyncConfig", "apply_overrides", "flatten", "load_config", "load_saved_config",
-    "resume_config", "to_yaml", "yaml_value",
+    "restore_secrets", "resume_config", "to_yaml", "yaml_value",
 ]

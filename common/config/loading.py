@@ -12,6 +12,7 @@ from common.config.base import yaml_value
 from common.config.data import TASK_DEFAULTS
 from common.config.errors import RENAMED, RENAMED_VALUES, format_errors
 from common.config.run import RunConfig
+from common.config.secrets import PASSWORD_ENV, REDACTED, hidden, redact_value, split_password, with_password
 from common.config.schema import mapping_value, place, section_model, split_key, union_kinds
 from common.config.yaml_file import YamlFileError, read_yaml
 
@@ -273,7 +274,8 @@ def resume_config(saved: RunConfig, overrides: list[str]) -> tuple[RunConfig, di
 
     Raises ConfigError for a misspelt or invalid override (the usual lines), and one line per override
     that changes a field outside RESUMABLE_FIELDS, e.g. "buffer.group_size cannot change on resume: the
-    checkpoint's buffer was built with 8". An override that repeats the saved value is no change."""
+    checkpoint's buffer was built with 8". An override that repeats the saved value is no change, nor one that
+    gives a redacted URI its secret again; a secret still redacted is refused (`restore_secrets`)."""
     # Defaults left out, so that switching a backend (generator.engine.kind=...) does not meet the old one's fields.
     new = _validate(apply_overrides(_pin_task_defaults(_given_values(saved), saved),
                                     overrides))
@@ -294,7 +296,7 @@ def resume_config(saved: RunConfig, overrides: list[str]) -> tuple[RunConfig, di
     if refused:
         raise ConfigError(refused + ["fields that may change on resume: " + ", ".join(
             f + ".*" if f in ("cluster", "eval") else f for f in RESUMABLE_FIELDS)])
-    return new, changes
+    return restore_secrets(new), changes
 
 
 def _given_values(cfg: BaseModel) -> dict[str, Any]:
@@ -329,12 +331,26 @@ def _pin_task_defaults(raw: dict[str, Any], saved: RunConfig) -> dict[str, Any]:
 
 
 def to_yaml(cfg: BaseModel) -> str:
-    """The resolved config as YAML (what `exgrpo config` prints and MLflow stores)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML (what `exgrpo config` prints, config.yaml holds and MLflow stores), every URI's
+    credentials redacted (`common.config.secrets`)."""
+    return yaml.safe_dump(_redacted(cfg.model_dump(mode="json")), sort_keys=False)
+
+
+def _redacted(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _redacted(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_redacted(v) for v in node]
+    return redact_value(node)
 
 
 def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> value, for MLflow parameters."""
+    """Dotted key -> value, for MLflow parameters and the changes a resume prints; credentials redacted."""
+    return {k: _redacted(v) for k, v in _leaves(cfg, prefix).items()}
+
+
+def _leaves(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value as the config holds it (credentials included: for this process only)."""
     out: dict[str, Any] = {}
     for k, v in cfg.model_dump(mode="json").items():
         _flatten_into(out, f"{prefix}{k}", v)
@@ -347,3 +363,24 @@ def _flatten_into(out: dict[str, Any], key: str, v: Any) -> None:
             _flatten_into(out, f"{key}.{k2}", v2)
     else:
         out[key] = v
+
+
+def restore_secrets(cfg: RunConfig) -> RunConfig:
+    """`cfg` as read from a run's config.yaml (or given a redacted URI by `exgrpo experiment`), with tracking.uri's
+    redacted password (`user:***@`) read from MLFLOW_TRACKING_PASSWORD. ConfigError, one line per field whose
+    secret is still `***`, saying how to supply it."""
+    import os
+
+    uri = cfg.tracking.uri
+    if hidden(uri) and split_password(uri)[2] == REDACTED and os.environ.get(PASSWORD_ENV):
+        cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(
+            update={"uri": with_password(uri, os.environ[PASSWORD_ENV])})})
+    lines = []
+    for key, value in _leaves(cfg).items():
+        if hidden(value):
+            how = (f"set {PASSWORD_ENV}=<the password>, or pass {key}=<the URI with it>" if key == "tracking.uri"
+                   and split_password(value)[2] == REDACTED else f"pass {key}=<the URI with it>")
+            lines.append(f"{key}: {value}: its secret was redacted (*** is all the run folder keeps); {how}")
+    if lines:
+        raise ConfigError(lines)
+    return cfg
