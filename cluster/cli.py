@@ -212,6 +212,17 @@ def _load(args: argparse.Namespace):
         _exit_invalid(e)
 
 
+def _secrets_back(cfg):
+    """A new run given a redacted tracking.uri (`exgrpo experiment` passes its runs the password in the environment,
+    not on their command lines): its password from MLFLOW_TRACKING_PASSWORD, or one line saying how to give it."""
+    from common.config import ConfigError, restore_secrets
+
+    try:
+        return restore_secrets(cfg)
+    except ConfigError as e:
+        _exit_invalid(e)
+
+
 def _exit_invalid(e) -> None:
     print("invalid configuration:", file=sys.stderr)
     for line in e.lines:
@@ -301,6 +312,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         ensure_toy_model(cfg.model, cfg.data, force=args.force, verbose=True)
         return 0
     if args.command == "train":
+        _private_files()
         return _train_main(args)
     if args.command == "eval":
         from cluster.evaluate import eval_main
@@ -309,6 +321,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "experiment":
         from cluster.experiment import experiment_main
 
+        _private_files()
         return experiment_main(args.spec, args.runs_root, args.jobs, args.rerun, args.variants, args.seeds)
     if args.command == "extend-context":
         from cluster.extend_context import extend_context_main
@@ -323,6 +336,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return scale_main(args)
     raise AssertionError(args.command)
+
+
+def _private_files() -> None:
+    """Files a run writes are the user's alone (0600, folders 0700): the umask is set before anything is written or
+    started, so the embedded Ray's processes (learner ranks writing checkpoints) and `exgrpo experiment`'s runs
+    inherit it. A joined cluster's processes keep their own."""
+    os.umask(0o077)
 
 
 def _config_main(args: argparse.Namespace) -> int:
@@ -351,7 +371,7 @@ def _config_main(args: argparse.Namespace) -> int:
 def _train_main(args: argparse.Namespace) -> int:
     from cluster.auth import ClusterAuthError, use_token_auth_when_connecting
 
-    cfg = None if args.resume else _load(args)
+    cfg = None if args.resume else _secrets_back(_load(args))
     try:  # before ray is imported: join cluster.address in the mode that cluster uses
         use_token_auth_when_connecting(cfg.cluster.address if cfg else _resumed_address(args))
     except ClusterAuthError as e:

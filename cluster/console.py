@@ -16,7 +16,7 @@ logs/driver.log only; `cluster.tracking` says what the user needs in one line.""
 
 def setup_logging(log_dir: Path | None, level: int = logging.INFO) -> None:
     """Our INFO lines to the console; everything (ours and libraries') at DEBUG to logs/driver.log
-    (console only while `log_dir` is None: before the run folder exists)."""
+    (console only while `log_dir` is None: before the run folder exists); credentials redacted in both."""
     root = logging.getLogger()
     root.setLevel(logging.DEBUG)
     for h in list(root.handlers):
@@ -25,16 +25,26 @@ def setup_logging(log_dir: Path | None, level: int = logging.INFO) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         fh = LogFile(log_dir / "driver.log")
         fh.setLevel(logging.DEBUG)
-        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        fh.setFormatter(Redacting("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(fh)
     ch = logging.StreamHandler(sys.stderr)
     ch.setLevel(level)
-    ch.setFormatter(logging.Formatter("[exgrpo] %(message)s"))
+    ch.setFormatter(Redacting("[exgrpo] %(message)s"))
     ch.addFilter(lambda r: (r.name.startswith("exgrpo") or r.levelno >= logging.ERROR)
                  and r.name.partition(".")[0] not in STORE_LOGGERS)
     root.addHandler(ch)
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class Redacting(logging.Formatter):
+    """A formatter that hides URI credentials (`scheme://user:***@`, `?token=***`) in the whole line, the traceback
+    included: a library's message or error that quotes a store's URL never writes its password."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from common.config.secrets import redact
+
+        return redact(super().format(record))
 
 
 def quiet_store_loggers() -> None:

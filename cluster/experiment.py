@@ -251,12 +251,32 @@ def train_command(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path
             *overrides(spec.base), *overrides(spec.variants[variant]), *seeds, *extra]
 
 
+def password_to_env(cmd: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`cmd` with the tracking URI's password redacted, and the environment that hands it to the run instead
+    (MLFLOW_TRACKING_PASSWORD, which `exgrpo train` reads back): a command line is visible to every user of the
+    machine, and a run writes what it was given."""
+    import os
+
+    from common.config.secrets import PASSWORD_ENV, redact, split_password
+
+    env, out = dict(os.environ), []
+    for arg in cmd:
+        key, sep, value = arg.partition("=")
+        password = split_password(value)[2] if sep and key.split(".")[0] == "tracking" else None
+        if password is not None:
+            env[PASSWORD_ENV], arg = password, redact(arg)
+        out.append(arg)
+    return out, env
+
+
 def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out: Path, parent: str | None,
             rerun: bool) -> RunResult:
+    from common.config.secrets import redact
+
     name = run_name(spec, variant, seed)
     folder = runs_root / name
     state = _state(folder)
-    settings = train_command(spec, variant, seed, runs_root, None)[4:]  # its overrides, the parent's id aside
+    settings = [redact(a) for a in train_command(spec, variant, seed, runs_root, None)[4:]]  # the parent's id aside
     changed = settings_changed(state.get("settings"), settings)
     if state.get("status") == "FINISHED" and not rerun and not changed:
         print(f"[experiment] {name}: finished earlier, reusing it", file=sys.stderr, flush=True)
@@ -272,10 +292,11 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out:
     log_path = out / "logs" / f"{name}.log"
     print(f"[experiment] {name}: starting (log {log_path})", file=sys.stderr, flush=True)
     t0 = time.monotonic()
+    cmd, env = password_to_env(train_command(spec, variant, seed, runs_root, parent))
     with open(log_path, "w") as log:
         try:
-            rc = subprocess.run(train_command(spec, variant, seed, runs_root, parent), stdout=log,
-                                stderr=subprocess.STDOUT, timeout=spec.run_timeout_s).returncode
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                timeout=spec.run_timeout_s).returncode
         except subprocess.TimeoutExpired:
             return RunResult(variant, seed, name, ok=False, wall_s=time.monotonic() - t0,
                              error=f"killed after run_timeout_s={spec.run_timeout_s:.0f}s (see {log_path})")
@@ -372,6 +393,7 @@ def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, varia
         print("invalid experiment spec:\n  " + "\n  ".join(e.lines), file=sys.stderr)
         return 2
     from cluster.tracking import Tracker, default_tracking_uri
+    from common.config.secrets import redact
 
     root = Path(runs_root).expanduser()
     out = root / spec.name
@@ -380,7 +402,7 @@ def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, varia
     parent = tracker.start(spec.name, tags={"exgrpo.kind": "experiment"})
     tracker.log_params({"budget_rollouts": spec.budget_rollouts, "seeds": str(spec.seeds),
                         "variants": ",".join(spec.variants)})
-    tracker.log_text(yaml.safe_dump(spec.model_dump(), sort_keys=False), "spec.yaml")
+    tracker.log_text(redact(yaml.safe_dump(spec.model_dump(), sort_keys=False)), "spec.yaml")
     todo = [(v, s) for v in spec.variants for s in spec.seeds]
     print(f"[experiment] {spec.name}: {len(todo)} runs ({len(spec.variants)} variants x {len(spec.seeds)} seeds) "
           f"at {spec.budget_rollouts} rollouts each, {jobs} at a time; results in {out}", file=sys.stderr, flush=True)

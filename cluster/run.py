@@ -62,7 +62,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
 
     def opened(tracker) -> None:
         run_dir.update_state(mlflow_run_id=state.mlflow_run_id)
-        log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, uri, state.mlflow_run_id)
+        log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, tracker.where, state.mlflow_run_id)
         _show_prompt(run_dir, questions, model_path, tracker)
 
     open_tracker = LateStart(lambda: _start_tracking(cfg, run_dir, state, uri, resume), opened)
@@ -133,11 +133,15 @@ def _close_run(cfg: RunConfig, run_dir, state, tracker, status: str, stopped: Ru
 
 
 def _say_where(run_dir, tracker, uri: str, state) -> None:
+    """The run folder and the MLflow store (its credentials redacted: this is printed)."""
+    from common.config.secrets import redact
+
     if tracker.offline:  # no MLflow run was opened: the points wait in the run folder
         print(f"run folder: {run_dir.path}\nMLflow: offline; `exgrpo track --replay {run_dir.path}` sends the run's "
-              f"metric points to {uri}")
+              f"metric points to {redact(uri)}")
     else:
-        print(f"run folder: {run_dir.path}\nMLflow: mlflow ui --backend-store-uri {uri}  (run id {state.mlflow_run_id})")
+        print(f"run folder: {run_dir.path}\nMLflow: mlflow ui --backend-store-uri {redact(uri)}  (run id "
+              f"{state.mlflow_run_id})")
 
 
 def command_started() -> float:

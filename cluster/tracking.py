@@ -21,6 +21,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from common.config.secrets import PASSWORD_ENV, USERNAME_ENV, redact, split_password
+
 log = logging.getLogger("exgrpo.tracking")
 
 UNSENT_FILE = "metrics-unsent.jsonl"
@@ -49,7 +51,8 @@ class Tracker:
 
     def __init__(self, uri: str, experiment: str, *, enabled: bool = True, flush_every_s: float = 5.0,
                  max_buffered: int = 200_000, unsent_path: str | Path | None = None):
-        self.uri = uri
+        self.uri = _credentials_to_env(uri)
+        self.where = redact(uri)  # what messages show
         self.unsent_path = Path(unsent_path) if unsent_path is not None else None
         self.experiment = experiment
         self.enabled = enabled
@@ -100,16 +103,16 @@ class Tracker:
                 run = self._client.create_run(exp_id, run_name=run_name, tags=tags or {})
                 self.run_id = run.info.run_id
         except Exception as e:  # the tracking store is optional for training: report once, continue
-            log.debug("starting the MLflow run at %s failed", self.uri, exc_info=e)
+            log.debug("starting the MLflow run at %s failed", self.where, exc_info=e)
             self._client = None
             self.offline = self.unsent_path is not None
             if self.offline:
                 log.warning("could not start the MLflow run at %s: %s; training goes on, its metric points kept in "
                             "%s: `exgrpo track --replay %s` sends them to a store later (details in "
-                            "logs/driver.log)", self.uri, _short(e), self.unsent_path, self.unsent_path.parent)
+                            "logs/driver.log)", self.where, _short(e), self.unsent_path, self.unsent_path.parent)
             else:
                 log.warning("could not start the MLflow run at %s: %s; training goes on without tracking (details "
-                            "in logs/driver.log)", self.uri, _short(e))
+                            "in logs/driver.log)", self.where, _short(e))
         if self._client is not None or self.offline:
             self._thread = threading.Thread(target=self._flush_loop, name="mlflow-flush", daemon=True)
             self._thread.start()
@@ -283,7 +286,7 @@ class Tracker:
         left = count_unsent(path) if path is not None else 0
         if left:
             log.warning("MLflow: %d metric points never reached the store %s; they are kept in %s: `exgrpo track "
-                        "--replay %s` sends them once it takes writes", left, self.uri, path, path.parent)
+                        "--replay %s` sends them once it takes writes", left, self.where, path, path.parent)
         elif self.failures:
             log.info("MLflow: every metric point reached the store (it refused %d writes on the way)", self.failures)
         if self.lost:
@@ -293,18 +296,18 @@ class Tracker:
     def _store_failed(self, what: str, e: Exception) -> None:
         """The store refused `what`: the trace to the log file; one warning when it starts failing."""
         self.failures += 1
-        log.debug("MLflow store %s refused %s", self.uri, what, exc_info=e)
+        log.debug("MLflow store %s refused %s", self.where, what, exc_info=e)
         if not self.failing:
             self.failing, self._spell = True, self.failures - 1
             log.warning("MLflow store %s stopped taking writes (%s refused: %s); metric points are kept and retried "
-                        "every %gs (details in logs/driver.log)", self.uri, what, _short(e), self.flush_every_s)
+                        "every %gs (details in logs/driver.log)", self.where, what, _short(e), self.flush_every_s)
 
     def _store_ok(self) -> None:
         if self.failing:
             self.failing = False
             kept = f"; the {self.unsent} kept in {self.unsent_path} are sent at the end" if self.unsent else ""
             log.warning("MLflow store %s takes writes again (%d writes refused meanwhile); the buffered metric points "
-                        "were sent%s", self.uri, self.failures - self._spell, kept)
+                        "were sent%s", self.where, self.failures - self._spell, kept)
 
     # -------------------------------------------------------------------------------------- plots
 
@@ -362,10 +365,22 @@ class LateStart:
         return self._tracker
 
 
+def _credentials_to_env(uri: str) -> str:
+    """`uri` for MLflow: an http(s) server's `user:password@` moved into MLFLOW_TRACKING_USERNAME / _PASSWORD of this
+    process (which MLflow reads per request), so that no request URL, error or log line of MLflow's carries them; a
+    database URI as it is (its driver needs them in the URI)."""
+    bare, user, password = split_password(uri)
+    if password is None or not uri.lower().startswith(("http://", "https://")):
+        return uri
+    os.environ[USERNAME_ENV], os.environ[PASSWORD_ENV] = user, password
+    return bare
+
+
 def _short(e: BaseException) -> str:
-    """`Type: the first line that says something` of an exception (SQLAlchemy starts with a hint in brackets)."""
+    """`Type: the first line that says something` of an exception (SQLAlchemy starts with a hint in brackets),
+    credentials redacted."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith("(raised as a result")]
-    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+    return redact(f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__)
 
 
 def read_unsent(path: Path) -> list[tuple[str, float, int, int]]:
@@ -416,7 +431,7 @@ def replay_main(run: str) -> int:
     them (the file keeps the rest), 2 when RUN is not a run folder."""
     from cluster.console import quiet_store_loggers, setup_logging
     from cluster.runtime import RunDir, RunFolderError
-    from common.config import ConfigError
+    from common.config import ConfigError, restore_secrets
 
     setup_logging(None)
     run_dir = RunDir(run)
@@ -431,7 +446,13 @@ def replay_main(run: str) -> int:
     if n == 0:
         print(f"nothing to replay: {run_dir.path} holds no unsent metric points (every point reached the store)")
         return 0
-    uri = cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root)
+    try:
+        cfg = restore_secrets(cfg)
+    except ConfigError as e:
+        print(*(f"error: {line}" for line in e.lines), sep="\n", file=sys.stderr)
+        return 2
+    uri = _credentials_to_env(cfg.tracking.uri or default_tracking_uri(cfg.checkpoint.runs_root))
+    where = redact(cfg.tracking.uri or uri)
     from mlflow.tracking import MlflowClient
 
     quiet_store_loggers()
@@ -441,11 +462,11 @@ def replay_main(run: str) -> int:
             run_id = _open_offline_run(client, uri, run_dir, cfg)
         sent = replay(client, run_id, path)
     except Exception as e:
-        log.debug("replaying %s into %s failed", path, uri, exc_info=e)
-        print(f"error: the MLflow store {uri} refused them ({_short(e)}); {count_unsent(path)} of the {n} points stay "
-              f"in {path}: try again once it takes writes", file=sys.stderr)
+        log.debug("replaying %s into %s failed", path, where, exc_info=e)
+        print(f"error: the MLflow store {where} refused them ({_short(e)}); {count_unsent(path)} of the {n} points "
+              f"stay in {path}: try again once it takes writes", file=sys.stderr)
         return 1
-    print(f"sent {sent} metric points from {path} to {uri} (run id {run_id})")
+    print(f"sent {sent} metric points from {path} to {where} (run id {run_id})")
     return 0
 
 
