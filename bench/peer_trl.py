@@ -232,7 +232,7 @@ def run_ours(row: str, work: Path, args: argparse.Namespace, seed: int) -> dict:
     wall, peak, pss = run_measured(cmd, work)
     state = json.loads((work / "peer" / "state.json").read_text())
     loop_s, trained = loop_from_mlflow(work, state["mlflow_run_id"])
-    final = Path(state["checkpoints"][-1]) / "learner" / "model"
+    final = work / "peer" / state["checkpoints"][-1] / "learner" / "model"  # relative to the run folder
     return {"whole_s": wall, "loop_s": loop_s, "completions_s": trained / loop_s,
             "pass1": eval_pass1(final, args.eval_limit), "peak_mib": peak, "pss_mib": pss}
 

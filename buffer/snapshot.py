@@ -16,6 +16,7 @@ import errno
 import hashlib
 import mmap
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -95,9 +96,20 @@ def save_core(core, folder: str | os.PathLike) -> Path:
 
 
 def segment_target(folder: str | os.PathLike, shard: int):
-    """segment name -> its file in `folder` (shard `shard`)."""
+    """segment name -> its file in `folder` (shard `shard`); SnapshotError for a name that is not a segment's (a
+    manifest read from disk never leads outside its folder)."""
     folder = Path(folder)
-    return lambda name: folder / f"buffer-shard-{shard}.{name}.seg"
+
+    def target(name) -> Path:
+        if not isinstance(name, str) or not _SEGMENT_NAME.fullmatch(name) or type(shard) is not int:
+            raise SnapshotError(f"buffer snapshot in {folder} names segment {name!r}, which is not a segment's name")
+        return folder / f"buffer-shard-{shard}.{name}.seg"
+
+    return target
+
+
+_SEGMENT_NAME = re.compile(r"[0-9a-f]{1,32}-[0-9]{1,12}")
+"""`ExperienceStore`'s segment names: its hex prefix and the segment id."""
 
 
 def write_shard_snapshot(folder: str | os.PathLike, shard: int, state: dict, plan) -> dict[int, tuple[str, int, str]]:

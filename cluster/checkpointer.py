@@ -52,7 +52,7 @@ class Checkpointer:
         except BaseException as e:
             err, free = disk_error(e), disk.free_bytes(final.parent)
             shutil.rmtree(tmp, ignore_errors=True)
-            if final.exists() and str(final) not in self.run_dir.read_state().get("checkpoints", []):
+            if final.exists() and final not in self.run_dir.checkpoints():
                 shutil.rmtree(final, ignore_errors=True)  # complete, but state.json could not list it
             if err is None:
                 raise
@@ -78,9 +78,10 @@ class Checkpointer:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        ckpts = [c for c in self.run_dir.read_state().get("checkpoints", []) if Path(c) != final] + [str(final)]
-        self.run_dir.update_state(checkpoints=ckpts[-self.cfg.checkpoint.keep_last :], **tracker.counts())
-        for old in ckpts[: -self.cfg.checkpoint.keep_last]:  # after state.json stopped listing them
+        ckpts = [c for c in self.run_dir.checkpoints() if c != final] + [final]  # each inside the run folder
+        keep = self.cfg.checkpoint.keep_last
+        self.run_dir.update_state(checkpoints=[self.run_dir.entry(c) for c in ckpts[-keep:]], **tracker.counts())
+        for old in ckpts[:-keep]:  # after state.json stopped listing them
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s", final)
         return final

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -81,9 +80,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
         with profile.phase("shutdown: plots, MLflow, Ray"):
             _close_run(cfg, run_dir, state, tracker, status, stopped)
     if stopped is not None and stopped.code == EXIT_CONFIG and not resume and state.step == 0:
-        shutil.rmtree(run_dir.path, ignore_errors=True)  # refused before training: the name stays free
-        print(f"nothing was trained; removed {run_dir.path} so that name={run_dir.path.name} can be used again",
-              file=sys.stderr)
+        _remove_unused(run_dir)  # refused before training: the name stays free
         return stopped.code
     if run_dir.path.exists():
         _unless_the_disk_refuses("profile.json", lambda: profile.save(run_dir.path / "profile.json"))
@@ -93,6 +90,20 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     if stopped is not None:
         return stopped.code
     return 0 if status in ("FINISHED", "KILLED") else 1
+
+
+def _remove_unused(run_dir) -> None:
+    """A new run refused before its first step: remove what it wrote (only that) so that its name can be used again."""
+    from cluster.console import setup_logging
+
+    setup_logging(None)  # the console only: logs/driver.log is about to go
+    left = run_dir.remove_own()
+    if left:
+        print(f"nothing was trained; removed the files the run wrote in {run_dir.path} (what else is there stays: "
+              f"{', '.join(left[:3])}{' ...' if len(left) > 3 else ''})", file=sys.stderr)
+        return
+    what = run_dir.path if run_dir.made_folder else f"what the run wrote in {run_dir.path} (the folder was there before)"
+    print(f"nothing was trained; removed {what} so that name={run_dir.path.name} can be used again", file=sys.stderr)
 
 
 def _prepare_beside_ray(cfg: RunConfig | None, resume: str | None, overrides: list[str], profile: Profile):
@@ -256,7 +267,8 @@ def _load_driver_state(run_dir) -> DriverState:
         cfg = run_dir.config()
         return DriverState(mlflow_run_id=base.get("mlflow_run_id"), generators=cfg.generator.num_generators)
     d = json.loads((ckpt / "driver.json").read_text())
-    d["mlflow_run_id"] = base.get("mlflow_run_id") or d.get("mlflow_run_id")
+    if "mlflow_run_id" in base:  # state.json's is the newest (a copy's is its own, or none yet)
+        d["mlflow_run_id"] = base["mlflow_run_id"]
     return DriverState(**d)
 
 
@@ -287,6 +299,7 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str], on
             return cfg, run_dir.make(cfg), DriverState(generators=cfg.generator.num_generators), model_path, questions
     except RunFolderError as e:
         raise BadInput(f"error: {e}") from None
+    _settle_where(run_dir, state)
     if "generator.num_generators" in changes:
         state.generators = cfg.generator.num_generators
     if run_dir.renamed:
@@ -296,6 +309,22 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str], on
     if changes:
         log.info("resume: %s", ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items()))
     return cfg, run_dir, state, model_path, questions
+
+
+def _settle_where(run_dir, state: DriverState) -> None:
+    """A folder resumed somewhere else than it was last used: moved, it continues its MLflow run; copied (the original
+    still there), it resumes from its own checkpoints into a new MLflow run, so the two never write to one."""
+    where = run_dir.moved_from()
+    if where is None:
+        return
+    before, still_there = where
+    if still_there:
+        log.warning("resume: %s is a copy of %s (still there): it resumes from its own checkpoints and logs to a new "
+                    "MLflow run; the original is not touched", run_dir.path, before)
+        state.mlflow_run_id = None
+    else:
+        log.info("resume: %s was moved from %s; it continues there", run_dir.path, before)
+    run_dir.update_state(folder=str(run_dir.path.resolve()), mlflow_run_id=state.mlflow_run_id)
 
 
 def _refuse_finished(run_dir, cfg: RunConfig, state: DriverState) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -164,19 +165,38 @@ class RunFolderError(Exception):
     what to do instead."""
 
 
-class RunDir:
-    """A run's folder: config.yaml, state.json, checkpoints/step-NNNNNN/, plots/, logs/.
+RUN_ENTRIES = frozenset({"config.yaml", "state.json", "checkpoints", "logs", "plots", "buffer-live", "ray_address",
+                         "ray_temp_dir", "prompt_example.txt", "metrics-unsent.jsonl", "profile.json"})
+"""Every entry a run writes at the top of its folder (the only ones `RunDir.remove_own` removes)."""
+_OWN_TEMP = re.compile(r"\.(?:%s)\.tmp-\d+" % "|".join(re.escape(n) for n in sorted(RUN_ENTRIES)))
 
-    state.json holds `name`, `mlflow_run_id`, `checkpoints` (oldest first), `status` (RUNNING, or how the
-    last attempt ended: FINISHED, KILLED, FAILED) and `step` (the last step reached)."""
+
+def _refuse_unless_empty(path: Path) -> None:
+    """RunFolderError when the existing folder `path` holds anything: a new run never adopts a folder with content."""
+    found = sorted(p.name for p in path.iterdir())
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise RunFolderError(f"{path} already exists and is not empty ({shown}); a new run goes into a new or empty "
+                             "folder: pass name=<new name> or point checkpoint.runs_root elsewhere")
+
+
+class RunDir:
+    """A run's folder: config.yaml, state.json, checkpoints/step-NNNNNN/, plots/, logs/. Self-contained: every path
+    it records is relative to it, so a copied or moved folder resumes from its own checkpoints.
+
+    state.json holds `name`, `mlflow_run_id`, `checkpoints` (oldest first, relative to the folder), `folder` (where
+    it was last used: tells a copy from a move), `status` (RUNNING, or how the last attempt ended: FINISHED, KILLED,
+    FAILED) and `step` (the last step reached)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.made_folder = False  # `make` created the folder itself (it was not there before)
         self.renamed: list[str] = []  # old names its config.yaml was read under ("learner.lr -> learner.optim.lr")
 
     @classmethod
     def planned(cls, cfg: RunConfig) -> RunDir:
-        """Where a new run of `cfg` goes (nothing is created yet); RunFolderError when it cannot go there."""
+        """Where a new run of `cfg` goes (nothing is created yet): a folder that does not exist or is empty, never
+        one that holds anything (a run may later remove what it wrote there); RunFolderError otherwise."""
         root = Path(cfg.checkpoint.runs_root).expanduser()
         path = root / (cfg.name or time.strftime("run-%Y%m%d-%H%M%S"))
         if (path / "state.json").exists():
@@ -189,6 +209,8 @@ class RunDir:
         if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
             raise RunFolderError(f"checkpoint.runs_root: cannot create {path}: {existing} is not writable; "
                                  "point checkpoint.runs_root at a writable folder")
+        if existing == path:
+            _refuse_unless_empty(path)
         return cls(path)
 
     @classmethod
@@ -197,18 +219,40 @@ class RunDir:
         return cls.planned(cfg).make(cfg)
 
     def make(self, cfg: RunConfig) -> RunDir:
-        """Create this planned folder with config.yaml and state.json; RunFolderError when it cannot be made
-        or another run took it meanwhile."""
-        if (self.path / "state.json").exists():
-            raise RunFolderError(f"{self.path} already holds a run; pass name=<new name>")
+        """Create this planned folder (private: 0700) with config.yaml and state.json; RunFolderError when it cannot
+        be made or something else took it meanwhile. `self.made_folder`: whether the folder itself is ours."""
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.mkdir(mode=0o700)
+                self.made_folder = True
+            except FileExistsError:
+                if (self.path / "state.json").exists():
+                    raise RunFolderError(f"{self.path} already holds a run; pass name=<new name>") from None
+                _refuse_unless_empty(self.path)
             self.save_config(cfg)
+            self.write_state({"name": self.path.name, "mlflow_run_id": None, "checkpoints": [],
+                              "folder": str(self.path.resolve())})
         except OSError as e:
             raise RunFolderError(f"checkpoint.runs_root: cannot create {self.path} ({e.strerror}); point "
                                  "checkpoint.runs_root at a writable folder") from None
-        self.write_state({"name": self.path.name, "mlflow_run_id": None, "checkpoints": []})
         return self
+
+    def remove_own(self) -> list[str]:
+        """Remove what a run writes into its folder (`RUN_ENTRIES` and its own temp files), then the folder itself
+        when this run made it and nothing else is left; returns what was left (names of entries it did not write)."""
+        if not self.path.is_dir():
+            return []
+        for entry in self.path.iterdir():
+            if entry.name in RUN_ENTRIES or _OWN_TEMP.fullmatch(entry.name):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        left = sorted(e.name for e in self.path.iterdir())
+        if self.made_folder and not left:
+            self.path.rmdir()
+        return left
 
     @property
     def name(self) -> str:
@@ -235,9 +279,10 @@ class RunDir:
             state, problem = None, f"{type(e).__name__}: {e}"
         else:
             problem = None if isinstance(state, dict) and isinstance(state.get("name"), str) and isinstance(
-                state.get("checkpoints", []), list) else "not a mapping with name and checkpoints"
+                state.get("checkpoints", []), list) and all(isinstance(c, str) for c in state.get(
+                    "checkpoints", [])) else "not a mapping with name and checkpoints"
         if problem is not None:
-            found = sorted(str(c) for c in (self.path / "checkpoints").glob("step-*") if c.is_dir())
+            found = sorted(f"checkpoints/{c.name}" for c in (self.path / "checkpoints").glob("step-*") if c.is_dir())
             raise RunFolderError(
                 f"{p} is corrupt ({problem}). It lists the run's name, MLflow run id and checkpoints; restore it "
                 'from a backup, or write it again as {"name": "%s", "mlflow_run_id": null, "checkpoints": [%s]} '
@@ -256,30 +301,75 @@ class RunDir:
     def checkpoint_dir(self, step: int) -> Path:
         return self.path / "checkpoints" / f"step-{step:06d}"
 
+    def entry(self, ckpt: Path) -> str:
+        """How state.json lists one of this folder's checkpoints: its path relative to the folder."""
+        return Path(ckpt).relative_to(self.path).as_posix()
+
+    def own(self, listed: str) -> Path:
+        """The checkpoint that a state.json entry names, inside this folder. An absolute entry (written by an earlier
+        release, or before the folder was copied or moved) is read as this folder's `checkpoints/<its name>`, never
+        the path itself; an entry that leads outside the folder is refused and named."""
+        rel = Path(listed)
+        if rel.is_absolute() and len(rel.parts) >= 3 and rel.parts[-2] == "checkpoints":
+            rel = Path("checkpoints", rel.name)
+        path = self.path / rel
+        if rel.is_absolute() or ".." in rel.parts or not path.resolve().is_relative_to(self.path.resolve()):
+            raise RunFolderError(f"{self.path / 'state.json'} lists checkpoint {listed!r}, which is outside the run "
+                                 "folder; a run reads and deletes only its own files: remove that entry from "
+                                 "state.json (its checkpoints are the folders under checkpoints/)")
+        return path
+
+    def checkpoints(self) -> list[Path]:
+        """The listed checkpoints (oldest first), each inside this folder (`own`)."""
+        return [self.own(c) for c in self.read_state().get("checkpoints", [])]
+
+    def list_checkpoints(self, ckpts: list[Path]) -> None:
+        """state.json lists exactly `ckpts` (oldest first), relative to the folder."""
+        self.update_state(checkpoints=[self.entry(c) for c in ckpts])
+
+    def moved_from(self) -> tuple[Path, bool] | None:
+        """(where this folder was last used, whether a run is still there) when that was somewhere else: a move, or,
+        when the other folder still holds this run, a copy; None when it is where it was."""
+        state = self.read_state()
+        before = state.get("folder")
+        if before is None:  # saved by an earlier release: where its absolute checkpoint paths lead
+            listed = [Path(c) for c in state.get("checkpoints", []) if Path(c).is_absolute()]
+            before = str(listed[-1].parent.parent) if listed else None
+        if before is None or Path(before) == self.path.resolve():
+            return None
+        other = RunDir(before)
+        try:
+            still_there = other.read_state().get("mlflow_run_id") == state.get("mlflow_run_id")
+        except RunFolderError:
+            still_there = False
+        return Path(before), still_there
+
     def forget_vanished_checkpoints(self) -> str | None:
         """Listed checkpoints that are gone (deleted from outside while the run goes on) leave state.json; returns
         the warning naming them and what is left to resume from (None: every listed one is still there)."""
-        listed = self.read_state().get("checkpoints", [])
-        gone = [c for c in listed if not (Path(c) / "driver.json").is_file()]
+        listed = self.checkpoints()
+        gone = [c for c in listed if not (c / "driver.json").is_file()]
         if not gone:
             return None
         left = [c for c in listed if c not in gone]
-        self.update_state(checkpoints=left)
-        return (f"{len(gone)} earlier checkpoint(s) of this run vanished while it ran ({', '.join(gone)}: deleted "
-                "from outside?); " + (f"left to resume from: {', '.join(left)}" if left else
-                                      "nothing is left to resume from until the checkpoint being written is complete"))
+        self.list_checkpoints(left)
+        return (f"{len(gone)} earlier checkpoint(s) of this run vanished while it ran ({', '.join(map(str, gone))}: "
+                "deleted from outside?); " + (f"left to resume from: {', '.join(map(str, left))}" if left else
+                                              "nothing is left to resume from until the checkpoint being written is "
+                                              "complete"))
 
     def latest_checkpoint(self) -> Path | None:
-        ckpts = self.read_state().get("checkpoints", [])
-        return Path(ckpts[-1]) if ckpts else None
+        ckpts = self.checkpoints()
+        return ckpts[-1] if ckpts else None
 
     def usable_checkpoint(self, num_shards: int) -> Path | None:
         """The newest listed checkpoint that can be resumed from (None when none was listed). Newer unusable
-        ones are renamed `<name>.unusable` (kept for inspection) and dropped from state.json, each with a
-        warning saying why. RunFolderError, changing nothing, when checkpoints are listed but none is usable."""
+        ones are renamed `<name>.unusable` (kept for inspection, inside this folder) and dropped from state.json,
+        each with a warning saying why. RunFolderError, changing nothing, when checkpoints are listed but none is
+        usable."""
         from cluster.preflight import checkpoint_problem
 
-        listed = [Path(c) for c in self.read_state().get("checkpoints", [])]
+        listed = self.checkpoints()
         bad: list[tuple[Path, str]] = []
         for ckpt in reversed(listed):
             problem = checkpoint_problem(ckpt, num_shards)
@@ -299,12 +389,12 @@ class RunDir:
                 if not aside.exists():
                     break
                 aside = ckpt.with_name(f"{ckpt.name}.unusable-{n}")
-            if ckpt.exists():
+            if ckpt.is_dir() and not ckpt.is_symlink():
                 ckpt.rename(aside)
             log.warning("checkpoint %s is unusable (%s); moved to %s, resuming from %s", ckpt.name, problem,
                         aside.name, good[-1].name)
-        if bad:
-            self.update_state(checkpoints=[str(c) for c in good])
+        if bad or any(Path(c).is_absolute() for c in self.read_state().get("checkpoints", [])):
+            self.list_checkpoints(good)
         return good[-1]
 
 

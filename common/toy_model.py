@@ -78,8 +78,11 @@ def ensure_toy_model(model_cfg: ModelConfig, data_cfg: DataConfig, force: bool =
     try:
         info = build_toy_model(model_cfg.toy, data_cfg, tmp, verbose=verbose)
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
+        if folder.exists() and not (folder / INFO_FILE).is_file() and any(folder.iterdir()):
+            raise ValueError(f"{folder} is in the way of the built-in model's cache and is not one (no {INFO_FILE}): "
+                             "move it, or set model.cache_dir to another folder")
         if folder.exists() and (force or not (folder / INFO_FILE).is_file()):
-            shutil.rmtree(folder)
+            shutil.rmtree(folder)  # a built-in model of ours (its INFO_FILE says so), or an empty folder
         if not folder.exists():  # else another process finished the same build first: keep its folder
             os.replace(tmp, folder)
     finally:

@@ -300,7 +300,7 @@ def test_resume_falls_back_from_a_corrupt_newest_checkpoint(run, caplog):
     assert state.step == 1 and rd.latest_checkpoint() == run / "checkpoints" / "step-000001"
     assert (run / "checkpoints" / "step-000002.unusable").is_dir()  # kept for inspection, not deleted
     assert "step-000002 is unusable" in caplog.text and "resuming from step-000001" in caplog.text
-    assert RunDir(run).read_state()["checkpoints"] == [str(run / "checkpoints" / "step-000001")]
+    assert RunDir(run).read_state()["checkpoints"] == ["checkpoints/step-000001"]  # now relative to the folder
 
 
 def test_resume_without_a_usable_checkpoint_changes_nothing(capsys, run):
@@ -324,8 +324,104 @@ def test_resume_of_a_finished_run_says_how_to_go_on(capsys, run):
 def test_resume_with_a_corrupt_state_json_names_the_file_and_the_fix(capsys, run):
     (run / "state.json").write_text('{"name": "r", "checkp')
     assert_refused(*cli(capsys, "train", "--resume", run), "state.json is corrupt",
-                   str(run / "checkpoints" / "step-000002"))
+                   '"checkpoints": ["checkpoints/step-000001", "checkpoints/step-000002"]')
     assert_refused(*cli(capsys, "train", "--resume", run.parent / "nope"), "is not a run folder (no state.json)")
+
+
+def test_a_new_run_never_adopts_a_folder_that_holds_anything(capsys, runs, tiny_model_dir):
+    """Before, `name=r` over a user's folder wrote config.yaml and state.json into it, and a refusal at placement then
+    removed the folder with everything in it."""
+    (runs / "r").mkdir(parents=True)
+    (runs / "r" / "notes.txt").write_text("mine")
+    assert_refused(*train(capsys, runs, f"model.path={tiny_model_dir}"),
+                   f"{runs / 'r'} already exists and is not empty (notes.txt); a new run goes into a new or empty "
+                   "folder: pass name=<new name>")
+    assert sorted(p.name for p in (runs / "r").iterdir()) == ["notes.txt"]
+
+
+def test_a_refused_run_removes_only_what_it_wrote(runs):
+    from cluster.runtime import RunDir
+
+    made = RunDir(runs / "made")
+    made.made_folder = True
+    empty = RunDir(runs / "empty")  # was there before the run (empty), so it stays
+    for rd in (made, empty):
+        (rd.path / "logs").mkdir(parents=True)
+        for f in ("state.json", "config.yaml", ".state.json.tmp-12", "ray_address"):
+            (rd.path / f).write_text("{}")
+    assert made.remove_own() == [] and not made.path.exists()
+    (empty.path / "theirs.txt").write_text("dropped in meanwhile")
+    assert empty.remove_own() == ["theirs.txt"] and empty.path.is_dir()
+
+
+def test_a_copied_run_folder_resumes_from_its_own_checkpoints_into_a_new_mlflow_run(run, caplog):
+    """state.json listed checkpoints by absolute path (as the `run` fixture still writes them, like an earlier
+    release): a copy resumed the original's checkpoint, logged into its MLflow run and rotated its checkpoints away.
+    Now every entry is read inside the folder that is resumed; a move continues the MLflow run, a copy starts one."""
+    from cluster.run import _prepare
+    from cluster.runtime import RunDir
+
+    RunDir(run).update_state(mlflow_run_id="abc")
+    original = (run / "state.json").read_text()
+    copy = shutil.copytree(run, run.parent / "copy")
+    _, rd, state, _, _ = _prepare(None, str(copy), [])
+    assert rd.latest_checkpoint() == copy / "checkpoints" / "step-000002" and state.mlflow_run_id is None
+    assert f"{copy} is a copy of {run} (still there)" in caplog.text
+    assert RunDir(copy).read_state()["checkpoints"] == ["checkpoints/step-000001", "checkpoints/step-000002"]
+    assert (run / "state.json").read_text() == original  # the original is not touched
+    moved = copy.rename(run.parent / "moved")
+    RunDir(moved).update_state(mlflow_run_id="def")
+    _, rd, state, _, _ = _prepare(None, str(moved), [])
+    assert rd.checkpoints() == [moved / "checkpoints" / "step-000001", moved / "checkpoints" / "step-000002"]
+    assert state.mlflow_run_id == "def" and f"{moved} was moved from {copy}" in caplog.text
+
+
+@pytest.mark.parametrize("entry", ["../other/checkpoints/step-000002", "/etc", "checkpoints/../../x"])
+def test_a_checkpoint_entry_that_leaves_the_run_folder_is_refused_and_named(capsys, run, entry):
+    from cluster.runtime import RunDir
+
+    RunDir(run).update_state(checkpoints=[entry])
+    assert_refused(*cli(capsys, "train", "--resume", run), f"lists checkpoint {entry!r}, which is outside the run "
+                   "folder; a run reads and deletes only its own files")
+
+
+SECRET_URI = "http://alice:PASSWORD@127.0.0.1:9/"
+
+
+def test_config_prints_a_tracking_uri_without_its_password():
+    code, out = cli_process("config", f"tracking.uri={SECRET_URI}", "cluster.address=ray://bob:PASSWORD@head:10001")
+    assert code == 0, out
+    assert "uri: http://alice:***@127.0.0.1:9/" in out and "address: ray://bob:***@head:10001" in out
+    assert "PASSWORD" not in out
+
+
+def test_resume_of_a_run_whose_store_had_a_password_says_how_to_give_it_again(capsys, monkeypatch, runs,
+                                                                              tiny_model_dir):
+    """config.yaml keeps `alice:***@`: a resume without the password is refused in one line before anything starts;
+    MLFLOW_TRACKING_PASSWORD, or the URI given again (the same store: no change), supply it; `exgrpo track --replay`
+    says the same."""
+    from cluster.run import _prepare
+    from cluster.runtime import RunDir
+    from common.config import load_config
+
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    cfg = load_config(None, [f"checkpoint.runs_root={runs}", "name=r", f"model.path={tiny_model_dir}",
+                             "data.task=arithmetic", "reward.name=arithmetic", "data.num_train=50", "total_steps=4",
+                             f"tracking.uri={SECRET_URI}"])
+    run = RunDir.create(cfg).path
+    RunDir(run).update_state(checkpoints=[str(make_checkpoint(run, 1))], status="KILLED", step=1)
+    (run / "metrics-unsent.jsonl").write_text('{"key": "a", "value": 1, "timestamp": 1, "step": 1}\n')
+    assert "PASSWORD" not in (run / "config.yaml").read_text() + (run / "state.json").read_text()
+    code, out = cli(capsys, "train", "--resume", run)
+    assert_refused(code, out, "tracking.uri: http://alice:***@127.0.0.1:9/: its secret was redacted",
+                   "set MLFLOW_TRACKING_PASSWORD=<the password>, or pass tracking.uri=<the URI with it>")
+    assert len(out.strip().splitlines()) == 2 and not (run / "logs").exists()  # the heading and the line
+    code, out = cli(capsys, "track", "--replay", run)
+    assert_refused(code, out, "error: tracking.uri: http://alice:***@127.0.0.1:9/: its secret was redacted")
+    assert _prepare(None, str(run), [f"tracking.uri={SECRET_URI}"])[0].tracking.uri == SECRET_URI
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "PASSWORD")
+    assert _prepare(None, str(run), [])[0].tracking.uri == SECRET_URI
+    assert "PASSWORD" not in (run / "config.yaml").read_text()
 
 
 # ------------------------------------------------------------------------------------------ scale, eval

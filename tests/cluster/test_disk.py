@@ -137,12 +137,12 @@ def test_checkpoints_deleted_from_outside_are_named_and_forgotten(tmp_path: Path
     for c in ckpts:
         c.mkdir(parents=True)
         (c / "driver.json").write_text("{}")
-    run.write_state({"name": "r", "mlflow_run_id": None, "checkpoints": [str(c) for c in ckpts]})
+    run.write_state({"name": "r", "mlflow_run_id": None, "checkpoints": [run.entry(c) for c in ckpts]})
     assert run.forget_vanished_checkpoints() is None
     shutil.rmtree(ckpts[0])
     assert run.forget_vanished_checkpoints() == (f"1 earlier checkpoint(s) of this run vanished while it ran "
                                                  f"({ckpts[0]}: deleted from outside?); left to resume from: {ckpts[1]}")
-    assert run.read_state()["checkpoints"] == [str(ckpts[1])]
+    assert run.read_state()["checkpoints"] == ["checkpoints/step-000020"]  # relative to the run folder
     shutil.rmtree(run.path / "checkpoints")  # the whole folder
     assert run.forget_vanished_checkpoints().endswith("nothing is left to resume from until the checkpoint being "
                                                       "written is complete")

@@ -63,7 +63,7 @@ def test_lora_run_resumes_after_kill_9_with_adapters_only_and_a_peft_export(tmp_
     run_id = state(run_dir)["mlflow_run_id"]
     logged = max(s for s, _ in history(client, run_id, "train/reward_mean"))  # may be past the checkpoint
     total = max(logged, _step(ckpts[-1])) + 2
-    at_ckpt = json.loads((Path(ckpts[-1]) / "driver.json").read_text())["accounting"]
+    at_ckpt = json.loads((run_dir / ckpts[-1] / "driver.json").read_text())["accounting"]
     assert_balanced(at_ckpt)
 
     r = run_train(runs_root, NAME, f"total_steps={total}", resume=run_dir, log_name="resumed", timeout_s=300)
@@ -84,7 +84,7 @@ def test_lora_run_resumes_after_kill_9_with_adapters_only_and_a_peft_export(tmp_
             "outstanding were ended as expired") in r.stdout, r.stdout[-4000:]
     assert acc["trained"] > at_ckpt["trained"]
 
-    final = Path(state(run_dir)["checkpoints"][-1]) / "learner"
+    final = run_dir / state(run_dir)["checkpoints"][-1] / "learner"
     assert _step(final.parent) == total
     saved = _dcp_state(final / ck.OPTIM_DIR, tmp_path / "final.pt")
     adapters = {k for k in saved["master"] if k.endswith((".lora_A", ".lora_B"))}

@@ -77,7 +77,7 @@ def test_think_arith_trains_in_bfloat16_with_the_chat_template_and_math_verify(t
     assert "the model's prompt, question" in r.stdout and "<|user|>What is" in r.stdout
 
     # bfloat16 end to end
-    model = Path(state(run_dir)["checkpoints"][-1]) / "learner" / "model"
+    model = run_dir / state(run_dir)["checkpoints"][-1] / "learner" / "model"
     assert json.loads((model / "config.json").read_text())["dtype"] == "bfloat16", "bf16: the checkpoint's dtype"
     assert params["generator.dtype"] == "bfloat16", "bf16: generator.dtype resolved from model.dtype"
     # every step measures the gap on its first mini-batch; both sides compute in bfloat16 but with

@@ -89,7 +89,7 @@ def test_train_improves_heldout_accuracy_logs_everything_and_balances(runs_root,
 
     from common.data import load_questions
 
-    final_model = Path(state(runs_root / "e2e")["checkpoints"][-1]) / "learner" / "model"
+    final_model = runs_root / "e2e" / state(runs_root / "e2e")["checkpoints"][-1] / "learner" / "model"
     questions, _ = load_questions(default_cfg.data, AutoTokenizer.from_pretrained(start_model), "test")
     start_a, start_b = _eval(start_model, default_cfg, questions, 1), _eval(start_model, default_cfg, questions, 2)
     final = _eval(final_model, default_cfg, questions, 1)
