@@ -92,14 +92,21 @@ def test_learner_rank_death_restarts_the_run_and_resume_after_kill_9_loses_nothi
     client = mlflow_client(runs_root)
     logged = max(s for s, _ in history(client, run_id, "train/reward_mean"))  # may be past the checkpoint
     total = max(logged, ckpt_step) + 4
-    at_ckpt = json.loads((Path(ckpts[-1]) / "driver.json").read_text())["accounting"]
+    at_ckpt = json.loads((run_dir / ckpts[-1] / "driver.json").read_text())["accounting"]
     assert_balanced(at_ckpt)
 
-    assert set(json.loads((Path(ckpts[-1]) / "driver.json").read_text())["levers_off"]) == {"compile",
+    assert set(json.loads((run_dir / ckpts[-1] / "driver.json").read_text())["levers_off"]) == {"compile",
                                                                                           "fused_optimizer"}
     _save_under_old_names(run_dir / "config.yaml")  # as a release before the learner's sections wrote it
+    # the user moves the folder before resuming: it resumes from its own checkpoints (state.json lists them relative
+    # to the folder) and continues its MLflow run
+    assert all(not Path(c).is_absolute() for c in ckpts), ckpts
+    moved = runs_root / "resume-moved"
+    run_dir.rename(moved)
+    run_dir = moved
     r = run_train(runs_root, "resume", f"total_steps={total}", resume=run_dir, log_name="resumed")  # no drill now
     assert r.returncode == 0, r.stdout[-4000:]
+    assert f"resume: {moved} was moved from {runs_root / 'resume'}; it continues there" in r.stdout
     assert "config.yaml was saved under older names, read as learner.lr -> learner.optim.lr" in r.stdout
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["learner"]["optim"]["lr_schedule"] == "linear"
     assert "learner levers kept off from the run's first start: compile" in r.stdout, r.stdout[-4000:]
