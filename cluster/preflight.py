@@ -426,7 +426,9 @@ def answers_problem(data, reward_name: str, source: str | None = None) -> str | 
 
 def checkpoint_problem(ckpt: Path, num_shards: int) -> str | None:
     """Why a run checkpoint (`driver.json`, `learner/`, `buffer/`) cannot be resumed from; None when it
-    can. Reads the small files whole and the weights' header; buffer snapshots are checksummed."""
+    can. Reads the small files whole, the weights' header and every optimizer entry as the learner would, with no
+    code run (`learner.checkpoint.check_dcp_folder`: a planted pickle is a problem naming its file); buffer
+    snapshots are checksummed."""
     if not ckpt.is_dir():
         return "the folder is missing"
     return _driver_problem(ckpt / "driver.json") or _learner_problem(ckpt / "learner") or _buffer_problem(
@@ -452,6 +454,7 @@ def _learner_problem(path: Path) -> str | None:
 
     try:
         ck.read_meta(path)
+        ck.check_dcp_folder(path / ck.OPTIM_DIR)
     except ck.CheckpointError as e:
         return str(e)
     weights = path / ck.MODEL_DIR / "model.safetensors"

@@ -7,15 +7,21 @@ written into a sibling `.D.tmp-<id>` folder renamed to `D` when complete; a fold
 unreadable files is refused with `CheckpointError`. Every rank writes its optimizer shards: on a multi-node
 cluster `D` must be on shared storage. A checkpoint resumes exactly under either dtype.
 
+Reading one runs no code from it: JSON, safetensors, and DCP's pickled `.metadata` through an unpickler that builds
+only DCP's metadata classes (`read_dcp_metadata`), its entries through `torch.load(weights_only=True)`.
+
 Details (the layout, precision, resume): docs/internals.md#learnercheckpointpy
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 import time
 import uuid
@@ -191,13 +197,151 @@ def load_hf_weights(ckpt: str | Path) -> dict[str, torch.Tensor]:
 
 def has_master_weights(ckpt: str | Path) -> bool:
     """True when the DCP folder of `ckpt` holds float32 master weights (`MASTER_KEY`)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    meta = read_dcp_metadata(Path(ckpt) / OPTIM_DIR / ".metadata")
+    return any(k.startswith(MASTER_KEY + ".") for k in meta.state_dict_metadata)
+
+
+_DCP_META = "torch.distributed.checkpoint.metadata"
+METADATA_CLASSES = frozenset({
+    *((_DCP_META, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                               "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib._local", "PosixPath")})
+"""What DCP's `.metadata` of our saves pickles (pickletools on fp32, bf16 with masters and LoRA saves), torch
+dtypes aside: dataclasses, sizes and layouts built from plain values, nothing that runs a command."""
+
+_UNPICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError,
+                    OverflowError, MemoryError, RecursionError)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Imports only `METADATA_CLASSES` and torch dtypes; any other global refuses the file (a planted
+    `__reduce__` needs one, e.g. os.system)."""
+
+    def __init__(self, file, path: Path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                   torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"{self.path} asks to load {module}.{name}, which is not checkpoint data: refused "
+                              "(a checkpoint is tensors and plain data; nothing in it is run)")
+
+
+def read_dcp_metadata(path: Path):
+    """DCP's `Metadata` from `path` (a `.metadata` file) with `_MetadataUnpickler`; CheckpointError naming the file
+    for a missing, corrupt or planted one."""
+    from torch.distributed.checkpoint.metadata import Metadata
 
     try:
-        meta = FileSystemReader(str(Path(ckpt) / OPTIM_DIR)).read_metadata()
-    except (OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt}: {OPTIM_DIR}/ metadata is unreadable ({e})") from e
-    return any(k.startswith(MASTER_KEY + ".") for k in meta.state_dict_metadata)
+        with open(path, "rb") as f:
+            meta = _MetadataUnpickler(f, path).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (OSError, *_UNPICKLE_ERRORS) as e:
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, Metadata) or not isinstance(meta.storage_data, dict):
+        raise CheckpointError(f"{path} holds a {type(meta).__name__}, not DCP metadata")
+    return meta
+
+
+def _plain_load(f, path: Path, what: str, **kw):
+    """`torch.load(weights_only=True)` of one DCP entry; CheckpointError naming the file and the refused global."""
+    try:
+        return torch.load(f, weights_only=True, **kw)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        refused = f"asks to load {found[1]}, which is not checkpoint data: refused" if found else "is not plain data"
+        raise CheckpointError(f"{path}: {what} {refused} (a checkpoint is tensors and plain data; nothing in it "
+                              "is run)") from None
+    except (RuntimeError, *_UNPICKLE_ERRORS) as e:
+        raise CheckpointError(f"{path}: {what} is unreadable ({type(e).__name__}: {e})") from None
+
+
+def check_dcp_folder(folder: Path):
+    """Every entry of the DCP folder `folder` read as it would be on load, without running code: the metadata
+    (`read_dcp_metadata`), each plain entry (param_groups) loaded, each tensor entry's pickle loaded onto the meta
+    device (no data read), every slice inside its file. Returns the metadata; CheckpointError naming the file."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.utils import _create_file_view
+
+    meta = read_dcp_metadata(folder / ".metadata")
+    for index, info in meta.storage_data.items():
+        if not isinstance(info, _StorageInfo) or Path(str(info.relative_path)).name != info.relative_path \
+                or info.transform_descriptors:
+            raise CheckpointError(f"{folder / '.metadata'}: entry {index.fqn!r} points at {info!r}, not at a plain "
+                                  "file of the folder")
+        path = folder / info.relative_path
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise CheckpointError(f"{path} is unreadable ({e})") from None
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
+            raise CheckpointError(f"{path} is truncated: entry {index.fqn!r} needs bytes up to "
+                                  f"{info.offset + info.length}, the file has {size}")
+        plain = isinstance(meta.state_dict_metadata.get(index.fqn), BytesStorageMetadata)
+        with open(path, "rb") as f:
+            _plain_load(_create_file_view(f, info.offset, info.length), path, f"entry {index.fqn!r}",
+                        **({} if plain else {"map_location": "meta"}))
+    return meta
+
+
+def load_dcp(state: dict, folder: Path) -> None:
+    """Collective: `dcp.load` of `state` from `folder` through `_safe_dcp`'s reader and planner; CheckpointError (a
+    rank's own, or naming what failed) instead of DCP's CheckpointException and its tracebacks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader, planner = _safe_dcp()
+    try:
+        dcp.load(state, storage_reader=reader(str(folder)), planner=planner(folder))
+    except CheckpointException as e:
+        errors = [exc for exc, _ in e.failures.values()]
+        own = next((x for x in errors if isinstance(x, CheckpointError)), None)
+        if own is not None:
+            raise CheckpointError(str(own)) from None
+        raise CheckpointError(f"{folder} is unreadable (" + "; ".join(
+            f"{type(x).__name__}: {x}" for x in errors) + ")") from None
+
+
+@functools.cache
+def _safe_dcp():
+    """DCP's reader and load planner with every pickle read safely; made on first use (importing
+    torch.distributed.checkpoint takes a second the driver's checks need not pay)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        """DCP's reader with `read_metadata` through `_MetadataUnpickler` (DCP's own is `pickle.load`)."""
+
+        def read_metadata(self, *args, **kwargs):
+            meta = read_dcp_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+            if getattr(meta, "storage_meta", None) is None:
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    class SafePlanner(DefaultLoadPlanner):
+        """DCP's planner with plain entries read by `torch.load(weights_only=True)` (DCP's own: False)."""
+
+        def __init__(self, folder: Path):
+            super().__init__()
+            self.folder = Path(folder)
+
+        def load_bytes(self, read_item, value) -> None:
+            info = self.metadata.storage_data.get(read_item.storage_index)
+            path = self.folder / (info.relative_path if info is not None else ".metadata")
+            obj = _plain_load(value, path, f"entry {read_item.dest_index.fqn!r}")
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeReader, SafePlanner
 
 
 def write_meta(ckpt: Path, *, step: int, version: int, num_ranks: int) -> None:
@@ -214,8 +358,10 @@ def read_meta(ckpt: str | Path) -> dict:
         meta = json.loads((ckpt / META).read_text())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {ckpt} is incomplete: {META} is missing (an interrupted save?)") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"checkpoint {ckpt}: {META} is corrupt ({e})") from e
+    except ValueError as e:  # not JSON, or not even text
+        raise CheckpointError(f"checkpoint {ckpt}: {META} is corrupt ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {ckpt}: {META} holds a {type(meta).__name__}, not an object")
     if meta.get("format") != FORMAT or not {"step", "version", "num_ranks"} <= meta.keys():
         raise CheckpointError(f"checkpoint {ckpt}: {META} has format {meta.get('format')!r} / keys {sorted(meta)}; "
                               f"expected format {FORMAT} with step, version, num_ranks")
@@ -258,6 +404,6 @@ def load_rng(ckpt: Path, rank: int) -> bool:
         return False
     try:
         set_rng_state(json.loads(f.read_text()))
-    except (json.JSONDecodeError, KeyError, ValueError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt}: RNG state {f} is corrupt ({e})") from e
+    except (KeyError, ValueError, TypeError, IndexError) as e:  # ValueError: not JSON, or not even text
+        raise CheckpointError(f"checkpoint {ckpt}: RNG state {f} is corrupt ({type(e).__name__}: {e})") from None
     return True

@@ -241,12 +241,16 @@ class LearnerRank:
             ck.save_rng(tmp_path, self.rank)
 
     def load(self, ckpt: str) -> None:
-        import torch.distributed.checkpoint as dcp
+        """Restore model, optimizer and RNG from `ckpt`, running no code from it: every entry of the DCP folder is
+        checked first (`ck.check_dcp_folder`, on every rank alike, so all refuse together before any collective),
+        then read by `ck.load_dcp`. CheckpointError naming the file for a corrupt or planted one."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict, set_model_state_dict,
                                                              set_optimizer_state_dict)
 
-        master = ck.has_master_weights(ckpt)  # saved below float32: the exact weights are in the DCP folder
+        folder = Path(ckpt) / ck.OPTIM_DIR
+        meta = ck.check_dcp_folder(folder)
+        master = any(k.startswith(ck.MASTER_KEY + ".") for k in meta.state_dict_metadata)  # saved below float32
         if not master:
             full = ck.load_hf_weights(ckpt)
             try:
@@ -258,8 +262,10 @@ class LearnerRank:
         if master:
             state[ck.MASTER_KEY] = get_model_state_dict(self.model)
         try:
-            dcp.load(state, checkpoint_id=str(Path(ckpt) / ck.OPTIM_DIR))
+            ck.load_dcp(state, folder)
         except (RuntimeError, ValueError, OSError) as e:
+            if isinstance(e, ck.CheckpointError):
+                raise
             raise ck.CheckpointError(f"checkpoint {ckpt}: optimizer state / master weights are unreadable ({e})") from e
         if master:
             set_model_state_dict(self.model, state[ck.MASTER_KEY])
