@@ -252,12 +252,16 @@ def _plain_load(f, path: Path, what: str, **kw):
     try:
         return torch.load(f, weights_only=True, **kw)
     except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        refused = f"asks to load {found[1]}, which is not checkpoint data: refused" if found else "is not plain data"
-        raise CheckpointError(f"{path}: {what} {refused} (a checkpoint is tensors and plain data; nothing in it "
-                              "is run)") from None
+        raise CheckpointError(f"{path}: {what} {_refusal(e)}") from None
     except (RuntimeError, *_UNPICKLE_ERRORS) as e:
         raise CheckpointError(f"{path}: {what} is unreadable ({type(e).__name__}: {e})") from None
+
+
+def _refusal(e: pickle.UnpicklingError) -> str:
+    """What torch's weights_only unpickler refused, in a line (its own message suggests weights_only=False)."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(e))
+    what = f"asks to load {found[1]}, which is not checkpoint data" if found else "is not plain data"
+    return f"{what}: refused (a checkpoint is tensors and plain data; nothing in it is run)"
 
 
 def check_dcp_folder(folder: Path):
@@ -303,6 +307,9 @@ def load_dcp(state: dict, folder: Path) -> None:
         own = next((x for x in errors if isinstance(x, CheckpointError)), None)
         if own is not None:
             raise CheckpointError(str(own)) from None
+        refused = next((x for x in errors if isinstance(x, pickle.UnpicklingError)), None)
+        if refused is not None:  # a tensor entry, read by DCP itself with weights_only=True
+            raise CheckpointError(f"{folder}: an entry {_refusal(refused)}") from None
         raise CheckpointError(f"{folder} is unreadable (" + "; ".join(
             f"{type(x).__name__}: {x}" for x in errors) + ")") from None
 
