@@ -285,10 +285,15 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out:
     if state.get("status") == "FINISHED" and changed:
         print(f"[experiment] {name}: finished earlier with other settings ({changed}): running it again",
               file=sys.stderr, flush=True)
-    if folder.exists():
-        import shutil
+    if folder.exists():  # an unfinished or --rerun attempt starts over: its run's own files go, nothing else
+        from cluster.runtime import RunDir
 
-        shutil.rmtree(folder)  # an unfinished or --rerun attempt starts over
+        left = RunDir(folder).remove_own() if (folder / "state.json").is_file() else sorted(
+            p.name for p in folder.iterdir())
+        if left:
+            return RunResult(variant, seed, name, ok=False, wall_s=0.0,
+                             error=f"{folder} holds files no run of this experiment wrote ({', '.join(left[:3])}); "
+                                   "move them, or give --runs-root another folder")
     log_path = out / "logs" / f"{name}.log"
     print(f"[experiment] {name}: starting (log {log_path})", file=sys.stderr, flush=True)
     t0 = time.monotonic()

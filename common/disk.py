@@ -61,9 +61,11 @@ def probe_disk(folder: str | os.PathLike, size: int = PROBE_BYTES) -> OSError | 
     folder = os.path.abspath(folder)
     while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
         folder = os.path.dirname(folder)
-    path = os.path.join(folder, f".exgrpo-disk-probe-{os.getpid()}")
+    path = os.path.join(folder, f".exgrpo-disk-probe-{os.getpid()}-{os.urandom(4).hex()}")
+    made = False
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # a new file of ours, never another's
+        made = True
         try:
             block = b"\0" * min(size, 1 << 16)
             left = size
@@ -75,10 +77,11 @@ def probe_disk(folder: str | os.PathLike, size: int = PROBE_BYTES) -> OSError | 
     except OSError as e:
         return e if e.errno in DISK_ERRNOS else None
     finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        if made:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     return None
 
 
