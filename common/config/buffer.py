@@ -103,7 +103,7 @@ class BufferConfig(Section):
     max_traj_total only. 46k questions x 8 trajectories x 8k tokens is ~24 GB: set it at real lengths."""
     snapshot_every_s: float = Field(30.0, gt=0)
     """Background snapshot period of each shard (for restart after a crash)."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy and vLLM take 32-bit seeds
     """Seed of per-epoch shuffling and sampling."""
     call_timeout_s: float = Field(30.0, gt=0, le=3600)
     """The client raises BufferUnavailableError when a shard does not answer within this (e.g. while it restarts)."""

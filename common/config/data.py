@@ -50,7 +50,7 @@ class DataConfig(Section):
     """Questions generated for a built-in task's training split."""
     num_test: int = Field(200, ge=1, le=1_000_000)
     """Questions generated for a built-in task's held-out split."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy and vLLM take 32-bit seeds
     """Seed of the built-in task generator."""
 
     @model_validator(mode="after")

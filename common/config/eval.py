@@ -58,7 +58,7 @@ class EvalConfig(Section):
     """CPUs reserved for the evaluator actor (0: it shares the generators' and learner's)."""
     num_gpus: float = Field(0.0, ge=0)
     """GPUs reserved for the evaluator actor."""
-    seed: int = Field(1234, ge=0)
+    seed: int = Field(1234, ge=0, le=2**32 - 1)  # numpy and vLLM take 32-bit seeds
     """Sampling seed (the same questions and seed at every evaluation, so curves compare versions)."""
     sets: dict[str, EvalSetConfig] = Field(default_factory=dict)
     """Named evaluation sets (`eval.sets.aime.path=aime.jsonl`), each with its own reward, samples and temperature,

@@ -141,7 +141,7 @@ class GeneratorConfig(Section):
     """GPUs one generator's vLLM engine spans (tensor parallelism). Above 1 each generator reserves a Ray
     placement group of this many bundles of one GPU on one node (STRICT_PACK; the first bundle also holds
     num_cpus), and vLLM places its workers in it. Needs generator.num_gpus=1 and the vllm engine."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy and vLLM take 32-bit seeds
     """Base sampling seed (each generator adds its index)."""
     idle_sleep_s: float = Field(0.05, gt=0, le=60)
     """Sleep between lease attempts when the buffer has no work."""

@@ -143,7 +143,7 @@ class LearnerConfig(Section):
     (the error names the ranks that did not)."""
     publish_timeout_s: float = Field(60.0, gt=0, le=3600)
     """A weight publication or acknowledgement slower than this fails loudly."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy and vLLM take 32-bit seeds
     """Learner seed."""
 
     def loss_scale(self) -> str:

@@ -26,7 +26,7 @@ class ToyModelConfig(Section):
     """Supervised learning rate."""
     target_mean_accuracy: float = Field(0.3, gt=0, lt=1)
     """Stop training once sampled accuracy (temperature 1) on the probe set reaches this."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy and vLLM take 32-bit seeds
     """Seed for the toy model's initialisation and data order."""
     eval_every: int = Field(50, ge=1, le=100_000)
     """Measure sampled accuracy on the probe set every this many steps (the best measured checkpoint is kept)."""

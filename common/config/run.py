@@ -34,7 +34,7 @@ class RunConfig(Section):
     total_rollouts: int | None = Field(None, ge=1)
     """Also stop once the learner has trained this many generated rollouts (fresh ones: K per fresh group,
     K-1 per mixed group): the equal-budget stop `exgrpo experiment` uses. None: total_steps only."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy and vLLM take 32-bit seeds
     """Global seed (sections have their own seeds for finer control)."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
