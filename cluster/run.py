@@ -66,7 +66,10 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
 
     open_tracker = LateStart(lambda: _start_tracking(cfg, run_dir, state, uri, resume), opened)
     with profile.phase("start-up: Ray (the rest of its start)"):
-        ray_start.finish(run_dir.path)
+        try:
+            ray_start.finish(run_dir.path)
+        except Exception as e:  # noqa: BLE001 (Ray's own start errors have no common base): said in one line
+            return _ray_did_not_start(e, run_dir, resume, state)
     progress = Progress(cfg.total_steps, start=state.step)
     status, stopped = "FAILED", None
     try:
@@ -90,6 +93,21 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     if stopped is not None:
         return stopped.code
     return 0 if status in ("FINISHED", "KILLED") else 1
+
+
+def _ray_did_not_start(e: Exception, run_dir, resume: str | None, state) -> int:
+    """Ray's start failed (a timeout under load, a port taken): one line with why, the trace in logs/driver.log; a new
+    run removes what it wrote (its name stays free), a resumed one keeps its folder with FAILED and the cause."""
+    why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    log.debug("Ray's start failed", exc_info=e)
+    _shutdown_ray()
+    print(f"error: Ray did not start ({why[:300]}); nothing was trained: try again (on a loaded machine Ray's start "
+          "can time out)", file=sys.stderr)
+    if resume or state.step > 0:
+        run_dir.update_state(status="FAILED", cause=f"Ray did not start ({why[:300]})")
+    else:
+        _remove_unused(run_dir)
+    return EXIT_FAILED
 
 
 def _remove_unused(run_dir) -> None:
@@ -283,7 +301,9 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str], on
     try:
         if resume:  # what the run folder says first: it refuses before Ray starts (beside the checks below)
             run_dir, cfg, changes = _reopen(resume, overrides)
-            run_dir.usable_checkpoint(cfg.buffer.num_shards)
+            if run_dir.usable_checkpoint(cfg.buffer.num_shards) is None:
+                log.warning("resume: %s has no checkpoint (it stopped before its first): it starts from step 0",
+                            run_dir.path)
             state = _load_driver_state(run_dir)
             _refuse_finished(run_dir, cfg, state)
         else:
