@@ -26,7 +26,8 @@ class GeneratorControl:
 
         a = self.cfg.cluster.autoscale
         self.actor = create_control(self.run, self.cfg.cluster.namespace, self.state.generators,
-                                    {"min_generators": a.min_generators, "max_generators": a.max_generators})
+                                    {"min_generators": a.min_generators, "max_generators": a.max_generators},
+                                    autoscale=a.enabled)
         self._started = self.actor.get.remote()
 
     def poll(self) -> bool:

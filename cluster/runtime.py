@@ -416,8 +416,9 @@ def atomic_write_text(path: Path, text: str) -> None:
 class Control:
     """Named per run (`<run>/control`): holds requests from outside the driver (scale, stop)."""
 
-    def __init__(self, generators: int, configured: dict[str, int] | None = None):
+    def __init__(self, generators: int, configured: dict[str, int] | None = None, autoscale: bool = False):
         self.target = generators
+        self.autoscale = autoscale  # cluster.autoscale.enabled: it may bring a run at 0 generators back up
         self.stop_requested = False
         self.configured = dict(configured or {})  # cluster.autoscale's min_generators / max_generators at start
         self.bounds: dict[str, int] = {}  # autoscale bounds set while the run goes on (min_generators, max_generators)
@@ -425,6 +426,10 @@ class Control:
     def set_target(self, n: int) -> int:
         if n < 0:
             raise ValueError(f"--generators must be >= 0, got {n}")
+        if n == 0 and not self.autoscale:
+            raise ValueError("--generators 0 would leave the run without a generator, and with cluster.autoscale off "
+                             "it would never train another step; to stop the run, send its `exgrpo train` SIGTERM "
+                             "(Ctrl-C): it stops after the current step with a checkpoint")
         self.target = n
         return n
 
@@ -448,6 +453,7 @@ class Control:
         self.stop_requested = True
 
 
-def create_control(run: str, namespace: str, generators: int, autoscale_bounds: dict[str, int] | None = None):
+def create_control(run: str, namespace: str, generators: int, autoscale_bounds: dict[str, int] | None = None,
+                   autoscale: bool = False):
     return Control.options(name=actor_name(run, "control"), namespace=namespace, lifetime=None,
-                           **near_caller()).remote(generators, autoscale_bounds)
+                           **near_caller()).remote(generators, autoscale_bounds, autoscale)

@@ -144,11 +144,12 @@ def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_st
         rid = state(runs_root / "paper").get("mlflow_run_id")
         return max((v for _, v in history(client, rid, "generator/weights_from_relay")), default=0.0) if rid else 0.0
 
-    def scale(n: int) -> None:
+    def scale(n: int, code: int = 0) -> str:
         out = subprocess.run([sys.executable, "-m", "cluster.cli", "scale", "--run", "paper", "--generators", str(n),
                               "--runs-root", str(runs_root)], cwd=ROOT, capture_output=True, text=True, timeout=120,
                              env=joined.env)
-        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.returncode == code, out.stdout + out.stderr
+        return out.stdout + out.stderr
 
     with train_process(runs_root, "paper", "total_steps=1000", "learner.batching.mini_batches=2", "learner.num_ranks=2",
                        "buffer.num_shards=2", *joined.overrides, "checkpoint.every_steps=0",
@@ -157,6 +158,8 @@ def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_st
                        "learner.optim.lr=1e-6", "generator.dtype=bfloat16", env=joined.env) as p:
         wait_for(lambda: generators() == 1 or p.poll() is not None, 600, "the first logged step")
         assert p.poll() is None, read_log(runs_root, "paper")
+        # 0 generators without autoscale would never train again: refused, as the config refuses it
+        assert "--generators 0 would leave the run without a generator" in scale(0, code=2)
         scale(3)
         wait_for(lambda: generators() == 3, 300, "3 running generators")
         # collective weight sync through a relay chain: with 3 generators, 2 take each version from another one
