@@ -4,6 +4,7 @@ through the weight-store actor, acknowledgement timeouts, checkpoint save/load/r
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 from common.config import LearnerConfig, ObjectStoreSyncConfig
 from tests.learner import sectioned
+from tests.learner.test_checkpoint_format import plant_entry, plant_file
 from common.modeling import make_tiny_model_folder
 from learner.checkpoint import CheckpointError
 from learner.pool import LearnerPool
@@ -241,10 +243,38 @@ def test_bad_checkpoints_fail_clearly(ray_cluster, model_dir, tmp_path):
         weights.write_bytes(weights.read_bytes()[:1000])
         with pytest.raises(CheckpointError, match="unreadable"):
             pool.load_checkpoint(corrupt)
+        # a payload planted in any file a resume reads is refused naming it, and never runs
+        marker = tmp_path / "MARKER"
+        for n, (name, plant) in enumerate(PLANTS.items()):
+            planted = tmp_path / f"planted{n}"
+            shutil.copytree(good, planted)
+            file = plant(planted, marker)
+            if name == "model/config.json":  # not read on resume (the ranks build the run's model)
+                pool.load_checkpoint(planted)
+            else:
+                with pytest.raises(CheckpointError, match=re.escape(str(file)) + r".*(refused|corrupt|unreadable)"):
+                    pool.load_checkpoint(planted)
+            assert not marker.exists(), name
+        pool.load_checkpoint(good)  # the ranks refused together, before any collective: still in step
         pool.save_checkpoint(tmp_path / "good")  # overwriting a checkpoint replaces it whole
         assert pool.version == 0 and (tmp_path / "good" / "meta.json").is_file()
     finally:
         pool.shutdown()
+
+
+def _plant_whole(rel: str):
+    def plant(ckpt, marker):
+        plant_file(ckpt / rel, marker)
+        return ckpt / rel
+    return plant
+
+
+PLANTS = {**{rel: _plant_whole(rel) for rel in ("optimizer/.metadata", "meta.json", "rng/rank0.json",
+                                                "model/model.safetensors", "model/config.json")},
+          "optimizer plain entry": lambda ckpt, marker: plant_entry(ckpt / "optimizer", marker, tensor=False),
+          "optimizer tensor entry": lambda ckpt, marker: plant_entry(ckpt / "optimizer", marker, tensor=True)}
+"""Every file of a learner checkpoint a resume reads, each with a payload planted (tests.learner.test_checkpoint_format);
+name -> plant(ckpt, marker) returning the planted file."""
 
 
 def test_bfloat16_two_ranks_train_and_resume_exactly(ray_cluster, model_dir, tmp_path):
@@ -290,6 +320,12 @@ def test_bfloat16_two_ranks_train_and_resume_exactly(ray_cluster, model_dir, tmp
 
     resumed = make_pool(model_dir, "bf16r", 2, dtype="bfloat16")
     try:
+        planted, marker = tmp_path / "planted", tmp_path / "MARKER"  # masters on 2 ranks: both refuse, neither hangs
+        shutil.copytree(ckpt, planted)
+        file = PLANTS["optimizer tensor entry"](planted, marker)
+        with pytest.raises(CheckpointError, match=re.escape(str(file)) + r".*posix\.system.*refused"):
+            resumed.load_checkpoint(planted)
+        assert not marker.exists()
         resumed.load_checkpoint(ckpt)
         assert max_diff(resumed.state_dict(), saved) == 0.0  # exact, not the bfloat16 folder's rounding
         again = resumed.step(b1)
