@@ -359,8 +359,10 @@ def _config_main(args: argparse.Namespace) -> int:
     try:  # the start checks of `exgrpo train` (cluster.preflight.check_start), the built-in model unbuilt
         start = check_start(cfg, build_model=False)
     except BadInput as e:  # valid as a config, but `train` would stop at its start
+        from common.config.secrets import redact
+
         print("exgrpo train refuses this config on this machine (its start checks: the run folder, the model "
-              "folder, the data and the reward):", *(e.lines or [e.heading]), sep="\n  ", file=sys.stderr)
+              "folder, the data and the reward):", *map(redact, e.lines or [e.heading]), sep="\n  ", file=sys.stderr)
         return 2
     if start.model_path is None:
         print("note: the built-in model is not built yet (exgrpo toy-model builds it, in minutes): the prompts are "
