@@ -78,6 +78,7 @@ def evaluate_engine(engine, pool, questions, *, samples: int, temperature: float
                     threshold: float, task: str | None = None) -> EvalResult:
     """The measurement itself, on an engine that is already loaded (also used by the in-run evaluator).
     `task`: the built-in task of the questions; where it checks reasoning, correct sampled responses are checked."""
+    from actors.scoring import check_reasoning
     from common.tasks import TASKS
 
     reasoning = TASKS[task].reasoning if task in TASKS else None
@@ -92,8 +93,9 @@ def evaluate_engine(engine, pool, questions, *, samples: int, temperature: float
         sampled = _score(pool, questions, outputs, threshold)
     finally:
         engine.sampling = base
-    checks = [reasoning(s.text, q.prompt, q.answer) for q, outs, (ok, _) in zip(questions, outputs, sampled)
-              for s, c in zip(outs, ok) if c] if reasoning is not None else []
+    checks = [check_reasoning(reasoning, s.text, q.prompt, q.answer, q.id)[0]
+              for q, outs, (ok, _) in zip(questions, outputs, sampled) for s, c in zip(outs, ok) if c] \
+        if reasoning is not None else []
     checks = [c for c in checks if c is not None]
     correct = np.array([c for c, _ in sampled], dtype=np.float64)  # [Q, k]
     lengths = [n for _, ns in sampled for n in ns]

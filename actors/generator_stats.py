@@ -34,6 +34,7 @@ class GeneratorStats:
     rewarded: int = 0  # rollouts with a reward above 0 (none at all: the reward function or data is wrong)
     reasoning_checked: int = 0  # correct rollouts whose reasoning the task checked (see common.tasks Task.reasoning)
     reasoning_valid: int = 0  # ... and found valid
+    reasoning_errors: int = 0  # correct rollouts whose reasoning check raised (not checked: see actors.scoring)
     source_errors: int = 0
     groups_dropped: int = 0
     leases_returned: int = 0
@@ -76,6 +77,7 @@ class GeneratorStats:
             "rewarded": float(s.rewarded),
             "reasoning_checked": float(s.reasoning_checked),
             "reasoning_valid": float(s.reasoning_valid),
+            "reasoning_errors": float(s.reasoning_errors),
             "source_errors": float(s.source_errors),
             "groups_dropped": float(s.groups_dropped),
             "leases_returned": float(s.leases_returned),

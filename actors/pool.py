@@ -33,8 +33,8 @@ _SUM = ("batches", "groups", "rollouts", "tokens", "tokens_per_s", "rollouts_per
         "score_s", "wait_s", "weight_loads", "weight_load_s", "reward_errors", "rewarded", "source_errors",
         "groups_dropped", "leases_returned", "running", "in_flight", "loads_in_flight", "rollouts_spanning",
         "uptime_s", "reward_in_flight", "reward_timeouts", "scoring_abandoned", "loads_torn", "reasoning_checked",
-        "reasoning_valid", "weights_delta_loads", "weights_full_loads", "weights_delta_mismatches", "weights_from_relay",
-        "weights_from_root", "weights_relay_resumed", "leases_held", "started_behind_weights")
+        "reasoning_valid", "reasoning_errors", "weights_delta_loads", "weights_full_loads", "weights_delta_mismatches",
+        "weights_from_relay", "weights_from_root", "weights_relay_resumed", "leases_held", "started_behind_weights")
 _MEAN = ("wait_fraction", "busy_fraction", "version_lag_mean", "weight_load_s_last", "startup_s", "version")
 _MAX = ("version_lag_max", "reward_oldest_s", "reward_call_p50_s", "reward_call_max_s",  # p50: the slowest generator's
         "peak_memory_gib")

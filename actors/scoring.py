@@ -58,14 +58,30 @@ def _rollout(s, res, correct_threshold: float, reasoning, item: WorkItem, stats)
     oldest, newest = s.versions
     stats.rollouts_spanning += newest != oldest
     correct = bool(res.reward >= correct_threshold)
-    valid = reasoning(s.text, item.question.prompt, item.question.answer) \
-        if correct and reasoning is not None else None
+    valid = None
+    if correct and reasoning is not None:
+        valid, error = check_reasoning(reasoning, s.text, item.question.prompt, item.question.answer, item.question.id)
+        stats.reasoning_errors += error is not None
     stats.reasoning_checked += valid is not None
     stats.reasoning_valid += bool(valid)
     stats.tokens += len(s.token_ids)
     return Rollout(response_ids=int32_array(s.token_ids), logprobs=float32_array(s.logprobs), reward=float(res.reward),
                    correct=correct, entropy=float(s.entropy), version=oldest, finish_reason=s.finish_reason,
                    newest_version=newest, valid=-1 if valid is None else int(valid))
+
+
+def check_reasoning(reasoning: Callable[[str, str, str], bool | None], text: str, prompt: str, answer: str,
+                    question_id: str) -> tuple[bool | None, str | None]:
+    """(valid, None), or (None, error) when the task's reasoning check raised on this response: a model's output is
+    data, so a check that fails on it (RecursionError, MemoryError, a bug) is logged and counted, never a crashed
+    scorer, which would crash the generator again on the same question when its lease is reissued."""
+    try:
+        return reasoning(text, prompt, answer), None
+    except Exception as e:  # noqa: BLE001 -- any failure of the check on one response is that response's problem
+        error = f"{type(e).__name__}: {str(e)[:200]}"
+        log.warning("reasoning check on question %s raised %s on a response of %d characters (counted in "
+                    "reasoning_errors; its reasoning is not checked)", question_id, error, len(text))
+        return None, error
 
 
 def submit_groups(work_source: WorkSource, groups: list[ScoredGroup], items: list[WorkItem], stats, backoff_s: float,

@@ -41,12 +41,23 @@ def _is_numpy_real(value: object) -> bool:
 
 
 def score_one(fn, response: str, answer: str) -> tuple[float | None, str | None]:
-    """Call the reward function once; any exception becomes an error string."""
+    """Call the reward function once; any exception becomes an error string (the caller counts it and scores 0).
+    RecursionError and MemoryError on a huge or deeply nested answer, and a `sys.exit` inside a user function, are
+    per-answer failures too: the worker answers them and goes on to the next item instead of exiting."""
     try:
         value = fn(response, answer)
-    except Exception as e:  # a user function may raise anything: reported, counted, scored 0
-        return None, f"raised {type(e).__name__}: {str(e)[:200]}"
+    except (Exception, SystemExit) as e:  # a user function may raise anything: reported, counted, scored 0
+        return None, f"raised {type(e).__name__}: {_message(e)}"
     return check_value(value)
+
+
+def _message(e: BaseException) -> str:
+    """The first 200 characters of the exception's text, as valid UTF-8 (msgpack refuses lone surrogates)."""
+    try:
+        text = str(e)[:200]
+    except Exception:  # a user exception's own __str__ may be what is broken
+        return "(its message could not be read)"
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def main(spec: str) -> None:

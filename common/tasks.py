@@ -29,6 +29,10 @@ TEST_SHARE = 8
 MAX_RESPONSE_CHARS = 64
 """Built-in verifiers score longer responses 0 without parsing them."""
 
+MAX_EXPRESSION_TOKENS = 128
+"""`_parse` refuses longer expressions (the tasks' own have at most 11 tokens): a model's answer of any length then
+makes a tree of bounded depth (the tree walks recurse) and values of bounded size."""
+
 
 @dataclass(frozen=True)
 class Task:
@@ -225,9 +229,14 @@ def _tokens(text: str) -> list[str]:
 
 
 def _parse(text: str) -> tuple:
-    """Expression -> tree of ("num", n) / (op, left, right); raises _ParseError. Grammar:
-    expr := term (("+"|"-") term)*; term := atom ("*" atom)*; atom := NUMBER | "(" expr ")"."""
+    """Expression -> tree of ("num", n) / (op, left, right); raises _ParseError, also for more than
+    MAX_EXPRESSION_TOKENS tokens. Grammar: expr := term (("+"|"-") term)*; term := atom ("*" atom)*;
+    atom := NUMBER | "(" expr ")"."""
+    if len(text) > 4 * MAX_EXPRESSION_TOKENS:  # refused before tokenising (a token and a space are at most 4 chars)
+        raise _ParseError("expression too long")
     toks = _tokens(text)
+    if len(toks) > MAX_EXPRESSION_TOKENS:
+        raise _ParseError("expression too long")
     tree, pos = _parse_expr(toks, 0, 0)
     if pos != len(toks):
         raise _ParseError("trailing input")

@@ -127,3 +127,25 @@ def countdown_slows_down(response: str, answer: str) -> float:
     if _CALLS[0] > 600:
         time.sleep(0.01)
     return verify_countdown(response, answer)
+
+
+def recurses(response: str, answer: str) -> float:
+    """A recursive-descent verifier without a depth bound: RecursionError on a long enough answer."""
+    def depth(text: str) -> int:
+        return 0 if not text else 1 + depth(text[1:])
+
+    return float(depth(response) > 0)
+
+
+def exits(response: str, answer: str) -> float:
+    """`sys.exit(0)` on `exit`: the worker must answer it, not end."""
+    if response == "exit":
+        sys.exit(0)
+    return 1.0
+
+
+def broken_message(response: str, answer: str) -> float:
+    """Raises with a message msgpack cannot encode (a lone surrogate) on `x`."""
+    if response == "x":
+        raise ValueError("bad \ud800 surrogate")
+    return 1.0

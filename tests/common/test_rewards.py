@@ -276,3 +276,17 @@ def test_a_missing_module_is_told_to_check_the_spelling_and_the_folder():
                                          r"'no_such_module_xyz'\); check the spelling, and start the run from the "
                                          r"folder that holds it or put that folder on PYTHONPATH"):
         resolve_reward("no_such_module_xyz:f")
+
+
+@pytest.mark.parametrize("fn, response, error", [
+    ("recurses", "1+1" + "+1-1" * 3000, "raised RecursionError: maximum recursion depth exceeded"),
+    ("exits", "exit", "raised SystemExit: 0"),
+    ("broken_message", "x", "raised ValueError: bad ? surrogate"),
+])
+def test_an_answer_that_breaks_a_function_is_a_counted_zero_and_its_worker_goes_on(fn, response, error):
+    with _pool(f"{FNS}:{fn}") as pool:
+        res = _score(pool, [("a", ""), (response, ""), ("b", "")])
+        pid = pool._workers[0].proc.pid
+        assert [r.reward for r in res] == [1.0, 0.0, 1.0] and res[1].error == error
+        assert _counts(pool) == {"calls": 3, "errors": 1, "timeouts": 0, "worker_restarts": 0, "in_flight": 0}
+        assert [r.reward for r in _score(pool, [("c", "")])] == [1.0] and pool._workers[0].proc.pid == pid

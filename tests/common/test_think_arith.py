@@ -219,3 +219,75 @@ def test_the_reasoning_check_accepts_every_path_and_refuses_a_false_step():
     assert not valid("<think>24+24=4 8</think>\\boxed{48}", q, "48") and not valid("<think>x=48</think>", q, "48")
     assert valid("<think>-7+3=-4</think>\\boxed{-4}", "What is 2-9+3?", "-4")  # a leading negative number
     assert valid("\\boxed{48}", q, "48") is None and valid("<think>1=1</think>", "no question", "1") is None
+
+
+LONG_REASONING = "1+1" + "+1-1" * 3000  # 12,003 characters, 6,001 operators: one recursion level each, unbounded
+
+
+def test_the_reasoning_check_refuses_an_answer_of_any_length_or_nesting():
+    from common.tasks import MAX_EXPRESSION_TOKENS, think_arith_reasoning_valid as valid, verify_countdown
+
+    q = "What is 1+1?"
+    assert valid("<think>1+1=2</think>\\boxed{2}", q, "2")
+    assert valid(f"<think>{LONG_REASONING}=2</think>\\boxed{{2}}", q, "2") is False  # true, but no think_arith step
+    assert MAX_EXPRESSION_TOKENS == 128  # 3 + 4 * 31 = 127 tokens are read; 131 are refused
+    assert valid(f"<think>1+1{'+1-1' * 31}=2</think>\\boxed{{2}}", q, "2")
+    assert valid(f"<think>1+1{'+1-1' * 32}=2</think>\\boxed{{2}}", q, "2") is False
+    assert valid(f"<think>{'(' * 5000}1+1{')' * 5000}=2</think>\\boxed{{2}}", q, "2") is False  # depth
+    assert valid(f"<think>1{' ' * 100_000}+1=2</think>\\boxed{{2}}", q, "2") is False
+    assert valid(f"<think>{'9*' * 20_000}9=2</think>", q, "2") is False  # no 20,000-digit product computed
+    answer = '{"target":29,"numbers":[3,7,8]}'
+    assert verify_countdown(LONG_REASONING, answer) == 0.0 and verify_countdown("3*7+8", answer) == 1.0
+
+
+def test_a_long_correct_answer_goes_through_a_generators_scoring_as_data():
+    """The generator's path: math_think in a reward worker process, then the reasoning check in the scorer thread
+    (actors.scoring.scored_groups); the 12,000-character reasoning used to raise RecursionError there, which crashed
+    the generator, and again on the same question after its restart."""
+    import numpy as np
+
+    from actors.engines.base import GenSample
+    from actors.generator_stats import GeneratorStats
+    from actors.scoring import Group, scored_groups
+    from common.config import RewardConfig
+    from common.messages import Question, WorkItem
+    from common.rewards import RewardPool, ScoreRequest
+
+    question = Question("q-long", "What is 1+1?", "2", np.zeros(1, np.int32), task="think_arith")
+    texts = [f"<think>{LONG_REASONING}=2</think>\\boxed{{2}}", "<think>1+1=2</think>\\boxed{2}"]
+    samples = [GenSample(np.zeros(3, np.int32), np.zeros(3, np.float32), 0.5, "stop", t, ((0, 0),)) for t in texts]
+    group = Group(WorkItem("lease-1", question, 2, deadline=0.0, shard=0), samples, left=0)
+    stats = GeneratorStats()
+    with RewardPool(RewardConfig(name="math_think"), task_name="think_arith") as pool:
+        scores = pool.score([ScoreRequest(question.id, t, question.answer) for t in texts])
+        assert pool._workers[0] is not None  # scored in a worker process, as a generator's math_think is
+    assert [s.reward for s in scores] == [1.0, 1.0]
+    (scored,) = scored_groups([group], scores, "g0", 1.0, TASK.reasoning, known_version=0, stats=stats)
+    assert [r.valid for r in scored.rollouts] == [0, 1]  # the long one: refused as invalid, not a crash
+    assert (stats.reasoning_checked, stats.reasoning_valid, stats.reasoning_errors) == (2, 1, 0)
+
+
+def test_a_reasoning_check_that_raises_is_counted_not_a_crash(caplog):
+    import logging
+
+    import numpy as np
+
+    from actors.engines.base import GenSample
+    from actors.generator_stats import GeneratorStats
+    from actors.scoring import Group, scored_groups
+    from common.messages import Question, WorkItem
+    from common.rewards import ScoreResult
+
+    def recursing_check(text: str, prompt: str, answer: str) -> bool:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    question = Question("q-7", "What is 1+1?", "2", np.zeros(1, np.int32))
+    sample = GenSample(np.zeros(3, np.int32), np.zeros(3, np.float32), 0.5, "stop", "x" * 12_000, ((0, 0),))
+    group = Group(WorkItem("lease-1", question, 1, deadline=0.0, shard=0), [sample], left=0)
+    stats = GeneratorStats()
+    with caplog.at_level(logging.WARNING, logger="actors.generator"):
+        (scored,) = scored_groups([group], [ScoreResult(1.0)], "g0", 1.0, recursing_check, 0, stats)
+    assert scored.rollouts[0].valid == -1 and scored.rollouts[0].reward == 1.0  # not checked; the reward stands
+    assert (stats.reasoning_checked, stats.reasoning_errors) == (0, 1)
+    assert "q-7" in caplog.text and "RecursionError" in caplog.text
+    assert stats.as_metrics(running=True, version=0, in_flight=0, rewards=None)["reasoning_errors"] == 1.0
