@@ -10,7 +10,7 @@ import logging
 import time
 
 from cluster.liveness import (
-    EXIT_FAILED, EXIT_STALLED, NOTHING_LEFT, ErrorWindow, RunStopped, StallWatch, diagnose, sample_text,
+    EXIT_FAILED, EXIT_STALLED, NOTHING_LEFT, ErrorWindow, RunStopped, SignalWatch, StallWatch, diagnose, sample_text,
     zero_reward_hint,
 )
 from common.messages import TrainingBatch
@@ -32,6 +32,7 @@ class RunHealth:
         self._reward_errors = ErrorWindow(REWARD_ERROR_WINDOW)
         self._errors_warned_at = -REWARD_ERROR_WINDOW
         self._all_error_steps: int | None = 0  # steps of this attempt with every rollout a reward error (None: not all)
+        self._signal = SignalWatch(cfg.generator.temperature)
 
     # ------------------------------------------------------------------------- between batches
 
@@ -53,6 +54,9 @@ class RunHealth:
                 (self._pool_reported is None or now - self._pool_reported >= self.cfg.cluster.stall_report_s):
             self._pool_reported = now
             log.warning("%s", self.generators.describe())
+        flat = self._signal.observe([[r.reward for r in g.rollouts] for g in batch.groups])
+        if flat is not None and any(r.reward > 0 for g in batch.groups for r in g.rollouts):  # all 0: said below
+            log.warning("%s", flat)
         if not self._zero_hinted and not any(r.reward > 0 for g in batch.groups for r in g.rollouts):
             self._zero_hinted = True
             m = self.generators.metrics()

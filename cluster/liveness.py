@@ -272,6 +272,28 @@ class ErrorWindow:
         return sum(e for e, _ in self.window), sum(r for _, r in self.window)
 
 
+class SignalWatch:
+    """Batches in a row in which no group has unequal rewards: every advantage is 0, so the step trains on nothing.
+    `observe` returns the line to warn with at the `steps`-th such batch in a row, then every `every` more."""
+
+    def __init__(self, temperature: float, steps: int = 3, every: int = 50):
+        self.temperature, self.steps, self.every = temperature, steps, every
+        self.flat = 0  # batches in a row without signal
+
+    def observe(self, group_rewards: list[list[float]]) -> str | None:
+        if any(len(set(rewards)) > 1 for rewards in group_rewards):
+            self.flat = 0
+            return None
+        self.flat += 1
+        if self.flat < self.steps or (self.flat - self.steps) % self.every:
+            return None
+        low = (f"generator.temperature={self.temperature:g} is too low for the K samples of a question to differ; "
+               if self.temperature < 0.3 else "")
+        return (f"the last {self.flat} batches held no group whose rollouts got different rewards: every advantage is "
+                f"0 and each step trains on nothing (learner/pg_loss 0); {low}raise generator.temperature, use harder "
+                "or easier questions, or check that the reward tells responses apart")
+
+
 def sample_text(sample: dict | None, limit: int = 300) -> str:
     """One scored sample (GeneratorPool.last_sample()) as a short hint line."""
     if not sample:

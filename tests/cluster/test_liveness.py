@@ -161,3 +161,17 @@ def test_sample_text_shows_question_answer_response_and_reward():
     text = sample_text(s, limit=10)
     assert text == "a sample: question q7, reference answer '42', response 'xxxxxxxxxx...' scored 0"
     assert sample_text(None) == "no sample response available yet"
+
+
+def test_batches_that_train_on_nothing_are_said_after_three_in_a_row_then_every_fifty():
+    from cluster.liveness import SignalWatch
+
+    w = SignalWatch(temperature=1e-6)
+    flat, mixed = [[1.0, 1.0], [0.0, 0.0]], [[1.0, 0.0], [1.0, 1.0]]
+    assert [w.observe(flat), w.observe(flat), w.observe(mixed), w.observe(flat), w.observe(flat)] == [None] * 5
+    line = w.observe(flat)  # the third in a row
+    assert line.startswith("the last 3 batches held no group whose rollouts got different rewards: every advantage "
+                           "is 0 and each step trains on nothing (learner/pg_loss 0); generator.temperature=1e-06 is "
+                           "too low"), line
+    assert [w.observe(flat) for _ in range(49)][-1] is None and w.observe(flat).startswith("the last 53 batches")
+    assert "too low" not in SignalWatch(temperature=1.0, steps=1).observe(flat)
