@@ -13,10 +13,11 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.experiment import (BUNDLED, SpecError, _state, load_spec, overrides, runs_root_problem, select_seeds,
-                               select_variants, settings_changed)
+from cluster.experiment import (BUNDLED, PRESETS, SpecError, _state, code_changed, code_version, load_spec,
+                               overrides, run_order, runs_root_problem, select_seeds, select_variants, settings_changed,
+                               variant_overrides)
 from cluster.experiment_results import RunResult, differences, table
-from cluster.experiment_stats import paired_difference, t_quantile
+from cluster.experiment_stats import holm, paired_difference, t_quantile
 from tests.cluster.runs import ROOT, mlflow_client
 
 
@@ -35,13 +36,15 @@ def test_the_bundled_spec_loads_and_bad_specs_say_what_to_change(tmp_path):
                 }.get(path.stem, {"exgrpo", "grpo"})
         assert want <= set(load_spec(path.stem).variants), path
     for name in ("ablations", "multi_epoch"):  # retirement isolated: ExGRPO with buffer.retire=false, nothing else
-        assert load_spec(name).variants["exgrpo_no_retire"] == {"buffer.retire": False}
-    assert spec.variants["su01"] == {"buffer.store_below": 2, "buffer.retire_above": 4, "buffer.replay_ratio": 0.25}
+        assert load_spec(name).variants["exgrpo_no_retire"] == {"preset": "exgrpo_paper", "buffer.retire": False}
+    assert spec.variants["su01"] == {"preset": "exgrpo_paper", "buffer.store_below": 2, "buffer.retire_above": 4,
+                                     "buffer.replay_ratio": 0.25, "buffer.k_fresh_only": True,
+                                     "buffer.retire_fresh": "last_three_correct"}
     assert overrides({"learner.loss.shaping_beta": None, "buffer.replay_ratio": 0.25}) == [
         "learner.loss.shaping_beta=null", "buffer.replay_ratio=0.25"]
     base = dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}})
     with pytest.raises(SpecError, match=r"variants.b: buffer.grup_size: unknown field"):
-        load_spec(write(tmp_path, {**base, "variants": {"a": {}, "b": {"buffer.grup_size": 3}}}))
+        load_spec(write(tmp_path, {**base, "variants": {"a": {}, "b": {"buffer.grup_size": 3}}, "primary": ["a", "b"]}))
     with pytest.raises(SpecError, match="budget_rollouts"):
         load_spec(write(tmp_path, {**base, "budget_rollouts": 0}))
     with pytest.raises(SpecError, match="name"):
@@ -153,12 +156,13 @@ def test_an_unreadable_spec_is_answered_with_its_file_and_line(tmp_path, content
 def test_an_empty_spec_and_a_misspelt_key_are_answered_in_the_spec_s_terms(tmp_path):
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(SpecError, match=r"empty.yaml: empty; a spec is a mapping of name, budget_rollouts, seeds, "
-                                        r"base, variants, run_timeout_s, reference, compare \(name, budget_rollouts, "
+                                        r"base, variants, run_timeout_s, reference, compare, primary \(name, budget_rollouts, "
                                         r"seeds, variants required; cluster/experiments/ablations.yaml is one\)"):
         load_spec(str(tmp_path / "empty.yaml"))
     with pytest.raises(SpecError) as e:
         load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variant={"a": {}})))
-    assert e.value.lines == ["variants: missing: Variant name -> its overrides ({} = the defaults).",
+    assert e.value.lines == ["variants: missing: Variant name -> its overrides ({} = the defaults); `preset: NAME` "
+                             "takes a named set of overrides first (`PRESETS`: exgrpo_paper, grpo_paper).",
                              "variant: unknown field; did you mean variants?"]
 
 
@@ -215,57 +219,153 @@ def run(variant: str, seed: int, final: float, se: float = float("nan"), ok: boo
                      final_greedy=final, final_se=se)
 
 
-def test_the_report_prints_the_verdict_lines_and_the_evaluation_s_se(tmp_path):
-    spec = load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0, 1, 2], variants={
+def test_holm_adjusts_a_family_of_p_values_worked_by_hand():
+    # p = 0.01, 0.04, 0.03, 0.20 (m = 4, alpha 0.05), ascending 0.01, 0.03, 0.04, 0.20:
+    #   adjusted: 4 x 0.01 = 0.04; max(0.04, 3 x 0.03) = 0.09; max(0.09, 2 x 0.04 = 0.08) = 0.09; 1 x 0.20 = 0.20
+    #   step-down: 0.01 < 0.05/4 = 0.0125 rejected (tested at 1 - 0.0125 = 98.75%); 0.03 >= 0.05/3: stops there, so
+    #   it and every later one get 1 - 0.05/3 = 98.33% (their intervals hold 0, as their adjusted p >= 0.05)
+    # nan is not in the family.
+    adjusted, levels = holm([0.01, 0.04, 0.03, float("nan"), 0.20])
+    assert adjusted[:3] + adjusted[4:] == pytest.approx([0.04, 0.09, 0.09, 0.20])
+    assert levels[:3] + levels[4:] == pytest.approx([0.9875, 1 - 0.05 / 3, 1 - 0.05 / 3, 1 - 0.05 / 3])
+    assert math.isnan(adjusted[3]) and math.isnan(levels[3])
+    # the brief's case: p = 0.028 alone is 0.252 after Bonferroni over 9; Holm gives the smallest of 9 the same
+    assert holm([0.028] + [0.5] * 8)[0][0] == pytest.approx(0.252)
+    # a paired difference's p-value: d = 0.01, 0.03, 0.02: t = 0.02 / (0.01 / sqrt 3) = 3.4641 with 2 df,
+    # P(|T| <= t) = t / sqrt(t^2 + 2) = 3.4641 / 3.7417 = 0.92582, p = 0.07418
+    d = paired_difference("a", "b", {0: 0.56, 1: 0.58, 2: 0.57}, {0: 0.55, 1: 0.55, 2: 0.55})
+    assert d.p == pytest.approx(0.07418, abs=1e-5)
+    # its interval at Holm's 98.33%: t(1 - 0.05/6, 2) = sqrt(2 q^2 / (1 - q^2)) with q = 1 - 0.05/3:
+    # sqrt(2 x 0.96694 / 0.03306) = 7.6489, half-width 7.6489 x 0.005774 = 0.044161
+    q = 1 - 0.05 / 3
+    wide = d.at_level(q)
+    assert wide.hi - wide.mean == pytest.approx(math.sqrt(2 * q * q / (1 - q * q)) * 0.01 / math.sqrt(3), abs=1e-7)
+    assert wide.hi - wide.mean == pytest.approx(0.044161, abs=2e-6)
+
+
+def test_the_report_prints_the_primary_contrast_then_holm_adjusted_lines(tmp_path):
+    spec = load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0, 1, 2], primary=["grpo", "exgrpo"],
+                                          compare=[["plain", "grpo"]], variants={
         "exgrpo": {}, "grpo": {"buffer.replay_ratio": 0}, "plain": {"buffer.retire": False}})))
     results = [run("exgrpo", 0, 0.55, 0.006), run("exgrpo", 1, 0.57, 0.008), run("exgrpo", 2, 0.56),
                run("grpo", 0, 0.56), run("grpo", 1, 0.60), run("grpo", 2, 0.58),  # d = 0.01, 0.03, 0.02
                run("plain", 0, 0.60), run("plain", 1, 0.62), run("plain", 2, 0.0, ok=False)]  # d = 0.05, 0.05
-    # grpo - exgrpo: the first test's numbers, [-0.005, +0.045]; plain - exgrpo: 2 seeds, d = 0.05, 0.05: sd 0,
-    # interval [0.05, 0.05]; best (plain, mean 0.61) against the runner-up (grpo, 0.58): d = 0.04, 0.02 on seeds
-    # 0 and 1: mean 0.03, sd 0.014142, SE 0.01, t(0.975, 1) = 12.7062: [-0.097, +0.157]
+    # primary grpo − exgrpo, plain 95%: the first test's numbers, [-0.005, +0.045], p 0.074 (worked above).
+    # The family: plain − exgrpo (d = 0.05, 0.05: sd 0, p 0) and the compare pair plain − grpo (d = 0.04, 0.02 on
+    # seeds 0 and 1: mean 0.03, SE 0.01, t = 3 with 1 df: P(|T| <= 3) = 2 atan(3) / pi = 0.79517, p = 0.20483).
+    # Holm, m = 2: 0 < 0.05/2: rejected at 97.5%, adjusted 0; 0.20483 >= 0.05/1: not, at 95%, adjusted 0.20:
+    # t(0.975, 1) = 12.7062 x 0.01: [-0.097, +0.157]. Best by mean plain (0.610), runner-up grpo (0.580): no interval.
     assert differences(spec, results) == [
-        "", "Paired differences of final pass@1 (runs of one seed share the data order and the evaluation questions; "
-        "95% t interval over seeds):", "",
-        "- grpo − exgrpo = +0.020 [−0.005, +0.045] (3 seeds): within noise",
-        "- plain − exgrpo = +0.050 [+0.050, +0.050] (2 seeds)",
-        "- best against the runner-up: plain − grpo = +0.030 [−0.097, +0.157] (2 seeds): within noise"]
+        "", "Primary contrast, final pass@1 (declared in the spec before the runs; runs of one seed share the data "
+        "order and the evaluation questions; 95% t interval over seeds):", "",
+        "- grpo − exgrpo = +0.020 [−0.005, +0.045] (3 seeds, p 0.074): within noise", "",
+        "Other paired differences, Holm-adjusted over these 2 intervals (family-wise 95%: each interval at the level "
+        "Holm's step-down tests it at, with its adjusted p):", "", "Final pass@1:", "",
+        "- plain − exgrpo = +0.050 [+0.050, +0.050] (2 seeds, Holm: 97.5% interval, adjusted p < 0.001)",
+        "- plain − grpo = +0.030 [−0.097, +0.157] (2 seeds, Holm: 95% interval, adjusted p 0.2): within noise", "",
+        "Best by mean final pass@1: plain (0.610), runner-up grpo (0.580); descriptive only: the pair is chosen after "
+        "ranking, so no interval"]
     text = table(spec, results)
     # the evaluation's SE: root mean square over the runs that logged it, sqrt((0.006^2 + 0.008^2) / 2) = 0.00707
     assert "| exgrpo | 3 | 0.560 ± 0.010 | 0.007 |" in text
     assert "| plain | 2 (1 failed) | 0.610 ± 0.014 | — |" in text
-    # another reference: every line is against it; one that is not a variant is refused
-    other = spec.model_copy(update={"reference": "grpo"})
-    assert differences(other, results)[3] == "- exgrpo − grpo = −0.020 [−0.045, +0.005] (3 seeds): within noise"
-    assert differences(select_variants(other, ["exgrpo", "plain"]), results)[3].startswith("- plain − exgrpo")
+    # --variants leaving the primary's pair out: said, and every interval is Holm-adjusted
+    lines = differences(select_variants(spec, ["exgrpo", "plain"]), results)
+    assert lines[1] == "No primary contrast among the variants run (the spec's: grpo − exgrpo): every interval below " \
+                       "is Holm-adjusted."
     with pytest.raises(SpecError, match=r"reference: 'ppo' is not a variant \(variants: a\)"):
         load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}}, reference="ppo")))
-    # `compare` adds the pairs that isolate one rule, after the reference's: plain − grpo on seeds 0 and 1 (as the
-    # best against the runner-up above); a pair with the reference is not printed twice
-    pairs = spec.model_copy(update={"compare": [("plain", "grpo"), ("grpo", "exgrpo")]})
-    assert differences(pairs, results)[5:] == [
-        "- plain − grpo = +0.030 [−0.097, +0.157] (2 seeds): within noise",
-        "- best against the runner-up: plain − grpo = +0.030 [−0.097, +0.157] (2 seeds): within noise"]
-    # where reasoning is checked, the same lines for held-out validity (against the reference) and o* validity
-    # (against the first variant that chooses one: GRPO has none). plain − exgrpo: d = 0.10, 0.09 (seed 2 failed),
-    # mean 0.095, SE 0.005, t(0.975, 1) = 12.706: [0.0315, 0.1585]; o*: d = −0.12, −0.14: [−0.257, −0.003]
+    with pytest.raises(SpecError, match=r"primary: name the one contrast the experiment is for, before it runs: "
+                                        r"primary: \[a, b\]"):
+        load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}, "b": {}})))
+    with pytest.raises(SpecError, match=r"primary: 'ppo': not a variant \(variants: a, b\)"):
+        load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}, "b": {}},
+                                       primary=["a", "ppo"])))
+    # where reasoning is checked, the validity differences join the family: plain − exgrpo held-out d = 0.10, 0.09
+    # (seed 2 failed), grpo − exgrpo d = 0.05 x 3 (p 0); o*: plain − exgrpo d = −0.12, −0.14 (SE 0.01, t = 13, 1 df:
+    # p = 1 − 2 atan(13) / pi = 0.04887). Family of 5: p = 0, 0.20483, 0, (0.095/0.005 = t 19, 1 df: 0.03348),
+    # 0.04887; ascending 0, 0, 0.03348, 0.04887, 0.20483: 0 and 0 rejected (at 99%, 98.75%), 0.03348 >= 0.05/3 stops:
+    # it and the rest at 98.33%, adjusted 3 x 0.03348 = 0.10045, max(0.10045, 2 x 0.04887) = 0.10045, 0.20483
     for r, heldout, chosen in zip(results, [0.80, 0.81, 0.82, 0.85, 0.86, 0.87, 0.9, 0.9, 0.9],
                                   [0.80, 0.81, 0.82, math.nan, math.nan, math.nan, 0.68, 0.67, 0.0]):
         r.mechanism = {"valid_heldout": heldout, "valid_chosen": chosen}
     lines = differences(spec, results)
-    assert lines[lines.index("Paired differences of held-out valid given correct:") + 2:][:2] == [
-        "- grpo − exgrpo = +0.050 [+0.050, +0.050] (3 seeds)", "- plain − exgrpo = +0.095 [+0.031, +0.159] (2 seeds)"]
-    assert lines[-3:] == ["Paired differences of o* valid:", "", "- plain − exgrpo = −0.130 [−0.257, −0.003] (2 seeds)"]
-    with pytest.raises(SpecError, match=r"compare: 'ppo': not a variant \(variants: a, b\)"):
-        load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}, "b": {}},
-                                       compare=[["a", "ppo"]])))
+    assert "Other paired differences, Holm-adjusted over these 5 intervals" in lines[5]
+    assert lines[lines.index("Held-out valid given correct:") + 2:][:2] == [
+        "- grpo − exgrpo = +0.050 [+0.050, +0.050] (3 seeds, Holm: 98.75% interval, adjusted p < 0.001)",
+        "- plain − exgrpo = +0.095 [−0.001, +0.191] (2 seeds, Holm: 98.33% interval, adjusted p 0.1): within noise"]
+    assert lines[lines.index("o* valid:") + 2] == \
+        "- plain − exgrpo = −0.130 [−0.321, +0.061] (2 seeds, Holm: 98.33% interval, adjusted p 0.1): within noise"
+
+
+def test_runs_interleave_seed_by_seed_in_a_shuffled_order_fixed_by_the_seed(tmp_path):
+    spec = load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0, 1, 2, 3], primary=["a", "b"],
+                                          variants={v: {} for v in "abcd"})))
+    order = run_order(spec)
+    # seed by seed: the first 4 runs are seed 0's, each variant once; the order within a seed is random.Random(seed)'s
+    # shuffle of the spec's order, the same on every call
+    assert [s for _, s in order] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    for seed in range(4):
+        block = [v for v, s in order if s == seed]
+        expect = list("abcd")
+        import random
+        random.Random(seed).shuffle(expect)
+        assert block == expect and sorted(block) == list("abcd")
+    assert run_order(spec) == order
+    assert len({tuple(v for v, s in order if s == seed) for seed in range(4)}) > 1  # not one fixed variant order
+
+
+def test_a_run_made_by_other_product_code_is_not_reused(tmp_path):
+    now = code_version()
+    assert len(now["source"]) == 32 and (now["commit"] is None or len(now["commit"]) == 40)
+    assert code_changed(now, now) is None and code_changed(dict(now), code_version()) is None  # deterministic
+    older = {"source": "0" * 32, "commit": "a" * 40, "dirty": True}
+    said = code_changed(older, {**now, "commit": "b" * 40, "dirty": False})
+    assert said == f"made by other product code (commit aaaaaaaaaaaa with uncommitted changes, now commit bbbbbbbbbbbb)"
+    assert code_changed({"source": "1" * 32, "commit": None}, {"source": "2" * 32, "commit": None}) == \
+        "made by other product code (source 111111111111, now source 222222222222)"
+    assert code_changed(None, now) == ("it records no product code version (made before the record, or a changing "
+                                       "checkout)")
+    # a product file's content is in the hash; a copy of the tree with one byte changed hashes differently
+    import shutil
+    for pkg in ("actors", "buffer", "cluster", "common", "learner"):
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    copy = code_version(tmp_path)
+    assert copy["source"] == now["source"] and copy["commit"] is None  # no git there: the hash alone
+    (tmp_path / "buffer" / "core.py").write_text((tmp_path / "buffer" / "core.py").read_text() + "\n")
+    assert code_version(tmp_path)["source"] != now["source"]
+    (tmp_path / "cluster" / "experiment_results.py").write_text("# the report only reads runs back\n")
+    (tmp_path / "buffer" / "core.py").write_text((ROOT / "buffer" / "core.py").read_text())
+    assert code_version(tmp_path)["source"] == now["source"]
+
+
+def test_the_paper_preset_and_grpo_s_clip(tmp_path):
+    spec = load_spec("small_set")
+    assert spec.primary == ("exgrpo", "grpo") and len(spec.seeds) == 6 and "exgrpo_async" in spec.variants
+    ex, grpo = variant_overrides(spec, "exgrpo"), variant_overrides(spec, "grpo")
+    for key in ("buffer.max_lag=0", "learner.batching.mini_batches=2", "learner.loss.recompute_old_logprobs=true",
+                "buffer.mixed_switch_accuracy=0.35"):
+        assert key in ex and key in grpo, key
+    assert "learner.loss.clip_fresh=auto" in ex and "learner.loss.clip_fresh=true" in grpo
+    assert variant_overrides(spec, "exgrpo_async") == overrides(spec.base)  # the project's defaults
+    for path in sorted(BUNDLED.glob("*.yaml")):  # every bundled spec: a primary contrast, a fixed seed count
+        s = load_spec(path.stem)
+        assert s.primary and len(s.seeds) >= 3, path
+    from common.config import ConfigError, load_config
+    cfg = load_config(None, ex)
+    assert cfg.buffer.max_lag == 0 and cfg.learner.loss.clip_fresh == "auto" and cfg.learner.loss.stores_learner_logprobs
+    # GRPO's buffer switches mixed mode on too: clip_fresh=auto would unclip it with nothing replayed: refused
+    with pytest.raises(ConfigError, match="learner.loss.clip_fresh: auto unclips fresh tokens once mixed mode starts"):
+        load_config(None, [*overrides(PRESETS["grpo_paper"]), "learner.loss.clip_fresh=auto"])
+    with pytest.raises(SpecError, match=r"variants: a: preset: 'paper': not a preset \(presets: exgrpo_paper, "):
+        load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {"preset": "paper"}})))
 
 
 # ------------------------------------------------------------------------------ what the experiment owns
 
 
 def test_a_variant_or_base_that_sets_what_the_experiment_sets_is_refused(tmp_path):
-    spec = dict(name="t", budget_rollouts=10, seeds=[0], base={"seed": 3},
+    spec = dict(name="t", budget_rollouts=10, seeds=[0], base={"seed": 3}, primary=["a", "b"],
                 variants={"a": {"name": "mine", "total_rollouts": 5}, "b": {"checkpoint": {"runs_root": "/x"}},
                           "c": {"learner.seed": 1}})
     with pytest.raises(SpecError) as e:
@@ -300,3 +400,19 @@ def test_a_runs_root_that_is_a_file_is_refused_before_anything_runs(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.strip() == f"exgrpo experiment: --runs-root: {f} is a file, not a folder; point --runs-root at " \
                                "a folder"
+
+
+def test_a_tracking_password_goes_to_the_runs_environment_not_their_command_lines(monkeypatch):
+    """A command line is visible to every user of the machine: the run gets tracking.uri redacted and its password
+    in MLFLOW_TRACKING_PASSWORD, from which `exgrpo train` reads it back."""
+    from cluster.experiment import ExperimentSpec, password_to_env, train_command
+    from common.config import load_config, restore_secrets
+
+    spec = ExperimentSpec(name="x", budget_rollouts=8, seeds=[0], variants={"a": {}},
+                          base={"tracking.uri": "http://alice:PASSWORD@127.0.0.1:9/"})
+    cmd, env = password_to_env(train_command(spec, "a", 0, Path("runs"), "parent-id"))
+    assert "tracking.uri=http://alice:***@127.0.0.1:9/" in cmd and "PASSWORD" not in " ".join(cmd)
+    assert env["MLFLOW_TRACKING_PASSWORD"] == "PASSWORD"
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", env["MLFLOW_TRACKING_PASSWORD"])
+    cfg = restore_secrets(load_config(None, [a for a in cmd if "=" in a]))
+    assert cfg.tracking.uri == "http://alice:PASSWORD@127.0.0.1:9/"

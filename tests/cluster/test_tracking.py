@@ -250,3 +250,42 @@ def test_offline_run_keeps_every_point_and_the_replay_opens_its_mlflow_run(tmp_p
     assert run.data.params["name"] == "offline"
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "a")] == [(s, float(s)) for s in range(1, 32)]
     assert not (run_dir.path / UNSENT_FILE).exists()
+
+
+_SECRET_SCRIPT = """
+import logging, os, sys
+from pathlib import Path
+from cluster.console import setup_logging
+from cluster.tracking import Tracker
+
+run_dir = Path(sys.argv[1])
+setup_logging(run_dir / "logs")
+tr = Tracker("http://alice:PASSWORD@127.0.0.1:9/", "exp", unsent_path=run_dir / "metrics-unsent.jsonl")
+print("MLFLOW", tr.uri, os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"] == "PASSWORD")
+tr.start("r")  # the server is down: warnings that name the store
+tr.log_metrics({"a": 1.0}, 1)
+tr.finish()
+try:
+    raise ConnectionError("could not connect to postgresql+psycopg2://u:PASSWORD@db/x")
+except ConnectionError:
+    logging.getLogger("sqlalchemy.pool").exception("connecting to %s", "https://u:PASSWORD@h/?token=PASSWORD")
+logging.getLogger("exgrpo").error("store %s", "redis://:PASSWORD@h:6379/0")
+"""
+
+
+def test_a_store_password_reaches_mlflow_in_this_process_only(tmp_path):
+    """An http(s) store's user and password go to MLFLOW_TRACKING_USERNAME / _PASSWORD of the process (MLflow's own
+    URL has none); the tracker's warnings, and any line of ours or a library's (its traceback too), show them
+    redacted on the console and in logs/driver.log."""
+    r = subprocess.run([sys.executable, "-c", _SECRET_SCRIPT, str(tmp_path)], cwd=Path(__file__).resolve().parents[2],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"})
+    console = r.stdout + r.stderr
+    assert r.returncode == 0, console[-3000:]
+    assert "MLFLOW http://127.0.0.1:9/ alice True" in console
+    assert "could not start the MLflow run at http://alice:***@127.0.0.1:9/" in console
+    assert "redis://:***@h:6379/0" in console
+    driver_log = (tmp_path / "logs" / "driver.log").read_text()
+    assert "Traceback" in driver_log and "postgresql+psycopg2://u:***@db/x" in driver_log
+    assert "https://u:***@h/?token=***" in driver_log
+    assert "PASSWORD" not in console + driver_log
