@@ -191,21 +191,74 @@ def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_st
     assert client.get_run(run_id).info.status == "KILLED"
 
 
-def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, joined):
+@pytest.fixture(scope="module")
+def mlflow_server(runs_root):
+    """A real `mlflow server` (its own SQLite store): the URL a run's tracking.uri names."""
+    import os
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                               "--workers", "1", "--backend-store-uri", f"sqlite:///{runs_root / 'server.db'}",
+                               "--artifacts-destination", str(runs_root / "server-artifacts")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        for _ in range(600):  # up to ~5 min on a slow machine; a healthy one answers in seconds
+            try:
+                urllib.request.urlopen(f"{url}health", timeout=5).read()
+                break
+            except OSError:
+                assert server.poll() is None, "mlflow server exited"
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(60)
+
+
+def _assert_private_and_without(run_dir: Path, secret: bytes) -> None:
+    """No file of the run folder holds `secret`; what the driver wrote is 0600 (folders 0700). Checkpoints are
+    written by the joined cluster's processes, whose umask is the cluster's (an embedded Ray's inherit 0o077)."""
+    assert run_dir.stat().st_mode & 0o777 == 0o700
+    for p in run_dir.rglob("*"):
+        if p.is_file():
+            assert secret not in p.read_bytes(), p
+        if "checkpoints" not in p.relative_to(run_dir).parts:
+            assert p.stat().st_mode & 0o777 == (0o700 if p.is_dir() else 0o600), (p, oct(p.stat().st_mode))
+
+
+def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, joined, mlflow_server):
     """Also in-run evaluation on two named eval sets: one file, scored by the task's verifier (2 samples) and by
-    exact match at T=1 (3 samples), each under eval/<set>/."""
+    exact match at T=1 (3 samples), each under eval/<set>/. And a tracking server reached with a password in
+    tracking.uri: the run logs to it, and the password is in no file of the run folder, MLflow parameter or artifact,
+    nor on the console; the run folder's files are private."""
+    from mlflow.tracking import MlflowClient
+
     from common.tasks import get_task
 
     _, test = get_task("countdown").generate(0, 2000, 200)  # the default run's own held-out questions
     heldout = runs_root / "sync-heldout.jsonl"
     heldout.write_text("".join(json.dumps(row) + "\n" for row in test[:16]))
+    uri = mlflow_server.replace("http://", "http://alice:PASSWORD@")
     r = run_train(runs_root, "sync", "total_steps=6", "buffer.max_lag=0", "checkpoint.every_steps=0",
                   "learner.optim.lr_schedule=cosine", "learner.optim.warmup_steps=2", "learner.optim.min_lr=1e-5", "eval.every_steps=3", "eval.samples=2", f"eval.sets.countdown.path={heldout}",
                   f"eval.sets.strict.path={heldout}", "eval.sets.strict.reward=exact", "eval.sets.strict.samples=3",
-                  "eval.sets.strict.temperature=1.0", *joined.overrides, env=joined.env)
+                  "eval.sets.strict.temperature=1.0", f"tracking.uri={uri}", *joined.overrides, env=joined.env)
     assert r.returncode == 0, r.stdout[-4000:]
-    client = mlflow_client(runs_root)
+    assert "PASSWORD" not in r.stdout and "--backend-store-uri http://alice:***@127.0.0.1" in r.stdout
+    _assert_private_and_without(runs_root / "sync", b"PASSWORD")
+    client = MlflowClient(tracking_uri=mlflow_server)
     run_id = _run_id(runs_root, "sync")
+    assert client.get_run(run_id).data.params["tracking.uri"] == uri.replace("PASSWORD", "***")
+    assert "PASSWORD" not in repr(client.get_run(run_id).data.params)
+    (runs_root / "sync-artifact").mkdir()
+    saved = client.download_artifacts(run_id, "config.yaml", str(runs_root / "sync-artifact"))
+    assert "alice:***@" in Path(saved).read_text() and "PASSWORD" not in Path(saved).read_text()
     lags = history(client, run_id, "staleness/mean")
     assert len(lags) == 6 and all(v == 0 for _, v in lags)
     # in-run evaluation (an evaluator actor, off the training path): asked for at steps 3 and 6, each measures the
@@ -229,7 +282,7 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, join
     assert [s for s, _ in lrs] == list(range(1, 7))
     assert [v for _, v in lrs] == pytest.approx([learning_rate(lc.optim, s - 1) for s, _ in lrs])
     assert lrs[1][1] == pytest.approx(1e-4) and lrs[-1][1] < lrs[2][1]  # the peak after the warmup, then lower
-    acc = accounting(_final_metrics(runs_root, "sync"))
+    acc = accounting(client.get_run(run_id).data.metrics)
     assert_balanced(acc)
     # nothing is leased before the next version is published, and generators load it before generating
     assert acc["stale_dropped"] == 0
