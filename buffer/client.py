@@ -236,7 +236,7 @@ class BufferClient:
         shard order (the learner shuffles before splitting into mini-batches). Polls all shards in
         parallel, then takes from each in parallel; None on timeout. Feeds the mixed-mode switch.
 
-        `stats["mixed_mode"]` is the mode the batch was composed in, which `learner.loss.clip_fresh=auto` reads: the
+        `mixed_mode` is the mode the batch was composed in, which `learner.loss.clip_fresh=auto` reads: the
         batch whose accuracy fires the switch was composed (all fresh) before it and is still clipped; the switch acts
         from the next batch on, as the authors' trainer checks it after the update."""
         t0 = time.monotonic()
@@ -283,7 +283,8 @@ class BufferClient:
                  "batch_wait_s": time.monotonic() - t0, "batch_short": float(b - len(got)),
                  "batch_held_s": held,
                  "switch_accuracy": self.switch.mean(), "mixed_mode": float(built_mixed)}
-        return TrainingBatch(groups=got, version=version, stats=stats, trajectory_score=self.trajectory_score)
+        return TrainingBatch(groups=got, version=version, stats=stats, trajectory_score=self.trajectory_score,
+                             mixed_mode=built_mixed)
 
     def _may_hold(self, version: int) -> bool:
         """Whether this version's batch may still wait for groups in flight at their last chance (at most

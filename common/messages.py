@@ -125,8 +125,9 @@ class TrainingBatch:
 
     groups: list[TrainGroup]
     version: int  # learner policy version the batch was requested for
-    stats: dict[str, float] = field(default_factory=dict)  # buffer-side metrics of this batch
+    stats: dict[str, float] = field(default_factory=dict)  # buffer-side metrics of this batch (logged; the learner reads none)
     trajectory_score: str = "mean_entropy"  # buffer.trajectory_score: how the learner ranks a group's candidates
+    mixed_mode: bool = False  # composed in mixed mode (the run-wide switch on): learner.loss.clip_fresh=auto reads it
 
 
 @dataclass(slots=True)

@@ -309,7 +309,7 @@ class TrainStep:
         elif cfg.loss.needs_old_logprobs:
             self.record_old_logprobs(minis[1:])  # the first mini-batch's forward is itself at the start weights
         # clip_fresh auto: clipped until the buffer's mixed mode starts (the authors' schedule)
-        clip = (not batch.stats.get("mixed_mode", 0.0)) if cfg.loss.clip_fresh == "auto" else cfg.loss.clip_fresh
+        clip = (not batch.mixed_mode) if cfg.loss.clip_fresh == "auto" else cfg.loss.clip_fresh
         stats.clip_fresh = float(clip)
         self.model.train()
         for i, mini in enumerate(minis):

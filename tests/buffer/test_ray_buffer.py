@@ -220,7 +220,7 @@ def test_an_idle_generator_long_polls_one_shard_and_gets_work_as_soon_as_it_come
 
 def test_the_clip_switch_acts_from_the_batch_after_the_one_that_fired_it(ray_cluster):
     """Issue 35 (3): the batch whose accuracy fires the mixed-mode switch was composed before it (all fresh) and is
-    still trained clipped under `learner.loss.clip_fresh=auto` (`stats["mixed_mode"]`, which the learner reads, is 0);
+    still trained clipped under `learner.loss.clip_fresh=auto` (`batch.mixed_mode`, which the learner reads, is False);
     the next batch is composed in mixed mode and unclipped. Batch accuracies 0.25, 0.5, 0.5, 0.5 at the threshold
     0.3 (window: one batch): the switch fires at batch 1, so the modes are 0, 0, 1, 1 (the official trainer clips
     step 1 and stops from step 2)."""
@@ -234,8 +234,9 @@ def test_the_clip_switch_acts_from_the_batch_after_the_one_that_fired_it(ray_clu
             client.submit([group_for(it, n_correct, version=version) for it in items])
             batch = client.get_batch(version, timeout_s=0.2)
         assert len(batch.groups) == 4
-        modes.append(batch.stats["mixed_mode"])
+        assert batch.stats["mixed_mode"] == float(batch.mixed_mode)  # still logged as a metric
+        modes.append(batch.mixed_mode)
         client.set_version(version + 1)
-    assert modes == [0.0, 0.0, 1.0, 1.0]
+    assert modes == [False, False, True, True]
     assert client.switch.on and client.metrics()["mixed_mode"] == 1
     client.shutdown()

@@ -490,7 +490,7 @@ def test_clip_fresh_auto_clips_until_mixed_mode(tiny_model_dir):
     def batch(mixed: bool):
         def make(model):
             b = make_batch(0)
-            b.stats["mixed_mode"] = float(mixed)
+            b.mixed_mode = mixed
             return b
         return make
 
