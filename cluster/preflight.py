@@ -360,7 +360,27 @@ def train_questions(cfg, model_path: Path) -> list:
     if report.skipped:
         log.warning("data: %s; first problems: %s", report.summary(), "; ".join(report.problems[:5]))
     log.info("data: %s", report.summary())
+    for line in data_notes(cfg, len(questions)):
+        log.warning("%s", line)
     return questions
+
+
+def data_notes(cfg, num_questions: int) -> list[str]:
+    """What the data makes of the run that its numbers alone do not say: a batch larger than the training set, and
+    "held-out" sets that are the training file."""
+    notes = []
+    if num_questions < cfg.buffer.batch_questions:
+        notes.append(f"buffer.batch_questions={cfg.buffer.batch_questions} is more than the {num_questions} training "
+                     f"question(s): every batch repeats them (each ~{cfg.buffer.batch_questions // num_questions} "
+                     f"times); set buffer.batch_questions at most {num_questions}, or use more data")
+    train = cfg.data.train_path and Path(cfg.data.train_path).expanduser().resolve()
+    held_out = {"data.test_path": cfg.data.test_path,
+                **{f"eval.sets.{name}.path": s.path for name, s in cfg.eval.sets.items()}}
+    for field, path in held_out.items():
+        if train and path and Path(path).expanduser().resolve() == train:
+            notes.append(f"{field} is data.train_path ({cfg.data.train_path}): its numbers are training accuracy, not "
+                         "held-out accuracy; point it at a file the run does not train on")
+    return notes
 
 
 def gpus_missing(cfg) -> str | None:

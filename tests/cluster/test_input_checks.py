@@ -241,3 +241,21 @@ def test_flash_attention_that_does_not_import_is_refused_before_ray_naming_sdpa_
     assert attention_problem("sdpa") is None and attention_problem(None) is None
     code, out = cli(capsys, "config", "learner.levers.attn_implementation=flash_attention_2", "cluster.address=auto")
     assert "does not import here" not in out  # on a cluster the learner's node decides
+
+
+def test_a_batch_larger_than_the_data_and_held_out_sets_that_are_the_training_file_are_said(tmp_path):
+    from cluster.preflight import data_notes
+    from common.config import load_config
+
+    train = tmp_path / "train.jsonl"
+    for f in (train, tmp_path / "test.jsonl"):
+        f.write_text('{"question": "1+1", "answer": "2"}\n')
+    cfg = load_config(None, [f"data.train_path={train}", "data.task=null", "reward.name=exact",
+                             f"data.test_path={tmp_path}/../{tmp_path.name}/train.jsonl", "buffer.batch_questions=64",
+                             f"eval.sets.mine.path={train}", f"eval.sets.other.path={tmp_path / 'test.jsonl'}"])
+    notes = data_notes(cfg, 2)
+    assert notes[0] == ("buffer.batch_questions=64 is more than the 2 training question(s): every batch repeats them "
+                        "(each ~32 times); set buffer.batch_questions at most 2, or use more data")
+    assert [n.split(" is ")[0] for n in notes[1:]] == ["data.test_path", "eval.sets.mine.path"]
+    assert "its numbers are training accuracy, not held-out accuracy" in notes[1]
+    assert data_notes(cfg, 64)[0].startswith("data.test_path")
