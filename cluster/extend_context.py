@@ -31,7 +31,12 @@ def extend_context(src: Path, dst: Path, max_positions: int, rope_theta: float |
     if dst.exists() or dst.is_symlink():
         raise ValueError(f"DST: {dst} exists; name a new folder (nothing is overwritten)")
     config = json.loads((src / "config.json").read_text())
-    changes = {"max_position_embeddings": (config.get("max_position_embeddings"), max_positions)}
+    now = config.get("max_position_embeddings")
+    if isinstance(now, int) and max_positions <= now:
+        raise ValueError(f"--max-positions {max_positions} is not above the model's {now} positions: extend-context "
+                         f"lengthens the window (a shorter one would cut what the model was trained on); give more "
+                         f"than {now}, or use the model folder as it is")
+    changes = {"max_position_embeddings": (now, max_positions)}
     config["max_position_embeddings"] = max_positions
     if rope_theta is not None:
         changes["rope_theta"] = (config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta")),

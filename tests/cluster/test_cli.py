@@ -150,5 +150,9 @@ def test_extend_context_copies_a_model_folder_with_longer_positions(capsys, tiny
     assert f"DST: {dst} exists; name a new folder" in capsys.readouterr().err
     assert main(["extend-context", str(tmp_path / "nope"), str(tmp_path / "x"), "--max-positions", "2048"]) == 2
     assert "SRC: " in capsys.readouterr().err and not (tmp_path / "x").exists()
+    n = src["max_position_embeddings"]
+    assert main(["extend-context", str(tiny_model_dir), str(tmp_path / "x"), "--max-positions", str(n // 2)]) == 2
+    assert f"--max-positions {n // 2} is not above the model's {n} positions" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
     with pytest.raises(SystemExit):
         main(["extend-context", str(tiny_model_dir), str(tmp_path / "y"), "--max-positions", "2048", "--rope-theta", "-1"])
