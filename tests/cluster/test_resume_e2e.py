@@ -141,3 +141,42 @@ def _save_under_old_names(path: Path) -> None:
     for section in ("optim", "batching", "levers", "loss"):
         saved["learner"].update(saved["learner"].pop(section))
     path.write_text(yaml.safe_dump(saved))
+
+
+def test_resume_of_a_copied_run_whose_checkpoints_carry_payloads_refuses_and_runs_none(runs_root):
+    """A run folder from someone else: a copy of the run above with a pickle payload (`touch MARKER`) planted in
+    every checkpoint, in a different file of each (the DCP metadata, a param_group entry, a tensor entry, meta.json,
+    the RNG state, the weights, driver.json; config.json in all, which a resume never reads). `--resume` refuses
+    before Ray starts, naming each checkpoint's planted file, with no traceback, and the marker never appears."""
+    import shutil
+
+    from tests.learner.test_checkpoint_format import plant_entry, plant_file
+
+    copy = runs_root / "resume-planted"
+    shutil.copytree(runs_root / "resume-moved", copy)  # the run above, where its user moved it; left as it is
+    marker = runs_root / "MARKER"
+
+    def whole(rel):
+        return lambda ckpt: (plant_file(ckpt / rel, marker), ckpt / rel)[1]
+
+    plants = [whole("learner/optimizer/.metadata"),
+              lambda ckpt: plant_entry(ckpt / "learner" / "optimizer", marker, tensor=False),
+              lambda ckpt: plant_entry(ckpt / "learner" / "optimizer", marker, tensor=True),
+              whole("learner/meta.json"), whole("learner/rng/rank0.json"), whole("learner/model/model.safetensors"),
+              whole("driver.json")]
+    ckpts = sorted(c for c in (copy / "checkpoints").glob("step-*") if c.is_dir())  # the copy's own
+    assert len(ckpts) >= 2, ckpts
+    planted = {}
+    for i, ckpt in enumerate(ckpts):
+        plant_file(ckpt / "learner" / "model" / "config.json", marker)
+        planted[ckpt.name] = plants[i % len(plants)](ckpt)
+
+    r = run_train(runs_root, "resume-planted", "total_steps=100000", resume=copy, log_name="planted", timeout_s=300)
+    assert r.returncode != 0, r.stdout[-4000:]
+    assert f"{copy} has no usable checkpoint" in r.stdout, r.stdout[-4000:]
+    for name, file in planted.items():  # each checkpoint refused for its own planted file
+        assert re.search(rf"{name}: .*{re.escape(str(file))}", r.stdout), (name, file, r.stdout[-4000:])
+    assert "posix.system, which is not checkpoint data: refused" in r.stdout
+    assert "Traceback" not in r.stdout, r.stdout[-4000:]
+    assert not marker.exists()
+    assert sorted(c for c in (copy / "checkpoints").glob("step-*") if c.is_dir()) == ckpts  # nothing renamed
