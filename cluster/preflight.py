@@ -81,7 +81,17 @@ def model_max_positions(path: Path) -> int | None:
 
 
 def _nearby_model(path: Path) -> str:
-    """A hint when `path` is a run checkpoint (or its learner folder) rather than the model inside it."""
+    """A hint when `path` is a run folder, a run checkpoint (or its learner folder) rather than the model inside it."""
+    if (path / "state.json").is_file():  # a run folder: its newest checkpoint's model
+        from cluster.runtime import RunDir, RunFolderError
+
+        try:
+            newest = RunDir(path).latest_checkpoint()
+        except RunFolderError:
+            newest = None
+        if newest is not None and (newest / "learner" / "model" / "config.json").is_file():
+            return f"; it is a run folder: did you mean its newest checkpoint's model, {newest / 'learner' / 'model'}?"
+        return "; it is a run folder with no checkpoint yet (no model to load)"
     for sub in ("learner/model", "model"):
         if (path / sub / "config.json").is_file():
             return f"; did you mean {path / sub}?"

@@ -62,6 +62,7 @@ def assert_refused(code: int, out: str, *expected: str) -> None:
     (["foo.bar=1"], ["foo: unknown field"]),
     (["buffer.grup_size=4"], ["buffer.grup_size: unknown field (did you mean buffer.group_size?"]),
     (["total_steps=-1"], ["total_steps: Input should be greater than or equal to 1"]),
+    (["seed=1099511627776"], ["seed: Input should be less than or equal to 4294967295"]),
     (["buffer=3"], ["buffer: a section, not a value (3): a section needs a key, written buffer.<field>=3"]),
     (["generator.engine.batch_rows=4", "generator.engine.max_num_seqs=8"],
      ["generator.engine: batch_rows is a field of kind transformers; max_num_seqs is a field of kind vllm: one kind "
@@ -221,6 +222,15 @@ def test_gpus_asked_of_a_local_run_without_any_are_warned_by_config_and_refused_
     assert not (runs / "r").exists()
     code, out = cli(capsys, "config", "learner.num_gpus=1", "cluster.address=auto")  # the cluster's GPUs: not ours
     assert "GPUs asked" not in out, out
+
+
+def test_a_ray_that_cannot_start_is_one_line_and_leaves_no_run_folder(capsys, runs, tiny_model_dir):
+    """Before, Ray's own traceback, and a run folder left RUNNING that a later --resume trained from step 0."""
+    code, out = train(capsys, runs, f"model.path={tiny_model_dir}", "cluster.temp_dir=/proc/nope")
+    assert code == 1 and "Traceback" not in out, out
+    assert "error: Ray did not start (FileNotFoundError: [Errno 2] No such file or directory: '/proc/nope'); nothing " \
+           "was trained" in out, out
+    assert f"removed {runs / 'r'} so that name=r can be used again" in out and not (runs / "r").exists()
 
 
 def test_runs_root_that_is_a_file_is_refused(capsys, tmp_path, tiny_model_dir):
@@ -439,6 +449,8 @@ def test_eval_refuses_bad_arguments_and_points_at_the_model_inside_a_checkpoint(
     ckpt = run / "checkpoints" / "step-000002"
     assert_refused(*cli(capsys, "eval", "--model", ckpt), "--model:",
                    f"did you mean {ckpt / 'learner' / 'model'}?")
+    assert_refused(*cli(capsys, "eval", "--model", run), "--model:", "it is a run folder: did you mean its newest "
+                   f"checkpoint's model, {ckpt / 'learner' / 'model'}?")
     assert_refused(*cli(capsys, "eval", "--model", tiny_model_dir, "--samples", "0"), "--samples: 0 is less than 1")
     notok = model_copy(tiny_model_dir, tmp_path / "notok", ("tokenizer.json", "tokenizer_config.json"))
     assert_refused(*cli(capsys, "eval", "--model", notok), "--model:", "has no tokenizer files")
