@@ -117,6 +117,11 @@ class RunConfig(Section):
                             f"can ever hold: the buffer issues at most buffer.batch_questions x (buffer.max_lag + 1) = "
                             f"{ahead} questions ahead of the learner, and one lease that large leaves the other "
                             f"generators idle; set it at most {ahead} (the default, 8, adapts)")
+        if self.learner.loss.clip_fresh == "auto" and self.buffer.replay_ratio == 0:
+            problems.append("learner.loss.clip_fresh: auto unclips fresh tokens once mixed mode starts, and "
+                            "buffer.replay_ratio=0 (GRPO) replays nothing but still switches mixed mode on: its PPO "
+                            "clip would go with no replay to stand in for it; set learner.loss.clip_fresh=true "
+                            "(false: never clipped, if that is what you mean)")
         if self.buffer.replay_ratio > 0 and not self.buffer.collect:
             problems.append("buffer.collect: false leaves nothing to replay while buffer.replay_ratio > 0; "
                             "set buffer.replay_ratio=0 for plain GRPO")
@@ -171,7 +176,7 @@ class RunConfig(Section):
         problems = []
         b, lc = self.buffer, self.learner
         rows = b.batch_questions * b.group_size // lc.batching.mini_batches
-        if lc.num_ranks > rows:
+        if 0 < rows < lc.num_ranks:  # no row at all: more mini-batches than questions, said on its own line
             problems.append(f"learner.num_ranks: {lc.num_ranks} ranks share {rows} rows per mini-batch "
                             f"(buffer.batch_questions {b.batch_questions} x buffer.group_size {b.group_size} / "
                             f"learner.batching.mini_batches {lc.batching.mini_batches}): a rank would get none; set "

@@ -63,6 +63,8 @@ def assert_refused(code: int, out: str, *expected: str) -> None:
     (["buffer.grup_size=4"], ["buffer.grup_size: unknown field (did you mean buffer.group_size?"]),
     (["total_steps=-1"], ["total_steps: Input should be greater than or equal to 1"]),
     (["seed=1099511627776"], ["seed: Input should be less than or equal to 4294967295"]),
+    (["learner.batching.mini_batches=1000"], ["learner.batching.mini_batches: 1000 does not divide "
+                                              "buffer.batch_questions 16"]),
     (["buffer=3"], ["buffer: a section, not a value (3): a section needs a key, written buffer.<field>=3"]),
     (["generator.engine.batch_rows=4", "generator.engine.max_num_seqs=8"],
      ["generator.engine: batch_rows is a field of kind transformers; max_num_seqs is a field of kind vllm: one kind "
@@ -83,6 +85,7 @@ def assert_refused(code: int, out: str, *expected: str) -> None:
 def test_bad_config_is_refused_naming_the_field(capsys, args, expected):
     code, out = cli(capsys, "config", *args)
     assert_refused(code, out, "invalid configuration:", *expected)
+    assert "at most 0" not in out  # no advice that cannot be followed
 
 
 def test_bad_config_files_are_refused(capsys, tmp_path):
