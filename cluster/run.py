@@ -168,6 +168,8 @@ def _say_where(run_dir, tracker, uri: str, state) -> None:
     if tracker.offline:  # no MLflow run was opened: the points wait in the run folder
         print(f"run folder: {run_dir.path}\nMLflow: offline; `exgrpo track --replay {run_dir.path}` sends the run's "
               f"metric points to {redact(uri)}")
+    elif uri.split(":", 1)[0].lower() in ("http", "https", "databricks"):  # a server: it has its own UI
+        print(f"run folder: {run_dir.path}\nMLflow: open {redact(uri)} in a browser (run id {state.mlflow_run_id})")
     else:
         print(f"run folder: {run_dir.path}\nMLflow: mlflow ui --backend-store-uri {redact(uri)}  (run id "
               f"{state.mlflow_run_id})")

@@ -250,7 +250,7 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, join
                   f"eval.sets.strict.path={heldout}", "eval.sets.strict.reward=exact", "eval.sets.strict.samples=3",
                   "eval.sets.strict.temperature=1.0", f"tracking.uri={uri}", *joined.overrides, env=joined.env)
     assert r.returncode == 0, r.stdout[-4000:]
-    assert "PASSWORD" not in r.stdout and "--backend-store-uri http://alice:***@127.0.0.1" in r.stdout
+    assert "PASSWORD" not in r.stdout and "MLflow: open http://alice:***@127.0.0.1" in r.stdout  # a server: its own UI
     _assert_private_and_without(runs_root / "sync", b"PASSWORD")
     client = MlflowClient(tracking_uri=mlflow_server)
     run_id = _run_id(runs_root, "sync")
