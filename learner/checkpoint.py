@@ -223,8 +223,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.path = path
 
     def find_class(self, module: str, name: str):
-        if (module, name) in METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                   torch.dtype)):
+        # vars(), not getattr: torch's module __getattr__ would import a submodule for an unknown name
+        if (module, name) in METADATA_CLASSES or (module == "torch" and isinstance(vars(torch).get(name), torch.dtype)):
             return super().find_class(module, name)
         raise CheckpointError(f"{self.path} asks to load {module}.{name}, which is not checkpoint data: refused "
                               "(a checkpoint is tensors and plain data; nothing in it is run)")
@@ -242,7 +242,8 @@ def read_dcp_metadata(path: Path):
         raise CheckpointError(f"{path} is missing") from None
     except (OSError, *_UNPICKLE_ERRORS) as e:
         raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
-    if not isinstance(meta, Metadata) or not isinstance(meta.storage_data, dict):
+    if not isinstance(meta, Metadata) or not isinstance(meta.storage_data, dict) \
+            or not isinstance(meta.state_dict_metadata, dict):
         raise CheckpointError(f"{path} holds a {type(meta).__name__}, not DCP metadata")
     return meta
 
@@ -269,14 +270,15 @@ def check_dcp_folder(folder: Path):
     (`read_dcp_metadata`), each plain entry (param_groups) loaded, each tensor entry's pickle loaded onto the meta
     device (no data read), every slice inside its file. Returns the metadata; CheckpointError naming the file."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.utils import _create_file_view
 
     meta = read_dcp_metadata(folder / ".metadata")
     for index, info in meta.storage_data.items():
-        if not isinstance(info, _StorageInfo) or Path(str(info.relative_path)).name != info.relative_path \
-                or info.transform_descriptors:
-            raise CheckpointError(f"{folder / '.metadata'}: entry {index.fqn!r} points at {info!r}, not at a plain "
+        if not (isinstance(index, MetadataIndex) and isinstance(info, _StorageInfo)
+                and isinstance(info.relative_path, str) and Path(info.relative_path).name == info.relative_path
+                and type(info.offset) is int and type(info.length) is int and not info.transform_descriptors):
+            raise CheckpointError(f"{folder / '.metadata'}: entry {index!r} points at {info!r}, not at bytes of a "
                                   "file of the folder")
         path = folder / info.relative_path
         try:

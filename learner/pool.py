@@ -17,7 +17,6 @@ import datetime
 import logging
 import os
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,8 @@ from learner.step import RankStats, merge_rank_stats
 from learner.weights import WeightSyncTimeout, get_or_create_store, make_publisher, wait_for_acks
 
 log = logging.getLogger(__name__)
+
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 @dataclass(slots=True)
@@ -83,11 +84,16 @@ class LearnerRank:
         self.staging = None  # learner.gather.Staging: the gather's reused buffers (made with the model)
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0's host and a free TCP port for torch.distributed's rendezvous."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        """Rank 0's host and the port of its rendezvous store for torch.distributed: a TCPStore that rank 0 holds from
+        now on, listening on the node's IP only (`learner.collective.listening_store`: no bind/close/re-bind race
+        for the port). One rank needs no store on the network: port 0 says so and `setup` uses a HashStore."""
+        host = ray.util.get_node_ip_address()
+        if self.world == 1:
+            return host, 0
+        from learner.collective import listening_store
+
+        self.rendezvous, self._rendezvous_socket = listening_store(host, 0, RENDEZVOUS_TIMEOUT.total_seconds())
+        return host, self.rendezvous.port
 
     def setup(self, address: tuple[str, int]) -> tuple[dict[str, str], str | None]:
         """Join the process group at rank 0's `address` (`rendezvous_address`), load and shard the model
@@ -97,8 +103,15 @@ class LearnerRank:
 
         host, port = address
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
-        torch.distributed.init_process_group(self.backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                             world_size=self.world, timeout=datetime.timedelta(minutes=10))
+        if self.world == 1:
+            store = torch.distributed.HashStore()
+        elif self.rank == 0:
+            store = self.rendezvous
+        else:
+            store = torch.distributed.TCPStore(host, port, world_size=self.world, is_master=False,
+                                               timeout=RENDEZVOUS_TIMEOUT)
+        torch.distributed.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world,
+                                             timeout=RENDEZVOUS_TIMEOUT)
         torch.manual_seed(self.cfg.seed + self.rank)
         np.random.seed(self.cfg.seed + self.rank)
         built = setup_rank(self.cfg, self.model_path, rank=self.rank, world=self.world, device=self.device,
@@ -263,9 +276,9 @@ class LearnerRank:
             state[ck.MASTER_KEY] = get_model_state_dict(self.model)
         try:
             ck.load_dcp(state, folder)
+        except ck.CheckpointError:
+            raise
         except (RuntimeError, ValueError, OSError) as e:
-            if isinstance(e, ck.CheckpointError):
-                raise
             raise ck.CheckpointError(f"checkpoint {ckpt}: optimizer state / master weights are unreadable ({e})") from e
         if master:
             set_model_state_dict(self.model, state[ck.MASTER_KEY])

@@ -273,7 +273,7 @@ PLANTS = {**{rel: _plant_whole(rel) for rel in ("optimizer/.metadata", "meta.jso
                                                 "model/model.safetensors", "model/config.json")},
           "optimizer plain entry": lambda ckpt, marker: plant_entry(ckpt / "optimizer", marker, tensor=False),
           "optimizer tensor entry": lambda ckpt, marker: plant_entry(ckpt / "optimizer", marker, tensor=True)}
-"""Every file of a learner checkpoint a resume reads, each with a payload planted (tests.learner.test_checkpoint_format);
+"""Every file of a learner checkpoint a resume reads, each with a payload planted (`plant_file`, `plant_entry`):
 name -> plant(ckpt, marker) returning the planted file."""
 
 
