@@ -15,7 +15,9 @@ class TrackingConfig(Section):
     enabled: bool = True
     """Log to MLflow."""
     uri: str | None = None
-    """Tracking URI; None = a SQLite store `mlflow.db` in the runs root."""
+    """Tracking URI; None = a SQLite store `mlflow.db` in the runs root. Its password (`https://user:pw@host/`,
+    `postgresql://user:pw@host/db`) stays in the process: config.yaml, MLflow and the logs show `user:***@`; a resume
+    reads it from MLFLOW_TRACKING_PASSWORD, or from the URI given again."""
     experiment: str = Field("exgrpo", min_length=1)
     """MLflow experiment name."""
     log_plots: bool = True
