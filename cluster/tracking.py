@@ -466,8 +466,26 @@ def replay_main(run: str) -> int:
         print(f"error: the MLflow store {where} refused them ({_short(e)}); {count_unsent(path)} of the {n} points "
               f"stay in {path}: try again once it takes writes", file=sys.stderr)
         return 1
-    print(f"sent {sent} metric points from {path} to {where} (run id {run_id})")
+    files = _send_files(client, run_id, run_dir)
+    run_dir.update_state(metrics_unsent=0)
+    print(f"sent {sent} metric points from {path}{f' and {files}' if files else ''} to {where} (run id {run_id})")
     return 0
+
+
+def _send_files(client, run_id: str, run_dir) -> str:
+    """The run folder's plots and prompt example as the run's artifacts, under the names `exgrpo train` gives them
+    (a store that was down at the run's end never got them; sending them again replaces them). Says what was sent."""
+    sent = []
+    plots = sorted((run_dir.path / "plots").glob("*.png"))
+    for p in plots:
+        client.log_artifact(run_id, str(p), "plots")
+    if plots:
+        sent.append(f"{len(plots)} plot(s)")
+    prompt = run_dir.path / "prompt_example.txt"
+    if prompt.is_file():
+        client.log_artifact(run_id, str(prompt))
+        sent.append(prompt.name)
+    return " and ".join(sent)
 
 
 def _open_offline_run(client, uri: str, run_dir, cfg) -> str:

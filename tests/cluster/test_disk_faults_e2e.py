@@ -55,7 +55,7 @@ def _console(base: Path, log_name: str) -> str:
 
 
 def _checkpoints(run_dir: Path) -> list[Path]:
-    return [Path(c) for c in state(run_dir).get("checkpoints", [])]
+    return [run_dir / c for c in state(run_dir).get("checkpoints", [])]  # listed relative to the run folder
 
 
 def _stop(p: subprocess.Popen) -> None:
@@ -155,5 +155,8 @@ def test_resume_skips_checkpoints_on_a_full_disk_keeps_store_faults_quiet_and_re
     assert r.returncode == 0 and f"sent {unsent} metric points" in r.stdout, r.stdout + r.stderr
     client = MlflowClient(tracking_uri=f"sqlite:///{store}/mlflow.db")
     run_id = s["mlflow_run_id"]
+    # the files the run's end could not send go too, and state.json no longer counts the points as unsent
+    assert state(run_dir)["metrics_unsent"] == 0
+    assert "prompt_example.txt" in {a.path for a in client.list_artifacts(run_id)}
     assert {st for st, _ in history(client, run_id, "train/reward_mean")} == set(range(1, s["step"] + 1))
     assert max(v for _, v in history(client, run_id, "checkpoint/skipped")) >= 2
