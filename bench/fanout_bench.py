@@ -125,6 +125,7 @@ def role_root(args) -> None:
     server = CollectiveServer(cfg, timeout_s=120, host=ip_of(0))
     ctl = dist.TCPStore(ip_of(0), PORT + 1, is_master=True, wait_for_workers=False,
                         timeout=datetime.timedelta(seconds=300))
+    ctl.set("secret", server.secret)  # a benchmark's own control store; a run carries it by Ray only
     sd = model(args.model_mb)
     seconds = []
     for v in range(args.repeats + 1):  # version 0 opens the channels (not measured)
@@ -160,8 +161,9 @@ def role_gen(args) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-    gid = f"gen-{args.index}"
-    client = RelayReceiver(cfg, gid, 120, host) if args.fanout else ChannelClient(address, gid, cfg, 120, host)
+    gid, secret = f"gen-{args.index}", ctl.get("secret").decode()
+    client = RelayReceiver(cfg, gid, 120, host, secret=secret) if args.fanout else \
+        ChannelClient(address, gid, cfg, 120, host, secret=secret)
     for v in range(args.repeats + 1):
         ctl.wait([f"go/{v}"], datetime.timedelta(seconds=300))
         if args.fanout:

@@ -152,6 +152,8 @@ class WeightsAnnouncement:
     checksum: str = ""  # optional content hash of the safetensors payload
     delta_bytes: int = 0  # > 0: a delta from version - 1 was published too, of this many payload bytes
     adapters: AdapterPublication | None = None  # set: the payload is LoRA adapters only, merged by each generator
+    secret: str = field(default="", repr=False)
+    """collective: the run's channel secret (`learner.collective.handshake`); travels only in Ray calls, never shown."""
 
 
 @dataclass(slots=True)

@@ -4,9 +4,14 @@ The `collective` backend of `learner.weight_sync` (`CollectiveSyncConfig`):
 
     server = CollectiveServer(cfg, timeout_s=60)            # learner rank 0, at publisher creation
     server.publish(version, state_dict)                      # packs buckets, swaps them in; never waits on anyone
-    client = ChannelClient(address, generator_id, cfg, 60)   # in a generator, when it first needs weights
+    client = ChannelClient(address, generator_id, cfg, 60, secret=server.secret)  # in a generator (secret: via Ray)
     state_dict, base = client.pull(version)                  # KeyError when rank 0 no longer holds `version`
-    relay = RelayReceiver(cfg, generator_id, 60, host)       # instead, with cfg.relay_fanout = k >= 1 (learner.relay)
+    relay = RelayReceiver(cfg, generator_id, 60, host, secret=...)  # instead, with cfg.relay_fanout = k >= 1
+
+Authentication: the stores are plain TCPStores that any peer on the network can read and write (`list_keys` shows
+every key, so hiding keys under a secret prefix would hide nothing). What a peer learns or writes there is therefore
+never trusted: each channel starts with a mutual challenge proving both ends know the run's secret (`handshake`),
+relay slots carry a MAC of the address they name, and every size or count read from a peer is bounded.
 
 Rendezvous, the pull protocol, relays, failures, where versions are held, NCCL: docs/internals.md#learnercollectivepy
 """
@@ -14,8 +19,12 @@ Rendezvous, the pull protocol, relays, failures, where versions are held, NCCL: 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
 import logging
+import secrets
+import socket
 import threading
 import time
 import uuid
@@ -32,10 +41,59 @@ log = logging.getLogger(__name__)
 
 OP_CLOSE, OP_PULL = 0, 1
 IDLE_S = 7 * 86_400.0  # a channel's wait for its next request (ends early when the generator's socket closes)
+MAX_NEW_CHANNELS = 256  # channels the acceptor takes in one poll; a larger jump of the count is refused, not served
+MAX_KEY_BYTES = 256  # a channel id, generator id, backend or relay slot read from a store
+MAX_META_BYTES = 64 << 20  # a version's plan (JSON) as a server announces it
+MAX_BUCKETS = 1 << 20
+NONCE_BYTES = 16
 
 
 class WeightSyncError(RuntimeError):
     """A weight transfer on one channel failed (message names generator, version and address)."""
+
+
+def new_secret() -> str:
+    """A run's channel secret (128 bits): made on learner rank 0, carried to generators only by Ray calls."""
+    return secrets.token_hex(16)
+
+
+def mac(secret: str, *parts: str | bytes) -> str:
+    """HMAC-SHA256 of `parts` (length-prefixed, so no two lists of parts collide) under `secret`, as hex."""
+    h = hmac.new(secret.encode(), digestmod=hashlib.sha256)
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        h.update(len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()
+
+
+def listening_store(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:
+    """A TCPStore server listening on `host` only (`port` 0: the OS picks one; read `store.port`). TCPStore binds
+    its own socket to every interface whatever `host` says; a socket bound here and handed over as
+    `master_listen_fd` keeps it to `host`, with no bind/close/re-bind race. Keep the socket as long as the store."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.bind(addr)
+    sock.listen(128)
+    store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+    return store, sock
+
+
+def read_key(store: dist.Store, key: str, wait_s: float) -> str | None:
+    """A short text a peer wrote at `key`, or None when it is absent after `wait_s`, longer than MAX_KEY_BYTES or
+    not UTF-8: a peer's value is bounded before it is used, and a missing one never blocks for the store's timeout."""
+    try:
+        if not store.check([key]):
+            store.wait([key], datetime.timedelta(seconds=wait_s))
+    except dist.DistStoreError:
+        return None
+    value = store.get(key)
+    if len(value) > MAX_KEY_BYTES:
+        return None
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def choose_backend(configured: str, server_has_cuda: bool) -> str:
@@ -74,6 +132,37 @@ class Channel:
 
     def recv(self, t: torch.Tensor, timeout_s: float) -> None:
         self.pg.recv([t], self.peer, 0).wait(datetime.timedelta(seconds=timeout_s))
+
+
+def handshake(ch: Channel, secret: str, cid: str, rank: int, timeout_s: float) -> bool:
+    """Whether the peer proved it knows `secret`, each end proving it to the other before anything else crosses
+    the channel: the generator (rank 1) sends a nonce, the server answers its own nonce and its MAC of both,
+    the generator checks it and answers its MAC. So a peer that opened a channel through the open store pulls no
+    weights, and a generator sent to a peer's address (a forged slot, a rendezvous key overwritten) takes no
+    weights from it. A peer relaying both ends' messages (a man in the middle of the rendezvous) is not caught."""
+    if rank == 1:
+        mine = secrets.token_bytes(NONCE_BYTES)
+        ch.send(_tensor(mine, ch.device), timeout_s)
+        reply = _received(ch, NONCE_BYTES + 64, timeout_s)  # [server's nonce, its hex MAC]
+        both = mine + reply[:NONCE_BYTES]
+        if not hmac.compare_digest(reply[NONCE_BYTES:], mac(secret, "server", cid, both).encode()):
+            return False
+        ch.send(_tensor(mac(secret, "generator", cid, both).encode(), ch.device), timeout_s)
+        return True
+    mine = secrets.token_bytes(NONCE_BYTES)
+    both = _received(ch, NONCE_BYTES, timeout_s) + mine
+    ch.send(_tensor(mine + mac(secret, "server", cid, both).encode(), ch.device), timeout_s)
+    return hmac.compare_digest(_received(ch, 64, timeout_s), mac(secret, "generator", cid, both).encode())
+
+
+def _received(ch: Channel, nbytes: int, timeout_s: float) -> bytes:
+    t = torch.zeros(nbytes, dtype=torch.uint8, device=ch.device)
+    ch.recv(t, timeout_s)
+    return bytes(t.cpu().numpy())
+
+
+def _tensor(data: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
 class Payload:
@@ -139,22 +228,28 @@ class Payload:
 class ChannelServer:
     """A rendezvous `TCPStore`, an acceptor thread and one serving thread per channel, answering pull requests
     from `_lookup(version, held)` (a `Payload`, possibly still arriving). Learner rank 0 (`CollectiveServer`)
-    and every relaying generator (`RelayServer`) run one."""
+    and every relaying generator (`RelayServer`) run one, listening on `host` only. A channel is served only to a
+    peer that proves `secret` (`handshake`); one that does not, and counts or names out of bounds, are refused,
+    logged and counted (`status()["refused"]`)."""
 
-    def __init__(self, cfg: CollectiveSyncConfig, *, timeout_s: float, host: str, port: int, cuda: bool):
+    def __init__(self, cfg: CollectiveSyncConfig, *, timeout_s: float, host: str, port: int, cuda: bool, secret: str):
         self.cfg, self.host, self.timeout_s = cfg, host, min(timeout_s, cfg.timeout_s)
         self.cuda = cuda  # channels may be NCCL; what the server holds stays in host memory (host_device)
         self.device = host_device()
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.secret = secret
+        self.store, self._socket = listening_store(host, port, self.timeout_s)
         self.store.set("server/cuda", "1" if cuda else "0")
         self.address = f"{host}:{self.store.port}"
         self.lock = threading.Lock()
         self.channels: dict[str, str] = {}  # channel id -> generator id, while its thread serves
         self.failures: list[dict] = []  # {"generator", "channel", "version", "error", "at"}
         self.served = 0  # transfers completed
+        self.refused = 0  # channels refused: out-of-bounds counts or names, peers that did not prove the secret
         self.closed = threading.Event()
         threading.Thread(target=self._accept, name="weights-acceptor", daemon=True).start()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.address})"  # never the secret
 
     def _lookup(self, version: int, held: int) -> Payload | None:
         raise NotImplementedError
@@ -162,27 +257,63 @@ class ChannelServer:
     def status(self) -> dict:
         with self.lock:
             return {"address": self.address, "channels": dict(self.channels), "failures": list(self.failures),
-                    "served": self.served}
+                    "served": self.served, "refused": self.refused}
+
+    def _refuse(self, what: str, cid: str | None = None) -> None:
+        with self.lock:
+            self.refused += 1
+        log.error("weight server %s: refused %s (%s)", self.address, f"channel {cid!r}" if cid else "a channel", what)
 
     def close(self) -> None:
         """Stop accepting; serving threads are daemons blocked on their peers and end with the process."""
         self.closed.set()
 
     def _accept(self) -> None:
-        seen = 0
+        """Start a serving thread per new channel. The count and the names come from the open store, so nothing
+        read there blocks or grows without bound: a jump of the count past MAX_NEW_CHANNELS waiting channels is
+        refused whole; a channel whose name is not written within the timeout, is too long or was served before is
+        refused alone; waiting for one never holds up the others."""
+        seen, started, waiting = 0, set(), {}  # waiting: index -> when it is given up
         while not self.closed.wait(0.02):
             n = self.store.add("channels", 0)
-            for k in range(seen + 1, n + 1):
-                cid = self.store.get(f"index/{k}").decode()
-                threading.Thread(target=self._serve, args=(cid,), name=f"weights-{cid}", daemon=True).start()
+            if n - seen + len(waiting) > MAX_NEW_CHANNELS or n < seen:
+                self._refuse(f"the channel count went from {seen} to {n}; those channels are not served")
+                seen = max(seen, n)
+                continue
+            waiting.update((k, time.monotonic() + self.timeout_s) for k in range(seen + 1, n + 1))
             seen = n
+            for k, deadline in list(waiting.items()):
+                key = f"index/{k}"
+                if not self.store.check([key]):
+                    if time.monotonic() > deadline:
+                        del waiting[k]
+                        self._refuse(f"{key} was not written within {self.timeout_s:.0f}s")
+                    continue
+                del waiting[k]
+                cid = read_key(self.store, key, self.timeout_s)
+                if cid is None or cid in started:
+                    self._refuse(f"{key} is too long, not text, or names a channel served before", cid)
+                    continue
+                started.add(cid)
+                threading.Thread(target=self._serve, args=(cid,), name=f"weights-{cid[:64]}", daemon=True).start()
 
     def _serve(self, cid: str) -> None:
-        gen, version = self.store.get(f"{cid}/gen").decode(), None
+        gen, backend, version = read_key(self.store, f"{cid}/gen", self.timeout_s), None, None
+        if gen is not None:
+            backend = read_key(self.store, f"{cid}/backend", self.timeout_s)
+        if gen is None or backend not in ("gloo", "nccl"):
+            return self._refuse(f"generator {gen!r}, backend {backend!r}", cid)
         with self.lock:
             self.channels[cid] = gen
         try:
-            ch = Channel(self.store, cid, 0, self.store.get(f"{cid}/backend").decode(), self.host, self.timeout_s)
+            ch = Channel(self.store, cid, 0, backend, self.host, self.timeout_s)
+            try:
+                proved = handshake(ch, self.secret, cid, 0, self.timeout_s)
+            except RuntimeError as e:  # the peer left or stalled before proving anything (it may be a generator
+                proved = False  # that found this server is not the run's): refused all the same
+                log.info("weight channel %s: handshake broke off (%s)", cid, str(e)[:200])
+            if not proved:
+                return self._refuse(f"peer {gen!r} did not prove the run's secret", cid)
             req = torch.zeros(4, dtype=torch.int64, device=ch.device)  # [op, version, version held or -1, start]
             while not self.closed.is_set():
                 ch.recv(req, IDLE_S)
@@ -190,6 +321,8 @@ class ChannelServer:
                 if op == OP_CLOSE:
                     log.info("weight channel %s: generator %s left", cid, gen)
                     return
+                if op != OP_PULL or not 0 <= start < MAX_BUCKETS:
+                    return self._refuse(f"request {req.tolist()} of generator {gen!r}", cid)
                 self._reply(ch, version, held, start)
         except RuntimeError as e:  # gloo/NCCL: closed connection or timeout; only this channel is affected
             with self.lock:
@@ -209,6 +342,7 @@ class ChannelServer:
             ch.send(torch.tensor([-1, 0, 0, -1], dtype=torch.int64, device=ch.device), self.timeout_s)
             return
         n = len(p.buckets)
+        start = min(start, n)
         ch.send(torch.tensor([version, p.meta.numel(), n, p.base], dtype=torch.int64).to(ch.device), self.timeout_s)
         ch.send(p.meta.to(ch.device), self.timeout_s)
         ok, bad = torch.ones(1, dtype=torch.int64, device=ch.device), torch.zeros(1, dtype=torch.int64,
@@ -230,7 +364,7 @@ class CollectiveServer(ChannelServer):
 
     def __init__(self, cfg: CollectiveSyncConfig, *, timeout_s: float, host: str = "127.0.0.1"):
         super().__init__(cfg, timeout_s=timeout_s, host=host, port=cfg.port,
-                         cuda=torch.cuda.is_available() and cfg.backend != "gloo")
+                         cuda=torch.cuda.is_available() and cfg.backend != "gloo", secret=new_secret())
         self.versions: dict[int, Payload] = {}
         self.deltas: dict[int, Payload] = {}  # version -> its delta from version - 1 (cfg.delta)
         self.encoder = DeltaEncoder() if cfg.delta else None
@@ -336,7 +470,7 @@ class CollectiveServer(ChannelServer):
         """Drop the relay slots handed out for a version no longer held (`RelayReceiver.pull`)."""
         for held in (-1, version - 1):
             key = f"relay/{version}/{held}"
-            n = self.store.add(f"{key}/n", 0)
+            n = min(self.store.add(f"{key}/n", 0), MAX_NEW_CHANNELS)  # a count a peer inflated: its keys are none
             for k in range(1, n + 1):
                 self.store.delete_key(f"{key}/at/{k}")
             self.store.delete_key(f"{key}/n")
@@ -351,11 +485,19 @@ class CollectiveServer(ChannelServer):
 
 
 def _bucket_plan(meta: torch.Tensor, n: int) -> list[tuple[int, list]]:
-    """Per bucket of a plan: (its size in bytes, its tensors' plan entries)."""
+    """Per bucket of a plan: (its size in bytes, its tensors' plan entries). WeightSyncError for a plan that is
+    not one (entries of the wrong shape, a bucket index outside 0..n-1, negative offsets or sizes)."""
     out: list[tuple[int, list]] = [(0, []) for _ in range(n)]
-    for entry in json.loads(bytes(meta.cpu().numpy()))["tensors"]:
-        size, members = out[entry[3]]
-        out[entry[3]] = (max(size, entry[4] + entry[5]), members + [entry])
+    try:
+        for entry in json.loads(bytes(meta.cpu().numpy()))["tensors"]:
+            name, shape, dtype, b, off, nbytes = entry
+            if not (isinstance(b, int) and isinstance(off, int) and isinstance(nbytes, int)
+                    and 0 <= b < n and off >= 0 and nbytes >= 0):
+                raise ValueError(f"entry {str(entry)[:200]}")
+            size, members = out[b]
+            out[b] = (max(size, off + nbytes), members + [entry])
+    except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise WeightSyncError(f"the server sent a plan of {meta.numel()} bytes that is not one ({e})") from None
     return out
 
 
@@ -368,6 +510,9 @@ def _request(ch: Channel, version: int, held: int, start: int, timeout_s: float
     got, meta_len, n, base = header.tolist()
     if got < 0:
         return None
+    if got != version or not 0 < meta_len <= MAX_META_BYTES or not 0 <= n <= MAX_BUCKETS or base < -1:
+        raise WeightSyncError(f"asked for version {version}, the server answered a header out of bounds "
+                              f"{header.tolist()} (at most {MAX_META_BYTES} plan bytes, {MAX_BUCKETS} buckets)")
     meta = torch.empty(meta_len, dtype=torch.uint8, device=ch.device)
     ch.recv(meta, timeout_s)
     return base, meta, n
@@ -410,20 +555,30 @@ def receive(ch: Channel, into: Payload, version: int, held: int, timeout_s: floa
 
 
 class ChannelClient:
-    """A generator's side of one channel to the channel server at `address` ("host:port")."""
+    """A generator's side of one channel to the channel server at `address` ("host:port"). `secret`: the run's
+    (`CollectiveServer.secret`, carried by Ray in the announcement); WeightSyncError when the server does not prove
+    it knows it (another process at that address)."""
 
     def __init__(self, address: str, generator_id: str, cfg: CollectiveSyncConfig, timeout_s: float,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", *, secret: str):
         self.address, self.generator_id, self.timeout_s = address, generator_id, min(timeout_s, cfg.timeout_s)
+        self.secret = secret
         server_host, port = address.rsplit(":", 1)
         td = datetime.timedelta(seconds=self.timeout_s)
         self.store = dist.TCPStore(server_host, int(port), is_master=False, timeout=td)
         backend = choose_backend(cfg.backend, self.store.get("server/cuda") == b"1")
-        self.cid = f"{generator_id}@{uuid.uuid4().hex[:8]}"
-        self.store.set(f"{self.cid}/gen", generator_id)
+        self.cid = f"{generator_id[:128]}@{uuid.uuid4().hex}"
+        self.store.set(f"{self.cid}/gen", generator_id[:128])
         self.store.set(f"{self.cid}/backend", backend)
         self.store.set(f"index/{self.store.add('channels', 1)}", self.cid)
         self.channel = Channel(self.store, self.cid, 1, backend, host, self.timeout_s)
+        if not handshake(self.channel, secret, self.cid, 1, self.timeout_s):
+            self.channel = None
+            raise WeightSyncError(f"generator {generator_id}: the weight server at {address} did not prove the run's "
+                                  "secret; nothing was taken from it")
+
+    def __repr__(self) -> str:
+        return f"ChannelClient({self.address}, {self.cid})"
 
     def pull(self, version: int, held: int = -1) -> tuple[dict[str, torch.Tensor], int]:
         """(the state dict of `version`, -1) or, when this generator holds `held` = version - 1 and the server kept a

@@ -223,7 +223,8 @@ class CollectivePublisher:
 
     `publish` packs the state dict into the server (no generator is waited for) and announces
     "collective:<host>:<port>" through the run's `WeightStore`, which keeps acknowledgements as for
-    the object store. Generators then pull over their own channels.
+    the object store. Generators then pull over their own channels. The announcement carries the server's secret
+    (`WeightsAnnouncement.secret`): Ray's authenticated calls are its only way to the generators.
     """
 
     def __init__(self, cfg: CollectiveSyncConfig, *, run: str, namespace: str | None, timeout_s: float,
@@ -241,7 +242,7 @@ class CollectivePublisher:
         num_bytes, delta_bytes = self.server.publish(version, state_dict, delta=adapters is None)
         ann = WeightsAnnouncement(version=version, location=f"collective:{self.server.address}",
                                   num_bytes=num_bytes, created_at=time.time(), delta_bytes=delta_bytes,
-                                  adapters=adapters)
+                                  adapters=adapters, secret=self.server.secret)
         try:
             ray.get(self.store.put.remote(ann, []), timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError as e:
@@ -350,16 +351,17 @@ class CollectiveWeightSource:
         return stream()
 
     def _channel(self, ann: WeightsAnnouncement):
-        """This source's channel to the rank 0 that published `ann` (opened, or reopened for a new address)."""
+        """This source's channel to the rank 0 that published `ann` (opened, or reopened for a new address or secret:
+        a new learner pool)."""
         from learner.collective import ChannelClient, WeightSyncError
 
         address = self._address(ann)
-        if self.client is None or self.client.address != address:
+        if self.client is None or self.client.address != address or self.client.secret != ann.secret:
             self._close()
             gid = self.generator_id or f"pid{os.getpid()}"
             host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
             try:
-                self.client = ChannelClient(address, gid, self.cfg, self.timeout_s, host=host)
+                self.client = ChannelClient(address, gid, self.cfg, self.timeout_s, host=host, secret=ann.secret)
             except RuntimeError as e:
                 raise WeightSyncError(f"generator {gid}: opening a weight channel to learner rank 0 at {address} "
                                       f"failed: {type(e).__name__}: {e}") from e
@@ -398,8 +400,10 @@ class CollectiveWeightSource:
         client = None if self.cfg.relay_fanout else self._channel(ann)
         try:
             if client is None:
+                if self.client is not None and self.client.secret != ann.secret:  # a new learner pool
+                    self._close()
                 if self.client is None:
-                    self.client = RelayReceiver(self.cfg, gid, self.timeout_s, host)
+                    self.client = RelayReceiver(self.cfg, gid, self.timeout_s, host, secret=ann.secret)
                 relay, resumed = self.client, self.client.resumed
                 state_dict, base, source = relay.pull(address, ann.version, held)
                 self.sources[source] += 1

@@ -59,7 +59,7 @@ class Receiver:
         from learner.collective import OP_PULL, ChannelClient
 
         ann = self.source.latest()
-        c = ChannelClient(ann.location.removeprefix("collective:"), self.gid, self.source.cfg, 20)
+        c = ChannelClient(ann.location.removeprefix("collective:"), self.gid, self.source.cfg, 20, secret=ann.secret)
         c.channel.send(torch.tensor([OP_PULL, ann.version, -1, 0]), 20)
         c.channel.recv(torch.zeros(4, dtype=torch.int64), 20)
         os._exit(1)
@@ -89,7 +89,8 @@ def test_config_union_builds_both_ends(ray_cluster):
         assert ann.location == f"collective:{pub.server.address}" and src.latest() == ann
         assert torch.equal(src.fetch(ann)["w"], torch.ones(2))
         with pytest.raises(KeyError, match="version 5 is no longer held"):
-            src.fetch(type(ann)(version=5, location=ann.location, num_bytes=8, created_at=0.0))
+            src.fetch(type(ann)(version=5, location=ann.location, num_bytes=8, created_at=0.0, secret=ann.secret))
+        assert ann.secret and ann.secret not in repr(ann)  # carried by Ray, never shown
     finally:
         pub.close()
         ray.kill(pub.store)
@@ -232,7 +233,8 @@ def test_a_whole_version_streams_bucket_by_bucket_and_an_abandoned_stream_drops_
     try:
         root.publish(1, sd)
         src = CollectiveWeightSource(cfg, run="stream")
-        ann = WeightsAnnouncement(version=1, location=f"collective:{root.address}", num_bytes=0, created_at=0.0)
+        ann = WeightsAnnouncement(version=1, location=f"collective:{root.address}", num_bytes=0, created_at=0.0,
+                                  secret=root.secret)
         chunks = list(src.fetch_buckets(ann))
         assert len(chunks) == len(root.versions[1].buckets) > 3  # a bucket's tensors at a time
         merged = {k: v for c in chunks for k, v in c.items()}
@@ -244,7 +246,8 @@ def test_a_whole_version_streams_bucket_by_bucket_and_an_abandoned_stream_drops_
         again = {k: v for c in src.fetch_buckets(ann) for k, v in c.items()}  # a new channel, the whole version
         assert all(torch.equal(again[k], sd[k]) for k in sd)
         with pytest.raises(KeyError, match="version 9 is no longer held"):
-            src.fetch_buckets(WeightsAnnouncement(version=9, location=ann.location, num_bytes=0, created_at=0.0))
+            src.fetch_buckets(WeightsAnnouncement(version=9, location=ann.location, num_bytes=0, created_at=0.0,
+                                                 secret=root.secret))
     finally:
         root.close()
 
@@ -276,7 +279,8 @@ def test_buckets_gathered_into_the_servers_buffers_are_held_without_a_copy_or_a_
         held = root.versions[1].buckets
         assert len(held) == len(given) > 3 and staging.allocations == 0
         assert [b.data_ptr() for b in held] == [b.data_ptr() for b in given]
-        ann = WeightsAnnouncement(version=1, location=f"collective:{root.address}", num_bytes=0, created_at=0.0)
+        ann = WeightsAnnouncement(version=1, location=f"collective:{root.address}", num_bytes=0, created_at=0.0,
+                                  secret=root.secret)
         got = CollectiveWeightSource(cfg, run="owned").fetch(ann)
         assert list(got) == list(want) and all(torch.equal(got[k], v) for k, v in want.items())
     finally:
@@ -309,9 +313,25 @@ def test_versions_packed_from_the_gathers_buckets_survive_the_buffers_reuse():
         src = CollectiveWeightSource(cfg, run="flat")
         for version in (1, 2):
             ann = WeightsAnnouncement(version=version, location=f"collective:{root.address}", num_bytes=0,
-                                      created_at=0.0)
+                                      created_at=0.0, secret=root.secret)
             got = src.fetch(ann)
             assert list(got) == list(states[version])
             assert all(torch.equal(got[k], v) for k, v in states[version].items()), version
     finally:
         root.close()
+
+
+def test_the_stores_listen_on_their_host_only():
+    """TCPStore would listen on every interface whatever its host; `listening_store` keeps it to the one given."""
+    import socket
+
+    from learner.collective import listening_store
+
+    other = ray.util.get_node_ip_address()
+    if other.startswith("127."):
+        pytest.skip("this machine has no address besides the loopback")
+    store, sock = listening_store("127.0.0.1", 0, 5)
+    socket.create_connection(("127.0.0.1", store.port), timeout=5).close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((other, store.port), timeout=5)
+    sock.close()

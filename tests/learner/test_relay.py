@@ -15,7 +15,7 @@ import ray
 import torch
 
 from common.config import CollectiveSyncConfig
-from learner.collective import OP_PULL, ChannelClient, CollectiveServer, Payload
+from learner.collective import OP_PULL, ChannelClient, CollectiveServer, Payload, mac
 from learner.relay import RelayReceiver, RelayServer
 
 TIMEOUT = 20.0
@@ -56,7 +56,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def test_a_version_reaches_every_generator_exactly_while_rank_0_sends_it_fanout_times(fanout):
     cfg = CollectiveSyncConfig(bucket_mb=8 / 1024, relay_fanout=fanout, timeout_s=TIMEOUT)
     root = CollectiveServer(cfg, timeout_s=TIMEOUT)
-    receivers = [RelayReceiver(cfg, f"gen-{i}", TIMEOUT) for i in range(6)]
+    receivers = [RelayReceiver(cfg, f"gen-{i}", TIMEOUT, secret=root.secret) for i in range(6)]
     try:
         for version in (1, 2):
             sd = state_dict(version)
@@ -84,7 +84,7 @@ def test_a_version_reaches_every_generator_exactly_while_rank_0_sends_it_fanout_
 def test_deltas_travel_the_relay_to_generators_that_hold_the_base_and_whole_versions_to_the_others():
     cfg = CollectiveSyncConfig(bucket_mb=8 / 1024, relay_fanout=1, timeout_s=TIMEOUT, delta=True)
     root = CollectiveServer(cfg, timeout_s=TIMEOUT)
-    receivers = [RelayReceiver(cfg, f"gen-{i}", TIMEOUT) for i in range(3)]
+    receivers = [RelayReceiver(cfg, f"gen-{i}", TIMEOUT, secret=root.secret) for i in range(3)]
     try:
         v1 = state_dict(1)
         root.publish(1, v1)
@@ -97,7 +97,7 @@ def test_deltas_travel_the_relay_to_generators_that_hold_the_base_and_whole_vers
         assert sorted(src for _, _, src in out.values()) == ["relay", "relay", "root"]
         delta = out[0][0]
         assert "layer3.weight@v" in delta and "layer0.weight" not in delta
-        late = RelayReceiver(cfg, "late", TIMEOUT)  # joins now: holds nothing, takes version 2 whole
+        late = RelayReceiver(cfg, "late", TIMEOUT, secret=root.secret)  # joins now: holds nothing, takes 2 whole
         receivers.append(late)
         got, base, src = late.pull(root.address, 2, -1)
         assert base == -1 and src == "root" and same(got, v2)
@@ -125,16 +125,18 @@ class BrokenRelay:
     """Takes slot 1 of a version's chain like a generator, serves what it has received, but stops after
     `buckets` buckets (as a relay whose process stalls); the test then kills it mid-transfer."""
 
-    def __init__(self, cfg: CollectiveSyncConfig, address: str):
-        self.cfg, self.address = cfg, address
+    def __init__(self, cfg: CollectiveSyncConfig, address: str, secret: str):
+        self.cfg, self.address, self.secret = cfg, address, secret
 
     def take_slot_and_stall(self, version: int, buckets: int) -> int:
-        root = ChannelClient(self.address, "broken", self.cfg, TIMEOUT)
-        self.server = RelayServer(self.cfg, timeout_s=TIMEOUT, host="127.0.0.1", cuda=False)
+        root = ChannelClient(self.address, "broken", self.cfg, TIMEOUT, secret=self.secret)
+        self.server = RelayServer(self.cfg, timeout_s=TIMEOUT, host="127.0.0.1", cuda=False, secret=self.secret)
         p = Payload(version)
         self.server.hold(p)
-        slot = root.store.add(f"relay/{version}/-1/n", 1)
-        root.store.set(f"relay/{version}/-1/at/{slot}", self.server.address)
+        key = f"relay/{version}/-1"
+        slot = root.store.add(f"{key}/n", 1)
+        here = self.server.address
+        root.store.set(f"{key}/at/{slot}", f"{here} {mac(self.secret, key, str(slot), here)}")
         ch = root.channel  # the pull protocol by hand, stopping after `buckets` buckets
         ch.send(torch.tensor([OP_PULL, version, -1, 0]), TIMEOUT)
         header = torch.zeros(4, dtype=torch.int64)
@@ -154,8 +156,8 @@ class BrokenRelay:
 def test_a_relay_that_dies_mid_transfer_its_child_resumes_at_rank_0_and_the_grandchild_never_notices(ray_cluster):
     cfg = CollectiveSyncConfig(bucket_mb=8 / 1024, relay_fanout=1, timeout_s=TIMEOUT)
     root = CollectiveServer(cfg, timeout_s=TIMEOUT)
-    child, grandchild = RelayReceiver(cfg, "child", TIMEOUT), RelayReceiver(cfg, "grandchild", TIMEOUT)
-    broken = BrokenRelay.remote(cfg, root.address)
+    child, grandchild = (RelayReceiver(cfg, gid, TIMEOUT, secret=root.secret) for gid in ("child", "grandchild"))
+    broken = BrokenRelay.remote(cfg, root.address, root.secret)
     try:
         sd = state_dict(7)
         root.publish(7, sd)
@@ -194,14 +196,14 @@ def test_a_relay_that_dies_mid_transfer_its_child_resumes_at_rank_0_and_the_gran
 def test_a_relay_gone_before_its_child_connects_sends_the_child_to_rank_0(ray_cluster):
     cfg = CollectiveSyncConfig(bucket_mb=8 / 1024, relay_fanout=1, timeout_s=TIMEOUT)
     root = CollectiveServer(cfg, timeout_s=TIMEOUT)
-    child = RelayReceiver(cfg, "orphan", TIMEOUT)
-    broken = BrokenRelay.remote(cfg, root.address)
+    child = RelayReceiver(cfg, "orphan", TIMEOUT, secret=root.secret)
+    broken = BrokenRelay.remote(cfg, root.address, root.secret)
     try:
         sd = state_dict(8)
         root.publish(8, sd)
         assert ray.get(broken.take_slot_and_stall.remote(8, 0), timeout=60) == 1  # slot 1, nothing received yet
         ray.kill(broken)  # its address stays in slot 1: the child's parent refuses connections
-        gone = root.store.get("relay/8/-1/at/1").decode()
+        gone = root.store.get("relay/8/-1/at/1").decode().split()[0]
         wait_until_refused(gone)  # the process is gone (ray.kill returns before it is): a port that refuses is
         # skipped at once (a TCPStore client would retry connecting to it for its whole timeout)
         got, base, src = child.pull(root.address, 8)
@@ -209,3 +211,85 @@ def test_a_relay_gone_before_its_child_connects_sends_the_child_to_rank_0(ray_cl
     finally:
         child.close()
         root.close()
+
+
+# ------------------------------------------------------------------------- peers outside the run
+# The stores listen on the cluster's network without authentication: anyone there can connect, list, read and write
+# keys. These peers do exactly that, without the run's secret (which travels only in Ray calls).
+
+
+def peer(address: str):
+    import datetime
+
+    import torch.distributed as dist
+
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT))
+
+
+def wait_for(cond, what: str, bound_s: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + bound_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_peer_without_the_secret_takes_no_weights_and_redirects_no_generator():
+    from learner.collective import WeightSyncError
+
+    cfg = CollectiveSyncConfig(bucket_mb=8 / 1024, relay_fanout=1, timeout_s=TIMEOUT)
+    root = CollectiveServer(cfg, timeout_s=TIMEOUT)
+    evil = CollectiveServer(cfg, timeout_s=TIMEOUT)  # a peer's own server, holding its own weights
+    honest = RelayReceiver(cfg, "honest", TIMEOUT, secret=root.secret)
+    try:
+        sd = state_dict(3)
+        root.publish(3, sd)
+        evil.publish(3, state_dict(666))
+        with pytest.raises(WeightSyncError, match="did not prove the run's secret"):  # a channel: no weights
+            ChannelClient(root.address, "intruder", cfg, TIMEOUT, secret=evil.secret)
+        wait_for(lambda: root.status()["refused"] == 1, "rank 0 did not refuse the intruder's channel")
+        assert root.status()["served"] == 0
+        store = peer(root.address)  # what the open store shows a peer: no secret among keys or values
+        assert not any(root.secret in k or root.secret in store.get(k).decode(errors="replace")
+                       for k in store.list_keys())
+        with pytest.raises(WeightSyncError, match="did not prove the run's secret"):  # a server that is not the run's
+            ChannelClient(evil.address, "honest", cfg, TIMEOUT, secret=root.secret)
+        # a forged relay slot 1: the old format (an address alone), then with a MAC under another secret
+        for forged in (evil.address, f"{evil.address} {mac(evil.secret, 'relay/3/-1', '1', evil.address)}"):
+            store.set("relay/3/-1/at/1", forged)
+            store.add("relay/3/-1/n", 1)  # the honest generator takes slot 2: its parent is slot 1
+            got, base, src = honest.pull(root.address, 3)
+            assert same(got, sd) and src == "root"  # not followed: the version came whole from rank 0
+            store.delete_key("relay/3/-1/n")
+        assert honest.forged == 2 and evil.status()["served"] == 0
+    finally:
+        honest.close()
+        root.close()
+        evil.close()
+
+
+def test_counts_and_names_a_peer_writes_are_bounded_and_refused():
+    from learner.collective import MAX_NEW_CHANNELS, WeightSyncError, _bucket_plan
+
+    cfg = CollectiveSyncConfig(bucket_mb=8 / 1024, timeout_s=TIMEOUT)
+    root = CollectiveServer(cfg, timeout_s=TIMEOUT)
+    try:
+        sd = state_dict(4)
+        root.publish(4, sd)
+        store = peer(root.address)
+        store.add("channels", 10**12)  # a count no acceptor could ever walk: refused whole, nothing allocated
+        wait_for(lambda: root.status()["refused"] == 1, "the oversized channel count was not refused")
+        n = store.add("channels", 1)  # one channel more, its name far over MAX_KEY_BYTES
+        store.set(f"index/{n}", "x" * 100_000)
+        wait_for(lambda: root.status()["refused"] == 2, "the oversized channel name was not refused")
+        client = ChannelClient(root.address, "honest", cfg, TIMEOUT, secret=root.secret)  # still served at once
+        got, base = client.pull(4)
+        assert same(got, sd) and base == -1 and root.status()["refused"] == 2
+        client.close()
+    finally:
+        root.close()
+    assert MAX_NEW_CHANNELS < 10**12
+    for bad in (b"not json", b'{"tensors": [["w", [2], "float32", 5, 0, 8]]}', b'{"tensors": [["w", [2]]]}',
+                b'{"tensors": [["w", [2], "float32", 0, -8, 8]]}', b"\xff\xfe"):
+        with pytest.raises(WeightSyncError, match="not one"):
+            _bucket_plan(torch.frombuffer(bytearray(bad), dtype=torch.uint8), 1)
