@@ -231,7 +231,7 @@ def test_each_loss_trains_through_the_real_step(tiny_model_dir, loss):
         if overrides:
             assert 0 <= m["learner/replay_clip_frac"] <= 1
             rows = batch_rows(complete_groups(make_batch(0, candidates=1), {})[0], std_normalize=False, max_positions=512)
-            assert step._normalizer(rows) == sum(1 for r in rows if len(r.response_ids)) > 0  # rows, not tokens
+            assert step.objective.normalizer(rows) == sum(1 for r in rows if len(r.response_ids)) > 0  # rows
         else:
             assert np.isnan(m["learner/replay_clip_frac"])
 

@@ -153,15 +153,16 @@ def test_tis_without_mismatch_is_the_plain_update(tiny_model_dir):
         states.append({k: v.clone() for k, v in model.state_dict().items()})
         metrics.append(stats.sums)
     assert all(torch.allclose(states[0][k], states[1][k], atol=1e-6) for k in states[0])
-    assert metrics[1]["tis_weight_sum"] == pytest.approx(metrics[1]["fresh_tokens"], rel=1e-5)
-    assert metrics[1]["tis_truncated_tokens"] == 0
+    # a `mean` metric's sum is value x count: each TIS weight is 1, none truncated
+    assert metrics[1]["tis_weight_mean"] == pytest.approx(metrics[1]["fresh_tokens"], rel=1e-5)
+    assert metrics[1]["tis_truncated_frac"] == 0
 
 
 def assert_same_step(stats: RankStats, sd: dict, want: RankStats, want_sd: dict) -> None:
     """Two steps trained the same: candidate feedback, loss sums and the weights after the updates."""
     assert stats.feedback.keys == want.feedback.keys and stats.feedback.chosen == want.feedback.chosen
     assert stats.feedback.entropies == pytest.approx(want.feedback.entropies, rel=1e-5)
-    for k in ("loss", "entropy_loss", "kl_loss", "fresh_entropy_sum", "tis_weight_sum", "gap_abs_sum"):
+    for k in ("loss", "entropy_loss", "kl_loss", "entropy_fresh", "tis_weight_mean", "gap_abs_sum"):
         assert stats.sums[k] == pytest.approx(want.sums[k], rel=1e-4, abs=1e-6), k
     for k in want_sd:
         torch.testing.assert_close(sd[k], want_sd[k], rtol=1e-4, atol=1e-6)
@@ -499,8 +500,8 @@ def test_clip_fresh_auto_clips_until_mixed_mode(tiny_model_dir):
     assert not _same(clipped, unclipped)  # the batch's ratios reach the clip range
     before, s0 = _sgd_state(tiny_model_dir, batch(False), clip_fresh="auto")
     after, s1 = _sgd_state(tiny_model_dir, batch(True), clip_fresh="auto")
-    assert _same(before, clipped) and s0.clip_fresh == 1.0
-    assert _same(after, unclipped) and s1.clip_fresh == 0.0
+    assert _same(before, clipped) and s0.step_metrics["clip_fresh"] == 1.0
+    assert _same(after, unclipped) and s1.step_metrics["clip_fresh"] == 0.0
 
 
 def test_entropy_bonus_is_a_token_mean_under_constant_aggregation(tiny_model_dir):
@@ -508,7 +509,7 @@ def test_entropy_bonus_is_a_token_mean_under_constant_aggregation(tiny_model_dir
     (as the official code), not entropy_sum / constant."""
     model, step = plain_step(tiny_model_dir, loss_agg="constant", loss_constant=1000.0, entropy_coef=0.1)
     s = step.run(make_batch(0)).sums
-    mean_entropy = (s["fresh_entropy_sum"] + s["replay_entropy_sum"]) / (s["fresh_tokens"] + s["replay_tokens"])
+    mean_entropy = (s["entropy_fresh"] + s["entropy_replayed"]) / (s["fresh_tokens"] + s["replay_tokens"])
     assert -s["entropy_loss"] / 0.1 == pytest.approx(mean_entropy, rel=1e-5)
 
 
@@ -666,9 +667,12 @@ def test_the_papers_entropy_weights_are_the_official_ones_at_any_rank_count(resp
     entropies the term is that count times it). The rule before (our own micro-batches at 1 rank, divided by 8)
     took ceil(512 n / 32768) = ceil(n / 64) = 9 / 15 / 26 / 49 / 80 micro-batches: a total of 1.125 / 1.875 / 3.25
     / 6.125 / 10 against the official 2 / 2 / 4 / 7 / 10."""
-    import types
+    from functools import partial
 
     import yaml
+
+    from learner.batching import entropy_weights
+    from learner.objective import ObjectiveShape, setup_objective
 
     from tests.cluster.test_algorithm_doc import paper_command
 
@@ -683,7 +687,12 @@ def test_the_papers_entropy_weights_are_the_official_ones_at_any_rank_count(resp
                 f"{g}/{i}", g) for g in range(64) for i in range(8)]
     for ranks in (1, 2):
         cfg = LearnerConfig(**learner, num_ranks=ranks)
-        weights = TrainStep._entropy_weights(types.SimpleNamespace(cfg=cfg, world=ranks), mini)
+        bt = cfg.batching
+        split = partial(entropy_weights, micro_rows=bt.micro_batch_rows, micro_tokens=bt.micro_batch_tokens,
+                        padding_free=cfg.levers.packs_padding_free, split=bt.micro_batch_split)
+        objective = setup_objective(cfg.loss, ObjectiveShape(max_positions=512, max_new_tokens=response, world=ranks),
+                                    entropy_split=lambda rows, gpus: split(rows, gpus))
+        weights = objective.mini_batch(mini).entropy_weights
         got: dict[float, int] = {}
         for r in mini:
             got[weights[id(r)]] = got.get(weights[id(r)], 0) + 1
@@ -713,7 +722,8 @@ def test_replay_eos_appends_eos_to_truncated_replays_only_and_weighs_it_one(tiny
     """learner.loss.replay_eos (issue 44, the official o*): a replayed row cut at the length limit gains the EOS token,
     whose stored log-prob (NaN: it was never sampled) becomes the policy's own in the forward (weight 1); fresh
     rows, replays that ended on their own, and rows with no position left are unchanged."""
-    from learner.step import append_eos, merge_rank_stats
+    from learner.objective import append_eos
+    from learner.step import merge_rank_stats
 
     def row(ids, replayed, truncated, prompt=3):
         return Row(np.arange(prompt), np.asarray(ids, np.int32), np.full(len(ids), -1.0, np.float32), 1.0, replayed,
