@@ -380,8 +380,9 @@ def _train_main(args: argparse.Namespace) -> int:
         print(f"error: cluster.address: {e}", file=sys.stderr)
         return 2
     from cluster.run import train_main
+    from common.config.secrets import redact
 
-    command = "exgrpo " + " ".join(sys.argv[1:])
+    command = redact("exgrpo " + " ".join(sys.argv[1:]))  # --profile prints it
     if args.resume:
         return train_main(None, resume=args.resume, overrides=_resume_overrides(args), show_profile=args.profile,
                           command=command)

@@ -248,9 +248,11 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, join
     r = run_train(runs_root, "sync", "total_steps=6", "buffer.max_lag=0", "checkpoint.every_steps=0",
                   "learner.optim.lr_schedule=cosine", "learner.optim.warmup_steps=2", "learner.optim.min_lr=1e-5", "eval.every_steps=3", "eval.samples=2", f"eval.sets.countdown.path={heldout}",
                   f"eval.sets.strict.path={heldout}", "eval.sets.strict.reward=exact", "eval.sets.strict.samples=3",
-                  "eval.sets.strict.temperature=1.0", f"tracking.uri={uri}", *joined.overrides, env=joined.env)
+                  "eval.sets.strict.temperature=1.0", f"tracking.uri={uri}", *joined.overrides, "--profile",
+                  env=joined.env)
     assert r.returncode == 0, r.stdout[-4000:]
     assert "PASSWORD" not in r.stdout and "MLflow: open http://alice:***@127.0.0.1" in r.stdout  # a server: its own UI
+    assert "$ exgrpo train name=sync" in r.stdout and "tracking.uri=http://alice:***@" in r.stdout  # --profile's
     _assert_private_and_without(runs_root / "sync", b"PASSWORD")
     client = MlflowClient(tracking_uri=mlflow_server)
     run_id = _run_id(runs_root, "sync")
