@@ -85,7 +85,7 @@ class BufferClient:
         """Pickled without the shards' handles (a generator actor gets the client as a constructor argument, and Ray
         keeps arguments holding actor handles in its object store, which a restart would depend on): the copy finds
         the shards by name when it first calls them."""
-        return {**self.__dict__, "_shards": None}
+        return {**self.__dict__, "_shards": None, "_pings": []}  # nor the shards' first answers (ObjectRefs)
 
     @property
     def shards(self) -> list:

@@ -368,9 +368,9 @@ def read_meta(ckpt: str | Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {ckpt} is incomplete: {META} is missing (an interrupted save?)") from None
     except ValueError as e:  # not JSON, or not even text
-        raise CheckpointError(f"checkpoint {ckpt}: {ckpt / META} is corrupt ({e})") from None
+        raise CheckpointError(f"{ckpt / META} is corrupt ({e})") from None
     if not isinstance(meta, dict):
-        raise CheckpointError(f"checkpoint {ckpt}: {ckpt / META} holds a {type(meta).__name__}, not an object")
+        raise CheckpointError(f"{ckpt / META} holds a {type(meta).__name__}, not an object")
     if meta.get("format") != FORMAT or not {"step", "version", "num_ranks"} <= meta.keys():
         raise CheckpointError(f"checkpoint {ckpt}: {META} has format {meta.get('format')!r} / keys {sorted(meta)}; "
                               f"expected format {FORMAT} with step, version, num_ranks")
