@@ -70,6 +70,9 @@ class ShardCore:
             retire_at=None if cfg.retire_above is None else cfg.retire_above + 1,
         )
         self.store_below = cfg.store_below or self.K  # buffer.store_below: groups with this many correct store nothing
+        # buffer.retire_fresh=last_three_correct: the fresh stream's own exit (else it is the pool's retired set)
+        self.fresh_out: set[str] = set()  # questions never issued fresh again
+        self.tracked: dict[str, list[bool]] = {}  # question -> correctness of its last three fresh rollouts
         self.rng = random.Random(cfg.seed * 1_000_003 + shard)
         self.incarnation = new_incarnation()  # a new one when the shard restarts from a snapshot (BufferShard)
         self.epoch, self.cursor = 0, 0
@@ -136,16 +139,24 @@ class ShardCore:
         live.update(x.group.question_id for x in self.ready_mixed)
         return live
 
+    def left_fresh(self) -> set[str]:
+        """Questions never issued fresh again: those retired from the experience pool (`retire_fresh=with_pool`,
+        ExGRPO's), or those whose last three tracked rollouts were all correct (`last_three_correct`, SU-01's)."""
+        return self.store.retired if self.cfg.retire_fresh == "with_pool" else self.fresh_out
+
     def _next_fresh(self) -> str | None:
+        out = self.left_fresh()
         while self.reissue:
             q = self.reissue.popleft()
-            if q not in self.store.retired:
+            if q not in out:
                 return q
         return self._next_in_epoch()
 
     def _next_in_epoch(self) -> str | None:
-        """The next question of the epoch order that is not retired (a new epoch when it ends); None: all retired."""
-        if len(self.store.retired) >= len(self.order_ids):
+        """The next question of the epoch order still in the fresh stream (a new epoch when it ends); None: none
+        is."""
+        out = self.left_fresh()
+        if len(out) >= len(self.order_ids):
             return None
         while True:
             if self.cursor >= len(self._order):
@@ -154,8 +165,16 @@ class ShardCore:
                 self.cursor, self._order = 0, self._epoch_order(self.epoch)
             q = self._order[self.cursor]
             self.cursor += 1
-            if q not in self.store.retired:
+            if q not in out:
                 return q
+
+    def _track(self, qid: str, fresh: list[Rollout]) -> None:
+        """SU-01's fresh-stream filter (`retire_fresh=last_three_correct`): a question whose last three tracked
+        rollouts (the fresh ones of its groups, in order) were all correct leaves the fresh stream."""
+        last = (self.tracked.get(qid, []) + [r.correct for r in fresh])[-3:]
+        self.tracked[qid] = last
+        if len(last) == 3 and all(last):
+            self.fresh_out.add(qid)
 
     def lease(self, generator_id: str, max_items: int, now: float | None = None) -> list[WorkItem]:
         """Up to `max_items` work items, fewer (possibly none) when back-pressure says wait."""
@@ -325,8 +344,11 @@ class ShardCore:
         if lease.replay:  # the candidates for o*, taken before this group changes the store
             recs = self.store.candidates(qid, self.rng) or lease.candidates
             cands = [record_to_rollout(r, qid) for r in recs]
-        k = sum(1 for r in fresh if r.correct) + (1 if cands else 0)  # o* is always correct
+        # o* is always correct; buffer.k_fresh_only (SU-01's) counts on-policy rollouts only
+        k = sum(1 for r in fresh if r.correct) + (1 if cands and not self.cfg.k_fresh_only else 0)
         correct_idx = [i for i, r in enumerate(fresh) if r.correct] if self.cfg.collect else []
+        if self.cfg.collect and self.cfg.retire_fresh == "last_three_correct":
+            self._track(qid, fresh)
         if self.cfg.collect:
             collect = self.mixed_mode or self.cfg.collect_before_mixed
             solved_kept = k >= self.K and not self.cfg.retire  # plain replay: a solved question is left as for k = 0
@@ -435,6 +457,10 @@ class ShardCore:
 
     def metrics(self) -> dict[str, float]:
         m = self.store.metrics()
+        # `retired`: questions out of the fresh stream (never issued fresh again: what a run's end checks read);
+        # `retired_from_pool`: questions whose experience was deleted, never stored again (the same set unless
+        # buffer.retire_fresh=last_three_correct)
+        m["retired_from_pool"], m["retired"] = m["retired"], float(len(self.left_fresh()))
         m.update({k: float(v) for k, v in self.n.items()})
         m.update(leases_outstanding=float(len(self.leases)), ready_fresh=float(len(self.ready_fresh)),
                  in_flight_last_chance=float(self.last_chance_in_flight(self.version)),

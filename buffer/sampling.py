@@ -9,8 +9,8 @@ with its bucket index; they can be swapped and tested alone (Reverb's `sampler=`
 
 Question samplers (`buffer.question_sampler`): `GaussianBuckets` (ExGRPO's), `UniformQuestions` (plain replay's
 uniform draw: Arnal et al., arXiv 2604.08706), `AdvantagePrioritised` (|advantage|-prioritised replay: arXiv
-2606.04560, prime-rl #2273). Trajectory selectors (`buffer.trajectory_selector`): `LowestEntropy`, `LowestRecorded`,
-`RandomTrajectory`.
+2606.04560, prime-rl #2273). Trajectory selectors (`buffer.trajectory_selector`): `LowestEntropy`,
+`LowestStoredEntropy`, `RandomTrajectory`.
 """
 
 from __future__ import annotations
@@ -196,9 +196,10 @@ class LowestEntropy:
         return list(range(len(entropies)))
 
 
-class LowestRecorded:
-    """Ship one: the lowest entropy as recorded, no scoring forward (SU-01's choice, by the engine's top-16
-    estimate). Learner-measured values first: an unmeasured one (a vLLM estimate is a lower bound) only if none is."""
+class LowestStoredEntropy:
+    """Ship one: the lowest entropy as stored, no scoring forward under the current weights (not SU-01's rule,
+    which re-scores its candidates). Learner-measured values first (each from the policy that last measured it): an
+    unmeasured one (a vLLM estimate is a lower bound) only if none is."""
 
     def candidates(self, entropies, measured, rng):
         pool = [i for i, m in enumerate(measured) if m] or list(range(len(entropies)))
@@ -225,8 +226,8 @@ def make_question_sampler(kind: str, group_size: int, mean: float, std: float) -
 def make_trajectory_selector(kind: str) -> TrajectorySelector:
     if kind == "lowest_entropy":
         return LowestEntropy()
-    if kind == "lowest_recorded":
-        return LowestRecorded()
+    if kind == "lowest_stored_entropy":
+        return LowestStoredEntropy()
     if kind == "random":
         return RandomTrajectory()
-    raise ValueError(f"trajectory_selector must be 'lowest_entropy', 'lowest_recorded' or 'random', got {kind!r}")
+    raise ValueError(f"trajectory_selector must be 'lowest_entropy', 'lowest_stored_entropy' or 'random', got {kind!r}")

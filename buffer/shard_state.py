@@ -49,6 +49,7 @@ def encode_shard(core, store: dict) -> dict:
                     [r.tobytes() for r in x.candidates], x.version] for x in core.leases.values()],
         "ready_fresh": codec.encode_list([x.group for x in core.ready_fresh], TrainGroup),
         "ready_mixed": codec.encode_list([x.group for x in core.ready_mixed], TrainGroup),
+        "fresh_out": sorted(core.fresh_out), "tracked": {q: list(v) for q, v in core.tracked.items()},
         "store": store,
     }
 
@@ -84,4 +85,6 @@ def decode_into(core, state: dict, open_segment) -> None:
     for name in ("ready_fresh", "ready_mixed"):
         for g in codec.decode_list(state[name], TrainGroup):
             getattr(core, name).append(Ready(g, min(r.version for r in g.rollouts)))
+    core.fresh_out = set(state.get("fresh_out", ()))  # (absent from older snapshots)
+    core.tracked = {q: [bool(x) for x in v] for q, v in state.get("tracked", {}).items()}
     core.store.load_state(state["store"], open_segment)

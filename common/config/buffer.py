@@ -34,6 +34,14 @@ class BufferConfig(Section):
     """A question whose latest group is all correct (k = K) is retired (ExGRPO's): its stored trajectories are
     deleted and it is never issued fresh again. false (plain replay): nothing happens to it (as for k = 0: its
     trajectories and bucket stay, nothing of that group is stored, it stays in the fresh epochs)."""
+    retire_fresh: Literal["with_pool", "last_three_correct"] = "with_pool"
+    """When a question leaves the fresh stream (is never issued fresh again). with_pool (ExGRPO's): when it retires
+    from the experience pool (`retire`, `retire_above`). last_three_correct (SU-01's code): retirement takes it out
+    of the experience pool only; it stays in the fresh stream unless its last three tracked rollouts (the fresh
+    rollouts of its groups, in order) were all correct, whatever `retire` says."""
+    k_fresh_only: bool = False
+    """k of a mixed group (its bucket, retirement, `store_below`) counts its fresh rollouts only (SU-01's code counts
+    on-policy samples), out of K - 1; false (ExGRPO's): o* counts as one correct rollout of K."""
     retire_above: int | None = Field(None, ge=1, le=1023)
     """Retire a question once more than this many of its K rollouts are correct (None: K - 1, ExGRPO's: only
     when all K are). SU-01's exgrpo_retire_threshold=4 of 8 (docs/algorithm.md, SU-01's thresholds)."""
@@ -46,12 +54,13 @@ class BufferConfig(Section):
     learner-measured ones with the highest entropy, new ones waiting unmeasured beside them (docs/algorithm.md).
     oldest (plain replay's FIFO): the first stored, measured or not, as soon as a group brings more. Either way whole
     questions go least recently refreshed first past max_traj_total / max_bytes."""
-    trajectory_selector: Literal["lowest_entropy", "lowest_recorded", "random"] = "lowest_entropy"
-    """Which stored trajectory completes a mixed group. lowest_entropy (the paper): the buffer ships the
-    question's stored trajectories and the learner picks the one with the lowest score (`trajectory_score`)
-    under the policy it is training (one no-grad forward per candidate). lowest_recorded (SU-01's, no scoring
-    forward): the buffer ships the one with the lowest entropy as last recorded, the learner's measures first,
-    else the generator's estimate (vLLM: from `logprobs_topk` log-probs). random (ablation): one at random."""
+    trajectory_selector: Literal["lowest_entropy", "lowest_stored_entropy", "random"] = "lowest_entropy"
+    """Which stored trajectory completes a mixed group. lowest_entropy (the paper, and SU-01's code, which also
+    re-scores its candidates under the current weights): the buffer ships the question's stored trajectories and the
+    learner picks the one with the lowest score (`trajectory_score`) under the policy it is training (one no-grad
+    forward per candidate). lowest_stored_entropy (no scoring forward; was lowest_recorded): the buffer ships the
+    one with the lowest entropy as stored, the learner's last measures first, else the generator's estimate (vLLM:
+    from `logprobs_topk` log-probs). random (ablation): one at random."""
     fresh_draw: Literal["trained", "per_step"] = "trained"
     """Which fresh questions a run consumes. trained: only those it trains (a replayed group takes no fresh
     question). per_step: as the authors' loader, which draws batch_questions fresh questions each step and
@@ -132,7 +141,9 @@ class BufferConfig(Section):
         managed = [f"buffer.{f}={v}" for f, v, d in (("retire", "false", True),
                                                      ("trajectory_eviction", "oldest", "highest_entropy"),
                                                      ("retire_above", self.retire_above, None),
-                                                     ("store_below", self.store_below, None))
+                                                     ("store_below", self.store_below, None),
+                                                     ("k_fresh_only", "true", False),
+                                                     ("retire_fresh", self.retire_fresh, "with_pool"))
                    if getattr(self, f) != d]
         if managed and not self.collect:
             raise ValueError(f"{' and '.join(managed)}: buffer.collect=false stores and retires nothing; set "

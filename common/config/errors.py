@@ -29,7 +29,8 @@ RENAMED = {"learner.official_world_size": "learner.loss.loss_world_size",
            **{f"learner.{name}": f"learner.{section}.{name}" for name, section in LEARNER_SECTIONS.items()}}
 """Keys renamed since a release: an old name is refused with its new one (never accepted silently). The learner's
 flat fields moved into its sections (`learner.lr` -> `learner.optim.lr`)."""
-RENAMED_VALUES = {("buffer.fresh_draw", "official"): "per_step", ("buffer.trajectory_score", "official"): "chunk_window"}
+RENAMED_VALUES = {("buffer.fresh_draw", "official"): "per_step", ("buffer.trajectory_score", "official"): "chunk_window",
+                  ("buffer.trajectory_selector", "lowest_recorded"): "lowest_stored_entropy"}
 """Choices renamed since a release, by key and old value."""
 
 

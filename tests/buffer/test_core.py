@@ -228,10 +228,10 @@ def test_random_selector_ships_one_candidate():
     assert len(core.ready_mixed[0].group.candidates) == 1
 
 
-def test_lowest_recorded_ships_the_lowest_measured_candidate_alone():
-    # two stored (entropies 0.7 and 0.2 measured by the learner at version 3): lowest_recorded ships the 0.2 alone,
+def test_lowest_stored_entropy_ships_the_lowest_measured_candidate_alone():
+    # two stored (entropies 0.7 and 0.2 measured by the learner at version 3): lowest_stored_entropy ships the 0.2 alone,
     # so the learner has nothing to score
-    core = _mixed_core(trajectory_selector="lowest_recorded")
+    core = _mixed_core(trajectory_selector="lowest_stored_entropy")
     [a] = core.lease("g", 1, now=NOW)
     core.submit([group_for(a, 3)], now=NOW)
     [g] = core.take(0, 1, 0)
@@ -242,6 +242,69 @@ def test_lowest_recorded_ships_the_lowest_measured_candidate_alone():
     core.submit([group_for(r, 1, seed=9)], now=NOW)
     [shipped] = core.ready_mixed[0].group.candidates
     assert shipped.key == keys[1] and shipped.entropy == pytest.approx(0.2)
+
+
+def test_k_without_o_star_counts_the_fresh_rollouts_of_a_mixed_group_only():
+    """SU-01 counts on-policy samples: with buffer.k_fresh_only a mixed group's k leaves o* out. By hand, K = 4,
+    retire_above = 2 (k >= 3 retires): q stores 2 of a fresh group (k = 2, bucket 2); its mixed group then has 2 of
+    3 fresh correct + o*. ExGRPO's k = 2 + 1 = 3: retired, its experience deleted. k_fresh_only: k = 2: bucket 2,
+    the 2 new correct stored beside the 2 (4). A mixed group with 1 of 3 correct: bucket 2 (1 + o*) or 1."""
+    for fresh_only in (False, True):
+        for n_ok, bucket, stored in ((2, None if not fresh_only else 2, 0 if not fresh_only else 4),
+                                     (1, 2 if not fresh_only else 1, 3)):
+            core = _mixed_core(k_fresh_only=fresh_only, retire_above=2)
+            [a] = core.lease("g", 1, now=NOW)
+            core.submit([group_for(a, 2)], now=NOW)
+            core.take(0, 1, 0)
+            [r] = [it for it in core.lease("g", 2, now=NOW) if it.replay]
+            core.submit([group_for(r, n_ok, seed=7)], now=NOW)
+            e = core.store.entries.get(a.question.id)
+            assert (e.bucket if e else None) == bucket, (fresh_only, n_ok)
+            assert (len(e.recs) if e else 0) == stored, (fresh_only, n_ok)
+            assert (a.question.id in core.store.retired) == (bucket is None)
+            balanced(core)
+
+
+def _reversed(g):
+    """The same group with its rollouts in the opposite order (group_for puts the correct ones first)."""
+    from common.messages import ScoredGroup
+    return ScoredGroup(g.lease_id, g.question_id, list(reversed(g.rollouts)), g.generator_id)
+
+
+def test_retirement_from_the_pool_and_from_the_fresh_stream_are_two_things():
+    """ExGRPO (retire_fresh=with_pool): a question retired from the experience pool leaves the fresh stream too.
+    SU-01 (last_three_correct): retirement deletes its experience only; it is issued fresh until its last three
+    tracked rollouts were all correct. By hand, K = 4, retire_above = 1 (k >= 2 retires), one question:
+      group 1 correct 1, 1, 0, 0: k = 2 retires q0 from the pool (nothing stored); last three 1, 0, 0.
+        with_pool: nothing to issue. last_three_correct: q0 issued again (epoch 2).
+      group 2 correct 0, 1, 1, 1 (reversed 3 of 4): late for the pool (stores nothing); last three 1, 1, 1: q0 leaves
+        the fresh stream: nothing to issue, `retired` (out of the fresh stream) 1, `retired_from_pool` 1.
+    A group of 0, 0, 1, 1 then 1, 1, 1, 0 never has three correct last: q1 keeps coming back (no pool retirement)."""
+    for mode in ("with_pool", "last_three_correct"):
+        core = ShardCore(cfg(collect_before_mixed=True, batch_questions=100, max_lag=0, retire_above=1,
+                             retire_fresh=mode), make_questions(1))
+        [a] = core.lease("g", 1, now=NOW)
+        core.submit([group_for(a, 2)], now=NOW)
+        assert core.store.retired == {"q0"} and "q0" not in core.store.entries
+        again = core.lease("g", 1, now=NOW)
+        if mode == "with_pool":
+            assert again == [] and core.metrics()["retired"] == 1
+            continue
+        assert [it.question.id for it in again] == ["q0"] and core.tracked["q0"] == [True, False, False]
+        core.submit([_reversed(group_for(again[0], 3, seed=1))], now=NOW)
+        assert core.store.c["late_for_retired"] == 1 and not core.store.entries
+        assert core.tracked["q0"] == [True, True, True] and core.lease("g", 1, now=NOW) == []
+        m = core.metrics()
+        assert (m["retired"], m["retired_from_pool"]) == (1, 1)
+        balanced(core)
+    core = ShardCore(cfg(collect_before_mixed=True, batch_questions=100, max_lag=0,
+                         retire_fresh="last_three_correct"), make_questions(1))
+    [a] = core.lease("g", 1, now=NOW)
+    core.submit([_reversed(group_for(a, 2))], now=NOW)  # 0, 0, 1, 1
+    [b] = core.lease("g", 1, now=NOW)
+    core.submit([group_for(b, 3, seed=1)], now=NOW)  # 1, 1, 1, 0: last three 1, 1, 0
+    assert [it.question.id for it in core.lease("g", 1, now=NOW)] == ["q0"] and not core.fresh_out
+    assert core.store.entries["q0"].bucket == 3 and not core.store.retired
 
 
 def test_without_retirement_a_solved_question_keeps_its_experience_and_comes_back_fresh():
@@ -524,7 +587,7 @@ REPLAY_MODES = {  # the bundled ablations' buffer modes (cluster/experiments/abl
     (1, 0, 0.5, 1, False, 0, "exgrpo"), (1, 0, 0.25, 2, False, 1, "exgrpo"), (2, 1, 0.5, 2, False, 2, "exgrpo"),
     (3, 2, 0.75, 2, False, 3, "exgrpo"), (2, 1, 0.5, 2, True, 4, "exgrpo"), (4, 1, 0.5, 2, True, 5, "exgrpo"),
     (1, 0, 0.5, 2, False, 6, "plain_replay"), (2, 1, 0.5, 2, True, 7, "plain_replay"),
-    (2, 1, 0.5, 2, False, 8, "advantage_replay")])
+    (2, 1, 0.5, 2, False, 8, "advantage_replay"), (2, 1, 0.5, 2, False, 9, "su01"), (1, 0, 0.25, 2, True, 10, "su01")])
 def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, mini_batches, fast, seed, mode):
     """Generators with random delays, failures and zero-signal groups; a learner that steps the version
     by one per batch. Checked after every step: accounting balances; no question replayed twice in a
@@ -532,7 +595,8 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
     batch accuracy first crosses; every mini-batch mixes fresh and mixed groups when both exist; every
     batch holds ceil(rho * B) mixed groups once the store has filled (most batches with lagging generators);
     no question holds more trajectories than its mode allows. The plain-replay modes: nothing is retired, a
-    mixed group carries one candidate, a question keeps at most max_traj_per_question (FIFO)."""
+    mixed group carries one candidate, a question keeps at most max_traj_per_question (FIFO). SU-01's: no question
+    out of the fresh stream is issued fresh, one retired from the pool stores nothing, and the two exits differ."""
     rng = random.Random(seed)
     bcfg = cfg(num_shards=shards, max_lag=max_lag, replay_ratio=replay_ratio, batch_questions=8, group_size=4,
                lease_timeout_s=5.0, max_traj_per_question=3, **REPLAY_MODES[mode])
@@ -542,7 +606,12 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
     version, now, in_flight, batches, mixed_trained, mixed_per_batch, solved = 0, NOW, [], 0, 0, [], set()
     for _ in range(2500):
         now += 0.1
-        in_flight += [(it, version) for it in sim.lease(rng.randint(0, 6), now)]
+        new = sim.lease(rng.randint(0, 6), now)
+        assert not [it for it in new if it.replay is None and it.question.id in sim.cores[it.shard].left_fresh()]
+        in_flight += [(it, version) for it in new]
+    # SU-01's code at K = 4: stores from groups with one correct, retires from the pool once more than 2 of the
+    # fresh rollouts are correct (o* not counted), keeps a question fresh unless its last three were correct
+    "su01": dict(store_below=2, retire_above=2, k_fresh_only=True, retire_fresh="last_three_correct"),
         rng.shuffle(in_flight)
         n_done = len(in_flight) if fast else rng.randint(0, 3)
         done, in_flight = in_flight[:n_done], in_flight[n_done:]
@@ -566,6 +635,7 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
             replayed = [g.question_id for g in batch if g.mixed]
             assert len(replayed) == len(set(replayed)), replayed
             assert all(version - r.version <= max_lag for g in batch for r in g.rollouts)
+    pool_only = 0  # steps x questions retired from the experience pool while still in the fresh stream
             assert all(g.candidates for g in batch if g.mixed)
             if bcfg.trajectory_selector == "random":
                 assert all(len(g.candidates) == 1 for g in batch if g.mixed)
@@ -610,6 +680,8 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
 def test_a_pipeline_one_batch_ahead_drops_almost_nothing_as_stale_at_the_switch(shards):
     """Issue 35: a real run's generators keep the pipeline one batch ahead: at each version they lease all the
     window allows (8 at a time, round-robin over the shards) and generate it with that version, part before the
+            assert not c.store.retired & set(c.store.entries)  # retired from the pool: no experience
+            pool_only += len(c.store.retired - c.left_fresh())
     batch is taken and part after. The batch trains the previous version's work (lag 1 at max_lag 1). When mixed
     mode starts, the work leased for the next batch is all fresh (nothing was stored yet): the first batch that
     could take ceil(rho*B) mixed groups dropped rho*B fresh ones as stale, and the shards then leased only replays
@@ -626,6 +698,8 @@ def test_a_pipeline_one_batch_ahead_drops_almost_nothing_as_stale_at_the_switch(
             now += 1
             leased = []
             while items := sim.lease(8, now):
+    if mode == "su01":  # both exits were taken, at different times: retired from the pool, still issued fresh
+        assert pool_only > 0 and sum(len(c.fresh_out) for c in sim.cores) > 0, pool_only
                 leased += items
             rng.shuffle(leased)
             cut = rng.randint(0, len(leased))
@@ -902,4 +976,7 @@ def test_a_batch_waits_for_its_last_chance_groups_at_most_last_chance_wait_s(mon
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "batch 3 waited 30 s" in said[0] and "buffer.last_chance_wait_s" in said[0], said
     never = BufferClient([object()], cfg=cfg(last_chance_wait_s=0.0), run="r", namespace=None)
-    assert not never._may_hold(0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="buffer.client"):
+        assert not any(never._may_hold(v) for v in range(5))  # 0 never waits, and says nothing at every step
+    assert caplog.records == []

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from buffer.keys import shard_of, split_key, trajectory_key
-from buffer.sampling import (AdvantagePrioritised, GaussianBuckets, IndexedSet, LowestEntropy, LowestRecorded,
+from buffer.sampling import (AdvantagePrioritised, GaussianBuckets, IndexedSet, LowestEntropy, LowestStoredEntropy,
                              RandomTrajectory, UniformQuestions, bucket_probabilities)
 from common.messages import int32_array
 
@@ -111,9 +111,9 @@ def test_selectors():
     assert LowestEntropy().candidates([0.9, 0.2, 0.2, 0.5], [True] * 4, random.Random(0)) == [0, 1, 2, 3]
     seen = {tuple(RandomTrajectory().candidates([1.0, 2.0, 3.0], [True] * 3, random.Random(i))) for i in range(50)}
     assert seen == {(0,), (1,), (2,)}
-    # lowest_recorded ships one: the lowest learner-measured entropy; the generator's estimates only without one
-    assert LowestRecorded().candidates([0.9, 0.1, 0.3, 0.5], [True, False, True, True], random.Random(0)) == [2]
-    assert LowestRecorded().candidates([0.9, 0.1, 0.3], [False] * 3, random.Random(0)) == [1]
+    # lowest_stored_entropy ships one: the lowest learner-measured entropy; the generator's estimates only without one
+    assert LowestStoredEntropy().candidates([0.9, 0.1, 0.3, 0.5], [True, False, True, True], random.Random(0)) == [2]
+    assert LowestStoredEntropy().candidates([0.9, 0.1, 0.3], [False] * 3, random.Random(0)) == [1]
 
 
 def test_keys_and_stable_shards():
