@@ -73,7 +73,9 @@ class BufferClient:
         # seconds get_batch held a whole batch for groups in flight that it is the last to be able to train
         self.held_s = 0.0
         self.last_chance_wait_s = cfg.last_chance_wait_s
-        self._hold: tuple[int, float, bool] | None = None  # (version, since, said) of the batch waiting for groups
+        # (version, since, said) of the batch held for groups in flight: `since` is when its hold began (None: not
+        # held yet), `said` whether its warning was logged
+        self._hold: tuple[int, float | None, bool] | None = None
         self.trajectory_score = cfg.trajectory_score  # how the learner picks o* (buffer.trajectory_score)
         self.switch = MixedSwitch(cfg.switch_groups, cfg.mixed_switch_accuracy)
         self._zero_signal_seen: list[list[int]] | None = None  # per shard: cumulative (fresh groups kept out, of
@@ -258,6 +260,7 @@ class BufferClient:
                     [tuple(c[:4]) for c in counts], len(got) - have_m, have_m, b, self.replay_ratio, self.switch.on,
                     version - self.max_lag) is not None:  # whole without them: held for them from now on
                 held_since = time.monotonic()
+                self._hold_begins(version, held_since)
             if plan is not None:
                 # a second round never replays a question the batch already replays (a shard that restarted
                 # from an older snapshot may have re-leased one taken in the first round)
@@ -287,12 +290,14 @@ class BufferClient:
                              mixed_mode=built_mixed)
 
     def _may_hold(self, version: int) -> bool:
-        """Whether this version's batch may still wait for groups in flight at their last chance (at most
-        `buffer.last_chance_wait_s`, over all get_batch calls for it; said once when it is reached)."""
-        now = time.monotonic()
-        if self._hold is None or self._hold[0] != version:
-            self._hold = (version, now, False)
-        waited = now - self._hold[1]
+        """Whether this version's batch may still wait for groups in flight at their last chance: never with
+        `buffer.last_chance_wait_s=0`, else until that long after its hold began (`_hold_begins`, over all get_batch
+        calls for it; a batch not held yet may be). Said once, when a hold runs out."""
+        if self.last_chance_wait_s <= 0:
+            return False
+        if self._hold is None or self._hold[0] != version or self._hold[1] is None:
+            return True
+        waited = time.monotonic() - self._hold[1]
         if waited < self.last_chance_wait_s:
             return True
         if not self._hold[2]:
@@ -300,6 +305,12 @@ class BufferClient:
                         "(buffer.last_chance_wait_s): formed without them, they go stale if they come", version, waited)
             self._hold = (version, self._hold[1], True)
         return False
+
+    def _hold_begins(self, version: int, now: float) -> None:
+        """This version's batch is whole without groups still in flight and waits for them: its hold's clock starts
+        now, unless an earlier get_batch call for it already started it."""
+        if self._hold is None or self._hold[0] != version or self._hold[1] is None:
+            self._hold = (version, now, False)
 
     def _held(self, since: float | None) -> float:
         """Seconds since `since` (None: 0), added to `held_s`."""

@@ -219,8 +219,8 @@ class ShardCore:
         picks = []
         while self.reissue_replay and len(picks) < n:
             qid = self.reissue_replay.popleft()
-            recs = self.store.candidates(qid, self.rng) if qid not in live else []
-            if not recs:  # retired, evicted or already live again: its replay slot goes back to the sampler
+            recs = self.store.candidates(qid, self.rng) if qid not in live and self.store.drawable(qid) else []
+            if not recs:  # retired, evicted, solved (advantage), already live again: its slot goes back to the sampler
                 self.n["replay_reissue_dropped"] += 1
                 continue
             live.add(qid)

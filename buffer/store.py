@@ -251,6 +251,11 @@ class ExperienceStore:
                 self.buckets[b].add(qid)
         return [(qid, prob, self.candidates(qid, rng)) for qid, prob in picks]
 
+    def drawable(self, qid: str) -> bool:
+        """Whether the question sampler may replay `qid` now: stored, and not solved where the sampler skips solved
+        questions (|advantage| 0). A re-issued replay is checked against it as a drawn one is."""
+        return qid in self.entries and not (getattr(self.sampler, "skips_solved", False) and qid in self.solved)
+
     def candidates(self, qid: str, rng: random.Random) -> list[np.ndarray]:
         """The records of `qid` the trajectory selector ships with a mixed group ([] if none stored)."""
         e = self.entries.get(qid)

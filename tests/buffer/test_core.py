@@ -364,6 +364,32 @@ def test_advantage_replay_never_draws_a_question_whose_latest_group_was_all_corr
         balanced(core)
 
 
+def test_a_reissued_replay_of_a_solved_question_is_not_issued_under_advantage_replay():
+    """A replay whose lease ends unfinished is issued again as replay; advantage replay never draws a question whose
+    latest group was all correct (|A| = 0), and a re-issue is held to the same rule. q0 (1 of 4) and q1 (2 of 4)
+    stored; the next lease call issues a replay of each and both again fresh (epoch 2). q0's fresh group comes back
+    all correct (solved, kept: no retirement); its replay's lease is given back. The next call drops that re-issue
+    (`replay_reissue_dropped`) instead of replaying a question whose every trajectory has |A| = 0."""
+    core = ShardCore(cfg(collect_before_mixed=True, batch_questions=100, max_lag=0, retire=False,
+                         question_sampler="advantage", trajectory_selector="random", trajectory_eviction="oldest"),
+                     make_questions(2))
+    core.set_mixed_mode()
+    items = {it.question.id: it for it in core.lease("g", 2, now=NOW)}
+    core.submit([group_for(items["q0"], 1), group_for(items["q1"], 2)], now=NOW)
+    core.take(0, 2, 0)
+    second = core.lease("g", 4, now=NOW)
+    replay = {it.question.id: it for it in second if it.replay}
+    fresh = {it.question.id: it for it in second if not it.replay}
+    assert sorted(replay) == sorted(fresh) == ["q0", "q1"]
+    core.submit([group_for(fresh["q0"], 4, seed=1)], now=NOW)
+    assert core.store.solved == {"q0"}
+    core.return_leases([replay["q0"].lease_id])
+    assert list(core.reissue_replay) == ["q0"]
+    again = core.lease("g", 4, now=NOW)
+    assert [it.question.id for it in again if it.replay] == [] and core.n["replay_reissue_dropped"] == 1, again
+    balanced(core)
+
+
 def test_fifo_eviction_keeps_the_newest_trajectories():
     # max 3 per question. Group 1 stores t0 t1 (entropies 0.1, 0.2), group 2 stores t2 t3 (0.9, 1.0): FIFO drops
     # t0, the oldest, though its entropy is the lowest; ExGRPO's rule keeps all 4 (t2, t3 wait unmeasured) and,
@@ -580,6 +606,9 @@ REPLAY_MODES = {  # the bundled ablations' buffer modes (cluster/experiments/abl
                          trajectory_eviction="oldest"),
     "advantage_replay": dict(question_sampler="advantage", trajectory_selector="random", retire=False,
                              trajectory_eviction="oldest"),
+    # SU-01's code at K = 4: stores from groups with one correct, retires from the pool once more than 2 of the
+    # fresh rollouts are correct (o* not counted), keeps a question fresh unless its last three were correct
+    "su01": dict(store_below=2, retire_above=2, k_fresh_only=True, retire_fresh="last_three_correct"),
 }
 
 
@@ -604,14 +633,12 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
     sim = SimRun(bcfg, make_questions(120), mini_batches)
     skill = {f"q{i}": rng.uniform(0.05, 0.7) for i in range(120)}
     version, now, in_flight, batches, mixed_trained, mixed_per_batch, solved = 0, NOW, [], 0, 0, [], set()
+    pool_only = 0  # steps x questions retired from the experience pool while still in the fresh stream
     for _ in range(2500):
         now += 0.1
         new = sim.lease(rng.randint(0, 6), now)
         assert not [it for it in new if it.replay is None and it.question.id in sim.cores[it.shard].left_fresh()]
         in_flight += [(it, version) for it in new]
-    # SU-01's code at K = 4: stores from groups with one correct, retires from the pool once more than 2 of the
-    # fresh rollouts are correct (o* not counted), keeps a question fresh unless its last three were correct
-    "su01": dict(store_below=2, retire_above=2, k_fresh_only=True, retire_fresh="last_three_correct"),
         rng.shuffle(in_flight)
         n_done = len(in_flight) if fast else rng.randint(0, 3)
         done, in_flight = in_flight[:n_done], in_flight[n_done:]
@@ -635,7 +662,6 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
             replayed = [g.question_id for g in batch if g.mixed]
             assert len(replayed) == len(set(replayed)), replayed
             assert all(version - r.version <= max_lag for g in batch for r in g.rollouts)
-    pool_only = 0  # steps x questions retired from the experience pool while still in the fresh stream
             assert all(g.candidates for g in batch if g.mixed)
             if bcfg.trajectory_selector == "random":
                 assert all(len(g.candidates) == 1 for g in batch if g.mixed)
@@ -654,6 +680,8 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
             balanced(c)
             assert all(len(e.recs) <= per_question for e in c.store.entries.values())
             assert bcfg.retire or not c.store.retired
+            assert not c.store.retired & set(c.store.entries)  # retired from the pool: no experience
+            pool_only += len(c.store.retired - c.left_fresh())
     # the switch fired at the first batch whose window (>= one batch of fresh groups) crossed 0.35
     first_crossing = next(b for b, mean in sim.window_means if mean > 0.35)
     assert sim.switched_at == first_crossing
@@ -670,6 +698,8 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
     else:
         assert sum(settled) >= 0.85 * target * len(settled), mixed_per_batch  # per-shard floors: 5 of 6 (0.83)
     assert batches > 40, [c.accounting() for c in sim.cores]
+    if mode == "su01":  # both exits were taken, at different times: retired from the pool, still issued fresh
+        assert pool_only > 0 and sum(len(c.fresh_out) for c in sim.cores) > 0, pool_only
     if not bcfg.retire:  # questions were solved (k = K) after they were stored, and they stay stored
         assert any(q in c.store.entries for c in sim.cores for q in solved), len(solved)
     if fast and max_lag >= 1:  # generators keep up: (almost) nothing goes stale
@@ -680,8 +710,6 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
 def test_a_pipeline_one_batch_ahead_drops_almost_nothing_as_stale_at_the_switch(shards):
     """Issue 35: a real run's generators keep the pipeline one batch ahead: at each version they lease all the
     window allows (8 at a time, round-robin over the shards) and generate it with that version, part before the
-            assert not c.store.retired & set(c.store.entries)  # retired from the pool: no experience
-            pool_only += len(c.store.retired - c.left_fresh())
     batch is taken and part after. The batch trains the previous version's work (lag 1 at max_lag 1). When mixed
     mode starts, the work leased for the next batch is all fresh (nothing was stored yet): the first batch that
     could take ceil(rho*B) mixed groups dropped rho*B fresh ones as stale, and the shards then leased only replays
@@ -698,8 +726,6 @@ def test_a_pipeline_one_batch_ahead_drops_almost_nothing_as_stale_at_the_switch(
             now += 1
             leased = []
             while items := sim.lease(8, now):
-    if mode == "su01":  # both exits were taken, at different times: retired from the pool, still issued fresh
-        assert pool_only > 0 and sum(len(c.fresh_out) for c in sim.cores) > 0, pool_only
                 leased += items
             rng.shuffle(leased)
             cut = rng.randint(0, len(leased))
@@ -968,8 +994,12 @@ def test_a_batch_waits_for_its_last_chance_groups_at_most_last_chance_wait_s(mon
     c = BufferClient([object()], cfg=cfg(last_chance_wait_s=30.0), run="r", namespace=None)
     with caplog.at_level(logging.WARNING, logger="buffer.client"):
         assert c._may_hold(3)
+        clock[0] += 45.0  # a batch that waited 45 s with nothing in flight (slow generators) was never held:
+        assert c._may_hold(3)  # its hold has not begun, and nothing is said
+        c._hold_begins(3, clock[0])  # now it is whole without groups in flight at their last chance
         clock[0] += 29.9
         assert c._may_hold(3)
+        c._hold_begins(3, clock[0])  # a later get_batch call for it does not restart the clock
         clock[0] += 0.2
         assert not c._may_hold(3) and not c._may_hold(3)
         assert c._may_hold(4)  # the next version's batch
