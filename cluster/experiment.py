@@ -29,6 +29,23 @@ BUNDLED = Path(__file__).resolve().parent / "experiments"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
+_PAPER = {
+    "buffer.max_lag": 0,  # synchronous: generate, then train
+    "buffer.mixed_switch_accuracy": 0.35,  # the delayed start at the paper's threshold
+    "learner.batching.mini_batches": 2,  # two optimizer updates per batch
+    "learner.loss.recompute_old_logprobs": True,  # π_old recomputed (and stored with the learner's trajectories)
+}
+PRESETS: dict[str, dict[str, Any]] = {
+    "exgrpo_paper": {**_PAPER, "learner.loss.clip_fresh": "auto"},  # fresh tokens unclipped once mixed mode is on
+    "grpo_paper": {**_PAPER, "learner.loss.clip_fresh": True, "buffer.replay_ratio": 0, "buffer.collect": False},
+}
+"""Named settings a variant takes with `preset: NAME` (applied after the spec's base, before the variant's own
+overrides). exgrpo_paper is the paper's ExGRPO at the project's scale (docs/algorithm.md, The paper's settings):
+synchronous, the delayed start at batch accuracy 0.35, 2 mini-batches, π_old recomputed, fresh tokens clipped until
+mixed mode starts and unclipped after. grpo_paper is on-policy GRPO under the same settings, its clip kept (GRPO's
+buffer switches mixed mode on too, and `learner.loss.clip_fresh=auto` would unclip it: refused by the config)."""
+
+
 class ExperimentSpec(BaseModel):
     """What `exgrpo experiment` runs. Overrides are dotted keys -> values, as on the command line."""
 
@@ -43,14 +60,18 @@ class ExperimentSpec(BaseModel):
     base: dict[str, Any] = {}
     """Overrides for every run (e.g. eval.every_steps, total_steps as a safety cap)."""
     variants: dict[str, dict[str, Any]] = Field(min_length=1)
-    """Variant name -> its overrides ({} = the defaults)."""
+    """Variant name -> its overrides ({} = the defaults); `preset: NAME` takes a named set of overrides first
+    (`PRESETS`: exgrpo_paper, grpo_paper)."""
     run_timeout_s: float = Field(6 * 3600, gt=0)
     """A run still going after this long is killed and reported as failed (its own stall limits come first)."""
     reference: str | None = None
     """The variant every other is compared with (paired differences by seed, with 95% intervals); None: the first."""
     compare: list[tuple[str, str]] = []
     """More paired differences to print, [a, b] for a − b: the pairs that isolate one rule (e.g. [exgrpo,
-    gaussian_only]), beside those with the reference."""
+    gaussian_only]), beside those with the reference. Holm-adjusted with every other difference but the primary."""
+    primary: tuple[str, str] | None = Field(None, validate_default=True)
+    """The one contrast the experiment is for, [a, b] for a − b, declared before it runs (required with two or more
+    variants): printed first with its plain 95% interval; every other interval is Holm-adjusted."""
 
     @field_validator("name")
     @classmethod
@@ -75,6 +96,9 @@ class ExperimentSpec(BaseModel):
         bad = [k for k in v if not _NAME.match(k)]
         if bad:
             raise ValueError(f"variant names {bad}: use letters, digits, '.', '_' and '-'")
+        unknown = [f"{k}: preset: {o['preset']!r}" for k, o in v.items() if "preset" in o and o["preset"] not in PRESETS]
+        if unknown:
+            raise ValueError(f"{'; '.join(unknown)}: not a preset (presets: {', '.join(PRESETS)})")
         return v
 
     @field_validator("reference")
@@ -83,6 +107,23 @@ class ExperimentSpec(BaseModel):
         variants = info.data.get("variants") or {}
         if v is not None and variants and v not in variants:
             raise ValueError(f"{v!r} is not a variant (variants: {', '.join(variants)})")
+        return v
+
+    @field_validator("primary")
+    @classmethod
+    def _primary_variants(cls, v: tuple[str, str] | None, info: ValidationInfo) -> tuple[str, str] | None:
+        variants = info.data.get("variants") or {}
+        if v is None:
+            if len(variants) >= 2:
+                raise ValueError(f"name the one contrast the experiment is for, before it runs: primary: [a, b] for "
+                                 f"a − b (e.g. primary: [{', '.join(list(variants)[:2])}]); it gets the plain 95% "
+                                 "interval, every other difference a Holm-adjusted one")
+            return v
+        unknown = [n for n in v if variants and n not in variants]
+        if unknown:
+            raise ValueError(f"{', '.join(map(repr, unknown))}: not a variant (variants: {', '.join(variants)})")
+        if v[0] == v[1]:
+            raise ValueError(f"[{v[0]}, {v[0]}]: a variant against itself; name two variants")
         return v
 
     @field_validator("compare")
@@ -135,12 +176,12 @@ def load_spec(path_or_name: str) -> ExperimentSpec:
 
 SET_BY_EXPERIMENT = {
     "name": "each run is named <spec name>-<variant>-s<seed>: set the spec's `name`",
-    "seed": "set from the spec's `seeds` list, with buffer.seed, learner.seed and generator.seed",
+    "seed": "set from the spec's `seeds` list, with buffer.seed, learner.seed, generator.seed and data.seed",
     "total_rollouts": "every run's budget: set the spec's `budget_rollouts`",
     "checkpoint.runs_root": "the runs go under `exgrpo experiment --runs-root DIR`",
     "tracking.parent_run_id": "every run is nested under the experiment's own parent run",
     "tracking.log_plots": "off in every run: the experiment draws its own plot",
-} | dict.fromkeys(("buffer.seed", "learner.seed", "generator.seed"),
+} | dict.fromkeys(("buffer.seed", "learner.seed", "generator.seed", "data.seed"),
                   "set from the spec's `seeds` list, with seed")
 """Keys `train_command` sets in every run (after the spec's overrides, so a spec's own value would be dropped)."""
 
@@ -177,7 +218,7 @@ def _spec_problems(p: Path, raw: Any, err: ValidationError) -> list[str]:
             close = difflib.get_close_matches(str(e["loc"][0]), list(fields), n=1, cutoff=0.6)
             lines.append(f"{where}: unknown field" + (f"; did you mean {close[0]}?" if close else f"; {form}"))
         elif e["type"] == "missing" and len(e["loc"]) == 1:
-            lines.append(f"{where}: missing: {fields[where].description or 'required'}")
+            lines.append(f"{where}: missing: {' '.join((fields[where].description or 'required').split())}")
         elif e["type"] == "string_type" and isinstance(e["input"], bool):
             lines.append(f"{where}: YAML read this as the boolean {str(e['input']).lower()} (unquoted on, off, yes, "
                          "no, true and false are booleans); quote it, e.g. name: 'on'")
@@ -195,13 +236,21 @@ def overrides(values: dict[str, Any]) -> list[str]:
     return out
 
 
+def variant_overrides(spec: ExperimentSpec, variant: str) -> list[str]:
+    """The overrides of one variant's runs, in the order they apply (a later one wins): the spec's `base`, the
+    variant's `preset` (`PRESETS`), then the variant's own."""
+    own = dict(spec.variants[variant])
+    preset = PRESETS[own.pop("preset")] if "preset" in own else {}
+    return overrides(spec.base) + overrides(preset) + overrides(own)
+
+
 def _check_variants(spec: ExperimentSpec) -> None:
     from common.config import ConfigError, load_config
 
     problems = []
-    for variant, values in spec.variants.items():
+    for variant in spec.variants:
         try:
-            load_config(None, overrides(spec.base) + overrides(values) + [f"total_rollouts={spec.budget_rollouts}"])
+            load_config(None, variant_overrides(spec, variant) + [f"total_rollouts={spec.budget_rollouts}"])
         except ConfigError as e:
             problems += [f"variants.{variant}: {line}" for line in e.lines]
     if problems:
@@ -218,8 +267,8 @@ def check_inputs(spec: ExperimentSpec) -> None:
     from common.config import load_config
 
     problems, seen = [], {}
-    for variant, values in spec.variants.items():
-        cfg = load_config(None, overrides(spec.base) + overrides(values) + [f"total_rollouts={spec.budget_rollouts}"])
+    for variant in spec.variants:
+        cfg = load_config(None, variant_overrides(spec, variant) + [f"total_rollouts={spec.budget_rollouts}"])
         key = json.dumps([getattr(cfg, k).model_dump(mode="json") for k in ("model", "data", "reward", "generator",
                                                                             "cluster")]
                          + [cfg.learner.lora and cfg.learner.lora.model_dump(mode="json")])
@@ -237,18 +286,80 @@ def check_inputs(spec: ExperimentSpec) -> None:
 # ------------------------------------------------------------------------------------------ running
 
 
+SEED_KEYS = ("seed", "buffer.seed", "learner.seed", "generator.seed", "data.seed")
+"""Set to the run's seed: with data.seed the built-in task's questions (and its built-in model) vary with the seed
+too, so the seeds sample the data as well as the run; the runs of one seed still share them (paired)."""
+
+PRODUCT = ("actors", "buffer", "cluster", "common", "learner")
+"""The packages whose code makes a run; a run records their version (`code_version`). The experiment's own report
+modules (cluster/experiment*.py) only read runs back and are left out."""
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def code_version(root: Path = _ROOT) -> dict[str, Any]:
+    """The product code a run is made by: a hash of its source files (`PRODUCT`'s *.py but cluster/experiment*.py,
+    by path and content), and, in a git checkout, the commit and whether those files differ from it (`dirty`). Two
+    runs are made by the same code when their `source` hashes agree."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    files = sorted(p for pkg in PRODUCT for p in (root / pkg).rglob("*.py")
+                   if not (p.parent.name == "cluster" and p.name.startswith("experiment")))
+    for p in files:
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    out: dict[str, Any] = {"source": h.hexdigest(), "commit": None, "dirty": None}
+    try:
+        git = ["git", "-C", str(root)]
+        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        if commit.returncode == 0:
+            status = subprocess.run([*git, "status", "--porcelain", "--", *PRODUCT], capture_output=True, text=True,
+                                    timeout=30)
+            out.update(commit=commit.stdout.strip(), dirty=bool(status.stdout.strip()))
+    except (OSError, subprocess.TimeoutExpired):  # no git: the source hash alone
+        pass
+    return out
+
+
+def code_changed(then: dict | None, now: dict) -> str | None:
+    """Why a finished run made by `then` cannot be reused with the code `now`, in words; None when it can."""
+    def named(v: dict) -> str:
+        if not v.get("commit"):
+            return f"source {v['source'][:12]}"
+        return f"commit {v['commit'][:12]}{' with uncommitted changes' if v.get('dirty') else ''}"
+
+    if not then or "source" not in then:
+        return "it records no product code version (made before the record, or a changing checkout)"
+    if then["source"] != now["source"]:
+        return f"made by other product code ({named(then)}, now {named(now)})"
+    return None
+
+
+def run_order(spec: ExperimentSpec) -> list[tuple[str, int]]:
+    """(variant, seed) in the order the runs start: seed by seed, the variants shuffled within each seed by a
+    generator seeded with it (the same order every time), so the load of the machine over the hours an experiment
+    runs is not one variant's."""
+    import random
+
+    order = []
+    for seed in spec.seeds:
+        variants = list(spec.variants)
+        random.Random(seed).shuffle(variants)
+        order += [(v, seed) for v in variants]
+    return order
+
+
 def run_name(spec: ExperimentSpec, variant: str, seed: int) -> str:
     return f"{spec.name}-{variant}-s{seed}"
 
 
 def train_command(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, parent: str | None) -> list[str]:
-    seeds = [f"{k}={seed}" for k in ("seed", "buffer.seed", "learner.seed", "generator.seed")]
+    seeds = [f"{k}={seed}" for k in SEED_KEYS]
     extra = [f"name={run_name(spec, variant, seed)}", f"checkpoint.runs_root={runs_root}",
              f"total_rollouts={spec.budget_rollouts}", "tracking.log_plots=false"]
     if parent:
         extra.append(f"tracking.parent_run_id={parent}")
     return [sys.executable, "-m", "cluster.cli", "train",
-            *overrides(spec.base), *overrides(spec.variants[variant]), *seeds, *extra]
+            *variant_overrides(spec, variant), *seeds, *extra]
 
 
 def password_to_env(cmd: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -278,12 +389,15 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out:
     state = _state(folder)
     settings = [redact(a) for a in train_command(spec, variant, seed, runs_root, None)[4:]]  # the parent's id aside
     changed = settings_changed(state.get("settings"), settings)
-    if state.get("status") == "FINISHED" and not rerun and not changed:
+    code = code_version()
+    other_code = code_changed(state.get("code_version"), code)
+    if state.get("status") == "FINISHED" and not rerun and not changed and not other_code:
         print(f"[experiment] {name}: finished earlier, reusing it", file=sys.stderr, flush=True)
         return collect(runs_root, variant, seed, name, state.get("mlflow_run_id"),
                        wall_s=float(state.get("wall_s", float("nan"))))
-    if state.get("status") == "FINISHED" and changed:
-        print(f"[experiment] {name}: finished earlier with other settings ({changed}): running it again",
+    if state.get("status") == "FINISHED" and not rerun and (changed or other_code):
+        why = f"other settings ({changed})" if changed else other_code
+        print(f"[experiment] {name}: finished earlier, not reused: {why}; running it again",
               file=sys.stderr, flush=True)
     if folder.exists():  # an unfinished or --rerun attempt starts over: its run's own files go, nothing else
         from cluster.runtime import RunDir
@@ -310,7 +424,8 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out:
         tail = log_path.read_text()[-600:].strip().splitlines()
         return RunResult(variant, seed, name, ok=False, wall_s=wall,
                          error=f"exit {rc}: {tail[-1] if tail else 'no output'} (see {log_path})")
-    _update_state(folder, wall_s=wall, settings=settings)
+    after = code_version()  # product code edited while it ran: recorded as no version, never reused
+    _update_state(folder, wall_s=wall, settings=settings, code_version=code if after == code else None)
     print(f"[experiment] {name}: done in {wall:.0f}s", file=sys.stderr, flush=True)
     return collect(runs_root, variant, seed, name, _state(folder).get("mlflow_run_id"), wall_s=wall)
 
@@ -392,7 +507,8 @@ def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, varia
         print(f"exgrpo experiment: {problem}", file=sys.stderr)
         return 2
     try:
-        spec = select_seeds(select_variants(load_spec(spec_arg), variants), seeds)
+        declared = load_spec(spec_arg)
+        spec = select_seeds(select_variants(declared, variants), seeds)
         check_inputs(spec)  # every variant's start checks, before any run starts
     except SpecError as e:
         print("invalid experiment spec:\n  " + "\n  ".join(e.lines), file=sys.stderr)
@@ -408,12 +524,16 @@ def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, varia
     tracker.log_params({"budget_rollouts": spec.budget_rollouts, "seeds": str(spec.seeds),
                         "variants": ",".join(spec.variants)})
     tracker.log_text(redact(yaml.safe_dump(spec.model_dump(), sort_keys=False)), "spec.yaml")
-    todo = [(v, s) for v in spec.variants for s in spec.seeds]
+    todo = run_order(spec)
     print(f"[experiment] {spec.name}: {len(todo)} runs ({len(spec.variants)} variants x {len(spec.seeds)} seeds) "
           f"at {spec.budget_rollouts} rollouts each, {jobs} at a time; results in {out}", file=sys.stderr, flush=True)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         results = list(pool.map(lambda vs: run_one(spec, vs[0], vs[1], root, out, parent, rerun), todo))
     text = table(spec, results)
+    if seeds and sorted(seeds) != sorted(declared.seeds):
+        text = (f"Seeds {' '.join(map(str, spec.seeds))} given with --seeds in place of the spec's "
+                f"{len(declared.seeds)} ({' '.join(map(str, declared.seeds))}): the primary contrast's interval is "
+                "not the one the spec declared.\n\n" + text)
     png = plot(spec, results, out / "accuracy_vs_rollouts.png")
     (out / "results.md").write_text(f"# {spec.name}\n\n{text}\n")
     (out / "results.json").write_text(json.dumps([r.__dict__ for r in results], indent=1))

@@ -1,9 +1,10 @@
 """Reading an experiment's finished runs back from MLflow, and its report: tables, paired differences, a plot.
 
 Each run gives its held-out curve, its final pass@1 with the evaluation's standard error, and what the buffer,
-the learner and publications did (`MECHANISM`, `COSTS`, `LOSS`). The report prints per-variant means ± seed sd
-and, for every variant against the spec's reference (and the best against the runner-up), the paired difference
-of final pass@1 over seeds with its 95% interval (`cluster.experiment_stats`): the verdict lines.
+the learner and publications did and how stale its rollouts were (`MECHANISM`, `COSTS`, `LOSS`, `LAG`). The report
+prints per-variant means ± seed sd, then the verdict lines (`differences`): the spec's primary contrast with its
+plain 95% interval, every other paired difference Holm-adjusted as one family (`cluster.experiment_stats`), and
+the best variant against the runner-up as description only.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.experiment_stats import paired_difference
+from cluster.experiment_stats import Difference, holm, paired_difference
 
 
 @dataclass
@@ -32,6 +33,7 @@ class RunResult:
     mechanism: dict[str, float] = field(default_factory=dict)  # what the buffer did (see MECHANISM)
     costs: dict[str, float] = field(default_factory=dict)  # what the learner and publications cost (see COSTS)
     loss: dict[str, float] = field(default_factory=dict)  # what the policy loss did (see LOSS)
+    lag: dict[str, float] = field(default_factory=dict)  # how stale its fresh rollouts were (see LAG)
     error: str = ""
     final_se: float = float("nan")  # the final evaluation's standard error of pass@1 (eval/pass_at_1_se)
 
@@ -57,7 +59,8 @@ def collect(runs_root: Path, variant: str, seed: int, name: str, run_id: str | N
                      final_pass1=evals[-1][1], final_se=se.get(evals[-1][0], float("nan")),
                      best_pass1=max(v for _, v in evals),
                      final_greedy=greedy[-1][1] if greedy else float("nan"), curve=curve,
-                     mechanism=_mechanism(client, run_id), costs=_costs(client, run_id), loss=_loss(client, run_id))
+                     mechanism=_mechanism(client, run_id), costs=_costs(client, run_id), loss=_loss(client, run_id),
+                     lag=_lag(client, run_id))
 
 
 MECHANISM = {
@@ -108,6 +111,19 @@ weight of fresh tokens (gspo: the row's sequence ratio), and the same for replay
 with learner.loss.replay_loss=policy_loss: — under shaping). Printed when a spec varies the loss
 (`LOSS_KEYS`)."""
 
+LAG = {
+    "mean": "mean lag",
+    "lag_0": "share at lag 0",
+    "lag_1": "share at lag 1",
+    "lag_2+": "share at lag 2+",
+    "spanning": "spanning weight updates",
+}
+"""Per run, from the `staleness/*` metrics it logged: how many policy versions its fresh rollouts were behind the
+batch that trained them (`lag` in docs/algorithm.md's units), as the mean over its steps of `staleness/mean`, the
+share of all its fresh rollouts at each lag (`staleness/lag_<k>` summed over steps) and the mean share generated
+across a weight update (`staleness/spanning_fraction`). A synchronous run (buffer.max_lag=0) is all at lag 0; an
+asynchronous variant's comparison with a synchronous one includes this difference."""
+
 LOSS_KEYS = ("learner.loss.policy_loss", "learner.loss.replay_loss", "learner.loss.loss_agg",
              "learner.loss.shaping_beta", "learner.loss.clip_low", "learner.loss.clip_high", "learner.loss.clip_fresh")
 
@@ -118,6 +134,21 @@ def _loss(client, run_id: str) -> dict[str, float]:
         return statistics.fmean(xs) if xs else float("nan")
 
     return {key: mean(key) for key in LOSS}
+
+
+def _lag(client, run_id: str) -> dict[str, float]:
+    def history(key: str) -> list[float]:
+        return _finite([m.value for m in client.get_metric_history(run_id, key)])
+
+    keys = [k for k in client.get_run(run_id).data.metrics if k.startswith("staleness/lag_")]
+    counts = {int(k.rsplit("_", 1)[1]): sum(history(k)) for k in keys}
+    total = sum(counts.values())
+    means, spanning = history("staleness/mean"), history("staleness/spanning_fraction")
+    nan = float("nan")
+    share = (lambda pick: sum(n for k, n in counts.items() if pick(k)) / total) if total else (lambda pick: nan)
+    return {"mean": statistics.fmean(means) if means else nan, "lag_0": share(lambda k: k == 0),
+            "lag_1": share(lambda k: k == 1), "lag_2+": share(lambda k: k >= 2),
+            "spanning": statistics.fmean(spanning) if spanning else nan}
 
 
 def _costs(client, run_id: str) -> dict[str, float]:
@@ -210,6 +241,8 @@ def table(spec, results: list[RunResult]) -> str:
     counts = ("switch_step", "fresh_groups", "mixed_groups", "retired")
     rows += _means_table(spec, results, "What the buffer did", MECHANISM, lambda r: r.mechanism,
                          lambda key, x: f"{x:.0f}" if key in counts else f"{x:.2f}")
+    rows += _means_table(spec, results, "How stale the fresh rollouts were", LAG, lambda r: r.lag,
+                         lambda key, x: f"{x:.2f}")
     rows += _means_table(spec, results, "What it cost", COSTS, lambda r: r.costs, lambda key, x: f"{x:.3g}")
     if any(k.startswith(LOSS_KEYS) for v in [spec.base, *spec.variants.values()] for k in v):
         rows += _means_table(spec, results, "What the policy loss did", LOSS, lambda r: r.loss,
@@ -227,52 +260,92 @@ def reference_variant(spec) -> str:
 
 
 def differences(spec, results: list[RunResult]) -> list[str]:
-    """The verdict lines: each variant's final pass@1 minus the reference's, paired by seed, with its 95% t
-    interval over seeds ("within noise" where it holds 0), the spec's `compare` pairs, then the best variant
-    (highest mean) against the runner-up. Nothing for a one-variant spec."""
+    """The verdict lines. First the spec's `primary` contrast (declared before the runs): its final pass@1
+    difference paired by seed with the plain 95% t interval and p-value. Then every other paired difference (each
+    variant against the reference, the spec's `compare` pairs and, where reasoning is checked, the validity
+    differences) as one family, Holm-adjusted: each interval at the level Holm's step-down tests it at, with its
+    adjusted p-value ("within noise" where the interval holds 0, i.e. adjusted p >= 0.05). Last, the best variant by
+    mean and the runner-up, descriptive only: that pair is chosen after ranking, so no interval is given. Nothing
+    for a one-variant spec."""
     finals = {v: {r.seed: r.final_pass1 for r in results if r.variant == v and r.ok} for v in spec.variants}
     if len(finals) < 2:
         return []
-    lines = ["", "Paired differences of final pass@1 (runs of one seed share the data order and the evaluation "
-             "questions; 95% t interval over seeds):", ""]
-    lines += _paired_lines(spec, finals)
+    primary = tuple(spec.primary) if spec.primary and all(v in finals for v in spec.primary) else None
+    lines = [""]
+    if primary:
+        d = paired_difference(*primary, finals[primary[0]], finals[primary[1]])
+        lines += ["Primary contrast, final pass@1 (declared in the spec before the runs; runs of one seed share the "
+                  "data order and the evaluation questions; 95% t interval over seeds):", "",
+                  f"- {d.line(_p_note(d.p)) if d else f'{primary[0]} − {primary[1]}: no seed where both finished'}",
+                  ""]
+    else:
+        lines += [f"No primary contrast among the variants run (the spec's: "
+                  f"{' − '.join(spec.primary) if spec.primary else 'none'}): every interval below is Holm-adjusted.",
+                  ""]
+    family = [("Final pass@1", d) for d in _pairs(spec, finals, primary)]
+    family += [(title, d) for title, d in _reasoning_differences(spec, results)]
+    adjusted, levels = holm([d.p for _, d in family])
+    lines.append(f"Other paired differences, Holm-adjusted over these {sum(1 for p in adjusted if p == p)} intervals "
+                 "(family-wise 95%: each interval at the level Holm's step-down tests it at, with its adjusted p):"
+                 if family else "No other paired difference.")
+    title = None
+    for (t, d), p_adj, level in zip(family, adjusted, levels):
+        if t != title:
+            lines += ["", f"{t}:", ""]
+            title = t
+        note = "" if p_adj != p_adj else f", Holm: {100 * level:.4g}% interval, adjusted p {_p(p_adj)}"
+        lines.append(f"- {(d.at_level(level) if level == level else d).line(note)}")
     ranked = sorted((v for v in finals if finals[v]), key=lambda v: -statistics.fmean(finals[v].values()))
     if len(ranked) >= 2:
-        lines.append(_paired_line(finals, ranked[0], ranked[1], "best against the runner-up: "))
-    return lines + _reasoning_differences(spec, results)
+        best, second = ranked[0], ranked[1]
+        lines += ["", f"Best by mean final pass@1: {best} ({statistics.fmean(finals[best].values()):.3f}), runner-up "
+                  f"{second} ({statistics.fmean(finals[second].values()):.3f}); descriptive only: the pair is chosen "
+                  "after ranking, so no interval"]
+    return lines
 
 
-def _paired_lines(spec, values: dict[str, dict[int, float]]) -> list[str]:
-    """Each variant with `values` minus the reference, then the spec's `compare` pairs."""
+def _p(p: float) -> str:
+    return f"{p:.2g}" if p >= 0.001 else "< 0.001"
+
+
+def _p_note(p: float) -> str:
+    return "" if p != p else f", p {_p(p)}"
+
+
+def _pairs(spec, values: dict[str, dict[int, float]], skip: tuple[str, str] | None = None) -> list[Difference]:
+    """Each variant with `values` minus the reference, then the spec's `compare` pairs; `skip` (the primary
+    contrast, either way round) left out; pairs with no seed in common left out."""
     ref = reference_variant(spec)
     pairs = [(v, ref) for v in values if v != ref and ref in values]
     pairs += [(a, b) for a, b in spec.compare if a in values and b in values and ref not in (a, b)]
-    return [_paired_line(values, a, b) for a, b in pairs]
+    out = []
+    for a, b in pairs:
+        if skip and {a, b} == set(skip):
+            continue
+        d = paired_difference(a, b, values[a], values[b])
+        if d is not None:
+            out.append(d)
+    return out
 
 
-def _paired_line(values: dict[str, dict[int, float]], a: str, b: str, prefix: str = "") -> str:
-    d = paired_difference(a, b, values[a], values[b])
-    return f"- {prefix}{d.line()}" if d else f"- {prefix}{a} − {b}: no seed where both finished"
-
-
-def _reasoning_differences(spec, results: list[RunResult]) -> list[str]:
-    """Where the task checks reasoning (think_arith): the same paired lines for held-out valid given correct, and
-    for o* valid among the variants that choose an o* (against the first of them)."""
+def _reasoning_differences(spec, results: list[RunResult]) -> list[tuple[str, Difference]]:
+    """Where the task checks reasoning (think_arith): the same paired differences for held-out valid given
+    correct, and for o* valid among the variants that choose an o* (against the first of them)."""
     def per_seed(key: str) -> dict[str, dict[int, float]]:
         out = {v: {r.seed: r.mechanism.get(key, math.nan) for r in results if r.variant == v and r.ok}
                for v in spec.variants}
         return {v: {s: x for s, x in by.items() if math.isfinite(x)} for v, by in out.items() if _finite(by.values())}
 
-    lines = []
+    out = []
     heldout = per_seed("valid_heldout")
     if len(heldout) >= 2:
-        lines += ["", "Paired differences of held-out valid given correct:", "", *_paired_lines(spec, heldout)]
+        out += [("Held-out valid given correct", d) for d in _pairs(spec, heldout)]
     chosen = per_seed("valid_chosen")
     if len(chosen) >= 2:
         first = next(iter(chosen))
-        lines += ["", "Paired differences of o* valid:", "",
-                  *[_paired_line(chosen, v, first) for v in chosen if v != first]]
-    return lines
+        out += [("o* valid", d) for v in chosen if v != first
+                for d in [paired_difference(v, first, chosen[v], chosen[first])] if d is not None]
+    return out
 
 
 def plot(spec, results: list[RunResult], path: Path) -> Path | None:

@@ -1,4 +1,5 @@
-"""Paired comparisons of experiment variants: a 95% interval of a difference over seeds (Student t).
+"""Paired comparisons of experiment variants: a 95% interval of a difference over seeds (Student t), its p-value,
+and Holm's step-down adjustment over a family of such differences.
 
 Two variants' runs with the same seed share the data order and the evaluation questions, so the per-seed
 difference cancels what they share; the mean of the n differences gets a t interval with n - 1 degrees of
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 def t_two_sided(t: float, df: int) -> float:
@@ -47,7 +48,9 @@ def t_quantile(p: float, df: int) -> float:
 
 @dataclass(frozen=True)
 class Difference:
-    """`a` - `b` over the seeds both ran: the mean difference and its 95% t interval (nan with one seed)."""
+    """`a` - `b` over the seeds both ran: the mean difference, its t interval at `level` (nan with one seed), the
+    sd of the per-seed differences and the two-sided p-value of "no difference" (paired t test; nan with one
+    seed)."""
 
     a: str
     b: str
@@ -55,19 +58,30 @@ class Difference:
     mean: float
     lo: float
     hi: float
+    sd: float = float("nan")
+    p: float = float("nan")
+    level: float = 0.95
+
+    def at_level(self, level: float) -> Difference:
+        """The same difference with its interval at another confidence `level` (e.g. a Holm-adjusted one)."""
+        if self.seeds < 2:
+            return replace(self, level=level)
+        half = t_quantile((1 + level) / 2, self.seeds - 1) * self.sd / math.sqrt(self.seeds)
+        return replace(self, lo=self.mean - half, hi=self.mean + half, level=level)
 
     @property
     def beyond_noise(self) -> bool:
         """The interval excludes 0 (False when there is no interval)."""
         return self.lo > 0 or self.hi < 0
 
-    def line(self) -> str:
-        """`a − b = +0.031 [+0.004, +0.058] (3 seeds)`, with `: within noise` where the interval holds 0."""
+    def line(self, note: str = "") -> str:
+        """`a − b = +0.031 [+0.004, +0.058] (3 seeds)`, with `: within noise` where the interval holds 0; `note` is
+        added in the parentheses (`(3 seeds, Holm: 98.3% interval, adjusted p 0.26)`)."""
         head = f"{self.a} − {self.b} = {_signed(self.mean)}"
         if self.seeds < 2:
             return f"{head} ({self.seeds} seed: no interval)"
         verdict = "" if self.beyond_noise else ": within noise"
-        return f"{head} [{_signed(self.lo)}, {_signed(self.hi)}] ({self.seeds} seeds){verdict}"
+        return f"{head} [{_signed(self.lo)}, {_signed(self.hi)}] ({self.seeds} seeds{note}){verdict}"
 
 
 def paired_difference(a: str, b: str, xa: dict[int, float], xb: dict[int, float],
@@ -80,9 +94,37 @@ def paired_difference(a: str, b: str, xa: dict[int, float], xb: dict[int, float]
         return None
     mean = statistics.fmean(d)
     if len(d) < 2:
-        return Difference(a, b, len(d), mean, float("nan"), float("nan"))
-    half = t_quantile((1 + level) / 2, len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
-    return Difference(a, b, len(d), mean, mean - half, mean + half)
+        return Difference(a, b, len(d), mean, float("nan"), float("nan"), level=level)
+    sd = statistics.stdev(d)
+    half = t_quantile((1 + level) / 2, len(d) - 1) * sd / math.sqrt(len(d))
+    return Difference(a, b, len(d), mean, mean - half, mean + half, sd, t_p_value(mean, sd, len(d)), level)
+
+
+def t_p_value(mean: float, sd: float, n: int) -> float:
+    """Two-sided p-value of the paired t statistic mean / (sd / sqrt(n)) with n - 1 degrees of freedom (sd 0: 0 for
+    a non-zero mean, 1 for a zero one)."""
+    if sd == 0:
+        return 1.0 if mean == 0 else 0.0
+    return max(0.0, 1.0 - t_two_sided(abs(mean) / (sd / math.sqrt(n)), n - 1))
+
+
+def holm(ps: list[float], alpha: float = 0.05) -> tuple[list[float], list[float]]:
+    """Holm's step-down over the family `ps` (nan: not in the family): each p-value adjusted, p_(i) ->
+    max_{j <= i} min(1, (m - j + 1) p_(j)) over the ascending order, and the confidence level of each one's
+    interval. That level is the one the step-down tests it at, 1 - alpha / (m - i + 1) for the i-th smallest, up
+    to the first hypothesis not rejected; that one and every later one get its level, so an interval excludes 0
+    exactly when its adjusted p-value is below alpha. Controls the family-wise error at alpha."""
+    idx = sorted((i for i, p in enumerate(ps) if not math.isnan(p)), key=lambda i: ps[i])
+    m = len(idx)
+    adjusted, levels = [float("nan")] * len(ps), [float("nan")] * len(ps)
+    running, stop = 0.0, None
+    for rank, i in enumerate(idx):  # rank 0 is the smallest p
+        running = max(running, min(1.0, (m - rank) * ps[i]))
+        adjusted[i] = running
+        if stop is None and ps[i] >= alpha / (m - rank):
+            stop = rank
+        levels[i] = 1 - alpha / (m - (rank if stop is None else stop))
+    return adjusted, levels
 
 
 def _signed(x: float) -> str:

@@ -78,7 +78,7 @@ def test_seeds_replace_the_specs_own_and_a_seed_twice_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, capsys, joined):
-    spec = dict(name="mini", budget_rollouts=256, seeds=[0],
+    spec = dict(name="mini", budget_rollouts=256, seeds=[0], primary=["exgrpo", "grpo"],
                 base={"total_steps": 50, "checkpoint.every_steps": 0, "eval.every_steps": 1, "eval.questions": 16,
                       "eval.samples": 2, "generator.engine.kind": "transformers", "cluster.address": joined.address},
                 variants={"exgrpo": {}, "grpo": {"buffer.replay_ratio": 0, "buffer.collect": False,
@@ -89,14 +89,27 @@ def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, caps
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=joined.env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results, rest = out.stdout.split("What the buffer did")
-    mechanism, costs = rest.split("What it cost")
+    mechanism, rest = rest.split("How stale the fresh rollouts were")
+    lag, costs = rest.split("What it cost")
     costs, loss = costs.split("What the policy loss did")  # a variant sets learner.loss.policy_loss: the loss's table
     rows = [line for line in results.splitlines() if line.startswith(("| exgrpo", "| grpo"))]
     assert len(rows) == 2 and all("| 1 |" in r for r in rows), out.stdout
     assert all(0 < float(r.split(" | ")[3]) < 0.2 for r in rows), results  # the evaluation's SE, logged by each run
-    verdicts = [line for line in results.splitlines() if line.startswith("- ")]  # one seed: differences, no interval
-    assert len(verdicts) == 2 and verdicts[0].startswith("- grpo − exgrpo = "), results
-    assert verdicts[1].startswith("- best against the runner-up: ") and verdicts[1].endswith("(1 seed: no interval)")
+    # one seed: the primary contrast without an interval; the reference's line is the primary's, not printed twice
+    verdicts = [line for line in results.splitlines() if line.startswith("- ")]
+    assert len(verdicts) == 1 and verdicts[0].startswith("- exgrpo − grpo = "), results
+    assert verdicts[0].endswith("(1 seed: no interval)") and "No other paired difference." in results
+    assert "Best by mean final pass@1: " in results and "so no interval" in results
+    # the runs started seed by seed in the order fixed by the seed
+    started = [line.split()[1].rstrip(":") for line in out.stderr.splitlines() if line.endswith(".log)")]
+    assert started == [f"mini-{v}-s{s}" for v, s in run_order(load_spec(spec_file))], out.stderr
+    # the lag profile from each run's staleness/* metrics: asynchronous (max_lag 1), so every fresh rollout at lag
+    # 0 or 1: the shares sum to 1
+    lags = {line.split(" | ")[0].strip("| "): [float(x) for x in line.strip(" |").split(" | ")[1:]]
+            for line in lag.splitlines() if line.startswith(("| exgrpo", "| grpo"))}
+    assert set(lags) == {"exgrpo", "grpo"}, lag
+    for mean, at0, at1, at2, _ in lags.values():
+        assert 0 <= mean <= 1 and at2 == 0 and at0 + at1 == pytest.approx(1, abs=0.011), lag
     grpo = [line for line in mechanism.splitlines() if line.startswith("| grpo")]
     # GRPO never replays: no mixed group, no replayed token, nothing retired (collect=false); every group fresh
     assert len(grpo) == 1 and grpo[0].split(" | ")[1:5] == ["—", "32", "0", "0"], mechanism
@@ -128,7 +141,9 @@ def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, caps
     # reuses finished runs (in-process: the call above is the user's path; this one only reads the runs back)
     assert main(["experiment", spec_file, "--runs-root", str(runs)]) == 0
     assert capsys.readouterr().err.count("finished earlier, reusing it") == 2
-    assert "buffer.replay_ratio=0" in _state(runs / "mini-grpo-s0")["settings"]  # what the reuse is checked against
+    state = _state(runs / "mini-grpo-s0")
+    assert "buffer.replay_ratio=0" in state["settings"]  # what the reuse is checked against, with the code
+    assert state["code_version"] == code_version() and "data.seed=0" in state["settings"]
 
 
 def test_a_finished_run_whose_settings_changed_is_not_reused():
@@ -281,21 +296,26 @@ def test_the_report_prints_the_primary_contrast_then_holm_adjusted_lines(tmp_pat
     with pytest.raises(SpecError, match=r"primary: 'ppo': not a variant \(variants: a, b\)"):
         load_spec(write(tmp_path, dict(name="t", budget_rollouts=10, seeds=[0], variants={"a": {}, "b": {}},
                                        primary=["a", "ppo"])))
-    # where reasoning is checked, the validity differences join the family: plain − exgrpo held-out d = 0.10, 0.09
-    # (seed 2 failed), grpo − exgrpo d = 0.05 x 3 (p 0); o*: plain − exgrpo d = −0.12, −0.14 (SE 0.01, t = 13, 1 df:
-    # p = 1 − 2 atan(13) / pi = 0.04887). Family of 5: p = 0, 0.20483, 0, (0.095/0.005 = t 19, 1 df: 0.03348),
-    # 0.04887; ascending 0, 0, 0.03348, 0.04887, 0.20483: 0 and 0 rejected (at 99%, 98.75%), 0.03348 >= 0.05/3 stops:
-    # it and the rest at 98.33%, adjusted 3 x 0.03348 = 0.10045, max(0.10045, 2 x 0.04887) = 0.10045, 0.20483
+    # where reasoning is checked, the validity differences join the family (6 in all). Held-out: grpo − exgrpo
+    # d = 0.05 x 3 (p ~ 0), plain − exgrpo d = 0.10, 0.09 (seed 2 failed: mean 0.095, SE 0.005, t = 19 with 1 df,
+    # p = 1 − 2 atan(19) / pi = 0.03348), plain − grpo d = 0.05, 0.04 (t = 9: p = 0.07045); o*: plain − exgrpo
+    # d = −0.12, −0.14 (SE 0.01, t = 13: p = 0.04887). Ascending: ~0, ~0, 0.03348, 0.04887, 0.07045, 0.20483 (pass@1
+    # plain − grpo): the two ~0 rejected (at 1 − 0.05/6 and 1 − 0.05/5), 0.03348 >= 0.05/4 stops the step-down: it
+    # and the rest at 1 − 0.0125 = 98.75%, where t(0.99375, 1) = 1 / tan(0.00625 pi) = 50.923: plain − exgrpo held-out
+    # 0.095 ± 50.923 x 0.005 = [−0.160, +0.350], o* −0.130 ± 0.509. Adjusted: 4 x 0.03348 = 0.134, then
+    # max(0.134, 3 x 0.04887 = 0.147) = 0.147, max(0.147, 2 x 0.07045) = 0.147, max(0.147, 0.205) = 0.205
     for r, heldout, chosen in zip(results, [0.80, 0.81, 0.82, 0.85, 0.86, 0.87, 0.9, 0.9, 0.9],
                                   [0.80, 0.81, 0.82, math.nan, math.nan, math.nan, 0.68, 0.67, 0.0]):
         r.mechanism = {"valid_heldout": heldout, "valid_chosen": chosen}
     lines = differences(spec, results)
-    assert "Other paired differences, Holm-adjusted over these 5 intervals" in lines[5]
-    assert lines[lines.index("Held-out valid given correct:") + 2:][:2] == [
-        "- grpo − exgrpo = +0.050 [+0.050, +0.050] (3 seeds, Holm: 98.75% interval, adjusted p < 0.001)",
-        "- plain − exgrpo = +0.095 [−0.001, +0.191] (2 seeds, Holm: 98.33% interval, adjusted p 0.1): within noise"]
+    assert "Other paired differences, Holm-adjusted over these 6 intervals" in lines[5]
+    assert lines[lines.index("Final pass@1:") + 3] == \
+        "- plain − grpo = +0.030 [−0.479, +0.539] (2 seeds, Holm: 98.75% interval, adjusted p 0.2): within noise"
+    assert lines[lines.index("Held-out valid given correct:") + 3:][:2] == [
+        "- plain − exgrpo = +0.095 [−0.160, +0.350] (2 seeds, Holm: 98.75% interval, adjusted p 0.13): within noise",
+        "- plain − grpo = +0.045 [−0.210, +0.300] (2 seeds, Holm: 98.75% interval, adjusted p 0.15): within noise"]
     assert lines[lines.index("o* valid:") + 2] == \
-        "- plain − exgrpo = −0.130 [−0.321, +0.061] (2 seeds, Holm: 98.33% interval, adjusted p 0.1): within noise"
+        "- plain − exgrpo = −0.130 [−0.639, +0.379] (2 seeds, Holm: 98.75% interval, adjusted p 0.15): within noise"
 
 
 def test_runs_interleave_seed_by_seed_in_a_shuffled_order_fixed_by_the_seed(tmp_path):
@@ -371,8 +391,8 @@ def test_a_variant_or_base_that_sets_what_the_experiment_sets_is_refused(tmp_pat
     with pytest.raises(SpecError) as e:
         load_spec(write(tmp_path, spec))
     assert e.value.lines == [
-        "base: seed: set by the experiment (set from the spec's `seeds` list, with buffer.seed, learner.seed and "
-        "generator.seed)",
+        "base: seed: set by the experiment (set from the spec's `seeds` list, with buffer.seed, learner.seed, "
+        "generator.seed and data.seed)",
         "variants.a: name: set by the experiment (each run is named <spec name>-<variant>-s<seed>: set the spec's "
         "`name`)",
         "variants.a: total_rollouts: set by the experiment (every run's budget: set the spec's `budget_rollouts`)",
