@@ -84,6 +84,7 @@ def test_train_improves_heldout_accuracy_logs_everything_and_balances(runs_root,
                   *joined.overrides, env=joined.env)
     assert r.returncode == 0, r.stdout[-4000:]
     assert "step 40/40" in r.stdout
+    assert "core_worker.cc" not in r.stdout  # no Ray C++ line on the console (a generator's arguments hold no ref)
 
     from transformers import AutoTokenizer
 
