@@ -434,6 +434,11 @@ def test_resume_of_a_run_whose_store_had_a_password_says_how_to_give_it_again(ca
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "PASSWORD")
     assert _reopen(str(run), [])[1].tracking.uri == SECRET_URI
     assert "PASSWORD" not in (run / "config.yaml").read_text()
+    # a new run may be given the password that way too, off its command line; without it, refused before anything
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")
+    assert_refused(*train(capsys, runs, "name=new", "tracking.enabled=true", "tracking.uri=http://alice:***@h:9/"),
+                   "tracking.uri: http://alice:***@h:9/: its secret was redacted")
+    assert not (runs / "new").exists()
 
 
 # ------------------------------------------------------------------------------------------ scale, eval
