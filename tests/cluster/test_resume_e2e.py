@@ -167,7 +167,7 @@ def test_resume_of_a_copied_run_whose_checkpoints_carry_payloads_refuses_and_run
     ckpts = sorted(c for c in (copy / "checkpoints").glob("step-*") if c.is_dir())  # the copy's own
     assert len(ckpts) >= 2, ckpts
     planted = {}
-    for i, ckpt in enumerate(ckpts):
+    for i, ckpt in enumerate(reversed(ckpts)):  # the newest first: a reader trusting pickle would run its payload
         plant_file(ckpt / "learner" / "model" / "config.json", marker)
         planted[ckpt.name] = plants[i % len(plants)](ckpt)
 
