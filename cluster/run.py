@@ -139,7 +139,9 @@ def _prepare_beside_ray(cfg: RunConfig | None, resume: str | None, overrides: li
         with profile.phase("start-up: model + data (Ray starts beside them)"):
             return (*_prepare(cfg, resume, overrides, begin_ray), ray_start[0])
     except BadInput as e:
-        print(e, file=sys.stderr)  # at once; then Ray, if it is starting, is stopped: nothing is left behind
+        from common.config.secrets import redact
+
+        print(redact(str(e)), file=sys.stderr)  # at once; then Ray, if starting, is stopped: nothing is left behind
         for r in ray_start:
             r.cancel()
         return 2
@@ -169,7 +171,11 @@ def _say_where(run_dir, tracker, uri: str, state) -> None:
         print(f"run folder: {run_dir.path}\nMLflow: offline; `exgrpo track --replay {run_dir.path}` sends the run's "
               f"metric points to {redact(uri)}")
     elif uri.split(":", 1)[0].lower() in ("http", "https", "databricks"):  # a server: it has its own UI
-        print(f"run folder: {run_dir.path}\nMLflow: open {redact(uri)} in a browser (run id {state.mlflow_run_id})")
+        from urllib.parse import urlsplit, urlunsplit
+
+        parts = urlsplit(redact(uri))
+        page = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))  # no user in a browser's address
+        print(f"run folder: {run_dir.path}\nMLflow: open {page} in a browser (run id {state.mlflow_run_id})")
     else:
         print(f"run folder: {run_dir.path}\nMLflow: mlflow ui --backend-store-uri {redact(uri)}  (run id "
               f"{state.mlflow_run_id})")

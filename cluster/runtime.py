@@ -102,6 +102,10 @@ def _init_ray(cfg: ClusterConfig, py_modules: list[str]) -> tuple[str, str | Non
     if cfg.address:
         ctx = ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False,
                        runtime_env=runtime_env, logging_level=logging.WARNING)
+        from cluster.auth import unauthenticated_join_warning
+
+        if warning := unauthenticated_join_warning(cfg.address):
+            log.warning(warning)
     else:
         # Unix socket paths are limited to ~107 bytes, so the temp dir stays short (not inside run_dir).
         temp = cfg.temp_dir or tempfile.mkdtemp(prefix="exgrpo-ray-", dir="/tmp")
@@ -135,10 +139,21 @@ def shutdown_ray() -> None:
     if logs is not None and src.is_dir():
         try:
             shutil.copytree(src, logs, dirs_exist_ok=True, ignore_dangling_symlinks=True)
+            _private(Path(logs))  # Ray makes its log folders 0o777; copied, they are the run's own
         except (OSError, shutil.Error) as e:  # the logs stay where they are, and the line says where
             log.warning("%s", log_copy_failure(e, src, logs))
             return
     shutil.rmtree(temp, ignore_errors=True)
+
+
+def _private(folder: Path) -> None:
+    """Folders under `folder` 0o700 and files 0o600 (what a run writes under its umask 0o077)."""
+    for d, dirs, files in os.walk(folder):
+        os.chmod(d, 0o700)
+        for f in files:
+            p = os.path.join(d, f)
+            if not os.path.islink(p):
+                os.chmod(p, 0o600)
 
 
 def log_copy_failure(e: OSError | shutil.Error, src: Path, dst: Path) -> str:

@@ -108,10 +108,8 @@ def test_lora_run_resumes_after_kill_9_with_adapters_only_and_a_peft_export(tmp_
     workers = "".join(p.read_text(errors="replace") for p in (run_dir / "logs" / "ray").glob("worker-*.err"))
     assert "learner.lora: rank 8 adapters" in workers and "learner levers on cpu" in workers, workers[-2000:]
     # what a run writes is the user's alone (`exgrpo train` sets umask 0o077, which its embedded Ray's processes
-    # inherit): the driver's files, the learner rank's checkpoints, the actors' logs copied into logs/ray. Ray makes
-    # its log folders 0o777 itself (and the copy keeps that); the run folder's 0o700 closes them.
-    ray_logs = run_dir / "logs" / "ray"
+    # inherit): the driver's files, the learner rank's checkpoints, the actors' logs copied into logs/ray (Ray makes
+    # its own log folders 0o777; the copies are made private).
     shared = {str(p.relative_to(run_dir)): oct(p.lstat().st_mode & 0o777) for p in [run_dir, *run_dir.rglob("*")]
-              if not p.is_symlink() and p.lstat().st_mode & 0o777 != (0o700 if p.is_dir() else 0o600)
-              and not (p.is_dir() and (p == ray_logs or ray_logs in p.parents))}
+              if not p.is_symlink() and p.lstat().st_mode & 0o777 != (0o700 if p.is_dir() else 0o600)}
     assert shared == {}, shared
