@@ -93,3 +93,14 @@ def use_token_auth_when_connecting(address: str | None = None) -> None:
             f"the Ray cluster at {address} requires token authentication and no token is available here; copy "
             "the cluster's token to ~/.ray/auth_token (`ray get-auth-token` on its head node prints it) or set "
             "RAY_AUTH_TOKEN")
+
+
+def unauthenticated_join_warning(address: str) -> str | None:
+    """The console's one warning line after this process joined the cluster at `address` without token
+    authentication, else None. Its mode was matched to the cluster's before Ray was imported
+    (`use_token_auth_when_connecting`), so a join without a token means a cluster without one: anyone who reaches
+    its GCS, dashboard or Jobs API can run code there, this run's weights and secrets included."""
+    if loaded_ray_auth_mode() == "token":
+        return None
+    return (f"the Ray cluster at {address} runs without token authentication: anyone who can reach its ports can "
+            "run code on it; start it with RAY_AUTH_MODE=token (docs/cluster.md)")

@@ -34,3 +34,24 @@ def test_an_embedded_ray_starts_with_the_mode_this_process_imported_ray_with():
     assert _probe("import ray", {**env, "RAY_AUTH_MODE": "token"}) == ["token", "token"]
     token = os.path.exists(os.path.expanduser("~/.ray/auth_token")) or "RAY_AUTH_TOKEN" in env
     assert _probe("", env) == ["None", "token" if token else "None"]
+
+
+WARN = """
+import os
+{before}
+from cluster.auth import unauthenticated_join_warning
+print("RESULT", unauthenticated_join_warning("10.0.0.1:6379"))
+"""
+
+
+def test_joining_a_cluster_without_token_auth_is_one_warning_line():
+    """`_init_ray` logs this line on the console after joining cluster.address; Ray's mode was matched to the
+    cluster's before Ray was imported, so the mode it loaded is the cluster's."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    for mode, warned in (("disabled", True), ("token", False)):
+        out = subprocess.run([sys.executable, "-c", WARN.format(before="import ray")], cwd=ROOT, capture_output=True,
+                             env={**env, "RAY_AUTH_MODE": mode}, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT")).removeprefix("RESULT ")
+        assert ("10.0.0.1:6379 runs without token authentication" in line and "\n" not in line) == warned, line
+        assert (line == "None") != warned
