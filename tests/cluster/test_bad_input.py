@@ -248,6 +248,7 @@ def test_runs_root_that_is_a_file_is_refused(capsys, tmp_path, tiny_model_dir):
 def make_checkpoint(run: Path, step: int) -> Path:
     """A checkpoint folder with every file the resume check reads (tiny contents)."""
     import torch
+    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
     from buffer.client import SWITCH_FILE
@@ -261,6 +262,7 @@ def make_checkpoint(run: Path, step: int) -> Path:
     save_file({"w": torch.zeros(2)}, str(c / "learner" / "model" / "model.safetensors"))
     (c / "learner" / "model" / "config.json").write_text('{"model_type": "llama"}')
     (c / "learner" / "rng" / "rank0.json").write_text("{}")
+    dcp.save({"optim": {"param_groups": [{"lr": 1e-3}]}}, checkpoint_id=str(c / "learner" / "optimizer"), no_dist=True)
     ck.write_meta(c / "learner", step=step, version=step, num_ranks=1)
     write_snapshot(snapshot_path(c / "buffer", 0), {"shard": 0, "store": {"segments": {}}})
     (c / "buffer" / SWITCH_FILE).write_bytes(pack({"on": False}))
