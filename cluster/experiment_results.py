@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.experiment_presets import PRESETS
 from cluster.experiment_stats import Difference, holm, paired_difference
 
 
@@ -244,7 +245,8 @@ def table(spec, results: list[RunResult]) -> str:
     rows += _means_table(spec, results, "How stale the fresh rollouts were", LAG, lambda r: r.lag,
                          lambda key, x: f"{x:.2f}")
     rows += _means_table(spec, results, "What it cost", COSTS, lambda r: r.costs, lambda key, x: f"{x:.3g}")
-    if any(k.startswith(LOSS_KEYS) for v in [spec.base, *spec.variants.values()] for k in v):
+    named = [PRESETS.get(v.get("preset"), {}) for v in spec.variants.values()]
+    if any(k.startswith(LOSS_KEYS) for v in [spec.base, *spec.variants.values(), *named] for k in v):
         rows += _means_table(spec, results, "What the policy loss did", LOSS, lambda r: r.loss,
                              lambda key, x: f"{x:.3f}")
     for r in results:
