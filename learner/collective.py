@@ -66,17 +66,22 @@ def mac(secret: str, *parts: str | bytes) -> str:
     return h.hexdigest()
 
 
-def listening_store(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:
+def listening_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """A TCPStore server listening on `host` only (`port` 0: the OS picks one; read `store.port`). TCPStore binds
     its own socket to every interface whatever `host` says; a socket bound here and handed over as
-    `master_listen_fd` keeps it to `host`, with no bind/close/re-bind race. Keep the socket as long as the store."""
+    `master_listen_fd` keeps it to `host`, with no bind/close/re-bind race. The store owns that socket from then
+    on and closes it when it goes (so Python's socket object lets go of it: no second close of a reused fd)."""
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
-    sock.bind(addr)
-    sock.listen(128)
-    store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
-    return store, sock
+    try:
+        sock.bind(addr)
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
 
 
 def read_key(store: dist.Store, key: str, wait_s: float) -> str | None:
@@ -237,7 +242,7 @@ class ChannelServer:
         self.cuda = cuda  # channels may be NCCL; what the server holds stays in host memory (host_device)
         self.device = host_device()
         self.secret = secret
-        self.store, self._socket = listening_store(host, port, self.timeout_s)
+        self.store = listening_store(host, port, self.timeout_s)
         self.store.set("server/cuda", "1" if cuda else "0")
         self.address = f"{host}:{self.store.port}"
         self.lock = threading.Lock()
@@ -245,6 +250,7 @@ class ChannelServer:
         self.failures: list[dict] = []  # {"generator", "channel", "version", "error", "at"}
         self.served = 0  # transfers completed
         self.refused = 0  # channels refused: out-of-bounds counts or names, peers that did not prove the secret
+        self.unproven = threading.BoundedSemaphore(MAX_NEW_CHANNELS)  # channels not yet past their handshake
         self.closed = threading.Event()
         threading.Thread(target=self._accept, name="weights-acceptor", daemon=True).start()
 
@@ -294,26 +300,43 @@ class ChannelServer:
                 if cid is None or cid in started:
                     self._refuse(f"{key} is too long, not text, or names a channel served before", cid)
                     continue
+                if not self.unproven.acquire(blocking=False):  # a thread each: as many as that, and no more
+                    self._refuse(f"{MAX_NEW_CHANNELS} channels are already waiting for their handshake", cid)
+                    continue
                 started.add(cid)
                 threading.Thread(target=self._serve, args=(cid,), name=f"weights-{cid[:64]}", daemon=True).start()
 
     def _serve(self, cid: str) -> None:
-        gen, backend, version = read_key(self.store, f"{cid}/gen", self.timeout_s), None, None
+        try:
+            proved = self._open(cid)
+        finally:
+            self.unproven.release()
+        if proved is not None:
+            self._requests(cid, *proved)
+
+    def _open(self, cid: str) -> tuple[str, Channel] | None:
+        """(generator id, channel) once the peer proved the secret; None (refused, counted) otherwise."""
+        gen, backend = read_key(self.store, f"{cid}/gen", self.timeout_s), None
         if gen is not None:
             backend = read_key(self.store, f"{cid}/backend", self.timeout_s)
         if gen is None or backend not in ("gloo", "nccl"):
             return self._refuse(f"generator {gen!r}, backend {backend!r}", cid)
+        try:
+            ch = Channel(self.store, cid, 0, backend, self.host, self.timeout_s)
+            proved = handshake(ch, self.secret, cid, 0, self.timeout_s)
+        except RuntimeError as e:  # the peer left or stalled before proving anything (it may be a generator
+            proved = False  # that found this server is not the run's): refused all the same
+            log.info("weight channel %s: handshake broke off (%s)", cid, str(e)[:200])
+        if not proved:
+            return self._refuse(f"peer {gen!r} did not prove the run's secret", cid)
+        return gen, ch
+
+    def _requests(self, cid: str, gen: str, ch: Channel) -> None:
+        """Answer the channel's requests until the generator leaves or the channel fails."""
+        version = None
         with self.lock:
             self.channels[cid] = gen
         try:
-            ch = Channel(self.store, cid, 0, backend, self.host, self.timeout_s)
-            try:
-                proved = handshake(ch, self.secret, cid, 0, self.timeout_s)
-            except RuntimeError as e:  # the peer left or stalled before proving anything (it may be a generator
-                proved = False  # that found this server is not the run's): refused all the same
-                log.info("weight channel %s: handshake broke off (%s)", cid, str(e)[:200])
-            if not proved:
-                return self._refuse(f"peer {gen!r} did not prove the run's secret", cid)
             req = torch.zeros(4, dtype=torch.int64, device=ch.device)  # [op, version, version held or -1, start]
             while not self.closed.is_set():
                 ch.recv(req, IDLE_S)

@@ -92,7 +92,7 @@ class LearnerRank:
             return host, 0
         from learner.collective import listening_store
 
-        self.rendezvous, self._rendezvous_socket = listening_store(host, 0, RENDEZVOUS_TIMEOUT.total_seconds())
+        self.rendezvous = listening_store(host, 0, RENDEZVOUS_TIMEOUT.total_seconds())
         return host, self.rendezvous.port
 
     def setup(self, address: tuple[str, int]) -> tuple[dict[str, str], str | None]:

@@ -330,8 +330,7 @@ def test_the_stores_listen_on_their_host_only():
     other = ray.util.get_node_ip_address()
     if other.startswith("127."):
         pytest.skip("this machine has no address besides the loopback")
-    store, sock = listening_store("127.0.0.1", 0, 5)
+    store = listening_store("127.0.0.1", 0, 5)
     socket.create_connection(("127.0.0.1", store.port), timeout=5).close()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((other, store.port), timeout=5)
-    sock.close()
