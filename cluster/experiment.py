@@ -5,9 +5,12 @@
     exgrpo experiment ablations --variants exgrpo plain_replay   # only these variants of the spec
 
 Every (variant, seed) is one `exgrpo train` subprocess that stops at the rollout budget, nested as an MLflow
-child of one parent run; a finished run folder is reused (`--rerun` starts over). The report (tables, paired
-differences with 95% intervals, a plot: cluster/experiment_results.py) is logged to the parent run; the exit
-code is non-zero when a run failed. Details: docs/internals.md#clusterexperimentpy"""
+child of one parent run; runs start seed by seed, the variants in an order shuffled by the seed (`run_order`). A
+finished run folder is reused when its overrides and the product code that made it (`code_version`) are today's
+(`--rerun` starts over). The report (the spec's primary contrast with its 95% interval, every other paired
+difference Holm-adjusted, tables, a plot: cluster/experiment_results.py) is logged to the parent run; the exit
+code is non-zero when a run failed. Details: docs/reference.md (Comparing variants fairly),
+docs/internals.md#clusterexperimentpy"""
 
 from __future__ import annotations
 
