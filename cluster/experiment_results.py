@@ -69,6 +69,7 @@ MECHANISM = {
     "fresh_groups": "fresh groups trained",
     "mixed_groups": "mixed groups trained",
     "retired": "questions retired",
+    "retired_pool": "retired from the pool",
     "zero_signal": "groups with no signal",
     "replay_tokens": "replayed-token share",
     "valid_heldout": "held-out valid given correct",
@@ -79,7 +80,9 @@ MECHANISM = {
 }
 """Per run, read back from MLflow: what replay changed. A fresh group is a question issued as new (its count
 bounds the distinct questions seen in a first epoch); a group with no signal has all rewards equal (o*
-included), so its advantage is 0; the replayed-token share is o*'s tokens over all tokens trained. The switch
+included), so its advantage is 0; the replayed-token share is o*'s tokens over all tokens trained. Questions
+retired have left the fresh stream; retired from the pool, their experience deleted (the same questions unless
+buffer.retire_fresh=last_three_correct). The switch
 step is left out (—) for a run that replayed nothing: GRPO's buffer switches too, but has nothing to replay.
 Where the task checks reasoning (think_arith: every equation of the reasoning holds): the share of correct
 responses with valid reasoning on the held-out set (last evaluation) and among fresh training rollouts (whole
@@ -183,6 +186,7 @@ def _mechanism(client, run_id: str) -> dict[str, float]:
     corr = _finite([x.value for x in history("learner/entropy_valid_corr")])
     return {"switch_step": float(min(on)) if on and mixed else nan, "fresh_groups": trained - mixed,
             "mixed_groups": mixed, "retired": m.get("buffer/retired", 0.0),
+            "retired_pool": m.get("buffer/retired_from_pool", m.get("buffer/retired", 0.0)),
             "zero_signal": m.get("buffer/zero_signal_seen", 0.0) / trained if trained else nan,
             "replay_tokens": replay / both if both else nan,
             "valid_heldout": m.get("eval/valid_given_correct", nan),
@@ -239,7 +243,7 @@ def table(spec, results: list[RunResult]) -> str:
                     f"{statistics.fmean([r.rollouts for r in ok]) if ok else float('nan'):.0f} | "
                     f"{statistics.fmean([r.wall_s for r in ok]) if ok else float('nan'):.0f} |")
     rows += differences(spec, results)
-    counts = ("switch_step", "fresh_groups", "mixed_groups", "retired")
+    counts = ("switch_step", "fresh_groups", "mixed_groups", "retired", "retired_pool")
     rows += _means_table(spec, results, "What the buffer did", MECHANISM, lambda r: r.mechanism,
                          lambda key, x: f"{x:.0f}" if key in counts else f"{x:.2f}")
     rows += _means_table(spec, results, "How stale the fresh rollouts were", LAG, lambda r: r.lag,
