@@ -28,8 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from cluster.experiment_presets import PRESETS
 from cluster.experiment_results import RunResult, collect, plot, table
+from cluster.experiment_stop import Stopping
 
 BUNDLED = Path(__file__).resolve().parent / "experiments"
+STOP = Stopping()  # SIGTERM / Ctrl-C: forwarded to the runs in flight, and no new run starts
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -395,18 +397,22 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out:
             return RunResult(variant, seed, name, ok=False, wall_s=0.0,
                              error=f"{folder} holds files no run of this experiment wrote ({', '.join(left[:3])}); "
                                    "move them, or give --runs-root another folder")
+    if STOP.signal is not None:
+        return RunResult(variant, seed, name, ok=False, error=f"not started: stopped by {STOP.signal}")
     log_path = out / "logs" / f"{name}.log"
     print(f"[experiment] {name}: starting (log {log_path})", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     cmd, env = password_to_env(train_command(spec, variant, seed, runs_root, parent))
     with open(log_path, "w") as log:
         try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                timeout=spec.run_timeout_s).returncode
+            rc = STOP.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout_s=spec.run_timeout_s)
         except subprocess.TimeoutExpired:
             return RunResult(variant, seed, name, ok=False, wall_s=time.monotonic() - t0,
                              error=f"killed after run_timeout_s={spec.run_timeout_s:.0f}s (see {log_path})")
     wall = time.monotonic() - t0
+    if rc is None or STOP.signal is not None:
+        return RunResult(variant, seed, name, ok=False, wall_s=wall, error=f"stopped by {STOP.signal}" + (
+            "" if rc is None else f", with a checkpoint (see {log_path})"))
     if rc != 0:
         tail = log_path.read_text()[-600:].strip().splitlines()
         return RunResult(variant, seed, name, ok=False, wall_s=wall,
@@ -514,8 +520,19 @@ def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, varia
     todo = run_order(spec)
     print(f"[experiment] {spec.name}: {len(todo)} runs ({len(spec.variants)} variants x {len(spec.seeds)} seeds) "
           f"at {spec.budget_rollouts} rollouts each, {jobs} at a time; results in {out}", file=sys.stderr, flush=True)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(lambda vs: run_one(spec, vs[0], vs[1], root, out, parent, rerun), todo))
+    restore = STOP.install()
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(lambda vs: run_one(spec, vs[0], vs[1], root, out, parent, rerun), todo))
+    finally:
+        restore()
+    if STOP.signal is not None:
+        done = sum(r.ok for r in results)
+        tracker.finish("KILLED")
+        print(f"[experiment] {spec.name}: stopped by {STOP.signal}: {done} of {len(todo)} runs had finished, the "
+              f"runs in flight stopped with a checkpoint; the same command again reuses the finished runs and starts "
+              f"the others over", file=sys.stderr, flush=True)
+        return 0
     text = table(spec, results)
     if seeds and sorted(seeds) != sorted(declared.seeds):
         text = (f"Seeds {' '.join(map(str, spec.seeds))} given with --seeds in place of the spec's "

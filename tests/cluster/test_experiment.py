@@ -436,3 +436,42 @@ def test_a_tracking_password_goes_to_the_runs_environment_not_their_command_line
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", env["MLFLOW_TRACKING_PASSWORD"])
     cfg = restore_secrets(load_config(None, [a for a in cmd if "=" in a]))
     assert cfg.tracking.uri == "http://alice:PASSWORD@127.0.0.1:9/"
+
+
+def test_sigterm_stops_the_run_in_flight_with_a_checkpoint_and_marks_the_experiment_killed(tmp_path, joined):
+    """A job scheduler's stop: SIGTERM to `exgrpo experiment` reaches its `exgrpo train` run, which stops after its
+    step with a checkpoint; the second run never starts; the parent MLflow run is KILLED and the command says how to
+    go on (exit 0, as a stopped `exgrpo train`). Before, the run in flight went on to its end as an orphan."""
+    import signal
+
+    from tests.cluster.runs import wait_for
+
+    spec = dict(name="stop", budget_rollouts=100_000, seeds=[0], primary=["a", "b"],
+                base={"total_steps": 1000, "checkpoint.every_steps": 0, "generator.engine.kind": "transformers",
+                      "cluster.address": joined.address},
+                variants={"a": {}, "b": {"buffer.replay_ratio": 0, "buffer.collect": False}})
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "cluster.cli", "experiment", write(tmp_path, spec), "--runs-root", str(runs)]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=joined.env)
+    try:
+        wait_for(lambda: any("step 1/" in f.read_text() for f in runs.glob("stop/logs/*.log")) or p.poll() is not None,
+                 600, "the first run's first step")
+        assert p.poll() is None, p.communicate()
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    assert "stopped by SIGTERM: 0 of 2 runs had finished, the runs in flight stopped with a checkpoint; the same " \
+           "command again reuses the finished runs" in err, err[-3000:]
+    (log,) = [f for f in runs.glob("stop/logs/*.log")]  # the second run never started
+    from tests.cluster.runs import state
+
+    s = state(runs / log.stem)
+    assert s["status"] == "KILLED" and s["checkpoints"], s
+    assert "SIGTERM: stopping after the current step, with a checkpoint" in log.read_text()
+    client = mlflow_client(runs)
+    (parent,) = [r for r in client.search_runs([client.get_experiment_by_name("exgrpo").experiment_id])
+                 if r.info.run_name == "stop"]
+    assert parent.info.status == "KILLED"
