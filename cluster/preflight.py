@@ -82,13 +82,12 @@ def model_max_positions(path: Path) -> int | None:
 
 def _nearby_model(path: Path) -> str:
     """A hint when `path` is a run folder, a run checkpoint (or its learner folder) rather than the model inside it."""
-    if (path / "state.json").is_file():  # a run folder: its newest checkpoint's model
-        from cluster.runtime import RunDir, RunFolderError
-
+    if (path / "state.json").is_file():  # a run folder: its newest checkpoint's model (by name, inside the folder)
         try:
-            newest = RunDir(path).latest_checkpoint()
-        except RunFolderError:
-            newest = None
+            listed = json.loads((path / "state.json").read_text()).get("checkpoints") or []
+        except (OSError, ValueError, AttributeError):
+            listed = []
+        newest = path / "checkpoints" / Path(str(listed[-1])).name if listed else None
         if newest is not None and (newest / "learner" / "model" / "config.json").is_file():
             return f"; it is a run folder: did you mean its newest checkpoint's model, {newest / 'learner' / 'model'}?"
         return "; it is a run folder with no checkpoint yet (no model to load)"
