@@ -322,11 +322,12 @@ class RunDir:
 
     def own(self, listed: str) -> Path:
         """The checkpoint that a state.json entry names, inside this folder. An absolute entry (written by an earlier
-        release, or before the folder was copied or moved) is read as this folder's `checkpoints/<its name>`, never
-        the path itself; an entry that leads outside the folder is refused and named."""
+        release, or before the folder was copied or moved; also one relative to the directory that release ran in) is
+        read as this folder's `checkpoints/<its name>`, never the path itself; an entry that leads outside the folder
+        is refused and named."""
         rel = Path(listed)
-        if rel.is_absolute() and len(rel.parts) >= 3 and rel.parts[-2] == "checkpoints":
-            rel = Path("checkpoints", rel.name)
+        if len(rel.parts) >= 3 and rel.parts[-2] == "checkpoints" and ".." not in rel.parts:
+            rel = Path("checkpoints", rel.name)  # absolute, or relative to where an earlier release was started
         path = self.path / rel
         if rel.is_absolute() or ".." in rel.parts or not path.resolve().is_relative_to(self.path.resolve()):
             raise RunFolderError(f"{self.path / 'state.json'} lists checkpoint {listed!r}, which is outside the run "

@@ -376,6 +376,7 @@ def test_a_copied_run_folder_resumes_from_its_own_checkpoints_into_a_new_mlflow_
     from cluster.run import _prepare
     from cluster.runtime import RunDir
 
+    caplog.set_level("INFO", logger="exgrpo")  # the move is said at INFO
     RunDir(run).update_state(mlflow_run_id="abc")
     original = (run / "state.json").read_text()
     copy = shutil.copytree(run, run.parent / "copy")
@@ -389,6 +390,9 @@ def test_a_copied_run_folder_resumes_from_its_own_checkpoints_into_a_new_mlflow_
     _, rd, state, _, _ = _prepare(None, str(moved), [])
     assert rd.checkpoints() == [moved / "checkpoints" / "step-000001", moved / "checkpoints" / "step-000002"]
     assert state.mlflow_run_id == "def" and f"{moved} was moved from {copy}" in caplog.text
+    # an earlier release started from the runs root's parent wrote them relative to it
+    RunDir(moved).update_state(checkpoints=["runs/r/checkpoints/step-000001"])
+    assert RunDir(moved).checkpoints() == [moved / "checkpoints" / "step-000001"]
 
 
 @pytest.mark.parametrize("entry", ["../other/checkpoints/step-000002", "/etc", "checkpoints/../../x"])
