@@ -64,8 +64,13 @@ def setup_worker() -> None:
     packages' INFO lines (a learner rank's levers and LoRA line, a generator's adapter merge, ...) go to the
     worker's stderr, which Ray keeps as `worker-*.err` (an embedded run copies them into the run's `logs/ray`);
     without it they were dropped, a worker's root logger passing WARNING and above only. And transformers imports
-    no scikit-learn (`common.import_cost`: 2.6 s of each model-loading worker's start)."""
+    no scikit-learn (`common.import_cost`: 2.6 s of each model-loading worker's start). Files the worker writes are
+    private (umask 0o077, as `exgrpo train` sets for itself), on a joined cluster too."""
+    import os
+
     from common.import_cost import skip_sklearn_in_transformers
+
+    os.umask(0o077)
 
     skip_sklearn_in_transformers()
     handler = logging.StreamHandler(sys.stderr)

@@ -136,7 +136,7 @@ def test_an_experiment_checks_every_variant_s_inputs_before_any_run(capsys, tmp_
     with pytest.raises(SpecError, match=r"seeds: \[0, 0\]: each seed once .* e.g. seeds: \[0, 1\]"):
         load_spec(_spec(tmp_path, seeds=[0, 0]))
     spec = load_spec(_spec(tmp_path, variants={"ok": {}, "nomodel": {"model.path": str(tmp_path / "nope")},
-                                               "noreward": {"reward.name": "nosuchmod:score"}}))
+                                               "noreward": {"reward.name": "nosuchmod:score"}}, primary=["ok", "nomodel"]))
     with pytest.raises(SpecError) as e:
         check_inputs(spec)
     assert [line.split(" (")[0] for line in e.value.lines] == [
