@@ -187,7 +187,7 @@ def test_a_second_config_file_is_named_as_one(capsys, tmp_path):
      "this looks like a JSONL data file, not a config; data files are named .jsonl or .parquet: rename it (mv "),
     ("one.json", b'{"question": "1+1", "answer": "2"}\n', "this looks like a data file (a row with question, answer)"),
     ("train.parquet", b"PAR1\x15\x04\x15\x80\x01\x15\x90\x01\x00\x00\xff\xfe", "this looks like a Parquet data file"),
-    ("data", gzip.compress(b'{"question": "1+1"}\n'), "this looks like a compressed data file"),
+    ("data", gzip.compress(b'{"question": "1+1"}\n', mtime=0), "this looks like a compressed data file"),
     ("blob.yaml", b"buffer:\n  max_lag: \xff\xfe\x00\n", "not a text file (byte 19 is not UTF-8); a config is a YAML "
                                                            "file of sections"),
 ])
