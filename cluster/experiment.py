@@ -374,6 +374,8 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out:
     from common.config.secrets import redact
 
     name = run_name(spec, variant, seed)
+    if STOP.signal is not None:  # stopped while earlier runs went on: this one is not started, its folder untouched
+        return RunResult(variant, seed, name, ok=False, error=f"not started: stopped by {STOP.signal}")
     folder = runs_root / name
     state = _state(folder)
     settings = [redact(a) for a in train_command(spec, variant, seed, runs_root, None)[4:]]  # the parent's id aside
@@ -397,8 +399,6 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out:
             return RunResult(variant, seed, name, ok=False, wall_s=0.0,
                              error=f"{folder} holds files no run of this experiment wrote ({', '.join(left[:3])}); "
                                    "move them, or give --runs-root another folder")
-    if STOP.signal is not None:
-        return RunResult(variant, seed, name, ok=False, error=f"not started: stopped by {STOP.signal}")
     log_path = out / "logs" / f"{name}.log"
     print(f"[experiment] {name}: starting (log {log_path})", file=sys.stderr, flush=True)
     t0 = time.monotonic()

@@ -54,10 +54,12 @@ class RunHealth:
                 (self._pool_reported is None or now - self._pool_reported >= self.cfg.cluster.stall_report_s):
             self._pool_reported = now
             log.warning("%s", self.generators.describe())
-        flat = self._signal.observe([[r.reward for r in g.rollouts] for g in batch.groups])
-        if flat is not None and any(r.reward > 0 for g in batch.groups for r in g.rollouts):  # all 0: said below
+        rewards = [[r.reward for r in g.rollouts] for g in batch.groups]
+        all_zero = not any(x > 0 for group in rewards for x in group)
+        flat = self._signal.observe(rewards)
+        if flat is not None and not all_zero:  # all 0: explained below instead
             log.warning("%s", flat)
-        if not self._zero_hinted and not any(r.reward > 0 for g in batch.groups for r in g.rollouts):
+        if not self._zero_hinted and all_zero:
             self._zero_hinted = True
             m = self.generators.metrics()
             hint = zero_reward_hint(self.cfg.reward.name, m.get("rollouts", 0.0), m.get("reward_errors", 0.0),

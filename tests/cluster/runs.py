@@ -132,3 +132,36 @@ class ClusterHelper:
                 self.proc.wait(120)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+@contextmanager
+def mlflow_server(folder: Path, timeout_s: float = 300):
+    """A real `mlflow server` on 127.0.0.1 with its SQLite store and artifacts in `folder`: yields (its URL with no
+    trailing slash, its process); killed (resumed first, if a test stopped it) on leaving the block. AssertionError,
+    saying why, when it exits or does not answer /health within `timeout_s`."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                               "--workers", "1", "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
+                               "--artifacts-destination", str(folder / "server-artifacts")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s  # a healthy machine answers in seconds
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=5).read()
+                break
+            except OSError:
+                assert server.poll() is None, f"mlflow server exited with {server.returncode} before answering"
+                assert time.monotonic() < deadline, f"mlflow server at {url} did not answer /health in {timeout_s:.0f}s"
+                time.sleep(0.5)
+        yield url, server
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(60)

@@ -7,17 +7,15 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
 from cluster.tracking import LateStart, Tracker, default_tracking_uri
+from tests.cluster.runs import mlflow_server
 
 
 def test_metrics_params_text_and_plots_reach_sqlite_store(tmp_path):
@@ -100,12 +98,6 @@ def test_down_server_never_blocks_training_and_is_reported_once(monkeypatch, cap
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_stalled_server_never_blocks_logging_and_gets_every_metric_when_it_answers_again(tmp_path, monkeypatch):
     """A real `mlflow server`, frozen with SIGSTOP after the run starts: its requests neither fail nor answer
     (each would wait for MLFLOW_HTTP_REQUEST_TIMEOUT, an hour here). Logging 200 steps meanwhile returns (it
@@ -113,20 +105,7 @@ def test_a_stalled_server_never_blocks_logging_and_gets_every_metric_when_it_ans
     the store. No clock is read: a blocking `log_metrics` would hang for the hour, caught by the join."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3600")
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                               "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'srv.db'}",
-                               "--default-artifact-root", str(tmp_path / "art")],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        uri = f"http://127.0.0.1:{port}"
-        for _ in range(600):  # up to ~5 min on a slow machine; a healthy one answers in seconds
-            try:
-                urllib.request.urlopen(f"{uri}/health", timeout=5).read()
-                break
-            except OSError:
-                assert server.poll() is None, "mlflow server exited"
-                time.sleep(0.5)
+    with mlflow_server(tmp_path) as (uri, server):
         tr = Tracker(uri, "exp", flush_every_s=0.05)
         run_id = tr.start("stalled")
         assert run_id is not None
@@ -141,10 +120,6 @@ def test_a_stalled_server_never_blocks_logging_and_gets_every_metric_when_it_ans
         hist = MlflowClient(tracking_uri=uri).get_metric_history(run_id, "a")
         assert sorted(m.step for m in hist) == list(range(200))
         assert tr.counts() == {"metrics_buffered": 0, "metrics_unsent": 0, "metrics_lost": 0}
-    finally:
-        os.killpg(server.pid, signal.SIGCONT)
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(60)
 
 
 _FULL_STORE_SCRIPT = """

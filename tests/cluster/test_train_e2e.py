@@ -195,31 +195,10 @@ def test_papers_settings_train_while_generators_scale_up_and_down_and_sigterm_st
 @pytest.fixture(scope="module")
 def mlflow_server(runs_root):
     """A real `mlflow server` (its own SQLite store): the URL a run's tracking.uri names."""
-    import os
-    import socket
-    import time
-    import urllib.request
+    from tests.cluster.runs import mlflow_server as serve
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                               "--workers", "1", "--backend-store-uri", f"sqlite:///{runs_root / 'server.db'}",
-                               "--artifacts-destination", str(runs_root / "server-artifacts")],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        for _ in range(600):  # up to ~5 min on a slow machine; a healthy one answers in seconds
-            try:
-                urllib.request.urlopen(f"{url}health", timeout=5).read()
-                break
-            except OSError:
-                assert server.poll() is None, "mlflow server exited"
-                time.sleep(0.5)
-        yield url
-    finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(60)
+    with serve(runs_root) as (url, _):
+        yield url + "/"
 
 
 def _assert_private_and_without(run_dir: Path, secret: bytes) -> None:
