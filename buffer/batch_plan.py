@@ -13,6 +13,7 @@ when mixed mode starts, and the shards' counters merged. Pure functions and smal
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 
@@ -32,13 +33,17 @@ def mixed_shares(shares: list[int], target: int, version: int = 0) -> list[int]:
     rho times its share, within one group at any version (rotating the left-over groups equally gave shares
     [2, 3, 3] at rho 0.25 the parts [0.667, 0.667, 0.667] for [0.5, 0.75, 0.75]), and no shard stays
     replay-only for good (its fresh questions would never be issued)."""
-    return list(_ShortfallSplit.of(tuple(shares), target).at(version))
+    return list(_shortfall_split(tuple(shares), target).at(version))
+
+
+@functools.lru_cache(maxsize=64)
+def _shortfall_split(shares: tuple[int, ...], target: int) -> _ShortfallSplit:
+    """The one `_ShortfallSplit` of (shares, target), kept across calls: a shard asks at every lease."""
+    return _ShortfallSplit(shares, target)
 
 
 class _ShortfallSplit:
-    """`mixed_shares` for one (shares, target), version by version from 0 (cached: a shard asks at every lease)."""
-
-    _cache: dict[tuple, _ShortfallSplit] = {}
+    """`mixed_shares` for one (shares, target), version by version from 0."""
 
     def __init__(self, shares: tuple[int, ...], target: int):
         total = sum(shares)
@@ -46,15 +51,6 @@ class _ShortfallSplit:
         self.exact = [self.target * s / total if total else 0.0 for s in shares]
         self.given = [0] * len(shares)
         self.parts: list[tuple[int, ...]] = []
-
-    @classmethod
-    def of(cls, shares: tuple[int, ...], target: int) -> _ShortfallSplit:
-        key = (shares, target)
-        if key not in cls._cache:
-            if len(cls._cache) > 64:
-                cls._cache.clear()
-            cls._cache[key] = cls(shares, target)
-        return cls._cache[key]
 
     def at(self, version: int) -> tuple[int, ...]:
         while len(self.parts) <= version:
