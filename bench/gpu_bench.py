@@ -10,7 +10,7 @@
     bash scripts/device_bench.sh                                         # a short GPU lease, planned (see there)
 
 Needs torch, transformers, numpy, pydantic, pyyaml, safetensors: no Ray, vLLM or MLflow is imported
-(docs/cluster.md, "GPU bench", lists the wheels to bring where pydantic is missing).
+(docs/gpu.md, section 1, lists the wheels to bring where pydantic is missing).
 
 What runs: one process, one rank. `torch.distributed` over NCCL on CUDA (gloo on CPU) with world size 1,
 and the product's rank setup (`learner.setup.setup_rank`: meta-device build, `prepare_model`, FSDP2

@@ -47,10 +47,10 @@ if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch, transformers; a
     BENCH_PY=.venv/bin/python
 fi
 if ! "$BENCH_PY" -c "import pydantic" 2>/dev/null; then
-    # a bare GPU machine: pydantic from the wheels brought along (docs/cluster.md, "GPU bench")
+    # a bare GPU machine: pydantic from the wheels brought along (docs/gpu.md, section 1)
     if ! ls wheels/pydantic-*.whl >/dev/null 2>&1; then
         echo "gpu-check: $BENCH_PY has no pydantic and wheels/ holds no pydantic wheel: bring the wheels listed in" \
-             "docs/cluster.md (GPU bench)" >&2
+             "docs/gpu.md (section 1)" >&2
         exit 1
     fi
     if "$BENCH_PY" -m pip --version >/dev/null 2>&1; then

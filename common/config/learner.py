@@ -55,7 +55,7 @@ class CollectiveSyncConfig(Section):
     generators relay to each other in a pipelined tree of fan-out k in arrival order (1 = a chain), forwarding
     buckets as they arrive, so rank 0 sends about k copies and the time stays near one transfer as N grows. A
     relay that dies or stalls: its children resume at rank 0 from the first missing bucket. Costs each
-    generator one packed copy of the newest version in host memory, and a port. Measured:
+    generator one packed copy of the newest version in host memory, and a port.
     docs/cluster.md ("Weight fan-out")."""
 
 
@@ -65,7 +65,7 @@ LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 
 class LoRAConfig(Section):
-    """Low-rank adapters on the learner (learner.lora; docs/cluster.md "LoRA"): each target Linear's
+    """Low-rank adapters on the learner (learner.lora; docs/memory.md "LoRA"): each target Linear's
     weight W is frozen and the learner trains W + (alpha / rank) B A only, A [rank, in] and B [out, rank] (B starts
     at zero, so step 0 is the base model). Only the adapters are in the optimizer. Publications carry the adapters
     only (`publish`; generators merge them into the base), or the merged weights under the model's own names.

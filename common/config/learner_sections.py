@@ -66,7 +66,7 @@ class BatchingConfig(Section):
     """Padded tokens (rows x longest row; with `padding_free`, the rows' own tokens) per forward/backward: each
     rank's rows, sorted by length, are packed greedily up to it, so memory follows the budget, not the longest
     response. Must hold one row of
-    data.max_prompt_tokens + generator.max_new_tokens. None: `micro_batch_rows` rows (docs/cluster.md, Memory)."""
+    data.max_prompt_tokens + generator.max_new_tokens. None: `micro_batch_rows` rows (docs/memory.md)."""
     micro_batch_split: Literal["first_fit", "balanced"] = "first_fit"
     """How a rank's rows become micro-batches under `micro_batch_tokens` with padding-free packing. first_fit: each
     row, longest first, into the first micro-batch with room (every micro-batch within the budget and
@@ -81,8 +81,8 @@ class BatchingConfig(Section):
     states a block at a time ([tokens, vocabulary] in the forward, [all tokens, a vocabulary slice] in the backward,
     which writes each row of the head's weight gradient once per micro-batch), so no [rows, length, vocabulary]
     tensor exists. None: on CUDA sized once from the free memory (a quarter, at most 2 GiB of temporaries: 1,766
-    tokens at a 152k vocabulary), elsewhere about 32M logits (220 tokens at 152k). 0: full logits (the old path;
-    its memory grows with rows x length x vocabulary; for comparison only)."""
+    tokens at a 152k vocabulary), elsewhere about 32M logits (220 tokens at 152k). 0: full logits (their
+    memory grows with rows x length x vocabulary; for comparison only)."""
 
 
 class LeversConfig(Section):
@@ -95,12 +95,12 @@ class LeversConfig(Section):
     transformers' default (sdpa). The generators' vLLM engines choose their own."""
     compile: bool | Literal["auto"] = "auto"
     """torch.compile each decoder layer of the trained model (torchtitan's per-block compile; only rows and length
-    dynamic, so micro-batches of any length reuse the same graphs; measured +12.4% on a 1.5B step on an H100).
+    dynamic, so micro-batches of any length reuse the same graphs).
     auto: on where the learner runs on CUDA and the model's hidden size is 512 or more (a toy model's step never
     buys its compile back), off on CPU. The setup's trial compiles the graphs the run uses (minutes at 1.5B; later
     steps reuse them, and a later graph is counted in learner/recompiles); later processes on the machine reuse
     inductor's on-disk cache. Tried at setup (`learner.trial`): a compile that fails is off for the run, which
-    trains eager and says so; falls back to eager where torch.compile is unsupported (docs/cluster.md, GPU
+    trains eager and says so; falls back to eager where torch.compile is unsupported (docs/gpu-settings.md,
     levers)."""
     compile_backend: str = Field("inductor", min_length=1, max_length=64)
     """The torch.compile backend of `compile`: inductor (the fast one); aot_eager or eager trace without
@@ -108,15 +108,13 @@ class LeversConfig(Section):
     compile_cache_dir: str | None = Field(None, max_length=4096)
     """A folder for inductor's compile cache (every learner rank's TORCHINDUCTOR_CACHE_DIR) where `compile` is on.
     On storage every node reaches, a rank on a fresh machine (a new node, a restarted container) reuses the kernels
-    an earlier rank compiled for the same GPU and torch instead of compiling them again: at 1.5B on an H100 the setup
-    reached its first step in 10.1 s with them, 31.1 s cold (the same artifacts carried as a file). None:
+    an earlier rank compiled for the same GPU and torch instead of compiling them again. None:
     inductor's default under the machine's temp folder, reused only by later processes of that machine. An absolute
     path (`~` expanded)."""
     compile_head_math: bool = False
     """torch.compile (inductor) the chunked head's per-block float32 math (`learner.token_stats.COMPILE_BLOCK_MATH`),
-    fusing its elementwise passes over [tokens, vocabulary] blocks. Exact against full logits on CPU
-    (tests/learner/test_token_stats.py); opt-in everywhere until tests/gpu/test_head_math.py has passed on a GPU
-    (built, unmeasured: `python bench/gpu_bench.py --runs 1.5B:fixed --compile-head-math` measures it)."""
+    fusing its elementwise passes over [tokens, vocabulary] blocks. Exact against full logits; off by default
+    (opt-in) until its speed on a GPU is known (`python bench/gpu_bench.py --runs 1.5B:fixed --compile-head-math`)."""
     activation_checkpointing: Literal["auto", "full", "selective", "none"] = "auto"
     """Recompute decoder layers' activations in the backward instead of keeping them
     (`learner/activation_checkpointing.py`). full: each layer keeps only its input and re-runs its forward (about 1/3
@@ -130,23 +128,22 @@ class LeversConfig(Section):
     """Pack each micro-batch's rows into one sequence without padding (position ids restart at every row; the
     attention keeps rows apart), so `micro_batch_tokens` counts real tokens and no compute goes to padding.
     auto: on only where `attn_implementation` is a variable-length kernel the user chose (flash_attention_2/3 or a
-    kernels-hub flash-attention); padded micro-batches elsewhere, CUDA included: through flex_attention under
-    per-layer compile packing stopped the learner at its first step on an H100, so it is opt-in until
-    it has run there. true: on CUDA with `attn_implementation` unset, flash_attention_2 where flash-attn is
+    kernels-hub flash-attention); padded micro-batches elsewhere, CUDA included (packing through flex_attention is
+    opt-in). true: on CUDA with `attn_implementation` unset, flash_attention_2 where flash-attn is
     installed (bf16/fp16), else flex_attention (kept out of the compiled layers' graphs); with sdpa/eager, or on a
     CPU, a [tokens, tokens] block-diagonal mask per micro-batch (exact; memory grows with the budget squared).
     Tried at setup like every lever (`learner.trial`): if it fails, the run trains padded and says so. The learner
     also checks at start that the model keeps packed rows apart and refuses it otherwise; the metric
-    `learner/padding_free` and the start log say which path ran and why (docs/cluster.md, GPU levers)."""
+    `learner/padding_free` and the start log say which path ran and why (docs/gpu-settings.md, levers)."""
     pad_multiple: int | Literal["auto"] = "auto"
     """Padded micro-batches' length (rows x longest row) rounded up to a multiple of this many tokens (1 to 4096).
     The extra positions come after every real token, so no real token attends to them: log-probs, entropies and
     gradients are those of the unrounded micro-batch. Kernels chosen per shape (cuDNN attention builds a graph per
     rows x length; inductor's autotuning) then meet a few lengths instead of every one. auto: 64 on CUDA, 1 (no
-    rounding: the CPU path bit for bit as before) elsewhere. Packed micro-batches (`padding_free`) are not rounded."""
+    rounding) elsewhere. Packed micro-batches (`padding_free`) are not rounded."""
     fused_optimizer: bool | Literal["auto"] = "auto"
     """AdamW's fused kernel (one launch over all parameters instead of several per tensor). auto: on when the
-    parameters are on CUDA (it ran in every H100 case measured). Tried at setup with a step that moves no
+    parameters are on CUDA. Tried at setup with a step that moves no
     weight (`learner.trial`); falls back to the foreach AdamW, and says why, where the kernel fails or does not take
     the parameters."""
 
