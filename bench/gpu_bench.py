@@ -65,7 +65,6 @@ import logging
 import os
 import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -118,12 +117,6 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 
 # ------------------------------------------------------------------------------------------------- set-up
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def peak_tflops(device: torch.device, override: float | None) -> tuple[float | None, str]:
     """The device's bf16 dense peak and where it came from."""
@@ -799,7 +792,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)  # no port
     vocab = 512 if args.quick else VOCAB
     result = new_result(args, argv, device, vocab)
     default_packs = product_packs(device, dtype)

@@ -409,7 +409,8 @@ def _load_rank(rank: int, folder: str, port: int, sharded_load: bool, out: str) 
     def anon() -> int:
         return status("RssAnon")
 
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False)
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
     base, peak, stop = anon(), [0], threading.Event()
     rss0 = status("VmRSS")
@@ -441,12 +442,12 @@ def _load_rank(rank: int, folder: str, port: int, sharded_load: bool, out: str) 
 
 def loading() -> None:
     sys.path.insert(0, str(ROOT))
-    import socket
     import tempfile
 
     import torch.multiprocessing as mp
 
     from common.modeling import build_char_tokenizer, init_tiny_llama, save_model_folder
+    from learner.collective import listening_store
 
     mb = 1 << 20
     rows = []
@@ -456,9 +457,8 @@ def loading() -> None:
         folder = str(save_model_folder(model, build_char_tokenizer(), Path(tmp) / "m"))
         del model
         for sharded_load in (False, True):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            store = listening_store("127.0.0.1", 0, 300)  # the OS picks the port; held while the ranks run
+            port = store.port
             outs = [str(Path(tmp) / f"r{r}-{int(sharded_load)}.json") for r in range(2)]
             ctx = mp.get_context("spawn")
             procs = [ctx.Process(target=_load_rank, args=(r, folder, port, sharded_load, outs[r])) for r in range(2)]

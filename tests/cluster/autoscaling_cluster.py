@@ -17,23 +17,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import port_for_a_server
 
 
 class AutoscalingCluster:
     def __init__(self, temp_dir: str, *, head_cpus: int, worker_cpus: int, max_workers: int,
                  idle_timeout_s: float = 5.0):
-        self.temp_dir, port = temp_dir, _free_port()
+        # ray start --head takes a port number, and the fake autoscaler's config names the GCS address first
+        self.temp_dir, port = temp_dir, port_for_a_server()
         self.address = f"127.0.0.1:{port}"
         config = {
             "cluster_name": f"exgrpo-fake-{port}",

@@ -139,12 +139,11 @@ def mlflow_server(folder: Path, timeout_s: float = 300):
     """A real `mlflow server` on 127.0.0.1 with its SQLite store and artifacts in `folder`: yields (its URL with no
     trailing slash, its process); killed (resumed first, if a test stopped it) on leaving the block. AssertionError,
     saying why, when it exits or does not answer /health within `timeout_s`."""
-    import socket
     import urllib.request
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from tests.ports import port_for_a_server
+
+    port = port_for_a_server()  # mlflow takes a port number, not a socket
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
                                "--workers", "1", "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
                                "--artifacts-destination", str(folder / "server-artifacts")],

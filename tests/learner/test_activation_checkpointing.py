@@ -4,7 +4,6 @@ rank, under per-layer compile and on 2 FSDP2 ranks; "auto" chooses from memory b
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import torch
 
 from common.config import LearnerConfig, LoRAConfig
 from tests.learner import sectioned
+from tests.ports import rendezvous_store
 from learner.batching import batch_rows, collate
 from learner.activation_checkpointing import (AUTO_MODES, RESERVE, SELECTIVE_RAN_ON_GPU, USABLE, LayerShape, MemoryBudget,
                                    activation_bytes, agreed_budget, apply_checkpointing, bytes_per_token,
@@ -398,7 +398,8 @@ TWO_RANKS = textwrap.dedent("""
     from bench.batches import make_batch
 
     rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", int(port), is_master=False), rank=rank,
+                            world_size=2)
     torch.set_num_threads(1)
     got = {}
     # rank 0 has 30 of 40 GiB free, rank 1 all 40 (GiB as 2**30 B): both budget rank 0's 30
@@ -429,9 +430,8 @@ def test_two_fsdp_ranks_train_the_same_update_with_each_mode(tiny_model_dir, tmp
     """2 FSDP2 ranks over gloo, each layer sharded on its own: full and selective checkpointing (the recompute
     runs inside the layer's backward, while its parameters are gathered) train the weights none trains. Auto's
     budget is the smallest of the ranks' (`agreed_budget`), so both choose alike."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = rendezvous_store()  # held until the ranks are done
+    port = store.port
     out = tmp_path / "rank0.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(r), str(port), str(tiny_model_dir), str(out)],

@@ -2,7 +2,6 @@
 pool runs it too, in test_pool)."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ import torch
 
 from learner.gather import (Staging, _plans, gather_full_state, iter_flat_buckets, iter_full_state, shard_rows,
                             tied_aliases)
+from tests.ports import rendezvous_store
 
 
 def test_shard_rows_follow_fsdp2_even_chunking():
@@ -111,7 +111,8 @@ FSDP_GATHER = textwrap.dedent("""
     from tests.learner.test_gather import tiny_tied
 
     rank, world, port, out = int(sys.argv[1]), 3, sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", int(port), is_master=False), rank=rank,
+                            world_size=world)
     torch.set_num_threads(1)
     model = tiny_tied()
     mesh = init_device_mesh("cpu", (world,))
@@ -149,9 +150,8 @@ def test_three_fsdp_ranks_gather_exactly_and_reuse_their_buffers(tmp_path):
     state equals the model's, cast to bf16, tied head included; a second publication allocates no host memory on
     rank 0 (but for the receive buffer gloo's `gather` makes itself, once per bucket: NCCL's makes none) and its
     bytes are the unique bytes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = rendezvous_store()  # held until the ranks are done
+    port = store.port
     out = tmp_path / "rank0.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", FSDP_GATHER, str(r), str(port), str(out)], cwd=os.getcwd(),

@@ -4,7 +4,6 @@ the base model at init, merged publications under HF names, an exact checkpoint 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ from pydantic import ValidationError
 
 from common.config import LearnerConfig, LoRAConfig, load_config
 from tests.learner import sectioned
+from tests.ports import rendezvous_store
 from learner.gather import gather_full_state
 from learner.lora import LoRALinear, adapter_names, adapters_disabled, apply_lora, init_adapters, lora_modules
 from learner.setup import setup_rank
@@ -346,7 +346,8 @@ TWO_RANKS = textwrap.dedent("""
     from bench.batches import make_batch
 
     rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", int(port), is_master=False), rank=rank,
+                            world_size=2)
     torch.set_num_threads(1)
     cfg = LearnerConfig(batching=dict(micro_batch_rows=4), optim=dict(lr=1e-2), lora=LoRAConfig(rank=3, alpha=6.0))
     built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
@@ -367,9 +368,8 @@ TWO_RANKS = textwrap.dedent("""
 def test_two_fsdp_ranks_train_adapters_and_publish_merged_weights(tiny_model_dir, tmp_path):
     """2 FSDP2 ranks over gloo: the adapters are sharded with their layer (A's 3 rows split 2 + 1), initialised as
     one rank would (the same A), trained while the base stays put, and published merged under HF names."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = rendezvous_store()  # held until the ranks are done
+    port = store.port
     out = tmp_path / "rank0.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(r), str(port), str(tiny_model_dir), str(out)],
@@ -402,7 +402,8 @@ TWO_RANKS_KL = textwrap.dedent("""
     from bench.batches import make_batch
 
     rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", int(port), is_master=False), rank=rank,
+                            world_size=2)
     torch.set_num_threads(1)
     cfg = LearnerConfig(batching=dict(micro_batch_rows=4, mini_batches=2), optim=dict(lr=1e-2),
                         lora=LoRAConfig(rank=3, alpha=6.0), loss=dict(kl_coef=0.5),
@@ -439,9 +440,8 @@ def test_two_fsdp_ranks_take_the_kl_reference_from_the_disabled_adapters(tiny_mo
     runs (the second one against a KL > 0), and the reference log-probs after it, one rank's micro-batch against
     the other's dummy, are the base model's while the trained policy's are not. The peft adapter export gathers
     each adapter's rows from both ranks."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = rendezvous_store()  # held until the ranks are done
+    port = store.port
     out = tmp_path / "rank0.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS_KL, str(r), str(port), str(tiny_model_dir), str(out)],
@@ -476,9 +476,9 @@ BF16_RANK = textwrap.dedent("""
     from learner.setup import setup_rank
     from bench.batches import make_batch
 
-    port, model_dir, out, device = sys.argv[1], sys.argv[2], sys.argv[3], torch.device(sys.argv[4])
-    dist.init_process_group("gloo" if device.type == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
+    model_dir, out, device = sys.argv[1], sys.argv[2], torch.device(sys.argv[3])
+    dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0,
+                            world_size=1)  # one rank: no port
     torch.set_num_threads(1)
     kw = dict(batching=dict(micro_batch_rows=4), optim=dict(lr=1e-2), loss=dict(kl_coef=0.5),
               levers=dict(activation_checkpointing=True))
@@ -545,10 +545,7 @@ BF16_RANK = textwrap.dedent("""
 
 def run_bf16_rank(model_dir, out, device: str = "cpu") -> dict:
     """BF16_RANK in a process of its own (a world-size-1 process group: FSDP2 with bf16 mixed precision)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.run([sys.executable, "-c", BF16_RANK, str(port), str(model_dir), str(out), device],
+    p = subprocess.run([sys.executable, "-c", BF16_RANK, str(model_dir), str(out), device],
                        cwd=os.getcwd(), env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from learner import loss as L
 from learner.token_stats import (BLOCK_BYTES_CAP, HeadError, TokenStatsHead, auto_chunk_tokens,
                                  chunk_tokens_from_free_memory, chunked_logprob_entropy, install_token_stats_head,
                                  token_stats, vocab_slice)
+from tests.ports import rendezvous_store
 
 V = 1000
 
@@ -329,7 +329,8 @@ FSDP_SCRIPT = textwrap.dedent("""
     from tests.learner.test_token_stats import inputs, V
 
     rank, world, port, out, dtype = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3], getattr(torch, sys.argv[4])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", int(port), is_master=False), rank=rank,
+                            world_size=world)
     torch.set_num_threads(1)
     model = init_tiny_qwen2(V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=7)
     install_token_stats_head(model, 6)
@@ -359,9 +360,8 @@ FSDP_SCRIPT = textwrap.dedent("""
 def test_two_fsdp_ranks_match_one_process_with_full_logits(tmp_path, dtype):
     """Rank 0 trains real tokens, rank 1 only the dummy: the sharded gradients equal rank 0's loss
     computed with full logits in one process (the dummy adds exactly nothing)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = rendezvous_store()  # held until the ranks are done
+    port = store.port
     out = tmp_path / "rank0.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", FSDP_SCRIPT, str(r), str(port), str(out), dtype],

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import torch
 
 from common.config import LearnerConfig
 from tests.learner import sectioned
+from tests.ports import rendezvous_store
 from learner.compile_cache import compiled_graphs
 from learner.setup import setup_rank
 from learner.step import merge_rank_stats
@@ -187,8 +187,8 @@ ONE_FSDP_RANK = textwrap.dedent("""
     from learner.setup import setup_rank
     from bench.batches import make_batch
 
-    port, model_dir = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    model_dir = sys.argv[1]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port
     torch.set_num_threads(1)
     cfg = LearnerConfig(batching=dict(micro_batch_rows=4, mini_batches=2), optim=dict(lr=1e-3),
                         levers=dict(compile=True, compile_backend="aot_eager", activation_checkpointing="full"))
@@ -216,11 +216,8 @@ def test_under_fsdp2_full_checkpointing_reuses_the_forwards_graph(tiny_model_dir
     none."""
     import json
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != FAULTS_ENV} | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", ONE_FSDP_RANK, str(port), str(tiny_model_dir)], cwd=os.getcwd(),
+    proc = subprocess.run([sys.executable, "-c", ONE_FSDP_RANK, str(tiny_model_dir)], cwd=os.getcwd(),
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))[7:])
@@ -246,7 +243,8 @@ TWO_RANKS = textwrap.dedent("""
     rank, port, model_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     if rank == 1:  # only rank 1's packing breaks
         os.environ["EXGRPO_LEVER_FAULTS"] = "padding_free"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", int(port), is_master=False), rank=rank,
+                            world_size=2)
     torch.set_num_threads(1)
     cfg = LearnerConfig(batching=dict(micro_batch_rows=4, mini_batches=2), optim=dict(lr=1e-3),
                         levers=dict(padding_free=True, fused_optimizer=True))
@@ -267,9 +265,8 @@ def test_two_ranks_agree_when_only_one_fails(tiny_model_dir):
     was another rank's), keep fused AdamW, and train the same step."""
     import json
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = rendezvous_store()  # held until the ranks are done
+    port = store.port
     env = {k: v for k, v in os.environ.items() if k != FAULTS_ENV} | {"OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(r), str(port), str(tiny_model_dir)],
                               cwd=os.getcwd(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
