@@ -4,7 +4,7 @@ when mixed mode starts, and the shards' counters merged. Pure functions and smal
 
     need = plan_take([shard.ready_summary() for shard in shards], 0, 0, B, rho, switch.on, last_chance)
     quota = mixed_shares(batch_shares, mixed_target(B, rho), version)[shard]
-    switch = MixedSwitch(cfg.switch_groups, cfg.mixed_switch_accuracy)
+    switch = MixedSwitch(window_groups, accuracy)  # built by the experience policy (mixed_switch)
     if switch.observe(fresh_group_accuracies_of_the_batch): every shard.set_mixed_mode()
     metrics, accounting = merge_metrics(per_shard), merge_accounting(per_shard)
 

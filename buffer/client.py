@@ -22,7 +22,8 @@ from pathlib import Path
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from buffer.batch_plan import MixedSwitch, merge_accounting, merge_metrics, plan_take, zero_signal_news
+from buffer.batch_plan import merge_accounting, merge_metrics, plan_take, zero_signal_news
+from buffer.experience_policy import make_experience_policy
 from buffer.keys import shard_of, split_key
 from buffer.shard import make_shard_actor, pack, unpack
 from common import codec
@@ -77,7 +78,7 @@ class BufferClient:
         # held yet), `said` whether its warning was logged
         self._hold: tuple[int, float | None, bool] | None = None
         self.trajectory_score = cfg.trajectory_score  # how the learner picks o* (buffer.trajectory_score)
-        self.switch = MixedSwitch(cfg.switch_groups, cfg.mixed_switch_accuracy)
+        self.switch = make_experience_policy(cfg).mixed_switch()  # the delayed start is the experience policy's
         self._zero_signal_seen: list[list[int]] | None = None  # per shard: cumulative (fresh groups kept out, of
         # which all correct) at the last batch
         self._rr = 0

@@ -20,14 +20,17 @@ import os
 import random
 import time
 from collections import Counter, deque
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
 from buffer.batch_plan import balance, finish_metrics, mixed_shares, mixed_target, plan_take
+from buffer.experience_policy import FinishedGroup, make_experience_policy
 from buffer.sampling import make_question_sampler, make_trajectory_selector
 from buffer.records import record_to_rollout
 from buffer.segments import SnapshotPlan
-from buffer.shard_state import Lease, Ready, check_state_version, decode_into, encode_shard
+from buffer.shard_state import (STATE_VERSION, Lease, Ready, check_state_version, decode_leases, decode_ready,
+                                encode_leases, encode_ready)
 from buffer.store import ExperienceStore
 from common.config import BufferConfig
 from common.messages import LearnerFeedback, Question, ReplayRef, Rollout, ScoredGroup, TrainGroup, WorkItem
@@ -67,12 +70,8 @@ class ShardCore:
             max_total=cfg.max_traj_total,
             max_bytes=cfg.max_bytes,
             evict=cfg.trajectory_eviction,
-            retire_at=None if cfg.retire_above is None else cfg.retire_above + 1,
         )
-        self.store_below = cfg.store_below or self.K  # buffer.store_below: groups with this many correct store nothing
-        # buffer.retire_fresh=last_three_correct: the fresh stream's own exit (else it is the pool's retired set)
-        self.fresh_out: set[str] = set()  # questions never issued fresh again
-        self.tracked: dict[str, list[bool]] = {}  # question -> correctness of its last three fresh rollouts
+        self.policy = make_experience_policy(cfg)  # what a finished group does: store, retire, keep out
         self.rng = random.Random(cfg.seed * 1_000_003 + shard)
         self.incarnation = new_incarnation()  # a new one when the shard restarts from a snapshot (BufferShard)
         self.epoch, self.cursor = 0, 0
@@ -87,12 +86,7 @@ class ShardCore:
         self.taken_at_version = 0  # groups taken for batches at self.version (back-pressure)
         self.mixed_mode = False  # set by the run-wide MixedSwitch (client), never by the shard alone
         self.leased_at_version = [0, 0]  # (replay, all) work items issued at self.version: the mix of new work
-        self.n = dict(issued=0, issued_replay=0, trained=0, trained_mixed=0, stale_dropped=0, zero_signal=0,
-                      expired=0, returned=0, rejected=0, reissued=0, reissued_replay=0, replay_reissue_dropped=0,
-                      late_submissions=0, accepted=0, zero_signal_seen=0, zero_signal_fresh=0,
-                      zero_signal_fresh_correct=0, candidates_shipped=0, epochs_completed=0,
-                      lease_requests_throttled=0, fresh_discarded=0, stale_dropped_mixed=0,
-                      stale_dropped_spanning=0, expired_holder_died=0)
+        self.n = ShardCounters()
 
     # -------------------------------------------------------------------------------------- issuing
 
@@ -140,9 +134,8 @@ class ShardCore:
         return live
 
     def left_fresh(self) -> set[str]:
-        """Questions never issued fresh again: those retired from the experience pool (`retire_fresh=with_pool`,
-        ExGRPO's), or those whose last three tracked rollouts were all correct (`last_three_correct`, SU-01's)."""
-        return self.store.retired if self.cfg.retire_fresh == "with_pool" else self.fresh_out
+        """Questions never issued fresh again (the experience policy's say: ExGRPO's, those retired from the pool)."""
+        return self.policy.left_fresh(self.store.retired)
 
     def _next_fresh(self) -> str | None:
         out = self.left_fresh()
@@ -161,20 +154,12 @@ class ShardCore:
         while True:
             if self.cursor >= len(self._order):
                 self.epoch += 1
-                self.n["epochs_completed"] += 1
+                self.n.epochs_completed += 1
                 self.cursor, self._order = 0, self._epoch_order(self.epoch)
             q = self._order[self.cursor]
             self.cursor += 1
             if q not in out:
                 return q
-
-    def _track(self, qid: str, fresh: list[Rollout]) -> None:
-        """SU-01's fresh-stream filter (`retire_fresh=last_three_correct`): a question whose last three tracked
-        rollouts (the fresh ones of its groups, in order) were all correct leaves the fresh stream."""
-        last = (self.tracked.get(qid, []) + [r.correct for r in fresh])[-3:]
-        self.tracked[qid] = last
-        if len(last) == 3 and all(last):
-            self.fresh_out.add(qid)
 
     def lease(self, generator_id: str, max_items: int, now: float | None = None) -> list[WorkItem]:
         """Up to `max_items` work items, fewer (possibly none) when back-pressure says wait."""
@@ -184,7 +169,7 @@ class ShardCore:
         n = min(max_items, free)
         if n <= 0:
             if max_items > 0:
-                self.n["lease_requests_throttled"] += 1
+                self.n.lease_requests_throttled += 1
             return []
         n_replay = 0
         if self.mixed_mode and (self.store.has_replay() or self.reissue_replay):
@@ -200,9 +185,9 @@ class ShardCore:
                 total += 1
         picks = self._replay_picks(n_replay)
         items = [self._issue(generator_id, qid, now, ref, recs) for qid, ref, recs in picks]
-        if self.cfg.fresh_draw == "per_step":  # each new replay takes the place of a fresh question, consumed unused
+        if self.policy.replay_takes_fresh_slot:  # each new replay takes a fresh question's place, consumed unused
             for _ in range(sum(not ref.reissue for _, ref, _ in picks)):
-                self.n["fresh_discarded"] += self._next_in_epoch() is not None
+                self.n.fresh_discarded += self._next_in_epoch() is not None
         for _ in range(n - len(items)):
             qid = self._next_fresh()
             if qid is None:
@@ -221,7 +206,7 @@ class ShardCore:
             qid = self.reissue_replay.popleft()
             recs = self.store.candidates(qid, self.rng) if qid not in live and self.store.drawable(qid) else []
             if not recs:  # retired, evicted, solved (advantage), already live again: its slot goes back to the sampler
-                self.n["replay_reissue_dropped"] += 1
+                self.n.replay_reissue_dropped += 1
                 continue
             live.add(qid)
             picks.append((qid, ReplayRef(probability=0.0, candidates=len(recs), reissue=True), recs))
@@ -238,9 +223,9 @@ class ShardCore:
         lease = Lease(lid, qid, self.K, deadline, generator_id, version=self.version)
         if ref is not None:
             lease.num_samples, lease.replay, lease.candidates = self.K - 1, True, recs
-            self.n["issued_replay"] += 1
+            self.n.issued_replay += 1
         self.leases[lid] = lease
-        self.n["issued"] += 1
+        self.n.issued += 1
         self.leased_at_version[0] += lease.replay
         self.leased_at_version[1] += 1
         return WorkItem(lid, self.questions[qid], lease.num_samples, deadline, self.shard, ref, self.version,
@@ -259,17 +244,17 @@ class ShardCore:
         last = version - self.cfg.max_lag  # (older ones are past their last chance already: nothing to wait for)
         return sum(1 for x in self.leases.values() if self._min_weights(x.version) == last)
 
-    def _end_lease_reissue(self, lease: Lease, reason: str) -> None:
-        self.n[reason] += 1
+    def _end_lease_reissue(self, lease: Lease) -> None:
+        """A lease that ends unfinished (the caller counts why); its question is issued again."""
         if lease.version == self.version:  # its question is issued again: not part of this version's mix any more
             self.leased_at_version[0] -= lease.replay
             self.leased_at_version[1] -= 1
         self._reissue(lease.question_id, lease.replay)
 
     def _reissue(self, qid: str, replay: bool) -> None:
-        self.n["reissued"] += 1
+        self.n.reissued += 1
         if replay:
-            self.n["reissued_replay"] += 1
+            self.n.reissued_replay += 1
             self.reissue_replay.append(qid)
         else:
             self.reissue.append(qid)
@@ -280,7 +265,8 @@ class ShardCore:
         now = time.time() if now is None else now
         dead = [lid for lid, x in self.leases.items() if all_leases or x.deadline < now]
         for lid in dead:
-            self._end_lease_reissue(self.leases.pop(lid), "expired")
+            self._end_lease_reissue(self.leases.pop(lid))
+        self.n.expired += len(dead)
         return len(dead)
 
     def return_leases(self, lease_ids: list[str]) -> int:
@@ -289,8 +275,9 @@ class ShardCore:
         for lid in lease_ids:
             lease = self.leases.pop(lid, None)
             if lease is not None:
-                self._end_lease_reissue(lease, "returned")
+                self._end_lease_reissue(lease)
                 n += 1
+        self.n.returned += n
         return n
 
     def end_leases_of(self, generator_id: str) -> int:
@@ -300,8 +287,9 @@ class ShardCore:
         issued again at once; a group it submits after all is a late submission (counted, discarded)."""
         gone = [lid for lid, x in self.leases.items() if x.generator_id == generator_id]
         for lid in gone:
-            self._end_lease_reissue(self.leases.pop(lid), "expired")
-        self.n["expired_holder_died"] += len(gone)  # of `expired`: buffer/expired_holder_died
+            self._end_lease_reissue(self.leases.pop(lid))
+        self.n.expired += len(gone)
+        self.n.expired_holder_died += len(gone)  # of `expired`: buffer/expired_holder_died
         return len(gone)
 
     # ------------------------------------------------------------------------------------ submitting
@@ -313,14 +301,15 @@ class ShardCore:
         for g in groups:
             lease = self.leases.pop(g.lease_id, None)
             if lease is None:
-                self.n["late_submissions"] += 1
+                self.n.late_submissions += 1
                 out["late"] += 1
                 continue
             problem = self._check(g, lease)
             if problem:
                 log.warning("shard %d rejected a group from %s and re-issues its question: %s",
                             self.shard, g.generator_id, problem)
-                self._end_lease_reissue(lease, "rejected")
+                self._end_lease_reissue(lease)
+                self.n.rejected += 1
                 out["rejected"] += 1
                 continue
             out["zero_signal" if self._accept(g, lease) else "accepted"] += 1
@@ -338,40 +327,33 @@ class ShardCore:
         return ""
 
     def _accept(self, g: ScoredGroup, lease: Lease) -> bool:
-        """Queue one checked group; True when it was kept out as zero-signal."""
+        """Queue one checked group, after the experience policy's decision has changed the store; True when it was
+        kept out of training as zero-signal."""
         qid, fresh = g.question_id, list(g.rollouts)
         cands: list[Rollout] = []
         if lease.replay:  # the candidates for o*, taken before this group changes the store
             recs = self.store.candidates(qid, self.rng) or lease.candidates
             cands = [record_to_rollout(r, qid) for r in recs]
-        # o* is always correct; buffer.k_fresh_only (SU-01's) counts on-policy rollouts only
-        k = sum(1 for r in fresh if r.correct) + (1 if cands and not self.cfg.k_fresh_only else 0)
-        correct_idx = [i for i, r in enumerate(fresh) if r.correct] if self.cfg.collect else []
-        if self.cfg.collect and self.cfg.retire_fresh == "last_three_correct":
-            self._track(qid, fresh)
-        if self.cfg.collect:
-            collect = self.mixed_mode or self.cfg.collect_before_mixed
-            solved_kept = k >= self.K and not self.cfg.retire  # plain replay: a solved question is left as for k = 0
-            if solved_kept or k >= self.store_below:
-                correct_idx = []
-            keys = self.store.observe(qid, 0 if solved_kept else k, [fresh[i] for i in correct_idx], collect,
-                                      solved=solved_kept)
-            for i, key in zip(correct_idx, keys):
+        d = self.policy.decide(FinishedGroup(qid, tuple(fresh), bool(cands), self.K, self.mixed_mode))
+        if d is not None:
+            keys = self.store.observe(qid, d.k, [fresh[i] for i in d.store], d.collect, solved=d.solved,
+                                      retire=d.retire)
+            for i, key in zip(d.store, keys):
                 if key:
                     fresh[i] = _with_key(fresh[i], key)
         rewards = [r.reward for r in fresh] + [c.reward for c in cands[:1]]
         if all(x == rewards[0] for x in rewards):
-            self.n["zero_signal_seen"] += 1
-            if self.cfg.drop_zero_signal:
-                self.n["zero_signal"] += 1
+            self.n.zero_signal_seen += 1
+            if self.policy.filters_zero_signal:
+                self.n.zero_signal += 1
                 if not lease.replay:  # the run-wide switch still sees this fresh group's accuracy
-                    self.n["zero_signal_fresh"] += 1
-                    self.n["zero_signal_fresh_correct"] += int(k == self.K)
+                    self.n.zero_signal_fresh += 1
+                    self.n.zero_signal_fresh_correct += int(all(r.correct for r in fresh))
                 return True
         group = TrainGroup(qid, self.questions[qid].prompt_ids, fresh, lease.replay, g.lease_id, cands)
-        self.n["candidates_shipped"] += len(cands)
+        self.n.candidates_shipped += len(cands)
         (self.ready_mixed if lease.replay else self.ready_fresh).append(Ready(group, min(r.version for r in fresh)))
-        self.n["accepted"] += 1
+        self.n.accepted += 1
         return False
 
     # ------------------------------------------------------------------------------------- batching
@@ -394,10 +376,10 @@ class ShardCore:
                 keep = deque()
                 for x in q:
                     if x.version < oldest:
-                        self.n["stale_dropped"] += 1
-                        self.n["stale_dropped_mixed"] += x.group.mixed
+                        self.n.stale_dropped += 1
+                        self.n.stale_dropped_mixed += x.group.mixed
                         # generated across a weight update (a long generation), not started late or left waiting
-                        self.n["stale_dropped_spanning"] += any(r.newest_version > r.version for r in x.group.rollouts)
+                        self.n.stale_dropped_spanning += any(r.newest_version > r.version for r in x.group.rollouts)
                         self._reissue(x.group.question_id, x.group.mixed)
                     else:
                         keep.append(x)
@@ -426,9 +408,9 @@ class ShardCore:
         self.ready_mixed = held + allowed
         self.ready_fresh, fresh = _take_oldest(self.ready_fresh, n_fresh)
         out = mixed + fresh
-        self.n["trained"] += len(out)
+        self.n.trained += len(out)
         self.taken_at_version += len(out)
-        self.n["trained_mixed"] += sum(1 for g in out if g.mixed)
+        self.n.trained_mixed += sum(1 for g in out if g.mixed)
         return out
 
     def batch(self, version: int) -> list[TrainGroup]:
@@ -447,11 +429,11 @@ class ShardCore:
         """The terms of `issued = trained + stale_dropped + zero_signal + lost + outstanding + ready`
         (see the module docstring), plus `balance` = left side minus right side (always 0)."""
         n = self.n
-        a = dict(issued=n["issued"], trained=n["trained"], stale_dropped=n["stale_dropped"],
-                 zero_signal=n["zero_signal"], lost=n["expired"] + n["returned"] + n["rejected"],
-                 expired=n["expired"], returned=n["returned"], rejected=n["rejected"],
+        a = dict(issued=n.issued, trained=n.trained, stale_dropped=n.stale_dropped,
+                 zero_signal=n.zero_signal, lost=n.expired + n.returned + n.rejected,
+                 expired=n.expired, returned=n.returned, rejected=n.rejected,
                  outstanding=len(self.leases), ready=len(self.ready_fresh) + len(self.ready_mixed),
-                 reissued=n["reissued"], late_submissions=n["late_submissions"])
+                 reissued=n.reissued, late_submissions=n.late_submissions)
         a["balance"] = balance(a)
         return a
 
@@ -461,7 +443,8 @@ class ShardCore:
         # `retired_from_pool`: questions whose experience was deleted, never stored again (the same set unless
         # buffer.retire_fresh=last_three_correct)
         m["retired_from_pool"], m["retired"] = m["retired"], float(len(self.left_fresh()))
-        m.update({k: float(v) for k, v in self.n.items()})
+        m.update({k: float(v) for k, v in asdict(self.n).items()})
+        m.update({f"policy/{k}": float(v) for k, v in self.policy.metrics().items()})
         m.update(leases_outstanding=float(len(self.leases)), ready_fresh=float(len(self.ready_fresh)),
                  in_flight_last_chance=float(self.last_chance_in_flight(self.version)),
                  ready_mixed=float(len(self.ready_mixed)), mixed_mode=float(self.mixed_mode),
@@ -479,7 +462,16 @@ class ShardCore:
 
     def state(self, store: dict) -> dict:
         """The whole shard state as msgpack-ready plain data, with `store` (a store manifest) inside."""
-        return encode_shard(self, store)
+        rs = self.rng.getstate()
+        return {
+            "state_version": STATE_VERSION, "shard": self.shard, "fingerprint": self.fingerprint,
+            "group_size": self.K, "epoch": self.epoch, "cursor": self.cursor, "reissue": list(self.reissue),
+            "reissue_replay": list(self.reissue_replay), "next_lease": self.next_lease, "version": self.version,
+            "mixed_mode": self.mixed_mode, "taken_at_version": self.taken_at_version, "incarnation": self.incarnation,
+            "counters": asdict(self.n), "rng": [rs[0], list(rs[1]), rs[2]], "leases": encode_leases(self.leases),
+            "ready_fresh": encode_ready(self.ready_fresh), "ready_mixed": encode_ready(self.ready_mixed),
+            "policy": self.policy.state(), "store": store,
+        }
 
     @classmethod
     def from_state(cls, cfg: BufferConfig, questions: list[Question], state: dict, *, open_segment,
@@ -488,8 +480,68 @@ class ShardCore:
         (`buffer.snapshot.load_core`). Raises ValueError when the state does not fit this shard."""
         check_state_version(state)
         core = cls(cfg, questions, shard=state["shard"], batch_share=batch_share, shares=shares)
-        decode_into(core, state, open_segment)
+        core._load(state, open_segment)
         return core
+
+    def _load(self, state: dict, open_segment) -> None:
+        if state["fingerprint"] != self.fingerprint:
+            raise ValueError(f"snapshot of shard {state['shard']} was taken with a different question set "
+                             "(dataset or num_shards changed); restore it with the same data and shard count")
+        if state["group_size"] != self.K:
+            raise ValueError(f"snapshot has group_size {state['group_size']}, config has {self.K}")
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._order = self._epoch_order(self.epoch)
+        self.reissue = deque(state["reissue"])
+        self.reissue_replay = deque(state["reissue_replay"])
+        self.next_lease, self.version = int(state["next_lease"]), int(state["version"])
+        self.mixed_mode = bool(state["mixed_mode"])
+        self.taken_at_version = int(state.get("taken_at_version", 0))
+        self.incarnation = int(state.get("incarnation", self.incarnation))
+        self.n.load(state["counters"])
+        v, internal, gauss = state["rng"]
+        self.rng.setstate((v, tuple(internal), gauss))
+        self.leases = decode_leases(state["leases"], self.questions)
+        self.ready_fresh, self.ready_mixed = decode_ready(state["ready_fresh"]), decode_ready(state["ready_mixed"])
+        # (older snapshots keep SU-01's fresh-stream state beside the rest)
+        self.policy.load_state(state.get("policy", {k: state[k] for k in ("fresh_out", "tracked") if k in state}))
+        self.store.load_state(state["store"], open_segment)
+
+
+@dataclass(slots=True)
+class ShardCounters:
+    """A shard's counters; each is logged as buffer/<name>, summed over shards. The accounting's terms are among
+    them (`ShardCore.accounting`)."""
+
+    issued: int = 0
+    issued_replay: int = 0
+    trained: int = 0
+    trained_mixed: int = 0
+    stale_dropped: int = 0
+    stale_dropped_mixed: int = 0  # of stale_dropped: mixed groups
+    stale_dropped_spanning: int = 0  # of stale_dropped: generated across a weight update
+    zero_signal: int = 0  # kept out of training (the policy filters zero-signal groups)
+    zero_signal_seen: int = 0  # groups whose rewards were all equal, kept out or not
+    zero_signal_fresh: int = 0  # of zero_signal: fresh groups (the run-wide switch counts them)
+    zero_signal_fresh_correct: int = 0  # of those: all correct
+    expired: int = 0
+    expired_holder_died: int = 0  # of expired: the generator holding the lease died
+    returned: int = 0
+    rejected: int = 0
+    reissued: int = 0
+    reissued_replay: int = 0
+    replay_reissue_dropped: int = 0
+    late_submissions: int = 0
+    accepted: int = 0
+    candidates_shipped: int = 0
+    epochs_completed: int = 0
+    lease_requests_throttled: int = 0
+    fresh_discarded: int = 0
+
+    def load(self, saved: dict) -> None:
+        """Counters from a snapshot (names it does not know are left out; ones it lacks stay 0)."""
+        for f in fields(self):
+            if f.name in saved:
+                setattr(self, f.name, int(saved[f.name]))
 
 
 def new_incarnation() -> int:

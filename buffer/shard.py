@@ -137,7 +137,7 @@ class BufferShard:
                 last = self.core.last_chance_in_flight(version)
                 left = deadline - time.monotonic()
                 if (summary[0] + summary[1] >= want and not (hold and last)) or left <= 0:
-                    return [*summary, self.core.n["zero_signal_fresh"], self.core.n["zero_signal_fresh_correct"],
+                    return [*summary, self.core.n.zero_signal_fresh, self.core.n.zero_signal_fresh_correct,
                             int(self.core.mixed_mode), self.core.incarnation, last]
                 self.cond.wait(min(left, 0.05))  # also wakes to expire leases and see new versions
 

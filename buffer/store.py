@@ -18,6 +18,7 @@ import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,33 @@ class _Entry:
             setattr(self, name, array(code, (col[i] for i in idx)))
 
 
+@dataclass(slots=True)
+class StoreCounters:
+    """The store's counters; each is logged as buffer/<name>, summed over shards."""
+
+    stored: int = 0
+    deduplicated: int = 0
+    evicted: int = 0
+    evicted_measured: int = 0  # of evicted: past max_traj_per_question, by measured entropy
+    evicted_questions: int = 0  # whole questions, past max_traj_total / max_bytes
+    evicted_for_bytes: int = 0  # of evicted: past max_bytes
+    deleted_on_retire: int = 0
+    feedback_applied: int = 0
+    feedback_ignored: int = 0
+    feedback_older: int = 0
+    late_for_retired: int = 0
+    chosen: int = 0
+    chosen_measured: int = 0
+    chosen_gone: int = 0
+    logprobs_from_learner: int = 0
+    logprobs_mismatched: int = 0
+
+    def load(self, saved: dict) -> None:
+        for f in fields(self):
+            if f.name in saved:
+                setattr(self, f.name, int(saved[f.name]))
+
+
 class ExperienceStore:
     """Stored correct trajectories of one shard's questions, grouped into accuracy buckets."""
 
@@ -72,7 +100,6 @@ class ExperienceStore:
         max_total: int,
         max_bytes: int | None = None,
         evict: str = "highest_entropy",
-        retire_at: int | None = None,
     ):
         if group_size < 2:
             raise ValueError(f"group_size must be >= 2, got {group_size}")
@@ -80,7 +107,6 @@ class ExperienceStore:
             raise ValueError(f"trajectory eviction must be 'highest_entropy' or 'oldest', got {evict!r}")
         self.evict = evict  # buffer.trajectory_eviction: oldest = FIFO per question (plain replay)
         self.k_max = group_size
-        self.retire_at = group_size if retire_at is None else retire_at  # k that retires: buffer.retire_above + 1
         self.sampler, self.selector = sampler, selector
         self.max_per_question, self.max_total, self.max_bytes = max_per_question, max_total, max_bytes
         self.entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU order: least recently refreshed first
@@ -90,10 +116,7 @@ class ExperienceStore:
         self.total = 0
         self.bytes = 0  # sum of the stored records' sizes (tokens, log-probs and header: ~8 bytes per token)
         self.replay_hist = [0] * 5  # stored trajectories by times replayed: 0, 1, 2, 3, 4+
-        self.c = dict(stored=0, deduplicated=0, evicted=0, evicted_measured=0, evicted_questions=0, evicted_for_bytes=0,
-                      deleted_on_retire=0,
-                      feedback_applied=0, feedback_ignored=0, feedback_older=0, late_for_retired=0,
-                      chosen=0, chosen_measured=0, chosen_gone=0, logprobs_from_learner=0, logprobs_mismatched=0)
+        self.c = StoreCounters()
         self.entropy_chosen_sum = 0.0
         self.entropy_available_sum = 0.0
         # snapshot segments (see `plan_snapshot`): id -> segment; questions with records not written yet
@@ -104,19 +127,24 @@ class ExperienceStore:
 
     # ------------------------------------------------------------------------------------- writing
 
-    def observe(self, question_id: str, k: int, correct: list[Rollout], collect: bool, solved: bool = False
-                ) -> list[str]:
-        """Apply q's latest group (k correct of K; `solved`: all K were, and q is kept: no retirement). Returns the
-        keys of `correct` that are stored now ("" for those that are not)."""
+    def observe(self, question_id: str, k: int, correct: list[Rollout], collect: bool, *, solved: bool = False,
+                retire: bool = False) -> list[str]:
+        """Apply q's latest group as the experience policy decided (`buffer.experience_policy.Decision`): k correct
+        of K sets its bucket (0: left as it is); `correct` are stored when `collect`; `retire` deletes q's
+        experience and stores none again; `solved`: all K were correct and q is kept. Returns the keys of `correct`
+        that are stored now ("" for those that are not)."""
         keys = [""] * len(correct)
         if solved and question_id in self.entries:
             self.solved.add(question_id)
         else:
             self.solved.discard(question_id)
         if question_id in self.retired:
-            self.c["late_for_retired"] += 1
+            self.c.late_for_retired += 1
             return keys
-        if k >= self.retire_at:
+        if not retire and not 0 <= k < self.k_max:
+            raise ValueError(f"experience policy: k={k} for {question_id!r} without retiring it; a bucket is 1..K-1 "
+                             f"(K={self.k_max}; 0 leaves it as it is): retire an all-correct question or mark it solved")
+        if retire:
             self._retire(question_id)
             return keys
         e = self.entries.get(question_id)
@@ -148,7 +176,7 @@ class ExperienceStore:
         have = {record_digest(r) for r in e.recs}
         for r, d in zip(correct, digests):
             if d in have:
-                self.c["deduplicated"] += 1
+                self.c.deduplicated += 1
                 continue
             have.add(d)
             e.append(pack_record(r, d))
@@ -156,7 +184,7 @@ class ExperienceStore:
             self.total += 1
             self.bytes += e.recs[-1].nbytes
             self.replay_hist[0] += 1
-            self.c["stored"] += 1
+            self.c.stored += 1
 
     def _set_bucket(self, qid: str, e: _Entry, k: int) -> None:
         if e.bucket != k:
@@ -180,7 +208,7 @@ class ExperienceStore:
         if len(pending) > self.k_max:
             drop = set(sorted(pending, key=lambda i: e.ents[i])[self.k_max :])
             self._drop_recs(e, drop)
-            self.c["evicted"] += len(drop)
+            self.c.evicted += len(drop)
             e.keep([i for i in range(len(e.recs)) if i not in drop])
 
     def _trim_oldest(self, e: _Entry) -> None:
@@ -188,7 +216,7 @@ class ExperienceStore:
         n = len(e.recs) - self.max_per_question
         if n > 0:
             self._drop_recs(e, range(n))
-            self.c["evicted"] += n
+            self.c.evicted += n
             e.keep(list(range(n, len(e.recs))))
 
     def _trim_measured(self, e: _Entry) -> None:
@@ -199,8 +227,8 @@ class ExperienceStore:
         if len(measured) > self.max_per_question:
             drop = set(sorted(measured, key=lambda i: e.ents[i])[self.max_per_question :])
             self._drop_recs(e, drop)
-            self.c["evicted"] += len(drop)
-            self.c["evicted_measured"] += len(drop)
+            self.c.evicted += len(drop)
+            self.c.evicted_measured += len(drop)
             e.keep([i for i in range(len(e.recs)) if i not in drop])
 
     def _evict_total(self) -> None:
@@ -210,10 +238,10 @@ class ExperienceStore:
                                                                 and self.bytes > self.max_bytes)):
             qid = next(iter(self.entries))
             n = len(self.entries[qid].recs)
-            self.c["evicted"] += n
-            self.c["evicted_questions"] += 1
+            self.c.evicted += n
+            self.c.evicted_questions += 1
             if self.total <= self.max_total:
-                self.c["evicted_for_bytes"] += n
+                self.c.evicted_for_bytes += n
             self._remove(qid)
 
     def _remove(self, qid: str) -> None:
@@ -228,7 +256,7 @@ class ExperienceStore:
     def _retire(self, qid: str) -> None:
         e = self.entries.get(qid)
         if e is not None:
-            self.c["deleted_on_retire"] += len(e.recs)
+            self.c.deleted_on_retire += len(e.recs)
         self._remove(qid)
         self.retired.add(qid)
 
@@ -288,7 +316,7 @@ class ExperienceStore:
         for n, (key, ent) in enumerate(zip([*keys, *fresh_keys], [*entropies, *fresh_entropies])):
             found = self._find(key)
             if found is None:
-                self.c["feedback_ignored"] += 1
+                self.c.feedback_ignored += 1
                 continue
             e, i = found
             ent = float(ent)
@@ -297,12 +325,12 @@ class ExperienceStore:
                 by_key[key] = ent
                 candidates.setdefault(split_key(key)[0], []).append(ent)
             if version < e.evers[i]:
-                self.c["feedback_older"] += 1
+                self.c.feedback_older += 1
                 continue
             e.recs[i].view(np.float32)[3] = ent
             e.recs[i][4] = version
             e.ents[i], e.evers[i] = ent, version
-            self.c["feedback_applied"] += 1
+            self.c.feedback_applied += 1
         for key, lp in zip(fresh_keys, fresh_logprobs):
             found = self._find(key) if key in first_seen else None
             if found is not None:
@@ -310,19 +338,19 @@ class ExperienceStore:
         for key in chosen:
             found = self._find(key)
             if found is None:
-                self.c["chosen_gone"] += 1
+                self.c.chosen_gone += 1
                 continue
             e, i = found
             t = e.times[i]
             self.replay_hist[min(t, 4)] -= 1
             self.replay_hist[min(t + 1, 4)] += 1
             e.recs[i][5] = e.times[i] = t + 1
-            self.c["chosen"] += 1
+            self.c.chosen += 1
             if key in by_key:
                 ents = candidates[split_key(key)[0]]
                 self.entropy_chosen_sum += by_key[key]
                 self.entropy_available_sum += sum(ents) / len(ents)
-                self.c["chosen_measured"] += 1
+                self.c.chosen_measured += 1
         for qid in measured:
             e = self.entries.get(qid)
             if e is not None:
@@ -334,7 +362,7 @@ class ExperienceStore:
         old = e.recs[i]
         t = (len(old) - H) // 2
         if len(logprobs) != t:
-            self.c["logprobs_mismatched"] += 1
+            self.c.logprobs_mismatched += 1
             return
         new = old.copy()
         new.view(np.float32)[H + t:] = logprobs
@@ -342,7 +370,7 @@ class ExperienceStore:
             self.segments[e.segs[i]].live -= LEN + old.nbytes
         e.recs[i], e.segs[i] = new, -1
         self.dirty.add(qid)
-        self.c["logprobs_from_learner"] += 1
+        self.c.logprobs_from_learner += 1
 
     def _find(self, key: str) -> tuple[_Entry, int] | None:
         try:
@@ -364,7 +392,7 @@ class ExperienceStore:
                  entropy_chosen_sum=self.entropy_chosen_sum, entropy_available_sum=self.entropy_available_sum)
         for i, label in enumerate(("0", "1", "2", "3", "4plus")):
             m[f"times_replayed_{label}"] = float(self.replay_hist[i])
-        m.update({k: float(v) for k, v in self.c.items()})
+        m.update({k: float(v) for k, v in asdict(self.c).items()})
         return m
 
     # ----------------------------------------------------------------------------------- snapshots
@@ -410,7 +438,7 @@ class ExperienceStore:
             "next_segment": self.next_segment,
             "retired": sorted(self.retired),
             "solved": sorted(self.solved),
-            "counters": dict(self.c),
+            "counters": asdict(self.c),
             "entropy_sums": [self.entropy_chosen_sum, self.entropy_available_sum],
         }
 
@@ -482,7 +510,7 @@ class ExperienceStore:
         self.next_segment = int(s["next_segment"])
         self.retired = set(s["retired"])
         self.solved = {q for q in s.get("solved", ()) if q in self.entries}  # (absent from older snapshots)
-        self.c.update({k: int(v) for k, v in s["counters"].items() if k in self.c})
+        self.c.load(s["counters"])
         self.entropy_chosen_sum, self.entropy_available_sum = (float(x) for x in s["entropy_sums"])
 
     def opened_from(self, target: Callable[[str], Path]) -> None:

@@ -127,16 +127,34 @@ def check_reward(reward_name: str, task: str | None) -> None:
         raise BadInput("invalid configuration:", str(e)) from None
 
 
+def experience_policy_problem(buffer_cfg) -> str:
+    """A user's experience policy (buffer.experience_policy) imports and builds here as it will in every shard; ""
+    when it does (or none is named)."""
+    if not buffer_cfg.experience_policy:
+        return ""
+    from buffer.experience_policy import make_experience_policy
+
+    try:
+        make_experience_policy(buffer_cfg)
+    except ValueError as e:
+        return str(e)
+    except Exception as e:  # the user's constructor: say what it raised, not a traceback
+        return (f"buffer.experience_policy: building {buffer_cfg.experience_policy}(buffer config) raised "
+                f"{type(e).__name__}: {one_line(e)}; fix its __init__")
+    return ""
+
+
 def user_modules(cfg) -> list[str]:
-    """The user's reward modules (reward.name, eval.sets.<name>.reward) that are not installed: for each, the module
-    file or its top-level package folder, found on sys.path outside site-packages and outside this project's
-    source. The run gives them to Ray as the runtime_env's `py_modules`, so Ray uploads them and puts them on the
+    """The user's modules (reward.name, eval.sets.<name>.reward, buffer.experience_policy) that are not installed: for
+    each, the module file or its top-level package folder, found on sys.path outside site-packages and outside this
+    project's source. The run gives them to Ray as the runtime_env's `py_modules`, so Ray uploads them and puts them on the
     path of every worker on every node (a reward module in the folder the run starts from reaches the generators
     of every node). Ray's upload limit applies (a package folder of data is better installed on the nodes)."""
     import importlib.util
 
     root = Path(__file__).resolve().parents[1]
-    names = [cfg.reward.name, *(s.reward for s in cfg.eval.sets.values() if s.reward)]
+    names = [cfg.reward.name, *(s.reward for s in cfg.eval.sets.values() if s.reward),
+             cfg.buffer.experience_policy or ""]
     found = []
     for name in names:
         if ":" not in name:
@@ -173,6 +191,7 @@ def input_problems(cfg) -> list[str]:
         problems.append("model.path: not set, and with data.task=null there is no built-in model (each is built for "
                         "its built-in task); set model.path=<your model folder> (docs/own-task.md, section 1)")
     problems += data_and_reward_problems(cfg)
+    problems.append(experience_policy_problem(cfg.buffer))
     problems.extend(input_checks.problems(cfg))  # the model folder's weights, LoRA targets, cluster.address, ...
     return [p for p in problems if p]
 

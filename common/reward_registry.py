@@ -46,7 +46,7 @@ def resolve_reward(name: str) -> tuple[RewardFn, bool]:
     if not sep or not module_name or not attr:
         raise ValueError(f"reward.name: unknown reward {name!r}; use one of {sorted(builtin)} "
                          "or a user function written package.module:function")
-    module = _import_user_module(module_name)
+    module = import_user_module(module_name)
     _check_not_shadowed(name, module)
     fn = getattr(module, attr, None)
     if not callable(fn):
@@ -56,29 +56,29 @@ def resolve_reward(name: str) -> tuple[RewardFn, bool]:
     return fn, False
 
 
-def _import_user_module(module_name: str):
-    """The user's reward module; ValueError with one line when its import fails: not found (the spelling, the
-    path), found but failing (its file, line and error: a syntax error, an exception, a missing dependency of
+def import_user_module(module_name: str, field: str = "reward.name"):
+    """A user's module (a reward's, an experience policy's: `field` names the setting). ValueError with one line when
+    its import fails: not found (the spelling, the path), found but failing (its file, line and error: a syntax error, an exception, a missing dependency of
     its own), or exiting at import (`sys.exit(3)` would otherwise end the command with code 3, which means a
     stall)."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ValueError(f"reward.name: cannot import module {module_name!r} ({e}); check the spelling, and "
+            raise ValueError(f"{field}: cannot import module {module_name!r} ({e}); check the spelling, and "
                              "start the run from the folder that holds it or put that folder on PYTHONPATH") from None
-        raise ValueError(f"reward.name: module {module_name!r} was found, but its import failed on {e.name!r} "
+        raise ValueError(f"{field}: module {module_name!r} was found, but its import failed on {e.name!r} "
                          f"({_where(e, module_name)}: {e}); install {e.name} where the run starts and on every "
-                         "node that runs generators") from None
+                         "node of the run") from None
     except SyntaxError as e:
-        raise ValueError(f"reward.name: module {module_name!r} does not compile ({e.filename} line {e.lineno}: "
+        raise ValueError(f"{field}: module {module_name!r} does not compile ({e.filename} line {e.lineno}: "
                          f"{type(e).__name__}: {e.msg}); fix the module") from None
     except SystemExit as e:
-        raise ValueError(f"reward.name: module {module_name!r} called sys.exit({e.code!r}) while being imported "
-                         f"({_where(e, module_name)}); a reward module must not exit at import: move that code under "
+        raise ValueError(f"{field}: module {module_name!r} called sys.exit({e.code!r}) while being imported "
+                         f"({_where(e, module_name)}); a module must not exit at import: move that code under "
                          "`if __name__ == \"__main__\":`") from None
     except Exception as e:  # anything the module's own code raises at import: say where, not a traceback
-        raise ValueError(f"reward.name: importing module {module_name!r} raised {type(e).__name__}: {e} "
+        raise ValueError(f"{field}: importing module {module_name!r} raised {type(e).__name__}: {e} "
                          f"({_where(e, module_name)}); fix the module") from None
 
 

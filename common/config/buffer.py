@@ -75,6 +75,10 @@ class BufferConfig(Section):
     that other response) / (max_new_tokens - that response's non-pad tokens): it favours short trajectories, with
     noise from the other row (docs/algorithm.md). Either way the buffer keeps and ranks stored trajectories by the
     mean entropy the learner reports."""
+    experience_policy: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """A class of your own that decides what a finished group does to the experience pool, package.module:Class
+    (built as Class(buffer_config); subclass buffer.experience_policy.ExGrpo, docs/algorithm.md). None: the built-in
+    rule the settings below choose (collect, retire, retire_fresh, drop_zero_signal)."""
     collect: bool = True
     """Manage experience: store correct rollouts of partly solved questions and retire solved ones.
     `collect=false` with `replay_ratio=0` is plain on-policy GRPO with the same components."""

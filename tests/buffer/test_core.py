@@ -131,14 +131,14 @@ def test_zero_signal_groups_are_counted_and_still_update_the_store():
     a, b, c = core.lease("g", 3, now=NOW)
     out = core.submit([group_for(a, 4), group_for(b, 0), group_for(c, 2)], now=NOW)
     assert out == {"accepted": 1, "zero_signal": 2, "rejected": 0, "late": 0}
-    assert core.n["zero_signal_fresh"] == 2 and core.n["zero_signal_fresh_correct"] == 1  # for the run's switch
+    assert core.n.zero_signal_fresh == 2 and core.n.zero_signal_fresh_correct == 1  # for the run's switch
     assert a.question.id in core.store.retired  # all correct: retired although kept out of batches
     assert core.store.total == 2 and len(core.ready_fresh) == 1
     assert balanced(core)["zero_signal"] == 2
     keep = ShardCore(cfg(), make_questions(20))  # the default: trained on with advantage 0 (official)
     [x] = keep.lease("g", 1, now=NOW)
     keep.submit([group_for(x, 0)], now=NOW)
-    assert len(keep.ready_fresh) == 1 and keep.n["zero_signal_seen"] == 1 and keep.n["zero_signal"] == 0
+    assert len(keep.ready_fresh) == 1 and keep.n.zero_signal_seen == 1 and keep.n.zero_signal == 0
 
 
 def test_retired_question_is_not_issued_fresh_again():
@@ -290,10 +290,10 @@ def test_retirement_from_the_pool_and_from_the_fresh_stream_are_two_things():
         if mode == "with_pool":
             assert again == [] and core.metrics()["retired"] == 1
             continue
-        assert [it.question.id for it in again] == ["q0"] and core.tracked["q0"] == [True, False, False]
+        assert [it.question.id for it in again] == ["q0"] and core.policy.tracked["q0"] == [True, False, False]
         core.submit([_reversed(group_for(again[0], 3, seed=1))], now=NOW)
-        assert core.store.c["late_for_retired"] == 1 and not core.store.entries
-        assert core.tracked["q0"] == [True, True, True] and core.lease("g", 1, now=NOW) == []
+        assert core.store.c.late_for_retired == 1 and not core.store.entries
+        assert core.policy.tracked["q0"] == [True, True, True] and core.lease("g", 1, now=NOW) == []
         m = core.metrics()
         assert (m["retired"], m["retired_from_pool"]) == (1, 1)
         balanced(core)
@@ -303,7 +303,7 @@ def test_retirement_from_the_pool_and_from_the_fresh_stream_are_two_things():
     core.submit([_reversed(group_for(a, 2))], now=NOW)  # 0, 0, 1, 1
     [b] = core.lease("g", 1, now=NOW)
     core.submit([group_for(b, 3, seed=1)], now=NOW)  # 1, 1, 1, 0: last three 1, 1, 0
-    assert [it.question.id for it in core.lease("g", 1, now=NOW)] == ["q0"] and not core.fresh_out
+    assert [it.question.id for it in core.lease("g", 1, now=NOW)] == ["q0"] and not core.policy.fresh_out
     assert core.store.entries["q0"].bucket == 3 and not core.store.retired
 
 
@@ -324,7 +324,7 @@ def test_without_retirement_a_solved_question_keeps_its_experience_and_comes_bac
         else:
             assert e.bucket == 2 and len(e.recs) == 2 and not core.store.retired
             assert [it.question.id for it in core.lease("g", 1, now=NOW)] == ["q0"]
-        assert core.n["zero_signal_seen"] == 1  # the solved group still counts as all-correct for the switch
+        assert core.n.zero_signal_seen == 1  # the solved group still counts as all-correct for the switch
         balanced(core)
 
 
@@ -386,7 +386,7 @@ def test_a_reissued_replay_of_a_solved_question_is_not_issued_under_advantage_re
     core.return_leases([replay["q0"].lease_id])
     assert list(core.reissue_replay) == ["q0"]
     again = core.lease("g", 4, now=NOW)
-    assert [it.question.id for it in again if it.replay] == [] and core.n["replay_reissue_dropped"] == 1, again
+    assert [it.question.id for it in again if it.replay] == [] and core.n.replay_reissue_dropped == 1, again
     balanced(core)
 
 
@@ -404,7 +404,7 @@ def test_fifo_eviction_keeps_the_newest_trajectories():
         keys = [r.key for q in (core.ready_fresh[0], core.ready_fresh[1]) for r in q.group.rollouts if r.key]
         core.feedback(LearnerFeedback(1, [], float32_array([]), [], keys, float32_array([0.1, 0.2, 0.9, 1.0])))
         assert sorted(core.store.entries["q0"].ents) == pytest.approx(left)
-        assert core.store.c["evicted"] == 1
+        assert core.store.c.evicted == 1
         balanced(core)
 
 
@@ -448,7 +448,7 @@ def test_expired_and_stale_replays_are_issued_again_as_replay():
     core.expire(now=replay[0].deadline + 1)  # every lease expires
     again = [it for it in core.lease("g", 6, now=replay[0].deadline + 2) if it.replay]
     assert sorted(it.question.id for it in again) == sorted(it.question.id for it in replay)
-    assert all(it.replay.reissue for it in again) and core.n["reissued_replay"] == 2
+    assert all(it.replay.reissue for it in again) and core.n.reissued_replay == 2
     core.submit([group_for(it, 1, version=0, seed=4) for it in again], now=replay[0].deadline + 2)
     core.set_version(2)  # version 0 is stale at max_lag 1: the mixed groups are dropped ...
     assert core.ready_counts() == (0, 0)
@@ -494,14 +494,14 @@ def test_official_fresh_draw_consumes_a_fresh_question_per_replay(fresh_draw):
     fresh = [it for it in items if not it.replay]
     assert len(replays) == len(fresh) == 4
     skipped = 4 if fresh_draw == "per_step" else 0
-    assert core.cursor - cursor == len(fresh) + skipped and core.n["fresh_discarded"] == skipped
+    assert core.cursor - cursor == len(fresh) + skipped and core.n.fresh_discarded == skipped
     issued = {it.question.id for it in items} | {it.question.id for it in seeds}
     discarded = core._order[cursor:core.cursor]
     assert len(set(discarded) - issued) == skipped  # the skipped ones were never issued
     core.return_leases([it.lease_id for it in replays[:2]])  # issued again as replay: nothing more consumed
     again = core.lease("g", 2, now=NOW)
     assert [bool(it.replay and it.replay.reissue) for it in again] == [True, True]
-    assert core.n["fresh_discarded"] == skipped
+    assert core.n.fresh_discarded == skipped
     balanced(core)
 
 
@@ -517,7 +517,7 @@ def test_stale_groups_are_dropped_and_reissued():
     assert [g.question_id for g in taken] == [b.question.id]
     acc = balanced(core)
     assert acc["stale_dropped"] == 1 and acc["trained"] == 1 and acc["reissued"] == 1
-    assert core.n["stale_dropped_mixed"] == core.n["stale_dropped_spanning"] == 0  # a fresh group started on old weights
+    assert core.n.stale_dropped_mixed == core.n.stale_dropped_spanning == 0  # a fresh group started on old weights
 
 
 def test_a_partial_rollout_is_as_stale_as_its_oldest_token():
@@ -529,7 +529,7 @@ def test_a_partial_rollout_is_as_stale_as_its_oldest_token():
     core.submit([spanning, group_for(b, 2, version=1)], now=NOW)
     core.set_version(2)
     assert [g.question_id for g in core.take(2, 4, 0)] == [b.question.id]
-    assert balanced(core)["stale_dropped"] == 1 and core.n["stale_dropped_spanning"] == 1
+    assert balanced(core)["stale_dropped"] == 1 and core.n.stale_dropped_spanning == 1
     assert core.metrics()["stale_dropped_spanning"] == 1.0
 
 
@@ -571,7 +571,7 @@ class SimRun:
         if plan is None:
             return None
         groups = [g for c, (f, m) in zip(self.cores, plan) for g in c.take(version, f, m)]
-        zs = (sum(c.n["zero_signal_fresh"] for c in self.cores), sum(c.n["zero_signal_fresh_correct"] for c in self.cores))
+        zs = (sum(c.n.zero_signal_fresh for c in self.cores), sum(c.n.zero_signal_fresh_correct for c in self.cores))
         n_zero, n_one = zs[0] - self.zero_seen[0], zs[1] - self.zero_seen[1]
         self.zero_seen = zs
         acc = [1.0] * n_one + [0.0] * (n_zero - n_one) + [sum(r.correct for r in g.rollouts) / self.cfg.group_size
@@ -685,9 +685,9 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
     # the switch fired at the first batch whose window (>= one batch of fresh groups) crossed 0.35
     first_crossing = next(b for b, mean in sim.window_means if mean > 0.35)
     assert sim.switched_at == first_crossing
-    store_chosen = sum(c.store.c["chosen"] + c.store.c["chosen_gone"] for c in sim.cores)
-    assert store_chosen == mixed_trained == sum(c.n["trained_mixed"] for c in sim.cores) > 0
-    trained = sum(c.n["trained"] for c in sim.cores)
+    store_chosen = sum(c.store.c.chosen + c.store.c.chosen_gone for c in sim.cores)
+    assert store_chosen == mixed_trained == sum(c.n.trained_mixed for c in sim.cores) > 0
+    trained = sum(c.n.trained for c in sim.cores)
     # the replay share at every batch once the store has filled (3 batches after the switch): ceil(rho * B) mixed
     # groups whenever the generators keep up; with generators dying and lagging, short only now and then
     target = mixed_target(8, replay_ratio)
@@ -699,11 +699,11 @@ def test_simulated_run_at_the_papers_settings(shards, max_lag, replay_ratio, min
         assert sum(settled) >= 0.85 * target * len(settled), mixed_per_batch  # per-shard floors: 5 of 6 (0.83)
     assert batches > 40, [c.accounting() for c in sim.cores]
     if mode == "su01":  # both exits were taken, at different times: retired from the pool, still issued fresh
-        assert pool_only > 0 and sum(len(c.fresh_out) for c in sim.cores) > 0, pool_only
+        assert pool_only > 0 and sum(len(c.policy.fresh_out) for c in sim.cores) > 0, pool_only
     if not bcfg.retire:  # questions were solved (k = K) after they were stored, and they stay stored
         assert any(q in c.store.entries for c in sim.cores for q in solved), len(solved)
     if fast and max_lag >= 1:  # generators keep up: (almost) nothing goes stale
-        assert sum(c.n["stale_dropped"] for c in sim.cores) <= 0.02 * trained, (sum(c.n["stale_dropped"] for c in sim.cores), trained)
+        assert sum(c.n.stale_dropped for c in sim.cores) <= 0.02 * trained, (sum(c.n.stale_dropped for c in sim.cores), trained)
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3])
@@ -746,7 +746,7 @@ def test_a_pipeline_one_batch_ahead_drops_almost_nothing_as_stale_at_the_switch(
             for c in sim.cores:
                 balanced(c)
         assert sim.switched_at == 6
-        stale = sum(c.n["stale_dropped"] for c in sim.cores)
+        stale = sum(c.n.stale_dropped for c in sim.cores)
         assert stale <= 3, (shards, seed, stale)
 
 
@@ -947,7 +947,7 @@ def _timed_run(gen_speed: float, seed: int, hold: bool = True, steps: int = 40) 
             balanced(c)
     out = {k: float(sum(c.accounting()[k] for c in sim.cores)) for k in ("trained", "stale_dropped", "issued")}
     out.update(busy=busy_ticks / (tick * gens * slots), held=float(held), ticks=float(tick),
-               throttled=float(sum(c.n["lease_requests_throttled"] for c in sim.cores)))
+               throttled=float(sum(c.n.lease_requests_throttled for c in sim.cores)))
     return out
 
 

@@ -94,7 +94,7 @@ def test_sparse_segments_are_compacted_and_their_files_removed(tmp_path):
     save_core(core, tmp_path)
     (first,) = segments(tmp_path)
     for q in range(0, 150):  # three quarters of the store goes: its segment is now mostly dead bytes
-        core.store.observe(f"q{q}", 8, [], collect=True)
+        core.store.observe(f"q{q}", 8, [], collect=True, retire=True)
     save_core(core, tmp_path)
     assert first not in segments(tmp_path) and len(segments(tmp_path)) == 1
     live = sum(4 + r.nbytes for e in core.store.entries.values() for r in e.recs)
@@ -199,7 +199,7 @@ def test_learner_logprobs_replacing_written_records_reach_the_next_snapshot(tmp_
     keys = [make_key(f"q{q}", record_digest(core.store.entries[f"q{q}"].recs[1])) for q in range(3)]
     lps = [np.full(302, -0.25 * (q + 1), np.float32) for q in range(3)]
     core.store.feedback([], [], version=1, fresh_keys=keys, fresh_entropies=[0.5] * 3, fresh_logprobs=lps)
-    assert core.store.c["logprobs_from_learner"] == 3
+    assert core.store.c.logprobs_from_learner == 3
     save_core(core, tmp_path)
     back = load_core(core.cfg, make_questions(20), snapshot_path(tmp_path, 0))
     assert view(back) == view(core)

@@ -39,7 +39,7 @@ def test_dedup_by_response_ids():
     r = rollout([5, 6], 1.0)
     s.observe("q1", 2, [r, rollout([5, 6], 1.0)], collect=True)
     s.observe("q1", 1, [rollout([5, 6], 1.0, entropy=0.1)], collect=True)
-    assert s.total == 1 and s.c["deduplicated"] == 2
+    assert s.total == 1 and s.c.deduplicated == 2
     assert record_entropy(s.entries["q1"].recs[0]) == 1.0  # the first copy is kept
 
 
@@ -53,17 +53,17 @@ def test_a_duplicate_fresh_rollout_keeps_the_first_stored_logprobs():
     assert s.observe("q1", 2, [rollout([5, 6], 1.0)], collect=True) == [key]  # the duplicate, known by its key
     s.feedback([], [], version=3, fresh_keys=[key], fresh_entropies=[0.4], fresh_logprobs=[np.array([-9.0, -9.0])])
     assert record_to_rollout(s.entries["q1"].recs[0], "q1").logprobs.tolist() == [-1.0, -2.0]
-    assert s.c["logprobs_from_learner"] == 1
+    assert s.c.logprobs_from_learner == 1
     assert s.entries["q1"].ents[0] == pytest.approx(0.4)  # its entropy is still re-measured
 
 
 def test_all_correct_retires_and_deletes():
     s = make_store()
     s.observe("q1", 3, correct(3), collect=True)
-    s.observe("q1", 8, correct(8), collect=True)
-    assert "q1" in s.retired and s.total == 0 and "q1" not in s.buckets[3] and s.c["deleted_on_retire"] == 3
+    s.observe("q1", 8, correct(8), collect=True, retire=True)
+    assert "q1" in s.retired and s.total == 0 and "q1" not in s.buckets[3] and s.c.deleted_on_retire == 3
     assert s.observe("q1", 2, correct(2), collect=True) == ["", ""]  # a late group of a retired question
-    assert s.total == 0 and s.c["late_for_retired"] == 1
+    assert s.total == 0 and s.c.late_for_retired == 1
 
 
 def test_k_zero_keeps_previous_bucket_and_k_moves_bucket():
@@ -81,17 +81,17 @@ def test_k_zero_keeps_previous_bucket_and_k_moves_bucket():
 def test_per_question_cap_keeps_the_lowest_measured_entropy():
     s = make_store(max_per_question=2)
     keys = s.observe("q1", 4, [rollout([j], 1.0, entropy=1.0) for j in range(4)], collect=True)
-    assert s.total == 4 and s.c["evicted"] == 0  # unmeasured: nothing to rank them by yet
+    assert s.total == 4 and s.c.evicted == 0  # unmeasured: nothing to rank them by yet
     s.feedback(keys, [0.7, 0.1, 0.9, 0.3], version=1)  # the learner measured them
     assert sorted(record_entropy(r) for r in s.entries["q1"].recs) == pytest.approx([0.1, 0.3])
-    assert s.total == 2 and s.c["evicted"] == 2 and s.c["evicted_measured"] == 2
+    assert s.total == 2 and s.c.evicted == 2 and s.c.evicted_measured == 2
 
 
 def test_unmeasured_trajectories_are_capped_at_a_group_by_their_estimates():
     s = make_store(max_per_question=2)  # group_size 8
     s.observe("q1", 5, [rollout([j], 1.0, entropy=0.1 * j) for j in range(5)], collect=True)
     s.observe("q1", 5, [rollout([10 + j], 1.0, entropy=0.05 + 0.1 * j) for j in range(5)], collect=True)
-    assert s.total == 8 and s.c["evicted"] == 2  # 10 pending > 8: the two highest estimates (0.4, 0.45) go
+    assert s.total == 8 and s.c.evicted == 2  # 10 pending > 8: the two highest estimates (0.4, 0.45) go
     assert max(record_entropy(r) for r in s.entries["q1"].recs) == pytest.approx(0.35)
 
 
@@ -104,10 +104,10 @@ def test_a_new_correct_rollout_competes_with_measured_ones_once_measured():
     old += s.observe("q1", 1, [rollout([7], 1.0, entropy=1.0)], collect=True)
     s.feedback(old, [1.0 + 0.1 * j for j in range(8)], version=1, chosen=[old[0]])  # a replay measured all 8
     new = s.observe("q1", 6, [rollout([20 + j], 1.0, entropy=0.01) for j in range(6)], collect=True)
-    assert all(new) and s.total == 14 and s.c["evicted"] == 0  # kept, waiting for their measurement
+    assert all(new) and s.total == 14 and s.c.evicted == 0  # kept, waiting for their measurement
     s.feedback(new, [0.5, 0.5, 0.5, 2.0, 2.0, 2.0], version=2)  # the learner trained their group
     kept = sorted(record_entropy(r) for r in s.entries["q1"].recs)
-    assert s.total == 8 and s.c["evicted"] == 6  # the 3 higher new ones and the 3 highest old ones
+    assert s.total == 8 and s.c.evicted == 6  # the 3 higher new ones and the 3 highest old ones
     assert kept == pytest.approx([0.5, 0.5, 0.5, 1.0, 1.1, 1.2, 1.3, 1.4])
 
 
@@ -117,7 +117,7 @@ def test_total_cap_evicts_least_recently_refreshed_question():
     s.observe("b", 2, correct(2), collect=True)
     s.observe("a", 0, [], collect=True)  # refreshes a: b is now least recent
     s.observe("c", 1, correct(1), collect=True)
-    assert set(s.entries) == {"a", "c"} and s.total == 3 and s.c["evicted_questions"] == 1
+    assert set(s.entries) == {"a", "c"} and s.total == 3 and s.c.evicted_questions == 1
     assert "b" not in s.buckets[2]
 
 
@@ -129,13 +129,13 @@ def test_byte_limit_evicts_least_recently_refreshed_questions_and_reports_them()
     s.observe("a", 2, long(0, 2), collect=True)
     assert s.bytes == 2 * 8032 and s.metrics()["stored_bytes"] == 2 * 8032
     s.observe("b", 1, long(10, 1), collect=True)
-    assert s.bytes == 3 * 8032 and s.c["evicted"] == 0  # at the limit, not past it
+    assert s.bytes == 3 * 8032 and s.c.evicted == 0  # at the limit, not past it
     s.observe("b", 1, [], collect=True)  # refreshes b: a is now least recent
     s.observe("c", 1, long(20, 1), collect=True)
     assert set(s.entries) == {"b", "c"} and s.bytes == 2 * 8032 and s.total == 2
     m = s.metrics()
     assert m["evicted_for_bytes"] == 2 and m["evicted_questions"] == 1 and m["stored_bytes_max"] == 2 * 8032
-    s.observe("c", 8, [], collect=True)  # c retires (all 8 correct): its bytes go with it
+    s.observe("c", 8, [], collect=True, retire=True)  # c retires (all 8 correct): its bytes go with it
     assert s.bytes == 8032
 
 
@@ -156,10 +156,10 @@ def test_sample_ships_candidates_and_feedback_counts_replays():
     s.feedback(keys, [0.05, 0.3, 0.7], version=3, chosen=[keys[0]])
     assert [record_entropy(r) for r in s.entries["q1"].recs] == pytest.approx([0.05, 0.3, 0.7])
     s.feedback([keys[0]], [0.9], version=2)  # older policy than the stored value: skipped
-    assert s.c["feedback_older"] == 1 and s.c["feedback_applied"] == 3
-    s.observe("q1", 8, [], collect=True)  # retire
+    assert s.c.feedback_older == 1 and s.c.feedback_applied == 3
+    s.observe("q1", 8, [], collect=True, retire=True)  # retire
     s.feedback([keys[0], "bad-key"], [0.1, 0.1], version=4, chosen=[keys[1]])
-    assert s.c["feedback_ignored"] == 2 and s.c["chosen_gone"] == 1
+    assert s.c.feedback_ignored == 2 and s.c.chosen_gone == 1
     m = s.metrics()
     assert m["chosen"] == 1 and m["entropy_chosen_sum"] == pytest.approx(0.05)
     assert m["entropy_available_sum"] == pytest.approx(0.35)
