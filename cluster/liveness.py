@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from common.text import clip
+
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_STALLED = 3
@@ -298,7 +300,7 @@ def sample_text(sample: dict | None, limit: int = 300) -> str:
     """One scored sample (GeneratorPool.last_sample()) as a short hint line."""
     if not sample:
         return "no sample response available yet"
-    resp = sample["response"] if len(sample["response"]) <= limit else sample["response"][:limit] + "..."
+    resp = clip(sample["response"], limit)
     err = f" (reward error: {sample['error']})" if sample.get("error") else ""
     return (f"a sample: question {sample['question_id']}, reference answer {sample['answer'][:limit]!r}, "
             f"response {resp!r} scored {sample['reward']:g}{err}")

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,15 +105,11 @@ def load_tokenizer(path: Path, field: str = "model.path"):
     try:
         return auto_tokenizer(path)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        # a library's multi-line message as one line (transformers ends "... one of:" and lists on the next lines)
+        why = textwrap.shorten(str(e), 600, placeholder=" ...") or type(e).__name__
         raise BadInput("invalid configuration:", f"{field}: the tokenizer in {path} cannot be loaded "
-                       f"({one_line(e)}); copy the tokenizer files of the model it was made from into the folder "
+                       f"({why}); copy the tokenizer files of the model it was made from into the folder "
                        "(tokenizer.json with tokenizer_config.json: tokenizer.save_pretrained(path))") from None
-
-
-def one_line(e: BaseException, limit: int = 600) -> str:
-    """A library's multi-line message as one line (transformers ends "... one of:" and lists on the next lines)."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def check_reward(reward_name: str, task: str | None) -> None:
@@ -140,7 +137,7 @@ def experience_policy_problem(buffer_cfg) -> str:
         return str(e)
     except Exception as e:  # the user's constructor: say what it raised, not a traceback
         return (f"buffer.experience_policy: building {buffer_cfg.experience_policy}(buffer config) raised "
-                f"{type(e).__name__}: {one_line(e)}; fix its __init__")
+                f"{type(e).__name__}: {textwrap.shorten(str(e), 600, placeholder=' ...')}; fix its __init__")
     return ""
 
 

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import textwrap
 import threading
 import time
 from collections import defaultdict
@@ -380,7 +381,8 @@ def _short(e: BaseException) -> str:
     """`Type: the first line that says something` of an exception (SQLAlchemy starts with a hint in brackets),
     credentials redacted."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith("(raised as a result")]
-    return redact(f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__)
+    return redact(f"{type(e).__name__}: {textwrap.shorten(lines[0], 200, placeholder=' ...')}" if lines
+                  else type(e).__name__)
 
 
 def read_unsent(path: Path) -> list[tuple[str, float, int, int]]:

@@ -28,6 +28,7 @@ import msgpack
 from common.config import RewardConfig
 from common.reward_registry import check_task_matches, resolve_reward
 from common.reward_worker import check_value, score_one
+from common.text import clip
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +282,7 @@ class RewardPool:
                     response, answer = pairs[i]
                     self.first_timeout = {"question_id": self._batch_ids[i], "response": response, "answer": answer,
                                           "reward": 0.0, "error": f"timed out after {self.cfg.timeout_s:g} s"}
-                    head = response[:200] + ("..." if len(response) > 200 else "")
+                    head = clip(response, 200)  # as it is: shown with repr, its newlines too
                     log.warning("reward %s timed out on question %s after reward.timeout_s=%g s (scored 0, its worker "
                                 "replaced; later timeouts are counted, not printed): response %r, reference answer "
                                 "%r", self.cfg.name, self._batch_ids[i], self.cfg.timeout_s, head, answer[:200])

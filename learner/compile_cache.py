@@ -17,6 +17,7 @@ import gzip
 import logging
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -155,7 +156,8 @@ class RecompileWatch:
         if n > 0 and rank == 0:
             reasons = _new_guard_failures(self.failures)
             log.warning("learner: %d graph(s) compiled during %s (a compile stall after the warm-up): %s", n, what,
-                        "guard failed: " + _one_line(" | ".join(reasons), 400) if reasons else
+                        "guard failed: " + textwrap.shorten(" | ".join(reasons), 400, placeholder="...")
+                        if reasons else
                         "a first compile of code the setup's trial did not run (no guard failed)")
         return n
 
@@ -167,7 +169,7 @@ class _RecompileLimitHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if "hit config." in message:
-            head = _one_line(message.split("To log all recompilation reasons")[0])
+            head = textwrap.shorten(message.split("To log all recompilation reasons")[0], 300, placeholder="...")
             log.warning("learner.levers.compile: dynamo's recompile limit reached, the function below runs EAGER from "
                         "now on (slow; raise torch._dynamo.config.recompile_limit or remove the recompile): %s", head)
 
@@ -180,8 +182,3 @@ def watch_recompile_limit() -> None:
     dynamo_log = logging.getLogger("torch._dynamo.convert_frame")
     if _HANDLER not in dynamo_log.handlers:
         dynamo_log.addHandler(_HANDLER)
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(text.split())
-    return text[:limit] + ("..." if len(text) > limit else "")

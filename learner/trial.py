@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import textwrap
 from collections.abc import Callable
 from typing import Protocol
 
@@ -189,5 +190,4 @@ def _search(levers: Levers, trainer, in_play: list[str], error: str, faults: set
 
 
 def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:400]}{'...' if len(text) > 400 else ''}"
+    return f"{type(e).__name__}: {textwrap.shorten(str(e), 400, placeholder='...')}"
