@@ -67,12 +67,13 @@ EVAL_SAMPLES = 32
 
 
 def _eval(model: Path, cfg, questions, seed: int):
+    from actors.evaluation import EvalSampling
     from cluster.evaluate import evaluate
     from common.config import TransformersEngineConfig
 
     eval_cfg = cfg.model_copy(update={"generator": cfg.generator.model_copy(
         update={"engine": TransformersEngineConfig()})})
-    return evaluate(str(model), eval_cfg, questions, samples=EVAL_SAMPLES, temperature=0.6, seed=seed)
+    return evaluate(str(model), eval_cfg, questions, EvalSampling(samples=EVAL_SAMPLES, temperature=0.6, seed=seed))
 
 
 def test_train_improves_heldout_accuracy_logs_everything_and_balances(runs_root, default_cfg, start_model, joined):
@@ -216,7 +217,11 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, join
     """Also in-run evaluation on two named eval sets: one file, scored by the task's verifier (2 samples) and by
     exact match at T=1 (3 samples), each under eval/<set>/. And a tracking server reached with a password in
     tracking.uri: the run logs to it, and the password is in no file of the run folder, MLflow parameter or artifact,
-    nor on the console; the run folder's files are private."""
+    nor on the console; the run folder's files are private. And a user's experience policy, docs/algorithm.md's
+    example as written there, in a module on the run's PYTHONPATH only: it decides what every shard stores."""
+    import os
+    import re
+
     from mlflow.tracking import MlflowClient
 
     from common.tasks import get_task
@@ -225,11 +230,17 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, join
     heldout = runs_root / "sync-heldout.jsonl"
     heldout.write_text("".join(json.dumps(row) + "\n" for row in test[:16]))
     uri = mlflow_server.replace("http://", "http://alice:PASSWORD@")
+    section = (ROOT / "docs" / "algorithm.md").read_text().split("## Your own experience policy", 1)[1]
+    user_code = runs_root / "sync-user-code"
+    user_code.mkdir()
+    (user_code / "shortest_policy.py").write_text(re.search(r"```python\n(.*?)```", section, flags=re.S).group(1))
+    env = dict(joined.env, PYTHONPATH=os.pathsep.join([str(user_code), joined.env.get("PYTHONPATH", "")]))
     r = run_train(runs_root, "sync", "total_steps=6", "buffer.max_lag=0", "checkpoint.every_steps=0",
+                  "buffer.experience_policy=shortest_policy:ShortestCorrect", "buffer.collect_before_mixed=true",
                   "learner.optim.lr_schedule=cosine", "learner.optim.warmup_steps=2", "learner.optim.min_lr=1e-5", "eval.every_steps=3", "eval.samples=2", f"eval.sets.countdown.path={heldout}",
                   f"eval.sets.strict.path={heldout}", "eval.sets.strict.reward=exact", "eval.sets.strict.samples=3",
                   "eval.sets.strict.temperature=1.0", f"tracking.uri={uri}", *joined.overrides, "--profile",
-                  env=joined.env)
+                  env=env)
     assert r.returncode == 0, r.stdout[-4000:]
     assert "PASSWORD" not in r.stdout and "MLflow: open http://127.0.0.1" in r.stdout  # a server: its own UI
     assert "$ exgrpo train name=sync" in r.stdout and "tracking.uri=http://alice:***@" in r.stdout  # --profile's
@@ -264,7 +275,11 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, join
     assert [s for s, _ in lrs] == list(range(1, 7))
     assert [v for _, v in lrs] == pytest.approx([learning_rate(lc.optim, s - 1) for s, _ in lrs])
     assert lrs[1][1] == pytest.approx(1e-4) and lrs[-1][1] < lrs[2][1]  # the peak after the warmup, then lower
-    acc = accounting(client.get_run(run_id).data.metrics)
+    metrics = client.get_run(run_id).data.metrics
+    acc = accounting(metrics)
     assert_balanced(acc)
     # nothing is leased before the next version is published, and generators load it before generating
     assert acc["stale_dropped"] == 0
+    # the user's policy ran in the shards: it left correct rollouts out, and no group stored more than one (ExGRPO
+    # stores every correct rollout of a partly solved group: about 2.7 a group here)
+    assert metrics["buffer/policy/left_out"] > 0 and 0 < metrics["buffer/stored"] <= metrics["buffer/accepted"], metrics
