@@ -8,7 +8,7 @@ small N and stated hardware assumptions.
 
 Each term names what it is built from. MEASURED are points taken on the 2-CPU development machine (the
 command that produced each is next to it); GPU are the learner's MFU and the publication's gather to host,
-measured on a GPU by bench/gpu_bench.py (--gpu-json; without it, the H100 lease of 2026-11-27: issue 49,
+measured on a GPU by bench/gpu_bench.py (--gpu-json; without it, one H100 on 2026-11-27,
 docs/gpu.md) or, where no size near the target was measured, assumed from the nearest one (each says which);
 HARDWARE are the assumptions for an H100 cluster (change any constant with --set name=value). The model is a
 roofline: it says which term grows first and by how much, not a promise of seconds; docs/scale.md walks through it.
@@ -66,13 +66,13 @@ HARDWARE = {
 }
 
 
-LEASE_49 = "measured: H100 80GB, the lease of 2026-11-27 (issue 49; torch 2.11, docs/gpu.md)"
+LEASE_49 = "measured: H100 80GB, 2026-11-27 (torch 2.11, docs/gpu.md)"
 # MFU per Qwen2.5 size by bench/gpu_report.py's formula (step_flops): (6 x params + 6 x layers x hidden x row
 # length) FLOPs per token over every token, recompute not counted. size: (MFU, parameters, the step measured, source)
 MFU_MEASURED = {
     "1.5B": (0.383, 1.544e9, "8 x (256 + 8,192) tokens, compiled, no checkpointing (auto's choice)", LEASE_49),
     "3B": (0.386, 3.086e9, "14 mixed rows (1,273-7,837), compiled, selective at 9,216 tokens (what auto now "
-                           "chooses; set by hand in that lease)", LEASE_49),
+                           "chooses; set by hand then)", LEASE_49),
 }
 GPU = {
     # name: (value, unit, what, source)
