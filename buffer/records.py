@@ -61,6 +61,35 @@ def record_to_rollout(rec: np.ndarray, question_id: str) -> Rollout:
     )
 
 
+def record_entropy_version(rec: np.ndarray) -> int:
+    return int(rec[4])
+
+
+def record_times_replayed(rec: np.ndarray) -> int:
+    return int(rec[5])
+
+
+def set_record_entropy(rec: np.ndarray, entropy: float, version: int) -> None:
+    """A new entropy measure of the stored trajectory, made under policy `version` (in place)."""
+    rec.view(np.float32)[3] = entropy
+    rec[4] = version
+
+
+def set_record_times_replayed(rec: np.ndarray, times: int) -> None:
+    rec[5] = times
+
+
+def with_logprobs(rec: np.ndarray, logprobs) -> np.ndarray | None:
+    """A copy of the record with `logprobs` as its behaviour log-probs; None when their length is not the
+    response's."""
+    t = (len(rec) - H) // 2
+    if len(logprobs) != t:
+        return None
+    new = rec.copy()
+    new.view(np.float32)[H + t:] = logprobs
+    return new
+
+
 def record_from_bytes(b: bytes) -> np.ndarray:
     if len(b) < 4 * H or (len(b) - 4 * H) % 8:
         raise ValueError(f"a stored trajectory record of {len(b)} bytes is malformed")

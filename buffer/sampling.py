@@ -81,6 +81,8 @@ class QuestionSampler(Protocol):
     """Draws up to `n` distinct stored questions from the buckets: [(question_id, probability)], where
     probability is the chance of that question in a single draw."""
 
+    skips_solved: bool  # questions whose latest group was all correct (kept, without retirement) are never drawn
+
     def sample(self, buckets: dict[int, IndexedSet], n: int, rng: random.Random) -> list[tuple[str, float]]: ...
 
 
@@ -92,6 +94,8 @@ class GaussianBuckets:
     count of distinct questions uniformly (`random.sample`). Cost: O(n log K), independent of the
     number of stored questions.
     """
+
+    skips_solved = False
 
     def __init__(self, group_size: int, mean: float = 0.5, std: float = 0.125):
         self.group_size, self.mean, self.std = group_size, mean, std
@@ -131,6 +135,8 @@ class GaussianBuckets:
 
 class UniformQuestions:
     """Uniform over all stored questions regardless of bucket (the ablation)."""
+
+    skips_solved = False
 
     def sample(self, buckets, n, rng):
         order = [b for b in sorted(buckets) if buckets[b].items]

@@ -25,7 +25,9 @@ from typing import Any
 import numpy as np
 
 from buffer.keys import make_key, response_digest, split_key
-from buffer.records import ENGINE_ESTIMATE, H, pack_record, record_digest, record_entropy, record_from_bytes
+from buffer.records import (ENGINE_ESTIMATE, pack_record, record_digest, record_entropy, record_entropy_version,
+                            record_from_bytes, record_times_replayed, set_record_entropy, set_record_times_replayed,
+                            with_logprobs)
 from buffer.segments import LEN, SEGMENT_BYTES, SEGMENT_MAGIC, Segment, SnapshotPlan, segments_to_keep
 from buffer.sampling import IndexedSet, QuestionSampler, TrajectorySelector
 from common.messages import Rollout
@@ -47,8 +49,8 @@ class _Entry:
     def append(self, rec: np.ndarray, seg: int = -1, off: int = 0) -> None:
         self.recs.append(rec)
         self.ents.append(record_entropy(rec))
-        self.evers.append(int(rec[4]))
-        self.times.append(int(rec[5]))
+        self.evers.append(record_entropy_version(rec))
+        self.times.append(record_times_replayed(rec))
         self.segs.append(seg)
         self.offs.append(off)
 
@@ -267,7 +269,7 @@ class ExperienceStore:
         """Up to n distinct stored questions, none in `exclude`, each with the candidates the selector
         ships: [(question_id, probability of the question draw, [record, ...])]. Nothing is counted as
         replayed here: a replay counts when the learner trains it (`feedback(chosen=...)`)."""
-        if getattr(self.sampler, "skips_solved", False) and self.solved:  # |A| = 0 for every trajectory of theirs
+        if self.sampler.skips_solved and self.solved:  # |A| = 0 for every trajectory of theirs
             exclude = set(exclude) | self.solved
         hidden = [(qid, self.entries[qid].bucket) for qid in exclude if qid in self.entries]
         for qid, b in hidden:  # drawn over the others only (O(len(exclude)), no copy of the buckets)
@@ -282,7 +284,7 @@ class ExperienceStore:
     def drawable(self, qid: str) -> bool:
         """Whether the question sampler may replay `qid` now: stored, and not solved where the sampler skips solved
         questions (|advantage| 0). A re-issued replay is checked against it as a drawn one is."""
-        return qid in self.entries and not (getattr(self.sampler, "skips_solved", False) and qid in self.solved)
+        return qid in self.entries and not (self.sampler.skips_solved and qid in self.solved)
 
     def candidates(self, qid: str, rng: random.Random) -> list[np.ndarray]:
         """The records of `qid` the trajectory selector ships with a mixed group ([] if none stored)."""
@@ -327,8 +329,7 @@ class ExperienceStore:
             if version < e.evers[i]:
                 self.c.feedback_older += 1
                 continue
-            e.recs[i].view(np.float32)[3] = ent
-            e.recs[i][4] = version
+            set_record_entropy(e.recs[i], ent, version)
             e.ents[i], e.evers[i] = ent, version
             self.c.feedback_applied += 1
         for key, lp in zip(fresh_keys, fresh_logprobs):
@@ -344,7 +345,8 @@ class ExperienceStore:
             t = e.times[i]
             self.replay_hist[min(t, 4)] -= 1
             self.replay_hist[min(t + 1, 4)] += 1
-            e.recs[i][5] = e.times[i] = t + 1
+            e.times[i] = t + 1
+            set_record_times_replayed(e.recs[i], t + 1)
             self.c.chosen += 1
             if key in by_key:
                 ents = candidates[split_key(key)[0]]
@@ -360,12 +362,10 @@ class ExperienceStore:
         """Record i of `e` with `logprobs` as its behaviour log-probs: a new record (the written one stays as it is
         in its snapshot segment, which no longer counts it), written with the next snapshot."""
         old = e.recs[i]
-        t = (len(old) - H) // 2
-        if len(logprobs) != t:
+        new = with_logprobs(old, logprobs)
+        if new is None:
             self.c.logprobs_mismatched += 1
             return
-        new = old.copy()
-        new.view(np.float32)[H + t:] = logprobs
         if e.segs[i] >= 0:
             self.segments[e.segs[i]].live -= LEN + old.nbytes
         e.recs[i], e.segs[i] = new, -1
@@ -499,7 +499,8 @@ class ExperienceStore:
                     if off + LEN + 4 * n > len(data):
                         raise ValueError(f"record of question {qid!r} runs past the end of segment {sid}")
                     rec = e.recs[j] = record_from_bytes(data[off + LEN : off + LEN + 4 * n])
-                    rec.view(np.float32)[3], rec[4], rec[5] = e.ents[j], e.evers[j], e.times[j]
+                    set_record_entropy(rec, e.ents[j], e.evers[j])
+                    set_record_times_replayed(rec, e.times[j])
                     self.total += 1
                     self.bytes += rec.nbytes
                     self.replay_hist[min(e.times[j], 4)] += 1
