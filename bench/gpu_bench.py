@@ -410,6 +410,7 @@ def build_rank(args, size: str, padding_free: bool | None, folder: Path, device:
     cases (batch shapes) of that size and lever set: {"cfg", "built", "setup_s", "started", "graphs", "checkpointing",
     "first_step_done"}, or with "error" (and "failed", "traceback" for anything but running out of memory)."""
     from learner.setup import setup_rank
+    from learner.shape import TrainShape
 
     cfg = learner_config(args, padding_free, device, dtype)
     rank = {"cfg": cfg, "built": None, "started": time.perf_counter(), "first_step_done": False}
@@ -418,8 +419,8 @@ def build_rank(args, size: str, padding_free: bool | None, folder: Path, device:
     log.addHandler(notes)
     log.setLevel(logging.INFO)
     try:
-        rank["built"] = setup_rank(cfg, str(folder), rank=0, world=1, device=device, dtype=dtype,
-                                   max_new_tokens=args.response, fill=random_fill(args.seed))
+        shape = TrainShape(max_new_tokens=args.response, dtype=str(dtype).removeprefix("torch."))
+        rank["built"] = setup_rank(cfg, str(folder), shape, rank=0, device=device, fill=random_fill(args.seed))
         rank["setup_s"] = round(time.perf_counter() - rank["started"], 2)
     except torch.OutOfMemoryError as e:  # a result of the case: the next case starts from a free device
         rank["error"] = f"out of memory: {str(e).splitlines()[0]}"

@@ -41,6 +41,7 @@ def main() -> None:
     from common.config import LearnerConfig
     from common.modeling import make_tiny_model_folder
     from learner.pool import LearnerPool
+    from learner.shape import TrainShape
     from learner.weights import ObjectStoreWeightSource
     from bench.batches import make_batch
 
@@ -56,7 +57,7 @@ def main() -> None:
             cfg = LearnerConfig(num_ranks=ranks, batching=dict(micro_batch_rows=32, mini_batches=2),
                                 optim=dict(lr=1e-5))
             run = f"bench-{len(rows)}"
-            pool = LearnerPool(cfg, str(path), run=run, namespace="bench", max_new_tokens=24)
+            pool = LearnerPool(cfg, str(path), TrainShape(max_new_tokens=24), run=run, namespace="bench")
             source = ObjectStoreWeightSource(run, "bench")
             try:
                 times, tokens = [], 0.0

@@ -75,6 +75,7 @@ def run_case(case: dict) -> dict:
     from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
     from common.modeling import init_tiny_qwen2
     from learner.forward import prepare_model
+    from learner.shape import TrainShape
     from learner.step import TrainStep
 
     torch.set_num_threads(int(case.get("threads", 1)))
@@ -97,8 +98,8 @@ def run_case(case: dict) -> dict:
     model = prepare_model(init_tiny_qwen2(vocab, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                                           max_positions=max(10_240, PROMPT + length)), cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
-    step = TrainStep(model, opt, cfg, rank=0, world=1, device=torch.device("cpu"), pad_id=0,
-                     max_positions=model.config.max_position_embeddings, max_new_tokens=length)
+    shape = TrainShape(max_new_tokens=length, max_positions=model.config.max_position_embeddings)
+    step = TrainStep(model, opt, cfg, shape, rank=0, device=torch.device("cpu"))
 
     def batch(version: int) -> TrainingBatch:
         groups = []
@@ -266,6 +267,7 @@ def publication(bucket_mb: float) -> None:
     from common.config import CollectiveSyncConfig, LearnerConfig, ObjectStoreSyncConfig
     from common.modeling import build_char_tokenizer, init_tiny_llama, save_model_folder
     from learner.pool import LearnerPool
+    from learner.shape import TrainShape
 
     mb = 1 << 20
     with tempfile.TemporaryDirectory() as tmp:
@@ -279,7 +281,7 @@ def publication(bucket_mb: float) -> None:
                  _temp_dir=str(Path(tmp) / "ray"))
         try:
             cfg = LearnerConfig(num_ranks=2, weight_sync=ObjectStoreSyncConfig(bucket_mb=bucket_mb))
-            pool = LearnerPool(cfg, str(Path(tmp) / "m"), run="pub", namespace="bench", max_new_tokens=8)
+            pool = LearnerPool(cfg, str(Path(tmp) / "m"), TrainShape(max_new_tokens=8), run="pub", namespace="bench")
             rows = []
             for version, streamed in ((1, True), (2, False), (3, True)):
                 others = [r.publish.remote(version) if streamed else r.full_state_dict.remote(None)
@@ -295,7 +297,7 @@ def publication(bucket_mb: float) -> None:
             pool.shutdown()
             # the collective backend keeps the packed version for its channels: the gather is packed as it comes
             cfg = LearnerConfig(num_ranks=2, weight_sync=CollectiveSyncConfig(bucket_mb=bucket_mb, keep_versions=1))
-            pool = LearnerPool(cfg, str(Path(tmp) / "m"), run="pubc", namespace="bench", max_new_tokens=8)
+            pool = LearnerPool(cfg, str(Path(tmp) / "m"), TrainShape(max_new_tokens=8), run="pubc", namespace="bench")
             others = [r.publish.remote(1) for r in pool.ranks[1:]]  # the first version: nothing older is kept
             rows.append(("collective: packed as gathered, then kept for the channels",
                          ray.get(pool.ranks[0].__ray_call__.remote(_probe, 1, True))))

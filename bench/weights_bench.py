@@ -46,6 +46,7 @@ def main() -> None:
     from common.config import CollectiveSyncConfig, LearnerConfig, ObjectStoreSyncConfig
     from common.modeling import make_tiny_model_folder
     from learner.pool import LearnerPool
+    from learner.shape import TrainShape
     from learner.weights import make_weight_source
     from bench.batches import make_batch
 
@@ -83,8 +84,8 @@ def main() -> None:
                 cfg = LearnerConfig(num_ranks=ranks, weight_sync=sync,
                                     batching=dict(micro_batch_rows=8, mini_batches=1), optim=dict(lr=1e-5))
                 run = f"wbench-{len(rows)}"
-                pool = LearnerPool(cfg, str(path), run=run, namespace="bench", max_new_tokens=12,
-                                   dtype=args.dtype, publish_dtype=args.dtype)
+                shape = TrainShape(max_new_tokens=12, dtype=args.dtype, publish_dtype=args.dtype)
+                pool = LearnerPool(cfg, str(path), shape, run=run, namespace="bench")
                 gen = None
                 try:
                     pool.publish()
@@ -134,6 +135,7 @@ def delta_table(args, tmp: Path, Gen) -> None:
     from common.config import CollectiveSyncConfig, LearnerConfig, ObjectStoreSyncConfig
     from common.modeling import make_tiny_model_folder
     from learner.pool import LearnerPool
+    from learner.shape import TrainShape
     from learner.weights import make_weight_source
     from bench.batches import make_batch
 
@@ -148,8 +150,8 @@ def delta_table(args, tmp: Path, Gen) -> None:
                     cfg = LearnerConfig(num_ranks=2, weight_sync=sync,
                                         batching=dict(micro_batch_rows=8, mini_batches=1), optim=dict(lr=lr))
                     run = f"wdelta-{len(rows)}-{delta}"
-                    pool = LearnerPool(cfg, str(path), run=run, namespace="bench", max_new_tokens=12,
-                                       dtype="bfloat16", publish_dtype="bfloat16")
+                    shape = TrainShape(max_new_tokens=12, dtype="bfloat16", publish_dtype="bfloat16")
+                    pool = LearnerPool(cfg, str(path), shape, run=run, namespace="bench")
                     gen = None
                     try:
                         pool.publish()

@@ -103,6 +103,7 @@ class Trainer:
         """Ask for the learner ranks and the buffer shards; they load and shard the model, and start their worker
         processes, while the rest builds."""
         from actors.engines import describe_engine
+        from learner.shape import TrainShape
         from buffer.client import BufferClient
         from learner.pool import LearnerPool
         from learner.trial import switch_off
@@ -114,14 +115,11 @@ class Trainer:
         if self.state.levers_off:
             log.info("learner levers kept off from the run's first start: %s",
                      "; ".join(f"{k} ({v})" for k, v in self.state.levers_off.items()))
-        # the rows one rank trains per optimizer step: the micro-batch checkpointing "auto" budgets for
-        rows_per_update = max(1, cfg.buffer.batch_questions * cfg.buffer.group_size
-                              // (cfg.learner.batching.mini_batches * cfg.learner.num_ranks))
+        shape = TrainShape(max_new_tokens=cfg.generator.max_new_tokens, prompt_tokens=cfg.data.max_prompt_tokens,
+                           batch_rows=cfg.buffer.batch_questions * cfg.buffer.group_size, dtype=cfg.model.dtype,
+                           publish_dtype=cfg.generator.dtype)
         with phase("start-up: ask for the learner ranks"):
-            self.learner = LearnerPool(learner_cfg, str(self.model_path), run=name, namespace=ns,
-                                       max_new_tokens=cfg.generator.max_new_tokens, dtype=cfg.model.dtype,
-                                       publish_dtype=cfg.generator.dtype, wait=False,
-                                       prompt_tokens=cfg.data.max_prompt_tokens, rows_per_update=rows_per_update)
+            self.learner = LearnerPool(learner_cfg, str(self.model_path), shape, run=name, namespace=ns, wait=False)
         with phase("start-up: ask for the buffer shards"):
             self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
                                               snapshot_dir=str(self.run_dir.path / "buffer-live"), wait=False)

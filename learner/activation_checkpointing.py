@@ -1,7 +1,7 @@
 """Activation checkpointing of the trained model's decoder layers (`learner.levers.activation_checkpointing`), and
 "auto" chosen from the memory a rank has left.
 
-    cfg, note = resolve_checkpointing(cfg, model, device, dtype, world=W, max_length=P + T)  # "auto" -> a mode
+    cfg, note = resolve_checkpointing(cfg, model, device, shape)   # "auto" -> a mode (shape: learner.shape)
     apply_checkpointing(model, cfg.levers.activation_checkpointing)   # learner.forward.prepare_model, before compile
 
 Three modes, each training the same update: none (the most memory, no recompute), selective (torchtitan's
@@ -22,6 +22,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from common.config import LearnerConfig
+from learner.shape import TrainShape
 
 Mode = Literal["none", "selective", "full"]
 
@@ -137,6 +138,29 @@ def bytes_per_token(mode: str, shape: LayerShape, dtype_bytes: int, compiled: bo
     return (elements + 8 * h) * dtype_bytes
 
 
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """How a token's activations are counted: the decoder's widths (`shape`), the compute dtype's bytes, and whether
+    the layers run compiled under inductor (`compiled`)."""
+
+    shape: LayerShape
+    dtype_bytes: int
+    compiled: bool = False
+
+    def per_token(self, mode: str) -> int:
+        return bytes_per_token(mode, self.shape, self.dtype_bytes, self.compiled)
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatchSize:
+    """One micro-batch's `tokens`, how they were counted (`counted`, said in the note), and the smallest half a token
+    budget may be cut to (`floor`; None: the micro-batch is not a token budget, never halved)."""
+
+    tokens: int
+    counted: str = ""
+    floor: int | None = None
+
+
 def activation_bytes(mode: str, tokens: int, shape: LayerShape, dtype_bytes: int, compiled: bool = False) -> int:
     """Estimated activation memory of one micro-batch of `tokens` tokens with `mode`, in bytes: `tokens` x
     `bytes_per_token`."""
@@ -234,18 +258,17 @@ class Choice:
         return out
 
 
-def choose_checkpointing(budget: MemoryBudget, state_bytes: int, tokens: int, shape: LayerShape, dtype_bytes: int,
-                         compiled: bool = False, modes: tuple[Mode, ...] = AUTO_MODES, counted: str = "",
-                         floor: int | None = None) -> Choice:
+def choose_checkpointing(budget: MemoryBudget, state_bytes: int, micro: MicroBatchSize, layers: LayerCost,
+                         modes: tuple[Mode, ...] = AUTO_MODES) -> Choice:
     """The checkpointing of least recompute among `modes` whose activations fit the memory left.
 
     Left = USABLE x `budget.bytes` - RESERVE - `state_bytes` (the rank's parameters, gradients and AdamW state);
-    none if its `activation_bytes` fit in it, else selective, else full (also when full does not fit: the note
-    says so and what to lower). `tokens`: of one micro-batch; `compiled`: the layers run under inductor.
-    `floor` (a token budget's smallest allowed half, None: the micro-batch is not a token budget): where only full
-    fits, selective at half the tokens when the half is at least `floor` and fits (the Choice's `tokens` are then
-    the half, and `halved_from` the budget as set)."""
-    per_token = {m: bytes_per_token(m, shape, dtype_bytes, compiled) for m in ("none", "selective", "full")}
+    none if its activations (`micro.tokens` x `layers.per_token`) fit in it, else selective, else full (also when
+    full does not fit: the note says so and what to lower). Where only full fits and `micro.floor` is set (a token
+    budget's smallest allowed half), selective at half the tokens when the half is at least the floor and fits (the
+    Choice's `tokens` are then the half, and `halved_from` the budget as set)."""
+    tokens, counted, floor, compiled = micro.tokens, micro.counted, micro.floor, layers.compiled
+    per_token = {m: layers.per_token(m) for m in ("none", "selective", "full")}
     choice = Choice("full", budget, state_bytes, tokens, per_token, compiled, tuple(modes), counted)
     for mode in (m for m in ("none", "selective", "full") if m in modes):
         if choice.need(mode) <= choice.left:
@@ -287,17 +310,17 @@ def agreed_budget(budget: MemoryBudget, device: torch.device) -> MemoryBudget:
     return replace(budget, free=least) if least < budget.bytes else budget
 
 
-def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, *,
-                          world: int, max_length: int, rows: int | None = None,
+def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: torch.device, shape: TrainShape, *,
                           budget: MemoryBudget | None = None) -> tuple[LearnerConfig, str]:
     """`cfg` with `activation_checkpointing` "auto" decided for this rank, and the note for the start log.
 
     Off CUDA "auto" is none (what the CPU runs always did). On CUDA: `choose_checkpointing` over `budget` (None: the
     device's free memory now, capped at `learner.num_gpus`' share of its total: a learner beside a vLLM engine on
     one card budgets only what it was given; the smallest over the ranks, `agreed_budget`), `model`'s parameters
-    (`state_bytes`; call after the build and LoRA, before sharding: the free memory then still holds the weights to
-    come), the micro-batch's tokens (`micro_batch_tokens`: `max_length` = the longest row's prompt + response,
-    `rows` = the rows one rank trains per update where known), and bytes per token with `cfg.levers.compile` (resolved)
+    (`state_bytes` over `shape.world` ranks; call after the build and LoRA, before sharding: the free memory then
+    still holds the weights to come), the micro-batch's tokens (`micro_batch_tokens`: `shape.max_length` = the longest
+    row's prompt + response, and the rows one rank trains per update where the shape knows a batch's rows), and bytes
+    per token in `shape.dtype` with `cfg.levers.compile` (resolved)
     as the layers will run (selective only under inductor's compile, `EAGER_AUTO_MODES` without: how it ran on a GPU).
     A set mode is kept and its note says so. Where only full fits and `learner.batching.micro_batch_tokens` is set, auto
     may halve that budget once so that selective fits (`choose_checkpointing`'s floor: `HALVE_FLOOR`, and the longest
@@ -305,8 +328,8 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
     covered: a compile that then fails its trial at setup (`learner.trial`) leaves the layers eager under a mode
     chosen from compiled bytes (none may then need up to twice its estimate); `learner.setup` does not re-resolve
     it, and logs `eager_fallback_note`'s WARNING instead. A run's driver hands down `data.max_prompt_tokens` (so
-    `max_length` = that + `generator.max_new_tokens`) and the rows a rank trains per optimizer step (batch_questions
-    x group_size / (mini_batches x num_ranks)); a caller that passes neither budgets a 2,048-token prompt."""
+    `max_length` = that + `generator.max_new_tokens`) and a batch's rows (batch_questions x group_size, over
+    mini_batches x num_ranks per rank and update); a shape that has neither budgets a 2,048-token prompt."""
     mode = cfg.levers.activation_checkpointing
     if mode != "auto":
         return cfg, f"activation checkpointing {mode} (set)"
@@ -316,13 +339,14 @@ def resolve_checkpointing(cfg: LearnerConfig, model: torch.nn.Module, device: to
     else:
         if budget is None:  # every rank's the same: the smallest over the ranks
             budget = agreed_budget(device_budget(device, gpu_share(cfg.num_gpus)), device)
-        tokens, counted = micro_batch_tokens(cfg, max_length, rows)
+        max_length = shape.max_length
+        tokens, counted = micro_batch_tokens(cfg, max_length, shape.rows_per_update(cfg.batching.mini_batches))
         compiled = cfg.levers.compile is True and cfg.levers.compile_backend == "inductor"
         pad = cfg.levers.pad_multiple if isinstance(cfg.levers.pad_multiple, int) else 1
         floor = max(HALVE_FLOOR, -(-max_length // pad) * pad) if cfg.batching.micro_batch_tokens else None
-        choice = choose_checkpointing(budget, state_bytes(model, world), tokens, LayerShape.of(model.config),
-                                      dtype.itemsize, compiled, counted=counted, floor=floor,
-                                      modes=AUTO_MODES if compiled else EAGER_AUTO_MODES)
+        layers = LayerCost(LayerShape.of(model.config), shape.torch_dtype.itemsize, compiled)
+        choice = choose_checkpointing(budget, state_bytes(model, shape.world), MicroBatchSize(tokens, counted, floor),
+                                      layers, modes=AUTO_MODES if compiled else EAGER_AUTO_MODES)
         mode, why = choice.mode, choice.note()
         halved = choice.tokens if choice.halved_from else None
     cfg = cfg.with_levers(activation_checkpointing=mode)

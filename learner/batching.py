@@ -2,7 +2,7 @@
 
     rows = batch_rows(batch, std_normalize=..., max_positions=...)     # [Row], group advantages set
     for mini in split_mini_batches(rows, cfg.batching.mini_batches, seed):      # one optimizer update each
-        for chunk in rank_micro_batches(mini, rank, world, ...):       # equally many on every rank
+        for chunk in rank_micro_batches(mini, rank, world, MicroBatching.of(cfg)):   # equally many on every rank
             mb = collate(chunk, pad_id, device, packed=...)            # MicroBatch (+ Packing)
 
 Pure: no model, no optimizer, no collective. Every rank computes the same split from the same batch.
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common.config import LearnerConfig
 from common.messages import TrainingBatch
 from learner import loss as L
 
@@ -112,13 +113,29 @@ def split_mini_batches(rows: list[Row], n: int, seed: int = 0) -> list[list[Row]
     return out
 
 
-def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int,
-                       micro_tokens: int | None = None, padding_free: bool = False,
-                       split: str = "first_fit") -> list[list[Row]]:
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a mini-batch is cut into micro-batches: `rows` rows each at most, or (`tokens`) packed up to a token
+    budget, a micro-batch costing the sum of its rows' lengths (`padding_free`) or rows x its longest row (padded),
+    and dealt `first_fit` or `balanced` (`split`)."""
+
+    rows: int  # learner.batching.micro_batch_rows
+    tokens: int | None = None  # learner.batching.micro_batch_tokens (None: rows only)
+    padding_free: bool = False  # learner.levers.padding_free (resolved)
+    split: str = "first_fit"  # learner.batching.micro_batch_split
+
+    @classmethod
+    def of(cls, cfg: LearnerConfig) -> MicroBatching:
+        """The learner section's micro-batching (read it again after the levers change: padding-free may)."""
+        bt = cfg.batching
+        return cls(bt.micro_batch_rows, bt.micro_batch_tokens, cfg.levers.packs_padding_free, bt.micro_batch_split)
+
+
+def rank_micro_batches(rows: list[Row], rank: int, world: int, cut: MicroBatching) -> list[list[Row]]:
     """This rank's micro-batches of a mini-batch; equally many on every rank (padded with []).
 
     Rows are sorted by length (longest first) and dealt round-robin to the ranks. Without a token budget
-    each rank cuts its rows into chunks of `micro_rows`. With `micro_tokens`, each rank packs its rows
+    each rank cuts its rows into chunks of `cut.rows`. With `cut.tokens`, each rank packs its rows
     greedily (`pack_by_tokens`): padded, a micro-batch costs rows x its longest row; `padding_free`, the sum
     of its rows' lengths. A row longer than the budget is a micro-batch of its own. Every rank computes
     every rank's packing (all see all rows), so all agree on the count.
@@ -127,13 +144,14 @@ def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int,
     instead. Each rank's micro-batch count is ceil(its tokens / budget), the largest over the ranks for all
     (verl all-reduces it), and its rows are partitioned into that many parts of balanced token sums
     (`balanced_partition`, Karmarkar-Karp). The sums are balanced, not capped: a part can exceed the budget (as
-    in verl), and `micro_rows` does not apply."""
+    in verl), and `cut.rows` does not apply."""
+    micro_rows, micro_tokens, padding_free = cut.rows, cut.tokens, cut.padding_free
     ordered = sorted(rows, key=lambda r: (-r.length, r.group))
     if micro_tokens is None:
         mine = ordered[rank::world]
         n_micro = max(1, math.ceil(math.ceil(len(rows) / world) / micro_rows))
         return [mine[i * micro_rows:(i + 1) * micro_rows] for i in range(n_micro)]
-    if split == "balanced" and padding_free:
+    if cut.split == "balanced" and padding_free:
         n_micro = max(1, max(math.ceil(sum(r.length for r in ordered[k::world]) / micro_tokens)
                              for k in range(world)))
         mine = ordered[rank::world]
@@ -144,8 +162,7 @@ def rank_micro_batches(rows: list[Row], rank: int, world: int, micro_rows: int,
     return packs[rank] + [[] for _ in range(n_micro - len(packs[rank]))]
 
 
-def entropy_weights(rows: list[Row], gpus: int, micro_rows: int, micro_tokens: int | None = None,
-                    padding_free: bool = False, split: str = "first_fit") -> list[float]:
+def entropy_weights(rows: list[Row], gpus: int, cut: MicroBatching) -> list[float]:
     """Per row of a mini-batch, the weight of each of its response tokens' entropy under
     `learner.loss.entropy_agg=micro_batch`: 1 / (gpus x the response tokens of its micro-batch), the micro-batches
     being those `rank_micro_batches` makes when the mini-batch is split over `gpus` GPUs.
@@ -158,7 +175,7 @@ def entropy_weights(rows: list[Row], gpus: int, micro_rows: int, micro_tokens: i
     with no response token weighs 0."""
     weight = {}
     for g in range(gpus):
-        for part in rank_micro_batches(rows, g, gpus, micro_rows, micro_tokens, padding_free, split):
+        for part in rank_micro_batches(rows, g, gpus, cut):
             tokens = sum(len(r.response_ids) for r in part)
             for r in part:
                 weight[id(r)] = 1.0 / (gpus * tokens) if tokens else 0.0

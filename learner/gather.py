@@ -260,10 +260,20 @@ def _direct(plan: _Plan) -> bool:
     return len(plan.entries) == 1 and plan.sharded[0] and all(lay[0] == (0, plan.width) for lay in plan.send)
 
 
-def _fill(plan: _Plan, rank: int, world: int, out: torch.Tensor | None, staging: Staging, device: torch.device,
-          widest: int) -> None:
-    """Step 1 of the pipeline for one bucket (a collective: every rank calls it; `out` is rank 0's flat buffer;
-    `widest`: the largest send width of the publication, so the send/receive buffers are sized once)."""
+@dataclass(frozen=True)
+class _Buffers:
+    """Where one gather's buffers come from: `staging` on `device`, the send/receive buffers sized once for the
+    `widest` send of the publication, the output buffers for the `largest` bucket."""
+
+    staging: Staging
+    device: torch.device
+    largest: int
+    widest: int
+
+
+def _fill(plan: _Plan, rank: int, world: int, out: torch.Tensor | None, buffers: _Buffers) -> None:
+    """Step 1 of the pipeline for one bucket (a collective: every rank calls it; `out` is rank 0's flat buffer)."""
+    staging, device, widest = buffers.staging, buffers.device, buffers.widest
     recv = None
     sources = [t.make() if isinstance(t, Deferred) else t for t in plan.sources]  # in plan order on every rank
     if _direct(plan):  # one evenly split tensor: each rank's rows are one slice of the full layout, received in place
@@ -326,17 +336,18 @@ def iter_flat_buckets(model: torch.nn.Module, rank: int, world: int, bucket_byte
     largest = max(p.nbytes for p in plans)
     widest = max((p.width for p in plans if not _direct(p)), default=0)  # the send/receive buffers' size
     staged = cuda and to_host  # step 2 runs: device buffers, then a copy to the host buffers
-    slots = 2 if cuda else 1  # CPU: nothing overlaps (bucket k + 1 is gathered when asked for), one buffer will do
     try:
-        yield from _pipeline(plans, rank, world, staging, device, largest, widest, staged, slots, alloc)
+        yield from _pipeline(plans, rank, world, _Buffers(staging, device, largest, widest), staged, alloc)
     finally:
         if cuda:  # the device buffers go back to torch's caching allocator, free for the next step's activations
             staging.release(device)
 
 
-def _pipeline(plans: list[_Plan], rank: int, world: int, staging: Staging, device: torch.device, largest: int,
-              widest: int, staged: bool, slots: int, alloc) -> Iterator[FlatBucket]:
+def _pipeline(plans: list[_Plan], rank: int, world: int, buffers: _Buffers, staged: bool,
+              alloc) -> Iterator[FlatBucket]:
+    staging, device, largest = buffers.staging, buffers.device, buffers.largest
     cuda, owned = device.type == "cuda", alloc is not None
+    slots = 2 if cuda else 1  # CPU: nothing overlaps (bucket k + 1 is gathered when asked for), one buffer will do
     pending = None  # CUDA: (bucket in a host buffer, the event its copy completes)
     for k, plan in enumerate(plans):
         slot = k % slots
@@ -347,7 +358,7 @@ def _pipeline(plans: list[_Plan], rank: int, world: int, staging: Staging, devic
             else:
                 out = staging.get(("device", slot), largest, device)[:plan.nbytes] if cuda else \
                     staging.get(("host", slot), largest, torch.device("cpu"))[:plan.nbytes]
-        _fill(plan, rank, world, out, staging, device, widest)
+        _fill(plan, rank, world, out, buffers)
         if rank != 0:
             continue
         if not staged:

@@ -3,9 +3,9 @@
     objective = setup_objective(cfg.loss, shape, reference=..., entropy_split=...)   # at setup
     rows, once = objective.rows(batch)           # advantages, overlong handling, replay EOS (the same on every rank)
     clip = objective.clips(batch)                # the clip schedule: PPO's clip on fresh tokens in this batch?
-    terms = objective.mini_batch(mini)           # its divisors and entropy weights; None: no response token
+    terms = objective.mini_batch(mini, clip=clip, first=...)   # its divisors, entropy weights; None: no token
     ref = objective.reference_logprobs(mb)       # the KL reference's forward (before the policy's), or None
-    loss, metrics = objective(logp, ent, mb, terms, ref, clip=clip, first=...)   # [R, L-1] tensors -> 0-d loss
+    loss, metrics = objective(logp, ent, mb, terms, ref)   # [R, L-1] tensors -> 0-d loss
 
 The step (`learner.step.TrainStep`) reads none of `learner.loss`: it calls these and reduces `metrics` as
 `Objective.metrics` declares (`Reduce`). The pieces are `learner.policy_loss` (the surrogate and its corrections)
@@ -28,19 +28,10 @@ from common.messages import TrainingBatch
 from learner import loss as L
 from learner.batching import MicroBatch, Row, batch_rows
 from learner.policy_loss import LossBatch, PolicyLoss, setup_policy_loss
+from learner.shape import TrainShape
 
 if TYPE_CHECKING:
     from common.config import LossConfig
-
-
-@dataclass(frozen=True)
-class ObjectiveShape:
-    """The run's sizes the objective needs besides its config, resolved once when the learner loads."""
-
-    max_positions: int  # the model's max_position_embeddings: prompt + response tokens a row may have
-    max_new_tokens: int  # generator.max_new_tokens: the overlong penalty's limit, the constant divisor's rows x it
-    world: int  # learner ranks (entropy_agg=micro_batch splits over them without loss_world_size)
-    eos_id: int | None = None  # the model's EOS token (replay_eos); None: it names none
 
 
 @dataclass(frozen=True)
@@ -122,12 +113,16 @@ def constant(mini: list[Row], *, divisor: float | None, max_new_tokens: int, sca
 
 @dataclass(frozen=True)
 class Terms:
-    """A mini-batch's divisors (objective -> its micro-batches): the policy loss's `normalizer`, its response
-    `tokens` (the entropy and KL terms' token mean), and the entropy weight of each row by id (micro_batch)."""
+    """What the objective fixes for one mini-batch (objective -> its micro-batches): the policy loss's `normalizer`,
+    its response `tokens` (the entropy and KL terms' token mean), the entropy weight of each row by id
+    (micro_batch), whether fresh tokens' ratio is clipped (`clip`: the step's clip schedule), and whether it is the
+    step's first mini-batch (`first`: no update yet, so its own forward is pi_old)."""
 
     normalizer: float
     tokens: float
     entropy_weights: dict[int, float] | None = None
+    clip: bool = True
+    first: bool = False
 
 
 # ------------------------------------------------------------------------------------------- the objective
@@ -175,37 +170,38 @@ class Objective:
         """Whether this batch's fresh tokens take PPO's clip (clip_fresh; auto: until the buffer's mixed mode)."""
         return self.clip_schedule(batch)
 
-    def mini_batch(self, mini: list[Row]) -> Terms | None:
-        """A mini-batch's divisors; None when it has no response token (nothing to learn from it)."""
+    def mini_batch(self, mini: list[Row], *, clip: bool = True, first: bool = False) -> Terms | None:
+        """A mini-batch's terms (`clip`: `clips(batch)`; `first`: the step's first mini-batch); None when it has no
+        response token (nothing to learn from it)."""
         tokens = token_count(mini)
         if tokens == 0:
             return None
         weights = None
         if self.entropy_split is not None:
             weights = {id(r): x for r, x in zip(mini, self.entropy_split(mini))}
-        return Terms(self.normalizer(mini), tokens, weights)
+        return Terms(self.normalizer(mini), tokens, weights, clip, first)
 
     def reference_logprobs(self, mb: MicroBatch) -> Tensor | None:
         """The KL reference's log-probs [R, L-1] of `mb`, or None (no KL term). Call it before the policy's forward,
         on every rank (a collective forward under FSDP, dummy micro-batches included)."""
         return None if self.reference is None else self.reference(mb)
 
-    def __call__(self, logp: Tensor, ent: Tensor, mb: MicroBatch, terms: Terms, ref_logp: Tensor | None, *,
-                 clip: bool, first: bool) -> tuple[Tensor, dict[str, Tensor | float]]:
+    def __call__(self, logp: Tensor, ent: Tensor, mb: MicroBatch, terms: Terms,
+                 ref_logp: Tensor | None) -> tuple[Tensor, dict[str, Tensor | float]]:
         """The loss of one micro-batch (0-d) and its metrics (0-d tensors, detached, or host floats). logp, ent
-        [R, L-1]: the policy's forward; `first`: part of the step's first mini-batch (no update yet), whose own
-        forward is pi_old."""
+        [R, L-1]: the policy's forward; `terms`: its mini-batch's (`mini_batch`); `ref_logp`: the KL reference's
+        (`reference_logprobs`)."""
         behaviour = mb.behaviour_logprobs
         if self.eos_id is not None:  # an appended EOS has no stored log-prob (NaN): its weight is 1, the policy's own
             behaviour = torch.where(torch.isnan(behaviour), logp.detach(), behaviour)
         old = None
         if self.needs_old_logprobs:
-            old = mb.old_logprobs if (mb.rows and not first) else logp.detach()
+            old = mb.old_logprobs if (mb.rows and not terms.first) else logp.detach()
             if old is None:
                 raise RuntimeError("learner.loss.recompute_old_logprobs/tis_cap/icepop_band/mis: a later mini-batch "
                                    "has no start-of-step log-probs (record_old_logprobs must run before the first "
                                    "update)")
-        pg, pm = self.policy_losses[clip](
+        pg, pm = self.policy_losses[terms.clip](
             logp, LossBatch(behaviour, mb.advantages, mb.response_mask, mb.replay_mask, old), terms.normalizer)
         ent_term = self._entropy(ent, mb, terms)
         kl_term = torch.zeros((), device=logp.device)
@@ -235,7 +231,7 @@ class Objective:
 
 # ------------------------------------------------------------------------------------------------- setup
 
-def _normalizer(loss: LossConfig, shape: ObjectiveShape) -> Callable[[list[Row]], float]:
+def _normalizer(loss: LossConfig, shape: TrainShape) -> Callable[[list[Row]], float]:
     """`learner.loss.loss_agg`: the policy loss's divisor of a mini-batch."""
     match loss.loss_agg:
         case "token_mean":
@@ -255,10 +251,12 @@ def _clip_schedule(loss: LossConfig) -> Callable[[TrainingBatch], bool]:
     return lambda batch, clip=bool(loss.clip_fresh): clip
 
 
-def setup_objective(loss: LossConfig, shape: ObjectiveShape, *, reference: Reference | None = None,
+def setup_objective(loss: LossConfig, shape: TrainShape, *, reference: Reference | None = None,
                     entropy_split: EntropySplit | None = None) -> Objective:
     """The objective of `learner.loss`, built once. `reference`: the KL reference's forward (kept only when
     kl_coef > 0); `entropy_split`: the micro-batch split entropy_agg=micro_batch weighs rows by (needed then)."""
+    if shape.max_positions is None:
+        raise ValueError("the objective needs the model's positions: TrainShape.with_model(model)")
     if loss.replay_eos and shape.eos_id is None:
         raise ValueError("learner.loss.replay_eos: the model names no EOS token (eos_token_id in its config.json "
                          "or generation_config.json); set learner.loss.replay_eos=false")

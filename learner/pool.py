@@ -1,6 +1,6 @@
 """The learner pool: N training ranks as Ray actors, joined by torch.distributed, model sharded with FSDP2.
 
-    pool = LearnerPool(cfg.learner, model_path, run=run, namespace=ns, max_new_tokens=T, dtype=cfg.model.dtype)
+    pool = LearnerPool(cfg.learner, model_path, shape, run=run, namespace=ns)   # shape: learner.shape.TrainShape
     pending = pool.publish_async()                  # version 0 for late-joining generators
     while training:
         batch = buffer.get_batch(pool.version, timeout_s)   # overlaps with the gather + put of `pending`
@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +32,7 @@ from common.messages import LearnerFeedback, PublishReport, TrainingBatch, Weigh
 from learner import checkpoint as ck
 from learner.gather import Staging
 from learner.schedule import learning_rate
+from learner.shape import TrainShape
 from learner.step import RankStats, merge_rank_stats
 from learner.weights import WeightSyncTimeout, get_or_create_store, make_publisher, wait_for_acks
 
@@ -65,15 +66,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 class LearnerRank:
     """One FSDP rank (run as a Ray actor by `LearnerPool`; usable in-process for world size 1)."""
 
-    def __init__(self, cfg: LearnerConfig, model_path: str, *, rank: int, world: int, max_new_tokens: int,
-                 run: str, namespace: str | None, dtype: str = "float32", publish_dtype: str = "float32",
-                 prompt_tokens: int | None = None, rows_per_update: int | None = None):
+    def __init__(self, cfg: LearnerConfig, model_path: str, shape: TrainShape, *, rank: int, run: str,
+                 namespace: str | None):
+        """Rank `rank` of `shape.world`; `shape`: the run's lengths and dtypes (`learner.shape`)."""
         torch.set_num_threads(max(1, int(cfg.num_cpus)))  # one intra-op thread per reserved CPU (1 by default)
-        self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
-        self.dtype = getattr(torch, dtype)  # compute dtype; master weights stay float32
-        self.publish_dtype = getattr(torch, publish_dtype)  # what publications carry (the engines' dtype)
-        self.max_new_tokens, self.run, self.namespace = max_new_tokens, run, namespace
-        self.prompt_tokens, self.rows_per_update = prompt_tokens, rows_per_update  # checkpointing auto's micro-batch
+        self.cfg, self.model_path, self.shape, self.rank, self.world = cfg, model_path, shape, rank, shape.world
+        self.dtype = shape.torch_dtype  # compute dtype; master weights stay float32
+        self.publish_dtype = shape.torch_publish_dtype  # what publications carry (the engines' dtype)
+        self.run, self.namespace = run, namespace
         use_nccl = cfg.backend == "nccl" or (cfg.backend == "auto" and cfg.num_gpus > 0 and torch.cuda.is_available())
         if use_nccl and not torch.cuda.is_available():
             raise RuntimeError("learner.backend=nccl but this rank sees no GPU: "
@@ -114,9 +114,7 @@ class LearnerRank:
                                              timeout=RENDEZVOUS_TIMEOUT)
         torch.manual_seed(self.cfg.seed + self.rank)
         np.random.seed(self.cfg.seed + self.rank)
-        built = setup_rank(self.cfg, self.model_path, rank=self.rank, world=self.world, device=self.device,
-                           dtype=self.dtype, max_new_tokens=self.max_new_tokens, prompt_tokens=self.prompt_tokens,
-                           rows_per_update=self.rows_per_update)
+        built = setup_rank(self.cfg, self.model_path, self.shape, rank=self.rank, device=self.device)
         self.model, self.optimizer, self.trainer = built.model, built.optimizer, built.trainer
         self.model_config = built.model.config
         self.staging = Staging()
@@ -164,8 +162,9 @@ class LearnerRank:
                 log.info("learner.lora.publish=adapters: publications carry only the adapters of %d Linear modules "
                          "(A and B, rank %d); each generator merges W + %g B A into its base", len(adapters.targets),
                          lora.rank, adapters.scaling)
-        on_device = self.rank == 0 and getattr(self.publisher, "takes_device_buckets", False)
-        keeper = getattr(self.publisher, "bucket_buffer", None) if self.rank == 0 else None  # keeps every bucket
+        publisher = self.publisher if self.rank == 0 else None  # rank 0 publishes; the others gather with it
+        on_device = publisher is not None and publisher.takes_device_buckets
+        keeper = publisher.bucket_buffer if publisher is not None else None  # keeps every bucket (collective)
         buckets = iter_flat_buckets(self.model, self.rank, self.world, dtype=self.publish_dtype,
                                     bucket_bytes=int(self.cfg.weight_sync.bucket_mb * (1 << 20)),
                                     staging=self.staging, to_host=not on_device, alloc=keeper,
@@ -190,8 +189,7 @@ class LearnerRank:
 
     def weight_sync_status(self) -> dict:
         """The publisher's view (collective: channels served, failed channels with generator ids); {} elsewhere."""
-        status = getattr(self.publisher, "status", None)
-        return status() if status is not None else {}
+        return self.publisher.status() if self.publisher is not None else {}
 
     def gather(self) -> dict[str, torch.Tensor] | None:
         sd = self.full_state_dict()
@@ -359,17 +357,15 @@ def _bundle(pg, index: int):
 class LearnerPool:
     """N `LearnerRank` actors training one policy; see the module docstring for the loop."""
 
-    def __init__(self, cfg: LearnerConfig, model_path: str, *, run: str, namespace: str | None, max_new_tokens: int,
-                 dtype: str = "float32", publish_dtype: str = "float32", wait: bool = True,
-                 prompt_tokens: int | None = None, rows_per_update: int | None = None):
-        """`dtype`: the run's `model.dtype`, the compute dtype of the ranks (see the module docstring);
-        `publish_dtype`: what publications carry (the engines' dtype, `generator.dtype`; float32 = exact).
-        `wait=False` returns as soon as the ranks are asked for (their processes start, load and shard the
-        model in the background: the driver builds the rest meanwhile); call `wait_ready()` before use.
-        `prompt_tokens` (the longest prompt, `data.max_prompt_tokens`) and `rows_per_update` (the rows one rank
-        trains per optimizer step): the micro-batch activation checkpointing "auto" budgets for (None: a
-        2,048-token prompt, `learner.batching.micro_batch_rows` rows)."""
+    def __init__(self, cfg: LearnerConfig, model_path: str, shape: TrainShape, *, run: str, namespace: str | None,
+                 wait: bool = True):
+        """`shape`: the run's lengths and dtypes (`learner.shape.TrainShape`: the compute dtype of the ranks, see
+        the module docstring, what publications carry, the longest prompt and response, a batch's rows); the pool
+        sets its `world` to `cfg.num_ranks`. `wait=False` returns as soon as the ranks are asked for (their
+        processes start, load and shard the model in the background: the driver builds the rest meanwhile); call
+        `wait_ready()` before use."""
         self.cfg, self.model_path, self.run, self.namespace = cfg, str(model_path), run, namespace
+        shape = replace(shape, world=cfg.num_ranks)
         self.version = 0
         self.steps = 0
         self.skipped_updates = 0
@@ -384,9 +380,7 @@ class LearnerPool:
                           num_gpus=cfg.num_gpus, max_restarts=0, scheduling_strategy=_bundle(self.placement_group, r),
                           **({"label_selector": dict(cfg.node_labels)}
                              if cfg.node_labels and self.placement_group is None else {})).remote(
-                cfg, self.model_path, rank=r, world=cfg.num_ranks, max_new_tokens=max_new_tokens, run=run,
-                namespace=namespace, dtype=dtype, publish_dtype=publish_dtype, prompt_tokens=prompt_tokens,
-                rows_per_update=rows_per_update)
+                cfg, self.model_path, shape, rank=r, run=run, namespace=namespace)
             for r in range(cfg.num_ranks)
         ]
         address = self.ranks[0].rendezvous_address.remote()  # resolved by Ray before each rank's setup runs

@@ -1,6 +1,6 @@
 """o*: which stored trajectory completes each mixed group, chosen under the policy the step trains.
 
-    entropies, scores = score_candidates(model, batch, ...)       # collective: one all-reduce
+    entropies, scores = score_candidates(model, batch, rank, shape)   # collective: one all-reduce
     batch, feedback = complete_groups(batch, scores, entropies)   # pure: the argmin per group
 
 Every rank derives the same choice from the same sums. `StepFeedback` is what the step tells the buffer about
@@ -10,8 +10,8 @@ The rule and the authors' score: docs/internals.md#learnerreplay_choicepy
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from common.messages import Rollout, TrainingBatch
 from learner import loss as L
 from learner.batching import BatchError, MicroBatch, Row, chunk_window_spans
 from learner.forward import forward_stats
+from learner.shape import TrainShape
 
 Scores = dict[tuple[int, int], float]  # (group index, candidate index) -> value
 
@@ -52,15 +53,24 @@ def candidate_rows(batch: TrainingBatch) -> list[tuple[int, int, Row]]:
     return out
 
 
+class RankBatching(Protocol):
+    """How one rank cuts rows into its micro-batches and their tensors (`learner.step.TrainStep` is one)."""
+
+    device: torch.device
+
+    def micro_batches(self, rows: list[Row]) -> list[list[Row]]: ...  # equally many on every rank
+
+    def collate(self, rows: list[Row]) -> MicroBatch: ...
+
+
 @torch.no_grad()
-def score_candidates(model: torch.nn.Module, batch: TrainingBatch,
-                     micro_batches: Callable[[list[Row]], list[list[Row]]],
-                     collate: Callable[[list[Row]], MicroBatch], *, device: torch.device, world: int,
-                     max_positions: int, max_new_tokens: int, pad_id: int) -> tuple[Scores, Scores]:
+def score_candidates(model: torch.nn.Module, batch: TrainingBatch, rank: RankBatching,
+                     shape: TrainShape) -> tuple[Scores, Scores]:
     """Mean token entropy of every candidate with a choice, under `model`'s current weights, and the score the
     choice minimises (`batch.trajectory_score`: the same, or the authors' code's, `chunk_window_spans`).
-    Collective: each rank scores the slice `micro_batches` deals it (equally many micro-batches on every rank,
-    a dummy's forward included), one all-reduce over the `world` ranks sums them."""
+    Collective: each rank scores the slice `rank.micro_batches` deals it (equally many micro-batches on every rank,
+    a dummy's forward included), one all-reduce over the `shape.world` ranks sums them."""
+    device, max_positions = rank.device, shape.max_positions
     cands = candidate_rows(batch)
     if not cands:
         return {}, {}
@@ -72,7 +82,7 @@ def score_candidates(model: torch.nn.Module, batch: TrainingBatch,
     windowed = batch.trajectory_score == "chunk_window"
     if windowed:  # the authors' score sums prompt positions too: the head computes every position
         windows = chunk_window_spans([r.length for r in rows], [r.response_ids for r in rows],
-                                         max_new_tokens, pad_id)
+                                     shape.max_new_tokens, shape.pad_id)
         response = [(len(r.prompt_ids) - 1, len(r.response_ids)) for r in rows]
         rows = [replace(r, prompt_ids=ids[:1], response_ids=ids[1:],  # the same tokens, all as "response"
                         behaviour_logprobs=np.zeros(len(ids) - 1, np.float32))
@@ -80,11 +90,11 @@ def score_candidates(model: torch.nn.Module, batch: TrainingBatch,
     index = {id(r): i for i, r in enumerate(rows)}
     sums = torch.zeros(2, len(rows), dtype=torch.float32, device=device)  # [2, N] mean entropy, score
     model.eval()
-    for chunk in micro_batches(rows):
+    for chunk in rank.micro_batches(rows):
         if not chunk:  # this rank's dummy: the forward keeps FSDP in step, nothing to record
-            forward_stats(model, collate(chunk))
+            forward_stats(model, rank.collate(chunk))
             continue
-        mb = collate(chunk)
+        mb = rank.collate(chunk)
         _, h, _ = forward_stats(model, mb)  # [R, L-1]
         mine = [index[id(r)] for r in chunk]
         where = torch.tensor(mine).to(device, non_blocking=True)  # [R]
@@ -94,7 +104,7 @@ def score_candidates(model: torch.nn.Module, batch: TrainingBatch,
                 h, [(s, d) for s, d in (windows[i] for i in mine)], [r.length - 1 for r in chunk]))
         else:
             sums[0].index_copy_(0, where, L.row_mean(h, mb.response_mask).nan_to_num(nan=0.0))  # empty: 0
-    if world > 1:
+    if shape.world > 1:
         torch.distributed.all_reduce(sums)
     ent_list, score_list = sums.tolist()
     entropies = {(g, c): h for (g, c, _), h in zip(cands, ent_list)}

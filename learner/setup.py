@@ -2,7 +2,8 @@
 `bench/gpu_bench.py` (a bare GPU machine has no Ray) run the same code.
 
     torch.distributed.init_process_group(...)              # the caller's; FSDP2's mesh spans the whole group
-    built = setup_rank(cfg, model_path, rank=r, world=w, device=device, dtype=torch.bfloat16, max_new_tokens=T)
+    shape = TrainShape(max_new_tokens=T, dtype="bfloat16", world=w)   # the run's lengths and dtypes, the ranks
+    built = setup_rank(cfg, model_path, shape, rank=r, device=device)
     stats = built.trainer.run(batch)                       # learner.step.TrainStep
 
 Parameters and AdamW's state are float32 (FSDP2 mixed precision); a sharded model is built on the meta device,
@@ -28,21 +29,11 @@ from learner.forward import check_packing, prepare_model
 from learner.levers import apply_compile, attention_problem, build_optimizer, remove_compile, resolve_levers
 from learner.loading import build_empty, load_shards, materialize
 from learner.lora import adapter_names, apply_lora, hold_frozen_in, init_adapters
+from learner.shape import TrainShape
 from learner.step import TrainStep
 from learner.trial import try_levers
 
 log = logging.getLogger(__name__)
-
-
-def eos_token_id(model: torch.nn.Module) -> int | None:
-    """The model's EOS token: generation_config.json's, else config.json's (the first of a list), else None."""
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None)
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
-        if eos is not None:
-            return int(eos)
-    return None
 
 
 @dataclass(slots=True)
@@ -70,15 +61,14 @@ def _hidden_size(model_path: str) -> int | None:
     return width if isinstance(width, int) else None
 
 
-def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, device: torch.device,
-               dtype: torch.dtype, max_new_tokens: int, prompt_tokens: int | None = None,
-               rows_per_update: int | None = None, fill: Callable[[torch.nn.Module], None] | None = None) -> RankModel:
-    """Build, prepare, shard and fill the model of `model_path` on `device`, its AdamW and its `TrainStep`.
-    Collective under FSDP (the packing check runs forwards): every rank of the group calls it.
-    `fill(model)`: fills the allocated parameters instead of reading them from the folder's weight files.
-    `prompt_tokens`, `rows_per_update`: the longest prompt and the rows a rank trains per optimizer step, so that
-    activation checkpointing "auto" budgets the run's real micro-batch (None: a 2,048-token prompt, and
-    `learner.batching.micro_batch_rows` rows)."""
+def setup_rank(cfg: LearnerConfig, model_path: str, shape: TrainShape, *, rank: int, device: torch.device,
+               fill: Callable[[torch.nn.Module], None] | None = None) -> RankModel:
+    """Build, prepare, shard and fill the model of `model_path` on `device`, its AdamW and its `TrainStep`, rank
+    `rank` of `shape.world` in `shape.dtype`. Collective under FSDP (the packing check runs forwards): every rank of
+    the group calls it. `fill(model)`: fills the allocated parameters instead of reading them from the folder's
+    weight files. The shape's longest prompt and batch rows let activation checkpointing "auto" budget the run's
+    real micro-batch (`resolve_checkpointing`)."""
+    world, dtype = shape.world, shape.torch_dtype
     sharded = world > 1 or dtype != torch.float32
     problem = attention_problem(cfg.levers.attn_implementation)  # on a cluster, the node of this rank decides
     if problem is not None:
@@ -87,12 +77,10 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
     asked = cfg
     cfg, notes = resolve_levers(cfg, device, dtype, width=_hidden_size(model_path))  # "auto", for this device
     cfg, model = _load_model(cfg, asked, model_path, device, empty=sharded or fill is not None, notes=notes)
+    shape = shape.with_model(model)  # its positions, EOS and pad tokens
     targets = apply_lora(model, cfg.lora) if cfg.lora is not None else []  # before the head and sharding
     # activation checkpointing "auto": from the memory the weights, gradients and AdamW state leave (meta shapes)
-    cfg, checkpointing_note = resolve_checkpointing(
-        cfg, model, device, dtype, world=world,
-        max_length=min(int(model.config.max_position_embeddings),
-                       max_new_tokens + (2048 if prompt_tokens is None else prompt_tokens)), rows=rows_per_update)
+    cfg, checkpointing_note = resolve_checkpointing(cfg, model, device, shape)
     notes.append(checkpointing_note)
     prepare_model(model, cfg)  # before sharding: FSDP then manages the new head's (tied) weight as before
     frozen = 0
@@ -106,13 +94,10 @@ def setup_rank(cfg: LearnerConfig, model_path: str, *, rank: int, world: int, de
     if sharded or fill is not None:
         materialize(model, device)
         fill(model) if fill is not None else load_shards(model, model_path, rank, world, skip=adapter_names(model))
-    summary = _init_lora(model, cfg, targets, rank, world, frozen, dtype) if cfg.lora is not None else None
+    summary = _init_lora(model, cfg, targets, rank, shape, frozen) if cfg.lora is not None else None
     optimizer, optimizer_note = build_optimizer((p for p in model.parameters() if p.requires_grad), cfg)
-    pad = model.config.pad_token_id
-    trainer = TrainStep(model, optimizer, cfg, rank=rank, world=world, device=device,
-                        pad_id=0 if pad is None else int(pad), max_positions=int(model.config.max_position_embeddings),
-                        max_new_tokens=max_new_tokens, ref_model=_reference_model(cfg, model_path, device, dtype),
-                        eos_id=eos_token_id(model))
+    trainer = TrainStep(model, optimizer, cfg, shape, rank=rank, device=device,
+                        ref_model=_reference_model(cfg, model_path, device, dtype))
     levers = _RankLevers(trainer, chose_attention=asked.levers.attn_implementation is None)
     off, trial_graphs, trial_s = _trial(levers, trainer, notes, checkpointing_note, rank)
     cfg, optimizer_note = levers.cfg, levers.optimizer_note or optimizer_note
@@ -161,10 +146,12 @@ def _shard(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, wor
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
-def _init_lora(model: torch.nn.Module, cfg: LearnerConfig, targets: list[str], rank: int, world: int, frozen: int,
-               dtype: torch.dtype) -> str:
-    """Initialise the adapters (the same on every rank) and say what trains; the one-line summary the driver logs."""
-    init_adapters(model, cfg.seed, rank, world)
+def _init_lora(model: torch.nn.Module, cfg: LearnerConfig, targets: list[str], rank: int, shape: TrainShape,
+               frozen: int) -> str:
+    """Initialise the adapters (the same on every rank) and say what trains; the one-line summary the driver logs.
+    `frozen`: the base's parameters held in the compute dtype (`hold_frozen_in`)."""
+    dtype = shape.torch_dtype
+    init_adapters(model, cfg.seed, rank, shape.world)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # global counts (DTensor numel)
     total = sum(p.numel() for p in model.parameters())
     kinds = ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets}))

@@ -21,12 +21,14 @@ from torch import Tensor
 from common.config import LearnerConfig
 from common.messages import TrainingBatch
 from learner import loss as L
-from learner.batching import MicroBatch, Row, collate, entropy_weights, rank_micro_batches, split_mini_batches
+from learner.batching import (MicroBatch, MicroBatching, Row, collate, entropy_weights, rank_micro_batches,
+                              split_mini_batches)
 from learner.compile_cache import RecompileWatch
 from learner.forward import forward_stats
 from learner.lora import adapters_disabled
-from learner.objective import METRICS, Objective, ObjectiveShape, Reduce, Terms, setup_objective
+from learner.objective import METRICS, Objective, Reduce, Terms, setup_objective
 from learner.replay_choice import Scores, StepFeedback, complete_groups, reasoning_metrics, score_candidates
+from learner.shape import TrainShape
 
 
 STEP_SUMS = ("forward_tokens", "row_tokens", "gap_abs_sum", "gap_tokens", "gap_ratio_sum", "gap_ratio_sq_sum",
@@ -231,19 +233,16 @@ class TrainStep:
     (`learner.objective`, built once from the config's loss section), whose options it never reads.
 
     `model` is the (FSDP-sharded) causal LM, `ref_model` an optional frozen reference for the KL term (under
-    LoRA none: the reference is `model` with its adapters disabled, see `reference_logprobs`).
+    LoRA none: the reference is `model` with its adapters disabled, see `reference_logprobs`). `shape`: the run's
+    lengths, rank count and the model's tokens (`TrainShape.with_model`).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, *,
-                 rank: int, world: int, device: torch.device, pad_id: int, max_positions: int,
-                 max_new_tokens: int, ref_model: torch.nn.Module | None = None, eos_id: int | None = None):
-        self.model, self.optimizer, self.cfg = model, optimizer, cfg
-        self.rank, self.world, self.device = rank, world, device
-        self.pad_id, self.max_positions, self.max_new_tokens = pad_id, max_positions, max_new_tokens
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: LearnerConfig,
+                 shape: TrainShape, *, rank: int, device: torch.device, ref_model: torch.nn.Module | None = None):
+        self.model, self.optimizer, self.cfg, self.shape = model, optimizer, cfg, shape
+        self.rank, self.world, self.device = rank, shape.world, device
         self.ref_model = ref_model
-        self.shape = ObjectiveShape(max_positions=max_positions, max_new_tokens=max_new_tokens, world=world,
-                                    eos_id=eos_id)
-        self.objective: Objective = setup_objective(cfg.loss, self.shape, reference=self._reference_forward,
+        self.objective: Objective = setup_objective(cfg.loss, shape, reference=self._reference_forward,
                                                     entropy_split=self._entropy_split)
 
     def run(self, batch: TrainingBatch) -> RankStats:
@@ -265,12 +264,12 @@ class TrainStep:
         self.model.train()
         for i, mini in enumerate(minis):
             stats.mini_batches += 1
-            terms = objective.mini_batch(mini)
+            terms = objective.mini_batch(mini, clip=clip, first=i == 0)
             if terms is None:  # no response tokens at all: nothing to learn from this mini-batch
                 stats.skipped += 1
                 continue
-            for chunk in self._micro_batches(mini):
-                self._micro_step(self._collate(chunk), terms, stats, first=i == 0, clip=clip)
+            for chunk in self.micro_batches(mini):
+                self._micro_step(self.collate(chunk), terms, stats)
             self._optimizer_step(stats)
         stats.finish()  # the step's metrics in one transfer, after the last update was queued
         stats.recompiles = watch.done(f"the step of policy version {batch.version}", self.rank)
@@ -280,9 +279,7 @@ class TrainStep:
     def score_candidates(self, batch: TrainingBatch, stats: RankStats) -> tuple[Scores, Scores]:
         """`replay_choice.score_candidates` under this rank's weights and micro-batching; `stats` counts it."""
         t0 = time.perf_counter()
-        entropies, scores = score_candidates(self.model, batch, self._micro_batches, self._collate,
-                                             device=self.device, world=self.world, max_positions=self.max_positions,
-                                             max_new_tokens=self.max_new_tokens, pad_id=self.pad_id)
+        entropies, scores = score_candidates(self.model, batch, self, self.shape)
         if entropies:
             stats.candidates_scored = len(entropies)
             stats.selection_s = time.perf_counter() - t0
@@ -302,8 +299,8 @@ class TrainStep:
         self.model.eval()
         done: list[tuple[list[Row], Tensor]] = []
         for mini in minis:
-            for chunk in self._micro_batches(mini):
-                mb = self._collate(chunk)
+            for chunk in self.micro_batches(mini):
+                mb = self.collate(chunk)
                 lp, h, _ = forward_stats(self.model, mb)  # [R, L-1]
                 if chunk:
                     done.append((chunk, lp))
@@ -321,36 +318,35 @@ class TrainStep:
                 p, t = len(r.prompt_ids), len(r.response_ids)
                 r.old_logprobs = lp_host[i, p - 1:p - 1 + t].copy()  # [T]
 
-    def _micro_batches(self, rows: list[Row]) -> list[list[Row]]:
-        bt = self.cfg.batching
-        return rank_micro_batches(rows, self.rank, self.world, bt.micro_batch_rows, bt.micro_batch_tokens,
-                                  self.cfg.levers.packs_padding_free, bt.micro_batch_split)
+    def micro_batches(self, rows: list[Row]) -> list[list[Row]]:
+        """This rank's micro-batches of `rows` under the step's micro-batching (read per call: the setup's lever
+        trial may change it); equally many on every rank."""
+        return rank_micro_batches(rows, self.rank, self.world, MicroBatching.of(self.cfg))
 
-    def _collate(self, rows: list[Row]) -> MicroBatch:
-        return collate(rows, self.pad_id, self.device, packed=self.cfg.levers.packs_padding_free and bool(rows))
+    def collate(self, rows: list[Row]) -> MicroBatch:
+        """The tensors of one micro-batch on this rank's device (packed where the micro-batches run padding-free)."""
+        return collate(rows, self.shape.pad_id, self.device,
+                       packed=self.cfg.levers.packs_padding_free and bool(rows))
 
     def _entropy_split(self, mini: list[Row], gpus: int) -> list[float]:
         """The objective's entropy_agg=micro_batch handle: each row's weight when the mini-batch is split over `gpus`
         GPUs under this step's batching (read per call: the setup's lever trial may change it)."""
-        bt = self.cfg.batching
-        return entropy_weights(mini, gpus, bt.micro_batch_rows, bt.micro_batch_tokens,
-                               self.cfg.levers.packs_padding_free, bt.micro_batch_split)
+        return entropy_weights(mini, gpus, MicroBatching.of(self.cfg))
 
-    def _micro_step(self, mb: MicroBatch, terms: Terms, stats: RankStats, first: bool = False,
-                    clip: bool = True) -> None:
-        """Forward, objective, backward of one micro-batch. `first`: part of the step's first mini-batch (no
-        update yet), where the fresh tokens' train/inference gap is measured, and whose forward is itself at the
-        start-of-step weights. `clip`: the objective clips fresh tokens' ratio."""
+    def _micro_step(self, mb: MicroBatch, terms: Terms, stats: RankStats) -> None:
+        """Forward, objective, backward of one micro-batch. In the step's first mini-batch (`terms.first`: no
+        update yet) the fresh tokens' train/inference gap is measured, and its forward is itself at the
+        start-of-step weights."""
         ref_logp = self.objective.reference_logprobs(mb)  # before the policy's forward: a no-grad forward of its own
         logp, ent, anchor = forward_stats(self.model, mb)  # [R, L-1] each
-        if first:
+        if terms.first:
             fresh = mb.response_mask * (1.0 - mb.replay_mask)  # [R, L-1]
             stats.add_gap(L.logprob_gap(logp, mb.behaviour_logprobs, fresh, mb.lag0_mask))
-        total, metrics = self.objective(logp, ent, mb, terms, ref_logp, clip=clip, first=first)
+        total, metrics = self.objective(logp, ent, mb, terms, ref_logp)
         # 0 * anchor keeps every parameter in the graph: a rank whose micro-batch is an all-masked dummy
         # (fewer rows than ranks) still runs the backward that FSDP's gradient collectives wait for.
         ((total + 0.0 * anchor) * self.world).backward()
-        start = logp.detach() if first and not self._eval_stored else None
+        start = logp.detach() if terms.first and not self._eval_stored else None
         stats.add_micro(metrics, ent.detach(), mb, start_logp=start)
 
     def reference_logprobs(self, mb: MicroBatch) -> Tensor | None:

@@ -96,10 +96,10 @@ def attempt_micro_batch(trainer, faults: set[str]) -> str | None:
         model.eval()
         with torch.no_grad():  # candidate scoring and old log-probs: eval mode, no grad
             for rows in eval_batches:
-                forward_stats(model, trainer._collate(rows))
+                forward_stats(model, trainer.collate(rows))
         model.train()
         for rows in train_batches:
-            mb = trainer._collate(rows)
+            mb = trainer.collate(rows)
             trainer.reference_logprobs(mb)
             logp, ent, anchor = forward_stats(model, mb)  # [R, L-1] each
             (logp.sum() + ent.sum() + 0.0 * anchor).backward()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -70,10 +70,21 @@ def wait_for_acks(store: ray.actor.ActorHandle, version: int, timeout_s: float) 
 
 
 class WeightPublisher(Protocol):
-    """The sending side of a weight-sync backend (lives in learner rank 0)."""
+    """The sending side of a weight-sync backend (lives in learner rank 0).
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor],
+        buckets = iter_flat_buckets(..., to_host=not publisher.takes_device_buckets, alloc=publisher.bucket_buffer)
+        ann = publisher.publish(version, buckets, adapters=...)
+        publisher.status()                         # what it serves ({}: nothing to say)
+    """
+
+    takes_device_buckets: bool  # the gather's buckets stay on the GPU (the backend sends them from there)
+    # where the gather puts each bucket, a buffer the backend keeps (None: the gather's reused buffers, then copied)
+    bucket_buffer: Callable[[int, torch.device], torch.Tensor] | None
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]],
                 adapters: AdapterPublication | None = None) -> WeightsAnnouncement: ...
+
+    def status(self) -> dict: ...
 
     def close(self) -> None: ...
 
@@ -84,6 +95,9 @@ class ObjectStorePublisher:
     The rank that calls `publish` owns the object (it must outlive the version's use: learner rank 0
     does); the store only borrows the reference, and dropping old versions frees them.
     """
+
+    takes_device_buckets = False  # each bucket is put from the host
+    bucket_buffer = None  # the gather's reused buffers: `ray.put` copies each bucket out before the next one
 
     def __init__(self, cfg: ObjectStoreSyncConfig, *, run: str, namespace: str | None, timeout_s: float):
         from learner.delta import DeltaEncoder
@@ -122,6 +136,10 @@ class ObjectStorePublisher:
             raise WeightSyncTimeout(f"weight store did not accept version {version} within {self.timeout_s:.1f}s "
                                     f"(is the actor {self.store} alive and responsive?)") from e
         return ann
+
+    def status(self) -> dict:
+        """Nothing of its own: the weight store holds the versions and their acknowledgements."""
+        return {}
 
     def close(self) -> None:
         pass

@@ -284,12 +284,14 @@ def test_the_table_shows_what_auto_chose_and_from_which_numbers():
     tests/learner/test_activation_checkpointing.py) read back into the JSON and the table's cell."""
     sys.path.insert(0, str(ROOT))
     from bench.gpu_report import checkpointing_cell, checkpointing_choice
-    from learner.activation_checkpointing import LayerShape, MemoryBudget, choose_checkpointing
+    from learner.activation_checkpointing import (LayerCost, LayerShape, MemoryBudget, MicroBatchSize,
+                                                  choose_checkpointing)
 
     gib = 2 ** 30
     shape = LayerShape(hidden=1024, kv_hidden=256, intermediate=4096, layers=10)
-    choice = choose_checkpointing(MemoryBudget(free=75 * gib, total=80 * gib, share=0.5), 20 * gib, 16_384, shape, 2,
-                                  compiled=True, counted="learner.batching.micro_batch_tokens")
+    budget = "learner.batching.micro_batch_tokens"
+    choice = choose_checkpointing(MemoryBudget(free=75 * gib, total=80 * gib, share=0.5), 20 * gib,
+                                  MicroBatchSize(16_384, counted=budget), LayerCost(shape, 2, compiled=True))
     line = (f"learner levers on cuda: per-layer compile; activation checkpointing {choice.mode} ({choice.note()}); "
             "fused AdamW")
     got = checkpointing_choice(["learner micro-batches: padded (attention sdpa)", line])
@@ -302,8 +304,8 @@ def test_the_table_shows_what_auto_chose_and_from_which_numbers():
         "none (auto, compiled: 16,384 tok x 395.3 kB, 14.0 GiB left of free 75.0 x share 0.5)")
     assert checkpointing_choice(["activation checkpointing full (set)"])["auto"] is False
     # where only full fit the token budget, auto halved it for selective: the cell says so
-    halved = choose_checkpointing(MemoryBudget(free=80 * gib, total=80 * gib, share=1.0), 66 * gib, 16_384, shape, 2,
-                                  counted="learner.batching.micro_batch_tokens", floor=8192)
+    halved = choose_checkpointing(MemoryBudget(free=80 * gib, total=80 * gib, share=1.0), 66 * gib,
+                                  MicroBatchSize(16_384, counted=budget, floor=8192), LayerCost(shape, 2))
     got = checkpointing_choice([f"activation checkpointing {halved.mode} ({halved.note()}); fused AdamW"])
     assert (got["mode"], got["tokens"], got["halved_from"]) == ("selective", 8192, 16_384)
     assert checkpointing_cell({"activation_checkpointing": "selective"}, got) == (

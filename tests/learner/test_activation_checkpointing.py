@@ -15,14 +15,15 @@ from common.config import LearnerConfig, LoRAConfig
 from tests.learner import sectioned
 from tests.ports import rendezvous_store
 from learner.batching import batch_rows, collate
-from learner.activation_checkpointing import (AUTO_MODES, RESERVE, SELECTIVE_RAN_ON_GPU, USABLE, LayerShape, MemoryBudget,
-                                   activation_bytes, agreed_budget, apply_checkpointing, bytes_per_token,
-                                   choose_checkpointing, eager_fallback_note, gpu_share, micro_batch_tokens,
-                                   resolve_checkpointing, state_bytes)
+from learner.activation_checkpointing import (AUTO_MODES, RESERVE, SELECTIVE_RAN_ON_GPU, USABLE, LayerCost, LayerShape,
+                                   MemoryBudget, MicroBatchSize, activation_bytes, agreed_budget, apply_checkpointing,
+                                   bytes_per_token, choose_checkpointing, eager_fallback_note, gpu_share,
+                                   micro_batch_tokens, resolve_checkpointing, state_bytes)
 from learner.forward import forward_stats, prepare_model
 from learner.levers import build_optimizer
 from learner.lora import apply_lora, init_adapters
 from learner.replay_choice import complete_groups
+from learner.shape import TrainShape
 from learner.step import TrainStep
 from bench.batches import make_batch
 
@@ -64,6 +65,8 @@ SHAPE = LayerShape(hidden=1024, kv_hidden=256, intermediate=4096, layers=10)
 # 189,440 + 8,192 = 197,632 elements, 395,264 B per token, 6,476,005,376 B (6.03 GiB); full 10,240 + 18,944 + 8,192
 # = 37,376 elements, 74,752 B per token, 1,224,736,768 B (1.14 GiB); selective as eager.
 TOKENS = 16_384
+SIZE = MicroBatchSize(TOKENS)
+EAGER, COMPILED = LayerCost(SHAPE, 2), LayerCost(SHAPE, 2, compiled=True)  # bfloat16 activations
 
 
 def whole(gib: float, share: float = 1.0) -> MemoryBudget:
@@ -115,9 +118,9 @@ def test_auto_takes_the_least_recompute_that_fits(state_gib, want, want_without_
     note says what to lower. Auto chooses among the modes that have run on a GPU: all three since selective has
     (an H100, issue 49); without selective, 64 gives full."""
     assert USABLE * 80 * GIB - RESERVE == 70 * GIB
-    choice = choose_checkpointing(whole(80), int(state_gib * GIB), TOKENS, SHAPE, 2)
+    choice = choose_checkpointing(whole(80), int(state_gib * GIB), SIZE, EAGER)
     assert choice.mode == want
-    without = choose_checkpointing(whole(80), int(state_gib * GIB), TOKENS, SHAPE, 2, modes=("none", "full"))
+    without = choose_checkpointing(whole(80), int(state_gib * GIB), SIZE, EAGER, modes=("none", "full"))
     assert without.mode == want_without_selective
     left = 70 - state_gib
     note = choice.note()
@@ -135,8 +138,8 @@ def test_auto_takes_the_least_recompute_that_fits(state_gib, want, want_without_
 def test_under_compile_auto_keeps_everything_where_eager_would_recompute():
     """States of 63 GiB leave 7: eager none (9.16 GiB) does not fit and auto recomputes (selective); compiled none
     (6.03 GiB) fits, and no layer runs twice."""
-    assert choose_checkpointing(whole(80), 63 * GIB, TOKENS, SHAPE, 2).mode == "selective"
-    choice = choose_checkpointing(whole(80), 63 * GIB, TOKENS, SHAPE, 2, compiled=True)
+    assert choose_checkpointing(whole(80), 63 * GIB, SIZE, EAGER).mode == "selective"
+    choice = choose_checkpointing(whole(80), 63 * GIB, SIZE, COMPILED)
     assert choice.mode == "none" and choice.note().startswith("auto, compiled: 7.0 GiB left")
 
 
@@ -144,28 +147,29 @@ def test_where_only_full_fits_auto_halves_a_token_budget_for_selective():
     """States of 66 GiB leave 4: selective at 16,384 tokens (4.47 GiB) does not fit, full (1.45) does. With a floor
     of 8,192 (a token budget), selective at 8,192 tokens (2.23 GiB) fits: auto takes it and says so. A floor above
     the half, no floor (rows, not a token budget) or selective not among the modes: full at the budget as set."""
-    choice = choose_checkpointing(whole(80), 66 * GIB, TOKENS, SHAPE, 2, floor=8192)
+    choice = choose_checkpointing(whole(80), 66 * GIB, MicroBatchSize(TOKENS, floor=8192), EAGER)
     assert (choice.mode, choice.tokens, choice.halved_from) == ("selective", 8192, TOKENS)
     assert "activations of 8192 tokens" in choice.note()
     assert "learner.batching.micro_batch_tokens halved from 16384 so that selective fits" in choice.note()
-    for kept in (choose_checkpointing(whole(80), 66 * GIB, TOKENS, SHAPE, 2, floor=8193),
-                 choose_checkpointing(whole(80), 66 * GIB, TOKENS, SHAPE, 2),
-                 choose_checkpointing(whole(80), 66 * GIB, TOKENS, SHAPE, 2, modes=("none", "full"), floor=8192)):
+    for kept in (choose_checkpointing(whole(80), 66 * GIB, MicroBatchSize(TOKENS, floor=8193), EAGER),
+                 choose_checkpointing(whole(80), 66 * GIB, SIZE, EAGER),
+                 choose_checkpointing(whole(80), 66 * GIB, MicroBatchSize(TOKENS, floor=8192), EAGER,
+                                      modes=("none", "full"))):
         assert (kept.mode, kept.tokens, kept.halved_from) == ("full", TOKENS, 0)
         assert "halved" not in kept.note()
     # where selective fits at the budget as set, nothing is halved
-    assert choose_checkpointing(whole(80), 64 * GIB, TOKENS, SHAPE, 2, floor=8192).tokens == TOKENS
+    assert choose_checkpointing(whole(80), 64 * GIB, MicroBatchSize(TOKENS, floor=8192), EAGER).tokens == TOKENS
 
 
 def test_a_half_card_beside_an_engine_recomputes_what_the_whole_card_keeps():
     """80 GiB card, 75 free, states of 20 GiB: the whole card leaves 0.9 x 75 - 2 - 20 = 45.5 GiB and none (9.16)
     fits; half the card (40 GiB) leaves 0.9 x 40 - 2 - 20 = 14, none still fits; a quarter (20) leaves -4: full."""
     free = MemoryBudget(free=75 * GIB, total=80 * GIB, share=1.0)
-    assert choose_checkpointing(free, 20 * GIB, TOKENS, SHAPE, 2).mode == "none"
+    assert choose_checkpointing(free, 20 * GIB, SIZE, EAGER).mode == "none"
     half = MemoryBudget(free=75 * GIB, total=80 * GIB, share=0.5)
-    assert choose_checkpointing(half, 20 * GIB, TOKENS, SHAPE, 2).mode == "none"
+    assert choose_checkpointing(half, 20 * GIB, SIZE, EAGER).mode == "none"
     quarter = MemoryBudget(free=75 * GIB, total=80 * GIB, share=0.25)
-    choice = choose_checkpointing(quarter, 20 * GIB, TOKENS, SHAPE, 2)
+    choice = choose_checkpointing(quarter, 20 * GIB, SIZE, EAGER)
     assert choice.mode == "full" and "budget (free 75.0, GPU share 0.25 of 80.0)" in choice.note()
     assert "even full may not fit" in choice.note()
 
@@ -182,6 +186,11 @@ def test_state_bytes_by_hand():
     assert state_bytes(model, 2) == 935
 
 
+def rows_of(length: int, dtype: str = "bfloat16", world: int = 2, batch_rows: int | None = None) -> TrainShape:
+    """A run's shape whose rows are `length` tokens at most (no prompt), `batch_rows` rows a batch."""
+    return TrainShape(max_new_tokens=length, prompt_tokens=0, batch_rows=batch_rows, dtype=dtype, world=world)
+
+
 def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir):
     """Off CUDA "auto" is none and a set mode stays; on CUDA (the budget given, so this runs anywhere) the
     micro-batch is `micro_batch_tokens`, or `micro_batch_rows` (or the rows a rank trains) x `max_length` without
@@ -190,10 +199,10 @@ def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     cfg = LearnerConfig(batching=dict(micro_batch_rows=4), levers=dict(compile=False))
-    got, note = resolve_checkpointing(cfg, model, CPU, torch.float32, world=1, max_length=100)
+    got, note = resolve_checkpointing(cfg, model, CPU, rows_of(100, dtype="float32", world=1))
     assert got.levers.activation_checkpointing == "none" and note == "activation checkpointing none (auto: not CUDA)"
     got, note = resolve_checkpointing(cfg.with_levers(activation_checkpointing="selective"), model,
-                                      torch.device("cuda"), torch.bfloat16, world=1, max_length=100)
+                                      torch.device("cuda"), rows_of(100, world=1))
     assert got.levers.activation_checkpointing == "selective" and note == "activation checkpointing selective (set)"
 
     shape, state = LayerShape.of(model.config), state_bytes(model, 2)
@@ -202,35 +211,34 @@ def test_resolve_decides_auto_from_the_model_and_the_micro_batch(tiny_model_dir)
     memory = int((RESERVE + state + selective) / USABLE) + 1  # selective just fits, eager none does not
     budget = MemoryBudget(free=memory, total=memory, share=1.0)
     cuda = torch.device("cuda")
-    got, note = resolve_checkpointing(cfg, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
+    got, note = resolve_checkpointing(cfg, model, cuda, rows_of(100), budget=budget)
     assert got.levers.activation_checkpointing == "full"  # eager none does not fit; eager selective is not auto's
     assert "selective not auto's without compile" in note
     assert "activations of 400 tokens (4 rows x 100 tokens)" in note and "GPU share 1 of" in note
     # the rows one rank trains per update: 2 of them, 200 tokens, none fits
-    got, note = resolve_checkpointing(cfg, model, cuda, torch.bfloat16, world=2, max_length=100, rows=2,
-                                      budget=budget)
+    got, note = resolve_checkpointing(cfg, model, cuda, rows_of(100, batch_rows=4), budget=budget)
     assert got.levers.activation_checkpointing == "none" and "activations of 200 tokens (2 rows x 100 tokens)" in note
     tokens = cfg.model_copy(update={"batching": cfg.batching.model_copy(update={"micro_batch_tokens": 100})})  # a quarter of the tokens: none fits
-    got, note = resolve_checkpointing(tokens, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
+    got, note = resolve_checkpointing(tokens, model, cuda, rows_of(100), budget=budget)
     assert got.levers.activation_checkpointing == "none" and "activations of 100 tokens (learner.batching.micro_batch_tokens)" in note
     # per-layer compile under inductor: a budget where compiled none just fits, eager none does not
     compiled = cfg.with_levers(compile=True)
     memory = int((RESERVE + state + activation_bytes("none", 400, shape, 2, compiled=True)) / USABLE) + 1
     budget = MemoryBudget(free=memory, total=memory, share=1.0)
-    got, note = resolve_checkpointing(compiled, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
+    got, note = resolve_checkpointing(compiled, model, cuda, rows_of(100), budget=budget)
     assert got.levers.activation_checkpointing == "none" and note.startswith("activation checkpointing none (auto, compiled:")
     eager_backend = compiled.with_levers(compile_backend="aot_eager")  # no partitioner: eager's bytes
-    got, _ = resolve_checkpointing(eager_backend, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
+    got, _ = resolve_checkpointing(eager_backend, model, cuda, rows_of(100), budget=budget)
     assert got.levers.activation_checkpointing == "full"
     # a token budget of 20,000 where selective fits only at half of it: auto halves it, the cfg carries the half
     memory = int((RESERVE + state + activation_bytes("selective", 10_000, shape, 2)) / USABLE) + 1
     budget = MemoryBudget(free=memory, total=memory, share=1.0)
     tokens = compiled.model_copy(update={"batching": compiled.batching.model_copy(update={"micro_batch_tokens": 20_000})})
-    got, note = resolve_checkpointing(tokens, model, cuda, torch.bfloat16, world=2, max_length=100, budget=budget)
+    got, note = resolve_checkpointing(tokens, model, cuda, rows_of(100), budget=budget)
     assert (got.levers.activation_checkpointing, got.batching.micro_batch_tokens) == ("selective", 10_000)
     assert "learner.batching.micro_batch_tokens halved from 20000 so that selective fits" in note
     # not below the longest row: a 12,000-token row keeps the budget and recomputes
-    got, note = resolve_checkpointing(tokens, model, cuda, torch.bfloat16, world=2, max_length=12_000, budget=budget)
+    got, note = resolve_checkpointing(tokens, model, cuda, rows_of(12_000), budget=budget)
     assert (got.levers.activation_checkpointing, got.batching.micro_batch_tokens) == ("full", 20_000) and "halved" not in note
 
 
@@ -285,8 +293,8 @@ def _step(model_dir, **overrides):
         init_adapters(model, cfg.seed, 0, 1)
     model = prepare_model(model, cfg)
     opt, _ = build_optimizer((p for p in model.parameters() if p.requires_grad), cfg)
-    return model, TrainStep(model, opt, cfg, rank=0, world=1, device=CPU, pad_id=0, max_positions=512,
-                            max_new_tokens=40)
+    return model, TrainStep(model, opt, cfg, TrainShape(max_new_tokens=40, max_positions=512), rank=0,
+                            device=CPU)
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -394,6 +402,7 @@ TWO_RANKS = textwrap.dedent("""
     from common.config import LearnerConfig
     from learner.activation_checkpointing import MemoryBudget, agreed_budget
     from learner.setup import setup_rank
+    from learner.shape import TrainShape
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from bench.batches import make_batch
 
@@ -409,8 +418,8 @@ TWO_RANKS = textwrap.dedent("""
     for mode in ("none", "full", "selective"):
         cfg = LearnerConfig(batching=dict(micro_batch_rows=2, mini_batches=2), optim=dict(lr=1e-3),
                             levers=dict(activation_checkpointing=mode))
-        built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
-                           max_new_tokens=40)
+        built = setup_rank(cfg, model_dir, TrainShape(max_new_tokens=40, world=2), rank=rank,
+                           device=torch.device("cpu"))
         stats = built.trainer.run(make_batch(4, candidates=2))
         full = get_model_state_dict(built.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         got[mode] = {"loss": stats.sums["loss"], "updates": stats.updates, "weights": full}

@@ -14,6 +14,7 @@ import torch
 from common.config import CollectiveSyncConfig, LearnerConfig
 from learner.packing import pack, packed_bytes, unpack
 from learner.pool import LearnerPool
+from learner.shape import TrainShape
 from learner.weights import CollectiveWeightSource, WeightSyncTimeout, make_publisher, make_weight_source
 from bench.batches import make_batch
 
@@ -77,7 +78,7 @@ def learner_logits(pool: LearnerPool, model_path: str, ids: list[int]) -> torch.
 def make_pool(model_dir, run: str, ranks: int) -> LearnerPool:
     cfg = LearnerConfig(num_ranks=ranks, publish_timeout_s=30, weight_sync=SYNC,
                         batching=dict(micro_batch_rows=3, mini_batches=2), optim=dict(lr=1e-3))
-    return LearnerPool(cfg, str(model_dir), run=run, namespace=NS, max_new_tokens=12)
+    return LearnerPool(cfg, str(model_dir), TrainShape(max_new_tokens=12), run=run, namespace=NS)
 
 
 def test_config_union_builds_both_ends(ray_cluster):

@@ -21,6 +21,7 @@ from learner.forward import check_packing, forward_stats, prepare_model
 from learner.levers import build_optimizer, resolve_levers
 from learner.lora import apply_lora, init_adapters
 from learner.replay_choice import complete_groups
+from learner.shape import TrainShape
 from learner.step import TrainStep
 from bench.batches import make_batch, with_own_logprobs
 
@@ -70,8 +71,8 @@ def _step(model_dir, **overrides):
         init_adapters(model, cfg.seed, 0, 1)
     model = prepare_model(model, cfg)
     opt, _ = build_optimizer((p for p in model.parameters() if p.requires_grad), cfg)
-    return model, TrainStep(model, opt, cfg, rank=0, world=1, device=CPU, pad_id=0, max_positions=512,
-                            max_new_tokens=40)
+    return model, TrainStep(model, opt, cfg, TrainShape(max_new_tokens=40, max_positions=512), rank=0,
+                            device=CPU)
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -256,8 +257,7 @@ def test_setup_builds_the_levers_it_logs(tiny_model_dir, caplog):
 
     cfg = LearnerConfig(levers=dict(fused_optimizer=True, compile=True, compile_backend="eager"))
     with caplog.at_level(logging.INFO, logger="learner.setup"):
-        built = setup_rank(cfg, str(tiny_model_dir), rank=0, world=1, device=CPU, dtype=torch.float32,
-                           max_new_tokens=12)
+        built = setup_rank(cfg, str(tiny_model_dir), TrainShape(max_new_tokens=12), rank=0, device=CPU)
     assert built.optimizer.defaults["fused"] is True and built.trainer.cfg.levers.compile is True
     assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in built.model.model.layers)
     log = " ".join(r.getMessage() for r in caplog.records)

@@ -18,6 +18,7 @@ from tests.ports import rendezvous_store
 from learner.gather import gather_full_state
 from learner.lora import LoRALinear, adapter_names, adapters_disabled, apply_lora, init_adapters, lora_modules
 from learner.setup import setup_rank
+from learner.shape import TrainShape
 from bench.batches import make_batch
 
 CPU = torch.device("cpu")
@@ -90,7 +91,7 @@ def test_merged_publication_is_w_plus_scaled_ba_and_loads_into_plain_transformer
 
 def _rank_model(model_dir, learner=None, **lora):
     cfg = LearnerConfig(**sectioned({"micro_batch_rows": 4, "lr": 1e-2, "lora": LoRAConfig(**lora), **(learner or {})}))
-    return setup_rank(cfg, str(model_dir), rank=0, world=1, device=CPU, dtype=torch.float32, max_new_tokens=40)
+    return setup_rank(cfg, str(model_dir), TrainShape(max_new_tokens=40), rank=0, device=CPU)
 
 
 def test_optimizer_holds_adapters_only_and_a_step_changes_only_adapters(tiny_model_dir, caplog):
@@ -121,7 +122,7 @@ def _learner_rank(model_dir, **lora):
     try:
         r = LearnerRank(LearnerConfig(lora=LoRAConfig(**lora), batching=dict(micro_batch_rows=4),
                                       optim=dict(lr=1e-2)), str(model_dir),
-                        rank=0, world=1, max_new_tokens=40, run="t", namespace=None)
+                        TrainShape(max_new_tokens=40), rank=0, run="t", namespace=None)
     finally:
         torch.set_num_threads(threads)  # LearnerRank sets this process's threads to its num_cpus
     built = _rank_model(model_dir, **lora)
@@ -169,7 +170,7 @@ def _micro_batch(step, seed=1):
     from learner.batching import batch_rows
 
     rows = batch_rows(make_batch(seed, groups=2, candidates=1), std_normalize=True, max_positions=512)
-    return step._collate(rows)
+    return step.collate(rows)
 
 
 def _base_logprobs(model_dir, cfg, mb):
@@ -194,8 +195,8 @@ def test_kl_reference_is_the_base_with_adapters_disabled_and_no_second_copy(tiny
     adapters = sum(p.numel() for n, p in built.model.named_parameters() if n in adapter_names(built.model))
     assert _param_count(built) == base_params + adapters
     full = setup_rank(LearnerConfig(batching=dict(micro_batch_rows=4),
-                                    loss=dict(kl_coef=0.5)), str(tiny_model_dir), rank=0, world=1,
-                      device=CPU, dtype=torch.float32, max_new_tokens=40)
+                                    loss=dict(kl_coef=0.5)), str(tiny_model_dir), TrainShape(max_new_tokens=40),
+                      rank=0, device=CPU)
     assert full.ref_model is not None and _param_count(full) == 2 * base_params  # what LoRA no longer loads
 
     _trained_looking(built.model)
@@ -215,7 +216,7 @@ def test_kl_reference_is_the_base_with_adapters_disabled_and_no_second_copy(tiny
             assert all(m.disabled for m in lora_modules(built.model).values())
             raise KeyError("a forward failed")
     assert not any(m.disabled for m in lora_modules(built.model).values())
-    assert built.trainer.reference_logprobs(built.trainer._collate([])) is None  # a dummy: no KL term
+    assert built.trainer.reference_logprobs(built.trainer.collate([])) is None  # a dummy: no KL term
 
 
 def test_kl_step_against_the_disabled_adapters_equals_the_step_against_a_base_copy(tiny_model_dir):
@@ -342,6 +343,7 @@ TWO_RANKS = textwrap.dedent("""
     from common.config import LearnerConfig, LoRAConfig
     from learner.gather import gather_full_state
     from learner.setup import setup_rank
+    from learner.shape import TrainShape
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from bench.batches import make_batch
 
@@ -350,8 +352,8 @@ TWO_RANKS = textwrap.dedent("""
                             world_size=2)
     torch.set_num_threads(1)
     cfg = LearnerConfig(batching=dict(micro_batch_rows=4), optim=dict(lr=1e-2), lora=LoRAConfig(rank=3, alpha=6.0))
-    built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
-                       max_new_tokens=40)
+    built = setup_rank(cfg, model_dir, TrainShape(max_new_tokens=40, world=2), rank=rank,
+                       device=torch.device("cpu"))
     init = get_model_state_dict(built.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     built.trainer.run(make_batch(0, groups=2, candidates=1))
     full = get_model_state_dict(built.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -399,6 +401,7 @@ TWO_RANKS_KL = textwrap.dedent("""
     from learner.batching import batch_rows
     from learner.forward import forward_stats
     from learner.setup import setup_rank
+    from learner.shape import TrainShape
     from bench.batches import make_batch
 
     rank, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
@@ -408,11 +411,11 @@ TWO_RANKS_KL = textwrap.dedent("""
     cfg = LearnerConfig(batching=dict(micro_batch_rows=4, mini_batches=2), optim=dict(lr=1e-2),
                         lora=LoRAConfig(rank=3, alpha=6.0), loss=dict(kl_coef=0.5),
                         levers=dict(activation_checkpointing=True))
-    built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
-                       max_new_tokens=40)
+    built = setup_rank(cfg, model_dir, TrainShape(max_new_tokens=40, world=2), rank=rank,
+                       device=torch.device("cpu"))
     stats = built.trainer.run(make_batch(0, groups=2, candidates=1))
     rows = batch_rows(make_batch(1, groups=2, candidates=1), std_normalize=True, max_positions=512)
-    mb = built.trainer._collate(rows if rank == 0 else [])  # rank 1 runs a dummy: the same collectives
+    mb = built.trainer.collate(rows if rank == 0 else [])  # rank 1 runs a dummy: the same collectives
     ref = built.trainer.reference_logprobs(mb)
     with torch.no_grad():
         policy = forward_stats(built.model, mb)[0]
@@ -420,7 +423,7 @@ TWO_RANKS_KL = textwrap.dedent("""
     from learner.gather import Staging
     from learner.pool import LearnerRank
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    r = LearnerRank(cfg, model_dir, rank=rank, world=2, max_new_tokens=40, run="t", namespace=None)
+    r = LearnerRank(cfg, model_dir, TrainShape(max_new_tokens=40, world=2), rank=rank, run="t", namespace=None)
     r.model, r.optimizer, r.trainer, r.model_config, r.staging = (built.model, built.optimizer, built.trainer,
                                                                   built.model.config, Staging())
     r.export_adapter(Path(out).parent / "adapter")  # collective: the adapters' rows from both ranks
@@ -474,6 +477,7 @@ BF16_RANK = textwrap.dedent("""
     from learner.forward import forward_stats
     from learner.lora import lora_modules
     from learner.setup import setup_rank
+    from learner.shape import TrainShape
     from bench.batches import make_batch
 
     model_dir, out, device = sys.argv[1], sys.argv[2], torch.device(sys.argv[3])
@@ -482,19 +486,18 @@ BF16_RANK = textwrap.dedent("""
     torch.set_num_threads(1)
     kw = dict(batching=dict(micro_batch_rows=4), optim=dict(lr=1e-2), loss=dict(kl_coef=0.5),
               levers=dict(activation_checkpointing=True))
-    built = setup_rank(LearnerConfig(lora=LoRAConfig(rank=4), **kw), model_dir, rank=0, world=1, device=device,
-                       dtype=torch.bfloat16, max_new_tokens=40)
-    plain = setup_rank(LearnerConfig(**kw), model_dir, rank=0, world=1, device=device, dtype=torch.bfloat16,
-                       max_new_tokens=40)
-    f32 = setup_rank(LearnerConfig(lora=LoRAConfig(rank=4, base_dtype="float32"), **kw), model_dir, rank=0, world=1,
-                     device=device, dtype=torch.bfloat16, max_new_tokens=40)
+    BF16 = TrainShape(max_new_tokens=40, dtype="bfloat16")
+    built = setup_rank(LearnerConfig(lora=LoRAConfig(rank=4), **kw), model_dir, BF16, rank=0, device=device)
+    plain = setup_rank(LearnerConfig(**kw), model_dir, BF16, rank=0, device=device)
+    f32 = setup_rank(LearnerConfig(lora=LoRAConfig(rank=4, base_dtype="float32"), **kw), model_dir, BF16, rank=0,
+                     device=device)
     for one in (built, f32):
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for m in lora_modules(one.model).values():
                 m.lora_B.to_local().copy_(torch.randn(m.lora_B.shape, generator=gen) * 0.05)
     rows = batch_rows(make_batch(1, groups=2, candidates=1), std_normalize=True, max_positions=512)
-    mb = built.trainer._collate(rows)
+    mb = built.trainer.collate(rows)
     ref = built.trainer.reference_logprobs(mb)
     with torch.no_grad():
         base = forward_stats(plain.model, mb)[0]
@@ -510,8 +513,7 @@ BF16_RANK = textwrap.dedent("""
     from learner.gather import Staging
     from learner.pool import LearnerRank
     def rank_of(one, lora):
-        r = LearnerRank(LearnerConfig(lora=lora, **kw), model_dir, rank=0, world=1, max_new_tokens=40, run="t",
-                        namespace=None)
+        r = LearnerRank(LearnerConfig(lora=lora, **kw), model_dir, BF16, rank=0, run="t", namespace=None)
         r.model, r.optimizer, r.trainer, r.model_config, r.staging = (one.model, one.optimizer, one.trainer,
                                                                       one.model.config, Staging())
         r.dtype = torch.bfloat16
@@ -521,8 +523,7 @@ BF16_RANK = textwrap.dedent("""
     resumed = {}
     for base_dtype in ("auto", "float32"):
         lora = LoRAConfig(rank=4, base_dtype=base_dtype)
-        again = setup_rank(LearnerConfig(lora=lora, **kw), model_dir, rank=0, world=1, device=device,
-                           dtype=torch.bfloat16, max_new_tokens=40)
+        again = setup_rank(LearnerConfig(lora=lora, **kw), model_dir, BF16, rank=0, device=device)
         rank_of(again, lora).load(ckpt)
         resumed[base_dtype] = all(torch.equal(v.to_local().to(mine[k].dtype), mine[k])
                                   and (base_dtype == "float32" or v.to_local().dtype == mine[k].dtype)

@@ -12,6 +12,7 @@ from actors.engines import make_engine
 from common.config import CollectiveSyncConfig, GeneratorConfig, LearnerConfig, LoRAConfig, ObjectStoreSyncConfig, \
     TransformersEngineConfig
 from learner.pool import LearnerPool
+from learner.shape import TrainShape
 from learner.weights import make_weight_source
 from bench.batches import make_batch
 
@@ -26,7 +27,7 @@ def test_two_ranks_publish_adapters_only_and_a_generator_merges_them(ray_cluster
     cfg = LearnerConfig(num_ranks=2, publish_timeout_s=30, weight_sync=sync, lora=LoRAConfig(rank=RANK, alpha=ALPHA),
                         batching=dict(micro_batch_rows=4), optim=dict(lr=1e-2))
     run = f"lorapub-{sync.kind}"
-    pool = LearnerPool(cfg, str(tiny_model_dir), run=run, namespace=NS, max_new_tokens=12)
+    pool = LearnerPool(cfg, str(tiny_model_dir), TrainShape(max_new_tokens=12), run=run, namespace=NS)
     source = make_weight_source(sync, run=run, namespace=NS, timeout_s=20)
     engine = make_engine(GeneratorConfig(engine=TransformersEngineConfig(batch_rows=4)), str(tiny_model_dir))
     merger = AdapterMerger(tiny_model_dir)
@@ -68,10 +69,10 @@ def test_publish_merged_still_carries_the_whole_merged_model(ray_cluster, tiny_m
             cfg = LearnerConfig(publish_timeout_s=30, weight_sync=ObjectStoreSyncConfig(delta=publish == "merged"),
                                 lora=LoRAConfig(rank=RANK, alpha=ALPHA, publish=publish),
                                 batching=dict(micro_batch_rows=4), optim=dict(lr=1e-2))
-            r = LearnerRank(cfg, str(tiny_model_dir), rank=0, world=1, max_new_tokens=12, run=f"lorapub-{publish}",
+            r = LearnerRank(cfg, str(tiny_model_dir), TrainShape(max_new_tokens=12), rank=0, run=f"lorapub-{publish}",
                             namespace=NS)
-            built = setup_rank(cfg, str(tiny_model_dir), rank=0, world=1, device=torch.device("cpu"),
-                               dtype=torch.float32, max_new_tokens=12)
+            built = setup_rank(cfg, str(tiny_model_dir), TrainShape(max_new_tokens=12), rank=0,
+                               device=torch.device("cpu"))
             r.model, r.optimizer, r.trainer, r.model_config, r.staging = (built.model, built.optimizer,
                                                                           built.trainer, built.model.config, Staging())
             r.trainer.run(make_batch(0, groups=2, candidates=1))

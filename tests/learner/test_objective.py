@@ -12,10 +12,11 @@ import torch
 from common.config import LossConfig
 from common.messages import TrainingBatch
 from learner.batching import Row, collate
-from learner.objective import METRICS, ObjectiveShape, Reduce, Terms, setup_objective
+from learner.objective import METRICS, Reduce, Terms, setup_objective
+from learner.shape import TrainShape
 from learner.step import RankStats, merge_rank_stats
 
-SHAPE = ObjectiveShape(max_positions=64, max_new_tokens=10, world=1, eos_id=2)
+SHAPE = TrainShape(max_new_tokens=10, max_positions=64, eos_id=2)
 
 
 def row(n: int, replayed: bool = False, adv: float = 1.0, key: str = "") -> Row:
@@ -56,7 +57,7 @@ def test_kl_and_old_logprobs_are_decided_at_setup():
     assert not objective().needs_old_logprobs and objective(tis_cap=2.0).needs_old_logprobs
     assert objective(recompute_old_logprobs=True).stores_learner_logprobs
     with pytest.raises(ValueError, match="replay_eos: the model names no EOS token"):
-        setup_objective(LossConfig(replay_eos=True), ObjectiveShape(64, 10, 1))
+        setup_objective(LossConfig(replay_eos=True), TrainShape(max_new_tokens=10, max_positions=64))
     with pytest.raises(ValueError, match="entropy_agg=micro_batch needs"):
         objective(entropy_agg="micro_batch")
 
@@ -73,7 +74,7 @@ def test_every_metric_the_objective_emits_is_declared(fields):
     obj = setup_objective(LossConfig(**fields), SHAPE, reference=lambda mb: torch.zeros_like(mb.response_mask))
     lp, ent, mb = _micro([row(2), row(3, replayed=True)], -1.0)
     mb.old_logprobs = lp
-    _, m = obj(lp, ent, mb, Terms(5.0, 5.0), obj.reference_logprobs(mb), clip=True, first=False)
+    _, m = obj(lp, ent, mb, Terms(5.0, 5.0), obj.reference_logprobs(mb))
     assert set(m) <= set(obj.metrics)
     assert all(r.over is None or obj.metrics[r.over].how == "sum" for r in obj.metrics.values())
 
@@ -90,7 +91,7 @@ def test_the_step_reduces_the_declared_metrics_worked_by_hand():
         st.mini_batches = 1
         for rows in micro:
             lp, ent, mb = _micro(rows, -1.0)
-            _, m = obj(lp, ent, mb, Terms(7.0, 10.0), None, clip=True, first=False)
+            _, m = obj(lp, ent, mb, Terms(7.0, 10.0), None)
             st.add_micro(m, ent, mb)
         st.finish()
         ranks.append(st)

@@ -18,6 +18,7 @@ from tests.learner.test_checkpoint_format import plant_entry, plant_file
 from common.modeling import make_tiny_model_folder
 from learner.checkpoint import CheckpointError
 from learner.pool import LearnerPool
+from learner.shape import TrainShape
 from learner.weights import ObjectStoreWeightSource, WeightSyncTimeout
 from bench.batches import make_batch, with_own_logprobs
 
@@ -34,8 +35,8 @@ def make_pool(model_dir, run: str, ranks: int, dtype: str = "float32", publish_d
               **overrides) -> LearnerPool:
     cfg = LearnerConfig(**sectioned({"num_ranks": ranks, "micro_batch_rows": 3, "mini_batches": 2, "lr": LR,
                                     "publish_timeout_s": 30, **overrides}))
-    return LearnerPool(cfg, str(model_dir), run=run, namespace=NS, max_new_tokens=12, dtype=dtype,
-                       publish_dtype=publish_dtype)
+    return LearnerPool(cfg, str(model_dir), TrainShape(max_new_tokens=12, dtype=dtype, publish_dtype=publish_dtype),
+                       run=run, namespace=NS)
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -114,7 +115,7 @@ def test_two_ranks_with_fewer_rows_than_ranks_and_all_updates_skipped(ray_cluste
     skipped still ends the step (version + 1), so a synchronous run never stalls on it."""
     cfg = LearnerConfig(num_ranks=2, publish_timeout_s=30, batching=dict(micro_batch_rows=8, mini_batches=1),
                         optim=dict(lr=LR))
-    pool = LearnerPool(cfg, str(model_dir), run="fewrows", namespace=NS, max_new_tokens=12)
+    pool = LearnerPool(cfg, str(model_dir), TrainShape(max_new_tokens=12), run="fewrows", namespace=NS)
     try:
         # 17 rows, 8-row micro-batches: rank 0 gets 8 + 1 rows, rank 1 gets 8 + an empty dummy
         r = pool.step(make_batch(4, groups=1, group_size=17, mixed_every=0))

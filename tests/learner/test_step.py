@@ -9,10 +9,11 @@ import torch
 from common.config import LearnerConfig
 from tests.learner import sectioned
 from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
-from learner.batching import (BatchError, Row, balanced_partition, batch_rows, collate, chunk_window_spans,
-                              rank_micro_batches, split_mini_batches)
+from learner.batching import (BatchError, MicroBatching, Row, balanced_partition, batch_rows, collate,
+                              chunk_window_spans, rank_micro_batches, split_mini_batches)
 from learner.forward import prepare_model
 from learner.replay_choice import complete_groups
+from learner.shape import TrainShape
 from learner.step import RankStats, TrainStep
 from bench.batches import make_batch, with_own_logprobs
 
@@ -50,11 +51,11 @@ def test_splits_keep_groups_and_ranks_in_step():
     assert [[id(r) for r in m] for m in split_mini_batches(rows, 2, seed=7)] == [[id(r) for r in m] for m in minis]
     assert len(split_mini_batches(rows, 9)) == 5  # never an empty mini-batch
     mini = minis[0] if len(minis[0]) >= len(minis[1]) else minis[1]
-    per_rank = [rank_micro_batches(mini, r, 2, micro_rows=4) for r in range(2)]
+    per_rank = [rank_micro_batches(mini, r, 2, MicroBatching(rows=4)) for r in range(2)]
     assert len(per_rank[0]) == len(per_rank[1]) == 2  # 12 rows -> 6 per rank -> 2 micro-batches each
     dealt = sorted(id(r) for mbs in per_rank for mb in mbs for r in mb)
     assert dealt == sorted(id(r) for r in mini)
-    assert rank_micro_batches(mini[:1], 1, 2, micro_rows=4) == [[]]  # nothing left: a dummy micro-batch
+    assert rank_micro_batches(mini[:1], 1, 2, MicroBatching(rows=4)) == [[]]  # nothing left: a dummy micro-batch
 
 
 def test_every_mini_batch_mixes_fresh_and_replayed_groups():
@@ -88,8 +89,8 @@ def plain_step(model_dir, **overrides):
     cfg = LearnerConfig(**sectioned({"micro_batch_rows": 4, **overrides}))
     model = prepare_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
-    return model, TrainStep(model, opt, cfg, rank=0, world=1, device=torch.device("cpu"), pad_id=0,
-                            max_positions=512, max_new_tokens=12)
+    return model, TrainStep(model, opt, cfg, TrainShape(max_new_tokens=12, max_positions=512), rank=0,
+                            device=torch.device("cpu"))
 
 
 def test_update_skipped_when_gradient_norm_too_large(tiny_model_dir):
@@ -201,16 +202,16 @@ def test_token_budget_packs_every_row_once_with_equal_counts_per_rank():
     longest = max(r.length for r in rows)
     for budget in (longest, 2 * longest + 1, 300, 10_000):
         for mini in split_mini_batches(rows, 2, seed=1):
-            per_rank = [rank_micro_batches(mini, r, 2, micro_rows=64, micro_tokens=budget) for r in range(2)]
+            per_rank = [rank_micro_batches(mini, r, 2, MicroBatching(rows=64, tokens=budget)) for r in range(2)]
             assert len(per_rank[0]) == len(per_rank[1])
             dealt = [id(r) for mbs in per_rank for mb in mbs for r in mb]
             assert sorted(dealt) == sorted(id(r) for r in mini)  # every row exactly once
             for mb in (mb for mbs in per_rank for mb in mbs if mb):
                 assert len(mb) * max(r.length for r in mb) <= budget or len(mb) == 1
-    tight = [rank_micro_batches(rows, r, 2, micro_rows=64, micro_tokens=longest) for r in range(2)]
+    tight = [rank_micro_batches(rows, r, 2, MicroBatching(rows=64, tokens=longest)) for r in range(2)]
     assert all(len(mb) <= 1 or len(mb) * mb[0].length <= longest for mbs in tight for mb in mbs)
-    assert len(rank_micro_batches(rows, 0, 2, micro_rows=5, micro_tokens=10 ** 6)) == -(-len(rows) // 2 // 5)
-    assert rank_micro_batches(rows[:1], 1, 2, micro_rows=4, micro_tokens=1000) == [[]]  # the other rank's dummy
+    assert len(rank_micro_batches(rows, 0, 2, MicroBatching(rows=5, tokens=10 ** 6))) == -(-len(rows) // 2 // 5)
+    assert rank_micro_batches(rows[:1], 1, 2, MicroBatching(rows=4, tokens=1000)) == [[]]  # the other rank's dummy
 
 
 @pytest.mark.parametrize("budget", [None, 60, 300])
@@ -223,15 +224,15 @@ def test_padding_free_packs_every_row_once_within_the_budget_of_real_tokens(budg
                       max_positions=512)
     budget = budget or max(r.length for r in rows)
     for mini in split_mini_batches(rows, 2, seed=1):
-        per_rank = [rank_micro_batches(mini, r, 2, micro_rows=64, micro_tokens=budget, padding_free=True)
+        per_rank = [rank_micro_batches(mini, r, 2, MicroBatching(rows=64, tokens=budget, padding_free=True))
                     for r in range(2)]
-        padded = rank_micro_batches(mini, 0, 2, micro_rows=64, micro_tokens=budget)
+        padded = rank_micro_batches(mini, 0, 2, MicroBatching(rows=64, tokens=budget))
         assert len(per_rank[0]) == len(per_rank[1]) <= len(padded)
         dealt = [id(r) for mbs in per_rank for mb in mbs for r in mb]
         assert sorted(dealt) == sorted(id(r) for r in mini)
         for mb in (mb for mbs in per_rank for mb in mbs if mb):
             assert sum(r.length for r in mb) <= budget or len(mb) == 1
-    capped = rank_micro_batches(rows, 0, 1, micro_rows=3, micro_tokens=10 ** 6, padding_free=True)
+    capped = rank_micro_batches(rows, 0, 1, MicroBatching(rows=3, tokens=10 ** 6, padding_free=True))
     assert [len(mb) for mb in capped] == [3] * (len(rows) // 3) + ([len(rows) % 3] if len(rows) % 3 else [])
 
 
@@ -267,8 +268,8 @@ def test_balanced_split_makes_ceil_tokens_over_budget_micro_batches_on_every_ran
                       max_positions=512)
     for budget in (max(r.length for r in rows), 300, 10 ** 6):
         for mini in split_mini_batches(rows, 2, seed=1):
-            per_rank = [rank_micro_batches(mini, r, 2, micro_rows=4, micro_tokens=budget, padding_free=True,
-                                           split="balanced") for r in range(2)]
+            per_rank = [rank_micro_batches(mini, r, 2, MicroBatching(rows=4, tokens=budget, padding_free=True,
+                                           split="balanced")) for r in range(2)]
             ordered = sorted(mini, key=lambda r: (-r.length, r.group))
             want = max(-(-sum(r.length for r in ordered[k::2]) // budget) for k in range(2))
             assert len(per_rank[0]) == len(per_rank[1]) == max(1, want)
@@ -276,11 +277,11 @@ def test_balanced_split_makes_ceil_tokens_over_budget_micro_batches_on_every_ran
             for mbs in per_rank:
                 sums = [sum(r.length for r in mb) for mb in mbs]
                 assert max(sums) - min(sums) <= max(r.length for r in mini)
-            first_fit = rank_micro_batches(mini, 0, 2, micro_rows=10 ** 6, micro_tokens=budget, padding_free=True)
+            first_fit = rank_micro_batches(mini, 0, 2, MicroBatching(rows=10 ** 6, tokens=budget, padding_free=True))
             assert len(per_rank[0]) <= len(first_fit)
     # padded micro-batches (no packing) ignore it: first fit under the padded cost
-    assert rank_micro_batches(rows, 0, 2, micro_rows=4, micro_tokens=300, split="balanced") == \
-        rank_micro_batches(rows, 0, 2, micro_rows=4, micro_tokens=300)
+    assert rank_micro_batches(rows, 0, 2, MicroBatching(rows=4, tokens=300, split="balanced")) == \
+        rank_micro_batches(rows, 0, 2, MicroBatching(rows=4, tokens=300))
 
 
 def test_balanced_split_runs_only_where_rows_are_packed_and_says_so():
@@ -314,7 +315,7 @@ def test_balanced_micro_batches_train_the_same_update_as_first_fit(tiny_model_di
         step.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = {k: v.detach().clone() for k, v in model.state_dict().items()}
         rows = batch_rows(complete_groups(batch, {})[0], std_normalize=True, max_positions=512)
-        cuts.append([sorted(r.length for r in mb) for mb in step._micro_batches(rows)])
+        cuts.append([sorted(r.length for r in mb) for mb in step.micro_batches(rows)])
         assert step.run(batch).updates == 2
         weights.append({k: v.detach() - before[k] for k, v in model.state_dict().items()})  # the two updates
     assert cuts[0] != cuts[1] and len(cuts[1]) <= len(cuts[0])
@@ -622,7 +623,7 @@ def test_stored_trajectories_carry_the_learners_start_of_step_logprobs(tiny_mode
     wire = LearnerFeedback(0, fb.keys, float32_array(fb.entropies), fb.chosen, fb.fresh_keys,
                            float32_array(fb.fresh_entropies), fb.fresh_logprobs)
     core.feedback(codec.decode(codec.encode(wire), LearnerFeedback))
-    assert core.store.c["logprobs_from_learner"] == 8
+    assert core.store.c.logprobs_from_learner == 8
     for g in groups:
         for ro in g.rollouts:
             if not ro.key:
@@ -667,12 +668,10 @@ def test_the_papers_entropy_weights_are_the_official_ones_at_any_rank_count(resp
     entropies the term is that count times it). The rule before (our own micro-batches at 1 rank, divided by 8)
     took ceil(512 n / 32768) = ceil(n / 64) = 9 / 15 / 26 / 49 / 80 micro-batches: a total of 1.125 / 1.875 / 3.25
     / 6.125 / 10 against the official 2 / 2 / 4 / 7 / 10."""
-    from functools import partial
-
     import yaml
 
     from learner.batching import entropy_weights
-    from learner.objective import ObjectiveShape, setup_objective
+    from learner.objective import setup_objective
 
     from tests.cluster.test_algorithm_doc import paper_command
 
@@ -687,18 +686,16 @@ def test_the_papers_entropy_weights_are_the_official_ones_at_any_rank_count(resp
                 f"{g}/{i}", g) for g in range(64) for i in range(8)]
     for ranks in (1, 2):
         cfg = LearnerConfig(**learner, num_ranks=ranks)
-        bt = cfg.batching
-        split = partial(entropy_weights, micro_rows=bt.micro_batch_rows, micro_tokens=bt.micro_batch_tokens,
-                        padding_free=cfg.levers.packs_padding_free, split=bt.micro_batch_split)
-        objective = setup_objective(cfg.loss, ObjectiveShape(max_positions=512, max_new_tokens=response, world=ranks),
-                                    entropy_split=lambda rows, gpus: split(rows, gpus))
+        objective = setup_objective(cfg.loss, TrainShape(max_new_tokens=response, max_positions=512, world=ranks),
+                                    entropy_split=lambda rows, gpus: entropy_weights(rows, gpus, MicroBatching.of(cfg)))
         weights = objective.mini_batch(mini).entropy_weights
         got: dict[float, int] = {}
         for r in mini:
             got[weights[id(r)]] = got.get(weights[id(r)], 0) + 1
         assert got.keys() == want.keys() and all(got[w] == want[w] for w in want)
         assert sum(weights.values()) * response == pytest.approx(per_gpu)
-    assert len(rank_micro_batches(mini, 0, 1, cfg.batching.micro_batch_rows, cfg.batching.micro_batch_tokens, True, "balanced")) == ours
+    assert len(rank_micro_batches(mini, 0, 1, MicroBatching(cfg.batching.micro_batch_rows,
+                                                          cfg.batching.micro_batch_tokens, True, "balanced"))) == ours
 
 
 def test_chunk_window_spans_worked_by_hand():
@@ -743,12 +740,12 @@ def test_replay_eos_appends_eos_to_truncated_replays_only_and_weighs_it_one(tiny
             ro.finish_reason = "length"
     cfg = LearnerConfig(batching=dict(micro_batch_rows=4), loss=dict(replay_eos=True))
     model = prepare_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), cfg)
-    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr), cfg, rank=0, world=1,
-                     device=torch.device("cpu"), pad_id=0, max_positions=512, max_new_tokens=12, eos_id=3)
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr), cfg,
+                     TrainShape(max_new_tokens=12, max_positions=512, eos_id=3), rank=0, device=torch.device("cpu"))
     m, _ = merge_rank_stats([step.run(batch)])
     mixed = sum(g.mixed for g in batch.groups)
     assert m["learner/replay_eos_appended"] == mixed == 2 and np.isfinite(m["learner/loss"])
     assert np.isfinite(m["learner/replay_weight_mean"]) and np.isfinite(m["learner/logprob_diff_mean"])
     with pytest.raises(ValueError, match="learner.loss.replay_eos: the model names no EOS token"):
-        TrainStep(model, step.optimizer, cfg, rank=0, world=1, device=torch.device("cpu"), pad_id=0,
-                  max_positions=512, max_new_tokens=12)
+        TrainStep(model, step.optimizer, cfg, TrainShape(max_new_tokens=12, max_positions=512), rank=0,
+                  device=torch.device("cpu"))

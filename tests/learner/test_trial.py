@@ -20,6 +20,7 @@ from tests.learner import sectioned
 from tests.ports import rendezvous_store
 from learner.compile_cache import compiled_graphs
 from learner.setup import setup_rank
+from learner.shape import TrainShape
 from learner.step import merge_rank_stats
 from learner.trial import FAULTS_ENV, LEVERS, LeverError, injected_faults, switch_off, try_levers
 from bench.batches import make_batch
@@ -30,7 +31,7 @@ ALL_ON = dict(compile=True, compile_backend="aot_eager", padding_free=True, fuse
 
 def _setup(model_dir, **overrides):
     cfg = LearnerConfig(**sectioned({"micro_batch_rows": 4, "mini_batches": 2, "lr": 1e-3, **overrides}))
-    return setup_rank(cfg, str(model_dir), rank=0, world=1, device=CPU, dtype=torch.float32, max_new_tokens=40)
+    return setup_rank(cfg, str(model_dir), TrainShape(max_new_tokens=40), rank=0, device=CPU)
 
 
 def _compiled_layers(model) -> int:
@@ -185,6 +186,7 @@ ONE_FSDP_RANK = textwrap.dedent("""
     from common.config import LearnerConfig
     from learner.compile_cache import compiled_graphs
     from learner.setup import setup_rank
+    from learner.shape import TrainShape
     from bench.batches import make_batch
 
     model_dir = sys.argv[1]
@@ -192,8 +194,8 @@ ONE_FSDP_RANK = textwrap.dedent("""
     torch.set_num_threads(1)
     cfg = LearnerConfig(batching=dict(micro_batch_rows=4, mini_batches=2), optim=dict(lr=1e-3),
                         levers=dict(compile=True, compile_backend="aot_eager", activation_checkpointing="full"))
-    built = setup_rank(cfg, model_dir, rank=0, world=1, device=torch.device("cpu"), dtype=torch.bfloat16,
-                       max_new_tokens=40)
+    built = setup_rank(cfg, model_dir, TrainShape(max_new_tokens=40, dtype="bfloat16"), rank=0,
+                       device=torch.device("cpu"))
     after_trial, recompiles = compiled_graphs(), []
     for v, rows in enumerate((4, 1, 3)):
         cfg = built.trainer.cfg
@@ -238,6 +240,7 @@ TWO_RANKS = textwrap.dedent("""
     sys.path.insert(0, os.getcwd())
     from common.config import LearnerConfig
     from learner.setup import setup_rank
+    from learner.shape import TrainShape
     from bench.batches import make_batch
 
     rank, port, model_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -248,8 +251,8 @@ TWO_RANKS = textwrap.dedent("""
     torch.set_num_threads(1)
     cfg = LearnerConfig(batching=dict(micro_batch_rows=4, mini_batches=2), optim=dict(lr=1e-3),
                         levers=dict(padding_free=True, fused_optimizer=True))
-    built = setup_rank(cfg, model_dir, rank=rank, world=2, device=torch.device("cpu"), dtype=torch.float32,
-                       max_new_tokens=40)
+    built = setup_rank(cfg, model_dir, TrainShape(max_new_tokens=40, world=2), rank=rank,
+                       device=torch.device("cpu"))
     stats = built.trainer.run(make_batch(0, groups=2, candidates=1))
     print("RESULT", json.dumps({"off": built.levers_off, "fused": built.trainer.cfg.levers.fused_optimizer,
                                 "packs": built.trainer.cfg.levers.packs_padding_free, "updates": stats.updates}))
