@@ -31,6 +31,15 @@ GREEDY_TEMPERATURE = 0.0
 """Temperature 0 is greedy decoding in both engines (vLLM: greedy sampler; transformers: argmax)."""
 
 
+@dataclass(frozen=True)
+class EvalSampling:
+    """How each question is answered: once greedily, and `samples` times at `temperature`, both from `seed`."""
+
+    samples: int = 8
+    temperature: float = 0.6
+    seed: int = 1234
+
+
 @dataclass
 class EvalResult:
     questions: int
@@ -74,13 +83,16 @@ class EvalResult:
         return out
 
 
-def evaluate_engine(engine, pool, questions, *, samples: int, temperature: float, seed: int,
-                    threshold: float, task: str | None = None) -> EvalResult:
-    """The measurement itself, on an engine that is already loaded (also used by the in-run evaluator).
-    `task`: the built-in task of the questions; where it checks reasoning, correct sampled responses are checked."""
+def evaluate_engine(engine, pool, questions, sampling: EvalSampling) -> EvalResult:
+    """The measurement itself, on an engine that is already loaded (also used by the in-run evaluator). `pool`
+    (`common.rewards.RewardPool`) scores: a reward of at least its `reward.correct_threshold` is correct; where
+    its task (`pool.task_name`: the built-in task of the questions) checks reasoning, correct sampled responses are
+    checked."""
     from actors.scoring import check_reasoning
     from common.tasks import TASKS
 
+    samples, temperature, seed = sampling.samples, sampling.temperature, sampling.seed
+    threshold, task = pool.cfg.correct_threshold, pool.task_name
     reasoning = TASKS[task].reasoning if task in TASKS else None
     t0 = time.monotonic()
     prompts = [q.prompt_ids for q in questions]

@@ -50,7 +50,7 @@ class EvaluatorWorker:
         """Load the newest published version (if newer) and measure every set. The driver asks right after a
         step, while that step's publication may still be in flight: wait up to `wait_s` for
         `min_version` to be announced, then measure the newest one there is (the report names it)."""
-        from actors.evaluation import evaluate_engine
+        from actors.evaluation import EvalSampling, evaluate_engine
 
         t0 = time.monotonic()
         ann = self.weights.latest()
@@ -72,8 +72,7 @@ class EvaluatorWorker:
             self.version = ann.version
         out = {"version": float(self.version)}
         for s, questions, pool in zip(self.sets, self.questions, self.pools):
-            r = evaluate_engine(self.engine, pool, questions, samples=s.samples, temperature=s.temperature,
-                                seed=self.cfg.seed, threshold=s.reward.correct_threshold, task=s.task)
+            r = evaluate_engine(self.engine, pool, questions, EvalSampling(s.samples, s.temperature, self.cfg.seed))
             out.update(r.metrics(s.name))
         out["seconds"] = time.monotonic() - t0
         return out

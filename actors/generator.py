@@ -1,8 +1,9 @@
 """The generator actor: lease work, stream it through the engine, score and submit each finished group; load
 new weights as soon as they are published.
 
+    spec = GeneratorSpec(gen_cfg, reward_cfg, model_path, task_name)   # the same for every generator of the run
     gen = Generator.options(name=actor_name(run, "generator", i)).remote(
-        generator_id, gen_cfg, reward_cfg, model_path, work_source, weight_source, task_name)
+        generator_id, spec, work_source, weight_source)
     ray.get(gen.start.remote())       # load the model folder, fetch the newest weights, then start leasing
     ...
     ray.get(gen.stop.remote(drain=True))   # finish the work in flight (drain=False: return its leases)
@@ -21,13 +22,15 @@ import queue
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import ray
 
 from common.config import GeneratorConfig, RewardConfig, VllmEngineConfig
 from common.interfaces import Engine, WeightSource, WorkSource
 from actors.generator_stats import GeneratorStats, peak_memory_bytes
-from actors.scoring import RETRYABLE, Group, end_dead_leases, return_leases, scored_groups, submit_groups
+from actors.remote_calls import RETRYABLE, RemoteCalls
+from actors.scoring import Correctness, Group, end_dead_leases, return_leases, scored_groups, submit_groups
 from actors.weight_loading import WeightLoader
 from common.messages import ScoredGroup, WorkItem
 
@@ -35,18 +38,31 @@ log = logging.getLogger(__name__)
 
 _ABANDON_JOIN_S = 10.0  # after stop_timeout_s: how long the loop gets to notice that scoring was abandoned
 
+
+@dataclass(frozen=True)
+class GeneratorSpec:
+    """What every generator of a run is made of: its section, the reward, the model folder it starts from, and the
+    built-in task of its questions (the task's reasoning check; None: questions from a data file)."""
+
+    cfg: GeneratorConfig
+    reward: RewardConfig
+    model_path: str
+    task_name: str | None = None
+
+
 class GeneratorWorker:
     """The body of the `Generator` Ray actor (a plain class: it also runs in-process)."""
 
-    def __init__(self, generator_id: str, gen_cfg: GeneratorConfig, reward_cfg: RewardConfig, model_path: str,
-                 work_source: WorkSource, weight_source: WeightSource, task_name: str | None):
+    def __init__(self, generator_id: str, spec: GeneratorSpec, work_source: WorkSource, weight_source: WeightSource):
         self.generator_id = generator_id
+        gen_cfg, reward_cfg, model_path, task_name = spec.cfg, spec.reward, spec.model_path, spec.task_name
         self.cfg, self.reward_cfg, self.model_path = gen_cfg, reward_cfg, model_path
         self.work_source, self.weight_source, self.task_name = work_source, weight_source, task_name
         from common.tasks import TASKS
 
-        # the task's exact reasoning check of correct responses (Rollout.valid), where it has one
-        self._reasoning = TASKS[task_name].reasoning if task_name in TASKS else None
+        # reward >= correct_threshold, and the task's exact reasoning check of correct responses (Rollout.valid)
+        self._correctness = Correctness(reward_cfg.correct_threshold,
+                                        TASKS[task_name].reasoning if task_name in TASKS else None)
         self.engine: Engine | None = None
         self.rewards = None
         self.stats = GeneratorStats()
@@ -62,8 +78,9 @@ class GeneratorWorker:
         self._queue: queue.SimpleQueue[Group | None] = queue.SimpleQueue()  # complete, waiting for the scorer
         self._scoring: list[Group] = []  # being scored and submitted
         self._unsubmitted = 0  # groups complete but not yet submitted (queued or being scored)
-        self.weights = WeightLoader(generator_id, gen_cfg, weight_source, model_path, self.stats, self._stop,
-                                    self._wake, self._call, RETRYABLE)  # the published versions, the loads
+        self._calls = RemoteCalls(generator_id, self.stats, backoff_s=gen_cfg.retry_backoff_s, stop=self._stop)
+        # the published versions, the loads; a new version seen by its watcher wakes the engine thread
+        self.weights = WeightLoader(gen_cfg, weight_source, model_path, self._calls, on_version=self._wake.set)
         self._next_lease = 0.0
         self._samples_per_item = 1  # samples per leased question (K or K-1), learned from the last lease
         self._requests = 0
@@ -93,12 +110,10 @@ class GeneratorWorker:
                 self.engine = make_engine(self.cfg, self.model_path, seed=self._seed_base)
             if self.rewards is None:
                 self.rewards = RewardPool(self.reward_cfg, self.task_name)
-            register = getattr(self.weight_source, "register", None)  # optional beyond the WeightSource protocol
-            if register is not None:
-                try:
-                    register(self.generator_id)
-                except LookupError as e:  # no learner yet: the first ack registers us
-                    log.info("generator %s: not registered with the weight store yet (%s)", self.generator_id, e)
+            try:
+                self.weight_source.register(self.generator_id)
+            except LookupError as e:  # no learner yet: the first ack registers us
+                log.info("generator %s: not registered with the weight store yet (%s)", self.generator_id, e)
             self.weights.sync(self.engine, required=True)
             if self._incarnation:
                 self._end_dead_leases()
@@ -154,13 +169,11 @@ class GeneratorWorker:
                           "returning its %d leases", self.generator_id, self.cfg.stop_timeout_s, len(items))
                 self._return_leases(items)
                 thread.join(timeout=_ABANDON_JOIN_S)
-        unregister = getattr(self.weight_source, "unregister", None)
-        if unregister is not None:
-            try:
-                unregister(self.generator_id)
-            except (LookupError, *RETRYABLE) as e:  # the learner may already be gone at shutdown; nothing waits on us
-                log.warning("generator %s: could not unregister from the weight store: %s", self.generator_id, e)
-                self.stats.source_errors += 1
+        try:
+            self.weight_source.unregister(self.generator_id)
+        except (LookupError, *RETRYABLE) as e:  # the learner may already be gone at shutdown; nothing waits on us
+            log.warning("generator %s: could not unregister from the weight store: %s", self.generator_id, e)
+            self.stats.source_errors += 1
         if self.rewards is not None:
             self.rewards.close()
             self.rewards = None
@@ -188,8 +201,8 @@ class GeneratorWorker:
             version=engine.version if engine is not None else -1,
             in_flight=len(self._groups),
             rewards=rewards.stats() if rewards is not None else None)
-        delta = getattr(self.weight_source, "transfer_stats", None)  # delta loads, relay transfers
-        out.update({f"weights_{k}": float(v) for k, v in (delta() if delta is not None else {}).items()})
+        # delta loads, relay transfers
+        out.update({f"weights_{k}": float(v) for k, v in self.weight_source.transfer_stats().items()})
         out["peak_memory_gib"] = peak_memory_bytes() / 2**30
         return out
 
@@ -264,8 +277,8 @@ class GeneratorWorker:
         # nothing in flight: wait for work at the buffer (one long-poll call) rather than poll every idle_sleep_s
         wait = self.cfg.lease_wait_s if self.engine.in_flight() == 0 and not self._stop.is_set() else 0.0
         t0 = time.monotonic()
-        items = self._call("lease", self.work_source.lease, self.generator_id, min(room, self.cfg.questions_per_lease),
-                           wait)
+        items = self._calls.call("lease", self.work_source.lease, self.generator_id,
+                                 min(room, self.cfg.questions_per_lease), wait)
         if wait:  # time waiting for work counts as idle (generator/wait_fraction, which the autoscaler reads)
             self.stats.wait_s += time.monotonic() - t0
         if not items:
@@ -431,43 +444,15 @@ class GeneratorWorker:
             last, res = requests[-1], scores[-1]
             self._last_sample = {"question_id": last.question_id, "response": last.response_text,
                                  "answer": last.answer, "reward": float(res.reward), "error": res.error}
-        return scored_groups(batch, scores, self.generator_id, self.reward_cfg.correct_threshold, self._reasoning,
-                             self.weights.known_version, self.stats)
+        return scored_groups(batch, scores, self.generator_id, self._correctness, self.weights.known_version,
+                             self.stats)
 
     def _submit(self, groups: list[ScoredGroup], items: list[WorkItem]) -> int:
         giving_up = lambda: self._stop.is_set() and self._return_in_flight  # noqa: E731
-        return submit_groups(self.work_source, groups, items, self.stats, self.cfg.retry_backoff_s, giving_up,
-                             self.generator_id)
+        return submit_groups(self.work_source, groups, items, self._calls, giving_up)
 
     def _return_leases(self, items: list[WorkItem]) -> None:
         return_leases(self.work_source, items, self.stats, self.generator_id)
-
-    # ----------------------------------------------------------------------------------- remote calls
-
-    def _call(self, what: str, fn, *args, required: bool = False):
-        """A remote call that may fail transiently: log, count, back off; None when it failed.
-
-        `required` calls (during start) retry until they succeed or the actor is stopped.
-        """
-        while True:
-            try:
-                return fn(*args)
-            except KeyError as e:  # fetch: the store already dropped that version
-                if what != "fetch":
-                    raise
-                log.warning("generator %s: weights no longer in the store (%s); taking the next version",
-                            self.generator_id, e)
-                self.stats.source_errors += 1
-                return None
-            except RETRYABLE as e:
-                self.stats.source_errors += 1
-                log.warning("generator %s: %s failed (%s: %s); retrying in %.1fs", self.generator_id, what,
-                            type(e).__name__, e, self.cfg.retry_backoff_s)
-                t0 = time.monotonic()
-                self._stop.wait(self.cfg.retry_backoff_s)
-                self.stats.wait_s += time.monotonic() - t0
-                if not required or self._stop.is_set():
-                    return None
 
 
 def _in_ray_actor() -> bool:

@@ -1,7 +1,7 @@
 """GeneratorPool: the run's generator actors, grown, shrunk and healed while training goes on.
 
-    pool = GeneratorPool(cfg.generator, cfg.reward, model_path, buffer_client, weight_source,
-                         task_name="countdown", run=name, namespace=ns)
+    spec = GeneratorSpec(cfg.generator, cfg.reward, model_path, task_name="countdown")
+    pool = GeneratorPool(spec, buffer_client, weight_source, run=name, namespace=ns)
     pool.scale_to(3, wait=False)  # new actors load the model, fetch the newest weights, then lease
     pool.poll()           # adopt started actors, replace dead ones (raises GeneratorsFailed past the budget)
     pool.status(); pool.metrics()   # who runs, restarts, starts or waits for a CPU/GPU; summed counters
@@ -21,9 +21,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.generator import Generator, actor_options
+from actors.generator import Generator, GeneratorSpec, actor_options
 from actors.scoring import end_dead_leases
-from common.config import GeneratorConfig, RewardConfig
 from common.interfaces import WeightSource, WorkSource, actor_name
 
 log = logging.getLogger(__name__)
@@ -40,6 +39,7 @@ _MAX = ("version_lag_max", "reward_oldest_s", "reward_call_p50_s", "reward_call_
         "peak_memory_gib")
 _PENDING_STATES = ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
 FAST_STOP_S = 10.0  # a stop without drain (a signal): leases not returned by then expire and are reissued
+CALL_TIMEOUT_S = 30.0  # a call to a running generator (its metrics, its last sample)
 
 
 class GeneratorsFailed(RuntimeError):
@@ -49,14 +49,13 @@ class GeneratorsFailed(RuntimeError):
 class GeneratorPool:
     """Creates, scales, heals and stops the generator actors of one run."""
 
-    def __init__(self, gen_cfg: GeneratorConfig, reward_cfg: RewardConfig, model_path: str, work_source: WorkSource,
-                 weight_source: WeightSource, *, task_name: str | None, run: str, namespace: str | None = None,
-                 start_timeout_s: float | None = None, call_timeout_s: float = 30.0):
-        self.cfg, self.reward_cfg, self.model_path = gen_cfg, reward_cfg, model_path
-        self.work_source, self.weight_source, self.task_name = work_source, weight_source, task_name
+    def __init__(self, spec: GeneratorSpec, work_source: WorkSource, weight_source: WeightSource, *, run: str,
+                 namespace: str | None = None):
+        """`spec`: what each generator is made of; they lease from `work_source` and load from `weight_source`."""
+        self.spec, self.cfg = spec, spec.cfg
+        self.work_source, self.weight_source = work_source, weight_source
         self.run, self.namespace = run, namespace
-        self.start_timeout_s = gen_cfg.start_timeout_s if start_timeout_s is None else start_timeout_s
-        self.call_timeout_s = call_timeout_s
+        self.start_timeout_s, self.call_timeout_s = spec.cfg.start_timeout_s, CALL_TIMEOUT_S
         self.actors: dict[int, ray.actor.ActorHandle] = {}  # started at least once
         # index -> (actor, start() ref, monotonic time requested): started without blocking the caller
         self.starting: dict[int, tuple[ray.actor.ActorHandle, ray.ObjectRef, float]] = {}
@@ -128,7 +127,7 @@ class GeneratorPool:
                 self._placement_group(i), placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
         try:
             actor = Generator.options(name=gid, namespace=self.namespace, **options).remote(
-                gid, self.cfg, self.reward_cfg, self.model_path, self.work_source, self.weight_source, self.task_name)
+                gid, self.spec, self.work_source, self.weight_source)
         except ValueError as e:  # "name already taken": a killed actor's name is released asynchronously
             log.info("generator %s: name not released yet (%s); creating it at the next poll", gid, e)
             return False

@@ -11,15 +11,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import ray
-
+from actors.remote_calls import RETRYABLE, RemoteCalls
 from common.interfaces import WorkSource
 from common.messages import Rollout, ScoredGroup, WorkItem, float32_array, int32_array
 
 log = logging.getLogger("actors.generator")
 
-RETRYABLE = (RuntimeError, TimeoutError, ConnectionError, ray.exceptions.RayError)
-"""Errors of a remote buffer / weight-store call that mean "not now" (BufferUnavailableError is a RuntimeError)."""
+@dataclass(frozen=True)
+class Correctness:
+    """What counts as a correct sample: a reward of at least `threshold` (`reward.correct_threshold`), and where the
+    task checks reasoning (`reasoning`, None: it does not), whether a correct response's reasoning is valid."""
+
+    threshold: float
+    reasoning: Callable[[str, str, str], bool | None] | None = None
 
 
 @dataclass
@@ -31,9 +35,10 @@ class Group:
     left: int
 
 
-def scored_groups(batch: list[Group], scores: list, generator_id: str, correct_threshold: float,
-                  reasoning: Callable[[str, str, str], bool] | None, known_version: int, stats) -> list[ScoredGroup]:
-    """The groups of `batch` with `scores` (one per sample, in order); counts what it saw in `stats`."""
+def scored_groups(batch: list[Group], scores: list, generator_id: str, correctness: Correctness, known_version: int,
+                  stats) -> list[ScoredGroup]:
+    """The groups of `batch` with `scores` (one per sample, in order), judged by `correctness`; the versions' lag
+    behind `known_version`; counts what it saw in `stats`."""
     results = iter(scores)
     groups = []
     for g in batch:
@@ -41,7 +46,7 @@ def scored_groups(batch: list[Group], scores: list, generator_id: str, correct_t
         for s in g.samples:
             res = next(results)
             errors += res.error is not None
-            rollouts.append(_rollout(s, res, correct_threshold, reasoning, g.item, stats))
+            rollouts.append(_rollout(s, res, correctness, g.item, stats))
         if rollouts:
             lag = max(0, known_version - min(r.version for r in rollouts))
             stats.lag_sum += lag
@@ -53,14 +58,15 @@ def scored_groups(batch: list[Group], scores: list, generator_id: str, correct_t
     return groups
 
 
-def _rollout(s, res, correct_threshold: float, reasoning, item: WorkItem, stats) -> Rollout:
+def _rollout(s, res, correctness: Correctness, item: WorkItem, stats) -> Rollout:
     stats.rewarded += res.reward > 0
     oldest, newest = s.versions
     stats.rollouts_spanning += newest != oldest
-    correct = bool(res.reward >= correct_threshold)
+    correct = bool(res.reward >= correctness.threshold)
     valid = None
-    if correct and reasoning is not None:
-        valid, error = check_reasoning(reasoning, s.text, item.question.prompt, item.question.answer, item.question.id)
+    if correct and correctness.reasoning is not None:
+        q = item.question
+        valid, error = check_reasoning(correctness.reasoning, s.text, q.prompt, q.answer, q.id)
         stats.reasoning_errors += error is not None
     stats.reasoning_checked += valid is not None
     stats.reasoning_valid += bool(valid)
@@ -84,10 +90,11 @@ def check_reasoning(reasoning: Callable[[str, str, str], bool | None], text: str
         return None, error
 
 
-def submit_groups(work_source: WorkSource, groups: list[ScoredGroup], items: list[WorkItem], stats, backoff_s: float,
-                  giving_up: Callable[[], bool], generator_id: str) -> int:
-    """Submit in one call; retry while the buffer is unavailable, until the leases' deadlines pass (or `giving_up`).
-    How many groups were submitted."""
+def submit_groups(work_source: WorkSource, groups: list[ScoredGroup], items: list[WorkItem], calls: RemoteCalls,
+                  giving_up: Callable[[], bool]) -> int:
+    """Submit in one call; retry (`calls.backoff_s` apart) while the buffer is unavailable, until the leases'
+    deadlines pass (or `giving_up`). How many groups were submitted."""
+    stats, backoff_s, generator_id = calls.stats, calls.backoff_s, calls.generator_id
     deadline = min(it.deadline for it in items)
     while True:
         try:

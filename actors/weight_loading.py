@@ -1,8 +1,9 @@
 """Weight loading in a generator: keep one engine on the newest published weights.
 
-    weights = WeightLoader(generator_id, gen_cfg, weight_source, model_path, stats, stop, wake, call)
+    weights = WeightLoader(gen_cfg, weight_source, model_path, calls, on_version=wake)   # calls: RemoteCalls
     weights.sync(engine, required=True)    # at start: the newest version, if newer than the model folder's
-    weights.start_watching()               # weight_wait_s > 0: one long-poll call at the store at a time
+    weights.start_watching()               # weight_wait_s > 0: one long-poll call at the store at a time;
+                                           # on_version() when it sees a new one
     ...
     weights.sync(engine, poll=False)       # every engine-thread iteration: load what the watcher saw, or poll
                                            # at most every weight_poll_s
@@ -18,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from actors.generator_stats import GeneratorStats
+from actors.remote_calls import RemoteCalls
 from common.config import GeneratorConfig
 from common.interfaces import Engine, WeightSource
 
@@ -28,12 +29,13 @@ log = logging.getLogger("actors.generator")
 class WeightLoader:
     """What one generator knows of the published weights, and the loads into its engine."""
 
-    def __init__(self, generator_id: str, cfg: GeneratorConfig, source: WeightSource, model_path: str,
-                 stats: GeneratorStats, stop: threading.Event, wake: threading.Event, call: Callable,
-                 retryable: tuple[type[BaseException], ...]):
-        self.generator_id, self.cfg, self.source, self.model_path, self.stats = (generator_id, cfg, source,
-                                                                                 model_path, stats)
-        self._stop, self._wake, self._call, self._retryable = stop, wake, call, retryable
+    def __init__(self, cfg: GeneratorConfig, source: WeightSource, model_path: str, calls: RemoteCalls, *,
+                 on_version: Callable[[], None]):
+        """`calls`: the generator's remote calls (its id, counters, backoff and stop); `on_version()`: called by the
+        weight watcher when it sees a new version (it wakes the generator's engine thread)."""
+        self.cfg, self.source, self.model_path, self.calls = cfg, source, model_path, calls
+        self.generator_id, self.stats = calls.generator_id, calls.stats
+        self._on_version = on_version
         self.known_version = 0  # newest version the weight store announced
         self.load_pending = False  # a newer version waits for the samples in flight (in_flight_updates=false)
         self.torn = False  # a load failed part-way: the engine holds parts of two versions and must not step
@@ -49,7 +51,7 @@ class WeightLoader:
         self._watch_token += 1
         self._announced = None
         self._watcher = None
-        if self.cfg.weight_wait_s > 0 and hasattr(self.source, "wait_newer"):
+        if self.cfg.weight_wait_s > 0:
             self._watcher = threading.Thread(target=self._watch, args=(self._watch_token,),
                                              name=f"{self.generator_id}-weights", daemon=True)
             self._watcher.start()
@@ -68,7 +70,7 @@ class WeightLoader:
         if not (self.torn or not self.load_pending or engine.in_flight() == 0):
             return
         self._next_poll = now + self.cfg.weight_poll_s
-        ann = watched or self._call("latest", self.source.latest, required=required)
+        ann = watched or self.calls.call("latest", self.source.latest, required=required)
         if ann is None:
             return
         self.known_version = max(self.known_version, ann.version)
@@ -80,12 +82,12 @@ class WeightLoader:
             self.load_pending = True  # leasing pauses; the samples in flight finish under the old version
             return
         t0 = time.monotonic()
-        buckets = self._call("fetch", self._fetch, ann, required=required)
+        buckets = self.calls.call("fetch", self._fetch, ann, required=required)
         if buckets is None:
             return
         try:  # bucket by bucket, each fetched as it is loaded
             engine.load_weights(buckets, ann.version, partial=ann.adapters is not None)
-        except self._retryable as e:
+        except self.calls.retryable as e:
             self.torn = True
             self.stats.loads_torn += 1
             self.stats.source_errors += 1
@@ -100,7 +102,7 @@ class WeightLoader:
         self.stats.loads_in_flight += in_flight > 0
         self.stats.weight_load_s += dt
         self.stats.weight_load_s_last = dt
-        self._call("ack", self.source.ack, self.generator_id, ann.version, required=required)
+        self.calls.call("ack", self.source.ack, self.generator_id, ann.version, required=required)
         log.info("generator %s loaded weights version %d in %.2fs (%d samples in flight)", self.generator_id,
                  ann.version, dt, in_flight)
 
@@ -108,15 +110,21 @@ class WeightLoader:
         """The buckets of `ann`'s version for `engine.load_weights`, fetched as they are loaded; an adapter-only
         publication (LoRA) is received whole here and merged into the base as the engine loads it
         (`actors.adapters`: a partial state), so a failed transfer tears nothing. The merger is made at the first
-        one (it logs once)."""
-        buckets = self.source.fetch_buckets(ann)
-        if ann.adapters is None:
-            return buckets
-        if self._merger is None:
-            from actors.adapters import AdapterMerger
+        one (it logs once). None where the store already dropped that version (the next one is taken)."""
+        try:
+            buckets = self.source.fetch_buckets(ann)
+            if ann.adapters is None:
+                return buckets
+            if self._merger is None:
+                from actors.adapters import AdapterMerger
 
-            self._merger = AdapterMerger(self.model_path, who=f"generator {self.generator_id}")
-        return self._merger.merge(buckets, ann.adapters)
+                self._merger = AdapterMerger(self.model_path, who=f"generator {self.generator_id}")
+            return self._merger.merge(buckets, ann.adapters)
+        except KeyError as e:
+            log.warning("generator %s: weights no longer in the store (%s); taking the next version",
+                        self.generator_id, e)
+            self.stats.source_errors += 1
+            return None
 
     def _watched(self, engine: Engine):
         """With the weight watcher running: its newest announcement if newer than the engine's version, else False;
@@ -128,18 +136,19 @@ class WeightLoader:
 
     def _watch(self, token: int) -> None:
         """The weight watcher: one long-poll call at the weight store at a time (`weight_wait_s`); a new version
-        is recorded for the engine loop, which is woken. Ends with the loop (stop) or when a newer watcher starts."""
+        is recorded for the engine loop, which is woken (`on_version`). Ends with the loop (the generator's stop) or
+        when a newer watcher starts."""
         known = -1
-        while not self._stop.is_set() and token == self._watch_token:
+        while not self.calls.stopped and token == self._watch_token:
             try:
                 ann = self.source.wait_newer(known, self.cfg.weight_wait_s)
-            except (LookupError, *self._retryable) as e:  # the store restarts or is not there yet: ask again shortly
+            except (LookupError, *self.calls.retryable) as e:  # the store restarts or is not there yet: ask again
                 self.stats.source_errors += 1
                 log.info("generator %s: waiting for weights failed (%s: %s); retrying", self.generator_id,
                          type(e).__name__, e)
-                self._stop.wait(self.cfg.retry_backoff_s)
+                self.calls.back_off()
                 continue
             if ann is not None and ann.version != known:
                 known = ann.version
                 self._announced = ann
-                self._wake.set()
+                self._on_version()

@@ -103,9 +103,9 @@ class Trainer:
         """Ask for the learner ranks and the buffer shards; they load and shard the model, and start their worker
         processes, while the rest builds."""
         from actors.engines import describe_engine
-        from learner.shape import TrainShape
         from buffer.client import BufferClient
         from learner.pool import LearnerPool
+        from learner.shape import TrainShape
         from learner.trial import switch_off
 
         cfg, name, ns, phase = self.cfg, self.run_dir.name, self.cfg.cluster.namespace, self.profile.phase
@@ -145,6 +145,7 @@ class Trainer:
     def _start_generators(self) -> None:
         """Create the generator pool (its generators start in the background: training starts once one runs) and
         the in-run evaluator."""
+        from actors.generator import GeneratorSpec
         from actors.pool import GeneratorPool
         from cluster.in_run_eval import InRunEval
         from learner.weights import make_weight_source
@@ -153,9 +154,9 @@ class Trainer:
         with phase("start-up: schedule generators"):
             weights = make_weight_source(cfg.learner.weight_sync, run=name, namespace=ns,
                                          timeout_s=cfg.learner.publish_timeout_s)
-            self.generators = GeneratorPool(cfg.generator, cfg.reward, str(self.model_path), self.buffer, weights,
-                                            task_name=cfg.data.task if cfg.data.train_path is None else None,
-                                            run=name, namespace=ns)
+            spec = GeneratorSpec(cfg.generator, cfg.reward, str(self.model_path),
+                                 task_name=cfg.data.task if cfg.data.train_path is None else None)
+            self.generators = GeneratorPool(spec, self.buffer, weights, run=name, namespace=ns)
             self.generators.scale_to(self.state.generators, wait=False)
         with phase("start-up: in-run evaluator"):  # its engine loads beside the generators' too
             self.evaluation = InRunEval.create(cfg, self.model_path, run=name, namespace=ns)

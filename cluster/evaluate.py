@@ -12,16 +12,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.evaluation import EvalResult, evaluate_engine
+from actors.evaluation import EvalResult, EvalSampling, evaluate_engine
 from common.config import RewardConfig, RunConfig
 
 _RUN_TASK = object()
 
 
-def evaluate(model_path: str, cfg: RunConfig, questions, *, samples: int = 8, temperature: float = 0.6,
-             seed: int = 1234, task: str | None | object = _RUN_TASK) -> EvalResult:
-    """Greedy accuracy, sampled pass@1 and pass@k of `model_path` on `questions`, scored by cfg.reward;
-    `task`: the built-in task the questions come from (default: the run's; None: a file)."""
+def evaluate(model_path: str, cfg: RunConfig, questions, sampling: EvalSampling = EvalSampling(), *,
+             task: str | None | object = _RUN_TASK) -> EvalResult:
+    """Greedy accuracy, sampled pass@1 and pass@k of `model_path` on `questions` (answered as `sampling` says),
+    scored by cfg.reward; `task`: the built-in task the questions come from (default: the run's; None: a file)."""
     from actors.engines import make_engine
     from common.rewards import RewardPool
 
@@ -30,9 +30,8 @@ def evaluate(model_path: str, cfg: RunConfig, questions, *, samples: int = 8, te
         task = cfg.data.task if cfg.data.train_path is None else None
     pool = RewardPool(cfg.reward, task)
     try:
-        engine = make_engine(cfg.generator, model_path, seed=seed)
-        result = evaluate_engine(engine, pool, questions, samples=samples, temperature=temperature, seed=seed,
-                                 threshold=cfg.reward.correct_threshold, task=task)
+        engine = make_engine(cfg.generator, model_path, seed=sampling.seed)
+        result = evaluate_engine(engine, pool, questions, sampling)
     finally:
         pool.close()
     result.seconds = time.monotonic() - t0
@@ -138,8 +137,8 @@ def eval_main(args, cfg: RunConfig) -> int:
     for st in sets:
         run_cfg = cfg.model_copy(update={"reward": st.reward})
         # eval.samples / eval.temperature (or the set's own), as the in-run evaluator: offline and in-run pass@k compare
-        result = evaluate(str(model), run_cfg, st.questions, samples=args.samples or st.samples,
-                          temperature=st.temperature, task=st.task)
+        result = evaluate(str(model), run_cfg, st.questions,
+                          EvalSampling(samples=args.samples or st.samples, temperature=st.temperature), task=st.task)
         print(result.table(str(model), st.name))
         results.append((st.name, result))
     if cfg.tracking.enabled:

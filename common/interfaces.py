@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from common.messages import LearnerFeedback, ScoredGroup, TrainingBatch, WeightsAnnouncement, WorkItem
+from common.messages import ScoredGroup, WeightsAnnouncement, WorkItem
 
 if TYPE_CHECKING:  # annotations only: the buffer's and the reward workers' processes never import torch for them
     import torch
@@ -37,31 +37,26 @@ class WorkSource(Protocol):
     def end_leases_of(self, generator_id: str) -> int: ...  # its process died: its work never comes back
 
 
-class BatchSource(Protocol):
-    """Where the learner gets batches and sends entropy feedback (the buffer client).
-
-        batch = source.get_batch(version, timeout_s)   # None on timeout
-        stats, feedback = learner.step(batch)
-        source.feedback(feedback); source.set_version(version + 1)
-    """
-
-    def get_batch(self, version: int, timeout_s: float) -> TrainingBatch | None: ...
-
-    def feedback(self, fb: LearnerFeedback) -> None: ...
-
-    def set_version(self, version: int) -> None: ...
-
-
 class WeightSource(Protocol):
     """Where generators find the newest policy (the weight-sync backend's receiving side).
 
-        ann = source.latest()
+        source.register(generator_id)                  # at start: publications wait for its ack
+        ann = source.latest()                          # or source.wait_newer(known, wait_s): one long-poll call
         if ann is not None and ann.version > engine.version:
             engine.load_weights(source.fetch_buckets(ann), ann.version)   # or source.fetch(ann): one dict
             source.ack(generator_id, ann.version)
+        source.unregister(generator_id)                # at stop
     """
 
     def latest(self) -> WeightsAnnouncement | None: ...
+
+    def wait_newer(self, known: int, timeout_s: float) -> WeightsAnnouncement | None: ...  # newest once != known
+
+    def register(self, generator_id: str) -> None: ...  # LookupError: no learner yet (the first ack registers)
+
+    def unregister(self, generator_id: str) -> None: ...
+
+    def transfer_stats(self) -> dict[str, int]: ...  # its own counters (delta loads, relay transfers); {}: none
 
     def fetch(self, ann: WeightsAnnouncement) -> dict[str, torch.Tensor]: ...
 

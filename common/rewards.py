@@ -79,7 +79,7 @@ class RewardPool:
     """
 
     def __init__(self, reward_cfg: RewardConfig, task_name: str | None = None):
-        self.cfg = reward_cfg
+        self.cfg, self.task_name = reward_cfg, task_name  # the built-in task of the questions it scores (or None)
         self._workers: list[_Worker | None] = []  # set first: __del__ runs even when construction fails
         self._fn, self._in_process = resolve_reward(reward_cfg.name)
         check_task_matches(reward_cfg.name, task_name)

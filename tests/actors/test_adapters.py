@@ -135,7 +135,7 @@ def test_a_generator_on_ray_tags_rollouts_with_the_adapter_version_that_sampled_
     import ray
     from transformers import AutoModelForCausalLM
 
-    from actors.generator import Generator, actor_options
+    from actors.generator import Generator, GeneratorSpec, actor_options
     from common.config import ObjectStoreSyncConfig
     from common.interfaces import actor_name
     from learner.weights import ObjectStorePublisher, ObjectStoreWeightSource
@@ -165,8 +165,8 @@ def test_a_generator_on_ray_tags_rollouts_with_the_adapter_version_that_sampled_
 
     publish(1)
     gid = actor_name(run, "generator", 0)
-    gen = Generator.options(name=gid, **actor_options(GEN_CFG)).remote(
-        gid, GEN_CFG, REWARD_CFG, str(tiny_model_dir), buffer, ObjectStoreWeightSource(run), "arithmetic")
+    spec = GeneratorSpec(GEN_CFG, REWARD_CFG, str(tiny_model_dir), "arithmetic")
+    gen = Generator.options(name=gid, **actor_options(GEN_CFG)).remote(gid, spec, buffer, ObjectStoreWeightSource(run))
     try:
         assert ray.get(gen.start.remote(), timeout=300)["version"] == 1.0
         batch = buffer.get_batch(1, timeout_s=120)

@@ -15,7 +15,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.generator import Generator, actor_options
+from actors.generator import Generator, GeneratorSpec, actor_options
 from actors.pool import GeneratorPool, GeneratorsFailed
 from common.config import (BufferConfig, DataConfig, GeneratorConfig, ObjectStoreSyncConfig, RewardConfig,
                            TransformersEngineConfig)
@@ -58,8 +58,8 @@ def test_generator_streams_into_buffer_and_follows_weights(ray_cluster, tiny_mod
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     publisher.publish(1, perturbed_state_dict(base, seed=1, scale=0.1))  # before start: the clean start loads it
     gid = actor_name(run, "generator", 0)
-    gen = Generator.options(name=gid, **actor_options(GEN_CFG)).remote(
-        gid, GEN_CFG, REWARD_CFG, str(tiny_model_dir), buffer, ObjectStoreWeightSource(run), "arithmetic")
+    spec = GeneratorSpec(GEN_CFG, REWARD_CFG, str(tiny_model_dir), "arithmetic")
+    gen = Generator.options(name=gid, **actor_options(GEN_CFG)).remote(gid, spec, buffer, ObjectStoreWeightSource(run))
     started = ray.get(gen.start.remote(), timeout=300)
     assert started["version"] == 1.0, "a starting generator fetches the newest weights before leasing"
 
@@ -110,8 +110,8 @@ def test_work_leased_ahead_of_its_weights_waits_for_them(ray_cluster, tiny_model
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     publisher.publish(1, perturbed_state_dict(base, seed=1, scale=0.1))
     gid = actor_name(run, "generator", 0)
-    gen = Generator.options(name=gid, **actor_options(GEN_CFG)).remote(
-        gid, GEN_CFG, REWARD_CFG, str(tiny_model_dir), buffer, ObjectStoreWeightSource(run), "arithmetic")
+    spec = GeneratorSpec(GEN_CFG, REWARD_CFG, str(tiny_model_dir), "arithmetic")
+    gen = Generator.options(name=gid, **actor_options(GEN_CFG)).remote(gid, spec, buffer, ObjectStoreWeightSource(run))
     assert ray.get(gen.start.remote(), timeout=300)["version"] == 1.0
     assert buffer.get_batch(1, timeout_s=120) is not None
     # the window (two batches at max_lag 1, one of them taken) is leased at version 1 and generated
@@ -153,9 +153,9 @@ def test_a_load_that_fails_part_way_generates_nothing_until_a_whole_version_load
     publisher = ObjectStorePublisher(ObjectStoreSyncConfig(), run=run, namespace=None, timeout_s=30)
     publisher.publish(1, perturbed_state_dict(base, seed=1, scale=0.1))
     gid = actor_name(run, "generator", 0)
+    spec = GeneratorSpec(GEN_CFG, REWARD_CFG, str(tiny_model_dir), "arithmetic")
     gen = Generator.options(name=gid, **actor_options(GEN_CFG)).remote(
-        gid, GEN_CFG, REWARD_CFG, str(tiny_model_dir), buffer, ObjectStoreWeightSource(run, timeout_s=2.0),
-        "arithmetic")
+        gid, spec, buffer, ObjectStoreWeightSource(run, timeout_s=2.0))
     assert ray.get(gen.start.remote(), timeout=300)["version"] == 1.0
     assert buffer.get_batch(1, timeout_s=120) is not None
     from learner.weights import to_wire
@@ -194,8 +194,8 @@ def test_killed_generator_is_restarted_and_its_leases_reissued(ray_cluster, tiny
     buffer = make_buffer(tiny_model_dir, run, lease_timeout_s=3.0)
     cfg = GEN_CFG.model_copy(update={"max_new_tokens": 24, "max_restarts": 1})
     gid = actor_name(run, "generator", 0)
-    gen = Generator.options(name=gid, **actor_options(cfg)).remote(
-        gid, cfg, REWARD_CFG, str(tiny_model_dir), buffer, _NoWeights(), "arithmetic")
+    spec = GeneratorSpec(cfg, REWARD_CFG, str(tiny_model_dir), "arithmetic")
+    gen = Generator.options(name=gid, **actor_options(cfg)).remote(gid, spec, buffer, _NoWeights())
     ray.get(gen.start.remote(), timeout=300)
 
     def leases_in_flight():
@@ -225,8 +225,8 @@ def test_killed_generator_is_restarted_and_its_leases_reissued(ray_cluster, tiny
 def test_pool_scales_1_3_1_without_losing_work(ray_cluster, tiny_model_dir):
     run = "scale"
     buffer = make_buffer(tiny_model_dir, run, batch_questions=12)
-    pool = GeneratorPool(GEN_CFG, REWARD_CFG, str(tiny_model_dir), buffer, _NoWeights(), task_name="arithmetic",
-                         run=run)
+    spec = GeneratorSpec(GEN_CFG, REWARD_CFG, str(tiny_model_dir), "arithmetic")
+    pool = GeneratorPool(spec, buffer, _NoWeights(), run=run)
     trained = 0
 
     def take_batch():
@@ -282,7 +282,8 @@ def test_pool_replaces_a_generator_whose_restarts_are_exhausted(ray_cluster, tin
     run = "heal"
     buffer = make_buffer(tiny_model_dir, run, lease_timeout_s=3.0)
     cfg = GEN_CFG.model_copy(update={"max_restarts": 1, "replace_budget": 1, "replace_window_s": 3600})
-    pool = GeneratorPool(cfg, REWARD_CFG, str(tiny_model_dir), buffer, _NoWeights(), task_name="arithmetic", run=run)
+    spec = GeneratorSpec(cfg, REWARD_CFG, str(tiny_model_dir), "arithmetic")
+    pool = GeneratorPool(spec, buffer, _NoWeights(), run=run)
     pool.scale_to(1)
     first = pool.actors[0]
     _kill_process(first, restarts=0)  # Ray restarts it: not a death
@@ -313,8 +314,8 @@ def test_failed_starts_are_deaths_replaced_until_the_budget_is_spent(ray_cluster
     run = "badstart"
     buffer = make_buffer(tiny_model_dir, run)
     cfg = GEN_CFG.model_copy(update={"replace_budget": 2})
-    pool = GeneratorPool(cfg, REWARD_CFG, str(tmp_path / "no-model"), buffer, _NoWeights(), task_name="arithmetic",
-                         run=run)
+    spec = GeneratorSpec(cfg, REWARD_CFG, str(tmp_path / "no-model"), "arithmetic")
+    pool = GeneratorPool(spec, buffer, _NoWeights(), run=run)
     pool.scale_to(1, wait=False)
     with pytest.raises(GeneratorsFailed) as e:
         wait_until(lambda: pool.poll(), 300, "the replacement budget to run out")
@@ -330,11 +331,27 @@ class _NoWeights:
     def latest(self):
         return None
 
+    def wait_newer(self, known, timeout_s):
+        time.sleep(timeout_s)  # a long poll that never sees a version
+        return None
+
     def fetch(self, ann):
+        raise KeyError(ann.version)
+
+    def fetch_buckets(self, ann):
         raise KeyError(ann.version)
 
     def ack(self, generator_id, version):
         pass
+
+    def register(self, generator_id):
+        pass
+
+    def unregister(self, generator_id):
+        pass
+
+    def transfer_stats(self):
+        return {}
 
 
 def _serve_batches(buffer, until, timeout_s: float) -> int:
@@ -358,9 +375,9 @@ def test_scoring_runs_beside_generation(ray_cluster, tiny_model_dir, streaming):
     buffer = make_buffer(tiny_model_dir, run, max_lag=1000)
     cfg = GEN_CFG.model_copy(update={"streaming": streaming, "max_in_flight": 8})
     gid = actor_name(run, "generator", 0)
-    gen = Generator.options(name=gid, **actor_options(cfg)).remote(
-        gid, cfg, RewardConfig(name="tests.common.reward_fns:slow_exact"), str(tiny_model_dir), buffer, _NoWeights(),
-        "arithmetic")
+    slow = RewardConfig(name="tests.common.reward_fns:slow_exact")
+    spec = GeneratorSpec(cfg, slow, str(tiny_model_dir), "arithmetic")
+    gen = Generator.options(name=gid, **actor_options(cfg)).remote(gid, spec, buffer, _NoWeights())
     ray.get(gen.start.remote(), timeout=300)
     _serve_batches(buffer, lambda: ray.get(gen.metrics.remote())["groups"] >= 32, 300)
     m = ray.get(gen.stop.remote(drain=True), timeout=120)
@@ -388,8 +405,8 @@ def test_sixteen_synthetic_generators_stream_and_follow_weights(ray_cluster, tin
                           weight_poll_s=0.05, stop_timeout_s=60)
     publisher = ObjectStorePublisher(ObjectStoreSyncConfig(), run=run, namespace=None, timeout_s=30)
     publisher.publish(0, {"w": torch.zeros(4)})
-    pool = GeneratorPool(cfg, RewardConfig(name="synthetic"), str(tiny_model_dir), buffer, ObjectStoreWeightSource(run),
-                         task_name="arithmetic", run=run)
+    spec = GeneratorSpec(cfg, RewardConfig(name="synthetic"), str(tiny_model_dir), "arithmetic")
+    pool = GeneratorPool(spec, buffer, ObjectStoreWeightSource(run), run=run)
     pool.scale_to(16)
     version, trained = 0, 0
     while version < 6:

@@ -8,7 +8,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from actors.generator import Generator, actor_options
+from actors.generator import Generator, GeneratorSpec, actor_options
 from common.config import GeneratorConfig, ObjectStoreSyncConfig, VllmEngineConfig
 from common.interfaces import actor_name
 from tests.actors.engine_checks import perturbed_state_dict, teacher_forced
@@ -32,8 +32,8 @@ def test_vllm_generator_streams_with_published_weights(ray_cluster, tiny_model_d
     publisher.publish(3, new)  # the publisher (learner rank 0) owns the weights: keep it alive
 
     gid = actor_name(run, "generator", 0)
-    gen = Generator.options(name=gid, **actor_options(cfg)).remote(
-        gid, cfg, REWARD_CFG, str(tiny_model_dir), buffer, ObjectStoreWeightSource(run), "arithmetic")
+    spec = GeneratorSpec(cfg, REWARD_CFG, str(tiny_model_dir), "arithmetic")
+    gen = Generator.options(name=gid, **actor_options(cfg)).remote(gid, spec, buffer, ObjectStoreWeightSource(run))
     assert ray.get(gen.start.remote(), timeout=600)["version"] == 3.0
     batch = buffer.get_batch(3, timeout_s=300)
     assert batch is not None and len(batch.groups) == 8
@@ -68,8 +68,8 @@ def test_weights_published_mid_generation_land_in_flight(ray_cluster, tiny_model
     publisher.publish(3, v3)
     buffer.set_version(3)
     gid = actor_name(run, "generator", 0)
-    gen = Generator.options(name=gid, **actor_options(cfg)).remote(
-        gid, cfg, REWARD_CFG, str(tiny_model_dir), buffer, ObjectStoreWeightSource(run), "arithmetic")
+    spec = GeneratorSpec(cfg, REWARD_CFG, str(tiny_model_dir), "arithmetic")
+    gen = Generator.options(name=gid, **actor_options(cfg)).remote(gid, spec, buffer, ObjectStoreWeightSource(run))
     assert ray.get(gen.start.remote(), timeout=600)["version"] == 3.0
     wait_until(lambda: ray.get(gen.metrics.remote())["in_flight"] > 0, 120, "samples in flight")
     publisher.publish(4, v4)

@@ -14,6 +14,7 @@ import ray
 import torch
 from ray.util.placement_group import placement_group_table
 
+from actors.generator import GeneratorSpec
 from actors.pool import GeneratorPool
 from common.config import GeneratorConfig, ObjectStoreSyncConfig, RewardConfig, SyntheticEngineConfig
 from tests.actors.test_generator_ray import make_buffer, wait_until
@@ -48,8 +49,8 @@ def test_each_generator_holds_its_gpus_in_one_placement_group(gpu_cluster, tiny_
                           num_cpus=0.5, num_gpus=1, tensor_parallel_size=2, questions_per_lease=2, idle_sleep_s=0.05,
                           stop_timeout_s=60)
     ObjectStorePublisher(ObjectStoreSyncConfig(), run=run, namespace=None, timeout_s=30).publish(0, {"w": torch.zeros(2)})
-    pool = GeneratorPool(cfg, RewardConfig(name="synthetic"), str(tiny_model_dir), buffer, ObjectStoreWeightSource(run),
-                         task_name="arithmetic", run=run)
+    spec = GeneratorSpec(cfg, RewardConfig(name="synthetic"), str(tiny_model_dir), "arithmetic")
+    pool = GeneratorPool(spec, buffer, ObjectStoreWeightSource(run), run=run)
     try:
         pool.scale_to(1)  # 2 of the 3 GPUs, on one node
         (name, pg), = _groups().items()

@@ -248,7 +248,7 @@ def test_a_long_correct_answer_goes_through_a_generators_scoring_as_data():
 
     from actors.engines.base import GenSample
     from actors.generator_stats import GeneratorStats
-    from actors.scoring import Group, scored_groups
+    from actors.scoring import Correctness, Group, scored_groups
     from common.config import RewardConfig
     from common.messages import Question, WorkItem
     from common.rewards import RewardPool, ScoreRequest
@@ -262,7 +262,7 @@ def test_a_long_correct_answer_goes_through_a_generators_scoring_as_data():
         scores = pool.score([ScoreRequest(question.id, t, question.answer) for t in texts])
         assert pool._workers[0] is not None  # scored in a worker process, as a generator's math_think is
     assert [s.reward for s in scores] == [1.0, 1.0]
-    (scored,) = scored_groups([group], scores, "g0", 1.0, TASK.reasoning, known_version=0, stats=stats)
+    (scored,) = scored_groups([group], scores, "g0", Correctness(1.0, TASK.reasoning), known_version=0, stats=stats)
     assert [r.valid for r in scored.rollouts] == [0, 1]  # the long one: refused as invalid, not a crash
     assert (stats.reasoning_checked, stats.reasoning_valid, stats.reasoning_errors) == (2, 1, 0)
 
@@ -274,7 +274,7 @@ def test_a_reasoning_check_that_raises_is_counted_not_a_crash(caplog):
 
     from actors.engines.base import GenSample
     from actors.generator_stats import GeneratorStats
-    from actors.scoring import Group, scored_groups
+    from actors.scoring import Correctness, Group, scored_groups
     from common.messages import Question, WorkItem
     from common.rewards import ScoreResult
 
@@ -286,7 +286,7 @@ def test_a_reasoning_check_that_raises_is_counted_not_a_crash(caplog):
     group = Group(WorkItem("lease-1", question, 1, deadline=0.0, shard=0), [sample], left=0)
     stats = GeneratorStats()
     with caplog.at_level(logging.WARNING, logger="actors.generator"):
-        (scored,) = scored_groups([group], [ScoreResult(1.0)], "g0", 1.0, recursing_check, 0, stats)
+        (scored,) = scored_groups([group], [ScoreResult(1.0)], "g0", Correctness(1.0, recursing_check), 0, stats)
     assert scored.rollouts[0].valid == -1 and scored.rollouts[0].reward == 1.0  # not checked; the reward stands
     assert (stats.reasoning_checked, stats.reasoning_errors) == (0, 1)
     assert "q-7" in caplog.text and "RecursionError" in caplog.text

@@ -152,7 +152,7 @@ def test_vllm_generator_loads_collective_weights(ray_cluster, tiny_model_dir):
     the next version in flight, and its behaviour log-probs equal the learner's weights' (teacher forced)."""
     from transformers import AutoModelForCausalLM
 
-    from actors.generator import Generator, actor_options
+    from actors.generator import Generator, GeneratorSpec, actor_options
     from common.config import GeneratorConfig, VllmEngineConfig
     from common.interfaces import actor_name
     from tests.actors.engine_checks import check_rollout_logprobs
@@ -175,8 +175,8 @@ def test_vllm_generator_loads_collective_weights(ray_cluster, tiny_model_dir):
         pool.publish()
         states[1] = pool.state_dict()
         source = make_weight_source(pool.cfg.weight_sync, run=run, namespace=NS, timeout_s=20)
-        gen = Generator.options(name=gid, **actor_options(cfg)).remote(
-            gid, cfg, REWARD_CFG, str(tiny_model_dir), buffer, source, "arithmetic")
+        spec = GeneratorSpec(cfg, REWARD_CFG, str(tiny_model_dir), "arithmetic")
+        gen = Generator.options(name=gid, **actor_options(cfg)).remote(gid, spec, buffer, source)
         assert ray.get(gen.start.remote(), timeout=600)["version"] == 1.0
         pool.step(make_batch(2))
         buffer.set_version(2)
