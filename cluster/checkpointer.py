@@ -12,17 +12,17 @@ import shutil
 from pathlib import Path
 
 from cluster.liveness import EXIT_DISK, RunStopped
-from cluster.state import rng_state
+from cluster.state import PreparedRun, rng_state
 from cluster.step_metrics import prefixed
 
 log = logging.getLogger("exgrpo")
 
 
 class Checkpointer:
-    """Writes the checkpoints of one attempt (`tracking`: the run's LateStart; `state`: its DriverState)."""
+    """Writes the checkpoints of one attempt of `run` (`tracking`: the run's LateStart)."""
 
-    def __init__(self, cfg, run_dir, state, model_path: Path, learner, buffer, tracking):
-        self.cfg, self.run_dir, self.state, self.model_path = cfg, run_dir, state, model_path
+    def __init__(self, run: PreparedRun, learner, buffer, tracking):
+        self.cfg, self.run_dir, self.state, self.model_path, _ = run
         self.learner, self.buffer, self.tracking = learner, buffer, tracking
         self.buffer_bytes = 0.0  # the buffer's stored trajectories at the last step (the first one's size estimate)
         self._params: int | None = None  # the model's parameters (the first checkpoint's size estimate)

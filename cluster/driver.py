@@ -24,7 +24,7 @@ from cluster.control import GeneratorControl, stop_without_drain
 from cluster.health import RunHealth
 from cluster.liveness import EXIT_CONFIG, RunStopped, check_placement
 from cluster.profile import Profile
-from cluster.state import DriverState
+from cluster.state import PreparedRun
 from cluster.step_metrics import batch_metrics, prefixed
 from cluster.tracking import LateStart
 from common.config import ObjectStoreSyncConfig, RunConfig
@@ -39,16 +39,15 @@ BATCH_WAIT_S = 2.0
 class Trainer:
     """Owns the components of one attempt of a run (rebuilt from the checkpoint on restart)."""
 
-    def __init__(self, cfg: RunConfig, run_dir, state: DriverState, model_path: Path, questions, tracker,
-                 profile: Profile | None = None, launched: float | None = None):
-        """`tracker`: the run's Tracker, or a `LateStart` of it, begun after the first learner update.
-        `launched`: time.monotonic() when `exgrpo train` started (None: a restarted attempt, which does not log
-        driver/first_update_s)."""
-        self.cfg, self.run_dir, self.state, self.model_path = cfg, run_dir, state, model_path
+    def __init__(self, run: PreparedRun, tracker, profile: Profile | None = None, launched: float | None = None):
+        """`run`: its config, folder, state, model and questions. `tracker`: the run's Tracker, or a `LateStart` of
+        it, begun after the first learner update. `launched`: time.monotonic() when `exgrpo train` started (None: a
+        restarted attempt, which does not log driver/first_update_s)."""
+        self.prepared = run  # (`run` is the training loop)
+        self.cfg, self.run_dir, self.state, self.model_path, self.questions = run
         self.tracking = tracker if isinstance(tracker, LateStart) else LateStart.of(tracker)
         self.profile = profile or Profile()
         self.launched = launched
-        self.questions = questions
         self.stop_flag = False
         self.phase = "start"  # start | train | close: what a signal interrupts (see cluster.run._stop_on_signals)
         self.interrupted = False  # stopped at once by a signal: no drain, no checkpoint
@@ -94,8 +93,7 @@ class Trainer:
         if not early:
             self._start_generators()
         self.health = RunHealth(self.cfg, self.generators, self.buffer, len(self.questions), self.tracking)
-        self.checkpointer = Checkpointer(self.cfg, self.run_dir, self.state, self.model_path, self.learner,
-                                         self.buffer, self.tracking)
+        self.checkpointer = Checkpointer(self.prepared, self.learner, self.buffer, self.tracking)
         self.control = GeneratorControl(self.cfg, self.run_dir.name, self.state, self.generators)
         self.components_built = True
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -369,9 +370,21 @@ def password_to_env(cmd: list[str]) -> tuple[list[str], dict[str, str]]:
     return out, env
 
 
-def run_one(spec: ExperimentSpec, variant: str, seed: int, runs_root: Path, out: Path, parent: str | None,
-            rerun: bool) -> RunResult:
+@dataclass(frozen=True)
+class Launch:
+    """Where and how an experiment starts its runs: their folders under `runs_root`, their logs under `out`/logs,
+    nested under the parent MLflow run `parent`; `rerun`: a finished run starts over instead of being reused."""
+
+    runs_root: Path
+    out: Path
+    parent: str | None
+    rerun: bool = False
+
+
+def run_one(spec: ExperimentSpec, variant: str, seed: int, launch: Launch) -> RunResult:
     from common.config.secrets import redact
+
+    runs_root, out, parent, rerun = launch.runs_root, launch.out, launch.parent, launch.rerun
 
     name = run_name(spec, variant, seed)
     if STOP.signal is not None:  # stopped while earlier runs went on: this one is not started, its folder untouched
@@ -523,7 +536,8 @@ def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, varia
     restore = STOP.install()
     try:
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            results = list(pool.map(lambda vs: run_one(spec, vs[0], vs[1], root, out, parent, rerun), todo))
+            launch = Launch(root, out, parent, rerun)
+            results = list(pool.map(lambda vs: run_one(spec, vs[0], vs[1], launch), todo))
     finally:
         restore()
     if STOP.signal is not None:

@@ -10,8 +10,8 @@ import logging
 import time
 
 from cluster.liveness import (
-    EXIT_FAILED, EXIT_STALLED, NOTHING_LEFT, ErrorWindow, RunStopped, SignalWatch, StallWatch, diagnose, sample_text,
-    zero_reward_hint,
+    EXIT_FAILED, EXIT_STALLED, NOTHING_LEFT, ErrorWindow, Readings, RunOutline, RunStopped, SignalWatch, StallWatch,
+    diagnose, sample_text, zero_reward_hint,
 )
 from common.messages import TrainingBatch
 
@@ -77,9 +77,10 @@ class RunHealth:
         due, expired = self.watch.report_due(now), self.watch.expired(now)
         if not (due or expired or nothing_left):
             return
-        d = diagnose(self.watch.seconds(now), step, cfg.total_steps, self.generators.status(),
-                     self.generators.describe(), buf, self.generators.metrics(), self.num_questions,
-                     cfg.reward.name, cfg.reward.timeout_s, cfg.buffer.batch_questions)
+        seen = Readings(self.generators.status(), self.generators.describe(), buf, self.generators.metrics())
+        run = RunOutline(cfg.total_steps, self.num_questions, cfg.reward.name, cfg.reward.timeout_s,
+                         cfg.buffer.batch_questions)
+        d = diagnose(self.watch.seconds(now), step, seen, run)
         self.tracking.log_metrics(d.metrics, step)
         if d.scoring_holds and (not self._timeout_shown or expired):
             self._timeout_shown = True

@@ -179,13 +179,37 @@ def zero_reward_hint(reward_name: str, rollouts: float, errors: float, timeouts:
             "matches the data's answer field and the responses' format")
 
 
-def diagnose(seconds: float, step: int, total_steps: int, pool: dict[str, list[str]], pool_line: str,
-             buf: dict[str, float], gen: dict[str, float], n_questions: int, reward_name: str,
-             reward_timeout_s: float = 5.0, batch_questions: int = 1) -> Diagnosis:
-    """Explain a wait from numbers: `pool` is GeneratorPool.status(), `pool_line` its describe(),
-    `buf` BufferClient.metrics(), `gen` GeneratorPool.metrics() (counters summed over generators; the
-    reward_* ones are live, read while a batch is being scored). Nothing is left to train on when every
-    question is retired and the ready groups cannot make a batch of `batch_questions` any more."""
+@dataclass(frozen=True)
+class Readings:
+    """What the run's parts report during a wait: the generator pool's `status()` (state -> generator ids) and
+    `describe()` line, the buffer's `metrics()`, and the generators' `metrics()` (counters summed over generators;
+    the reward_* ones live, read while a batch is being scored)."""
+
+    pool: dict[str, list[str]]
+    pool_line: str
+    buf: dict[str, float]
+    gen: dict[str, float]
+
+
+@dataclass(frozen=True)
+class RunOutline:
+    """What a wait is judged against: the run's `total_steps`, its training `questions`, its reward function
+    (`reward.name`, `reward.timeout_s`) and a batch's questions (`buffer.batch_questions`)."""
+
+    total_steps: int
+    questions: int
+    reward_name: str
+    reward_timeout_s: float = 5.0
+    batch_questions: int = 1
+
+
+def diagnose(seconds: float, step: int, seen: Readings, run: RunOutline) -> Diagnosis:
+    """Explain a wait of `seconds` at `step` from what the run's parts report (`seen`). Nothing is left to train on
+    when every question is retired and the ready groups cannot make a batch of `run.batch_questions` any more."""
+    pool, pool_line, buf, gen = seen.pool, seen.pool_line, seen.buf, seen.gen
+    total_steps, n_questions, reward_name = run.total_steps, run.questions, run.reward_name
+    reward_timeout_s, batch_questions = run.reward_timeout_s, run.batch_questions
+
     def b(key: str) -> float:
         return float(buf.get(key, 0.0))
 

@@ -28,7 +28,7 @@ from cluster.driver import Trainer
 from cluster.liveness import EXIT_CONFIG, EXIT_FAILED, RunStopped
 from cluster.profile import Profile
 from cluster.preflight import fit_lengths  # noqa: F401  (moved to the start checks; imported from here too)
-from cluster.state import DriverState, set_rng_state
+from cluster.state import DriverState, PreparedRun, set_rng_state
 from common.config import ConfigError, RunConfig, flatten, to_yaml
 
 log = logging.getLogger("exgrpo")
@@ -50,7 +50,8 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     prepared = _prepare_beside_ray(cfg, resume, overrides or [], profile)
     if isinstance(prepared, int):
         return prepared
-    cfg, run_dir, state, model_path, questions, ray_start = prepared
+    run, ray_start = prepared
+    cfg, run_dir, state, model_path, questions = run
     setup_logging(run_dir.path / "logs")
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -73,8 +74,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
     progress = Progress(cfg.total_steps, start=state.step)
     status, stopped = "FAILED", None
     try:
-        status = _train_with_restarts(cfg, run_dir, state, model_path, questions, open_tracker, progress, profile,
-                                      launched)
+        status = _train_with_restarts(run, open_tracker, progress, profile, launched)
     except RunStopped as e:  # said why already; the run folder and MLflow lines still follow
         stopped = e
     finally:
@@ -125,8 +125,8 @@ def _remove_unused(run_dir) -> None:
 
 
 def _prepare_beside_ray(cfg: RunConfig | None, resume: str | None, overrides: list[str], profile: Profile):
-    """(cfg, run folder, state, model path, questions, the Ray start) once every input is checked, Ray starting
-    beside the model and data as soon as the quick checks pass; or 2 after a bad input is said (Ray stopped)."""
+    """(the prepared run, the Ray start) once every input is checked, Ray starting beside the model and data as soon
+    as the quick checks pass; or 2 after a bad input is said (Ray stopped)."""
     from cluster.preflight import BadInput, user_modules
     from cluster.runtime import RayStart
 
@@ -137,7 +137,7 @@ def _prepare_beside_ray(cfg: RunConfig | None, resume: str | None, overrides: li
 
     try:
         with profile.phase("start-up: model + data (Ray starts beside them)"):
-            return (*_prepare(cfg, resume, overrides, begin_ray), ray_start[0])
+            return _prepare(cfg, resume, overrides, begin_ray), ray_start[0]
     except BadInput as e:
         from common.config.secrets import redact
 
@@ -210,9 +210,8 @@ def _start_tracking(cfg: RunConfig, run_dir, state: DriverState, uri: str, resum
     return tracker
 
 
-def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, progress, profile,
-                         launched: float | None = None) -> str:
-    """Build and train, restarting from the last checkpoint after a component failure (bounded).
+def _train_with_restarts(run: PreparedRun, tracker, progress, profile, launched: float | None = None) -> str:
+    """Build and train `run`, restarting from the last checkpoint after a component failure (bounded).
 
     Returns FINISHED or KILLED (a signal); raises RunStopped (exit code 1 or 3, after a checkpoint
     when one can be written) when the run cannot go on."""
@@ -225,9 +224,10 @@ def _train_with_restarts(cfg, run_dir, state, model_path, questions, tracker, pr
     component_failures = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, BufferUnavailableError,
                           WeightSyncTimeout)
 
+    cfg, run_dir, state = run.cfg, run.run_dir, run.state
     attempts = 0
     while True:
-        trainer = Trainer(cfg, run_dir, state, model_path, questions, tracker, profile, launched)
+        trainer = Trainer(run, tracker, profile, launched)
         launched = None  # driver/first_update_s: the command's first update only, not a restarted attempt's
         restore_signals = _stop_on_signals(trainer)
         try:
@@ -301,8 +301,8 @@ def _load_driver_state(run_dir) -> DriverState:
 def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str], on_checked=None):
     """Check the run's inputs (`cluster.preflight.check_start`, the checks `exgrpo config` makes), then create
     the run folder (or, resuming, apply the overrides and pick the newest usable checkpoint): a bad input leaves
-    nothing behind and the same `name=` free. `on_checked(cfg)`: called once the quick checks pass. Returns
-    (cfg, run_dir, state, model_path, questions); BadInput says what to change."""
+    nothing behind and the same `name=` free. `on_checked(cfg)`: called once the quick checks pass. Returns the
+    `PreparedRun`; BadInput says what to change."""
     from cluster.preflight import BadInput, check_start, gpus_missing
     from cluster.runtime import RunDir, RunFolderError
 
@@ -324,7 +324,8 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str], on
         cfg, model_path, questions = start.cfg, start.model_path, start.questions
         if not resume:
             run_dir = RunDir.planned(cfg)
-            return cfg, run_dir.make(cfg), DriverState(generators=cfg.generator.num_generators), model_path, questions
+            return PreparedRun(cfg, run_dir.make(cfg), DriverState(generators=cfg.generator.num_generators),
+                               model_path, questions)
     except RunFolderError as e:
         raise BadInput(f"error: {e}") from None
     _settle_where(run_dir, state)
@@ -336,7 +337,7 @@ def _prepare(cfg: RunConfig | None, resume: str | None, overrides: list[str], on
         run_dir.save_config(cfg)
     if changes:
         log.info("resume: %s", ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items()))
-    return cfg, run_dir, state, model_path, questions
+    return PreparedRun(cfg, run_dir, state, model_path, questions)
 
 
 def _settle_where(run_dir, state: DriverState) -> None:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
 
 
 @dataclass
@@ -30,6 +34,17 @@ class DriverState:
     # learner levers that failed their trial at the run's first start -> the error (learner.trial): a resume or a
     # restart starts with them off
     levers_off: dict[str, str] = field(default_factory=dict)
+
+
+class PreparedRun(NamedTuple):
+    """A run ready to train (`cluster.run`): its checked config, its folder, the driver's state (new, or the
+    checkpoint's it resumes from; it advances with the run), the model folder and the training questions."""
+
+    cfg: RunConfig
+    run_dir: Any  # cluster.runtime.RunDir (which reads this module: not imported here)
+    state: DriverState
+    model_path: Path
+    questions: list
 
 
 def rng_state() -> dict[str, list]:

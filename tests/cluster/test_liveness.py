@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from cluster.liveness import (
-    NOTHING_LEFT, ErrorWindow, StallWatch, check_placement, diagnose, sample_text, zero_reward_hint,
+    NOTHING_LEFT, ErrorWindow, Readings, RunOutline, StallWatch, check_placement, diagnose, sample_text,
+    zero_reward_hint,
 )
 from common.config import GeneratorConfig, LearnerConfig
 
@@ -77,7 +78,7 @@ def test_diagnosis_names_generators_leases_and_drops():
     buf = {"leases_outstanding": 8, "ready_fresh": 3, "ready_mixed": 1, "accepted": 4, "zero_signal": 40,
            "stale_dropped": 2, "rejected": 1, "expired": 5, "retired": 7}
     gen = {"reward_errors": 0, "rollouts": 400, "rewarded": 30}
-    d = diagnose(95, 3, 10, POOL, "generators: 1 running, 1 pending", buf, gen, 100, "countdown")
+    d = diagnose(95, 3, Readings(POOL, "generators: 1 running, 1 pending", buf, gen), RunOutline(10, 100, "countdown"))
     assert d.line.startswith("no learner step for 95s (step 3/10): generators: 1 running, 1 pending")
     assert "leases outstanding 8, ready groups 4" in d.line
     assert "zero-signal 40, stale 2, rejected 1, expired leases 5" in d.line and "retired 7/100" in d.line
@@ -88,17 +89,17 @@ def test_diagnosis_names_generators_leases_and_drops():
 def test_a_batch_held_for_groups_at_their_last_chance_says_so():
     buf = {"leases_outstanding": 3, "ready_fresh": 16, "accepted": 40, "in_flight_last_chance": 3}
     gen = {"reward_errors": 0, "rollouts": 400, "rewarded": 30}
-    d = diagnose(95, 3, 10, POOL, "generators: 1 running", buf, gen, 100, "countdown", batch_questions=16)
+    run = RunOutline(10, 100, "countdown", batch_questions=16)
+    d = diagnose(95, 3, Readings(POOL, "generators: 1 running", buf, gen), run)
     assert d.metrics["stall/in_flight_last_chance"] == 3
     assert any("waits for 3 group(s) still being generated" in h and "buffer.lease_timeout_s" in h for h in d.hints)
-    d = diagnose(95, 3, 10, POOL, "generators: 1 running", {**buf, "ready_fresh": 15}, gen, 100, "countdown",
-                 batch_questions=16)
+    d = diagnose(95, 3, Readings(POOL, "generators: 1 running", {**buf, "ready_fresh": 15}, gen), run)
     assert not any("still being generated" in h for h in d.hints)  # not whole without them: not what holds it
 
 
 def test_all_zero_rewards_name_the_reward_function():
     gen = {"reward_errors": 0, "rollouts": 64, "rewarded": 0}
-    d = diagnose(30, 0, 10, POOL, "", {"zero_signal": 8}, gen, 100, "countdown")
+    d = diagnose(30, 0, Readings(POOL, "", {"zero_signal": 8}, gen), RunOutline(10, 100, "countdown"))
     assert d.all_rewards_zero and any("every reward so far is 0 (64 rollouts)" in h and "reward.name=countdown" in h
                                       for h in d.hints)
 
@@ -106,17 +107,19 @@ def test_all_zero_rewards_name_the_reward_function():
 def test_a_hanging_reward_is_named_first_with_calls_in_flight_timeouts_and_time_per_call():
     gen = {"reward_errors": 0, "rollouts": 0, "rewarded": 0, "reward_in_flight": 57, "reward_timeouts": 7,
            "reward_oldest_s": 4.2, "reward_call_p50_s": 5.0, "reward_call_max_s": 5.01}
-    d = diagnose(40, 0, 2, POOL, "generators: 1 running", {"leases_outstanding": 32}, gen, 100, "m:sleeps", 5.0)
+    d = diagnose(40, 0, Readings(POOL, "generators: 1 running", {"leases_outstanding": 32}, gen),
+                 RunOutline(2, 100, "m:sleeps", 5.0))
     assert d.scoring_holds and d.line.startswith("scoring holds the run: no learner step for 40s")
     assert "reward calls in flight 57 (oldest 4s), timed out 7, per call p50 5.00s max 5.01s" in d.line
     assert d.hints[0].startswith("the reward function holds the run: reward.name=m:sleeps has 57 call(s) in flight, "
                                  "the oldest for 4s, and 7 timed out after reward.timeout_s=5s")
     assert d.metrics["stall/reward_timeouts"] == 7 and d.metrics["stall/reward_in_flight"] == 57
     # no timeout yet, but the oldest call is past the timeout: also held by scoring
-    assert diagnose(40, 0, 2, POOL, "", {}, {**gen, "reward_timeouts": 0, "reward_oldest_s": 6}, 100, "m", 5).scoring_holds
+    late = {**gen, "reward_timeouts": 0, "reward_oldest_s": 6}
+    assert diagnose(40, 0, Readings(POOL, "", {}, late), RunOutline(2, 100, "m", 5)).scoring_holds
     # calls in flight that are quick: not what holds the run
     quick = {**gen, "reward_timeouts": 0, "reward_oldest_s": 0.1, "reward_call_max_s": 0.2}
-    assert not diagnose(40, 0, 2, POOL, "", {}, quick, 100, "m", 5).scoring_holds
+    assert not diagnose(40, 0, Readings(POOL, "", {}, quick), RunOutline(2, 100, "m", 5)).scoring_holds
 
 
 def test_all_zero_rewards_lead_with_the_reward_errors_when_they_explain_them():
@@ -124,7 +127,8 @@ def test_all_zero_rewards_lead_with_the_reward_errors_when_they_explain_them():
                                                          "errors (8 timeouts) scored 0: reward.name=m:f fails or hangs")
     assert zero_reward_hint("m:f", 64, 3, 0).startswith("every reward so far is 0 (64 rollouts): check that "
                                                         "reward.name=m:f matches the data's answer field")
-    d = diagnose(30, 0, 10, POOL, "", {}, {"reward_errors": 64, "rollouts": 64, "rewarded": 0}, 100, "m:f")
+    gen = {"reward_errors": 64, "rollouts": 64, "rewarded": 0}
+    d = diagnose(30, 0, Readings(POOL, "", {}, gen), RunOutline(10, 100, "m:f"))
     assert d.all_rewards_zero and "64 of 64 rollouts were reward errors" in d.hints[0]
     assert not any("failed 64 times" in h for h in d.hints)  # said once, first
 
@@ -139,20 +143,22 @@ def test_error_window_counts_the_last_steps_and_survives_a_generator_restart():
 
 
 def test_every_question_retired_means_nothing_left():
-    d = diagnose(3, 5, 10, POOL, "", {"retired": 100, "zero_signal": 90}, {"rollouts": 800, "rewarded": 800}, 100, "x")
+    seen = Readings(POOL, "", {"retired": 100, "zero_signal": 90}, {"rollouts": 800, "rewarded": 800})
+    d = diagnose(3, 5, seen, RunOutline(10, 100, "x"))
     assert d.nothing_left and NOTHING_LEFT in d.hints
 
 
 def test_retired_questions_whose_last_groups_still_make_a_batch_are_trained_first():
     """The last groups can come in after a batch wait ended (seen in CI: the run stopped before its only step)."""
     buf = {"retired": 16, "ready_fresh": 16}
-    assert not diagnose(3, 0, 50, POOL, "", buf, {}, 16, "x", batch_questions=16).nothing_left
-    assert diagnose(3, 0, 50, POOL, "", {**buf, "ready_fresh": 15}, {}, 16, "x", batch_questions=16).nothing_left
+    run = RunOutline(50, 16, "x", batch_questions=16)
+    assert not diagnose(3, 0, Readings(POOL, "", buf, {}), run).nothing_left
+    assert diagnose(3, 0, Readings(POOL, "", {**buf, "ready_fresh": 15}, {}), run).nothing_left
 
 
 def test_no_generator_at_all_is_said():
     empty = {k: [] for k in POOL}
-    d = diagnose(30, 0, 10, empty, "generators: none", {}, {}, 100, "x")
+    d = diagnose(30, 0, Readings(empty, "generators: none", {}, {}), RunOutline(10, 100, "x"))
     assert any("no generator is running or starting" in h for h in d.hints)
 
 
