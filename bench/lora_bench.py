@@ -4,7 +4,7 @@
 
 Models: the built-in model (`exgrpo train`'s default: built and cached by `common.toy_model.ensure_toy_model`, a
 char-level Llama, h96 L3) and a Qwen2 test model with Qwen2.5's 151,936-row vocabulary (tied head) at h256 L4
-(`common.modeling.init_tiny_qwen2`, untrained: bytes and load times depend on the shapes only). Per model and LoRA
+(`common.modeling.TinyQwen2`, untrained: bytes and load times depend on the shapes only). Per model and LoRA
 rank, the default targets (q/k/v/o, gate/up/down), alpha = 2 rank, B drawn random (a trained-looking adapter):
 
 - bytes per version: the payload a publication carries (`learner.gather.iter_flat_buckets` on one rank, the
@@ -85,13 +85,13 @@ def builtin_model() -> Path:
 
 
 def qwen_model(path: Path) -> Path:
-    from common.modeling import build_char_tokenizer, init_tiny_qwen2, save_model_folder
+    from common.modeling import TinyQwen2, build_char_tokenizer, save_model_folder
 
     tok = build_char_tokenizer()
-    model = init_tiny_qwen2(QWEN["vocab_size"], hidden_size=QWEN["hidden_size"], num_layers=QWEN["num_layers"],
-                            num_heads=QWEN["num_heads"], num_kv_heads=QWEN["num_kv_heads"], max_positions=512,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id)
+    model = TinyQwen2(vocab_size=QWEN["vocab_size"], hidden_size=QWEN["hidden_size"], num_layers=QWEN["num_layers"],
+                      num_heads=QWEN["num_heads"], num_kv_heads=QWEN["num_kv_heads"], max_positions=512,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id).build()
     return save_model_folder(model, tok, path)
 
 

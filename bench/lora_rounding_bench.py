@@ -17,7 +17,7 @@ Cost of unmerged adapters (the option not built): bytes of A and B beside W per 
 1.5B model (rank 8, q/k/v/o/gate/up/down), and the time of one decode step of this projection for 1 and 32 rows,
 x W^T vs x W^T + s (x A^T) B^T (bf16 on this CPU, median of `--repeats`, `--threads` torch threads).
 
-`--network`: the same through a whole model, a random Qwen2 (`common.modeling.init_tiny_qwen2`, h512 L4, vocab 512,
+`--network`: the same through a whole model, a random Qwen2 (`common.modeling.TinyQwen2`, h512 L4, vocab 512,
 weights std 0.02, LoRA rank 8 on the default targets, every adapter at the RMS) over 8 x 128 random tokens: the
 share of the float32 model's log-prob update U = log π - log π_base that the bf16 learner (`LoRALinear`) and the bf16
 merged model carry beyond the bf16 base, and their mean |Δ log π| against the learner's own bf16 error.
@@ -130,11 +130,11 @@ def network_check() -> None:
     import copy
 
     from common.config import LoRAConfig
-    from common.modeling import init_tiny_qwen2
+    from common.modeling import TinyQwen2
     from learner.lora import adapters_disabled, apply_lora, lora_modules
 
-    model = init_tiny_qwen2(512, hidden_size=512, num_layers=4, num_heads=4, num_kv_heads=2, seed=1,
-                            max_positions=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = TinyQwen2(vocab_size=512, hidden_size=512, num_layers=4, num_heads=4, num_kv_heads=2, seed=1,
+                      max_positions=256, bos_token_id=1, eos_token_id=2, pad_token_id=0).build()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:

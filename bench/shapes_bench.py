@@ -73,7 +73,7 @@ def run_case(case: dict) -> dict:
 
     from common.config import LearnerConfig
     from common.messages import Rollout, TrainGroup, TrainingBatch, float32_array, int32_array
-    from common.modeling import init_tiny_qwen2
+    from common.modeling import TinyQwen2
     from learner.forward import prepare_model
     from learner.shape import TrainShape
     from learner.step import TrainStep
@@ -95,8 +95,8 @@ def run_case(case: dict) -> dict:
                             optim=dict(lr=1e-5),
                             levers=dict(activation_checkpointing=bool(case.get("checkpointing", False)),
                                         padding_free=bool(case.get("padding_free", False))))
-    model = prepare_model(init_tiny_qwen2(vocab, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                                          max_positions=max(10_240, PROMPT + length)), cfg)
+    model = prepare_model(TinyQwen2(vocab_size=vocab, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                                    max_positions=max(10_240, PROMPT + length)).build(), cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
     shape = TrainShape(max_new_tokens=length, max_positions=model.config.max_position_embeddings)
     step = TrainStep(model, opt, cfg, shape, rank=0, device=torch.device("cpu"))
@@ -265,13 +265,13 @@ def publication(bucket_mb: float) -> None:
     import ray
 
     from common.config import CollectiveSyncConfig, LearnerConfig, ObjectStoreSyncConfig
-    from common.modeling import build_char_tokenizer, init_tiny_llama, save_model_folder
+    from common.modeling import TinyLlama, build_char_tokenizer, save_model_folder
     from learner.pool import LearnerPool
     from learner.shape import TrainShape
 
     mb = 1 << 20
     with tempfile.TemporaryDirectory() as tmp:
-        model = init_tiny_llama(32_000, hidden_size=640, num_layers=12, num_heads=10)
+        model = TinyLlama(vocab_size=32_000, hidden_size=640, num_layers=12, num_heads=10).build()
         params = sum(p.numel() for p in model.parameters())
         largest = max(p.numel() * 4 for p in model.parameters())
         save_model_folder(model, build_char_tokenizer(), Path(tmp) / "m")
@@ -448,13 +448,13 @@ def loading() -> None:
 
     import torch.multiprocessing as mp
 
-    from common.modeling import build_char_tokenizer, init_tiny_llama, save_model_folder
+    from common.modeling import TinyLlama, build_char_tokenizer, save_model_folder
     from learner.collective import listening_store
 
     mb = 1 << 20
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = init_tiny_llama(32_000, hidden_size=640, num_layers=12, num_heads=10)
+        model = TinyLlama(vocab_size=32_000, hidden_size=640, num_layers=12, num_heads=10).build()
         params = sum(p.numel() for p in model.parameters())
         folder = str(save_model_folder(model, build_char_tokenizer(), Path(tmp) / "m"))
         del model

@@ -2,14 +2,15 @@
 
 `build_char_tokenizer()` makes a character-level fast tokenizer over printable ASCII with
 `<pad>`, `<s>`, `</s>`, `<unk>`; `train_bpe_tokenizer(texts)` trains a byte-level BPE tokenizer
-with a chat template on a corpus (the built-in chat model's); `init_tiny_llama(...)` makes a randomly
-initialised Llama of any small size; `save_model_folder(...)` writes a normal Hugging Face folder
+with a chat template on a corpus (the built-in chat model's); `TinyLlama(...).build()` (and `TinyQwen2`) makes a
+randomly initialised Llama of any small size; `save_model_folder(...)` writes a normal Hugging Face folder
 (config.json, model.safetensors, tokenizer files) that `transformers` and vLLM load. Tests build their models
 with these; `common.toy_model` trains the built-in model on top of them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -87,77 +88,83 @@ def _without_think_tokens(text: str) -> str:
     return text
 
 
-def init_tiny_llama(
-    vocab_size: int,
-    *,
-    hidden_size: int = 96,
-    num_layers: int = 3,
-    num_heads: int = 4,
-    intermediate_size: int | None = None,
-    max_positions: int = 512,
-    seed: int = 0,
-    bos_token_id: int = 1,
-    eos_token_id: int = 2,
-    pad_token_id: int = 0,
-) -> LlamaForCausalLM:
-    """A randomly initialised Llama (float32) of the given size, deterministic in `seed`."""
-    cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 3 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_positions,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg)
+@dataclass(frozen=True, kw_only=True)
+class TinyLlama:
+    """A randomly initialised Llama (float32) of the given size, deterministic in `seed`: `TinyLlama(vocab_size=V,
+    hidden_size=64, ...).build()`."""
+
+    vocab_size: int
+    hidden_size: int = 96
+    num_layers: int = 3
+    num_heads: int = 4
+    intermediate_size: int | None = None  # None: 3 x hidden_size
+    max_positions: int = 512
+    seed: int = 0
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 0
+
+    def build(self) -> LlamaForCausalLM:
+        cfg = LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size or 3 * self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_heads,
+            max_position_embeddings=self.max_positions,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            tie_word_embeddings=False,
+            torch_dtype="float32",
+        )
+        torch.manual_seed(self.seed)
+        return LlamaForCausalLM(cfg)
 
 
 QWEN2_VOCAB_ROWS = 151_936  # Qwen2 / Qwen2.5 embedding rows (the tokenizer has fewer tokens; the rest are padding)
 
 
-def init_tiny_qwen2(
-    vocab_size: int = QWEN2_VOCAB_ROWS,
-    *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    num_kv_heads: int = 1,
-    intermediate_size: int | None = None,
-    max_positions: int = 10_240,
-    rope_theta: float = 1_000_000.0,
-    seed: int = 0,
-    bos_token_id: int = 1,
-    eos_token_id: int = 2,
-    pad_token_id: int = 0,
-) -> Qwen2ForCausalLM:
+@dataclass(frozen=True, kw_only=True)
+class TinyQwen2:
     """A randomly initialised Qwen2 (float32) with Qwen2.5's architecture at tiny width: grouped-query
     attention (`num_kv_heads` < `num_heads`), RoPE base 1e6, tied input/output embeddings, a real vocabulary
-    (151,936 rows) and long positions, so that the logits and lengths cost what they cost in a real run."""
-    cfg = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 3 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_positions,
-        rope_theta=rope_theta,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(cfg)
+    (151,936 rows) and long positions, so that the logits and lengths cost what they cost in a real run;
+    deterministic in `seed`: `TinyQwen2(hidden_size=64, ...).build()`."""
+
+    vocab_size: int = QWEN2_VOCAB_ROWS
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    intermediate_size: int | None = None  # None: 3 x hidden_size
+    max_positions: int = 10_240
+    rope_theta: float = 1_000_000.0
+    seed: int = 0
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 0
+
+    def build(self) -> Qwen2ForCausalLM:
+        cfg = Qwen2Config(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size or 3 * self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            max_position_embeddings=self.max_positions,
+            rope_theta=self.rope_theta,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            torch_dtype="float32",
+        )
+        torch.manual_seed(self.seed)
+        return Qwen2ForCausalLM(cfg)
 
 
 def save_model_folder(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: str | Path) -> Path:
@@ -177,7 +184,7 @@ def make_tiny_model_folder(path: str | Path, *, hidden_size: int = 64, num_layer
     hidden_size / num_heads = 32 or 64.
     """
     tok = build_char_tokenizer()
-    model = init_tiny_llama(len(tok), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, seed=seed,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id)
+    model = TinyLlama(vocab_size=len(tok), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                      seed=seed, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id).build()
     return save_model_folder(model, tok, path)

@@ -22,7 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +43,17 @@ PADDED_MASS = 1e-6
 """The padded vocabulary rows get at most this much probability in total on the build's probe tokens."""
 INFO_FILE = "exgrpo_toy.json"
 """Written last into a finished folder: the build's settings and measured spread."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A model answering a task's questions: the model, its tokenizer, the task (its prompts' format and its
+    verifier) and the tokens a sampled answer may take."""
+
+    model: Any
+    tok: Any
+    task: Any
+    max_new_tokens: int = 12
 
 
 @dataclass
@@ -112,7 +123,7 @@ def cache_key(toy: ToyModelConfig, data_cfg: DataConfig) -> str:
 def build_toy_model(toy: ToyModelConfig, data_cfg: DataConfig, out: Path, *, verbose: bool = False) -> dict:
     """Train and save the model into `out`; return the info dict (settings, steps, measured spreads)."""
     import torch
-    from common.modeling import init_tiny_llama, init_tiny_qwen2, save_model_folder
+    from common.modeling import TinyLlama, TinyQwen2, save_model_folder
     from common.tasks import get_task
 
     threads = torch.get_num_threads()
@@ -124,19 +135,20 @@ def build_toy_model(toy: ToyModelConfig, data_cfg: DataConfig, out: Path, *, ver
         supervised, test_rows = task.generate(data_cfg.seed, n_supervised, data_cfg.num_test)
         train_rows = supervised[: data_cfg.num_train]  # the RL training split (a prefix: same stream)
         tok = _tokenizer(task, supervised)
-        init = init_tiny_qwen2 if toy.architecture == "qwen2" else init_tiny_llama
-        extra = {"num_kv_heads": 1} if toy.architecture == "qwen2" else {}
-        model = init(len(tok), hidden_size=toy.hidden_size, num_layers=toy.num_layers, num_heads=toy.num_heads,
-                     max_positions=toy.max_positions, seed=toy.seed, bos_token_id=tok.bos_token_id,
-                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **extra)
+        sizes = dict(vocab_size=len(tok), hidden_size=toy.hidden_size, num_layers=toy.num_layers,
+                     num_heads=toy.num_heads, max_positions=toy.max_positions, seed=toy.seed,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        tiny = TinyQwen2(num_kv_heads=1, **sizes) if toy.architecture == "qwen2" else TinyLlama(**sizes)
+        model = tiny.build()
         examples = _examples(task, supervised, tok)
         probe = random.Random(toy.seed).sample(train_rows, min(toy.probe_questions, len(train_rows)))
         budget = max(12, max(len(r) for _, rs in examples for r in rs) + 4)
-        best_state, best, steps = _train(model, tok, task, examples, probe, toy, start, verbose, budget)
+        policy = Policy(model, tok, task, budget)
+        best_state, best, steps = _train(policy, examples, probe, toy, start, verbose)
         model.load_state_dict(best_state)
         train_probe = train_rows[: 2 * toy.probe_questions]
-        train_spread = measure_spread(model, tok, task, train_probe, toy.samples, toy.seed + 1, budget)
-        test_spread = measure_spread(model, tok, task, test_rows, toy.samples, toy.seed + 2, budget)
+        train_spread = measure_spread(policy, train_probe, toy.samples, toy.seed + 1)
+        test_spread = measure_spread(policy, test_rows, toy.samples, toy.seed + 2)
         padded_mass = None  # after the spreads: at most PADDED_MASS of probability moves, and sampling stays cheap
         if toy.vocab_rows is not None and toy.vocab_rows > len(tok):
             padded_mass = pad_vocabulary(model, toy.vocab_rows, examples[: toy.probe_questions], tok.pad_token_id)
@@ -272,10 +284,12 @@ def _spread_score(s: Spread, target: float) -> float:
     return s.partly - 4.0 * abs(s.mean - target)
 
 
-def _train(model, tok, task, examples, probe, toy: ToyModelConfig, start: float, verbose: bool, budget: int):
-    """Supervised training; returns (best state dict, (best step, best spread), steps run)."""
+def _train(policy: Policy, examples, probe, toy: ToyModelConfig, start: float, verbose: bool):
+    """Supervised training of `policy.model` on `examples`, its spread measured on `probe` every `toy.eval_every`
+    steps; returns (best state dict, (best step, best spread), steps run)."""
     import torch
 
+    model, tok = policy.model, policy.tok
     opt = torch.optim.AdamW(model.parameters(), lr=toy.lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     rng = random.Random(toy.seed)
@@ -297,7 +311,7 @@ def _train(model, tok, task, examples, probe, toy: ToyModelConfig, start: float,
         out_of_time = time.monotonic() - start > toy.max_train_seconds
         if step % toy.eval_every and not out_of_time and step != toy.max_train_steps:
             continue
-        spread = measure_spread(model, tok, task, probe, toy.samples, toy.seed + step, budget)
+        spread = measure_spread(policy, probe, toy.samples, toy.seed + step)
         score = _spread_score(spread, toy.target_mean_accuracy)
         if verbose:
             print(f"  step {step:5d}  loss {loss.item():.3f}  {spread.line()}", flush=True)
@@ -311,14 +325,15 @@ def _train(model, tok, task, examples, probe, toy: ToyModelConfig, start: float,
 # ------------------------------------------------------------------------------------------ sampling
 
 
-def sample_responses(model, tok, prompts: list[str], n: int, max_new_tokens: int, seed: int,
-                     temperature: float = 1.0, rows_per_call: int = 1024, chat: bool = False) -> list[list[str]]:
-    """`n` sampled response texts per prompt (the `encode_prompt` encoding, chat template when `chat`;
-    stop at EOS). No gradients: `generate` runs without them."""
+def sample_responses(policy: Policy, prompts: list[str], n: int, seed: int, temperature: float = 1.0,
+                     rows_per_call: int = 1024) -> list[list[str]]:
+    """`n` sampled response texts per prompt (the `encode_prompt` encoding, the chat template for a chat task;
+    stop at EOS or after `policy.max_new_tokens`). No gradients: `generate` runs without them."""
     import torch
 
     from common.data import encode_prompt
 
+    model, tok, chat, max_new_tokens = policy.model, policy.tok, policy.task.chat, policy.max_new_tokens
     torch.manual_seed(seed)
     model.eval()
     flat = [p for p in prompts for _ in range(n)]
@@ -335,9 +350,9 @@ def sample_responses(model, tok, prompts: list[str], n: int, max_new_tokens: int
     return [texts[i * n: (i + 1) * n] for i in range(len(prompts))]
 
 
-def measure_spread(model, tok, task, rows: list[dict], samples: int, seed: int, max_new_tokens: int = 12) -> Spread:
+def measure_spread(policy: Policy, rows: list[dict], samples: int, seed: int) -> Spread:
     """Per-question sampled accuracy at temperature 1, summarised as a Spread."""
-    outs = sample_responses(model, tok, [r["question"] for r in rows], samples, max_new_tokens, seed, chat=task.chat)
-    acc = np.array([np.mean([task.verify(t, r["answer"]) for t in ts]) for r, ts in zip(rows, outs)])
+    outs = sample_responses(policy, [r["question"] for r in rows], samples, seed)
+    acc = np.array([np.mean([policy.task.verify(t, r["answer"]) for t in ts]) for r, ts in zip(rows, outs)])
     return Spread(mean=float(acc.mean()), always=float((acc == 1).mean()), partly=float(((acc > 0) & (acc < 1)).mean()),
                   never=float((acc == 0).mean()), questions=len(rows), samples=samples)

@@ -488,10 +488,10 @@ def _stand_in_qwen_math(folder: Path) -> Path:
 
     import torch
 
-    from common.modeling import CHAT_TEMPLATE, build_char_tokenizer, init_tiny_qwen2, save_model_folder
+    from common.modeling import CHAT_TEMPLATE, TinyQwen2, build_char_tokenizer, save_model_folder
 
-    model = init_tiny_qwen2(hidden_size=TINY_WIDTH["hidden_size"], intermediate_size=TINY_WIDTH["intermediate_size"],
-                            num_layers=1, num_heads=2, num_kv_heads=1, max_positions=4096, rope_theta=10000.0)
+    model = TinyQwen2(hidden_size=TINY_WIDTH["hidden_size"], intermediate_size=TINY_WIDTH["intermediate_size"],
+                      num_layers=1, num_heads=2, num_kv_heads=1, max_positions=4096, rope_theta=10000.0).build()
     tok = build_char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     save_model_folder(model.to(torch.bfloat16), tok, folder)

@@ -12,7 +12,7 @@ from actors.adapters import AdapterMerger
 from actors.engines import make_engine
 from common.config import GeneratorConfig, LoRAConfig, TransformersEngineConfig, VllmEngineConfig
 from common.messages import AdapterPublication
-from common.modeling import build_char_tokenizer, init_tiny_qwen2, save_model_folder
+from common.modeling import TinyQwen2, build_char_tokenizer, save_model_folder
 from learner.gather import gather_full_state, iter_flat_buckets
 from learner.lora import apply_lora, init_adapters, lora_modules
 from tests.actors.engine_checks import prompt_ids, teacher_forced
@@ -25,9 +25,9 @@ RANK, ALPHA = 4, 8.0
 def qwen(tmp_path_factory):
     """A tied tiny Qwen2 folder (biased q/k/v, fused by vLLM into qkv_proj) and a LoRA model of it."""
     tok = build_char_tokenizer()
-    model = init_tiny_qwen2(len(tok), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=5,
-                            max_positions=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id)
+    model = TinyQwen2(vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=5,
+                      max_positions=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id).build()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("bias"):

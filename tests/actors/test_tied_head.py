@@ -11,7 +11,7 @@ import torch
 
 from actors.engines import make_engine
 from common.config import GeneratorConfig, TransformersEngineConfig, VllmEngineConfig
-from common.modeling import build_char_tokenizer, init_tiny_qwen2, save_model_folder
+from common.modeling import TinyQwen2, build_char_tokenizer, save_model_folder
 from learner.gather import iter_full_state
 from tests.actors.engine_checks import prompt_ids, teacher_forced
 from tests.conftest import requires_vllm
@@ -21,9 +21,9 @@ from tests.conftest import requires_vllm
 def tied(tmp_path_factory):
     """(a tied Qwen2 folder, the next version of its model: every distinct parameter moved, still tied)."""
     tok = build_char_tokenizer()
-    model = init_tiny_qwen2(len(tok), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=5,
-                            max_positions=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id)
+    model = TinyQwen2(vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=5,
+                      max_positions=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id).build()
     folder = save_model_folder(model, tok, tmp_path_factory.mktemp("tied") / "model")
     new = copy.deepcopy(model).eval()
     g = torch.Generator().manual_seed(11)

@@ -25,12 +25,12 @@ NEW_TOKENS, LOAD_AFTER = 2048, 1000
 
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory):
-    from common.modeling import build_char_tokenizer, init_tiny_qwen2, save_model_folder
+    from common.modeling import TinyQwen2, build_char_tokenizer, save_model_folder
 
     tok = build_char_tokenizer()
-    model = init_tiny_qwen2(32_000, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=5,
-                            max_positions=4096, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id)
+    model = TinyQwen2(vocab_size=32_000, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=5,
+                      max_positions=4096, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id).build()
     return save_model_folder(model, tok, tmp_path_factory.mktemp("long") / "qwen2-4k")
 
 

@@ -26,15 +26,15 @@ NEW_TOKENS = 512
 
 @pytest.fixture(scope="module")
 def real_shaped_model(tmp_path_factory) -> Path:
-    from common.modeling import QWEN2_VOCAB_ROWS, init_tiny_qwen2, save_model_folder, train_bpe_tokenizer
+    from common.modeling import QWEN2_VOCAB_ROWS, TinyQwen2, save_model_folder, train_bpe_tokenizer
     from common.tasks import get_task
 
     task = get_task("think_arith")
     rows, _ = task.generate(0, 200, 10)
     tok = train_bpe_tokenizer(t for r in rows for t in [r["question"], *task.solutions(r["question"], r["answer"])])
-    model = init_tiny_qwen2(QWEN2_VOCAB_ROWS, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=0,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id)
+    model = TinyQwen2(vocab_size=QWEN2_VOCAB_ROWS, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=0,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id).build()
     return save_model_folder(model, tok, tmp_path_factory.mktemp("real-shapes") / "qwen2-152k")
 
 

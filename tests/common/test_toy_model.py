@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import DataConfig, ModelConfig, ToyModelConfig
 from common.tasks import get_task
-from common.toy_model import INFO_FILE, cache_key, ensure_toy_model, measure_spread
+from common.toy_model import INFO_FILE, Policy, cache_key, ensure_toy_model, measure_spread
 from tests.conftest import requires_vllm
 
 TINY = ToyModelConfig(hidden_size=32, num_heads=1, num_layers=1, max_train_steps=20, eval_every=10, batch_size=16,
@@ -108,7 +108,7 @@ def test_default_build_has_a_spread_of_accuracy(default_model):
     model = AutoModelForCausalLM.from_pretrained(default_model)
     tok = AutoTokenizer.from_pretrained(default_model)
     _, test = get_task("countdown").generate(0, 2000, 200)
-    again = measure_spread(model, tok, get_task("countdown"), test[:64], 8, seed=123)
+    again = measure_spread(Policy(model, tok, get_task("countdown")), test[:64], 8, seed=123)
     assert abs(again.mean - info["test_spread"]["mean"]) < 0.12  # the saved weights are the measured ones
 
 

@@ -257,7 +257,7 @@ def test_buckets_gathered_into_the_servers_buffers_are_held_without_a_copy_or_a_
     """The pool passes the publisher's `bucket_buffer` as the gather's `alloc`: every bucket lands in a buffer the
     server keeps as the held bucket (no staging buffer, no copy), and pulls still get the exact version."""
     from common.messages import WeightsAnnouncement
-    from common.modeling import init_tiny_qwen2
+    from common.modeling import TinyQwen2
     from learner.collective import CollectiveServer
     from learner.gather import Staging, iter_flat_buckets
     from learner.weights import CollectivePublisher
@@ -266,7 +266,8 @@ def test_buckets_gathered_into_the_servers_buffers_are_held_without_a_copy_or_a_
     assert isinstance(CollectivePublisher.takes_device_buckets, property) and callable(CollectivePublisher.bucket_buffer)
     cfg = CollectiveSyncConfig(timeout_s=20, bucket_mb=16 / 1024, keep_versions=1)
     root = CollectiveServer(cfg, timeout_s=20)
-    model = init_tiny_qwen2(300, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, max_positions=256)
+    model = TinyQwen2(vocab_size=300, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                      max_positions=256).build()
     staging, given = Staging(), []
 
     def alloc(nbytes, device):
@@ -293,13 +294,14 @@ def test_versions_packed_from_the_gathers_buckets_survive_the_buffers_reuse():
     one held bucket in the same layout, copied at once, so version 1 pulled after version 2 reused the buffers is still
     version 1, and a tied head travels once."""
     from common.messages import WeightsAnnouncement
-    from common.modeling import init_tiny_qwen2
+    from common.modeling import TinyQwen2
     from learner.collective import CollectiveServer
     from learner.gather import Staging, iter_flat_buckets
 
     cfg = CollectiveSyncConfig(timeout_s=20, bucket_mb=16 / 1024, keep_versions=2)
     root = CollectiveServer(cfg, timeout_s=20)
-    model = init_tiny_qwen2(300, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, max_positions=256)
+    model = TinyQwen2(vocab_size=300, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                      max_positions=256).build()
     staging, states = Staging(), {}
     try:
         for version in (1, 2):

@@ -23,10 +23,10 @@ def test_shard_rows_follow_fsdp2_even_chunking():
 
 
 def tiny_tied(seed: int = 3):
-    from common.modeling import init_tiny_qwen2
+    from common.modeling import TinyQwen2
 
-    return init_tiny_qwen2(300, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=seed,
-                           max_positions=256)
+    return TinyQwen2(vocab_size=300, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=seed,
+                     max_positions=256).build()
 
 
 def unique_bytes(model, dtype) -> int:

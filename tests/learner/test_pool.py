@@ -362,13 +362,13 @@ def test_sharded_ranks_load_exactly_the_model_folder(ray_cluster, tmp_path, mode
     the gathered state equals the folder's weights bit for bit, tied embeddings (one tensor, two names) too."""
     from safetensors.torch import load_file
 
-    from common.modeling import build_char_tokenizer, init_tiny_qwen2, save_model_folder
+    from common.modeling import TinyQwen2, build_char_tokenizer, save_model_folder
 
     folder = model_dir
     if tied:
         tok = build_char_tokenizer()
-        folder = save_model_folder(init_tiny_qwen2(300, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                                                   seed=3, max_positions=256), tok, tmp_path / "qwen2")
+        folder = save_model_folder(TinyQwen2(vocab_size=300, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                                             seed=3, max_positions=256).build(), tok, tmp_path / "qwen2")
     pool = make_pool(folder, f"load{int(tied)}", 2)
     try:
         loaded = pool.state_dict()

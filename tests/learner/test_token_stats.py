@@ -15,7 +15,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.modeling import init_tiny_llama, init_tiny_qwen2
+from common.modeling import TinyLlama, TinyQwen2
 from learner import loss as L
 from learner.token_stats import (BLOCK_BYTES_CAP, HeadError, TokenStatsHead, auto_chunk_tokens,
                                  chunk_tokens_from_free_memory, chunked_logprob_entropy, install_token_stats_head,
@@ -79,20 +79,20 @@ def compare(build, dtype, chunk, rtol, atol, grad_rtol):
 
 @pytest.mark.parametrize("chunk", [1, 7, None])
 def test_float32_tied_qwen2_exact_values_and_gradients(chunk):
-    model = compare(lambda: init_tiny_qwen2(V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=1),
+    model = compare(lambda: TinyQwen2(vocab_size=V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=1).build(),
                     torch.float32, chunk, rtol=1e-5, atol=1e-5, grad_rtol=1e-5)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
     assert "lm_head.weight" in dict(model.named_parameters(remove_duplicate=False))
 
 
 def test_float32_untied_llama_exact():
-    compare(lambda: init_tiny_llama(V, hidden_size=32, num_layers=2, num_heads=1, seed=2), torch.float32, 5,
-            rtol=1e-5, atol=1e-5, grad_rtol=1e-5)
+    compare(lambda: TinyLlama(vocab_size=V, hidden_size=32, num_layers=2, num_heads=1, seed=2).build(), torch.float32,
+            5, rtol=1e-5, atol=1e-5, grad_rtol=1e-5)
 
 
 def test_bfloat16_within_its_rounding():
-    compare(lambda: init_tiny_qwen2(V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=3), torch.bfloat16, 9,
-            rtol=2e-2, atol=2e-2, grad_rtol=3e-2)
+    compare(lambda: TinyQwen2(vocab_size=V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=3).build(),
+            torch.bfloat16, 9, rtol=2e-2, atol=2e-2, grad_rtol=3e-2)
 
 
 def test_function_against_autograd_on_random_tensors():
@@ -238,7 +238,7 @@ def test_compiled_head_math_is_an_opt_in_switch():
 
     assert COMPILE_BLOCK_MATH is False and LearnerConfig().levers.compile_head_math is False
     for on in (False, True):
-        model = init_tiny_qwen2(V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=1)
+        model = TinyQwen2(vocab_size=V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=1).build()
         prepare_model(model, LearnerConfig(levers=dict(compile_head_math=on, compile=False, activation_checkpointing="none")))
         assert isinstance(model.lm_head, TokenStatsHead) and model.lm_head.compile_math is on
 
@@ -253,7 +253,8 @@ def test_compiled_head_math_through_the_model_is_exact_against_full_logits(dtype
     from common.config import LearnerConfig
     from learner.forward import prepare_model
 
-    build = lambda: init_tiny_qwen2(V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=6).to(dtype)  # noqa: E731
+    tiny = TinyQwen2(vocab_size=V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=6)
+    build = lambda: tiny.build().to(dtype)  # noqa: E731
     ids, attn, mask, coef = inputs()
     runs = {}
     for name, on in (("eager", False), ("fused", True)):
@@ -289,7 +290,7 @@ def test_compiled_head_math_through_the_model_is_exact_against_full_logits(dtype
 
 
 def test_all_masked_dummy_computes_one_position_and_reaches_every_parameter():
-    model = init_tiny_qwen2(V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=5)
+    model = TinyQwen2(vocab_size=V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=5).build()
     install_token_stats_head(model, 4)
     ids = torch.zeros(1, 2, dtype=torch.long)
     lp, ent, anchor = token_stats(model, ids, torch.ones_like(ids), ids[:, 1:], torch.zeros(1, 1))
@@ -301,7 +302,7 @@ def test_all_masked_dummy_computes_one_position_and_reaches_every_parameter():
 
 
 def test_head_without_request_is_the_linear_layer_and_refusals():
-    model = init_tiny_qwen2(V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=6)
+    model = TinyQwen2(vocab_size=V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=6).build()
     ids = torch.tensor([[5, 6, 7]])
     before = model(input_ids=ids).logits
     head = install_token_stats_head(model)
@@ -309,11 +310,11 @@ def test_head_without_request_is_the_linear_layer_and_refusals():
     assert head.chunk_tokens == auto_chunk_tokens(V)
     assert torch.equal(model(input_ids=ids).logits, before)  # evaluation/generation still see logits
     assert auto_chunk_tokens(151_936) == 220 and auto_chunk_tokens(32_000) == 1048
-    other = init_tiny_qwen2(V, hidden_size=32, num_heads=2, num_kv_heads=1)
+    other = TinyQwen2(vocab_size=V, hidden_size=32, num_heads=2, num_kv_heads=1).build()
     other.config.final_logit_softcapping = 30.0
     with pytest.raises(HeadError, match="final_logit_softcapping=30.0"):
         install_token_stats_head(other)
-    plain = init_tiny_qwen2(V, hidden_size=32, num_heads=2, num_kv_heads=1)
+    plain = TinyQwen2(vocab_size=V, hidden_size=32, num_heads=2, num_kv_heads=1).build()
     with pytest.raises(HeadError, match="install_token_stats_head"):
         token_stats(plain, ids, torch.ones_like(ids), ids[:, 1:], torch.ones(1, 2))
 
@@ -323,7 +324,7 @@ FSDP_SCRIPT = textwrap.dedent("""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from common.modeling import init_tiny_qwen2
+    from common.modeling import TinyQwen2
     from learner.token_stats import install_token_stats_head, token_stats
     sys.path.insert(0, os.getcwd())
     from tests.learner.test_token_stats import inputs, V
@@ -332,7 +333,7 @@ FSDP_SCRIPT = textwrap.dedent("""
     dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", int(port), is_master=False), rank=rank,
                             world_size=world)
     torch.set_num_threads(1)
-    model = init_tiny_qwen2(V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=7)
+    model = TinyQwen2(vocab_size=V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=7).build()
     install_token_stats_head(model, 6)
     mesh = init_device_mesh("cpu", (world,))
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -371,7 +372,7 @@ def test_two_fsdp_ranks_match_one_process_with_full_logits(tmp_path, dtype):
     assert [p.returncode for p in procs] == [0, 0], logs
     got = torch.load(out)
 
-    model = init_tiny_qwen2(V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=7)
+    model = TinyQwen2(vocab_size=V, hidden_size=32, num_heads=2, num_kv_heads=1, seed=7).build()
     ids, attn, mask, coef = inputs(seed=10)
     work = copy.deepcopy(model).to(getattr(torch, dtype))
     lp, ent = direct(work, ids, attn, mask)
