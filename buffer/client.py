@@ -28,6 +28,7 @@ from buffer.keys import shard_of, split_key
 from buffer.shard import make_shard_actor, pack, unpack
 from common import codec
 from common.config import BufferConfig
+from common.disk import atomic_write_bytes
 from common.interfaces import actor_name
 from common.messages import LearnerFeedback, Question, ScoredGroup, TrainGroup, TrainingBatch, WorkItem, float32_array
 
@@ -381,9 +382,7 @@ class BufferClient:
                            timeout_s=max(self.call_timeout_s, 600))
         state = dict(self.switch.state(), zero_signal_seen=self._zero_signal_seen)
         path = Path(dir) / SWITCH_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(pack(state))
-        tmp.replace(path)
+        atomic_write_bytes(path, pack(state))
         return merge_accounting([unpack(c) for c in counts])
 
     def restore(self, dir: str, expire_leases: bool = False) -> int:

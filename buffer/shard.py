@@ -27,6 +27,7 @@ from buffer.core import ShardCore, new_incarnation
 from buffer.snapshot import load_core, segment_target, snapshot_path, write_shard_snapshot
 from common import codec
 from common.config import BufferConfig
+from common.disk import atomic_write_bytes
 from common.interfaces import near_caller
 from common.messages import LearnerFeedback, Question, ScoredGroup, TrainGroup, WorkItem
 
@@ -240,9 +241,7 @@ def make_shard_actor(cfg: BufferConfig, questions: list[Question], *, shard: int
     if snapshot_dir:
         path = Path(snapshot_dir) / f"questions-shard-{shard}.msgpack"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        atomic_write_bytes(path, data)
         data = str(path)
     return actor_cls.options(
         name=name, namespace=namespace, max_restarts=cfg.max_restarts, max_task_retries=0,

@@ -3,7 +3,7 @@ whole when damaged.
 
 A shard's snapshot in a folder is `buffer-shard-<i>.msgpack` (the manifest) and `buffer-shard-<i>.<name>.seg`
 files (the trajectory records); a snapshot writes only the records added since the last one, and every folder
-is complete on its own. `write_snapshot` writes a temp file, fsyncs it and renames it over the target (a crash
+is complete on its own. `write_snapshot` replaces the manifest whole (`common.disk.atomic_write_bytes`: a crash
 leaves the old or the new file); `read_snapshot` checks magic, length, checksum and format before anything is
 built.
 
@@ -19,10 +19,11 @@ import os
 import re
 import shutil
 import struct
-import tempfile
 from pathlib import Path
 
 import msgpack
+
+from common.disk import atomic_write_bytes
 
 MAGIC = b"EXGRPOB\x02"
 """The last byte is the file format version."""
@@ -43,17 +44,7 @@ def write_snapshot(path: str | os.PathLike, state: dict) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     body = msgpack.packb(state, use_bin_type=True)
     data = MAGIC + hashlib.blake2b(body, digest_size=32).digest() + struct.pack("<Q", len(body)) + body
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return len(data)
+    return atomic_write_bytes(path, data)
 
 
 def read_snapshot(path: str | os.PathLike) -> dict:
@@ -148,20 +139,13 @@ def _write_segment(path: Path, recs) -> tuple[int, str]:
     from buffer.segments import SEGMENT_MAGIC
 
     h = hashlib.blake2b(digest_size=32)
-    size = 0
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in _segment_chunks(SEGMENT_MAGIC, recs):
-                f.write(chunk)
-                h.update(chunk)
-                size += len(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    def hashed():
+        for chunk in _segment_chunks(SEGMENT_MAGIC, recs):
+            h.update(chunk)
+            yield chunk
+
+    size = atomic_write_bytes(path, hashed())
     return size, h.hexdigest()
 
 

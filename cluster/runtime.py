@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from common.config import ClusterConfig, RunConfig, load_saved_config, to_yaml
+from common.disk import atomic_write_text
 from common.interfaces import actor_name, near_caller
 
 log = logging.getLogger("exgrpo")
@@ -183,7 +184,10 @@ class RunFolderError(Exception):
 RUN_ENTRIES = frozenset({"config.yaml", "state.json", "checkpoints", "logs", "plots", "buffer-live", "ray_address",
                          "ray_temp_dir", "prompt_example.txt", "metrics-unsent.jsonl", "profile.json"})
 """Every entry a run writes at the top of its folder (the only ones `RunDir.remove_own` removes)."""
-_OWN_TEMP = re.compile(r"\.(?:%s)\.tmp-\d+" % "|".join(re.escape(n) for n in sorted(RUN_ENTRIES)))
+_OWN_TEMP = re.compile(r"\.(?:%s)\.(?:\d+-[0-9a-f]{8}\.tmp|tmp-\d+)"
+                       % "|".join(re.escape(n) for n in sorted(RUN_ENTRIES)))
+"""The temp files `common.disk.atomic_write_bytes` makes for RUN_ENTRIES (`.state.json.<pid>-<random>.tmp`), and
+`.state.json.tmp-<pid>` as an earlier release named them."""
 
 
 def _refuse_unless_empty(path: Path) -> None:
@@ -412,17 +416,6 @@ class RunDir:
         if bad or any(Path(c).is_absolute() for c in self.read_state().get("checkpoints", [])):
             self.list_checkpoints(good)
         return good[-1]
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """`path` holds the old text or the new one, never a part (a full disk leaves the old file and no temp file)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 # ---------------------------------------------------------------------------------------- control

@@ -411,7 +411,7 @@ def replay(client, run_id: str, path: Path, chunk: int = 1000) -> int:
     (none twice) and the store's error raised. Returns how many were sent."""
     from mlflow.entities import Metric
 
-    from cluster.runtime import atomic_write_text
+    from common.disk import atomic_write_text
 
     points = read_unsent(path)
     for i in range(0, len(points), chunk):

@@ -1,9 +1,10 @@
 """Writes that fail for a disk reason, recognised the same way by every writer (learner ranks, buffer shards,
-the driver) whatever wraps the error on its way.
+the driver) whatever wraps the error on its way; and the one way a file is replaced whole.
 
     err = disk_error(exc)               # the OSError (ENOSPC, EDQUOT, EIO, EROFS) behind exc, or None
     with plain_disk_errors(folder):     # in a Ray actor: raise it again as a plain OSError
         dcp.save(...)
+    atomic_write_text(path, text)       # path holds the old text or the new one, never a part
 
 An actor converts the error to a plain OSError before it leaves; the driver walks every link of what arrives;
 when no errno is found the disk itself is asked (`probe_disk`).
@@ -15,7 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 DISK_ERRNOS = {
@@ -101,3 +102,49 @@ def plain_disk_errors(folder: str | os.PathLike) -> Iterator[None]:
         if err is None or err is e and err.filename:
             raise
         raise OSError(err.errno, err.strerror or os.strerror(err.errno), err.filename or str(folder)) from e
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | Iterable[bytes]) -> int:
+    """Replace `path` with `data` (bytes, or chunks written as an iterable yields them) whole: after a crash or a
+    failed write `path` holds its old content or the new, never a part. The bytes go to a temp file beside it
+    (`.NAME.PID-RANDOM.tmp`, made with `O_EXCL` and the process's umask, as a plain open makes a file), which is
+    fsynced, renamed over `path` (`os.replace`), then the folder is fsynced so that the rename itself is on disk.
+    A failure (a full disk) removes the temp file and raises. Returns the bytes written."""
+    path = os.path.abspath(path)
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    size = 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                size += f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_folder(folder)
+    return size
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> int:
+    """`atomic_write_bytes` of `text` in UTF-8."""
+    return atomic_write_bytes(path, text.encode())
+
+
+def fsync_folder(folder: str | os.PathLike) -> None:
+    """Put a folder's entries (a file renamed or made in it) on disk. A file system that cannot sync a folder
+    (EINVAL, ENOTSUP) is left as it is; a disk error is raised."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import random
 import re
 from collections import Counter
@@ -22,6 +21,8 @@ from functools import lru_cache
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from common.disk import atomic_write_text
 
 TEST_SHARE = 8
 """About one generated question in TEST_SHARE goes to the held-out split."""
@@ -73,9 +74,7 @@ class Task:
         train, test = self._generate(seed, n_train, n_test)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            part = path.with_suffix(f".{os.getpid()}.part")
-            part.write_text(json.dumps([train, test]))
-            os.replace(part, path)
+            atomic_write_text(path, json.dumps([train, test]))
         except OSError:
             pass
         return train, test

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from common.disk import atomic_write_bytes
+
 log = logging.getLogger(__name__)
 
 
@@ -73,9 +75,7 @@ def save_compile_cache(path: str | Path) -> int | None:
     data = saved[0]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)  # whole or not at all: a lease cut short leaves the previous file
+    atomic_write_bytes(path, data)  # whole or not at all: a lease cut short leaves the previous file
     log.info("compile cache saved: %s (%.1f MB)", path, len(data) / 1e6)
     return len(data)
 

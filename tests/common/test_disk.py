@@ -4,12 +4,14 @@ DCP's CheckpointException around torch's zip-writer RuntimeError, Ray's RayTaskE
 from __future__ import annotations
 
 import errno
+import os
 import pickle
+import stat
 
 import pytest
 import torch
 
-from common.disk import disk_error, plain_disk_errors
+from common.disk import atomic_write_bytes, disk_error, plain_disk_errors
 from tests.small_fs import fill, remount, small_fs
 
 
@@ -69,8 +71,33 @@ def test_an_errno_flattened_to_text_is_still_found():
     assert disk_error(RuntimeError("[Errno 2] No such file or directory")) is None
 
 
+def test_an_atomic_write_fsyncs_the_file_then_its_folder_and_a_failed_one_leaves_the_old_file(tmp_path, monkeypatch):
+    """Chunks are written as they come, the file is fsynced, renamed over the old one, then the folder is fsynced
+    (so the rename survives a power cut); the file's mode is the umask's, as a plain open makes it. A write that
+    fails part-way leaves the old file and no temp file."""
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)), fsync(fd))[1])
+    path = tmp_path / "state.msgpack"
+    path.write_bytes(b"old")
+    old_umask = os.umask(0o027)
+    try:
+        assert atomic_write_bytes(path, (c for c in [b"ne", b"w"])) == 3
+    finally:
+        os.umask(old_umask)
+    assert path.read_bytes() == b"new" and synced == [False, True]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+
+    def cut_short():
+        yield b"half"
+        raise OSError(errno.ENOSPC, "no space left on the device")
+
+    with pytest.raises(OSError):
+        atomic_write_bytes(path, cut_short())
+    assert path.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["state.msgpack"]
+
+
 def test_the_hf_export_and_state_json_on_a_full_disk_are_enospc_and_leave_the_old_state(fs):
-    from cluster.runtime import atomic_write_text
+    from common.disk import atomic_write_text
     from learner.checkpoint import SafetensorsWriter
 
     (fs / "state.json").write_text('{"checkpoints": ["step-000002"]}')
