@@ -3,7 +3,8 @@ and Holm's step-down adjustment over a family of such differences.
 
 Two variants' runs with the same seed share the data order and the evaluation questions, so the per-seed
 difference cancels what they share; the mean of the n differences gets a t interval with n - 1 degrees of
-freedom. The t quantile is computed here (exact for integer degrees of freedom), not taken from scipy.
+freedom. Student's t is scipy's (`scipy.stats.t`), imported where a quantile or a p-value is computed: it costs
+about a second of import, which `exgrpo experiment`'s other commands need not pay.
 """
 
 from __future__ import annotations
@@ -13,37 +14,13 @@ import statistics
 from dataclasses import dataclass, replace
 
 
-def t_two_sided(t: float, df: int) -> float:
-    """P(|T| <= t) for Student's t with `df` >= 1 degrees of freedom, t >= 0: the finite series of Abramowitz &
-    Stegun 26.7.3-4 in theta = atan(t / sqrt(df)) (exact for integer df)."""
-    theta = math.atan(t / math.sqrt(df))
-    c2, s = math.cos(theta) ** 2, math.sin(theta)
-    if df % 2 == 0:  # sin(theta) * (1 + 1/2 c^2 + 1*3/(2*4) c^4 + ... up to c^(df-2))
-        term, total = 1.0, 1.0
-        for j in range(2, df, 2):
-            term *= c2 * (j - 1) / j
-            total += term
-        return s * total
-    if df == 1:
-        return 2 * theta / math.pi
-    term, total = math.cos(theta), math.cos(theta)  # cos + 2/3 cos^3 + 2*4/(3*5) cos^5 + ... up to cos^(df-2)
-    for j in range(3, df - 1, 2):
-        term *= c2 * (j - 1) / j
-        total += term
-    return 2 / math.pi * (theta + s * total)
-
-
 def t_quantile(p: float, df: int) -> float:
-    """The q with P(T <= q) = p, for 0.5 <= p < 1 (bisection on `t_two_sided` to 1e-10)."""
+    """The q with P(T <= q) = p for Student's t with `df` >= 1 degrees of freedom, 0.5 <= p < 1."""
     if not 0.5 <= p < 1 or df < 1:
         raise ValueError(f"t_quantile: need 0.5 <= p < 1 and df >= 1, got p={p}, df={df}")
-    target, lo, hi = 2 * p - 1, 0.0, 1.0
-    while t_two_sided(hi, df) < target:
-        hi *= 2
-    while hi - lo > 1e-10:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_two_sided(mid, df) < target else (lo, mid)
-    return (lo + hi) / 2
+    from scipy.stats import t
+
+    return float(t.ppf(p, df))
 
 
 @dataclass(frozen=True)
@@ -105,7 +82,9 @@ def t_p_value(mean: float, sd: float, n: int) -> float:
     a non-zero mean, 1 for a zero one)."""
     if sd == 0:
         return 1.0 if mean == 0 else 0.0
-    return max(0.0, 1.0 - t_two_sided(abs(mean) / (sd / math.sqrt(n)), n - 1))
+    from scipy.stats import t
+
+    return float(2 * t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1))
 
 
 def holm(ps: list[float], alpha: float = 0.05) -> tuple[list[float], list[float]]:
