@@ -24,7 +24,7 @@ class BufferConfig(Section):
     """Which stored question a replay draws (`buffer/sampling.py`). gaussian (ExGRPO's): a bucket by N(b/K;
     bucket_mean, bucket_std), then uniform inside it. uniform: every stored question alike, buckets unused (plain
     replay's draw, Arnal et al., arXiv 2604.08706). advantage: in proportion to the |advantage| its correct
-    trajectories had in its latest group, 1 - k/K (|advantage|-prioritised replay: arXiv 2606.04560, prime-rl issue
+    trajectories had in its latest group, 1 - k/K (|advantage|-prioritised replay: arXiv 2606.04560, prime-rl
     #2273). Always without repeats within a batch."""
     bucket_mean: float = Field(0.5, ge=0, le=1)
     """mu of the bucket weight N(b/K; mu, sigma) (question_sampler=gaussian only)."""
@@ -58,7 +58,7 @@ class BufferConfig(Section):
     """Which stored trajectory completes a mixed group. lowest_entropy (the paper, and SU-01's code, which also
     re-scores its candidates under the current weights): the buffer ships the question's stored trajectories and the
     learner picks the one with the lowest score (`trajectory_score`) under the policy it is training (one no-grad
-    forward per candidate). lowest_stored_entropy (no scoring forward; was lowest_recorded): the buffer ships the
+    forward per candidate). lowest_stored_entropy (no scoring forward): the buffer ships the
     one with the lowest entropy as stored, the learner's last measures first, else the generator's estimate (vLLM:
     from `logprobs_topk` log-probs). random (ablation): one at random."""
     fresh_draw: Literal["trained", "per_step"] = "trained"
