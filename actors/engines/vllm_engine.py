@@ -66,9 +66,14 @@ def api_problem(version: str, llm_cls, runner_classes: list, output_kind) -> str
             missing.append(f"a version of at least {'.'.join(map(str, VLLM_FLOOR))} (layerwise weight reload)")
     except InvalidVersion:
         pass  # a source build: the calls decide
-    for cls in runner_classes:
-        reload = getattr(cls, "reload_weights", None)
-        if reload is None or "weights_iterator" not in inspect.signature(reload).parameters:
+    params = {cls: inspect.signature(cls.reload_weights).parameters if hasattr(cls, "reload_weights") else {}
+              for cls in runner_classes}
+    named = any("weights_iterator" in p for p in params.values())
+    for cls, p in params.items():
+        # a reload_weights(*args, **kwargs) passes when another runner names the argument: vLLM 0.25's V2 runner
+        # hands its arguments to V1's (vllm/v1/worker/gpu/model_runner.py:374 of 0.25.1)
+        forwards = named and any(q.kind is q.VAR_KEYWORD for q in p.values())
+        if "weights_iterator" not in p and not forwards:
             missing.append(f"{cls.__name__}.reload_weights(weights_iterator=...)")
     reset = getattr(llm_cls, "reset_prefix_cache", None)
     if reset is None or "reset_running_requests" not in inspect.signature(reset).parameters:

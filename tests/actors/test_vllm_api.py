@@ -41,6 +41,10 @@ class OldGPUModelRunner:  # 0.10-0.11: reload_weights takes no arguments
     def reload_weights(self) -> None: ...
 
 
+class ForwardingGPUModelRunner:  # 0.25's V2 runner: hands its arguments to V1's reload_weights
+    def reload_weights(self, *args, **kwargs) -> None: ...
+
+
 def test_the_api_the_engine_calls_passes_and_each_difference_is_named():
     assert api_problem("0.32.0", LLM, [GPUModelRunner], _Kind) is None
     assert api_problem("0.32.0+cpu", LLM, [GPUModelRunner, GPUModelRunner], _Kind) is None
@@ -52,6 +56,8 @@ def test_the_api_the_engine_calls_passes_and_each_difference_is_named():
         "vLLM 0.25.0: the engine needs OldGPUModelRunner.reload_weights(weights_iterator=...); install a vLLM from "
         "0.20 to 0.32 (pip install '.[vllm]')")
     assert "LLM.collective_rpc" in api_problem("0.32.0", object, [GPUModelRunner], _Kind)
+    assert api_problem("0.25.1", LLM, [GPUModelRunner, ForwardingGPUModelRunner], _Kind) is None  # V1, V2
+    assert "ForwardingGPUModelRunner.reload_weights" in api_problem("0.25.1", LLM, [ForwardingGPUModelRunner], _Kind)
 
 
 def test_pyproject_pins_the_gpu_extra_to_the_range_the_engine_checks():
