@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import queue
 import threading
 import time
 import traceback
@@ -30,6 +29,7 @@ from common.config import GeneratorConfig, RewardConfig, VllmEngineConfig
 from common.interfaces import Engine, WeightSource, WorkSource
 from actors.generator_stats import GeneratorStats, peak_memory_bytes
 from actors.remote_calls import RETRYABLE, RemoteCalls
+from actors.in_flight import InFlight
 from actors.scoring import Correctness, Group, end_dead_leases, return_leases, scored_groups, submit_groups
 from actors.weight_loading import WeightLoader
 from common.messages import ScoredGroup, WorkItem
@@ -72,12 +72,7 @@ class GeneratorWorker:
         self._reward_calls = 0  # reward calls in progress (read by the engine thread: a plain int is enough)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
-        self._lock = threading.Lock()  # guards the three places a leased item can be in
-        self._groups: dict[str, Group] = {}  # in the engine (or held for its weights), by lease id
-        self._held: dict[str, float] = {}  # lease id -> unix time until which it waits for its version's weights
-        self._queue: queue.SimpleQueue[Group | None] = queue.SimpleQueue()  # complete, waiting for the scorer
-        self._scoring: list[Group] = []  # being scored and submitted
-        self._unsubmitted = 0  # groups complete but not yet submitted (queued or being scored)
+        self._work = InFlight()  # every leased item not submitted yet: in the engine, held, queued or being scored
         self._calls = RemoteCalls(generator_id, self.stats, backoff_s=gen_cfg.retry_backoff_s, stop=self._stop)
         # the published versions, the loads; a new version seen by its watcher wakes the engine thread
         self.weights = WeightLoader(gen_cfg, weight_source, model_path, self._calls, on_version=self._wake.set)
@@ -122,7 +117,7 @@ class GeneratorWorker:
                 self.stats.started_at = time.monotonic()  # rates count from the first lease, not model loading
             self._stop.clear()
             self._return_in_flight = False
-            self._queue = queue.SimpleQueue()
+            self._work.reopen()
             self._thread = threading.Thread(target=self._run, name=f"{self.generator_id}-loop", daemon=True)
             self._thread.start()
             self.weights.start_watching()
@@ -164,7 +159,7 @@ class GeneratorWorker:
             if thread.is_alive():
                 if self.rewards is not None:
                     self.rewards.abandon()
-                items = self._unfinished()
+                items = self._work.unfinished()
                 log.error("generator %s: work in flight did not finish within stop_timeout_s=%.0fs; "
                           "returning its %d leases", self.generator_id, self.cfg.stop_timeout_s, len(items))
                 self._return_leases(items)
@@ -199,7 +194,7 @@ class GeneratorWorker:
         out = self.stats.as_metrics(
             running=self._thread is not None and self._thread.is_alive(),
             version=engine.version if engine is not None else -1,
-            in_flight=len(self._groups),
+            in_flight=self._work.in_engine(),
             rewards=rewards.stats() if rewards is not None else None)
         # delta loads, relay transfers
         out.update({f"weights_{k}": float(v) for k, v in self.weight_source.transfer_stats().items()})
@@ -214,26 +209,25 @@ class GeneratorWorker:
         try:
             while not self._stop.is_set():
                 self._iterate()
-            self._return_leases(self._pop_held())  # not started: nothing to finish
+            self._return_leases(self._work.pop_held())  # not started: nothing to finish
             if self._return_in_flight or self.weights.torn:  # (never finish samples on half-loaded weights)
-                with self._lock:
-                    groups, self._groups = list(self._groups.values()), {}
+                groups = self._work.pop_in_engine()
                 self.engine.abort([self._request_id(g.item, j) for g in groups for j in range(len(g.samples))])
                 self._return_leases([g.item for g in groups])
             else:  # drain: finish what the engine holds; the scorer submits it
                 while self.engine.in_flight():
                     self._step_engine()
                     self._check_scorer()
-            self._queue.put(None)
+            self._work.close()
             scorer.join()
             self._check_scorer()
         except Exception:  # a bug, not a transient failure: let Ray restart the whole actor
             self._failure = self._failure or traceback.format_exc()
-            items = self._unfinished()
+            items = self._work.unfinished()
             log.error("generator %s loop crashed; returning %d leases:\n%s", self.generator_id, len(items),
                       self._failure)
             self._return_leases(items)
-            self._queue.put(None)
+            self._work.close()
             if _in_ray_actor():
                 os._exit(1)
             raise
@@ -258,20 +252,20 @@ class GeneratorWorker:
 
     def _top_up(self) -> bool:
         """Lease more questions when there is room (streaming) or when the last batch is submitted (batch mode)."""
-        if self.weights.load_pending or self.weights.torn or self._held or time.monotonic() < self._next_lease:
+        if self.weights.load_pending or self.weights.torn or self._work.holding or time.monotonic() < self._next_lease:
             return False  # (leases held for their weights: the next work is already here)
-        if self._unsubmitted >= self.cfg.max_in_flight:  # the scorer is behind: do not pile up finished groups
+        if self._work.unsubmitted >= self.cfg.max_in_flight:  # the scorer is behind: do not pile up finished groups
             return False
         if self.cfg.streaming:
             # Keep every decode slot busy with about half a lease's samples waiting behind them, so that a slot
             # freed by a finished sample is refilled at the next step. Counted in samples, not questions: in a
             # long tail most questions in flight hold only their one or two slowest samples.
-            room = self.cfg.max_in_flight - len(self._groups)
+            room = self.cfg.max_in_flight - self._work.in_engine()
             waiting = self.engine.in_flight() - self.engine.slots
-            if self._groups and (room < 1 or waiting > self.cfg.questions_per_lease * self._samples_per_item // 2):
+            if self._work.in_engine() and (room < 1 or waiting > self.cfg.questions_per_lease * self._samples_per_item // 2):
                 return False
         else:
-            if self._groups or self._unsubmitted:
+            if self._work.in_engine() or self._work.unsubmitted:
                 return False
             room = self.cfg.questions_per_lease
         # nothing in flight: wait for work at the buffer (one long-poll call) rather than poll every idle_sleep_s
@@ -293,16 +287,10 @@ class GeneratorWorker:
         if max(it.version for it in items) > self.engine.version:
             self.weights.sync(self.engine, poll=True)
         self._samples_per_item = max(it.num_samples for it in items) or 1
-        now = time.time()
-        with self._lock:
-            for it in items:
-                self._groups[it.lease_id] = Group(it, [None] * it.num_samples, it.num_samples)
-                if it.min_weights > self.engine.version:
-                    self._held[it.lease_id] = now + max(0.0, it.deadline - now) / 2
-        self.stats.leases_held += sum(it.min_weights > self.engine.version for it in items)
-        for it in items:
-            if it.lease_id not in self._held:
-                self._start(it)
+        start = self._work.add(items, self.engine.version, time.time())
+        self.stats.leases_held += len(items) - len(start)
+        for it in start:
+            self._start(it)
         return True
 
     def _start(self, it: WorkItem) -> None:
@@ -312,31 +300,15 @@ class GeneratorWorker:
             seed = (self._seed_base + 7919 * self._requests + 104_729 * self._incarnation) % (2**31 - 1)
             self.engine.add(self._request_id(it, j), it.question.prompt_ids, seed)
         if it.num_samples == 0:
-            self._complete(it.lease_id)
+            self._work.complete(it.lease_id)
 
     def _start_held(self) -> None:
         """Start the held items whose version the engine has loaded; past half its lease's time left (the version's
         weights did not come: a publication failed or was skipped) an item starts on the weights there are, counted
         in `started_behind_weights`."""
-        if not self._held:
-            return
-        now = time.time()
-        with self._lock:
-            due = [lid for lid, until in self._held.items()
-                   if self._groups[lid].item.min_weights <= self.engine.version or now >= until]
-            for lid in due:
-                del self._held[lid]
-            items = [self._groups[lid].item for lid in due]
-        for it in items:
+        for it in self._work.due(self.engine.version, time.time()):
             self.stats.started_behind_weights += it.min_weights > self.engine.version
             self._start(it)
-
-    def _pop_held(self) -> list[WorkItem]:
-        """Take the held items out (never started: their leases go back)."""
-        with self._lock:
-            items = [self._groups.pop(lid).item for lid in self._held]
-            self._held = {}
-        return items
 
     def _step_engine(self) -> None:
         t0 = time.monotonic()
@@ -345,17 +317,7 @@ class GeneratorWorker:
         self.stats.generate_s += time.monotonic() - t0
         for rid, sample in finished:
             lease_id, _, j = rid.rpartition("/")
-            g = self._groups[lease_id]
-            g.samples[int(j)] = sample
-            g.left -= 1
-            if g.left == 0:
-                self._complete(lease_id)
-
-    def _complete(self, lease_id: str) -> None:
-        with self._lock:
-            g = self._groups.pop(lease_id)
-            self._unsubmitted += 1
-        self._queue.put(g)
+            self._work.finished(lease_id, int(j), sample)
 
     @staticmethod
     def _request_id(item: WorkItem, j: int) -> str:
@@ -365,44 +327,13 @@ class GeneratorWorker:
         if self._failure is not None:
             raise RuntimeError(f"the scorer thread failed:\n{self._failure}")
 
-    def _unfinished(self) -> list[WorkItem]:
-        """Every leased item not submitted yet: in the engine, queued for scoring, or being scored."""
-        queued = []
-        while True:
-            try:
-                g = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if g is not None:
-                queued.append(g)
-        with self._lock:
-            groups = list(self._groups.values()) + queued + list(self._scoring)
-            self._groups, self._scoring, self._held = {}, [], {}
-        return [g.item for g in groups]
-
     # --------------------------------------------------------------------------------- scorer thread
 
     def _score_loop(self) -> None:
         from common.rewards import ScoringAbandoned
 
         try:
-            done = False
-            while not done:
-                g = self._queue.get()
-                batch = [] if g is None else [g]
-                done = g is None
-                while not done:  # everything queued meanwhile goes in the same reward call and submit
-                    try:
-                        more = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    done = more is None
-                    if more is not None:
-                        batch.append(more)
-                if not batch:
-                    continue
-                with self._lock:
-                    self._scoring = batch
+            while (batch := self._work.next_batch()) is not None:
                 if self._return_in_flight:
                     self._return_leases([g.item for g in batch])
                 else:
@@ -410,23 +341,20 @@ class GeneratorWorker:
                         scored = self._score(batch)
                     except ScoringAbandoned as e:  # a stop gave up on the reward: nothing of the batch is submitted
                         self.stats.scoring_abandoned += len(batch)
-                        with self._lock:  # unless stop() already took them (`_unfinished`)
-                            mine, self._scoring = self._scoring is batch, []
+                        mine = self._work.abandon(batch)  # unless stop() already took them (`unfinished`)
                         log.warning("generator %s: stopping; abandoned scoring %d group(s) (%s); %s", self.generator_id,
                                     len(batch), e, "returning their leases" if mine else "their leases were returned")
                         if mine:
                             self._return_leases([g.item for g in batch])
                     else:
                         self._submit(scored, [g.item for g in batch])
-                with self._lock:
-                    self._scoring = []
-                    self._unsubmitted -= len(batch)
+                self._work.scored(batch)
                 self._wake.set()
         except Exception:
             self._failure = traceback.format_exc()
             log.error("generator %s scorer crashed:\n%s", self.generator_id, self._failure)
             if _in_ray_actor():
-                self._return_leases(self._unfinished())
+                self._return_leases(self._work.unfinished())
                 os._exit(1)
 
     def _score(self, batch: list[Group]) -> list[ScoredGroup]:
