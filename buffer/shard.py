@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import msgpack
@@ -40,6 +40,15 @@ def pack(obj) -> bytes:
 
 def unpack(data: bytes):
     return msgpack.unpackb(data, raw=False)
+
+
+@dataclass(slots=True)
+class ShardCalls:
+    """Generator-side calls a shard answered, logged as buffer/calls_<name>."""
+
+    lease: int = 0
+    lease_wait: int = 0
+    submit: int = 0
 
 
 class BufferShard:
@@ -69,7 +78,7 @@ class BufferShard:
         else:
             self.core = ShardCore(self.cfg, self.questions, shard=shard, batch_share=batch_share, shares=shares)
         self._stop = threading.Event()
-        self.calls: Counter[str] = Counter()  # generator-side calls answered: lease, lease_wait, submit
+        self.calls = ShardCalls()  # generator-side calls answered
         if snapshot_dir:
             threading.Thread(target=self._snapshot_loop, name=f"buffer-{shard}-snapshots", daemon=True).start()
 
@@ -85,7 +94,7 @@ class BufferShard:
 
     def lease(self, generator_id: str, max_items: int) -> bytes:
         with self.lock:
-            self.calls["lease"] += 1
+            self.calls.lease += 1
             items = self.core.lease(generator_id, max_items)
         return codec.encode_list(items, WorkItem)
 
@@ -95,7 +104,7 @@ class BufferShard:
         takes a batch, a version advances, groups come in or leases come back; on its own threads)."""
         deadline = time.monotonic() + wait_s
         with self.cond:
-            self.calls["lease_wait"] += 1
+            self.calls.lease_wait += 1
             while True:
                 items = self.core.lease(generator_id, max_items)
                 left = deadline - time.monotonic()
@@ -106,7 +115,7 @@ class BufferShard:
     def submit(self, groups: bytes) -> bytes:
         decoded = codec.decode_list(groups, ScoredGroup)
         with self.cond:
-            self.calls["submit"] += 1
+            self.calls.submit += 1
             out = self.core.submit(decoded)
             self.cond.notify_all()
         return pack(out)
@@ -179,7 +188,7 @@ class BufferShard:
         with self.lock:
             m = self.core.metrics()
         m["snapshot_errors"] = float(self.snapshot_errors)
-        m.update({f"calls_{k}": float(v) for k, v in self.calls.items()})
+        m.update({f"calls_{k}": float(v) for k, v in asdict(self.calls).items()})
         m.update(self.last_snapshot)
         m["restored"] = float(bool(self.restored_from))
         return pack(m)
