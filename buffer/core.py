@@ -20,7 +20,7 @@ import os
 import random
 import time
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from buffer.records import record_to_rollout
 from buffer.segments import SnapshotPlan
 from buffer.shard_state import (STATE_VERSION, Lease, Ready, check_state_version, decode_leases, decode_ready,
                                 encode_leases, encode_ready)
-from buffer.store import ExperienceStore
+from buffer.store import Counters, ExperienceStore
 from common.config import BufferConfig
 from common.messages import LearnerFeedback, Question, ReplayRef, Rollout, ScoredGroup, TrainGroup, WorkItem
 
@@ -443,7 +443,7 @@ class ShardCore:
         # `retired_from_pool`: questions whose experience was deleted, never stored again (the same set unless
         # buffer.retire_fresh=last_three_correct)
         m["retired_from_pool"], m["retired"] = m["retired"], float(len(self.left_fresh()))
-        m.update({k: float(v) for k, v in asdict(self.n).items()})
+        m.update(self.n.as_metrics())
         m.update({f"policy/{k}": float(v) for k, v in self.policy.metrics().items()})
         m.update(leases_outstanding=float(len(self.leases)), ready_fresh=float(len(self.ready_fresh)),
                  in_flight_last_chance=float(self.last_chance_in_flight(self.version)),
@@ -508,7 +508,7 @@ class ShardCore:
 
 
 @dataclass(slots=True)
-class ShardCounters:
+class ShardCounters(Counters):
     """A shard's counters; each is logged as buffer/<name>, summed over shards. The accounting's terms are among
     them (`ShardCore.accounting`)."""
 
@@ -536,12 +536,6 @@ class ShardCounters:
     epochs_completed: int = 0
     lease_requests_throttled: int = 0
     fresh_discarded: int = 0
-
-    def load(self, saved: dict) -> None:
-        """Counters from a snapshot (names it does not know are left out; ones it lacks stay 0)."""
-        for f in fields(self):
-            if f.name in saved:
-                setattr(self, f.name, int(saved[f.name]))
 
 
 def new_incarnation() -> int:

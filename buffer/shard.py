@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -25,6 +25,7 @@ import ray
 
 from buffer.core import ShardCore, new_incarnation
 from buffer.snapshot import load_core, segment_target, snapshot_path, write_shard_snapshot
+from buffer.store import Counters
 from common import codec
 from common.config import BufferConfig
 from common.disk import atomic_write_bytes
@@ -43,7 +44,7 @@ def unpack(data: bytes):
 
 
 @dataclass(slots=True)
-class ShardCalls:
+class ShardCalls(Counters):
     """Generator-side calls a shard answered, logged as buffer/calls_<name>."""
 
     lease: int = 0
@@ -188,7 +189,7 @@ class BufferShard:
         with self.lock:
             m = self.core.metrics()
         m["snapshot_errors"] = float(self.snapshot_errors)
-        m.update({f"calls_{k}": float(v) for k, v in asdict(self.calls).items()})
+        m.update(self.calls.as_metrics("calls_"))
         m.update(self.last_snapshot)
         m["restored"] = float(bool(self.restored_from))
         return pack(m)

@@ -63,7 +63,21 @@ class _Entry:
 
 
 @dataclass(slots=True)
-class StoreCounters:
+class Counters:
+    """A component's counters as a dataclass: each field is logged as buffer/<prefix><name>."""
+
+    def load(self, saved: dict) -> None:
+        """Counters from a snapshot (names it does not know are left out; ones it lacks stay 0)."""
+        for f in fields(self):
+            if f.name in saved:
+                setattr(self, f.name, int(saved[f.name]))
+
+    def as_metrics(self, prefix: str = "") -> dict[str, float]:
+        return {f"{prefix}{k}": float(v) for k, v in asdict(self).items()}
+
+
+@dataclass(slots=True)
+class StoreCounters(Counters):
     """The store's counters; each is logged as buffer/<name>, summed over shards."""
 
     stored: int = 0
@@ -82,11 +96,6 @@ class StoreCounters:
     chosen_gone: int = 0
     logprobs_from_learner: int = 0
     logprobs_mismatched: int = 0
-
-    def load(self, saved: dict) -> None:
-        for f in fields(self):
-            if f.name in saved:
-                setattr(self, f.name, int(saved[f.name]))
 
 
 class ExperienceStore:
@@ -392,7 +401,7 @@ class ExperienceStore:
                  entropy_chosen_sum=self.entropy_chosen_sum, entropy_available_sum=self.entropy_available_sum)
         for i, label in enumerate(("0", "1", "2", "3", "4plus")):
             m[f"times_replayed_{label}"] = float(self.replay_hist[i])
-        m.update({k: float(v) for k, v in asdict(self.c).items()})
+        m.update(self.c.as_metrics())
         return m
 
     # ----------------------------------------------------------------------------------- snapshots
