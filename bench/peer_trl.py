@@ -68,7 +68,7 @@ OURS_COMMON = [f"buffer.batch_questions={QUESTIONS}", f"buffer.group_size={SAMPL
                f"generator.max_new_tokens={MAX_NEW_TOKENS}", f"generator.temperature={TEMPERATURE}",
                "generator.top_p=1.0", f"learner.optim.lr={LR}", "learner.loss.kl_coef=0.0", f"learner.loss.entropy_coef={ENTROPY_COEF}",
                "learner.loss.std_normalize=false", "learner.loss.loss_agg=token_mean", "learner.optim.weight_decay=0.01",
-               "learner.optim.grad_clip=1.0", "learner.loss.clip_low=0.2", "learner.loss.clip_high=0.2", "learner.batching.mini_batches=1",
+               "learner.optim.grad_clip=1.0", "learner.loss.policy_loss.clip_low=0.2", "learner.loss.policy_loss.clip_high=0.2", "learner.batching.mini_batches=1",
                "model.dtype=float32", "checkpoint.every_steps=0", "eval.every_steps=0", "tracking.log_plots=false"]
 OURS_ROWS = {
     "grpo": ("exgrpo train, plain GRPO (replay_ratio=0 collect=false)",

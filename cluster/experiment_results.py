@@ -129,7 +129,7 @@ across a weight update (`staleness/spanning_fraction`). A synchronous run (buffe
 asynchronous variant's comparison with a synchronous one includes this difference."""
 
 LOSS_KEYS = ("learner.loss.policy_loss", "learner.loss.replay_loss", "learner.loss.loss_agg",
-             "learner.loss.shaping_beta", "learner.loss.clip_low", "learner.loss.clip_high", "learner.loss.clip_fresh")
+             "learner.loss.shaping_beta", "learner.loss.clip_fresh")  # policy_loss covers its section's fields
 
 
 def _loss(client, run_id: str) -> dict[str, float]:

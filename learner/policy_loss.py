@@ -25,10 +25,7 @@ from learner.loss import aggregate
 
 if TYPE_CHECKING:
     from common.config import LossConfig
-
-POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "sapo")
-"""`learner.loss.policy_loss`: the surrogate of fresh tokens (and of replayed ones with replay_loss="policy_loss")."""
-
+    from common.config.loss import CispoLoss, GspoLoss, PpoClipLoss, SapoLoss
 
 class TokenLoss(NamedTuple):
     """One loss per token over the tokens of a mask, each [R, T]."""
@@ -285,20 +282,34 @@ AGGREGATIONS: dict[str, Aggregation] = {"token_mean": token_mean, "constant": to
 """`learner.loss.loss_agg` -> the tokens' weights (constant: the step passes the constant as the normalizer)."""
 
 
-def _surrogate(loss: LossConfig) -> Surrogate:
-    """`learner.loss.policy_loss` with its own band or temperatures (and ppo_clip's dual-clip when set)."""
-    match loss.policy_loss:
-        case "ppo_clip":
-            clipped = partial(ppo_clip, clip_low=loss.clip_low, clip_high=loss.clip_high)
-            return clipped if loss.clip_ratio_c is None else partial(dual_clip, surrogate=clipped,
-                                                                    clip_ratio_c=loss.clip_ratio_c)
-        case "gspo":
-            return partial(gspo, clip_low=loss.gspo_clip_low, clip_high=loss.gspo_clip_high)
-        case "cispo":
-            return partial(cispo, clip_low=loss.cispo_clip_low, clip_high=loss.cispo_clip_high)
-        case "sapo":
-            return partial(sapo, tau_pos=loss.sapo_tau_pos, tau_neg=loss.sapo_tau_neg)
-    raise AssertionError(loss.policy_loss)  # the config's Literal admits no other
+def _ppo_clip(c: PpoClipLoss) -> Surrogate:
+    clipped = partial(ppo_clip, clip_low=c.clip_low, clip_high=c.clip_high)
+    return clipped if c.clip_ratio_c is None else partial(dual_clip, surrogate=clipped, clip_ratio_c=c.clip_ratio_c)
+
+
+def _gspo(c: GspoLoss) -> Surrogate:
+    return partial(gspo, clip_low=c.clip_low, clip_high=c.clip_high)
+
+
+def _cispo(c: CispoLoss) -> Surrogate:
+    return partial(cispo, clip_low=c.clip_low, clip_high=c.clip_high)
+
+
+def _sapo(c: SapoLoss) -> Surrogate:
+    return partial(sapo, tau_pos=c.tau_pos, tau_neg=c.tau_neg)
+
+
+class SurrogateKind(NamedTuple):
+    """How one `learner.loss.policy_loss.kind` is built: its surrogate from its section, and the ratio that
+    shaping weighs its replayed rows by."""
+
+    build: Callable[..., Surrogate]
+    ratio: Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+SURROGATES = {"ppo_clip": SurrogateKind(_ppo_clip, token_ratio), "gspo": SurrogateKind(_gspo, sequence_ratio),
+              "cispo": SurrogateKind(_cispo, token_ratio), "sapo": SurrogateKind(_sapo, token_ratio)}
+"""`learner.loss.policy_loss.kind` -> how it is built (its section: common.config.loss.SURROGATE_KINDS)."""
 
 
 def _replay(loss: LossConfig, surrogate: Surrogate) -> Surrogate:
@@ -306,7 +317,7 @@ def _replay(loss: LossConfig, surrogate: Surrogate) -> Surrogate:
     shaped weight is the row's sequence ratio."""
     if loss.replay_loss == "policy_loss":
         return surrogate
-    ratio = sequence_ratio if loss.policy_loss == "gspo" else token_ratio
+    ratio = SURROGATES[loss.policy_loss.kind].ratio
     if loss.shaping_beta is None:
         return partial(importance_weighted, ratio=ratio)
     return partial(shaping, beta=loss.shaping_beta, ratio=ratio)
@@ -328,9 +339,9 @@ def setup_policy_loss(loss: LossConfig, clip_fresh: bool = True) -> PolicyLoss:
     """The learner's policy loss, built once from its config. `clip_fresh` False: the variant whose fresh tokens
     are unclipped (-A r; learner.loss.clip_fresh false, or auto once mixed mode starts), which only ppo_clip has (the
     config refuses the others); replayed tokens under replay_loss=policy_loss keep the clip either way."""
-    if not clip_fresh and loss.policy_loss != "ppo_clip":
-        raise ValueError(f"learner.loss.policy_loss={loss.policy_loss} has no unclipped form (its band or gate is the "
-                         "loss): set learner.loss.clip_fresh=true, or learner.loss.policy_loss=ppo_clip")
-    clipped = _surrogate(loss)
+    if not clip_fresh and not loss.policy_loss.unclipped_form:
+        raise ValueError(f"learner.loss.policy_loss.kind={loss.policy_loss.kind} has no unclipped form (its band or "
+                         "gate is the loss): set learner.loss.clip_fresh=true, or learner.loss.policy_loss.kind=ppo_clip")
+    clipped = SURROGATES[loss.policy_loss.kind].build(loss.policy_loss)
     fresh = clipped if clip_fresh else importance_weighted
     return PolicyLoss(fresh, _replay(loss, clipped), _corrections(loss), AGGREGATIONS[loss.loss_agg])

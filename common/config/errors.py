@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 
 from common.config.base import yaml_value
 from common.config.learner import LEARNER_SECTIONS
+from common.config.loss import FLAT_SURROGATE_KEYS, flat_surrogate_hint
 from common.config.schema import (Place, choices, example_value, leaf_paths, mapping_value, place, section_model,
                                   section_paths)
 
@@ -59,6 +60,9 @@ def format_errors(err: ValidationError) -> list[str]:
 def _message(e: dict, pl: Place) -> str:
     kind, value = e["type"], e.get("input")
     if kind == "extra_forbidden":
+        moved = RENAMED.get(pl.dotted, pl.dotted)
+        if moved.startswith("learner.loss.") and moved.removeprefix("learner.loss.") in FLAT_SURROGATE_KEYS:
+            return flat_surrogate_hint(moved.removeprefix("learner.loss."))
         if pl.dotted in RENAMED:
             return f"renamed: set {RENAMED[pl.dotted]} instead (same meaning)"
         return f"unknown field ({_suggest(pl)})"
@@ -167,18 +171,18 @@ def _suggest(pl: Place) -> str:
     if exact and section and not affix:  # `buffer.max_new_tokens`: generator's field of that name, not max_bytes
         return f"{name} is not in {section}: {_or(exact)}; {LISTS}"
     near = _near(name, own)
-    if near:
-        return f"did you mean {_or([prefix + n for n in near])}? {LISTS}"
     if pl.union is not None and pl.union[0] == section:
         upath, kind, kinds = pl.union
         for other, model in kinds.items():
             hit = _near(name, [n for n in model.model_fields if n != "kind"]) if other != kind else []
-            if hit:
+            if hit and (not near or hit[0] == name):  # a field of another kind, unless a near name of this one
                 inner = [f"{upath}.{n}.{hit[0]}" for n, f in pl.model.model_fields.items()
                          if section_model(f.annotation) is model]  # auto's own vllm settings
                 keep = f", or {inner[0]} to keep kind {kind}" if inner else ""
                 return (f"{hit[0]} is a field of kind {other}, not of {kind}: set {upath}.kind={other} to use "
                         f"{upath}.{hit[0]}{keep}")
+    if near:
+        return f"did you mean {_or([prefix + n for n in near])}? {LISTS}"
     near = _near(name, list(inner)) if section else []  # `learner.learning_rate`: learner.optim.lr
     if near:
         return f"did you mean {_or([prefix + inner[n] for n in near])}? {LISTS}"

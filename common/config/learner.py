@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from common.config.base import Section, pick_kind
 from common.config.learner_sections import BatchingConfig, LeversConfig, OptimConfig
-from common.config.loss import OWN_LOSS_AGG, LossConfig
+from common.config.loss import FLAT_SURROGATE_KEYS, LossConfig
 
 
 class ObjectStoreSyncConfig(Section):
@@ -164,16 +164,11 @@ class LearnerConfig(Section):
                    if loss.entropy_agg == "micro_batch" else "entropy_coef x the mini-batch's token mean")
         if loss.entropy_agg == "micro_batch":
             entropy += f", micro-batches: {self._entropy_micro_batches()}"
-        own = OWN_LOSS_AGG[loss.policy_loss]
-        policy += (f", loss_agg {loss.loss_agg} ({loss.policy_loss}'s own)" if loss.loss_agg == own else
-                   f", loss_agg {loss.loss_agg} (named; {loss.policy_loss}'s own is {own})")
-        ppo = {True: "PPO clip", False: "PPO unclipped", "auto": "PPO clip until mixed mode"}[loss.clip_fresh]
-        dual = f", dual-clip {loss.clip_ratio_c:g} for A < 0" if loss.clip_ratio_c is not None else ""
-        surrogate = {"ppo_clip": f"{ppo} [1-{loss.clip_low:g}, 1+{loss.clip_high:g}]{dual}",
-                     "gspo": f"GSPO sequence ratio clipped to [1-{loss.gspo_clip_low:g}, 1+{loss.gspo_clip_high:g}]",
-                     "cispo": f"CISPO weight in [{1 - loss.cispo_clip_low:g}, {1 + loss.cispo_clip_high:g}]",
-                     "sapo": f"SAPO gate, tau {loss.sapo_tau_pos:g} / {loss.sapo_tau_neg:g}"}[loss.policy_loss]
-        replay = "shaped" if loss.replay_loss == "shaping" else f"{loss.policy_loss} too"
+        kind, own = loss.policy_loss.kind, loss.policy_loss.own_loss_agg
+        policy += (f", loss_agg {loss.loss_agg} ({kind}'s own)" if loss.loss_agg == own else
+                   f", loss_agg {loss.loss_agg} (named; {kind}'s own is {own})")
+        surrogate = loss.policy_loss.describe(loss.clip_fresh)
+        replay = "shaped" if loss.replay_loss == "shaping" else f"{kind} too"
         return f"policy loss = {policy} ({surrogate}; replayed tokens {replay}); entropy bonus = {entropy}"
 
     def _entropy_micro_batches(self) -> str:
@@ -227,6 +222,6 @@ class LearnerConfig(Section):
 LEARNER_SECTIONS = {name: section
                     for section, model in (("optim", OptimConfig), ("batching", BatchingConfig),
                                            ("levers", LeversConfig), ("loss", LossConfig))
-                    for name in model.model_fields}
+                    for name in [*model.model_fields, *(FLAT_SURROGATE_KEYS if model is LossConfig else ())]}
 """The section of each field that moved out of the flat `learner` (`lr` -> `optim`): where `common.config.errors`
 sends an old key."""

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 from common.config.base import yaml_value
 from common.config.data import TASK_DEFAULTS
 from common.config.errors import RENAMED, RENAMED_VALUES, format_errors
+from common.config.loss import move_flat_surrogate
 from common.config.run import RunConfig
 from common.config.secrets import PASSWORD_ENV, REDACTED, hidden, redact_value, split_password, with_password
 from common.config.schema import mapping_value, place, section_model, split_key, union_kinds
@@ -94,17 +95,27 @@ def _below_a_value(parts: list[str]) -> str | None:
     return None
 
 
+KIND_ALONE = ("learner", "loss", "policy_loss")
+"""The union section that takes its kind alone as a value (`learner.loss.policy_loss=gspo`)."""
+
+
 def _set(raw: dict[str, Any], parts: list[str], value: Any) -> str | None:
-    """Set `value` at `parts` in `raw`, making sections on the way; the problem when a part is a value."""
+    """Set `value` at `parts` in `raw`, making sections on the way; the problem when a part is a value. The
+    section `KIND_ALONE` given its kind alone and its fields, in either order, keeps both."""
     node = raw
-    for p in parts[:-1]:
+    for i, p in enumerate(parts[:-1]):
         child = node.get(p)
         if child is None:
             child = node[p] = {}
+        elif isinstance(child, str) and tuple(parts[: i + 1]) == KIND_ALONE:
+            child = node[p] = {"kind": child}
         if not isinstance(child, dict):
             return f"{p} is a value, not a section"
         node = child
-    node[parts[-1]] = value
+    if isinstance(value, str) and isinstance(node.get(parts[-1]), dict) and tuple(parts) == KIND_ALONE:
+        node[parts[-1]]["kind"] = value
+    else:
+        node[parts[-1]] = value
     return None
 
 
@@ -166,6 +177,9 @@ def _rename_saved(raw: dict[str, Any]) -> list[str]:
         if isinstance(node, dict) and node.get(leaf) == old_value:
             node[leaf] = new_value
             moved.append(f"{key}={old_value} -> {new_value}")
+    loss = raw.get("learner", {}).get("loss") if isinstance(raw.get("learner"), dict) else None
+    if isinstance(loss, dict):
+        moved += move_flat_surrogate(loss)
     return moved
 
 

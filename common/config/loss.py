@@ -1,56 +1,155 @@
-"""The `learner.loss` section: the policy loss, its clipping and shaping, the regularisers and the corrections of
-train/inference mismatch (read by learner/policy_loss.py and learner/step.py)."""
+"""The `learner.loss` section: the policy loss (a section per surrogate, chosen by `kind`), its shaping of replayed
+tokens, the regularisers and the corrections of train/inference mismatch (read by learner/policy_loss.py and
+learner/objective.py).
+
+A surrogate is one section here (its `kind`, its own parameters, its own aggregation, whether it has an unclipped
+form, its line in `exgrpo config`) and one function in learner/policy_loss.py (`SURROGATES`): adding one touches
+those two places.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from common.config.base import Section
+from common.config.base import Section, pick_kind
 
-OWN_LOSS_AGG = {"ppo_clip": "token_mean", "gspo": "seq_mean_token_mean", "cispo": "token_mean",
-                "sapo": "seq_mean_token_mean"}
-"""Each `policy_loss`'s own `loss_agg` (what learner.loss.loss_agg None resolves to): GSPO's and SAPO's papers, and
-verl, average each row's token mean over the rows; PPO's and CISPO's (MiniMax-M1's token-level) take a token mean."""
+
+class PpoClipLoss(Section):
+    """PPO's clipped ratio (verl's vanilla loss, without its dual-clip unless clip_ratio_c is set)."""
+
+    kind: Literal["ppo_clip"] = "ppo_clip"
+    clip_low: float = Field(0.2, ge=0, le=1)
+    """The ratio's clip below 1 for fresh tokens."""
+    clip_high: float = Field(0.2, ge=0, le=100)
+    """The ratio's clip above 1 for fresh tokens (DAPO's clip-higher: 0.28)."""
+    clip_ratio_c: float | None = Field(None, gt=1, le=100)
+    """The dual-clip (verl's `clip_ratio_c`, 3.0 there; Ye et al. 2020, "Mastering Complex Control in MOBA Games with
+    Deep RL"): a token of negative advantage loses at most -A x clip_ratio_c, so a ratio far above the band cannot
+    push its loss without bound. None (the default, and the paper command's: the authors' ExGRPO loss has none):
+    PPO's clip alone. Counted in learner/clip_frac; only while fresh tokens are clipped."""
+
+    own_loss_agg: ClassVar[str] = "token_mean"
+    unclipped_form: ClassVar[bool] = True
+    """Whether the surrogate has a form without its clip (-A r), which learner.loss.clip_fresh false or auto takes."""
+
+    def describe(self, clip_fresh: bool | str) -> str:
+        ppo = {True: "PPO clip", False: "PPO unclipped", "auto": "PPO clip until mixed mode"}[clip_fresh]
+        dual = f", dual-clip {self.clip_ratio_c:g} for A < 0" if self.clip_ratio_c is not None else ""
+        return f"{ppo} [1-{self.clip_low:g}, 1+{self.clip_high:g}]{dual}"
+
+
+class GspoLoss(Section):
+    """GSPO's sequence-level ratio (Zheng et al. 2025): PPO's clip on it, a row clipped whole."""
+
+    kind: Literal["gspo"] = "gspo"
+    clip_low: float = Field(3e-4, gt=0, le=1)
+    """The sequence ratio's clip below 1 (the GSPO paper's 3e-4: a mean per-token log-ratio is small)."""
+    clip_high: float = Field(4e-4, gt=0, le=100)
+    """The sequence ratio's clip above 1 (the GSPO paper's 4e-4)."""
+
+    own_loss_agg: ClassVar[str] = "seq_mean_token_mean"
+    unclipped_form: ClassVar[bool] = False
+
+    def describe(self, clip_fresh: bool | str) -> str:
+        return f"GSPO sequence ratio clipped to [1-{self.clip_low:g}, 1+{self.clip_high:g}]"
+
+
+class CispoLoss(Section):
+    """MiniMax-M1's CISPO: a clipped, stop-gradient importance weight on every token's log-prob gradient."""
+
+    kind: Literal["cispo"] = "cispo"
+    clip_low: float = Field(1.0, ge=0, le=1)
+    """The importance weight's band below 1 (1: no lower bound, as MiniMax-M1 and ScaleRL)."""
+    clip_high: float = Field(4.0, gt=0, le=100)
+    """The importance weight's band above 1 (4: weights capped at 5, as ScaleRL; MiniMax-M1 tunes it)."""
+
+    own_loss_agg: ClassVar[str] = "token_mean"
+    unclipped_form: ClassVar[bool] = False
+
+    def describe(self, clip_fresh: bool | str) -> str:
+        return f"CISPO weight in [{1 - self.clip_low:g}, {1 + self.clip_high:g}]"
+
+
+class SapoLoss(Section):
+    """SAPO's soft sigmoid gate (Qwen 2025), its temperature by the advantage's sign."""
+
+    kind: Literal["sapo"] = "sapo"
+    tau_pos: float = Field(1.0, gt=0, le=100)
+    """The gate's temperature for tokens of positive advantage (the SAPO paper's 1.0)."""
+    tau_neg: float = Field(1.05, gt=0, le=100)
+    """The gate's temperature for the others (the SAPO paper's 1.05: negative updates decay faster)."""
+
+    own_loss_agg: ClassVar[str] = "seq_mean_token_mean"
+    unclipped_form: ClassVar[bool] = False
+
+    def describe(self, clip_fresh: bool | str) -> str:
+        return f"SAPO gate, tau {self.tau_pos:g} / {self.tau_neg:g}"
+
+
+SURROGATE_KINDS = {"ppo_clip": PpoClipLoss, "gspo": GspoLoss, "cispo": CispoLoss, "sapo": SapoLoss}
+"""`learner.loss.policy_loss.kind` -> its section. Each surrogate's own `loss_agg` (what learner.loss.loss_agg None
+resolves to): GSPO's and SAPO's papers, and verl, average each row's token mean over the rows; PPO's and CISPO's
+(MiniMax-M1's token-level) take a token mean."""
+
+PolicyLossConfig = Annotated[PpoClipLoss | GspoLoss | CispoLoss | SapoLoss, Field(discriminator="kind")]
+
+FLAT_SURROGATE_KEYS = {"clip_low": ("ppo_clip", "clip_low"), "clip_high": ("ppo_clip", "clip_high"),
+                       "clip_ratio_c": ("ppo_clip", "clip_ratio_c"),
+                       "gspo_clip_low": ("gspo", "clip_low"), "gspo_clip_high": ("gspo", "clip_high"),
+                       "cispo_clip_low": ("cispo", "clip_low"), "cispo_clip_high": ("cispo", "clip_high"),
+                       "sapo_tau_pos": ("sapo", "tau_pos"), "sapo_tau_neg": ("sapo", "tau_neg")}
+"""The surrogates' parameters as `learner.loss` held them flat before each surrogate had its section: old name ->
+(the kind it applied to, its name in that kind's section). Refused when typed (with the new path); a run folder's
+saved config is moved (`move_flat_surrogate`)."""
+
+
+def flat_surrogate_hint(leaf: str) -> str:
+    """What to type in place of the old flat `learner.loss.<leaf>`."""
+    kind, name = FLAT_SURROGATE_KEYS[leaf]
+    where = (f"learner.loss.policy_loss.{name} (of kind ppo_clip, the default)" if kind == "ppo_clip" else
+             f"learner.loss.policy_loss.{name} with learner.loss.policy_loss.kind={kind}")
+    return f"moved into the surrogate's own section: set {where}"
+
+
+def move_flat_surrogate(loss: dict[str, Any]) -> list[str]:
+    """A saved `learner.loss` mapping of an earlier release, in place: `policy_loss: gspo` and the flat parameters
+    become the section of the kind it named (parameters of the other kinds, which had no effect, are dropped);
+    the moves, in words."""
+    flat = [k for k in FLAT_SURROGATE_KEYS if k in loss]
+    if not flat and not isinstance(loss.get("policy_loss"), str):
+        return []
+    section = loss.get("policy_loss")
+    section = {"kind": section} if isinstance(section, str) else dict(section or {})
+    kind = section.setdefault("kind", "ppo_clip")
+    moved = []
+    for old in flat:
+        value = loss.pop(old)
+        old_kind, name = FLAT_SURROGATE_KEYS[old]
+        if old_kind == kind:
+            section.setdefault(name, value)
+            moved.append(f"learner.loss.{old} -> learner.loss.policy_loss.{name}")
+        else:
+            moved.append(f"learner.loss.{old} dropped (a parameter of {old_kind}; the run's policy loss is {kind})")
+    loss["policy_loss"] = section
+    return moved
 
 
 class LossConfig(Section):
     """The objective (docs/algorithm.md): the fresh tokens' surrogate, the replayed tokens' shaping, the entropy and
     KL terms, how the loss aggregates, and the corrections that take the learner's own start-of-step log-probs."""
 
-    policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo"] = "ppo_clip"
-    """The fresh tokens' surrogate (docs/algorithm.md, Policy losses). ppo_clip: PPO's clipped ratio (clip_low,
-    clip_high; verl's vanilla loss without its dual-clip unless clip_ratio_c is set). gspo: GSPO's sequence-level ratio,
-    a row clipped whole (gspo_clip_low, gspo_clip_high). cispo: MiniMax-M1's clipped, stop-gradient importance weight on
-    every token's log-prob gradient (cispo_clip_low, cispo_clip_high). sapo: SAPO's soft sigmoid gate (sapo_tau_pos,
-    sapo_tau_neg). Replayed rows take ExGRPO's policy shaping whichever it is (`replay_loss`)."""
+    policy_loss: PolicyLossConfig = PpoClipLoss()
+    """The fresh tokens' surrogate, chosen by `kind` (docs/algorithm.md, Policy losses): ppo_clip (PPO's clipped
+    ratio), gspo (GSPO's sequence ratio, a row clipped whole), cispo (MiniMax-M1's clipped stop-gradient importance
+    weight), sapo (SAPO's soft sigmoid gate), each with its own parameters (`learner.loss.policy_loss.clip_high=0.28`;
+    `learner.loss.policy_loss=gspo` names the kind alone). Replayed rows take ExGRPO's policy shaping whichever it is
+    (`replay_loss`)."""
     replay_loss: Literal["shaping", "policy_loss"] = "shaping"
     """Replayed tokens' objective. shaping: ExGRPO's -A w / (w + shaping_beta), w the ratio to the stored
     log-probs (with gspo the row's sequence ratio, shaped the same way). policy_loss: `policy_loss` itself with its
     ratio taken to the stored log-probs (an ablation: is the loss's own band or gate enough for replayed data?)."""
-    gspo_clip_low: float = Field(3e-4, gt=0, le=1)
-    """gspo: the sequence ratio's clip below 1 (the GSPO paper's 3e-4: a mean per-token log-ratio is small)."""
-    gspo_clip_high: float = Field(4e-4, gt=0, le=100)
-    """gspo: the sequence ratio's clip above 1 (the GSPO paper's 4e-4)."""
-    cispo_clip_low: float = Field(1.0, ge=0, le=1)
-    """cispo: the importance weight's band below 1 (1: no lower bound, as MiniMax-M1 and ScaleRL)."""
-    cispo_clip_high: float = Field(4.0, gt=0, le=100)
-    """cispo: the importance weight's band above 1 (4: weights capped at 5, as ScaleRL; MiniMax-M1 tunes it)."""
-    sapo_tau_pos: float = Field(1.0, gt=0, le=100)
-    """sapo: the gate's temperature for tokens of positive advantage (the SAPO paper's 1.0)."""
-    sapo_tau_neg: float = Field(1.05, gt=0, le=100)
-    """sapo: the gate's temperature for the others (the SAPO paper's 1.05: negative updates decay faster)."""
-    clip_low: float = Field(0.2, ge=0, le=1)
-    """PPO ratio clip below 1 for fresh tokens."""
-    clip_high: float = Field(0.2, ge=0, le=100)
-    """PPO ratio clip above 1 for fresh tokens."""
-    clip_ratio_c: float | None = Field(None, gt=1, le=100)
-    """ppo_clip's dual-clip (verl's `clip_ratio_c`, 3.0 there; Ye et al. 2020, "Mastering Complex Control in MOBA
-    Games with Deep RL"): a token of negative advantage loses at most -A x clip_ratio_c, so a ratio far above the
-    band cannot push its loss without bound. None (the default, and the paper command's: the authors' ExGRPO loss
-    has none): PPO's clip alone. Counted in learner/clip_frac; only with policy_loss=ppo_clip and while fresh
-    tokens are clipped."""
     clip_fresh: bool | Literal["auto"] = True
     """Clip fresh tokens' PPO ratio. auto: clip until the buffer's mixed mode starts, not after (the authors'
     ExGRPO schedule: the policy-shaped replayed tokens take over the role of the trust region); false: never."""
@@ -150,25 +249,35 @@ class LossConfig(Section):
         """`store_learner_logprobs` with auto resolved."""
         return self.recompute_old_logprobs if self.store_learner_logprobs == "auto" else self.store_learner_logprobs
 
+    @field_validator("policy_loss", mode="before")
+    @classmethod
+    def _kind_alone_or_from_fields(cls, v: Any) -> Any:
+        """`policy_loss=gspo` names the kind alone; `policy_loss.clip_high=0.28` without a kind picks the kind whose
+        fields they are (ppo_clip, the default, where it has them all)."""
+        if isinstance(v, str):
+            return {"kind": v}
+        return pick_kind(v, SURROGATE_KINDS, "ppo_clip", "learner.loss.policy_loss")
+
     @model_validator(mode="after")
     def _loss_agg_of_the_loss(self) -> LossConfig:
         """loss_agg None means the policy loss's own aggregation: resolved here so the saved config carries it."""
         if self.loss_agg is None:
-            self.__dict__["loss_agg"] = OWN_LOSS_AGG[self.policy_loss]  # no re-validation: nothing else changes
+            self.__dict__["loss_agg"] = self.policy_loss.own_loss_agg  # no re-validation: nothing else changes
         return self
 
     @model_validator(mode="after")
     def _loss_combinations(self) -> LossConfig:
         """The policy loss's options that have no meaning together, refused here so that the loss built from them
         (`learner.policy_loss.setup_policy_loss`) never checks a name at run time."""
-        if self.policy_loss != "ppo_clip" and self.clip_fresh is not True:
+        kind = self.policy_loss.kind
+        if not self.policy_loss.unclipped_form and self.clip_fresh is not True:
             raise ValueError(f"learner.loss.clip_fresh={str(self.clip_fresh).lower()} turns PPO's clip off (auto: once "
-                             f"mixed mode starts), but learner.loss.policy_loss={self.policy_loss} has no unclipped "
-                             f"form: its {'gate' if self.policy_loss == 'sapo' else 'band'} is the loss itself. Set "
-                             f"learner.loss.clip_fresh=true, or learner.loss.policy_loss=ppo_clip")
-        if self.clip_ratio_c is not None and (self.policy_loss != "ppo_clip" or self.clip_fresh is False):
-            raise ValueError(f"learner.loss.clip_ratio_c={self.clip_ratio_c:g} is a second bound of PPO's clip, but "
-                             + (f"learner.loss.policy_loss={self.policy_loss} has no PPO clip"
-                                if self.policy_loss != "ppo_clip" else "learner.loss.clip_fresh=false never clips")
-                             + ": leave learner.loss.clip_ratio_c unset (null)")
+                             f"mixed mode starts), but learner.loss.policy_loss.kind={kind} has no unclipped "
+                             f"form: its {'gate' if kind == 'sapo' else 'band'} is the loss itself. Set "
+                             f"learner.loss.clip_fresh=true, or learner.loss.policy_loss.kind=ppo_clip")
+        dual = getattr(self.policy_loss, "clip_ratio_c", None)
+        if dual is not None and self.clip_fresh is False:
+            raise ValueError(f"learner.loss.policy_loss.clip_ratio_c={dual:g} is a second bound of PPO's clip, but "
+                             "learner.loss.clip_fresh=false never clips: leave learner.loss.policy_loss.clip_ratio_c "
+                             "unset (null)")
         return self

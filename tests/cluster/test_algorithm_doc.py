@@ -25,8 +25,8 @@ OFFICIAL = {  # the paper (arXiv 2510.02245) and its official code
     ("learner.batching", "mini_batches"): 2,
     ("learner.optim", "lr"): 1e-6,
     ("learner.loss", "clip_fresh"): "auto",  # clipped until mixed mode, not after
-    ("learner.loss", "clip_low"): 0.2,
-    ("learner.loss", "clip_high"): 0.2,
+    ("learner.loss.policy_loss", "clip_low"): 0.2,
+    ("learner.loss.policy_loss", "clip_high"): 0.2,
     ("learner.loss", "recompute_old_logprobs"): True,
     ("learner.loss", "loss_agg"): "constant",  # loss_remove_token_mean=True: sum / 8192
     ("learner.loss", "loss_constant"): 8192.0,
@@ -39,10 +39,10 @@ OFFICIAL = {  # the paper (arXiv 2510.02245) and its official code
     # mix_vllm_rollout appends EOS to every replayed o*, then cuts the response back to the length limit: a
     # full-length truncated o* keeps no EOS, as with replay_eos off (issue 52)
     ("learner.loss", "replay_eos"): False,
-    ("learner.loss", "clip_ratio_c"): None,  # the official loss has no dual-clip (verl's vanilla has it at 3)
+    ("learner.loss.policy_loss", "clip_ratio_c"): None,  # the official loss has no dual-clip (verl's vanilla has it at 3)
     ("model", "dtype"): "bfloat16",  # FSDP: bf16 compute, fp32 master weights, optimizer state, gradient reduction
     ("generator", "dtype"): "bfloat16",  # vLLM samples in bf16
-    ("learner.loss", "policy_loss"): "ppo_clip",
+    ("learner.loss.policy_loss", "kind"): "ppo_clip",
     ("learner.loss", "entropy_coef"): 0.001,
     ("learner.loss", "kl_coef"): 0.0,
     ("learner.optim", "grad_clip"): 1.0,

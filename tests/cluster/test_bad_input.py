@@ -80,7 +80,7 @@ def assert_refused(code: int, out: str, *expected: str) -> None:
      ["generator.questions_per_lease: 10000 is more than a lease can ever hold: the buffer issues at most "
       "buffer.batch_questions x (buffer.max_lag + 1) = 2 questions ahead", "set it at most 2"]),
     (["learner.loss.policy_loss=cispo", "learner.loss.clip_fresh=auto"],
-     ["learner.loss.clip_fresh=auto turns PPO's clip off", "learner.loss.policy_loss=cispo has no unclipped form"]),
+     ["learner.loss.clip_fresh=auto turns PPO's clip off", "learner.loss.policy_loss.kind=cispo has no unclipped form"]),
 ])
 def test_bad_config_is_refused_naming_the_field(capsys, args, expected):
     code, out = cli(capsys, "config", *args)

@@ -37,7 +37,7 @@ def test_two_steps_train_with_each_policy_loss(nodes, runs_root, loss, extra):
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED", "joining"
     assert_balanced(accounting(run.data.metrics))
-    assert client.get_run(run_id).data.params["learner.loss.policy_loss"] == loss
+    assert client.get_run(run_id).data.params["learner.loss.policy_loss.kind"] == loss
     for key in ("learner/clip_frac", "learner/fresh_ratio_mean", "learner/loss"):
         values = [v for _, v in history(client, run_id, key)]
         assert len(values) == 2 and all(math.isfinite(v) for v in values), (key, values)

@@ -111,15 +111,18 @@ def test_fields_of_a_union_without_kind_pick_the_kind():
 
 
 def test_every_flat_learner_key_that_moved_into_a_section_is_refused_with_its_new_name(tmp_path):
-    """`learner.lr` -> `learner.optim.lr`, ... : each of the 53 fields that left the flat learner, given on the
-    command line or nested in a YAML file, gets one line naming its section; none is taken silently."""
+    """`learner.lr` -> `learner.optim.lr`, ... : each of the 44 fields that left the flat learner, given on the
+    command line or nested in a YAML file, gets one line naming its section; none is taken silently. The 9
+    surrogate parameters that `learner.loss` held flat (`clip_high`, `gspo_clip_low`, ...), under either old
+    name, get the path in their surrogate's section and the kind it needs."""
     from common.config import BatchingConfig, ConfigError, LeversConfig, LossConfig, OptimConfig
+    from common.config.loss import FLAT_SURROGATE_KEYS
 
     moved = {f"learner.{name}": f"learner.{section}.{name}" for section, model in
              (("optim", OptimConfig), ("batching", BatchingConfig), ("levers", LeversConfig), ("loss", LossConfig))
              for name in model.model_fields}
-    assert len(moved) == 53 and moved["learner.lr"] == "learner.optim.lr"
-    assert moved["learner.clip_low"] == "learner.loss.clip_low" and moved["learner.compile"] == "learner.levers.compile"
+    assert len(moved) == 44 and moved["learner.lr"] == "learner.optim.lr"
+    assert moved["learner.compile"] == "learner.levers.compile"
     for old, new in moved.items():
         nested = tmp_path / "run.yaml"
         nested.write_text(f"learner:\n  {old.split('.')[1]}: 1\n")
@@ -127,16 +130,30 @@ def test_every_flat_learner_key_that_moved_into_a_section_is_refused_with_its_ne
             with pytest.raises(ConfigError) as e:
                 load_config(*args)
             assert f"{old}: renamed: set {new} instead (same meaning)" in e.value.lines, e.value.lines
+    hint = {"clip_high": "set learner.loss.policy_loss.clip_high (of kind ppo_clip, the default)",
+            "gspo_clip_low": "set learner.loss.policy_loss.clip_low with learner.loss.policy_loss.kind=gspo",
+            "sapo_tau_neg": "set learner.loss.policy_loss.tau_neg with learner.loss.policy_loss.kind=sapo"}
+    for flat in FLAT_SURROGATE_KEYS:
+        for old in (f"learner.{flat}", f"learner.loss.{flat}"):
+            with pytest.raises(ConfigError) as e:
+                load_config(None, [f"{old}=1.5"])
+            assert len(e.value.lines) == 1 and e.value.lines[0].startswith(
+                f"{old}: moved into the surrogate's own section: set learner.loss.policy_loss."), e.value.lines
+            assert hint.get(flat, "") in e.value.lines[0]
 
 
 def test_a_run_saved_under_the_old_names_is_read_under_the_new_ones(tmp_path):
-    """A run folder's config.yaml from before the sections (flat learner keys, `official` values): the user did
-    not type it, so `load_saved_config` moves each old name to its new one and says which; load_config, for
-    what the user types, still refuses them."""
+    """A run folder's config.yaml from before the sections (flat learner keys, `official` values, the surrogate's
+    parameters flat beside `policy_loss: gspo`): the user did not type it, so `load_saved_config` moves each old
+    name to its new one and says which (the other surrogates' parameters, which did nothing, are dropped and
+    named); load_config, for what the user types, still refuses them."""
     from common.config import ConfigError, load_saved_config, to_yaml
+    from common.config.loss import FLAT_SURROGATE_KEYS
 
-    saved = yaml.safe_load(to_yaml(load_config(None, ["learner.optim.lr=3e-4", "learner.loss.clip_low=0.1"])))
+    saved = yaml.safe_load(to_yaml(load_config(None, ["learner.optim.lr=3e-4"])))
     learner = saved["learner"]
+    learner["loss"]["policy_loss"] = "gspo"  # the earlier release: the kind as a value, every parameter flat
+    learner["loss"].update({flat: 0.5 for flat in FLAT_SURROGATE_KEYS}, gspo_clip_high=0.001, clip_ratio_c=None)
     for section in ("optim", "batching", "levers", "loss"):
         learner.update(learner.pop(section))  # the flat learner of the earlier release
     learner["official_world_size"] = learner.pop("loss_world_size")
@@ -144,10 +161,13 @@ def test_a_run_saved_under_the_old_names_is_read_under_the_new_ones(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(saved))
     cfg, moved = load_saved_config(path)
-    assert cfg.learner.optim.lr == pytest.approx(3e-4) and cfg.learner.loss.clip_low == pytest.approx(0.1)
+    assert cfg.learner.optim.lr == pytest.approx(3e-4)
+    assert cfg.learner.loss.policy_loss.model_dump() == {"kind": "gspo", "clip_low": 0.5, "clip_high": 0.001}
     assert cfg.buffer.fresh_draw == "per_step" and cfg.buffer.trajectory_score == "chunk_window"
-    assert len(moved) == 52 + 1 + 2 and "learner.lr -> learner.optim.lr" in moved
+    assert len(moved) == 43 + 9 + 1 + 2 + 9 and "learner.lr -> learner.optim.lr" in moved
     assert "learner.official_world_size -> learner.loss.loss_world_size" in moved
+    assert "learner.loss.gspo_clip_high -> learner.loss.policy_loss.clip_high" in moved
+    assert "learner.loss.sapo_tau_pos dropped (a parameter of sapo; the run's policy loss is gspo)" in moved
     assert "buffer.fresh_draw=official -> per_step" in moved
     current = tmp_path / "current.yaml"
     current.write_text(to_yaml(cfg))

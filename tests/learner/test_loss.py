@@ -63,7 +63,7 @@ def test_fresh_ppo_clipped_by_hand():
     assert m["clip_frac"].item() == 0
     # asymmetric clip (low 0.1, high 0.4): row 0 clip = [1.4, 1, 0.9] -> max(-1.5,-1.4)=-1.4, -1, max(-.5,-.9)=-.5
     # row 1 clip = [1.4, 0.9] -> max(.75,.7)=.75, max(.25,.45)=.45; sum = -1.4-1-.5+.75+.45 = -1.7 -> -0.34
-    loss, _ = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), clip_low=0.1, clip_high=0.4)
+    loss, _ = _loss(LOGPROBS, BEHAVIOUR, ADV, MASK, torch.zeros(2, 3), policy_loss=dict(clip_low=0.1, clip_high=0.4))
     assert loss.item() == pytest.approx(-0.34, abs=1e-6)
 
 
@@ -275,7 +275,7 @@ def test_dual_clip_bounds_negative_advantages_by_hand():
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     adv = torch.tensor([-1.0, 1.0])
     x = (beh + torch.log(ratios)).requires_grad_(True)
-    loss, m = _loss(x, beh, adv, mask, torch.zeros(2, 3), clip_ratio_c=3.0)
+    loss, m = _loss(x, beh, adv, mask, torch.zeros(2, 3), policy_loss=dict(clip_ratio_c=3.0))
     loss.backward()
     assert loss.item() == pytest.approx(0.925, abs=1e-6)
     torch.testing.assert_close(x.grad, torch.tensor([[0.0, 0.275, 0.0], [0.0, 0.0, 0.0]]))
@@ -289,22 +289,25 @@ def test_dual_clip_bounds_negative_advantages_by_hand():
     torch.testing.assert_close(x.grad, torch.tensor([[1.0, 0.275, 0.0], [0.0, 0.0, 0.0]]))
     assert m["clip_frac"].item() == pytest.approx(2 / 4)
     # the same rows replayed under replay_loss=policy_loss take the same bound
-    loss, m = _loss(x, beh, adv, mask, torch.ones(2, 3), clip_ratio_c=3.0, replay_loss="policy_loss")
+    loss, m = _loss(x, beh, adv, mask, torch.ones(2, 3), policy_loss=dict(clip_ratio_c=3.0), replay_loss="policy_loss")
     assert loss.item() == pytest.approx(0.925, abs=1e-6) and m["replay_clip_frac"].item() == pytest.approx(3 / 4)
     # unclipped fresh tokens (learner.loss.clip_fresh off) have no second bound either: -A r summed = 4 + 1.1 + 0.5 - 4
-    loss, _ = _loss(x, beh, adv, mask, torch.zeros(2, 3), clip_ratio_c=3.0, clip=False)
+    loss, _ = _loss(x, beh, adv, mask, torch.zeros(2, 3), policy_loss=dict(clip_ratio_c=3.0), clip=False)
     assert loss.item() == pytest.approx(1.6 / 4, abs=1e-6)
-    with pytest.raises(ValueError, match="policy_loss=gspo has no PPO clip: leave learner.loss.clip_ratio_c unset"):
-        LearnerConfig(loss=dict(policy_loss="gspo", clip_ratio_c=3.0))
+    with pytest.raises(ValueError, match="clip_ratio_c"):  # a field of ppo_clip's section only
+        LearnerConfig(loss=dict(policy_loss=dict(kind="gspo", clip_ratio_c=3.0)))
 
 
 def test_dual_clip_config_is_ppo_clips_only():
     from common.config import LearnerConfig
-    assert LearnerConfig().loss.clip_ratio_c is None  # off by default: the official loss has no dual-clip
-    assert "dual-clip 3 for A < 0" in LearnerConfig(loss=dict(clip_ratio_c=3.0, clip_fresh="auto")).loss_scale()
-    with pytest.raises(ValueError, match="policy_loss=sapo has no PPO clip: leave learner.loss.clip_ratio_c unset"):
-        LearnerConfig(loss=dict(policy_loss="sapo", clip_ratio_c=3.0))
+    from common.config import ConfigError, load_config
+    assert LearnerConfig().loss.policy_loss.clip_ratio_c is None  # off by default: the official loss has no dual-clip
+    dual = dict(policy_loss=dict(clip_ratio_c=3.0), clip_fresh="auto")
+    assert "dual-clip 3 for A < 0" in LearnerConfig(loss=dual).loss_scale()
+    with pytest.raises(ConfigError, match="clip_ratio_c is a field of kind ppo_clip, not of sapo: set "
+                                          "learner.loss.policy_loss.kind=ppo_clip"):
+        load_config(None, ["learner.loss.policy_loss=sapo", "learner.loss.policy_loss.clip_ratio_c=3"])
     with pytest.raises(ValueError, match="clip_fresh=false never clips"):
-        LearnerConfig(loss=dict(clip_ratio_c=3.0, clip_fresh=False))
+        LearnerConfig(loss=dict(policy_loss=dict(clip_ratio_c=3.0), clip_fresh=False))
     with pytest.raises(ValueError, match="greater than 1"):
-        LearnerConfig(loss=dict(clip_ratio_c=0.5))
+        LearnerConfig(loss=dict(policy_loss=dict(clip_ratio_c=0.5)))

@@ -202,11 +202,11 @@ def test_setup_chooses_the_pieces_once_from_the_config():
     assert fn.replay.func is P.shaping and fn.replay.keywords == {"beta": 0.1, "ratio": P.token_ratio}
     assert fn.corrections == () and fn.aggregation is P.token_mean
     assert P.setup_policy_loss(LossConfig(clip_fresh="auto"), clip_fresh=False).fresh is P.importance_weighted
-    fn = P.setup_policy_loss(LossConfig(clip_ratio_c=3.0, clip_fresh="auto"))
+    fn = P.setup_policy_loss(LossConfig(policy_loss=dict(clip_ratio_c=3.0), clip_fresh="auto"))
     assert fn.fresh.func is P.dual_clip and fn.fresh.keywords["clip_ratio_c"] == 3.0
     assert fn.fresh.keywords["surrogate"].func is P.ppo_clip
     # unclipped fresh tokens have no second bound either; replayed ones under replay_loss=policy_loss keep both
-    fn = P.setup_policy_loss(LossConfig(clip_ratio_c=3.0, clip_fresh="auto", replay_loss="policy_loss"), False)
+    fn = P.setup_policy_loss(LossConfig(policy_loss=dict(clip_ratio_c=3.0), clip_fresh="auto", replay_loss="policy_loss"), False)
     assert fn.fresh is P.importance_weighted and fn.replay.func is P.dual_clip
     fn = P.setup_policy_loss(LossConfig(policy_loss="gspo", shaping_beta=None))
     assert fn.fresh.func is P.gspo and fn.fresh.keywords == {"clip_low": 3e-4, "clip_high": 4e-4}
@@ -214,10 +214,10 @@ def test_setup_chooses_the_pieces_once_from_the_config():
     assert fn.aggregation is P.seq_mean_token_mean  # gspo's own
     fn = P.setup_policy_loss(LossConfig(policy_loss="cispo", replay_loss="policy_loss"))
     assert fn.fresh.func is P.cispo and fn.replay is fn.fresh
-    fn = P.setup_policy_loss(LossConfig(policy_loss="sapo", sapo_tau_neg=1.2, loss_agg="constant"))
+    fn = P.setup_policy_loss(LossConfig(policy_loss=dict(kind="sapo", tau_neg=1.2), loss_agg="constant"))
     assert fn.fresh.keywords == {"tau_pos": 1.0, "tau_neg": 1.2} and fn.aggregation is P.token_mean
     fn = P.setup_policy_loss(LossConfig(tis_cap=3.0, icepop_band=(0.5, 2.0), mis="mask", mis_cap=4.0))
     assert [(c.func, c.keywords) for c in fn.corrections] == [
         (P.truncated_is, {"cap": 3.0}), (P.icepop, {"low": 0.5, "high": 2.0}), (P.mis_mask, {"cap": 4.0})]
-    with pytest.raises(ValueError, match="policy_loss=gspo has no unclipped form.*set learner.loss.clip_fresh=true"):
+    with pytest.raises(ValueError, match="policy_loss.kind=gspo has no unclipped form.*set learner.loss.clip_fresh=true"):
         P.setup_policy_loss(LossConfig(policy_loss="gspo"), clip_fresh=False)

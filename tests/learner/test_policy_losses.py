@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from common.config import LearnerConfig, LossConfig
-from learner.policy_loss import POLICY_LOSSES, LossBatch, setup_policy_loss
+from common.config.loss import SURROGATE_KINDS
+from learner.policy_loss import SURROGATES, LossBatch, setup_policy_loss
 
 LN = math.log
 
@@ -46,15 +47,15 @@ def test_gspo_clips_a_row_by_its_sequence_ratio_worked_by_hand():
     #   unclipped, each token -A s = -0.8660, gradient d/dlogp_t = -A s = -0.8660 (before the divisor);
     # row 1: s = 2 (its one token), A = +1: above 1 + 4e-4, clipped to -1.0004, no gradient.
     s0 = math.sqrt(0.75)
-    loss, grad, m = _run(LOGP, BEH, [1.0, 1.0], MASK, FRESH, policy_loss="gspo", gspo_clip_low=3e-4,
-                         gspo_clip_high=4e-4, loss_agg="token_mean")
+    loss, grad, m = _run(LOGP, BEH, [1.0, 1.0], MASK, FRESH, policy_loss=dict(kind="gspo", clip_low=3e-4,
+                         clip_high=4e-4), loss_agg="token_mean")
     assert loss == pytest.approx((-s0 * 2 - 1.0004) / 3, rel=1e-6)  # token mean over 3 tokens
     torch.testing.assert_close(grad, torch.tensor([[-s0 / 3, -s0 / 3], [0.0, 0.0]]))
     assert m["clip_frac"] == pytest.approx(1 / 3)  # row 1's one token
     assert m["fresh_ratio_mean"] == pytest.approx((2 * s0 + 2) / 3, rel=1e-6)  # the row's sequence ratio per token
     # seq_mean_token_mean: (row 0's mean -0.8660 + row 1's -1.0004) / 2 rows; row 0's tokens weigh 1/2 each
-    loss, grad, _ = _run(LOGP, BEH, [1.0, 1.0], MASK, FRESH, policy_loss="gspo", gspo_clip_low=3e-4,
-                         gspo_clip_high=4e-4, loss_agg="seq_mean_token_mean")
+    loss, grad, _ = _run(LOGP, BEH, [1.0, 1.0], MASK, FRESH, policy_loss=dict(kind="gspo", clip_low=3e-4,
+                         clip_high=4e-4), loss_agg="seq_mean_token_mean")
     assert loss == pytest.approx((-s0 - 1.0004) / 2, rel=1e-6)
     torch.testing.assert_close(grad, torch.tensor([[-s0 / 4, -s0 / 4], [0.0, 0.0]]))
 
@@ -68,7 +69,7 @@ def test_gspo_token_gradient_is_the_sequence_ratios_gradient():
     mask = torch.ones(3, 5)
     mask[2, 3:] = 0
     adv = torch.tensor([1.0, -0.5, 2.0])
-    loss_fn = _loss_fn(policy_loss="gspo", gspo_clip_low=0.9, gspo_clip_high=9.0, loss_agg="seq_mean_token_mean")
+    loss_fn = _loss_fn(policy_loss=dict(kind="gspo", clip_low=0.9, clip_high=9.0), loss_agg="seq_mean_token_mean")
     loss, _ = loss_fn(lp, LossBatch(old, adv, mask, torch.zeros(3, 5)))
     loss.backward()
     x = lp.detach().clone().requires_grad_(True)
@@ -80,14 +81,14 @@ def test_gspo_token_gradient_is_the_sequence_ratios_gradient():
 def test_cispo_truncates_the_weight_and_keeps_every_tokens_gradient():
     # row 0 (A = +1): ratios 1.5 and 0.5, band [1 - 1, 1 + 0.2] = [0, 1.2]: weights 1.2 and 0.5; value -A w, gradient
     # -A w per token; row 1 (A = -1): ratio 2 -> weight 1.2, value +1.2, gradient +1.2. Token mean over 3.
-    loss, grad, m = _run(LOGP, BEH, [1.0, -1.0], MASK, FRESH, policy_loss="cispo", cispo_clip_low=1.0,
-                         cispo_clip_high=0.2, loss_agg="token_mean")
+    loss, grad, m = _run(LOGP, BEH, [1.0, -1.0], MASK, FRESH, policy_loss=dict(kind="cispo", clip_low=1.0,
+                         clip_high=0.2), loss_agg="token_mean")
     assert loss == pytest.approx((-1.2 - 0.5 + 1.2) / 3, rel=1e-6)
     torch.testing.assert_close(grad, torch.tensor([[-1.2 / 3, -0.5 / 3], [1.2 / 3, 0.0]]))
     assert m["clip_frac"] == pytest.approx(2 / 3)  # ratios 1.5 and 2 truncated
     assert m["fresh_ratio_mean"] == pytest.approx((1.5 + 0.5 + 2) / 3, rel=1e-6)
     # ppo_clip on the same tokens: the clipped ones (1.5 with A > 0, 2 with A < 0: max(2, 1.2) is not clipped) ...
-    _, ppo_grad, _ = _run(LOGP, BEH, [1.0, -1.0], MASK, FRESH, clip_low=0.2, clip_high=0.2)
+    _, ppo_grad, _ = _run(LOGP, BEH, [1.0, -1.0], MASK, FRESH, policy_loss=dict(clip_low=0.2, clip_high=0.2))
     # ... lose their gradient under PPO (token 0: clip(1.5) = 1.2 is the max for A > 0), never under CISPO
     torch.testing.assert_close(ppo_grad, torch.tensor([[0.0, -0.5 / 3], [2.0 / 3, 0.0]]))
 
@@ -101,8 +102,8 @@ def test_sapo_gate_worked_by_hand():
     values = [-1 * g0 * 4 / 1.0, +1 * g1 * 4 / 1.05, -1 * g2 * 4 / 1.0]  # -A (4/tau) sigmoid(tau (r - 1))
     # d/dlogp of -A (4/tau) sigmoid(tau (r - 1)) = -A 4 sigmoid (1 - sigmoid) r
     grads = [-1 * 4 * g0 * (1 - g0) * 1, +1 * 4 * g1 * (1 - g1) * 2, -1 * 4 * g2 * (1 - g2) * 4]
-    loss, grad, m = _run(logp, beh, [1.0, -1.0, 1.0], [[1.0]] * 3, [[0.0]] * 3, policy_loss="sapo",
-                         sapo_tau_pos=1.0, sapo_tau_neg=1.05, loss_agg="token_mean")
+    loss, grad, m = _run(logp, beh, [1.0, -1.0, 1.0], [[1.0]] * 3, [[0.0]] * 3, policy_loss=dict(kind="sapo",
+                         tau_pos=1.0, tau_neg=1.05), loss_agg="token_mean")
     assert loss == pytest.approx(sum(values) / 3, rel=1e-6)
     torch.testing.assert_close(grad, torch.tensor([[g / 3] for g in grads]))
     assert grads[0] == pytest.approx(-1.0)  # at r = 1 the gate passes the plain policy gradient -A
@@ -122,8 +123,9 @@ R_ADV = [1.0, -1.0]
 @pytest.mark.parametrize("loss", ["ppo_clip", "cispo", "sapo"])
 def test_replayed_tokens_are_shaped_per_token_under_the_token_losses(loss):
     # replayed (A = -1): -A w / (w + 0.1) per token: 2/2.1 and 0.5/0.6; d/dlogp = -A 0.1 w / (w + 0.1)^2
-    band = {"cispo_clip_low": 1.0, "cispo_clip_high": 0.2} if loss == "cispo" else {}
-    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, policy_loss=loss, loss_agg="token_mean", **band)
+    band = {"clip_low": 1.0, "clip_high": 0.2} if loss == "cispo" else {}
+    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, policy_loss=dict(kind=loss, **band),
+                      loss_agg="token_mean")
     want = [0.1 * 2 / 2.1 ** 2 / 4, 0.1 * 0.5 / 0.6 ** 2 / 4]
     torch.testing.assert_close(grad[1], torch.tensor(want))
     assert m["replay_loss"] == pytest.approx((2 / 2.1 + 0.5 / 0.6) / 4, rel=1e-6)
@@ -132,8 +134,8 @@ def test_replayed_tokens_are_shaped_per_token_under_the_token_losses(loss):
 
 def test_replayed_rows_are_shaped_by_their_sequence_ratio_under_gspo():
     # s = 1: each token -A s/(s + 0.1) = 1/1.1; d/dlogp_t = -A 0.1 s / (s + 0.1)^2 = 0.1/1.21 (per token, / 4 tokens)
-    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, policy_loss="gspo", gspo_clip_low=3e-4,
-                      gspo_clip_high=4e-4, loss_agg="token_mean")
+    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, policy_loss=dict(kind="gspo", clip_low=3e-4,
+                      clip_high=4e-4), loss_agg="token_mean")
     torch.testing.assert_close(grad[1], torch.tensor([0.1 / 1.21 / 4] * 2))
     assert m["replay_loss"] == pytest.approx(2 / 1.1 / 4, rel=1e-6)
     assert m["replay_weight_mean"] == pytest.approx(1.0, rel=1e-6)
@@ -142,8 +144,8 @@ def test_replayed_rows_are_shaped_by_their_sequence_ratio_under_gspo():
 def test_replay_loss_policy_loss_applies_the_loss_to_replayed_rows():
     # cispo on the replayed row (A = -1): weights clip([2, 0.5], 0, 1.2) = [1.2, 0.5]: value +1.2 + 0.5, gradient the
     # same per token; one of its two tokens truncated
-    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, policy_loss="cispo", cispo_clip_low=1.0,
-                      cispo_clip_high=0.2, loss_agg="token_mean", replay_loss="policy_loss")
+    _, grad, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, policy_loss=dict(kind="cispo", clip_low=1.0,
+                      clip_high=0.2), loss_agg="token_mean", replay_loss="policy_loss")
     torch.testing.assert_close(grad[1], torch.tensor([1.2 / 4, 0.5 / 4]))
     assert m["replay_loss"] == pytest.approx(1.7 / 4, rel=1e-6) and m["replay_clip_frac"] == 0.5
     # ppo_clip against the stored log-probs (A = -1): ratio 2 -> max(2, 1.2) = 2 unclipped; 0.5 -> max(0.5, 0.8)
@@ -154,7 +156,7 @@ def test_replay_loss_policy_loss_applies_the_loss_to_replayed_rows():
 
 
 def test_fresh_and_replayed_losses_add_up_under_seq_mean():
-    for loss in POLICY_LOSSES:
+    for loss in SURROGATE_KINDS:
         _, _, m = _run(R_LOGP, R_BEH, R_ADV, R_MASK, R_REPLAY, policy_loss=loss, loss_agg="seq_mean_token_mean",
                        normalizer=2.0)
         assert m["loss"] == pytest.approx(m["fresh_loss"] + m["replay_loss"], rel=1e-6)
@@ -192,6 +194,9 @@ def _golden_run(case: dict, **change) -> tuple[torch.Tensor, torch.Tensor, dict[
     fields = {**case["kwargs"], **change}  # the old policy_loss's keywords: config fields but for these three
     batch = LossBatch(beh, adv, mask, replay, old if fields.pop("old", False) else None)
     normalizer, clip = fields.pop("normalizer", None), fields.pop("clip_fresh", True)
+    band = {k: fields.pop(k) for k in ("clip_low", "clip_high") if k in fields}  # ppo_clip's own section's fields
+    if band:
+        fields["policy_loss"] = {**fields.get("policy_loss", {}), **band}
     x = lp.clone().requires_grad_(True)
     loss, m = _loss_fn(clip, **fields)(x, batch, normalizer)
     loss.backward()
@@ -220,12 +225,16 @@ def test_the_golden_tolerance_detects_a_clip_epsilon_of_0_21(label):
         _assert_golden(case, _golden_run(case, clip_low=0.21, clip_high=0.21))
 
 
+def test_every_surrogate_kind_of_the_config_is_built_by_the_learner():
+    assert list(SURROGATES) == list(SURROGATE_KINDS)
+
+
 def test_config_takes_each_loss_and_refuses_what_has_no_meaning():
-    for loss in POLICY_LOSSES:
+    for loss in SURROGATE_KINDS:
         LearnerConfig(loss=dict(policy_loss=loss, loss_agg="seq_mean_token_mean"))
-    with pytest.raises(ValueError, match=r"clip_fresh=auto.*policy_loss=cispo has no unclipped form.*clip_fresh=true"):
+    with pytest.raises(ValueError, match=r"clip_fresh=auto.*policy_loss.kind=cispo has no unclipped form.*clip_fresh=true"):
         LearnerConfig(loss=dict(policy_loss="cispo", clip_fresh="auto"))
-    with pytest.raises(ValueError, match="policy_loss=sapo has no unclipped form: its gate"):
+    with pytest.raises(ValueError, match="policy_loss.kind=sapo has no unclipped form: its gate"):
         LearnerConfig(loss=dict(policy_loss="sapo", clip_fresh=False))
     LearnerConfig(loss=dict(policy_loss="ppo_clip", clip_fresh="auto"))
 
