@@ -223,7 +223,7 @@ class Trainer:
         if self.launched is None:
             return None
         seconds, self.launched = time.monotonic() - self.launched, None
-        self.profile.first_update_s = seconds
+        self.profile.first_update(seconds)
         log.info("first learner update %.1f s after exgrpo train started", seconds)
         return seconds
 

@@ -39,6 +39,7 @@ class Profile:
         self.counts: dict[str, int] = {}
         self.generator: dict[str, float] = {}
         self.first_update_s: float | None = None  # seconds from the command's start to its first learner update
+        self.first_update_traced_s: float | None = None  # of those, the seconds inside the rows (the rest: untraced)
         if launched is not None and launched < self.started:
             self.add("start-up: Python and imports", self.started - launched)
             self.started = launched
@@ -54,6 +55,11 @@ class Profile:
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         self.counts[name] = self.counts.get(name, 0) + 1
+
+    def first_update(self, seconds: float) -> None:
+        """The command's first learner update, `seconds` after it started: what the rows hold by then is traced."""
+        self.first_update_s = seconds
+        self.first_update_traced_s = min(seconds, sum(self.seconds.values()))
 
     def generators(self, metrics: dict[str, float]) -> None:
         """The pool's summed generator metrics (call before the pool stops)."""
@@ -74,8 +80,10 @@ class Profile:
         wall = rows[-1][1]
         lines = [f"$ {command}", ""]
         if self.first_update_s is not None:
-            lines += [f"first learner update {self.first_update_s:.1f} s after the command started: the start-up rows "
-                      "below, then the first step's", ""]
+            traced = self.first_update_traced_s if self.first_update_traced_s is not None else self.first_update_s
+            lines += [f"first learner update {self.first_update_s:.1f} s after the command started: {traced:.1f} s in "
+                      "the start-up rows below and the first step's (its wait for a batch and learner compute), "
+                      f"{self.first_update_s - traced:.1f} s untraced driver bookkeeping", ""]
         lines += ["| phase | seconds | % of command | count | mean ms |", "|---|---:|---:|---:|---:|"]
         for name, s, n in rows:
             lines.append(f"| {name} | {s:.2f} | {100 * s / max(wall, 1e-9):.1f} | {n} | {1000 * s / max(n, 1):.1f} |")
@@ -90,4 +98,5 @@ class Profile:
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({"phases": [{"phase": n, "seconds": s, "count": c} for n, s, c in self.rows()],
-                                    "generators": self.generator, "first_update_s": self.first_update_s}, indent=1))
+                                    "generators": self.generator, "first_update_s": self.first_update_s,
+                                    "first_update_traced_s": self.first_update_traced_s}, indent=1))

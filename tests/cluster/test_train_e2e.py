@@ -244,6 +244,12 @@ def test_synchronous_mode_trains_only_on_current_policy_rollouts(runs_root, join
     assert r.returncode == 0, r.stdout[-4000:]
     assert "PASSWORD" not in r.stdout and "MLflow: open http://127.0.0.1" in r.stdout  # a server: its own UI
     assert "$ exgrpo train name=sync" in r.stdout and "tracking.uri=http://alice:***@" in r.stdout  # --profile's
+    # the first update's seconds split into what the rows traced and the untraced rest, in profile.json as said
+    prof = json.loads((runs_root / "sync" / "profile.json").read_text())
+    assert 0 < prof["first_update_traced_s"] <= prof["first_update_s"], prof
+    said = re.search(r"first learner update ([\d.]+) s after the command started: ([\d.]+) s in the start-up rows",
+                     r.stdout)
+    assert said and float(said.group(2)) == pytest.approx(prof["first_update_traced_s"], abs=0.051), r.stdout[-3000:]
     _assert_private_and_without(runs_root / "sync", b"PASSWORD")
     client = MlflowClient(tracking_uri=mlflow_server)
     run_id = _run_id(runs_root, "sync")
