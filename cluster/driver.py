@@ -107,16 +107,16 @@ class Trainer:
         from learner.trial import switch_off
 
         cfg, name, ns, phase = self.cfg, self.run_dir.name, self.cfg.cluster.namespace, self.profile.phase
-        log.info("starting %d buffer shard(s), %d learner rank(s) and %d generator(s); %s", cfg.buffer.num_shards,
-                 cfg.learner.num_ranks, self.state.generators, describe_engine(cfg.generator, self.model_path))
-        learner_cfg = switch_off(cfg.learner, self.state.levers_off)  # what failed its trial stays off
-        if self.state.levers_off:
-            log.info("learner levers kept off from the run's first start: %s",
-                     "; ".join(f"{k} ({v})" for k, v in self.state.levers_off.items()))
-        shape = TrainShape(max_new_tokens=cfg.generator.max_new_tokens, prompt_tokens=cfg.data.max_prompt_tokens,
-                           batch_rows=cfg.buffer.batch_questions * cfg.buffer.group_size, dtype=cfg.model.dtype,
-                           publish_dtype=cfg.generator.dtype)
         with phase("start-up: ask for the learner ranks"):
+            log.info("starting %d buffer shard(s), %d learner rank(s) and %d generator(s); %s", cfg.buffer.num_shards,
+                     cfg.learner.num_ranks, self.state.generators, describe_engine(cfg.generator, self.model_path))
+            learner_cfg = switch_off(cfg.learner, self.state.levers_off)  # what failed its trial stays off
+            if self.state.levers_off:
+                log.info("learner levers kept off from the run's first start: %s",
+                         "; ".join(f"{k} ({v})" for k, v in self.state.levers_off.items()))
+            shape = TrainShape(max_new_tokens=cfg.generator.max_new_tokens, prompt_tokens=cfg.data.max_prompt_tokens,
+                               batch_rows=cfg.buffer.batch_questions * cfg.buffer.group_size, dtype=cfg.model.dtype,
+                               publish_dtype=cfg.generator.dtype)
             self.learner = LearnerPool(learner_cfg, str(self.model_path), shape, run=name, namespace=ns, wait=False)
         with phase("start-up: ask for the buffer shards"):
             self.buffer = BufferClient.create(cfg.buffer, self.questions, run=name, namespace=ns,
