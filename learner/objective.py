@@ -27,7 +27,7 @@ from torch import Tensor
 from common.messages import TrainingBatch
 from learner import loss as L
 from learner.batching import MicroBatch, Row, batch_rows
-from learner.policy_loss import LossBatch, PolicyLoss, setup_policy_loss
+from learner.policy_loss import CORRECTION_METRICS, LossBatch, PolicyLoss, setup_policy_loss
 from learner.shape import TrainShape
 
 if TYPE_CHECKING:
@@ -66,11 +66,7 @@ METRICS: dict[str, Reduce] = {
     "fresh_tokens": Reduce("sum"),
     "replay_tokens": Reduce("sum"),
     "replay_clip_frac": Reduce("mean", "replay_tokens"),  # replay_loss=policy_loss
-    "tis_weight_mean": Reduce("mean", "fresh_tokens"),  # tis_cap
-    "tis_truncated_frac": Reduce("mean", "fresh_tokens"),
-    "icepop_masked_frac": Reduce("mean", "fresh_tokens"),  # icepop_band
-    "mis_weight_mean": Reduce("mean", "fresh_tokens"),  # mis
-    "mis_masked_frac": Reduce("mean", "fresh_tokens"),
+    **{name: Reduce("mean", "fresh_tokens") for name in CORRECTION_METRICS},  # tis_cap, icepop_band, mis
     "overlong_masked": Reduce("step"),  # truncated rows left out of the loss (overlong=mask)
     "replay_eos_appended": Reduce("step"),  # truncated replayed rows given an EOS token (replay_eos)
     "overlong_penalty_mean": Reduce("step"),  # the mean overlong penalty over the batch's rows (overlong=penalty)

@@ -138,6 +138,12 @@ def importance_weighted(logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: 
 
 # ------------------------------------------------------------------------------------ mismatch corrections
 
+CORRECTION_METRICS = ("tis_weight_mean", "tis_truncated_frac", "icepop_masked_frac", "mis_weight_mean",
+                      "mis_masked_frac")
+"""The metrics the corrections emit, each a mean over the fresh tokens (`learner.objective.METRICS` reduces them
+so): a new correction is its function here, its entry in `_corrections`, its names here and its config field."""
+
+
 def truncated_is(mm_log: Tensor, fresh: Tensor, *, cap: float) -> tuple[Tensor, dict[str, Tensor]]:
     """TIS (verl/OpenRLHF): each fresh token's loss times c = min(m_t, cap), m_t = exp(mm_log)."""
     c = torch.exp(mm_log).clamp(max=cap)  # [R, T]
