@@ -35,7 +35,7 @@ def test_the_bundled_spec_loads_and_bad_specs_say_what_to_change(tmp_path):
                                                              ("ppo_clip", "gspo", "cispo", "sapo")}
                 }.get(path.stem, {"exgrpo", "grpo"})
         assert want <= set(load_spec(path.stem).variants), path
-    for name in ("ablations", "multi_epoch"):  # retirement isolated: ExGRPO with buffer.retire=false, nothing else
+    for name in ("ablations", "multi_epoch", "paper_epochs"):  # retirement isolated: ExGRPO with buffer.retire=false, nothing else
         assert load_spec(name).variants["exgrpo_no_retire"] == {"preset": "exgrpo_paper", "buffer.retire": False}
     assert spec.variants["su01"] == {"preset": "exgrpo_paper", "buffer.store_below": 2, "buffer.retire_above": 4,
                                      "buffer.replay_ratio": 0.25, "buffer.k_fresh_only": True,
