@@ -187,8 +187,23 @@ def _experiment_keys(spec: ExperimentSpec) -> list[str]:
         return keys
 
     where = [("base", spec.base)] + [(f"variants.{v}", o) for v, o in spec.variants.items()]
-    return [f"{w}: {k}: set by the experiment ({SET_BY_EXPERIMENT[k]})"
-            for w, values in where for k in dotted(values) if k in SET_BY_EXPERIMENT]
+    lines = [f"{w}: {k}: set by the experiment ({SET_BY_EXPERIMENT[k]})"
+             for w, values in where for k in dotted(values) if k in SET_BY_EXPERIMENT]
+    for w, values in where:
+        for k in dotted(values):
+            if k in ("tracking.uri", "tracking.enabled") and w != "base":
+                lines.append(f"{w}: {k}: every run of an experiment logs to one MLflow store, which the experiment "
+                             "reads its results from: set tracking.uri in the spec's base")
+    if _base_tracking(spec, "enabled") is False:
+        lines.append("base: tracking.enabled: false: an experiment reads every run's results back from MLflow; "
+                     "leave tracking on (tracking.uri in the base picks the store)")
+    return lines
+
+
+def _base_tracking(spec: ExperimentSpec, field: str) -> Any:
+    """`tracking.<field>` as the spec's base sets it (dotted or nested), else None."""
+    nested = spec.base.get("tracking")
+    return spec.base.get(f"tracking.{field}", nested.get(field) if isinstance(nested, dict) else None)
 
 
 def _spec_problems(p: Path, raw: Any, err: ValidationError) -> list[str]:
@@ -379,6 +394,7 @@ class Launch:
     out: Path
     parent: str | None
     rerun: bool = False
+    store: str = ""  # the MLflow store the runs log to and their results are read from (credentials in the env)
 
 
 def run_one(spec: ExperimentSpec, variant: str, seed: int, launch: Launch) -> RunResult:
@@ -397,7 +413,7 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, launch: Launch) -> Ru
     other_code = code_changed(state.get("code_version"), code)
     if state.get("status") == "FINISHED" and not rerun and not changed and not other_code:
         print(f"[experiment] {name}: finished earlier, reusing it", file=sys.stderr, flush=True)
-        return collect(runs_root, variant, seed, name, state.get("mlflow_run_id"),
+        return collect(launch.store, variant, seed, name, state.get("mlflow_run_id"),
                        wall_s=float(state.get("wall_s", float("nan"))))
     if state.get("status") == "FINISHED" and not rerun and (changed or other_code):
         why = f"other settings ({changed})" if changed else other_code
@@ -433,7 +449,7 @@ def run_one(spec: ExperimentSpec, variant: str, seed: int, launch: Launch) -> Ru
     after = code_version()  # product code edited while it ran: recorded as no version, never reused
     _update_state(folder, wall_s=wall, settings=settings, code_version=code if after == code else None)
     print(f"[experiment] {name}: done in {wall:.0f}s", file=sys.stderr, flush=True)
-    return collect(runs_root, variant, seed, name, _state(folder).get("mlflow_run_id"), wall_s=wall)
+    return collect(launch.store, variant, seed, name, _state(folder).get("mlflow_run_id"), wall_s=wall)
 
 
 def settings_changed(then: list[str] | None, now: list[str]) -> str | None:
@@ -525,7 +541,7 @@ def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, varia
     root = Path(runs_root).expanduser()
     out = root / spec.name
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    tracker = Tracker(default_tracking_uri(str(root)), "exgrpo")
+    tracker = Tracker(_base_tracking(spec, "uri") or default_tracking_uri(str(root)), "exgrpo")
     parent = tracker.start(spec.name, tags={"exgrpo.kind": "experiment"})
     tracker.log_params({"budget_rollouts": spec.budget_rollouts, "seeds": str(spec.seeds),
                         "variants": ",".join(spec.variants)})
@@ -536,7 +552,7 @@ def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, varia
     restore = STOP.install()
     try:
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            launch = Launch(root, out, parent, rerun)
+            launch = Launch(root, out, parent, rerun, store=tracker.uri)
             results = list(pool.map(lambda vs: run_one(spec, vs[0], vs[1], launch), todo))
     finally:
         restore()

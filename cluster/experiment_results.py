@@ -39,15 +39,14 @@ class RunResult:
     final_se: float = float("nan")  # the final evaluation's standard error of pass@1 (eval/pass_at_1_se)
 
 
-def collect(runs_root: Path, variant: str, seed: int, name: str, run_id: str | None, wall_s: float) -> RunResult:
-    """A finished run's held-out curve and totals, read back from its MLflow run `run_id` (None: none recorded)."""
+def collect(store: str, variant: str, seed: int, name: str, run_id: str | None, wall_s: float) -> RunResult:
+    """A finished run's held-out curve and totals, read back from its MLflow run `run_id` (None: none recorded) in
+    the experiment's MLflow store `store` (its credentials, if any, already in this process's environment)."""
     from mlflow.tracking import MlflowClient
-
-    from cluster.tracking import default_tracking_uri
 
     if not run_id:
         return RunResult(variant, seed, name, ok=False, wall_s=wall_s, error="no MLflow run recorded")
-    client = MlflowClient(tracking_uri=default_tracking_uri(str(runs_root)))
+    client = MlflowClient(tracking_uri=store)
     rollouts_at = {m.step: m.value for m in client.get_metric_history(run_id, "train/rollouts_total")}
     evals = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval/pass_at_1"))
     greedy = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval/greedy_accuracy"))

@@ -78,9 +78,14 @@ def test_seeds_replace_the_specs_own_and_a_seed_twice_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, capsys, joined):
+    # the runs log to a store of the spec's own (tracking.uri in the base), not the runs root's default one: the
+    # parent run and the results are read there too
+    (tmp_path / "store").mkdir()
+    store = f"sqlite:///{tmp_path}/store/mlflow.db"
     spec = dict(name="mini", budget_rollouts=256, seeds=[0], primary=["exgrpo", "grpo"],
                 base={"total_steps": 50, "checkpoint.every_steps": 0, "eval.every_steps": 1, "eval.questions": 16,
-                      "eval.samples": 2, "generator.engine.kind": "transformers", "cluster.address": joined.address},
+                      "eval.samples": 2, "generator.engine.kind": "transformers", "cluster.address": joined.address,
+                      "tracking.uri": store},
                 variants={"exgrpo": {}, "grpo": {"buffer.replay_ratio": 0, "buffer.collect": False,
                                                  "learner.loss.policy_loss": "cispo"}})
     runs = tmp_path / "runs"
@@ -124,7 +129,10 @@ def test_a_short_experiment_writes_its_table_plot_and_nested_runs(tmp_path, caps
     assert loss_rows["grpo"][2:] == ["—", "—"] and 0 <= float(loss_rows["grpo"][0]) <= 1, loss
     assert (runs / "mini" / "results.md").is_file() and (runs / "mini" / "accuracy_vs_rollouts.png").is_file()
 
-    client = mlflow_client(runs)
+    assert not (runs / "mlflow.db").exists()  # nothing in the default store
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store)
     exp = client.get_experiment_by_name("exgrpo")
     all_runs = client.search_runs([exp.experiment_id])
     parent = [r for r in all_runs if r.info.run_name == "mini"]
@@ -385,9 +393,10 @@ def test_the_paper_preset_and_grpo_s_clip(tmp_path):
 
 
 def test_a_variant_or_base_that_sets_what_the_experiment_sets_is_refused(tmp_path):
-    spec = dict(name="t", budget_rollouts=10, seeds=[0], base={"seed": 3}, primary=["a", "b"],
-                variants={"a": {"name": "mine", "total_rollouts": 5}, "b": {"checkpoint": {"runs_root": "/x"}},
-                          "c": {"learner.seed": 1}})
+    spec = dict(name="t", budget_rollouts=10, seeds=[0], base={"seed": 3, "tracking": {"enabled": False}},
+                primary=["a", "b"], variants={"a": {"name": "mine", "total_rollouts": 5},
+                                              "b": {"checkpoint": {"runs_root": "/x"}, "tracking.uri": "sqlite:///y.db"},
+                                              "c": {"learner.seed": 1}})
     with pytest.raises(SpecError) as e:
         load_spec(write(tmp_path, spec))
     assert e.value.lines == [
@@ -398,7 +407,11 @@ def test_a_variant_or_base_that_sets_what_the_experiment_sets_is_refused(tmp_pat
         "variants.a: total_rollouts: set by the experiment (every run's budget: set the spec's `budget_rollouts`)",
         "variants.b: checkpoint.runs_root: set by the experiment (the runs go under `exgrpo experiment --runs-root "
         "DIR`)",
-        "variants.c: learner.seed: set by the experiment (set from the spec's `seeds` list, with seed)"]
+        "variants.c: learner.seed: set by the experiment (set from the spec's `seeds` list, with seed)",
+        "variants.b: tracking.uri: every run of an experiment logs to one MLflow store, which the experiment reads "
+        "its results from: set tracking.uri in the spec's base",
+        "base: tracking.enabled: false: an experiment reads every run's results back from MLflow; leave tracking on "
+        "(tracking.uri in the base picks the store)"]
 
 
 def test_a_yaml_boolean_where_a_name_belongs_says_to_quote_it(tmp_path):
