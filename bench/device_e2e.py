@@ -59,8 +59,10 @@ SIZES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                  intermediate_size=128),
 }
+REAL_WIDTH_CACHE = "real-width-inductor.tar.gz"  # the real-width run's inductor cache, in OUT/compile-cache/
 UNSENT_FILE = "metrics-unsent.jsonl"  # cluster.tracking.UNSENT_FILE (read here without importing the project)
 FIRST_UPDATE_GATE_S = 60.0
+CARRIED_FIRST_UPDATE_GATE_S = 30.0  # the real-width run's, when the last lease's inductor cache was carried in
 MEDIAN_EXP_GATE, KL_GATE = 1.1, 5e-4  # NeMo-RL's mismatch gates
 
 
@@ -110,6 +112,99 @@ def make_model(out: Path, size: str = "0.5B", seed: int = 0) -> Path:
     n = sum(p.numel() for p in model.parameters())
     print(f"device_e2e: random Qwen2 ({size}'s layers, vocabulary {len(tok)}): {n / 1e6:.1f}M parameters in {out}")
     return out
+
+
+def widen_model(src: Path, out: Path, hidden: int = 512, noise: float = 1e-3, seed: int = 0) -> Path:
+    """The built-in countdown model (a Llama, `src`) at `hidden` wide, answering as it does, saved to `out` (kept
+    when there): the real-width learning run's model, made in seconds where no GPU's time pays for a build.
+
+    Each original block sits in the top-left corner of its wider matrix (heads of 32 added, the MLP 3 x `hidden`);
+    RMSNorm's weights and epsilon are scaled by `src`'s width / `hidden`, which undoes the mean over more (zero)
+    dimensions, so with `noise=0` every logit is the original's. The added entries are N(0, `noise`^2) instead of
+    zero, so that every weight gets a gradient (a zero block would stay zero: a 96-wide model computed at 512)
+    while the answers stay the built-in model's (rewards, mixed mode and replay as in the 96-wide run)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stamp = out / "device_e2e.json"
+    want = {"widened": str(src.name), "hidden": hidden, "noise": noise, "seed": seed}
+    if stamp.is_file() and json.loads(stamp.read_text()) == want:
+        print(f"device_e2e: the built-in model at {hidden} wide kept in {out}")
+        return out
+    small = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    c = small.config
+    h, head_dim = c.hidden_size, c.hidden_size // c.num_attention_heads
+    if c.model_type != "llama" or c.num_key_value_heads != c.num_attention_heads or hidden % head_dim or hidden < h:
+        raise ValueError(f"{src}: widen_model takes the built-in Llama (multi-head, heads of {head_dim}) to a width "
+                         f"that is a multiple of {head_dim} and >= {h}; got {c.model_type} with "
+                         f"{c.num_key_value_heads} KV heads, hidden {hidden}")
+    wide_cfg = type(c).from_dict({**c.to_dict(), "hidden_size": hidden, "intermediate_size": 3 * hidden,
+                                  "num_attention_heads": hidden // head_dim, "num_key_value_heads": hidden // head_dim,
+                                  "head_dim": head_dim, "rms_norm_eps": c.rms_norm_eps * h / hidden})
+    torch.manual_seed(seed)
+    wide = AutoModelForCausalLM.from_config(wide_cfg, dtype=torch.float32)
+    scale = math.sqrt(h / hidden)  # RMS over `hidden` dims of a vector nonzero in `h` of them: sqrt(h/hidden) x
+    small_params = dict(small.named_parameters())
+    with torch.no_grad():
+        for name, w in wide.named_parameters():
+            old = small_params[name]
+            if name.endswith("norm.weight"):  # [hidden]
+                w.fill_(scale)
+                w[:h] = old * scale
+            else:  # [out, in] (embeddings: [vocabulary, hidden]): the original in the top-left corner
+                w.normal_(0.0, noise)
+                w[tuple(slice(0, n) for n in old.shape)] = old
+    out.mkdir(parents=True, exist_ok=True)
+    wide.save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(out)
+    stamp.write_text(json.dumps(want))
+    n = sum(p.numel() for p in wide.parameters())
+    print(f"device_e2e: the built-in model ({h} wide) widened to {hidden} ({wide_cfg.num_attention_heads} heads, "
+          f"MLP {3 * hidden}, added weights N(0, {noise:g}^2)): {n / 1e6:.1f}M parameters in {out}")
+    return out
+
+
+def cache_load(archive: Path, folder: Path) -> dict:
+    """`folder` (the real-width run's `learner.levers.compile_cache_dir`) made fresh, holding what `archive` (the
+    last lease's `cache_save`, brought back by scripts/device_out.py and carried) holds: a run with it is warm, one
+    without it cold, whatever an earlier call on a warm machine left. {"carried", "files", "bytes"}."""
+    import tarfile
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    if not archive.is_file():
+        return {"carried": False, "files": 0, "bytes": 0}
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(folder, filter="data")
+    except (tarfile.TarError, EOFError, OSError) as e:  # cut short or not ours: the run compiles cold, and says so
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        return {"carried": False, "files": 0, "bytes": 0, "refused": f"{archive.name}: {type(e).__name__}: {e}"}
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    return {"carried": True, "files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+
+
+def cache_save(folder: Path, archive: Path, max_mib: float) -> dict:
+    """`folder`'s files (inductor's on-disk cache: FX graphs, AOTAutograd entries, kernels) into `archive`
+    (tar.gz), unless it comes to more than `max_mib` (what the next call can carry beside the rest; then no
+    archive, and the next lease compiles cold). {"files", "bytes" (the archive's), "left_out" (why, or "")}."""
+    import tarfile
+
+    files = sorted(f for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else []
+    if not files:
+        return {"files": 0, "bytes": 0, "left_out": "nothing compiled"}
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    tmp = archive.with_name(archive.name + ".tmp")
+    with tarfile.open(tmp, "w:gz", compresslevel=6) as tar:
+        for f in files:
+            tar.add(f, arcname=str(f.relative_to(folder)))
+    size = tmp.stat().st_size
+    if size > max_mib * 2**20:
+        tmp.unlink()
+        return {"files": len(files), "bytes": size, "left_out": f"{size / 2**20:.1f} MiB gzip'd, over {max_mib:g}"}
+    tmp.replace(archive)
+    return {"files": len(files), "bytes": size, "left_out": ""}
 
 
 # ------------------------------------------------------------------------------------------------- probe
@@ -199,7 +294,7 @@ def probe(model: str, out: Path, device: str, dtype: str) -> int:
 
 LEARNING_KEYS = ("train/reward_mean", "train/mixed_mode", "train/mixed_groups", "learner/replay_tokens",
                  "learner/candidates_scored", "buffer/candidates_shipped", "driver/first_update_s", "driver/step_s",
-                 "learner/step_time_s")
+                 "learner/step_time_s", "learner/recompiles")
 
 
 def read_points(run_dir: Path | None) -> dict[str, list[tuple[int, float]]]:
@@ -261,6 +356,62 @@ def learning_figures(series: dict[str, list[tuple[int, float]]]) -> dict[str, fl
     }
 
 
+TRIAL_LINE = re.compile(r"the trial compiled (\d+) graph\(s\) in ([\d.]+) s")
+LEVERS_LINE = re.compile(r"learner levers on (\S+): compile (on|off) \(([^)]*)\)(?:: each decoder layer, backend ([\w.-]+))?")
+
+
+def compile_figures(run_dir: Path | None) -> dict:
+    """Whether the run's learner compiled, read from its rank's start line (`learner.setup`: "learner levers on cpu:
+    compile on (set): each decoder layer, backend inductor, ...; the trial compiled 4 graph(s) in 72.7 s") in the
+    run folder's Ray logs, and from state.json's `levers_off` (a compile that failed its trial trains eager)."""
+    fig = {"compile_on": False, "compile_backend": "", "compile_device": "", "compile_why": "no learner start line",
+           "trial_graphs": math.nan, "trial_s": math.nan}
+    logs = sorted((run_dir / "logs").rglob("*.err")) if run_dir is not None and (run_dir / "logs").is_dir() else []
+    for log in logs:
+        text = log.read_text(errors="replace")
+        levers = LEVERS_LINE.search(text)
+        if levers is None:
+            continue
+        fig.update(compile_device=levers[1], compile_on=levers[2] == "on", compile_why=levers[3],
+                   compile_backend=levers[4] or "")
+        trial = TRIAL_LINE.search(text)
+        if trial is not None:
+            fig.update(trial_graphs=float(trial[1]), trial_s=float(trial[2]))
+        break
+    state = run_dir / "state.json" if run_dir is not None else None
+    off = (json.loads(state.read_text()).get("levers_off") or {}) if state is not None and state.is_file() else {}
+    if "compile" in off:
+        fig.update(compile_on=False, compile_why=f"failed its trial at setup: {off['compile']}")
+    return fig
+
+
+def real_width_figures(run_dir: Path | None, out_dir: Path) -> dict:
+    """The real-width run: its learning figures, its width (the model's config.json), recompiles after its first
+    step (`learner/recompiles`: graphs compiled during a step, after the trial compiled the run's graphs), whether
+    it compiled, and the inductor cache it started from and saved (real-width-cache-{in,out}.json of `cache_load`
+    and `cache_save`). The first update falls back to the run's profile.json (`first_update_s`)."""
+    series = read_points(run_dir)
+    fig: dict = learning_figures(series)
+    if not math.isfinite(fig["first_update_s"]) and run_dir is not None and (run_dir / "profile.json").is_file():
+        fig["first_update_s"] = json.loads((run_dir / "profile.json").read_text()).get("first_update_s") or math.nan
+    recompiles = series.get("learner/recompiles", [])
+    fig["recompiles_first_step"] = recompiles[0][1] if recompiles else math.nan
+    fig["recompiles_after_first_step"] = float(sum(v for _, v in recompiles[1:])) if len(recompiles) > 1 else math.nan
+    fig["hidden_size"] = math.nan
+    config = run_dir / "config.yaml" if run_dir is not None else None
+    if config is not None and config.is_file():
+        import yaml
+
+        model = Path(str((yaml.safe_load(config.read_text()).get("model") or {}).get("path")))
+        if (model / "config.json").is_file():
+            fig["hidden_size"] = float(json.loads((model / "config.json").read_text())["hidden_size"])
+    fig.update(compile_figures(run_dir))
+    for side in ("in", "out"):
+        note = out_dir / f"real-width-cache-{side}.json"
+        fig[f"cache_{side}"] = json.loads(note.read_text()) if note.is_file() else {}
+    return fig
+
+
 def read_parts(out_dir: Path) -> list[dict]:
     """parts.tsv: name, exit code, seconds, budget (0: none), note; a line per part that ran."""
     path = out_dir / "parts.tsv"
@@ -290,12 +441,51 @@ def pytest_outcome(log: Path) -> str:
     return f"{len(re.findall(r'PASSED', text))} passed before it stopped"
 
 
-def gates(quick: bool, parts: dict[str, dict], learn: dict, probe_fig: dict, whole_s: float,
-          budget_s: float, tests: str) -> list[tuple[str, bool | None, str]]:
-    """(gate, passed (None: shown, not judged), value) in the summary's order."""
-    def fin(x) -> bool:
-        return isinstance(x, (int, float)) and math.isfinite(x)
+def _fin(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
+
+def compile_words(wide: dict, quick: bool) -> str:
+    """What the real-width run's learner compiled, said plainly (a CPU run without inductor says so)."""
+    if not wide["compile_on"]:
+        return f"compile off ({wide['compile_why']})"
+    words = f"compile on ({wide['compile_backend'] or '?'} on {wide['compile_device'] or '?'})"
+    if _fin(wide["trial_graphs"]):
+        words += f": the trial compiled {wide['trial_graphs']:.0f} graph(s) in {wide['trial_s']:.1f} s"
+    if quick and wide["compile_backend"] != "inductor":
+        words += ("; inductor NOT exercised: this backend traces (dynamo, AOTAutograd) and generates no kernels, "
+                  "and no inductor cache is saved")
+    return words
+
+
+def real_width_gates(quick: bool, parts: dict[str, dict], wide: dict) -> list[tuple[str, bool | None, str]]:
+    """The real-width run's gates: compile on (on the GPU: inductor, graphs compiled by the trial), replayed rows
+    and the first update (judged on the GPU: <= 60 s cold, <= 30 s from a carried inductor cache), no graph
+    compiled after the first step."""
+    status = part_status(parts.get("real-width run"))
+    run_note = "" if status == "ok" else f" ({status})"
+    carried = bool(wide["cache_in"].get("carried"))
+    limit = CARRIED_FIRST_UPDATE_GATE_S if carried else FIRST_UPDATE_GATE_S
+    first, after = wide["first_update_s"], wide["recompiles_after_first_step"]
+    inductor = wide["compile_on"] and wide["compile_backend"] == "inductor" and wide["trial_graphs"] > 0
+    mixed = (f"mixed mode from step {wide['mixed_from_step']:.0f}" if wide["mixed_mode"] > 0 else "mixed mode never on")
+    return [
+        ("real-width compile on", wide["compile_on"] if quick else inductor, compile_words(wide, quick) + run_note),
+        ("real-width replayed rows > 0", None if quick else wide["replayed_rows"] > 0 and wide["replayed_tokens"] > 0,
+         f"{wide['replayed_rows']:.0f} rows, {wide['replayed_tokens']:,.0f} tokens; {mixed}{run_note}"),
+        (f"real-width first update <= {limit:.0f} s", None if quick else _fin(first) and first <= limit,
+         (f"{first:.1f} s after exgrpo train started" if _fin(first) else "-")
+         + f", {'carried' if carried else 'cold'} inductor cache{run_note}"),
+        ("real-width recompiles after step 1 = 0", _fin(after) and after == 0,
+         f"{after:.0f} over steps 2-{wide['steps']:.0f} (step 1: {wide['recompiles_first_step']:.0f})" if _fin(after)
+         else f"- (needs 2 steps; {wide['steps']:.0f} logged){run_note}"),
+    ]
+
+
+def gates(quick: bool, parts: dict[str, dict], learn: dict, probe_fig: dict, whole_s: float,
+          budget_s: float, tests: str, wide: dict | None = None) -> list[tuple[str, bool | None, str]]:
+    """(gate, passed (None: shown, not judged), value) in the summary's order."""
+    fin = _fin
     run_note = "" if part_status(parts.get("learning run")) == "ok" else f" ({part_status(parts.get('learning run'))})"
     rise = f"{learn['reward_first']:.3f} -> {learn['reward_last']:.3f}" if fin(learn["reward_first"]) else "-"
     med, kl = probe_fig.get("median_exp_abs_diff", math.nan), probe_fig.get("kl_k3", math.nan)
@@ -312,6 +502,7 @@ def gates(quick: bool, parts: dict[str, dict], learn: dict, probe_fig: dict, who
          f"{rise} (mean of the first / last {learn['reward_window']:.0f} steps)"),
         (f"first update <= {FIRST_UPDATE_GATE_S:.0f} s", None if quick else fin(first) and first <= FIRST_UPDATE_GATE_S,
          f"{first:.1f} s after exgrpo train started" if fin(first) else f"-{run_note}"),
+        *(real_width_gates(quick, parts, wide) if wide is not None else []),
         (f"probe median exp|d| < {MEDIAN_EXP_GATE}", fin(med) and med < MEDIAN_EXP_GATE,
          f"{med:.5f}" if fin(med) else part_status(parts.get("mismatch probe"))),
         (f"probe KL < {KL_GATE:g}", fin(kl) and kl < KL_GATE, f"{kl:.2e}" if fin(kl) else
@@ -323,13 +514,15 @@ def gates(quick: bool, parts: dict[str, dict], learn: dict, probe_fig: dict, who
     ]
 
 
-def summary(out_dir: Path, run_dir: Path | None, quick: bool, budget_s: float, whole_s: float, device: str) -> int:
+def summary(out_dir: Path, run_dir: Path | None, quick: bool, budget_s: float, whole_s: float, device: str,
+            wide_run: Path | None = None) -> int:
     parts = {p["name"]: p for p in read_parts(out_dir)}
     learn = learning_figures(read_points(run_dir))
+    wide = real_width_figures(wide_run, out_dir)
     probe_path = out_dir / "probe.json"
     probe_fig = json.loads(probe_path.read_text()) if probe_path.is_file() else {}
     tests = pytest_outcome(out_dir / "pytest-gpu.log")
-    judged = gates(quick, parts, learn, probe_fig, whole_s, budget_s, tests)
+    judged = gates(quick, parts, learn, probe_fig, whole_s, budget_s, tests, wide)
     failed = [g for g, ok, _ in judged if ok is False]
     lines = [f"device_e2e summary{' (--quick)' if quick else ''}: {device}, {whole_s:.0f} s of a {budget_s:.0f} s budget",
              f"  {'part':<18} {'status':<12} {'seconds':>8} {'budget':>7}  note"]
@@ -339,6 +532,15 @@ def summary(out_dir: Path, run_dir: Path | None, quick: bool, budget_s: float, w
     lines.append(f"learning run ({run_dir.name if run_dir else '-'}): {learn['steps']:.0f} steps, "
                  f"{learn['step_s']:.2f} s a step (median), learner {learn['learner_step_time_s']:.3f} s; "
                  f"{learn['candidates_scored']:.0f} candidates scored for o*")
+    cache_in, cache_out = wide["cache_in"], wide["cache_out"]
+    loaded = (f"carried ({cache_in['files']} files, {cache_in['bytes'] / 1e6:.1f} MB)" if cache_in.get("carried")
+              else "cold")
+    saved = (f"{cache_out['files']} files saved ({cache_out['bytes'] / 1e6:.1f} MB gzip'd, "
+             f"compile-cache/{REAL_WIDTH_CACHE})" if cache_out.get("files") and not cache_out.get("left_out") else
+             f"not saved ({cache_out.get('left_out') or 'no note'})")
+    lines.append(f"real-width run ({wide_run.name if wide_run else '-'}): {wide['hidden_size']:.0f} wide, "
+                 f"{wide['steps']:.0f} steps, {wide['step_s']:.2f} s a step (median), learner "
+                 f"{wide['learner_step_time_s']:.3f} s; inductor cache {loaded}, {saved}")
     if probe_fig:
         lines.append(f"probe ({probe_fig['parameters'] / 1e6:,.1f}M parameters, {probe_fig['dtype']} on "
                      f"{probe_fig['device']}): {probe_fig['tokens']} tokens, max |d| {probe_fig['max_abs_diff']:.2e}, "
@@ -346,8 +548,9 @@ def summary(out_dir: Path, run_dir: Path | None, quick: bool, budget_s: float, w
                      f"scored {probe_fig['scored_tokens_per_s']:,.0f}, forward+backward "
                      f"{probe_fig['train_tokens_per_s']:,.0f}")
     lines.append("gates:")
+    width = max(len(g) for g, _, _ in judged)
     for g, ok, value in judged:
-        lines.append(f"  {'PASS' if ok else 'FAIL' if ok is False else 'info'}  {g:<26} {value}")
+        lines.append(f"  {'PASS' if ok else 'FAIL' if ok is False else 'info'}  {g:<{width}} {value}")
     n = sum(ok is not None for _, ok, _ in judged)
     lines.append(f"device_e2e: {'PASSED' if not failed else 'FAILED'} ({n - len(failed)} of {n} gates"
                  + (f"; failed: {', '.join(failed)})" if failed else ")"))
@@ -355,7 +558,7 @@ def summary(out_dir: Path, run_dir: Path | None, quick: bool, budget_s: float, w
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "device_e2e.json").write_text(json.dumps(_finite(
         {"quick": quick, "device": device, "whole_s": whole_s, "budget_s": budget_s, "parts": list(parts.values()),
-         "learning": learn, "probe": probe_fig, "tests_gpu": tests, "run_dir": str(run_dir) if run_dir else None,
+         "learning": learn, "real_width": wide, "probe": probe_fig, "tests_gpu": tests, "run_dir": str(run_dir) if run_dir else None,
          "gates": [{"gate": g, "passed": ok, "value": v} for g, ok, v in judged], "passed": not failed}), indent=1))
     return 1 if failed else 0
 
@@ -382,6 +585,17 @@ def main() -> int:
     m = sub.add_parser("make-model")
     m.add_argument("out", type=Path)
     m.add_argument("--size", choices=sorted(SIZES), default="0.5B")
+    w = sub.add_parser("widen-model")
+    w.add_argument("out", type=Path)
+    w.add_argument("--hidden", type=int, default=512)
+    w.add_argument("--cache-dir", default=None, help="model.cache_dir of the built-in model (default: the config's)")
+    for verb in ("cache-load", "cache-save"):
+        k = sub.add_parser(verb)
+        k.add_argument("archive" if verb == "cache-load" else "folder", type=Path)
+        k.add_argument("folder" if verb == "cache-load" else "archive", type=Path)
+        k.add_argument("--note", type=Path, required=True, help="JSON: what was loaded / saved (the summary reads it)")
+        if verb == "cache-save":
+            k.add_argument("--max-mib", type=float, default=8.0)
     r = sub.add_parser("probe")
     r.add_argument("--model", required=True, help="model folder for the mismatch probe")
     r.add_argument("--out", type=Path, required=True)
@@ -390,6 +604,7 @@ def main() -> int:
     s = sub.add_parser("summary")
     s.add_argument("out_dir", type=Path)
     s.add_argument("--run", type=Path, default=None, help="the learning run's folder")
+    s.add_argument("--wide-run", type=Path, default=None, help="the real-width run's folder")
     s.add_argument("--quick", action="store_true", help="the CPU check: judge replay, rewards, probe, tests/gpu")
     s.add_argument("--budget-s", type=float, default=240.0)
     s.add_argument("--whole-s", type=float, default=math.nan, help="seconds the whole check took so far")
@@ -401,9 +616,23 @@ def main() -> int:
     if args.command == "make-model":
         make_model(args.out, args.size)
         return 0
+    if args.command == "widen-model":
+        from common.config import RunConfig
+        from common.toy_model import ensure_toy_model
+
+        cfg = RunConfig()
+        model = cfg.model if args.cache_dir is None else cfg.model.model_copy(update={"cache_dir": args.cache_dir})
+        widen_model(ensure_toy_model(model, cfg.data, verbose=True), args.out, args.hidden)
+        return 0
+    if args.command in ("cache-load", "cache-save"):
+        note = (cache_load(args.archive, args.folder) if args.command == "cache-load" else
+                cache_save(args.folder, args.archive, args.max_mib))
+        args.note.write_text(json.dumps(note))
+        print(f"device_e2e: {args.command}: {json.dumps(note)}")
+        return 0
     if args.command == "probe":
         return probe(args.model, args.out, args.device, args.dtype)
-    return summary(args.out_dir, args.run, args.quick, args.budget_s, args.whole_s, args.device)
+    return summary(args.out_dir, args.run, args.quick, args.budget_s, args.whole_s, args.device, args.wide_run)
 
 
 if __name__ == "__main__":

@@ -1,42 +1,58 @@
 #!/usr/bin/env bash
-# ExGRPO itself on one GPU in one device call (issues 43, 50): the carry's install, a learning run that replays, the
-# mismatch probe at 0.5B's width and the GPU tests, each part with its own time budget, then a one-screen summary
-# with the gates judged, printed whatever happened to the parts (partial results come back).
+# ExGRPO itself on one GPU in one device call (issues 43, 50, 73): the carry's install, a learning run that replays,
+# a learning run at real width whose learner compiles, the mismatch probe at 0.5B's width and the GPU tests, each
+# part with its own time budget, then a one-screen summary with the gates judged, printed whatever happened to the
+# parts (partial results come back).
 #
 #   bash scripts/device_e2e.sh [--quick]
 #   on the host first: make device-carry && .venv/bin/python bench/device_e2e.py carry-model device-carry
 #   device tool: run(command="bash scripts/device_e2e.sh", carry=["device-carry"], timeout_s=300)
 #
-# The parts (budget at the default DEVICE_E2E_BUDGET_S=240; --quick: 900 on a slow CPU):
+# The parts (budget at the default DEVICE_E2E_BUDGET_S=285, within 300 s of device time with the real-width run; the
+# learning run's budget went from 130 to 100 s for it (it took 47 s on the H100); --quick: 900 on a slow CPU):
 # 1. the carry (60 s): the image has python3 with torch, transformers, pytest, ... (scripts/device_image.txt) but no
 #    ray, pydantic, jsonschema, math-verify or mlflow: `make device-carry` puts their wheels and the project's in
 #    device-carry/ (carried with the call), pip-installed here with --no-index into DEVICE_SITE, first on PYTHONPATH.
 #    Without MLflow a run keeps its metric points in <run>/metrics-unsent.jsonl (the tracker's offline mode), which
 #    the summary reads.
-# 2. the learning run (130 s; --quick 480): `exgrpo train` of the built-in countdown model (common/toy_model.py; it
+# 2. the learning run (100 s; --quick 480): `exgrpo train` of the built-in countdown model (common/toy_model.py; it
 #    solves about a third of the questions from the start) on the GPU, learner and a transformers-engine generator
 #    sharing it (0.4 each), weights through Ray's object store, up to 30 steps (--quick 8) at the defaults: mixed
 #    mode switches on and stored trajectories are replayed. The model comes from device-carry/models
 #    (`bench/device_e2e.py carry-model`), else it is built here first (minutes, outside the budgets). SIGTERM at
 #    the budget: the run finishes its step and stops; the summary judges what it logged. DEVICE_E2E_TRAIN_ARGS:
-#    more key=value overrides.
-# 3. the mismatch probe (60 s; --quick 240): a random Qwen2 with Qwen2.5-0.5B's layers in bfloat16 (--quick: a tiny
+#    more key=value overrides (of both learning runs).
+# 3. the real-width run (75 s; --quick 300): the same at 512 wide (DEVICE_E2E_WIDE_HIDDEN), 12 steps (--quick 4),
+#    with `learner.levers.compile=true` (96 wide, the run above stays eager). Its model is the built-in one widened
+#    (`bench/device_e2e.py widen-model`, seconds, on the CPU while the learning run runs: the small model in the
+#    corner of each wider matrix, the rest small noise, so it answers as the built-in model does and replays).
+#    Inductor's cache is `learner.levers.compile_cache_dir` = DEVICE_WORK/inductor-cache, made fresh each call from
+#    the carry's compile-cache/real-width-inductor.tar.gz where there is one (else cold), and saved after the run
+#    into OUT/compile-cache/ (at most 8 MiB gzip'd). Gates on the GPU: compile on (inductor, graphs compiled by the
+#    setup's trial), replayed rows > 0, the first update <= 60 s after `exgrpo train` started cold (<= 30 s from a
+#    carried cache), 0 recompiles after its first step (`learner/recompiles`). --quick compiles with aot_eager
+#    (DEVICE_E2E_WIDE_BACKEND): dynamo and AOTAutograd trace the layers and recompiles are counted, but inductor
+#    generates no kernels (on 2 CPU cores its cold compile alone took 73 s) and no cache is saved; the summary says
+#    so. DEVICE_E2E_WIDE_BACKEND=inductor runs inductor on a CPU too (it needs a C++ compiler).
+# 4. the mismatch probe (60 s; --quick 240): a random Qwen2 with Qwen2.5-0.5B's layers in bfloat16 (--quick: a tiny
 #    one in float32 on the CPU), made on the CPU while the learning run runs; the engine samples, the learner's
 #    forward scores (bench/device_e2e.py probe): NeMo-RL's gates, and tokens/s at that width.
-# 4. tests/gpu (pytest -m gpu; skipped, and said so, without CUDA), beside the probe (neither judges time): what is
-#    left of the budget, 8 s kept for 5.
-# 5. the summary (bench/device_e2e.py summary): parts, figures, gates; OUT/device_e2e.json.
+# 5. tests/gpu (pytest -m gpu; skipped, and said so, without CUDA), beside the probe (neither judges time): what is
+#    left of the budget, 8 s kept for 6.
+# 6. the summary (bench/device_e2e.py summary): parts, figures, gates; OUT/device_e2e.json.
 #
 # Environment: OUT (default runs-device-e2e/) gets device_e2e.json, device_e2e.log, parts.tsv, probe.json, probe.log,
-# pytest-gpu.log, the run folder's small files (run/) and tests/gpu's inductor artifacts (compile-cache/; the last
-# lease's load from the carry's compile-cache/). With OUT set (the device tool sets it), the summary packs OUT
+# pytest-gpu.log, the run folders' small files (run/, wide-run/) and the inductor artifacts (compile-cache/: the
+# real-width run's real-width-inductor.tar.gz and tests/gpu's tests-gpu.bin; the last lease's load from the carry's
+# compile-cache/, or DEVICE_E2E_COMPILE_CACHE). With OUT set (the device tool sets it), the summary packs OUT
 # into what one call brings back (scripts/device_out.py: the first three as they are, results.tar.gz,
 # compile-cache.tar); here `python3 scripts/device_out.py unpack <files_at> runs-device-e2e/lease --cache-to
 # device-carry/compile-cache` undoes it and puts the artifacts where the next call carries them; DEVICE_WORK
-# (default /tmp/exgrpo-device-e2e) holds the 0.5B model and the run folder; PYTHON (default python3); DEVICE_CARRY (default device-carry, or device-carry-pyX.Y
-# for this python when it exists); DEVICE_SITE (default /tmp/exgrpo-device-site, kept on a warm machine: a second
-# call skips the install); DEVICE_E2E_BUDGET_S (the whole check); DEVICE_E2E_STEPS (the learning run's steps);
-# DEVICE_E2E_LEARN_S, DEVICE_E2E_PROBE_S (those parts' budgets).
+# (default /tmp/exgrpo-device-e2e) holds the models, the run folders and the real-width run's inductor cache; PYTHON
+# (default python3); DEVICE_CARRY (default device-carry, or device-carry-pyX.Y for this python when it exists);
+# DEVICE_SITE (default /tmp/exgrpo-device-site, kept on a warm machine: a second call skips the install);
+# DEVICE_E2E_BUDGET_S (the whole check); DEVICE_E2E_STEPS, DEVICE_E2E_WIDE_STEPS (the learning runs' steps);
+# DEVICE_E2E_LEARN_S, DEVICE_E2E_WIDE_S, DEVICE_E2E_PROBE_S (those parts' budgets).
 # Exit code: 0 when every gate judged passed, 1 when one failed, 2 when the carry cannot be installed or imported.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,16 +62,20 @@ if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
 OUTDIR=${OUT:-runs-device-e2e}
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
-rm -f "$OUTDIR"/{parts.tsv,probe.json,probe.log,pytest-gpu.log,device_e2e.json,make-model.*}
+rm -f "$OUTDIR"/{parts.tsv,probe.json,probe.log,pytest-gpu.log,device_e2e.json,make-model.*,widen-model.*} \
+    "$OUTDIR"/real-width-cache-{in,out}.json
 PY=${PYTHON:-python3}
 case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac  # parts run from $OUT too
 START=$(date +%s.%N)
 if [ $QUICK -eq 1 ]; then
     BUDGET=${DEVICE_E2E_BUDGET_S:-900}; STEPS=${DEVICE_E2E_STEPS:-8}; LEARN_S=480; PROBE_S=240
+    WIDE_STEPS=${DEVICE_E2E_WIDE_STEPS:-4}; WIDE_S=300; WIDE_BACKEND=${DEVICE_E2E_WIDE_BACKEND:-aot_eager}
 else
-    BUDGET=${DEVICE_E2E_BUDGET_S:-240}; STEPS=${DEVICE_E2E_STEPS:-30}; LEARN_S=130; PROBE_S=60
+    BUDGET=${DEVICE_E2E_BUDGET_S:-285}; STEPS=${DEVICE_E2E_STEPS:-30}; LEARN_S=100; PROBE_S=60
+    WIDE_STEPS=${DEVICE_E2E_WIDE_STEPS:-12}; WIDE_S=75; WIDE_BACKEND=${DEVICE_E2E_WIDE_BACKEND:-inductor}
 fi
-LEARN_S=${DEVICE_E2E_LEARN_S:-$LEARN_S}; PROBE_S=${DEVICE_E2E_PROBE_S:-$PROBE_S}
+LEARN_S=${DEVICE_E2E_LEARN_S:-$LEARN_S}; PROBE_S=${DEVICE_E2E_PROBE_S:-$PROBE_S}; WIDE_S=${DEVICE_E2E_WIDE_S:-$WIDE_S}
+WIDE_HIDDEN=${DEVICE_E2E_WIDE_HIDDEN:-512}
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUTDIR/device_e2e.log") 2>&1
 elapsed() { awk -v a="$START" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
@@ -79,17 +99,20 @@ part() {
     return $rc
 }
 RUN_DIR=
+WIDE_DIR=
 DEVICE_WORDS=cpu
 SUMMARY_DONE=0
 summary() {  # once, whatever happened: the parts, the figures, the gates
     [ $SUMMARY_DONE -eq 1 ] && return
     SUMMARY_DONE=1
-    "$PY" bench/device_e2e.py summary "$OUTDIR" ${RUN_DIR:+--run "$RUN_DIR"} --budget-s "$BUDGET" \
+    "$PY" bench/device_e2e.py summary "$OUTDIR" ${RUN_DIR:+--run "$RUN_DIR"} ${WIDE_DIR:+--wide-run "$WIDE_DIR"} \
+        --budget-s "$BUDGET" \
         --whole-s "$(elapsed)" --device "$DEVICE_WORDS" $([ $QUICK -eq 1 ] && echo --quick)
     local rc=$?
     # on the device: leave in $OUT only what one call brings back (8 files, 16 MiB each, 64 MiB); the cache within
-    # what the next call carries beside device-carry's ~45 MB. Here: python3 scripts/device_out.py unpack
-    # <files_at> runs-device-e2e/lease --cache-to device-carry/compile-cache
+    # what the next call carries beside device-carry's ~45 MB (the real-width run's archive, at most 8 MiB, always
+    # goes in; tests/gpu's artifacts while they fit). Here: python3 scripts/device_out.py unpack <files_at>
+    # runs-device-e2e/lease --cache-to device-carry/compile-cache
     [ -n "${OUT:-}" ] && "$PY" scripts/device_out.py pack "$OUTDIR" --keep device_e2e.json device_e2e.log parts.tsv \
         --cache "$OUTDIR/compile-cache" --carry-room-mib 12
     return $rc
@@ -166,21 +189,53 @@ else
     DEVICE_WORDS="cuda (${DEVICE_WORDS:-no GPU})"
     LEARN+=(generator.num_gpus=0.4 learner.num_gpus=0.4)
 fi
+WIDE_NAME=${NAME/device-e2e-/device-e2e-wide-}
+WIDE_MODEL=$WORK/wide-$WIDE_HIDDEN
+CACHE_IN=${DEVICE_E2E_COMPILE_CACHE:-$CARRY/compile-cache}  # what the last lease brought back, carried in
+mkdir -p "$OUTDIR/compile-cache"
+WIDE=(name="$WIDE_NAME" checkpoint.runs_root="$RUNS" checkpoint.every_steps=0 eval.final=false total_steps="$WIDE_STEPS"
+      generator.engine.kind=transformers 'learner.weight_sync={kind: object_store}' model.path="$WIDE_MODEL"
+      learner.levers.compile=true learner.levers.compile_backend="$WIDE_BACKEND"
+      learner.levers.compile_cache_dir="$WORK/inductor-cache")
+[ $QUICK -eq 1 ] || WIDE+=(generator.num_gpus=0.4 learner.num_gpus=0.4)
+WIDEN_FROM=()  # the built-in model the real-width one is made from: the carry's copy, else the default cache's
+[ ${#MODELS[@]} -gt 0 ] && WIDEN_FROM=(--cache-dir "$(cd "$CARRY/models" && pwd)")
 if [ ${#MODELS[@]} -eq 0 ]; then  # not in the budgets: a carry without the model pays minutes here, once per machine
     say "no built-in model in $CARRY/models (bench/device_e2e.py carry-model puts it there): the default cache's" \
         "(built there first when absent: minutes)"
     (cd "$OUTDIR" && "${EXGRPO[@]}" toy-model) || say "building the built-in model failed (above)"
 fi
-# the probe's model, made on the CPU while the learning run starts (niced: the run's start is what is measured)
+# the probe's model and the real-width run's, made on the CPU while the learning run starts (niced: the run's start
+# is what is measured)
 (OMP_NUM_THREADS=4 nice -n 19 "$PY" bench/device_e2e.py make-model "$WORK/probe-model-$SIZE" --size $SIZE \
     > "$OUTDIR/make-model.log" 2>&1; echo $? > "$OUTDIR/make-model.rc") &
 MAKE_PID=$!
+(OMP_NUM_THREADS=4 nice -n 19 "$PY" bench/device_e2e.py widen-model "$WIDE_MODEL" --hidden "$WIDE_HIDDEN" \
+    "${WIDEN_FROM[@]}" > "$OUTDIR/widen-model.log" 2>&1; echo $? > "$OUTDIR/widen-model.rc") &
+WIDEN_PID=$!
 (cd "$OUTDIR" && part "learning run" $LEARN_S "built-in countdown model, $STEPS steps" - \
     "${EXGRPO[@]}" train "${LEARN[@]}" "${EXTRA[@]}")
 mkdir -p "$OUTDIR/run"  # its small files come back: metric points, state, profile, the driver's and Ray's logs
 cp -r "$RUN_DIR"/{metrics-unsent.jsonl,state.json,profile.json,config.yaml,logs} "$OUTDIR/run/" 2>/dev/null
 
-# 3-4. The probe and, beside it, the tests only a GPU answers (skipped, and said so, without CUDA): neither judges
+# 3. The real-width run: the built-in model widened, its learner compiled, inductor's cache carried between leases.
+wait $WIDEN_PID
+grep -v "^Loading\|^Writing" "$OUTDIR/widen-model.log"
+if [ "$(cat "$OUTDIR/widen-model.rc" 2>/dev/null)" = 0 ]; then
+    "$PY" bench/device_e2e.py cache-load "$CACHE_IN/real-width-inductor.tar.gz" "$WORK/inductor-cache" \
+        --note "$OUTDIR/real-width-cache-in.json"
+    WIDE_DIR=$RUNS/$WIDE_NAME
+    (cd "$OUTDIR" && part "real-width run" $WIDE_S "built-in model at $WIDE_HIDDEN wide, compile $WIDE_BACKEND, $WIDE_STEPS steps" \
+        - "${EXGRPO[@]}" train "${WIDE[@]}" "${EXTRA[@]}")
+    mkdir -p "$OUTDIR/wide-run"
+    cp -r "$WIDE_DIR"/{metrics-unsent.jsonl,state.json,profile.json,config.yaml,logs} "$OUTDIR/wide-run/" 2>/dev/null
+    "$PY" bench/device_e2e.py cache-save "$WORK/inductor-cache" "$OUTDIR/compile-cache/real-width-inductor.tar.gz" \
+        --max-mib 8 --note "$OUTDIR/real-width-cache-out.json"
+else
+    printf 'real-width run\t1\t0\t%d\tits model could not be made (widen-model.log)\n' $WIDE_S >> "$OUTDIR/parts.tsv"
+fi
+
+# 4-5. The probe and, beside it, the tests only a GPU answers (skipped, and said so, without CUDA): neither judges
 # time, and side by side they fit the budget (the probe's tokens/s are measured beside the tests).
 wait $MAKE_PID
 cat "$OUTDIR/make-model.log"
@@ -196,8 +251,7 @@ fi
 LEFT=$(( $(left) - 8 ))
 if [ $LEFT -ge 20 ]; then
     # inductor's artifacts: the last lease's loaded (the carry's compile-cache/), this one's saved (tests/gpu/conftest.py)
-    mkdir -p "$OUTDIR/compile-cache"
-    EXGRPO_GPU_COMPILE_CACHE="$CARRY/compile-cache" EXGRPO_GPU_COMPILE_CACHE_OUT="$OUTDIR/compile-cache" \
+    EXGRPO_GPU_COMPILE_CACHE="$CACHE_IN" EXGRPO_GPU_COMPILE_CACHE_OUT="$OUTDIR/compile-cache" \
         part "tests/gpu" $LEFT "pytest tests/gpu -m gpu" "$OUTDIR/pytest-gpu.log" \
         "$PY" -m pytest tests/gpu -m gpu -v -rs -p no:cacheprovider
     tail -n 12 "$OUTDIR/pytest-gpu.log"
@@ -207,6 +261,6 @@ fi
 [ -n "$PROBE_PID" ] && wait $PROBE_PID
 cat "$OUTDIR/probe.log" 2>/dev/null
 
-# 5. The summary.
+# 6. The summary.
 summary
 }
