@@ -179,8 +179,10 @@ def _suggest(pl: Place) -> str:
                 inner = [f"{upath}.{n}.{hit[0]}" for n, f in pl.model.model_fields.items()
                          if section_model(f.annotation) is model]  # auto's own vllm settings
                 keep = f", or {inner[0]} to keep kind {kind}" if inner else ""
-                return (f"{hit[0]} is a field of kind {other}, not of {kind}: set {upath}.kind={other} to use "
-                        f"{upath}.{hit[0]}{keep}")
+                holders = [k for k, m in kinds.items() if k not in (kind, "synthetic") and hit[0] in m.model_fields
+                           ] or [other]  # the synthetic engine is simulation only: never suggested to a run
+                return (f"{hit[0]} is a field of kind {' or '.join(holders)}, not of {kind}: set {upath}.kind="
+                        f"{other} to use {upath}.{hit[0]}{keep}")
     if near:
         return f"did you mean {_or([prefix + n for n in near])}? {LISTS}"
     near = _near(name, list(inner)) if section else []  # `learner.learning_rate`: learner.optim.lr

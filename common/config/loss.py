@@ -256,6 +256,9 @@ class LossConfig(Section):
         fields they are (ppo_clip, the default, where it has them all)."""
         if isinstance(v, str):
             return {"kind": v}
+        if not isinstance(v, (dict, Section)):
+            raise ValueError(f"a kind ({', '.join(SURROGATE_KINDS)}) or a section of one, not {v!r}: e.g. "
+                             "learner.loss.policy_loss=gspo, or learner.loss.policy_loss.clip_high=0.28")
         return pick_kind(v, SURROGATE_KINDS, "ppo_clip", "learner.loss.policy_loss")
 
     @model_validator(mode="after")

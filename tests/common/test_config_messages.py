@@ -46,6 +46,12 @@ def refused(capsys, *args: str) -> str:
      "generator.engine.kind=vllm"),
     (["generator.engine.kind=auto", "generator.engine.max_num_seqs=64"],
      "or generator.engine.vllm.max_num_seqs to keep kind auto"),
+    # every kind that has it (a surrogate's band: ppo_clip's, gspo's and cispo's), and a policy loss given a list
+    (["learner.loss.policy_loss=sapo", "learner.loss.policy_loss.clip_high=1"],
+     "learner.loss.policy_loss.clip_high: unknown field (clip_high is a field of kind ppo_clip or gspo or cispo, not "
+     "of sapo: set learner.loss.policy_loss.kind=ppo_clip"),
+    (["learner.loss.policy_loss=[gspo]"], "learner.loss.policy_loss: a kind (ppo_clip, gspo, cispo, sapo) or a "
+                                          "section of one, not ['gspo']: e.g. learner.loss.policy_loss=gspo"),
     (["generator.engine.max_num_seqs=64", "generator.engine.batch_rows=8"],
      "generator.engine: batch_rows is a field of kind transformers; max_num_seqs is a field of kind vllm: one kind "
      "at a time; set generator.engine.kind"),
