@@ -190,7 +190,6 @@ def _shape_marked(compiled, mark: bool = True):
             mark_shapes(hidden_states, kwargs)
         return compiled(hidden_states, *args, **kwargs)
 
-    forward._exgrpo_compiled = compiled
     return forward
 
 
