@@ -16,11 +16,11 @@ import json
 import logging
 import os
 import re
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 from cluster import input_checks
+from common.text import one_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
 """Any of these makes a folder worth handing to AutoTokenizer (which explains itself badly when none exist)."""
@@ -106,7 +106,7 @@ def load_tokenizer(path: Path, field: str = "model.path"):
         return auto_tokenizer(path)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         # a library's multi-line message as one line (transformers ends "... one of:" and lists on the next lines)
-        why = textwrap.shorten(str(e), 600, placeholder=" ...") or type(e).__name__
+        why = one_line(str(e), 600) or type(e).__name__
         raise BadInput("invalid configuration:", f"{field}: the tokenizer in {path} cannot be loaded "
                        f"({why}); copy the tokenizer files of the model it was made from into the folder "
                        "(tokenizer.json with tokenizer_config.json: tokenizer.save_pretrained(path))") from None
@@ -137,7 +137,7 @@ def experience_policy_problem(buffer_cfg) -> str:
         return str(e)
     except Exception as e:  # the user's constructor: say what it raised, not a traceback
         return (f"buffer.experience_policy: building {buffer_cfg.experience_policy}(buffer config) raised "
-                f"{type(e).__name__}: {textwrap.shorten(str(e), 600, placeholder=' ...')}; fix its __init__")
+                f"{type(e).__name__}: {one_line(str(e), 600)}; fix its __init__")
     return ""
 
 

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import sys
-import textwrap
 import threading
 import time
 from collections import defaultdict
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config.secrets import PASSWORD_ENV, USERNAME_ENV, redact, split_password
+from common.text import one_line
 
 log = logging.getLogger("exgrpo.tracking")
 
@@ -381,7 +381,7 @@ def _short(e: BaseException) -> str:
     """`Type: the first line that says something` of an exception (SQLAlchemy starts with a hint in brackets),
     credentials redacted."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith("(raised as a result")]
-    return redact(f"{type(e).__name__}: {textwrap.shorten(lines[0], 200, placeholder=' ...')}" if lines
+    return redact(f"{type(e).__name__}: {one_line(lines[0], 200)}" if lines
                   else type(e).__name__)
 
 

@@ -17,12 +17,12 @@ import gzip
 import logging
 import os
 import sys
-import textwrap
 from pathlib import Path
 
 import torch
 
 from common.disk import atomic_write_bytes
+from common.text import one_line
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class RecompileWatch:
         if n > 0 and rank == 0:
             reasons = _new_guard_failures(self.failures)
             log.warning("learner: %d graph(s) compiled during %s (a compile stall after the warm-up): %s", n, what,
-                        "guard failed: " + textwrap.shorten(" | ".join(reasons), 400, placeholder="...")
+                        "guard failed: " + one_line(" | ".join(reasons), 400, placeholder="...")
                         if reasons else
                         "a first compile of code the setup's trial did not run (no guard failed)")
         return n
@@ -169,7 +169,7 @@ class _RecompileLimitHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if "hit config." in message:
-            head = textwrap.shorten(message.split("To log all recompilation reasons")[0], 300, placeholder="...")
+            head = one_line(message.split("To log all recompilation reasons")[0], 300, placeholder="...")
             log.warning("learner.levers.compile: dynamo's recompile limit reached, the function below runs EAGER from "
                         "now on (slow; raise torch._dynamo.config.recompile_limit or remove the recompile): %s", head)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import textwrap
 from collections.abc import Callable
 from typing import Protocol
 
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from common.config import LearnerConfig
+from common.text import one_line
 from learner.batching import Row
 from learner.forward import forward_stats
 
@@ -190,4 +190,4 @@ def _search(levers: Levers, trainer, in_play: list[str], error: str, faults: set
 
 
 def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {textwrap.shorten(str(e), 400, placeholder='...')}"
+    return f"{type(e).__name__}: {one_line(str(e), 400, placeholder='...')}"
