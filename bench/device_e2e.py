@@ -2,8 +2,11 @@
 
     python bench/device_e2e.py carry-model CARRY                 # the built-in model into CARRY/models (on the host)
     python bench/device_e2e.py make-model OUT [--size 0.5B|tiny]
+    python bench/device_e2e.py widen-model OUT [--hidden 512] [--cache-dir DIR]   # the real-width run's model
+    python bench/device_e2e.py cache-load ARCHIVE FOLDER --note JSON              # before the real-width run
+    python bench/device_e2e.py cache-save FOLDER ARCHIVE --note JSON [--max-mib 8]  # after it
     python bench/device_e2e.py probe --model MODEL --out JSON [--device cuda] [--dtype bfloat16]
-    python bench/device_e2e.py summary OUT_DIR [--run RUN_DIR] [--quick] [--budget-s 240]
+    python bench/device_e2e.py summary OUT_DIR [--run RUN_DIR] [--wide-run RUN_DIR] [--quick] [--budget-s 285]
 
 `carry-model`: the built-in countdown model (common.toy_model, the default config's) built or taken from the cache
 and copied into CARRY/models/, the folder `model.cache_dir` points at on the device: the learning run trains it
@@ -14,6 +17,11 @@ there without building it (minutes of CPU) first.
 offline), saved in bfloat16. Its vocabulary is the tokenizer's (~100 rows, not 151,936: a random model samples
 every row it has, and rows past the tokenizer's decode to nothing), so it has ~0.36B parameters. Kept when the
 folder already holds it (a warm machine).
+
+`widen-model`: the built-in model (built or taken from `--cache-dir`) at `--hidden` wide, answering as it does
+(`widen_model`): the real-width run's model, made in seconds on the machine. `cache-load` / `cache-save`: that run's
+inductor cache folder (`learner.levers.compile_cache_dir`) made fresh from the last lease's archive, and archived
+for the next one (scripts/device_out.py brings it back in compile-cache.tar).
 
 `probe`: the train/inference mismatch and the throughput at that width. The transformers engine samples on `device`
 in `dtype` (64 sequences of 64 new tokens), the learner's forward (`learner.forward.prepare_model` +
@@ -29,11 +37,13 @@ and prints one screen: the parts, the learning run's figures, the probe's, and t
 or ran out of time leaves its gates failed (or judged on what it logged before it stopped); the summary is printed
 whatever happened. Writes OUT_DIR/device_e2e.json; exit 0 when every gate judged passed.
 
-Gates (--quick, the CPU check, judges the first four, the probe's and tests/gpu's; the rest are shown):
-replayed rows > 0 (mixed groups trained, their stored trajectory in the learner's loss), mixed mode on, candidates
-shipped > 0, rewards > 0, reward rising (the mean of the last third of the steps above the first third's), the
-first update <= 60 s after `exgrpo train` started (`driver/first_update_s`), the probe's two gates, tests/gpu passed,
-and the whole check within --budget-s.
+Gates (--quick, the CPU check, judges the first four, the real-width run's compile and recompiles, the probe's and
+tests/gpu's; the rest are shown): replayed rows > 0 (mixed groups trained, their stored trajectory in the learner's
+loss), mixed mode on, candidates shipped > 0, rewards > 0, reward rising (the mean of the last third of the steps
+above the first third's), the first update <= 60 s after `exgrpo train` started (`driver/first_update_s`); the
+real-width run's (--wide-run): compile on (on the GPU: inductor, graphs compiled by the setup's trial), replayed rows
+> 0, the first update <= 60 s cold (<= 30 s from a carried inductor cache), no graph compiled after its first step;
+the probe's two gates, tests/gpu passed, and the whole check within --budget-s.
 """
 
 from __future__ import annotations
@@ -357,7 +367,8 @@ def learning_figures(series: dict[str, list[tuple[int, float]]]) -> dict[str, fl
 
 
 TRIAL_LINE = re.compile(r"the trial compiled (\d+) graph\(s\) in ([\d.]+) s")
-LEVERS_LINE = re.compile(r"learner levers on (\S+): compile (on|off) \(([^)]*)\)(?:: each decoder layer, backend ([\w.-]+))?")
+LEVERS_LINE = re.compile(r"learner levers on (\S+): compile (on|off) \(([^)]*)\)"
+                         r"(?:: each decoder layer, backend ([\w.-]+))?")
 
 
 def compile_figures(run_dir: Path | None) -> dict:
@@ -558,7 +569,8 @@ def summary(out_dir: Path, run_dir: Path | None, quick: bool, budget_s: float, w
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "device_e2e.json").write_text(json.dumps(_finite(
         {"quick": quick, "device": device, "whole_s": whole_s, "budget_s": budget_s, "parts": list(parts.values()),
-         "learning": learn, "real_width": wide, "probe": probe_fig, "tests_gpu": tests, "run_dir": str(run_dir) if run_dir else None,
+         "learning": learn, "real_width": wide, "probe": probe_fig, "tests_gpu": tests,
+         "run_dir": str(run_dir) if run_dir else None, "wide_run_dir": str(wide_run) if wide_run else None,
          "gates": [{"gate": g, "passed": ok, "value": v} for g, ok, v in judged], "passed": not failed}), indent=1))
     return 1 if failed else 0
 
@@ -606,7 +618,7 @@ def main() -> int:
     s.add_argument("--run", type=Path, default=None, help="the learning run's folder")
     s.add_argument("--wide-run", type=Path, default=None, help="the real-width run's folder")
     s.add_argument("--quick", action="store_true", help="the CPU check: judge replay, rewards, probe, tests/gpu")
-    s.add_argument("--budget-s", type=float, default=240.0)
+    s.add_argument("--budget-s", type=float, default=285.0)
     s.add_argument("--whole-s", type=float, default=math.nan, help="seconds the whole check took so far")
     s.add_argument("--device", default="cpu", help="what ran it, in words")
     args = p.parse_args()

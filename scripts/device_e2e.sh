@@ -9,20 +9,20 @@
 #   device tool: run(command="bash scripts/device_e2e.sh", carry=["device-carry"], timeout_s=300)
 #
 # The parts (budget at the default DEVICE_E2E_BUDGET_S=285, within 300 s of device time with the real-width run; the
-# learning run's budget went from 130 to 100 s for it (it took 47 s on the H100); --quick: 900 on a slow CPU):
+# learning run's budget went from 130 to 90 s for it (it took 47 s on the H100); --quick: 900 on a slow CPU):
 # 1. the carry (60 s): the image has python3 with torch, transformers, pytest, ... (scripts/device_image.txt) but no
 #    ray, pydantic, jsonschema, math-verify or mlflow: `make device-carry` puts their wheels and the project's in
 #    device-carry/ (carried with the call), pip-installed here with --no-index into DEVICE_SITE, first on PYTHONPATH.
 #    Without MLflow a run keeps its metric points in <run>/metrics-unsent.jsonl (the tracker's offline mode), which
 #    the summary reads.
-# 2. the learning run (100 s; --quick 480): `exgrpo train` of the built-in countdown model (common/toy_model.py; it
+# 2. the learning run (90 s; --quick 480): `exgrpo train` of the built-in countdown model (common/toy_model.py; it
 #    solves about a third of the questions from the start) on the GPU, learner and a transformers-engine generator
 #    sharing it (0.4 each), weights through Ray's object store, up to 30 steps (--quick 8) at the defaults: mixed
 #    mode switches on and stored trajectories are replayed. The model comes from device-carry/models
 #    (`bench/device_e2e.py carry-model`), else it is built here first (minutes, outside the budgets). SIGTERM at
 #    the budget: the run finishes its step and stops; the summary judges what it logged. DEVICE_E2E_TRAIN_ARGS:
 #    more key=value overrides (of both learning runs).
-# 3. the real-width run (75 s; --quick 300): the same at 512 wide (DEVICE_E2E_WIDE_HIDDEN), 12 steps (--quick 4),
+# 3. the real-width run (90 s; --quick 300): the same at 512 wide (DEVICE_E2E_WIDE_HIDDEN), 12 steps (--quick 4),
 #    with `learner.levers.compile=true` (96 wide, the run above stays eager). Its model is the built-in one widened
 #    (`bench/device_e2e.py widen-model`, seconds, on the CPU while the learning run runs: the small model in the
 #    corner of each wider matrix, the rest small noise, so it answers as the built-in model does and replays).
@@ -38,7 +38,8 @@
 #    one in float32 on the CPU), made on the CPU while the learning run runs; the engine samples, the learner's
 #    forward scores (bench/device_e2e.py probe): NeMo-RL's gates, and tokens/s at that width.
 # 5. tests/gpu (pytest -m gpu; skipped, and said so, without CUDA), beside the probe (neither judges time): what is
-#    left of the budget, 8 s kept for 6.
+#    left of the budget, 8 s kept for 6 (about 140 s if the parts above take their H100 times and the real-width run
+#    ~75 s; tests/gpu took 134 s cold on the H100, less from the carried tests-gpu.bin: it may be cut short cold).
 # 6. the summary (bench/device_e2e.py summary): parts, figures, gates; OUT/device_e2e.json.
 #
 # Environment: OUT (default runs-device-e2e/) gets device_e2e.json, device_e2e.log, parts.tsv, probe.json, probe.log,
@@ -71,8 +72,8 @@ if [ $QUICK -eq 1 ]; then
     BUDGET=${DEVICE_E2E_BUDGET_S:-900}; STEPS=${DEVICE_E2E_STEPS:-8}; LEARN_S=480; PROBE_S=240
     WIDE_STEPS=${DEVICE_E2E_WIDE_STEPS:-4}; WIDE_S=300; WIDE_BACKEND=${DEVICE_E2E_WIDE_BACKEND:-aot_eager}
 else
-    BUDGET=${DEVICE_E2E_BUDGET_S:-285}; STEPS=${DEVICE_E2E_STEPS:-30}; LEARN_S=100; PROBE_S=60
-    WIDE_STEPS=${DEVICE_E2E_WIDE_STEPS:-12}; WIDE_S=75; WIDE_BACKEND=${DEVICE_E2E_WIDE_BACKEND:-inductor}
+    BUDGET=${DEVICE_E2E_BUDGET_S:-285}; STEPS=${DEVICE_E2E_STEPS:-30}; LEARN_S=90; PROBE_S=60
+    WIDE_STEPS=${DEVICE_E2E_WIDE_STEPS:-12}; WIDE_S=90; WIDE_BACKEND=${DEVICE_E2E_WIDE_BACKEND:-inductor}
 fi
 LEARN_S=${DEVICE_E2E_LEARN_S:-$LEARN_S}; PROBE_S=${DEVICE_E2E_PROBE_S:-$PROBE_S}; WIDE_S=${DEVICE_E2E_WIDE_S:-$WIDE_S}
 WIDE_HIDDEN=${DEVICE_E2E_WIDE_HIDDEN:-512}
@@ -225,8 +226,9 @@ if [ "$(cat "$OUTDIR/widen-model.rc" 2>/dev/null)" = 0 ]; then
     "$PY" bench/device_e2e.py cache-load "$CACHE_IN/real-width-inductor.tar.gz" "$WORK/inductor-cache" \
         --note "$OUTDIR/real-width-cache-in.json"
     WIDE_DIR=$RUNS/$WIDE_NAME
-    (cd "$OUTDIR" && part "real-width run" $WIDE_S "built-in model at $WIDE_HIDDEN wide, compile $WIDE_BACKEND, $WIDE_STEPS steps" \
-        - "${EXGRPO[@]}" train "${WIDE[@]}" "${EXTRA[@]}")
+    (cd "$OUTDIR" && part "real-width run" $WIDE_S \
+        "built-in model at $WIDE_HIDDEN wide, compile $WIDE_BACKEND, $WIDE_STEPS steps" - \
+        "${EXGRPO[@]}" train "${WIDE[@]}" "${EXTRA[@]}")
     mkdir -p "$OUTDIR/wide-run"
     cp -r "$WIDE_DIR"/{metrics-unsent.jsonl,state.json,profile.json,config.yaml,logs} "$OUTDIR/wide-run/" 2>/dev/null
     "$PY" bench/device_e2e.py cache-save "$WORK/inductor-cache" "$OUTDIR/compile-cache/real-width-inductor.tar.gz" \
