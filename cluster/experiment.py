@@ -519,6 +519,30 @@ def runs_root_problem(root: Path) -> str | None:
     return None
 
 
+RESULT_FILES = ("results.md", "results.json", "accuracy_vs_rollouts.png")
+"""What an experiment writes into its folder `<runs root>/<spec name>` beside `logs/<run name>.log`."""
+
+
+def results_folder_problem(out: Path) -> str | None:
+    """Why the experiment's folder `out` is not its own: it holds entries an experiment does not write (a user's
+    folder of the same name). None when it does not exist, is empty or holds only what an experiment wrote."""
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return (f"{out} is a file; the experiment's results go into a folder of that name: move it, or give "
+                "--runs-root another folder")
+    logs = out / "logs"
+    foreign = [p.name for p in sorted(out.iterdir()) if p.name not in (*RESULT_FILES, "logs")]
+    if logs.is_dir():
+        foreign += [f"logs/{p.name}" for p in sorted(logs.iterdir()) if not (p.suffix == ".log" and p.is_file())]
+    elif logs.exists():
+        foreign.append("logs")
+    if not foreign:
+        return None
+    return (f"{out} holds files no experiment wrote ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
+            "the experiment writes its results and logs there: move them, or give --runs-root another folder")
+
+
 def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, variants: list[str] | None = None,
                     seeds: list[int] | None = None) -> int:
     """`exgrpo experiment`: returns the exit code (0 all runs finished, 1 some failed, 2 bad spec). `variants`:
@@ -540,6 +564,10 @@ def experiment_main(spec_arg: str, runs_root: str, jobs: int, rerun: bool, varia
 
     root = Path(runs_root).expanduser()
     out = root / spec.name
+    problem = results_folder_problem(out)
+    if problem:
+        print(f"exgrpo experiment: {problem}", file=sys.stderr)
+        return 2
     (out / "logs").mkdir(parents=True, exist_ok=True)
     tracker = Tracker(_base_tracking(spec, "uri") or default_tracking_uri(str(root)), "exgrpo")
     parent = tracker.start(spec.name, tags={"exgrpo.kind": "experiment"})

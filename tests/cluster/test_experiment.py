@@ -189,6 +189,22 @@ def test_an_empty_spec_and_a_misspelt_key_are_answered_in_the_spec_s_terms(tmp_p
                              "variant: unknown field; did you mean variants?"]
 
 
+def test_an_experiment_never_writes_into_a_folder_of_its_name_that_holds_a_users_files(tmp_path, capsys):
+    """`<runs root>/<spec name>` is where the results and logs go: a folder there holding anything an experiment does
+    not write is refused before any run starts, and left as it was."""
+    spec = write(tmp_path, dict(name="mine", budget_rollouts=64, seeds=[0], variants={"a": {}}))
+    (tmp_path / "runs" / "mine" / "logs").mkdir(parents=True)
+    (tmp_path / "runs" / "mine" / "results.md").write_text("my notes")
+    (tmp_path / "runs" / "mine" / "logs" / "notes.txt").write_text("mine")
+    assert main(["experiment", spec, "--runs-root", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert (f"exgrpo experiment: {tmp_path}/runs/mine holds files no experiment wrote (logs/notes.txt); the "
+            "experiment writes its results and logs there: move them, or give --runs-root another folder") in err, err
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*")) == [
+        "runs/mine", "runs/mine/logs", "runs/mine/logs/notes.txt", "runs/mine/results.md"]
+    assert (tmp_path / "runs" / "mine" / "results.md").read_text() == "my notes"
+
+
 def test_experiment_help_lists_the_bundled_specs_and_the_defaults():
     p = subprocess.run([sys.executable, "-m", "cluster.cli", "experiment", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
