@@ -70,8 +70,9 @@ def render() -> str:
              "Set fields in a YAML file or as `dotted.key=value` overrides: "
              "`exgrpo train config.yaml buffer.max_lag=0 learner.optim.lr=1e-5`.",
              "`exgrpo config [...]` prints the resolved configuration.",
-             "A backend section (`generator.engine`, `learner.weight_sync`) is one of the kinds below, chosen by "
-             "`kind`; a field given without `kind` picks it: the default kind's own fields keep it "
+             "A section chosen by its kind (`generator.engine`, `learner.weight_sync`, `learner.loss.policy_loss`) "
+             "is one of the kinds below; its kind alone names it (`learner.loss.policy_loss=gspo`, with or without "
+             "that kind's fields), and a field given without `kind` picks it: the default kind's own fields keep it "
              "(`generator.engine.cpu_vllm_min_params=0` stays auto), a field only one kind has sets that kind "
              "(`learner.weight_sync.relay_fanout=2` sets collective; `max_num_seqs` alone sets vllm).",
              ""]

@@ -16,10 +16,17 @@ class Section(BaseModel):
 
 def pick_kind(value: Any, variants: dict[str, type[BaseModel]], default: str, where: str,
               refused: tuple[str, ...] = ()) -> Any:
-    """A union section given without `kind` (`generator.engine.max_num_seqs=64`) gets the kind its fields name:
-    the default kind when it has them all, else the one kind (not in `refused`, kinds a run never takes) that
-    has them all. Fields of different kinds together are refused with the kinds that hold them. Unknown
-    fields leave the default kind, whose validation names them (with suggestions)."""
+    """A union section given its kind alone (`generator.engine=transformers`) is that kind's section. One given
+    without `kind` (`generator.engine.max_num_seqs=64`) gets the kind its fields name: the default kind when it has
+    them all, else the one kind (not in `refused`, kinds a run never takes) that has them all. Fields of different
+    kinds together are refused with the kinds that hold them. Unknown fields leave the default kind, whose
+    validation names them (with suggestions)."""
+    if isinstance(value, str):
+        return {"kind": value}
+    if not isinstance(value, (dict, BaseModel)):
+        kinds = ", ".join(k for k in variants if k not in refused)
+        raise ValueError(f"a kind ({kinds}) or a section of one, not {value!r}: e.g. {where}={default}, or "
+                         f"{where}.kind={default} with its fields")
     if not isinstance(value, dict) or not value or "kind" in value:
         return value
     keys = set(value)

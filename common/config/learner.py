@@ -210,13 +210,13 @@ class LearnerConfig(Section):
     @field_validator("weight_sync", mode="before")
     @classmethod
     def _no_nccl_kind(cls, v: Any) -> Any:
-        kind = v.get("kind") if isinstance(v, dict) else None
-        if kind == "nccl":
+        # weight_sync.delta=true keeps object_store; weight_sync.relay_fanout=2 sets collective
+        v = pick_kind(v, {"object_store": ObjectStoreSyncConfig, "collective": CollectiveSyncConfig},
+                      "object_store", "learner.weight_sync")
+        if isinstance(v, dict) and v.get("kind") == "nccl":
             raise ValueError("kind: nccl was replaced by the collective backend: use "
                              "{kind: collective, backend: nccl} (or backend: auto)")
-        # weight_sync.delta=true keeps object_store; weight_sync.relay_fanout=2 sets collective
-        return pick_kind(v, {"object_store": ObjectStoreSyncConfig, "collective": CollectiveSyncConfig},
-                         "object_store", "learner.weight_sync")
+        return v
 
 
 LEARNER_SECTIONS = {name: section

@@ -95,24 +95,29 @@ def _below_a_value(parts: list[str]) -> str | None:
     return None
 
 
-KIND_ALONE = ("learner", "loss", "policy_loss")
-"""The union section that takes its kind alone as a value (`learner.loss.policy_loss=gspo`)."""
+def _takes_a_kind(parts: list[str]) -> bool:
+    """Whether `parts` is a section chosen by its kind (a discriminated union: `generator.engine`,
+    `learner.weight_sync`, `learner.loss.policy_loss`), which takes its kind alone as a value."""
+    holder = place(tuple(parts[:-1])).model
+    f = holder.model_fields.get(parts[-1]) if holder is not None else None
+    return f is not None and union_kinds(f) is not None
 
 
 def _set(raw: dict[str, Any], parts: list[str], value: Any) -> str | None:
-    """Set `value` at `parts` in `raw`, making sections on the way; the problem when a part is a value. The
-    section `KIND_ALONE` given its kind alone and its fields, in either order, keeps both."""
+    """Set `value` at `parts` in `raw`, making sections on the way; the problem when a part is a value. A section
+    chosen by its kind, given its kind alone (`generator.engine=transformers`) and its fields, in either order,
+    keeps both."""
     node = raw
     for i, p in enumerate(parts[:-1]):
         child = node.get(p)
         if child is None:
             child = node[p] = {}
-        elif isinstance(child, str) and tuple(parts[: i + 1]) == KIND_ALONE:
+        elif isinstance(child, str) and _takes_a_kind(parts[: i + 1]):
             child = node[p] = {"kind": child}
         if not isinstance(child, dict):
             return f"{p} is a value, not a section"
         node = child
-    if isinstance(value, str) and isinstance(node.get(parts[-1]), dict) and tuple(parts) == KIND_ALONE:
+    if isinstance(value, str) and isinstance(node.get(parts[-1]), dict) and _takes_a_kind(parts):
         node[parts[-1]]["kind"] = value
     else:
         node[parts[-1]] = value

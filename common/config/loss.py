@@ -251,14 +251,7 @@ class LossConfig(Section):
 
     @field_validator("policy_loss", mode="before")
     @classmethod
-    def _kind_alone_or_from_fields(cls, v: Any) -> Any:
-        """`policy_loss=gspo` names the kind alone; `policy_loss.clip_high=0.28` without a kind picks the kind whose
-        fields they are (ppo_clip, the default, where it has them all)."""
-        if isinstance(v, str):
-            return {"kind": v}
-        if not isinstance(v, (dict, Section)):
-            raise ValueError(f"a kind ({', '.join(SURROGATE_KINDS)}) or a section of one, not {v!r}: e.g. "
-                             "learner.loss.policy_loss=gspo, or learner.loss.policy_loss.clip_high=0.28")
+    def _kind_from_fields(cls, v: Any) -> Any:
         return pick_kind(v, SURROGATE_KINDS, "ppo_clip", "learner.loss.policy_loss")
 
     @model_validator(mode="after")

@@ -51,7 +51,11 @@ def refused(capsys, *args: str) -> str:
      "learner.loss.policy_loss.clip_high: unknown field (clip_high is a field of kind ppo_clip or gspo or cispo, not "
      "of sapo: set learner.loss.policy_loss.kind=ppo_clip"),
     (["learner.loss.policy_loss=[gspo]"], "learner.loss.policy_loss: a kind (ppo_clip, gspo, cispo, sapo) or a "
-                                          "section of one, not ['gspo']: e.g. learner.loss.policy_loss=gspo"),
+                                          "section of one, not ['gspo']: e.g. learner.loss.policy_loss=ppo_clip, or "
+                                          "learner.loss.policy_loss.kind=ppo_clip with its fields"),
+    (["generator.engine=[vllm]"], "generator.engine: a kind (vllm, transformers, auto) or a section of one, not "
+                                  "['vllm']: e.g. generator.engine=auto"),
+    (["learner.weight_sync=nccl"], "learner.weight_sync: kind: nccl was replaced by the collective backend"),
     (["generator.engine.max_num_seqs=64", "generator.engine.batch_rows=8"],
      "generator.engine: batch_rows is a field of kind transformers; max_num_seqs is a field of kind vllm: one kind "
      "at a time; set generator.engine.kind"),
@@ -114,6 +118,30 @@ def test_fields_of_a_union_without_kind_pick_the_kind():
     assert ws.kind == "collective" and ws.relay_fanout == 2
     ws = load_config(None, ["learner.weight_sync.delta=true", "learner.weight_sync.bucket_mb=64"]).learner.weight_sync
     assert ws.kind == "object_store" and ws.delta
+
+
+@pytest.mark.parametrize("kind_alone, field, kind_key, value", [
+    ("generator.engine=transformers", "generator.engine.batch_rows=8", "transformers", ("batch_rows", 8)),
+    ("learner.weight_sync=collective", "learner.weight_sync.relay_fanout=2", "collective", ("relay_fanout", 2)),
+    ("learner.loss.policy_loss=gspo", "learner.loss.policy_loss.clip_high=0.001", "gspo", ("clip_high", 0.001)),
+])
+def test_every_section_chosen_by_its_kind_takes_the_kind_alone_and_its_fields_in_either_order(
+        tmp_path, kind_alone, field, kind_key, value):
+    """`generator.engine=transformers` as `learner.loss.policy_loss=gspo`: every section chosen by its kind (from the
+    schema, not a list), on the command line and in a YAML file alike."""
+    path = kind_alone.split("=")[0].split(".")
+    for args in ([kind_alone], [kind_alone, field], [field, kind_alone]):
+        section = load_config(None, args)
+        for p in path:
+            section = getattr(section, p)
+        assert section.kind == kind_key, args
+        if field in args:
+            assert getattr(section, value[0]) == value[1], args
+    (tmp_path / "c.yaml").write_text(f"{kind_alone.replace('=', ': ')}\n")
+    section = load_config(str(tmp_path / "c.yaml"), [])
+    for p in path:
+        section = getattr(section, p)
+    assert section.kind == kind_key
 
 
 def test_every_flat_learner_key_that_moved_into_a_section_is_refused_with_its_new_name(tmp_path):
