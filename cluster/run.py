@@ -213,8 +213,20 @@ def _start_tracking(cfg: RunConfig, run_dir, state: DriverState, uri: str, resum
     from cluster.tracking import UNSENT_FILE
 
     tracker = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled,
-                      unsent_path=run_dir.path / UNSENT_FILE)
+                      unsent_path=run_dir.path / UNSENT_FILE, retry_open_s=cfg.tracking.retry_open_s)
     parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None
+    new_run = state.mlflow_run_id is None
+
+    def online(tr) -> None:  # an offline start whose MLflow run opened later (the tracker's flush thread)
+        state.mlflow_run_id = tr.run_id
+        run_dir.update_state(mlflow_run_id=tr.run_id)
+        if new_run:
+            tr.log_params(flatten(cfg))
+            tr.log_text(to_yaml(cfg), "config.yaml")
+        if (run_dir.path / PROMPT_FILE).is_file():
+            tr.log_artifact(run_dir.path / PROMPT_FILE)
+
+    tracker.on_online = online
     state.mlflow_run_id = tracker.start(run_dir.name, run_id=state.mlflow_run_id, tags=parent)
     if not resume:
         tracker.log_params(flatten(cfg))

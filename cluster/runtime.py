@@ -199,6 +199,9 @@ def _refuse_unless_empty(path: Path) -> None:
                              "folder: pass name=<new name> or point checkpoint.runs_root elsewhere")
 
 
+_STATE_LOCK = threading.Lock()
+"""state.json's read-modify-write (`RunDir.update_state`) from several threads of one process."""
+
 class RunDir:
     """A run's folder: config.yaml, state.json, checkpoints/step-NNNNNN/, plots/, logs/. Self-contained: every path
     it records is relative to it, so a copied or moved folder resumes from its own checkpoints.
@@ -313,9 +316,11 @@ class RunDir:
         atomic_write_text(self.path / "state.json", json.dumps(state, indent=1))
 
     def update_state(self, **kv: Any) -> None:
-        s = self.read_state()
-        s.update(kv)
-        self.write_state(s)
+        """Set `kv` in state.json; one update at a time in this process (the driver's and the MLflow thread's)."""
+        with _STATE_LOCK:
+            s = self.read_state()
+            s.update(kv)
+            self.write_state(s)
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.path / "checkpoints" / f"step-{step:06d}"

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from common.config.secrets import PASSWORD_ENV, USERNAME_ENV, redact, split_password
 from common.text import one_line
@@ -51,7 +51,7 @@ class Tracker:
     """One MLflow run: parameters, metrics (buffered), artifacts and plots."""
 
     def __init__(self, uri: str, experiment: str, *, enabled: bool = True, flush_every_s: float = 5.0,
-                 max_buffered: int = 200_000, unsent_path: str | Path | None = None):
+                 max_buffered: int = 200_000, unsent_path: str | Path | None = None, retry_open_s: float = 60.0):
         self.uri = _credentials_to_env(uri)
         self.where = redact(uri)  # what messages show
         self.unsent_path = Path(unsent_path) if unsent_path is not None else None
@@ -66,6 +66,10 @@ class Tracker:
         self.failures = 0  # refused store calls
         self.failing = False  # the store refuses writes now: warned when it starts, and when it recovers
         self.offline = False  # no MLflow run could be opened: every point goes to unsent_path
+        self.retry_open_s = retry_open_s  # offline: the MLflow run is tried again this often (0: never)
+        self.on_online: Callable[[Tracker], None] | None = None  # runs once an offline run's MLflow run opens
+        self._opening: tuple[str, str | None, dict[str, str] | None] | None = None  # start's arguments
+        self._next_open = 0.0
         self._spell = 0  # failures before the current failing spell
         self._pending: list[Any] = []
         self._unsent_lock = threading.Lock()
@@ -84,33 +88,27 @@ class Tracker:
     # -------------------------------------------------------------------------------------- start
 
     def start(self, run_name: str, run_id: str | None = None, tags: dict[str, str] | None = None) -> str | None:
-        """Create (or, with run_id, reopen) the MLflow run. Returns its id, None when tracking is off/down."""
+        """Create (or, with run_id, reopen) the MLflow run. Returns its id, None when tracking is off/down. A run
+        with a folder for its points goes offline when the store does not answer, and its MLflow run is tried again
+        every `retry_open_s` (`_try_online`)."""
         if not self.enabled:
             return None
+        self._opening = (run_name, run_id, tags)
         try:
-            from mlflow.tracking import MlflowClient
-
-            from cluster.console import quiet_store_loggers
-
-            quiet_store_loggers()  # imported before this process set MLFLOW_CONFIGURE_LOGGING: MLflow's handler is on
-            self._client = MlflowClient(tracking_uri=self.uri)
-            if run_id is not None:
-                self._client.update_run(run_id, status="RUNNING")
-                self.run_id = run_id
-            else:
-                exp = self._client.get_experiment_by_name(self.experiment)
-                exp_id = exp.experiment_id if exp else self._client.create_experiment(
-                    self.experiment, artifact_location=artifact_location(self.uri, self.experiment))
-                run = self._client.create_run(exp_id, run_name=run_name, tags=tags or {})
-                self.run_id = run.info.run_id
+            self._open()
         except Exception as e:  # the tracking store is optional for training: report once, continue
             log.debug("starting the MLflow run at %s failed", self.where, exc_info=e)
             self._client = None
             self.offline = self.unsent_path is not None
+            self._next_open = time.monotonic() + self.retry_open_s
+            if isinstance(e, ImportError):  # MLflow is not installed: no later try can open it
+                self.retry_open_s = 0
             if self.offline:
+                again = f"; it is tried again every {self.retry_open_s:g} s" if self.retry_open_s > 0 else ""
                 log.warning("could not start the MLflow run at %s: %s; training goes on, its metric points kept in "
-                            "%s: `exgrpo track --replay %s` sends them to a store later (details in "
-                            "logs/driver.log)", self.where, _short(e), self.unsent_path, self.unsent_path.parent)
+                            "%s%s: `exgrpo track --replay %s` sends them to a store later (details in "
+                            "logs/driver.log)", self.where, _short(e), self.unsent_path, again,
+                            self.unsent_path.parent)
             else:
                 log.warning("could not start the MLflow run at %s: %s; training goes on without tracking (details "
                             "in logs/driver.log)", self.where, _short(e))
@@ -118,6 +116,54 @@ class Tracker:
             self._thread = threading.Thread(target=self._flush_loop, name="mlflow-flush", daemon=True)
             self._thread.start()
         return self.run_id
+
+    def _open(self) -> None:
+        """Open the MLflow run `start` was asked for (sets `_client` and `run_id`); raises what the store raised."""
+        from mlflow.tracking import MlflowClient
+
+        from cluster.console import quiet_store_loggers
+
+        run_name, run_id, tags = self._opening
+        quiet_store_loggers()  # imported before this process set MLFLOW_CONFIGURE_LOGGING: MLflow's handler is on
+        client = MlflowClient(tracking_uri=self.uri)
+        if run_id is not None:
+            client.update_run(run_id, status="RUNNING")
+        else:
+            exp = client.get_experiment_by_name(self.experiment)
+            exp_id = exp.experiment_id if exp else client.create_experiment(
+                self.experiment, artifact_location=artifact_location(self.uri, self.experiment))
+            run_id = client.create_run(exp_id, run_name=run_name, tags=tags or {}).info.run_id
+        self._client, self.run_id = client, run_id
+
+    def _try_online(self) -> None:
+        """Offline: open the MLflow run now. Once open, the points kept in `unsent_path` are sent (what the store
+        refuses stays there for `finish`), later points go to the store, and `on_online` runs (the driver logs
+        the parameters and names the run in state.json)."""
+        try:
+            self._open()
+        except Exception as e:
+            log.debug("the MLflow run at %s is still not open", self.where, exc_info=e)
+            self._client = None
+            self._next_open = time.monotonic() + self.retry_open_s
+            return
+        with self._flush_lock:
+            self.offline = False
+        sent = 0
+        try:
+            with self._unsent_lock:
+                if self.unsent_path.exists():
+                    sent = replay(self._client, self.run_id, self.unsent_path)
+                self.unsent = 0
+        except Exception as e:
+            self._store_failed("the metrics kept in " + str(self.unsent_path), e)
+        log.warning("MLflow store %s answers now: the run's MLflow run is open (run id %s); %d metric points kept in "
+                    "%s were sent, the next ones follow", self.where, self.run_id, sent, self.unsent_path)
+        if self.on_online is not None:
+            try:
+                self.on_online(self)
+            except Exception as e:  # noqa: BLE001 (the driver's bookkeeping must not end the flush thread)
+                log.warning("after the MLflow run opened: %s (details in logs/driver.log)", _short(e))
+                log.debug("on_online failed", exc_info=e)
 
     def log_params(self, params: dict[str, Any]) -> None:
         if self._client is None or self.run_id is None:
@@ -177,6 +223,8 @@ class Tracker:
         while not self._closing:
             self._wake.wait(self.flush_every_s)
             self._wake.clear()
+            if self.offline and self.retry_open_s > 0 and time.monotonic() >= self._next_open and not self._closing:
+                self._try_online()
             self.flush()
 
     def flush(self) -> bool:

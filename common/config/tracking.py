@@ -26,6 +26,11 @@ class TrackingConfig(Section):
     """Log the final model folder as an artifact."""
     parent_run_id: str | None = None
     """Nest this run under an MLflow parent run (set by `exgrpo experiment` for its variants)."""
+    retry_open_s: float = Field(60.0, ge=0, le=86_400)
+    """A run whose MLflow run could not be opened (its store down or slow to answer) trains offline, its metric
+    points kept in the run folder's metrics-unsent.jsonl; its MLflow run is tried again this often (seconds), and once
+    open the kept points, the parameters and the config are sent and the run logs as usual. 0: never (the points wait
+    for `exgrpo track --replay RUN`)."""
 
 
 class CheckpointConfig(Section):

@@ -227,6 +227,53 @@ def test_offline_run_keeps_every_point_and_the_replay_opens_its_mlflow_run(tmp_p
     assert not (run_dir.path / UNSENT_FILE).exists()
 
 
+def test_an_offline_run_goes_online_when_its_store_answers_and_sends_what_it_kept(tmp_path, caplog):
+    """A store that does not answer at the start (a file where its SQLite folder goes, here) puts the run offline; its
+    MLflow run is tried again every tracking.retry_open_s, and once the store answers: the run is opened with its
+    parameters, config and prompt, the points kept in metrics-unsent.jsonl are sent, the next ones follow, and
+    state.json names the run (as `exgrpo train` wires it: cluster.run._start_tracking)."""
+    import time
+
+    from cluster.run import PROMPT_FILE, _start_tracking
+    from cluster.runtime import RunDir
+    from cluster.tracking import UNSENT_FILE, count_unsent
+    from common.config import RunConfig
+    from cluster.state import DriverState
+
+    (tmp_path / "store").write_text("in the way")
+    uri = f"sqlite:///{tmp_path}/store/mlflow.db"
+    cfg = RunConfig(name="later", checkpoint={"runs_root": str(tmp_path / "runs")},
+                    tracking={"uri": uri, "experiment": "exp", "retry_open_s": 0.3})
+    run_dir = RunDir.create(cfg)
+    (run_dir.path / PROMPT_FILE).write_text("<s>8 7>56=\n")
+    state = DriverState()
+    with caplog.at_level(logging.WARNING, logger="exgrpo.tracking"):
+        tracker = _start_tracking(cfg, run_dir, state, uri, resume=None)
+        assert tracker.offline and state.mlflow_run_id is None
+        assert any("it is tried again every 0.3 s" in r.message for r in caplog.records)
+        for step in range(1, 11):
+            tracker.log_metrics({"a": float(step)}, step)
+        tracker.flush_or_keep()  # a checkpoint while offline: the points wait in the run folder
+        assert count_unsent(run_dir.path / UNSENT_FILE) == 10
+        (tmp_path / "store").unlink()  # the store answers from now on
+        deadline = time.monotonic() + 120
+        while tracker.offline and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not tracker.offline, "the MLflow run was not opened within 120 s of the store answering"
+        for step in range(11, 16):
+            tracker.log_metrics({"a": float(step)}, step)
+        tracker.finish()
+    run_id = run_dir.read_state()["mlflow_run_id"]
+    assert run_id == state.mlflow_run_id == tracker.run_id and run_id is not None
+    assert any("answers now" in r.message and "10 metric points" in r.message for r in caplog.records)
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    assert run.info.run_name == run_dir.name and run.info.status == "FINISHED" and run.data.params["name"] == "later"
+    assert {a.path for a in client.list_artifacts(run_id)} >= {"config.yaml", PROMPT_FILE}
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "a")] == [(s, float(s)) for s in range(1, 16)]
+    assert not (run_dir.path / UNSENT_FILE).exists() and tracker.counts()["metrics_unsent"] == 0
+
+
 _SECRET_SCRIPT = """
 import logging, os, sys
 from pathlib import Path
