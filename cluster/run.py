@@ -65,7 +65,7 @@ def train_main(cfg: RunConfig | None, resume: str | None = None, overrides: list
         log.info("run %s in %s (MLflow %s, run id %s)", run_dir.name, run_dir.path, tracker.where, state.mlflow_run_id)
         _show_prompt(run_dir, questions, model_path, tracker)
 
-    open_tracker = LateStart(lambda: _start_tracking(cfg, run_dir, state, uri, resume), opened)
+    open_tracker = LateStart(lambda: _start_tracking(cfg, run_dir, state, uri), opened)
     with profile.phase("start-up: the driver's component modules (torch; beside Ray's start)"):
         _import_components()
     with profile.phase("start-up: Ray (the rest of its start)"):
@@ -206,31 +206,34 @@ def command_started() -> float:
     return now - age if 0 <= age < 3600 else now
 
 
-def _start_tracking(cfg: RunConfig, run_dir, state: DriverState, uri: str, resume: str | None):
-    """Open the run's MLflow run (a new one, or the resumed run's) and, for a new run, log its config."""
-    from cluster.tracking import Tracker
-
-    from cluster.tracking import UNSENT_FILE
+def _start_tracking(cfg: RunConfig, run_dir, state: DriverState, uri: str):
+    """Open the run's MLflow run (the resumed run's, or a new one) and, for a new one, log its config: a new run's,
+    and a resumed one's that trained offline so far. Offline at the start, the same follows once its store answers
+    (`Tracker.on_online`)."""
+    from cluster.tracking import UNSENT_FILE, Tracker
 
     tracker = Tracker(uri, cfg.tracking.experiment, enabled=cfg.tracking.enabled,
                       unsent_path=run_dir.path / UNSENT_FILE, retry_open_s=cfg.tracking.retry_open_s)
     parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None
     new_run = state.mlflow_run_id is None
 
+    def log_config(tr) -> None:
+        tr.log_params(flatten(cfg))
+        tr.log_text(to_yaml(cfg), "config.yaml")
+
     def online(tr) -> None:  # an offline start whose MLflow run opened later (the tracker's flush thread)
         state.mlflow_run_id = tr.run_id
         run_dir.update_state(mlflow_run_id=tr.run_id)
         if new_run:
-            tr.log_params(flatten(cfg))
-            tr.log_text(to_yaml(cfg), "config.yaml")
+            log_config(tr)
         if (run_dir.path / PROMPT_FILE).is_file():
             tr.log_artifact(run_dir.path / PROMPT_FILE)
 
     tracker.on_online = online
-    state.mlflow_run_id = tracker.start(run_dir.name, run_id=state.mlflow_run_id, tags=parent)
-    if not resume:
-        tracker.log_params(flatten(cfg))
-        tracker.log_text(to_yaml(cfg), "config.yaml")
+    # offline, a resumed run keeps its MLflow run's id: the points it keeps belong there (replay sends them there)
+    state.mlflow_run_id = tracker.start(run_dir.name, run_id=state.mlflow_run_id, tags=parent) or state.mlflow_run_id
+    if new_run:
+        log_config(tracker)
     return tracker
 
 

@@ -248,7 +248,7 @@ def test_an_offline_run_goes_online_when_its_store_answers_and_sends_what_it_kep
     (run_dir.path / PROMPT_FILE).write_text("<s>8 7>56=\n")
     state = DriverState()
     with caplog.at_level(logging.WARNING, logger="exgrpo.tracking"):
-        tracker = _start_tracking(cfg, run_dir, state, uri, resume=None)
+        tracker = _start_tracking(cfg, run_dir, state, uri)
         assert tracker.offline and state.mlflow_run_id is None
         assert any("it is tried again every 0.3 s" in r.message for r in caplog.records)
         for step in range(1, 11):
