@@ -202,6 +202,7 @@ def _refuse_unless_empty(path: Path) -> None:
 _STATE_LOCK = threading.Lock()
 """state.json's read-modify-write (`RunDir.update_state`) from several threads of one process."""
 
+
 class RunDir:
     """A run's folder: config.yaml, state.json, checkpoints/step-NNNNNN/, plots/, logs/. Self-contained: every path
     it records is relative to it, so a copied or moved folder resumes from its own checkpoints.

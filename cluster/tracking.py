@@ -143,7 +143,6 @@ class Tracker:
             self._open()
         except Exception as e:
             log.debug("the MLflow run at %s is still not open", self.where, exc_info=e)
-            self._client = None
             self._next_open = time.monotonic() + self.retry_open_s
             return
         with self._flush_lock:
